@@ -1,0 +1,25 @@
+# Two entry points, both from a fresh checkout: `make demo` (the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test demo bench
+
+setup: $(VENV)/.installed
+
+# torch first, pinned: 2.13.0 is the local CPU build here; an unpinned torch would pull the CUDA packages.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+demo: setup
+	$(BIN)/accelerate launch recipes/grpo_r3.py
+
+bench: setup
+	$(BIN)/python bench/replay_overhead.py

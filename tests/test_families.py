@@ -1,0 +1,122 @@
+"""Every supported router family: exact natural replay, replay that changes outputs, gradients, recording."""
+
+import pytest
+import torch
+
+from trl_moe_replay.routing import RouterReplay, family_of
+from trl_moe_replay.testing import supported_model_types, tiny_moe_model
+
+from .helpers import experts_module, random_ids, shifted
+
+FAMILIES = supported_model_types()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_weight_function_reproduces_router_bit_for_bit(model_type, dtype):
+    model = tiny_moe_model(model_type, dtype=dtype)
+    routers = [m for m in model.modules() if family_of(m) is not None]
+    assert routers, "no router found"
+    hidden = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for router in routers:
+        logits, weights, ids = router(hidden)[:3]
+        recomputed = family_of(router).gate_weights(router, logits, ids)
+        assert recomputed.dtype == weights.dtype
+        assert torch.equal(recomputed, weights)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_natural_replay_is_bit_exact_and_other_routes_change_outputs(model_type, dtype):
+    model = tiny_moe_model(model_type, dtype=dtype)
+    rr = RouterReplay(model)
+    x = random_ids(2, 12)
+    with torch.no_grad():
+        reference = model(x).logits
+        with rr.record() as rec:
+            model(x)
+        routes = rec.routes
+        assert routes.shape == (2, 12, rr.num_layers, rr.top_k)
+        assert (routes[:, :, rr.moe_layers] >= 0).all()
+        with rr.replay(routes):
+            replayed = model(x).logits
+        with rr.replay(shifted(routes, rr.num_experts)):
+            moved = model(x).logits
+    assert torch.equal(replayed, reference)
+    assert (moved.float() - reference.float()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_order_of_ids_in_a_row_does_not_matter(model_type):
+    model = tiny_moe_model(model_type)
+    rr = RouterReplay(model)
+    x = random_ids(2, 10)
+    with torch.no_grad():
+        with rr.record() as rec:
+            reference = model(x).logits
+        alt = shifted(rec.routes, rr.num_experts, by=3)
+        with rr.replay(alt):
+            forward = model(x).logits
+        with rr.replay(alt.flip(-1)):
+            flipped = model(x).logits
+        with rr.replay(rec.routes.flip(-1)):
+            natural_flipped = model(x).logits
+    assert torch.equal(forward, flipped)
+    assert torch.equal(natural_flipped, reference)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_gradients_reach_router_and_exactly_the_replayed_experts(model_type):
+    model = tiny_moe_model(model_type).train()
+    rr = RouterReplay(model)
+    x = random_ids(2, 12, seed=3)
+    layer = rr.moe_layers[0]
+    with torch.no_grad(), rr.record() as rec:
+        model(x)
+    forced = rec.routes.clone()
+    forced[:, :, layer, :] = torch.tensor([3, 5][: rr.top_k], dtype=forced.dtype)
+    model.zero_grad()
+    with rr.replay(forced):
+        model(x, labels=x).loss.backward()
+    router = next(m for n, m in model.named_modules() if family_of(m) is not None and f"layers.{layer}." in n)
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    experts = experts_module(model, layer)
+    touched = set()
+    for param in experts.parameters():
+        if param.dim() == 3 and param.shape[0] == rr.num_experts and param.grad is not None:
+            per_expert = param.grad.abs().flatten(1).sum(-1)
+            touched |= {int(e) for e in per_expert.nonzero().flatten()}
+    assert touched == {3, 5}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_natural_replay_gives_the_same_gradients_as_no_replay(model_type):
+    model = tiny_moe_model(model_type).train()
+    x = random_ids(2, 12, seed=4)
+    model(x, labels=x).loss.backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    rr = RouterReplay(model)
+    with torch.no_grad(), rr.record() as rec:
+        model(x)
+    model.zero_grad()
+    with rr.replay(rec.routes):
+        model(x, labels=x).loss.backward()
+    for name, param in model.named_parameters():
+        if name in reference:
+            torch.testing.assert_close(param.grad, reference[name], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_generate_recording_equals_one_full_forward_in_fp32(model_type):
+    model = tiny_moe_model(model_type)
+    rr = RouterReplay(model)
+    prompts = random_ids(3, 5, seed=5)
+    with torch.no_grad():
+        with rr.record() as rec:
+            sequences = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
+                                       do_sample=False, min_new_tokens=6)
+        with rr.record() as full:
+            model(sequences)
+    assert rec.routes.shape[:2] == sequences.shape
+    assert (rec.routes[:, -1] == -1).all()  # the final sampled token was never fed forward
+    assert torch.equal(rec.routes[:, :-1], full.routes[:, :-1])

@@ -1,0 +1,17 @@
+"""Exceptions raised by the routing package.
+
+Every error says what was expected, what came, and what to do; all route problems are
+``ValueError`` subclasses so callers can catch bad input uniformly.
+"""
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no MoE router of a supported family, or its routers cannot be replayed."""
+
+
+class RouteValidationError(ValueError):
+    """A routes tensor does not fit the model or the forward pass it is meant for."""
+
+
+class RouteAlignmentError(RouteValidationError):
+    """Engine route rows do not line up with the tokens of the sample they belong to."""

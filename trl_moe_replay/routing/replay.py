@@ -1,0 +1,364 @@
+"""Record and replay expert routes in Hugging Face MoE models through module hooks.
+
+``RouterReplay(model)`` registers one forward hook per MoE router (plus two light hooks on each MoE block
+and one on the decoder stack). Nothing is patched and nothing runs while neither context is active:
+
+* ``with rr.record() as rec:`` stores the router's natural top-k ids of every forward inside, including
+  the prefill and decode steps of ``model.generate``; ``rec.routes`` is ``[B, S, num_layers, top_k]``.
+* ``with rr.replay(routes):`` makes every forward inside (and the recompute of gradient checkpointing in
+  backward, as long as the backward runs inside the context) route by ``routes``. The router's logits
+  are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
+  logits at those ids, so gradients still reach the router.
+
+Routes layout: ``S`` is the position axis exactly as fed to the model, the layer axis is the absolute
+decoder-layer index (dense layers hold ``-1``), and ``-1`` means "no route: use the router's own choice".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import RouteValidationError, UnsupportedModelError
+from .routers import RouterFamily, family_of, supported_family_names
+from .routes import validate_routes
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
+_PEFT_COPIES = (".original_module", ".modules_to_save.")
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. during an activation-checkpoint recompute."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class _SharedHook:
+    """A hook that ``copy.deepcopy`` shares instead of copying.
+
+    PEFT's ``modules_to_save`` deep-copies the router; a plain hook would be copied together with a private
+    copy of this RouterReplay and the trainable copy would silently stop replaying. Sharing keeps it ours.
+    """
+
+    def __init__(self, owner: RouterReplay, fn):
+        self.owner, self.fn = owner, fn
+
+    def __call__(self, *args, **kwargs):
+        if self.owner._removed:
+            return None
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+@dataclass
+class _RouterSite:
+    layer: int  # absolute decoder-layer index
+    name: str  # logical router path, e.g. "model.layers.3.mlp.gate"
+    modules: list[nn.Module]  # the router (and PEFT's second copy, if any)
+    family: RouterFamily
+
+
+@dataclass
+class _Segment:
+    """Routes of one fresh forward, extended along the sequence axis by KV-cached continuations."""
+
+    batch: int
+    length: int
+    uses_cache: bool
+    ids: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [rows, K] chunks
+
+
+class RouteRecording:
+    """What ``RouterReplay.record()`` yields. ``routes`` is filled when the context exits.
+
+    Fresh forwards inside one recording are stacked along the batch axis (they must share a length, as the
+    chunks of a chunked forward do); KV-cached continuations (``generate``'s decode steps) extend the sequence
+    axis. When the forwards used a KV cache, one trailing ``-1`` column stands for the last sampled token,
+    which was never fed forward, so ``routes`` lines up column for column with ``generate``'s output.
+    """
+
+    def __init__(self, replay: RouterReplay):
+        self._replay = replay
+        self._segments: list[_Segment] = []
+        self.routes: torch.Tensor | None = None
+
+    def _finish(self) -> None:
+        if not self._segments:
+            return
+        rr = self._replay
+        blocks = []
+        for seg in self._segments:
+            extra = 1 if seg.uses_cache else 0
+            block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), -1, dtype=torch.int16)
+            for layer, chunks in seg.ids.items():
+                per_call = [c.view(seg.batch, -1, rr.top_k) for c in chunks]
+                ids = torch.cat(per_call, dim=1)
+                if ids.shape[1] != seg.length:
+                    raise RouteValidationError(
+                        f"recorded {ids.shape[1]} positions for layer {layer} but the forwards fed {seg.length}"
+                    )
+                block[:, : seg.length, layer] = ids.to(block.device)
+            blocks.append(block)
+        widths = {b.shape[1] for b in blocks}
+        if len(widths) != 1:
+            raise RouteValidationError(
+                f"one recording saw fresh forwards of different lengths {sorted(widths)}; record each in its own "
+                "context (generation without a KV cache re-feeds the whole sequence and is not supported)"
+            )
+        self.routes = torch.cat(blocks, dim=0)
+
+
+class _ActiveReplay:
+    """Routes being replayed, validated once, moved to each device once."""
+
+    def __init__(self, routes: torch.Tensor):
+        self.routes = routes
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+        self.applied: set[int] = set()
+
+    def forced_ids(self, layer: int, natural: torch.Tensor) -> torch.Tensor:
+        routes = self._on_device.get(natural.device)
+        if routes is None:
+            routes = self._on_device[natural.device] = self.routes.to(natural.device, non_blocking=True)
+        batch, seq, _, k = routes.shape
+        rows = routes[:, :, layer].reshape(-1, k)
+        if rows.shape[0] != natural.shape[0]:
+            raise RouteValidationError(
+                f"routes {tuple(routes.shape)} give {batch}x{seq}={rows.shape[0]} rows, but the router of layer "
+                f"{layer} saw {natural.shape[0]} tokens in this forward. Replay one routes tensor per forward and "
+                "slice it exactly as the inputs are sliced (chunked forwards, micro-batches)."
+            )
+        rows = rows.to(natural.dtype)
+        no_route = rows[:, :1] < 0
+        rows = torch.where(no_route, natural, rows)
+        # The k ids are a set. A row equal (as a set) to the natural choice keeps the router's own order, which
+        # makes natural replay bit-exact; any other set is put in ascending order so that its order never matters.
+        rows_sorted = rows.sort(dim=-1).values
+        same_set = (rows_sorted == natural.sort(dim=-1).values).all(dim=-1, keepdim=True)
+        return torch.where(same_set, natural, rows_sorted)
+
+
+class RouterReplay:
+    """Record or replay the expert routes of every MoE router in ``model``.
+
+    Attributes: ``num_layers`` (``config.num_hidden_layers``), ``top_k``, ``num_experts``, ``moe_layers``
+    (absolute decoder-layer indices that have a router), ``families`` (names of the router families found).
+
+    Register it after any wrapping that replaces modules (PEFT, FSDP, ``torch.compile`` all work either way).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        sites = _discover_routers(model)
+        config = _text_config(model)
+        self.num_layers: int = int(config.num_hidden_layers)
+        self.moe_layers: list[int] = [site.layer for site in sites]
+        self.families: list[str] = sorted({site.family.name for site in sites})
+        first = sites[0].modules[0]
+        self.top_k: int = int(first.top_k)
+        self.num_experts: int = int(first.num_experts)
+        for site in sites:
+            router = site.modules[0]
+            if (router.top_k, router.num_experts) != (self.top_k, self.num_experts):
+                raise UnsupportedModelError(
+                    f"router {site.name} has top_k={router.top_k}, num_experts={router.num_experts}; expected "
+                    f"{self.top_k}, {self.num_experts} like the other layers (heterogeneous MoE is not supported)"
+                )
+            if site.layer >= self.num_layers:
+                raise UnsupportedModelError(f"router {site.name} sits in layer {site.layer} >= num_hidden_layers")
+        if getattr(model, "use_kernels", False):
+            kernels = {site.family.hub_kernel for site in sites} - {None}
+            if kernels:
+                raise UnsupportedModelError(
+                    f"this model runs with use_kernels=True, and the hub kernel(s) {sorted(kernels)} replace the whole "
+                    "MoE block, so its router is never called and routes could not be replayed. Load the model "
+                    "without use_kernels (or call model.set_use_kernels(False))."
+                )
+        self._sites = sites
+        self._removed = False
+        self._replay: _ActiveReplay | None = None
+        self._recordings: list[RouteRecording] = []
+        self._router_fired: dict[int, bool] = {}
+        self._handles = []
+        for site in sites:
+            router_hook = _SharedHook(self, self._make_router_hook(site))
+            for module in site.modules:
+                self._handles.append(module.register_forward_hook(router_hook))
+            block = model.get_submodule(_block_path(site.name))
+            self._handles.append(block.register_forward_pre_hook(_SharedHook(self, self._make_block_pre_hook(site))))
+            self._handles.append(block.register_forward_hook(_SharedHook(self, self._make_block_hook(site))))
+        stack = model.get_submodule(_stack_path(sites[0].name))
+        self._handles.append(stack.register_forward_pre_hook(_SharedHook(self, self._stack_pre_hook), with_kwargs=True))
+
+    # ------------------------------------------------------------------ public API
+    @contextlib.contextmanager
+    def record(self) -> Iterator[RouteRecording]:
+        """Record the natural top-k of every forward inside; ``rec.routes`` is set on exit."""
+        self._check_attached()
+        recording = RouteRecording(self)
+        self._recordings.append(recording)
+        try:
+            yield recording
+        finally:
+            self._recordings.remove(recording)
+        recording._finish()
+
+    @contextlib.contextmanager
+    def replay(self, routes: torch.Tensor) -> Iterator[None]:
+        """Route every forward inside by ``routes`` (``[B, S, num_layers, top_k]``, ``-1`` = own choice).
+
+        Keep the backward inside the context when gradient checkpointing is on: the recompute in backward
+        runs the routers again and must see the same routes.
+        """
+        self._check_attached()
+        validate_routes(
+            routes, num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts, layers=self.moe_layers
+        )
+        previous, self._replay = self._replay, _ActiveReplay(routes)
+        try:
+            yield
+        finally:
+            self._replay = previous
+
+    def remove(self) -> None:
+        """Detach every hook; the model behaves exactly as before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._removed = True  # also silences hooks that PEFT copied onto router copies
+
+    def __repr__(self) -> str:
+        return (
+            f"RouterReplay(families={self.families}, num_layers={self.num_layers}, moe_layers={self.moe_layers}, "
+            f"num_experts={self.num_experts}, top_k={self.top_k})"
+        )
+
+    # ------------------------------------------------------------------ hooks
+    def _active(self) -> bool:
+        return self._replay is not None or bool(self._recordings)
+
+    def _check_attached(self) -> None:
+        if self._removed:
+            raise RuntimeError("this RouterReplay was removed; create a new one")
+
+    def _stack_pre_hook(self, module, args, kwargs):
+        if not self._recordings or _in_backward():
+            return None
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if inputs is None and args:
+            inputs = args[0]
+        batch, length = int(inputs.shape[0]), int(inputs.shape[1])
+        cache = kwargs.get("past_key_values")
+        continues = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
+        for recording in self._recordings:
+            segments = recording._segments
+            if continues and segments and segments[-1].batch == batch:
+                segments[-1].length += length
+            else:
+                segments.append(_Segment(batch=batch, length=length, uses_cache=cache is not None))
+        return None
+
+    def _make_block_pre_hook(self, site: _RouterSite):
+        def hook(module, args):
+            if self._active() and not torch.compiler.is_compiling():
+                self._router_fired[site.layer] = False
+
+        return hook
+
+    def _make_block_hook(self, site: _RouterSite):
+        def hook(module, args, output):
+            if self._active() and not torch.compiler.is_compiling() and not self._router_fired.get(site.layer, True):
+                raise UnsupportedModelError(
+                    f"the MoE block of layer {site.layer} ran without calling its router {site.name}: a kernel or a "
+                    "custom forward bypasses the router, so routes can be neither recorded nor replayed"
+                )
+
+        return hook
+
+    def _make_router_hook(self, site: _RouterSite):
+        layer, gate_weights = site.layer, site.family.gate_weights
+
+        def hook(module, args, output):
+            if self._replay is None and not self._recordings:
+                return None
+            if not torch.compiler.is_compiling():
+                self._router_fired[layer] = True
+            logits, _, natural = output[0], output[1], output[2]
+            if self._recordings and not _in_backward():
+                ids = natural.detach().to(torch.int16)
+                for recording in self._recordings:
+                    if not recording._segments:
+                        raise RouteValidationError(
+                            "a router ran during record() without a decoder-stack forward; call the model itself"
+                        )
+                    recording._segments[-1].ids.setdefault(layer, []).append(ids)
+            if self._replay is None:
+                return None
+            forced = self._replay.forced_ids(layer, natural)
+            return (logits, gate_weights(module, logits, forced), forced, *output[3:])
+
+        return hook
+
+
+# ---------------------------------------------------------------------- discovery
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no `config`; pass a transformers model")
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _logical_router_path(name: str) -> str:
+    for marker in _PEFT_COPIES:
+        if marker in name:
+            return name[: name.index(marker)]
+    return name
+
+
+def _block_path(router_path: str) -> str:
+    return router_path.rsplit(".", 1)[0]
+
+
+def _stack_path(router_path: str) -> str:
+    match = _LAYER_INDEX.search(router_path)
+    return router_path[: match.start()]
+
+
+def _discover_routers(model: nn.Module) -> list[_RouterSite]:
+    sites: dict[str, _RouterSite] = {}
+    for name, module in model.named_modules():
+        family = family_of(module)
+        if family is None:
+            continue
+        path = _logical_router_path(name)
+        match = _LAYER_INDEX.search(path)
+        if match is None:
+            raise UnsupportedModelError(f"router {name} is not inside a `layers.N` decoder layer")
+        if path in sites:
+            sites[path].modules.append(module)  # PEFT's second copy of the same router
+        else:
+            sites[path] = _RouterSite(int(match.group(1)), path, [module], family)
+    if not sites:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no MoE router of a supported family. Supported: "
+            f"{', '.join(supported_family_names())}."
+        )
+    ordered = sorted(sites.values(), key=lambda site: site.layer)
+    layers = [site.layer for site in ordered]
+    if len(set(layers)) != len(layers):
+        raise UnsupportedModelError(f"more than one router per decoder layer: {[s.name for s in ordered]}")
+    stacks = {_stack_path(site.name) for site in ordered}
+    if len(stacks) != 1:
+        raise UnsupportedModelError(f"routers live in more than one decoder stack: {sorted(stacks)}")
+    return ordered

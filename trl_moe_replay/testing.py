@@ -1,0 +1,137 @@
+"""Tiny offline MoE models and a tokenizer, for tests, the offline demo and users' own CI.
+
+Nothing here touches the Hugging Face Hub: models are built from configs with random (seeded) weights and the
+tokenizer is built from code. ``tiny_moe_model("qwen3_moe")`` takes the ``model_type`` strings of transformers.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+# ----------------------------------------------------------------------------- tokenizer
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>"]
+# Whole-word tokens for the chat roles and the answer format; everything else is one printable character a token.
+WORD_TOKENS = ["system", "user", "assistant", "\\boxed{"]
+CHAR_TOKENS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+TINY_VOCAB = SPECIAL_TOKENS + WORD_TOKENS + CHAR_TOKENS
+TINY_VOCAB_SIZE = 128  # len(TINY_VOCAB) rounded up, so models leave room for a few added tokens
+PAD_ID, BOS_ID, EOS_ID = 0, 1, TINY_VOCAB.index("<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (plus role words and ``\\boxed{``) with a ChatML chat template.
+
+    Round-trips any printable ASCII text exactly, pads on the left, ends assistant turns with ``<|im_end|>``
+    (its ``eos_token``), and works as TRL's ``processing_class``.
+    """
+    words = "|".join(Regex_escape(w) for w in WORD_TOKENS)
+    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(TINY_VOCAB)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(f"{words}|.|\\n"), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # concatenate pieces verbatim: exact round trip, no inserted spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<eos>"],
+        padding_side="left",
+        model_max_length=1024,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def Regex_escape(text: str) -> str:  # noqa: N802 - mirrors re.escape for the tokenizers regex dialect
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}" else c for c in text)
+
+
+# ----------------------------------------------------------------------------- models
+_COMMON: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB_SIZE,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    tie_word_embeddings=False,
+)
+
+# Per-family settings on top of _COMMON: 8 experts, top-2, small expert MLPs.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+    "qwen3_moe": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        head_dim=16,
+    ),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    "qwen2_moe": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "qwen3_next": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+    ),
+    "deepseek_v3": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=16),
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(TINY_CONFIGS)
+
+
+def tiny_moe_model(
+    model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any
+) -> PreTrainedModel:
+    """A tiny random MoE causal LM of the given transformers ``model_type`` (seeded, offline, eval mode).
+
+    Defaults: hidden 64, 2 layers, 8 experts, top-2, the vocabulary of ``tiny_tokenizer()``. Any config field can
+    be overridden, e.g. ``tiny_moe_model("qwen3_moe", num_experts=64, num_experts_per_tok=8)``.
+    """
+    if model_type not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for model_type {model_type!r}; available: {supported_model_types()}")
+    settings = {**_COMMON, **TINY_CONFIGS[model_type], **config_overrides}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    _make_routing_nontrivial(model, seed)
+    model.generation_config = GenerationConfig(
+        pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id
+    )
+    return model.to(dtype).eval()
+
+
+def _make_routing_nontrivial(model: PreTrainedModel, seed: int) -> None:
+    """Some routers start at zero (all experts tie): give them small random weights so routing means something."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            name = type(module).__name__
+            if not name.endswith(("Router", "TopkRouter", "TopKRouter")):
+                continue
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.abs().max() == 0:
+                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.1)
+            for buffer_name in ("bias", "e_score_correction_bias"):
+                extra = getattr(module, buffer_name, None)
+                if isinstance(extra, torch.Tensor) and extra.abs().max() == 0:
+                    extra.copy_(torch.randn(extra.shape, generator=generator) * 0.05)
