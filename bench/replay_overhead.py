@@ -1,0 +1,109 @@
+"""Replay overhead: forward+backward with replayed routes vs natural routing, and generate with vs without recording.
+
+Both sides run on the same model in one process, interleaved, and the script prints the median of the per-pair
+ratios (target: both <= 1.03; replay skips nothing expensive and adds a gather). CPU timings here are only
+meaningful as ratios.
+
+    python bench/replay_overhead.py            # hidden 512, 8 layers, 64 experts, top-8, batch 8x512
+    python bench/replay_overhead.py --quick    # a smaller model, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from trl_moe_replay.routing import RouterReplay
+from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved_ratio(baseline, candidate, repeats: int) -> tuple[float, float, float]:
+    """Median candidate/baseline over interleaved pairs (order alternates to cancel drift); also the medians."""
+    baseline(), candidate()  # warm-up
+    ratios, base_times, cand_times = [], [], []
+    for i in range(repeats):
+        if i % 2:
+            c, b = timed(candidate), timed(baseline)
+        else:
+            b, c = timed(baseline), timed(candidate)
+        ratios.append(c / b)
+        base_times.append(b)
+        cand_times.append(c)
+    return statistics.median(ratios), statistics.median(base_times), statistics.median(cand_times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="hidden 128, 4 layers, 16 experts, batch 4x128")
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.experts, args.batch, args.seq, args.repeats = 128, 4, 16, 4, 128, 5
+
+    model = tiny_moe_model(
+        "qwen3_moe",
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.hidden // 2,
+        intermediate_size=args.hidden * 2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+    ).train()
+    rr = RouterReplay(model)
+    x = torch.randint(6, TINY_VOCAB_SIZE, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), rr.record() as rec:
+        model(x)
+    routes = rec.routes
+
+    def step_natural():
+        model.zero_grad(set_to_none=True)
+        model(x, labels=x).loss.backward()
+
+    def step_replay():
+        model.zero_grad(set_to_none=True)
+        with rr.replay(routes):
+            model(x, labels=x).loss.backward()
+
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "
+          f"batch {args.batch}x{args.seq}; torch threads {torch.get_num_threads()}")
+    ratio, base, cand = interleaved_ratio(step_natural, step_replay, args.repeats)
+    print(f"forward+backward  natural {base:.3f}s  replay {cand:.3f}s  ratio replay/natural = {ratio:.3f}")
+
+    model.eval()
+    prompts = x[:, :64]
+    generate_kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
+                           min_new_tokens=args.new_tokens, do_sample=False)
+
+    def generate_plain():
+        with torch.no_grad():
+            model.generate(prompts, **generate_kwargs)
+
+    def generate_recorded():
+        with torch.no_grad(), rr.record():
+            model.generate(prompts, **generate_kwargs)
+
+    ratio_gen, base_gen, cand_gen = interleaved_ratio(generate_plain, generate_recorded, args.repeats)
+    print(f"generate          plain {base_gen:.3f}s  recording {cand_gen:.3f}s  ratio recording/plain = {ratio_gen:.3f}")
+
+
+if __name__ == "__main__":
+    main()

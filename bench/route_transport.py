@@ -1,0 +1,164 @@
+"""Engine-route transport: decode + alignment cost as a ratio to a plain copy of the same bytes.
+
+Default sizes are a Qwen3-30B-A3B GRPO batch (48 layers, top-8, 128 experts -> uint8 rows,
+256 completions of ~4k tokens after ~256-token prompts, ~420 MB of engine rows). Each repeat
+times, side by side in this process:
+
+  copy           np.frombuffer(rows_i) copied for every sample (the floor: touching the bytes once)
+  decode         decode_routed_experts on every base64 payload
+  decode/np.load np.load(io.BytesIO(base64.b64decode(x))) for reference
+  align          routes_from_engine on decoded arrays -> int16 [B, S, L, K]
+  align+ids      the same with num_experts given (adds an id-range pass)
+  decode+align   routes_from_engine on the payload strings (decoded one sample at a time)
+
+"warm" writes into destinations allocated once (copy buffer / ``out=``); "cold" allocates fresh
+ones per call, adding first-touch page faults (the int16 output is 2x the engine bytes). Repeats
+are interleaved and medians reported. Target: align within 3x of the copy.
+
+    .venv/bin/python bench/route_transport.py            # full size (~2 GB RAM peak)
+    .venv/bin/python bench/route_transport.py --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gc
+import io
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from trl_moe_replay.routing import engine
+from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256, help="completions per batch")
+    parser.add_argument("--completion", type=int, default=4096, help="completion_width (lengths drawn in [7/8, 1] of it)")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt_width (lengths drawn in [3/4, 1] of it)")
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.completion, args.prompt, args.repeats = 16, 512, 64, 3
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    rng = np.random.default_rng(args.seed)
+    dtype = engine_dtype(args.experts)
+    prompt_lengths = rng.integers(args.prompt * 3 // 4, args.prompt + 1, args.batch).tolist()
+    completion_lengths = rng.integers(args.completion * 7 // 8, args.completion + 1, args.batch).tolist()
+    counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
+    per_token = args.layers * args.top_k
+
+    # One flat buffer of random logical ids; each sample's rows are a view into it.
+    flat = rng.integers(0, args.experts, sum(counts) * per_token, dtype=dtype)
+    offsets = np.cumsum([0, *counts]) * per_token
+    rows = [flat[a:b].reshape(n, args.layers, args.top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
+    payloads = [encode_routed_experts(r) for r in rows]
+
+    layout = dict(
+        prompt_lengths=prompt_lengths,
+        completion_lengths=completion_lengths,
+        prompt_width=args.prompt,
+        completion_width=args.completion,
+        num_layers=args.layers,
+        top_k=args.top_k,
+    )
+    # Sanity: the aligned tensor holds the engine rows where they belong.
+    check = routes_from_engine(payloads[:2], **{**layout, "prompt_lengths": prompt_lengths[:2],
+                                                "completion_lengths": completion_lengths[:2]})
+    lo = args.prompt - prompt_lengths[1]
+    assert torch.equal(check[1, lo : lo + counts[1]], torch.from_numpy(rows[1].astype(np.int16)))
+    del check
+
+    # Warm: destinations allocated and touched once, then reused (what the work itself costs).
+    # Cold: fresh destinations every call (adds first-touch page faults, large and noisy in VMs).
+    copy_dst = np.zeros(flat.nbytes, dtype=np.uint8)
+    out_dst = torch.zeros((args.batch, args.prompt + args.completion, args.layers, args.top_k), dtype=torch.int16)
+    starts = offsets[:-1] * flat.itemsize
+
+    def copy_warm():
+        for r, o in zip(rows, starts):
+            copy_dst[o : o + r.nbytes] = np.frombuffer(r.data, dtype=np.uint8)
+
+    def copy_cold():
+        return [np.frombuffer(r.data, dtype=np.uint8).copy() for r in rows]
+
+    def decode():  # each array dropped before the next, as decode+align streams them
+        for x in payloads:
+            decode_routed_experts(x)
+
+    def decode_npload():
+        for x in payloads:
+            np.load(io.BytesIO(base64.b64decode(x)), allow_pickle=False)
+
+    cases = {
+        "warm": {
+            "copy": copy_warm,
+            "decode": decode,
+            "decode/np.load": decode_npload,
+            "align": lambda: routes_from_engine(rows, **layout, out=out_dst),
+            "align+ids": lambda: routes_from_engine(rows, **layout, num_experts=args.experts, out=out_dst),
+            "decode+align": lambda: routes_from_engine(payloads, **layout, out=out_dst),
+        },
+        "cold": {
+            "copy": copy_cold,
+            "align": lambda: routes_from_engine(rows, **layout),
+            "decode+align": lambda: routes_from_engine(payloads, **layout),
+        },
+    }
+    times = {(mode, name): [] for mode, group in cases.items() for name in group}
+    for _ in range(args.repeats):  # interleaved; each result is dropped before the next case runs
+        for mode, group in cases.items():
+            for name, fn in group.items():
+                gc.collect()
+                start = time.perf_counter()
+                result = fn()
+                times[mode, name].append(time.perf_counter() - start)
+                del result
+
+    tokens = sum(counts)
+    raw_bytes = flat.nbytes
+    wire_bytes = sum(len(x) for x in payloads)
+    out_bytes = out_dst.numel() * 2
+    median = {key: statistics.median(value) for key, value in times.items()}
+
+    print(
+        f"routes: B={args.batch} prompt<={args.prompt} completion<={args.completion} L={args.layers} "
+        f"K={args.top_k} E={args.experts} ({dtype.name}); {tokens:,} routed tokens, "
+        f"{raw_bytes / 2**20:,.0f} MiB engine rows, {wire_bytes / 2**20:,.0f} MiB base64, "
+        f"{out_bytes / 2**20:,.0f} MiB int16 out"
+    )
+    print(
+        f"host: {platform.machine()}, {os.cpu_count()} cpus, numpy {np.__version__}, torch {torch.__version__}, "
+        f"base64 codec {'pybase64' if engine._pybase64 is not None else 'binascii'}; "
+        f"repeats={args.repeats}, medians"
+    )
+    print(f"wire: {wire_bytes / tokens:.1f} B per routed token in base64 ({raw_bytes / tokens:.0f} B raw)")
+    print()
+    print(f"{'mode':<6}{'case':<16}{'x copy':>8}{'median ms':>12}")
+    for mode, name in times:
+        ratio = median[mode, name] / median[mode, "copy"]
+        print(f"{mode:<6}{name:<16}{ratio:>8.2f}{median[mode, name] * 1e3:>12.1f}")
+    print()
+    for mode in cases:
+        ratio = median[mode, "align"] / median[mode, "copy"]
+        verdict = "OK" if ratio <= 3 else "OVER TARGET"
+        print(f"{mode} align / copy = {ratio:.2f} (target <= 3): {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""Engine routed-experts codec and alignment (trl_moe_replay.routing.engine).
+
+Payloads follow vLLM 0.33's contract (research/vllm.md sections 1.3, 2, 8): per completion an array
+``[p + c - 1 - s, L, K]`` (uint8 if <= 256 experts else uint16), row j = position s + j of
+prompt+completion, the last token has no row, dense layers are zero rows; base64 of a ``.npy``.
+"""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from trl_moe_replay.routing.engine import (
+    decode_routed_experts,
+    encode_routed_experts,
+    engine_dtype,
+    routes_from_engine,
+)
+from trl_moe_replay.routing.errors import RouteAlignmentError, RouteValidationError
+
+L, K, E = 4, 2, 64
+
+
+def route_value(position, layer, slot, num_experts=E):
+    """Recognisable id for (position, layer, slot): adjacent positions, layers and slots all differ."""
+    return (position * 31 + layer * 7 + slot * 3 + 1) % num_experts
+
+
+def engine_rows(p, c, s=0, *, layers=L, top_k=K, num_experts=E, dense=(), dtype=None):
+    """What vLLM returns for one completion: rows for positions s .. p + c - 2."""
+    dtype = dtype or engine_dtype(num_experts)
+    q = np.arange(s, p + c - 1)[:, None, None]
+    layer = np.arange(layers)[None, :, None]
+    slot = np.arange(top_k)[None, None, :]
+    rows = ((q * 31 + layer * 7 + slot * 3 + 1) % num_experts).astype(dtype)
+    rows[:, list(dense)] = 0  # vLLM never writes dense layers
+    return rows
+
+
+def reference(samples, prompt_width, completion_width, *, layers=L, top_k=K, num_experts=E, dense=()):
+    """Per-token loop over TRL's columns, independent of the implementation under test."""
+    out = torch.full((len(samples), prompt_width + completion_width, layers, top_k), -1, dtype=torch.int16)
+    for b, (p, c, s, has_rows) in enumerate(samples):
+        if not has_rows:
+            continue
+        for col in range(prompt_width + completion_width):
+            if col < prompt_width:
+                if col < prompt_width - p:
+                    continue  # left pad
+                q = col - (prompt_width - p)
+            else:
+                if col - prompt_width >= c:
+                    continue  # right pad
+                q = p + (col - prompt_width)
+            if q < s or q == p + c - 1:
+                continue  # skipped prefix / final token
+            for layer in range(layers):
+                if layer in dense:
+                    continue
+                for slot in range(top_k):
+                    out[b, col, layer, slot] = route_value(q, layer, slot, num_experts)
+    return out
+
+
+def align(rows, samples, prompt_width, completion_width, **kwargs):
+    kwargs.setdefault("num_layers", L)
+    kwargs.setdefault("top_k", K)
+    return routes_from_engine(
+        rows,
+        prompt_lengths=[p for p, _, _, _ in samples],
+        completion_lengths=[c for _, c, _, _ in samples],
+        prompt_starts=[s for _, _, s, _ in samples],
+        prompt_width=prompt_width,
+        completion_width=completion_width,
+        **kwargs,
+    )
+
+
+def vllm_numpy2base64(array):
+    """vLLM's vllm/utils/serial_utils.py::numpy2base64, with the stdlib codec."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_module_docstring_example_exactly():
+    rows = np.arange(1, 5 * 2 * 2 + 1, dtype=np.uint8).reshape(5, 2, 2)  # r0..r4, all distinct
+    out = routes_from_engine(
+        [rows], prompt_lengths=[3], completion_lengths=[4], prompt_starts=[1],
+        prompt_width=5, completion_width=6, num_layers=2, top_k=2,
+    )
+    assert out.dtype == torch.int16 and out.device.type == "cpu" and out.shape == (1, 11, 2, 2)
+    #                  pad pad  P0  P1  P2 | C0  C1  C2  C3 pad pad
+    assert out[0, :, 0, 0].tolist() == [-1, -1, -1, 1, 5, 9, 13, 17, -1, -1, -1]
+    torch.testing.assert_close(out[0, 3:8], torch.from_numpy(rows.astype(np.int16)))
+
+
+def test_mixed_batch_every_column_maps_to_its_token():
+    samples = [  # (prompt, completion, prompt_start, has_rows)
+        (6, 9, 0, True),  # full prompt and completion width
+        (2, 1, 0, True),  # one completion token: only prompt rows
+        (4, 5, 0, False),  # aborted / no routes
+        (5, 3, 2, True),  # prompt_start > 0
+        (1, 7, 0, True),  # one-token prompt
+        (6, 4, 6, True),  # decode-only delta (s == p)
+    ]
+    rows = [engine_rows(p, c, s) if has else None for p, c, s, has in samples]
+    out = align(rows, samples, prompt_width=6, completion_width=9)
+    torch.testing.assert_close(out, reference(samples, 6, 9), rtol=0, atol=0)
+
+    # Spot checks spelled out, so a shared mistake in the reference cannot hide.
+    assert out[1, :4].eq(-1).all()  # 4 left pads for a 2-token prompt
+    assert out[1, 4, 0, 0] == route_value(0, 0, 0) and out[1, 5, 1, 1] == route_value(1, 1, 1)
+    assert out[1, 6:].eq(-1).all()  # the only completion token is final: no route
+    assert out[0, 6, 2, 1] == route_value(6, 2, 1)  # first completion token = position p
+    assert out[0, 14].eq(-1).all() and out[0, 13, 3, 0] == route_value(13, 3, 0)
+    assert out[2].eq(-1).all()
+    assert out[3, :3].eq(-1).all() and out[3, 3, 0, 0] == route_value(2, 0, 0)
+    assert out[5, :6].eq(-1).all() and out[5, 6, 0, 0] == route_value(6, 0, 0) and out[5, 9].eq(-1).all()
+
+
+def test_prompt_start_skips_the_routed_prefix():
+    p, c, s = 7, 3, 4
+    rows = engine_rows(p, c, s)
+    assert rows.shape[0] == p + c - 1 - s
+    out = align([rows], [(p, c, s, True)], prompt_width=8, completion_width=3)
+    assert out[0, : 8 - p + s].eq(-1).all()  # left pad + the s skipped prompt tokens
+    assert out[0, 8 - p + s, 0, 0] == route_value(s, 0, 0)
+    torch.testing.assert_close(out, reference([(p, c, s, True)], 8, 3), rtol=0, atol=0)
+
+
+def test_stop_string_trimming_rows_follow_returned_tokens():
+    # vLLM generated 7 tokens; a stop string ended the text after token 4, so the output processor
+    # drops the 3 surplus tokens AND their rows (routed_experts[:-num_dropped], vllm.md 1.2 step 5).
+    p, generated, returned = 5, 7, 4
+    full = engine_rows(p, generated)
+    trimmed = full[: -(generated - returned)]
+    assert trimmed.shape[0] == p + returned - 1
+
+    out = align([trimmed], [(p, returned, 0, True)], prompt_width=5, completion_width=8)
+    for k in range(returned - 1):  # returned completion tokens keep the engine's routes
+        torch.testing.assert_close(out[0, 5 + k], torch.from_numpy(full[p + k].astype(np.int16)))
+    assert out[0, 5 + returned - 1].eq(-1).all()  # last returned token: its row went with the surplus
+    assert out[0, 5 + returned :].eq(-1).all()
+
+    # The untrimmed array with the trimmed token count is a mismatch, never cut silently.
+    with pytest.raises(RouteAlignmentError, match=r"sample 0: expected prompt 5 \+ completion 4 .* = 8 engine rows, got 11"):
+        align([full], [(p, returned, 0, True)], prompt_width=5, completion_width=8)
+
+
+def test_empty_completion_expects_prompt_rows_minus_one():
+    out = align([engine_rows(4, 0)], [(4, 0, 0, True)], prompt_width=4, completion_width=2)
+    assert out[0, 3].eq(-1).all() and out[0, 2, 1, 1] == route_value(2, 1, 1)
+    assert out[0, 4:].eq(-1).all()
+    with pytest.raises(RouteAlignmentError, match="sample 0"):  # a row for the last prompt token is one too many
+        align([engine_rows(4, 1)], [(4, 0, 0, True)], prompt_width=4, completion_width=2)
+
+
+def test_dense_layers_become_minus_one():
+    dense = (0, 2)
+    samples = [(3, 4, 0, True), (2, 2, 1, True)]
+    rows = [engine_rows(p, c, s, dense=dense) for p, c, s, _ in samples]
+    out = align(rows, samples, prompt_width=3, completion_width=4, moe_layers=[1, 3])
+    assert out[:, :, list(dense)].eq(-1).all()
+    assert out[0, 0, 1, 0] == route_value(0, 1, 0)  # the zero rows did not leak as expert 0
+    torch.testing.assert_close(out, reference(samples, 3, 4, dense=dense), rtol=0, atol=0)
+
+
+def test_uint16_payloads_above_255_experts():
+    num_experts = 300
+    samples = [(4, 6, 0, True), (2, 3, 1, True)]
+    payloads = [
+        encode_routed_experts(engine_rows(p, c, s, num_experts=num_experts)) for p, c, s, _ in samples
+    ]
+    decoded = [decode_routed_experts(x) for x in payloads]
+    assert all(d.dtype == np.uint16 for d in decoded) and max(int(d.max()) for d in decoded) > 255
+    expected = reference(samples, 4, 6, num_experts=num_experts)
+    for rows in (decoded, payloads):  # arrays, or payload strings decoded inline
+        out = align(rows, samples, prompt_width=4, completion_width=6, num_experts=num_experts)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_torch_rows_and_wide_dtypes():
+    samples = [(3, 3, 0, True), (2, 4, 0, True)]
+    rows = [
+        torch.from_numpy(engine_rows(3, 3)),  # uint8 tensor
+        torch.from_numpy(engine_rows(2, 4).astype(np.int64)),  # legacy int64
+    ]
+    out = align(rows, samples, prompt_width=3, completion_width=4)
+    torch.testing.assert_close(out, reference(samples, 3, 4), rtol=0, atol=0)
+
+
+def test_out_buffer_is_fully_overwritten():
+    samples = [(3, 4, 1, True), (2, 2, 0, False), (1, 5, 0, True)]
+    rows = [engine_rows(p, c, s, dense=(2,)) if has else None for p, c, s, has in samples]
+    buffer = torch.full((3, 9, L, K), 77, dtype=torch.int16)  # stale contents from a previous batch
+    out = align(rows, samples, prompt_width=4, completion_width=5, moe_layers=[0, 1, 3], out=buffer)
+    assert out.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(out, reference(samples, 4, 5, dense=(2,)), rtol=0, atol=0)
+    for bad in (torch.empty(3, 9, L, K + 1, dtype=torch.int16), torch.empty(3, 9, L, K, dtype=torch.int32),
+                torch.empty(3, L, 9, K, dtype=torch.int16).transpose(1, 2)):
+        with pytest.raises(RouteAlignmentError, match=r"out must be a contiguous int16 CPU tensor of shape \(3, 9, 4, 2\)"):
+            align(rows, samples, prompt_width=4, completion_width=5, out=bad)
+
+
+# ----------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize("num_experts, dtype", [(64, np.uint8), (256, np.uint8), (257, np.uint16), (512, np.uint16)])
+def test_engine_dtype_follows_vllm_capturer(num_experts, dtype):
+    assert engine_dtype(num_experts) == dtype
+
+
+@pytest.mark.parametrize("num_experts", [128, 300])
+def test_encode_is_vllm_numpy2base64_and_decode_inverts_it(num_experts):
+    array = engine_rows(6, 5, num_experts=num_experts)
+    payload = encode_routed_experts(array)
+    assert payload == vllm_numpy2base64(array)
+    decoded = decode_routed_experts(payload)
+    reference_load = np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)
+    assert decoded.dtype == array.dtype == reference_load.dtype
+    np.testing.assert_array_equal(decoded, array)
+    np.testing.assert_array_equal(decoded, reference_load)
+
+
+def test_encode_with_num_experts_casts_to_the_engine_dtype():
+    ids = engine_rows(3, 3, num_experts=300, dtype=np.int64)
+    assert decode_routed_experts(encode_routed_experts(ids, num_experts=300)).dtype == np.uint16
+    small = engine_rows(3, 3, dtype=np.int64)
+    decoded = decode_routed_experts(encode_routed_experts(torch.from_numpy(small), num_experts=E))
+    assert decoded.dtype == np.uint8
+    np.testing.assert_array_equal(decoded, small)
+    with pytest.raises(RouteAlignmentError, match=r"\[0, 8\)"):
+        encode_routed_experts(small, num_experts=8)
+
+
+def test_decode_fortran_order_big_endian_and_empty():
+    array = np.asfortranarray(engine_rows(3, 4, num_experts=300)).astype(">u2")
+    decoded = decode_routed_experts(vllm_numpy2base64(array))
+    np.testing.assert_array_equal(decoded, array)
+    empty = np.zeros((0, L, K), np.uint8)
+    assert decode_routed_experts(encode_routed_experts(empty)).shape == (0, L, K)
+
+
+def _npy_b64(array, allow_pickle=False):
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"AAAA", "must be a base64 str"),
+        (None, "must be a base64 str"),
+        ("not base64 !!!", "not valid base64"),
+        ("QUJ", "not valid base64"),  # missing padding
+        ("QU=J", "not valid base64"),  # padding inside the data
+        ("é" * 8, "not valid base64"),
+        (base64.b64encode(b"hello world, not npy").decode(), "not a readable .npy"),
+        (vllm_numpy2base64(engine_rows(3, 3))[:-40], "not a readable .npy"),  # truncated
+        (_npy_b64(np.zeros((3, L, K), np.float32)), "integer expert ids, got dtype float32"),
+        (_npy_b64(np.zeros((3, L, K), bool)), "integer expert ids, got dtype bool"),
+        (_npy_b64(np.zeros((3, L), np.uint8)), r"3-D .* got shape \(3, 4\)"),
+        (_npy_b64(np.array([[[1]]], dtype=object), allow_pickle=True), "dtype object"),
+    ],
+)
+def test_decode_rejects(payload, message):
+    with pytest.raises(RouteAlignmentError, match=message):
+        decode_routed_experts(payload)
+
+
+# ----------------------------------------------------------------------------- alignment errors
+
+GOOD = (3, 4, 0)
+
+
+def _batch_with_bad_sample(bad_rows, bad=(3, 4, 0), **kwargs):
+    """Sample 0 is fine; sample 1 carries the problem, so the message must name sample 1."""
+    samples = [(*GOOD, True), (*bad, True)]
+    good_rows = engine_rows(*GOOD, num_experts=kwargs.get("num_experts", E))
+    return align([good_rows, bad_rows], samples, **{"prompt_width": 4, "completion_width": 5, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "bad_rows, bad, kwargs, message",
+    [
+        (engine_rows(3, 5), (3, 4, 0), {}, r"expected prompt 3 \+ completion 4 - 1 - prompt_start 0 = 6 engine rows, got 7"),
+        (engine_rows(3, 3), (3, 4, 0), {}, "= 6 engine rows, got 5"),
+        (engine_rows(3, 4, 0), (3, 4, 1), {}, "= 5 engine rows, got 6"),  # prompt_start not applied by server
+        (engine_rows(3, 4, layers=L + 1), (3, 4, 0), {}, r"shape \[6, 4, 2\] .* got \(6, 5, 2\)"),
+        (engine_rows(3, 4, top_k=K + 1), (3, 4, 0), {}, r"shape \[6, 4, 2\] .* got \(6, 4, 3\)"),
+        (engine_rows(3, 4)[:, 0], (3, 4, 0), {}, r"got \(6, 2\)"),
+        (engine_rows(5, 4), (5, 4, 0), {}, "prompt has 5 tokens but prompt_width is 4"),
+        (engine_rows(3, 6), (3, 6, 0), {}, "completion has 6 tokens but completion_width is 5"),
+        (engine_rows(3, 4), (3, 4, 4), {}, r"prompt_start=4 is outside \[0, prompt length 3\]"),
+        (engine_rows(3, 1, 3), (3, 0, 3), {}, "= -1 engine rows, got 0"),  # nothing left to route
+        (engine_rows(3, 4).astype(np.float32), (3, 4, 0), {}, "integer expert ids, got dtype float32"),
+        (engine_rows(3, 4).tolist(), (3, 4, 0), {}, "got list"),
+        ("%%%", (3, 4, 0), {}, "not valid base64"),
+        (engine_rows(3, 4), (3, 4, 0), {"num_experts": 16}, "expected ids < 16"),
+        (engine_rows(3, 4, num_experts=300) + 100, (3, 4, 0), {"num_experts": 256}, "id 2.. at .* expected ids < 256"),
+        (engine_rows(3, 4, dense=(1,)), (3, 4, 0), {}, "layer 1 is in moe_layers but position 0 has an all-zero"),
+        (engine_rows(3, 4), (3, 4, 0), {"moe_layers": [0, 1, 3]}, "layer 2 is not in moe_layers"),
+    ],
+)
+def test_alignment_errors_name_the_sample(bad_rows, bad, kwargs, message):
+    if "moe_layers" in kwargs:  # sample 0 must stay valid under the same moe_layers
+        dense = [layer for layer in range(L) if layer not in kwargs["moe_layers"]]
+        samples = [(*GOOD, True), (*bad, True)]
+        rows = [engine_rows(*GOOD, dense=dense), bad_rows]
+        with pytest.raises(RouteAlignmentError, match="sample 1: " + message):
+            align(rows, samples, prompt_width=4, completion_width=5, **kwargs)
+        return
+    with pytest.raises(RouteAlignmentError, match="sample 1: .*" + message):
+        _batch_with_bad_sample(bad_rows, bad, **kwargs)
+
+
+def test_negative_ids_are_rejected():
+    rows = engine_rows(3, 4, dtype=np.int32)
+    rows[4, 2, 1] = -1
+    with pytest.raises(RouteAlignmentError, match="sample 1: negative expert id -1 at position 4, layer 2"):
+        _batch_with_bad_sample(rows)
+
+
+def test_all_zero_last_row_in_a_moe_layer_is_rejected():
+    rows = engine_rows(3, 4)
+    rows[-1, 2] = 0
+    with pytest.raises(RouteAlignmentError, match="sample 1: layer 2 is in moe_layers but position 5 has an all-zero"):
+        _batch_with_bad_sample(rows)
+
+
+def test_uint16_ids_beyond_int16_are_rejected():
+    rows = engine_rows(3, 4, num_experts=300)
+    rows[2, 3, 0] = 40000
+    with pytest.raises(RouteAlignmentError, match="sample 1: expert id 40000 at position 2, layer 3 .*< 32768"):
+        _batch_with_bad_sample(rows)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"prompt_lengths": [3]}, "prompt_lengths has 1 entries but rows has 2"),
+        ({"completion_lengths": [4, 4, 4]}, "completion_lengths has 3 entries but rows has 2"),
+        ({"prompt_starts": [0]}, "prompt_starts has 1 entries"),
+        ({"prompt_lengths": [3, -1]}, r"sample 1: prompt_lengths\[1\] must be an int >= 0"),
+        ({"completion_lengths": [4, 2.0]}, r"sample 1: completion_lengths\[1\] must be an int"),
+        ({"moe_layers": [0, 4]}, r"moe_layers must be distinct decoder-layer indices in \[0, 4\)"),
+        ({"moe_layers": [1, 1, 2]}, "moe_layers must be distinct"),
+        ({"num_experts": 40000}, "does not fit int16"),
+        ({"top_k": 0}, "top_k must be an int >= 1"),
+        ({"prompt_width": -1}, "prompt_width must be an int >= 0"),
+    ],
+)
+def test_batch_level_errors(kwargs, message):
+    base = dict(
+        prompt_lengths=[3, 3], completion_lengths=[4, 4], prompt_width=4, completion_width=5,
+        num_layers=L, top_k=K,
+    )
+    with pytest.raises(RouteAlignmentError, match=message):
+        routes_from_engine([engine_rows(3, 4), engine_rows(3, 4)], **{**base, **kwargs})
+
+
+def test_errors_are_route_validation_and_value_errors():
+    assert issubclass(RouteAlignmentError, RouteValidationError) and issubclass(RouteAlignmentError, ValueError)
+    with pytest.raises(ValueError):
+        routes_from_engine("abc", prompt_lengths=[], completion_lengths=[], prompt_width=1,
+                           completion_width=1, num_layers=L, top_k=K)

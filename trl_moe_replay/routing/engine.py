@@ -1,0 +1,331 @@
+"""Engine routed-expert rows: wire codec and alignment to TRL's token layout.
+
+vLLM (``enable_return_routed_experts``) returns, per completion, an integer array of shape
+``[p + c - 1 - s, L, K]``: row ``j`` holds the logical expert ids used when position ``s + j`` of
+``prompt_ids + completion_ids`` was forwarded (``s`` = ``routed_experts_prompt_start``); the last
+token has no row (it was never fed forward); dense layers are all-zero rows. dtype is uint8 when
+the model has <= 256 experts, else uint16. Over HTTP it is base64 of a ``.npy`` file.
+
+TRL feeds ``cat([left-padded prompt, right-padded completion])``, so position ``q`` of sample ``i``
+sits at column ``prompt_width - p_i + q`` for prompt *and* completion tokens: the engine rows land
+in one contiguous slice. Example, ``prompt_width=5``, ``completion_width=6``, ``p=3``, ``c=4``,
+``s=1`` (so 3 + 4 - 1 - 1 = 5 engine rows r0..r4)::
+
+    column        0    1    2    3    4 |    5    6    7    8    9   10
+    input_ids   pad  pad   P0   P1   P2 |   C0   C1   C2   C3  pad  pad
+    routes       -1   -1   -1   r0   r1 |   r2   r3   r4   -1   -1   -1
+                            ^ skipped (s=1)                 ^ final token: never forwarded
+
+``-1`` means "no route: let the router choose" (pads, skipped prefix, final token, samples without
+rows, and every layer not in ``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
+several times faster) when it is installed, else the standard library.
+"""
+
+from __future__ import annotations
+
+import binascii
+import functools
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import RouteAlignmentError
+
+try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
+    import pybase64 as _pybase64
+except ImportError:  # pragma: no cover - depends on the environment
+    _pybase64 = None
+
+__all__ = [
+    "NO_ROUTE",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "engine_dtype",
+    "routes_from_engine",
+]
+
+NO_ROUTE = -1
+_INT16_LIMIT = 1 << 15  # int16 holds expert ids 0..32767
+
+
+def engine_dtype(num_experts: int) -> np.dtype:
+    """The dtype vLLM's capturer uses: uint8 if ``num_experts <= 256`` else uint16."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+        raise RouteAlignmentError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts > 1 << 16:
+        raise RouteAlignmentError(f"num_experts={num_experts} does not fit uint16 engine routes (max 65536)")
+    return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
+
+
+def encode_routed_experts(array: np.ndarray | torch.Tensor, *, num_experts: int | None = None) -> str:
+    """Encode ``[T, L, K]`` routes as vLLM's ``numpy2base64`` does: base64 of the ``.npy`` bytes.
+
+    The dtype is kept as given, unless ``num_experts`` is passed: then ids are checked to lie in
+    ``[0, num_experts)`` and cast to :func:`engine_dtype` (what a vLLM server would send).
+    """
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    if not isinstance(array, np.ndarray):
+        raise RouteAlignmentError(f"expected a numpy array or torch tensor of routes, got {type(array).__name__}")
+    _check_array(array, "routes to encode")
+    if num_experts is not None:
+        dtype = engine_dtype(num_experts)
+        if array.size and (array.min() < 0 or array.max() >= num_experts):
+            raise RouteAlignmentError(
+                f"routes to encode must hold ids in [0, {num_experts}), got range "
+                f"[{array.min()}, {array.max()}]"
+            )
+        array = array.astype(dtype, copy=False)
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        with buffer.getbuffer() as raw:
+            encoded = _pybase64.b64encode(raw) if _pybase64 is not None else binascii.b2a_base64(raw, newline=False)
+    return encoded.decode("ascii")
+
+
+def decode_routed_experts(payload: str) -> np.ndarray:
+    """Decode one ``choices[i]["routed_experts"]`` payload into its ``[T, L, K]`` integer array.
+
+    Equivalent to ``np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)`` with strict
+    base64, but without np.load's extra copy: the result is a read-only view over the decoded bytes.
+    """
+    if not isinstance(payload, str):
+        raise RouteAlignmentError(
+            f"routed_experts payload must be a base64 str (vLLM's numpy2base64), got {type(payload).__name__}"
+        )
+    try:
+        if _pybase64 is not None:
+            raw = _pybase64.b64decode(payload, validate=True)
+        else:
+            raw = binascii.a2b_base64(payload, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:  # non-ASCII str raises ValueError
+        raise RouteAlignmentError(
+            f"routed_experts payload is not valid base64 ({exc}); first chars: {payload[:32]!r}"
+        ) from None
+    try:
+        array = _load_npy(raw)
+    except RouteAlignmentError:
+        raise
+    except Exception as exc:  # numpy raises ValueError/EOFError/TypeError on malformed .npy data
+        raise RouteAlignmentError(
+            f"routed_experts payload is base64 but not a readable .npy array ({type(exc).__name__}: {exc})"
+        ) from None
+    _check_array(array, "decoded routed_experts")
+    return array
+
+
+def _load_npy(raw: bytes) -> np.ndarray:
+    fmt = np.lib.format
+    stream = io.BytesIO(raw)
+    version = fmt.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran_order, dtype = fmt.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran_order, dtype = fmt.read_array_header_2_0(stream)
+    else:  # rare header versions: let numpy handle them (one extra copy)
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    if not np.issubdtype(dtype, np.integer):
+        raise RouteAlignmentError(f"routed_experts must hold integer expert ids, got dtype {dtype}")
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.empty(shape, dtype=dtype)
+    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=stream.tell())
+    return flat.reshape(shape[::-1]).T if fortran_order else flat.reshape(shape)
+
+
+def _check_array(array: np.ndarray, what: str) -> None:
+    if not np.issubdtype(array.dtype, np.integer):
+        raise RouteAlignmentError(f"{what} must hold integer expert ids, got dtype {array.dtype}")
+    if array.ndim != 3:
+        raise RouteAlignmentError(f"{what} must be 3-D [tokens, layers, top_k], got shape {tuple(array.shape)}")
+
+
+def _positive_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise RouteAlignmentError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _int_list(name: str, values: Any, count: int) -> list[int]:
+    values = values.tolist() if isinstance(values, (torch.Tensor, np.ndarray)) else list(values)
+    if len(values) != count:
+        raise RouteAlignmentError(f"{name} has {len(values)} entries but rows has {count}: one per sample")
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise RouteAlignmentError(f"sample {i}: {name}[{i}] must be an int >= 0, got {value!r}")
+        out.append(int(value))
+    return out
+
+
+def _as_numpy(row: Any, i: int) -> np.ndarray:
+    if isinstance(row, np.ndarray):
+        return row
+    if isinstance(row, torch.Tensor):
+        return row.detach().cpu().numpy()
+    if isinstance(row, str):
+        try:
+            return decode_routed_experts(row)
+        except RouteAlignmentError as exc:
+            raise RouteAlignmentError(f"sample {i}: {exc}") from None
+    raise RouteAlignmentError(
+        f"sample {i}: rows[{i}] must be a numpy array, torch tensor, base64 payload str or None, "
+        f"got {type(row).__name__}"
+    )
+
+
+def routes_from_engine(
+    rows: Sequence[np.ndarray | torch.Tensor | str | None],
+    *,
+    prompt_lengths: Sequence[int],
+    completion_lengths: Sequence[int],
+    prompt_width: int,
+    completion_width: int,
+    num_layers: int,
+    top_k: int,
+    moe_layers: Sequence[int] | None = None,
+    prompt_starts: Sequence[int] | None = None,
+    num_experts: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Place per-sample engine rows into TRL's ``[B, prompt_width + completion_width, L, K]`` layout.
+
+    ``rows[i]`` is sample i's ``[p_i + c_i - 1 - s_i, L, K]`` engine array (numpy, torch, or a base64
+    payload str decoded here one sample at a time), or ``None`` for "no routes". ``p_i``/``c_i`` are
+    the token counts actually returned (after stop-string trimming, which trims rows alike), and
+    ``s_i = prompt_starts[i]`` (default 0). ``c_i == 0`` is accepted: the formula still holds
+    (``p_i - 1 - s_i`` rows, the last prompt token has none).
+
+    Returns an int16 CPU tensor, ``-1`` where there is no route (see module docstring). Layers not
+    in ``moe_layers`` (default: all layers are MoE) become ``-1`` and must be all-zero in the
+    engine rows, as vLLM writes them; a MoE layer whose first or last row is all zeros with
+    ``top_k >= 2`` is rejected as a probable dense layer. Ids must be >= 0 and fit int16, and be
+    ``< num_experts`` when that is given. Any mismatch raises :class:`RouteAlignmentError` naming
+    the sample; nothing is padded or cut silently.
+
+    ``out`` (optional) is a contiguous int16 CPU tensor of the result's shape to write into, e.g. a
+    reused or pinned buffer; every element is overwritten, so it needs no clearing.
+    """
+    prompt_width = _positive_int("prompt_width", prompt_width, 0)
+    completion_width = _positive_int("completion_width", completion_width, 0)
+    num_layers = _positive_int("num_layers", num_layers, 1)
+    top_k = _positive_int("top_k", top_k, 1)
+    if isinstance(rows, (str, bytes)):
+        raise RouteAlignmentError(f"rows must be a sequence with one entry per sample, got {type(rows).__name__}")
+    batch = len(rows)
+    prompts = _int_list("prompt_lengths", prompt_lengths, batch)
+    completions = _int_list("completion_lengths", completion_lengths, batch)
+    starts = [0] * batch if prompt_starts is None else _int_list("prompt_starts", prompt_starts, batch)
+
+    limit = _INT16_LIMIT
+    if num_experts is not None:
+        num_experts = _positive_int("num_experts", num_experts, 1)
+        if num_experts > _INT16_LIMIT:
+            raise RouteAlignmentError(f"num_experts={num_experts} does not fit int16 routes (max {_INT16_LIMIT})")
+        limit = num_experts
+
+    if moe_layers is None:
+        moe = list(range(num_layers))
+    else:
+        moe = sorted({int(layer) for layer in moe_layers})
+        if len(moe) != len(list(moe_layers)) or any(not 0 <= layer < num_layers for layer in moe):
+            raise RouteAlignmentError(
+                f"moe_layers must be distinct decoder-layer indices in [0, {num_layers}), got {list(moe_layers)}"
+            )
+    moe_set = set(moe)
+    dense = [layer for layer in range(num_layers) if layer not in moe_set]
+
+    shape = (batch, prompt_width + completion_width, num_layers, top_k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int16)
+    elif (
+        not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != torch.int16
+        or out.device.type != "cpu" or not out.is_contiguous()
+    ):
+        got = (tuple(out.shape), out.dtype, out.device.type) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise RouteAlignmentError(f"out must be a contiguous int16 CPU tensor of shape {shape}, got {got}")
+    out_np = out.numpy()
+    for i in range(batch):
+        p, c, s = prompts[i], completions[i], starts[i]
+        if p > prompt_width:
+            raise RouteAlignmentError(f"sample {i}: prompt has {p} tokens but prompt_width is {prompt_width}")
+        if c > completion_width:
+            raise RouteAlignmentError(
+                f"sample {i}: completion has {c} tokens but completion_width is {completion_width}"
+            )
+        if s > p:
+            raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]")
+        row = rows[i]
+        if row is None:
+            out_np[i] = NO_ROUTE
+            continue
+        row = _as_numpy(row, i)
+        expected = p + c - 1 - s
+        if not np.issubdtype(row.dtype, np.integer):
+            raise RouteAlignmentError(f"sample {i}: engine rows must hold integer expert ids, got dtype {row.dtype}")
+        if row.ndim != 3 or row.shape[1:] != (num_layers, top_k):
+            raise RouteAlignmentError(
+                f"sample {i}: engine rows must have shape [{max(expected, 0)}, {num_layers}, {top_k}] "
+                f"(rows, num_layers, top_k), got {tuple(row.shape)}"
+            )
+        if expected < 0 or row.shape[0] != expected:
+            raise RouteAlignmentError(
+                f"sample {i}: expected prompt {p} + completion {c} - 1 - prompt_start {s} = {expected} engine rows, "
+                f"got {row.shape[0]}; pass the token counts vLLM returned (after stop trimming), "
+                "or None to fall back to the router's own choice"
+            )
+        _check_values(row, i, s, moe, dense, top_k, limit)
+        lo = prompt_width - p + s
+        hi = lo + expected
+        out_np[i, :lo] = NO_ROUTE
+        np.copyto(out_np[i, lo:hi], row, casting="unsafe")
+        out_np[i, hi:] = NO_ROUTE
+    if dense and batch:
+        out.index_fill_(2, torch.tensor(dense), NO_ROUTE)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _iinfo(dtype: np.dtype) -> np.iinfo:
+    return np.iinfo(dtype)
+
+
+def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int):
+    """Per-sample id checks; range checks run only where the dtype could violate them."""
+    if row.shape[0] == 0:
+        return
+    if dense:
+        dense_rows = row[:, dense]
+        if dense_rows.any():
+            j, d, _ = np.argwhere(dense_rows)[0]
+            raise RouteAlignmentError(
+                f"sample {i}: layer {dense[d]} is not in moe_layers but the engine routed position {start + j} "
+                f"there (vLLM leaves dense layers all-zero); check moe_layers"
+            )
+    if top_k >= 2:  # a real top-k row has distinct ids, so never all zeros
+        ends = row[[0, -1]] if len(moe) == row.shape[1] else row[[0, -1]][:, moe]
+        zero = ~ends.any(axis=-1)  # [first/last row, MoE layer]
+        if zero.any():
+            end, m = np.argwhere(zero)[0]
+            position = start + (0 if end == 0 else row.shape[0] - 1)
+            raise RouteAlignmentError(
+                f"sample {i}: layer {moe[m]} is in moe_layers but position {position} has an all-zero "
+                f"top-{top_k} route; is layer {moe[m]} a dense layer? pass moe_layers"
+            )
+    info = _iinfo(row.dtype)
+    if info.min < 0 and row.min() < 0:
+        j, layer, _ = np.argwhere(row < 0)[0]
+        raise RouteAlignmentError(
+            f"sample {i}: negative expert id {row[j, layer].min()} at position {start + j}, layer {layer}; "
+            "expected logical ids >= 0"
+        )
+    if info.max >= limit and row.max() >= limit:
+        j, layer, _ = np.argwhere(row >= limit)[0]
+        raise RouteAlignmentError(
+            f"sample {i}: expert id {row[j, layer].max()} at position {start + j}, layer {layer} is out of range; "
+            f"expected ids < {limit}"
+            + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)")
+        )
