@@ -1,0 +1,97 @@
+"""transformers ``generate`` as the inference engine: record its routes and sampling log-probs while it runs.
+
+This makes the HF generation path a small-scale stand-in for vLLM: per completion it yields engine rows with
+vLLM's layout (``[p + c - 1, num_layers, top_k]``, row j = position j of prompt+completion) and the sampled
+tokens' log-probabilities with vLLM's ``processed_logprobs`` semantics at the default sampling settings
+(``log_softmax(logits / temperature)``; like TRL's trainer side, top-k/top-p filtering is not folded in).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..routing import RouterReplay, RouteValidationError
+
+
+class TransformersRolloutRecorder:
+    """Context manager around one ``model.generate`` call.
+
+    ``causal_lm`` is the module whose forward returns ``.logits`` (for PEFT, the base causal LM). Log-probs are
+    gathered step by step (each decode step's input is the token sampled from the previous step's logits), so only
+    one step of ``[B, vocab]`` log-probs is alive at a time.
+    """
+
+    def __init__(self, router_replay: RouterReplay, causal_lm: nn.Module, temperature: float):
+        self.router_replay = router_replay
+        self.causal_lm = causal_lm
+        self.temperature = temperature
+        self._pending: torch.Tensor | None = None
+        self._logprobs: list[torch.Tensor] = []
+        self._handles = []
+        self._recording = None
+        self._record_ctx = None
+
+    def __enter__(self) -> TransformersRolloutRecorder:
+        self._record_ctx = self.router_replay.record()
+        self._recording = self._record_ctx.__enter__()
+        self._handles = [
+            self.causal_lm.register_forward_pre_hook(self._before_step, with_kwargs=True),
+            self.causal_lm.register_forward_hook(self._after_step),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._record_ctx.__exit__(*exc)
+
+    def _before_step(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._pending is not None and input_ids is not None:
+            self._take(input_ids[:, -1])
+        return None
+
+    def _after_step(self, module, args, output):
+        logits = output.logits[:, -1].float()
+        self._pending = torch.log_softmax(logits / self.temperature, dim=-1)
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self._logprobs.append(self._pending.gather(1, tokens.view(-1, 1).to(self._pending.device)).squeeze(1))
+        self._pending = None
+
+    def finish_with(self, completion_ids: list[list[int]], pad_token_id: int) -> None:
+        """Take the log-prob of the final generated column, which no later forward consumed.
+
+        Only completions that reach that column need it; the others get ``pad_token_id`` there (never read).
+        """
+        if self._pending is None:
+            return
+        column = len(self._logprobs)
+        last = [ids[column] if len(ids) > column else pad_token_id for ids in completion_ids]
+        self._take(torch.tensor(last))
+
+    # ------------------------------------------------------------------ results
+    @property
+    def routes(self) -> torch.Tensor:
+        """``[B, prompt_width + generated, num_layers, top_k]``, the generation batch's own layout."""
+        return self._recording.routes
+
+    def engine_rows(self, prompt_lengths: list[int], completion_lengths: list[int]) -> list[torch.Tensor]:
+        """Per sample, the routes of positions ``0 .. p + c - 2`` of prompt+completion (vLLM's row layout)."""
+        routes = self.routes
+        prompt_width = routes.shape[1] - len(self._logprobs)
+        rows = []
+        for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
+            if p > prompt_width or c > len(self._logprobs):
+                raise RouteValidationError(
+                    f"sample {i}: prompt {p} / completion {c} tokens do not fit the generation batch "
+                    f"(prompt width {prompt_width}, {len(self._logprobs)} generated columns)"
+                )
+            rows.append(routes[i, prompt_width - p : prompt_width + c - 1])
+        return rows
+
+    def sampling_logprobs(self, completion_lengths: list[int]) -> list[list[float]]:
+        """Per sample, the log-probs of its first ``c`` sampled tokens."""
+        table = torch.stack(self._logprobs, dim=1).cpu() if self._logprobs else torch.zeros(len(completion_lengths), 0)
+        return [table[i, :c].tolist() for i, c in enumerate(completion_lengths)]

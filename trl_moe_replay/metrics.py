@@ -1,0 +1,70 @@
+"""Training-inference mismatch and routing-agreement metrics.
+
+Each function returns *sums and counts* (0-dim tensors) rather than means, so that the trainer can add them up
+across ranks before dividing (a mean of per-rank means would weight ranks with few tokens too much).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def logprob_mismatch_sums(
+    sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor, extreme_threshold: float
+) -> dict[str, torch.Tensor]:
+    """Sums over valid completion tokens of the sampler-vs-trainer divergences.
+
+    With ``log_ratio = trainer - sampling`` (tokens were drawn from the sampler):
+    ``kl_k1 = -log_ratio`` (unbiased estimator of KL(sampler || trainer)), ``kl_k3 = exp(log_ratio) - 1 - log_ratio``
+    (its low-variance, non-negative estimator), and a token is *extreme* when the probability ratio exceeds the
+    threshold either way: ``|log_ratio| > log(threshold)``. NaN sampling log-probs (vLLM sends None for some) are
+    excluded.
+    """
+    valid = mask.bool() & ~torch.isnan(sampling_logps)
+    log_ratio = torch.where(valid, trainer_logps.float() - sampling_logps.float(), 0.0)
+    return {
+        "kl_k1": (-log_ratio).sum(),
+        "kl_k3": (torch.expm1(log_ratio) - log_ratio).sum(),
+        "extreme": (log_ratio.abs() > math.log(extreme_threshold)).logical_and(valid).sum().float(),
+        "tokens": valid.sum().float(),
+    }
+
+
+def routing_agreement_sums(
+    natural: torch.Tensor, replayed: torch.Tensor, positions: torch.Tensor, moe_layers: list[int]
+) -> dict[str, torch.Tensor]:
+    """Sums comparing the trainer's natural top-k with the replayed (or reference) routes.
+
+    ``natural`` and ``replayed`` are ``[B, S, L, K]``; ``positions`` is a ``[B, S]`` bool mask of the positions
+    to judge. Pairs are (position, MoE layer). A position without a replayed route (``-1``) counts as a fallback
+    and is left out of the agreement sums.
+    """
+    natural = natural[:, :, moe_layers].long()
+    replayed = replayed[:, :, moe_layers].to(natural.device).long()
+    positions = positions.to(natural.device).bool()
+    has_route = (replayed >= 0).all(dim=-1)  # [B, S, L]
+    judged = has_route & positions[..., None]
+    # |natural ∩ replayed| per pair: ids within a row are distinct, so count equal pairs across the k x k grid
+    overlap = (natural[..., :, None] == replayed[..., None, :]).sum(dim=(-1, -2))
+    k = natural.shape[-1]
+    differs = (overlap < k) & judged
+    return {
+        "pairs": judged.sum().float(),
+        "mismatch_pairs": differs.sum().float(),
+        "overlap": torch.where(judged, overlap, 0).sum().float() / k,
+        "tokens": judged.any(dim=-1).sum().float(),
+        "tokens_any_mismatch": differs.any(dim=-1).sum().float(),
+        "positions": positions.sum().float(),
+        "fallback_positions": (positions & ~has_route.all(dim=-1)).sum().float(),
+    }
+
+
+def routable_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions an engine can have routed: real tokens except each sequence's final one (never fed forward)."""
+    mask = attention_mask.bool()
+    last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(dim=-1)  # index of each row's last real token
+    is_last = torch.zeros_like(mask)
+    is_last[torch.arange(mask.shape[0]), last] = True
+    return mask & ~is_last

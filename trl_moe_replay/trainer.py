@@ -1,0 +1,306 @@
+"""``MoEReplayGRPOTrainer``: TRL's ``GRPOTrainer`` with expert-routing replay (R2/R3) and mismatch metrics.
+
+The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Data flow for one generation batch:
+
+1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
+   which records the routes and the sampling log-probs, like an inference engine would return them.
+2. ``_generate``: engine rows -> routes in TRL's padded layout (``routes_from_engine``).
+3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
+   ``_get_per_token_logps_and_entropies``, which replays (R3) or records (R2) per chunk and measures the natural
+   routing at no extra forward; the routes to replay ride in the batch dict as ``replay_routes`` through TRL's
+   buffer, shuffle and split.
+4. ``_compute_loss``/``training_step``: the micro-batch's routes are replayed in the training forward and stay in
+   force until its backward has returned (gradient checkpointing recomputes the routers in backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers.utils import logging
+from trl import GRPOTrainer
+
+from .config import MoEReplayGRPOConfig
+from .generation import TransformersRolloutRecorder
+from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from .routing import RouterReplay
+from .routing.engine import routes_from_engine
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class _ScoringState:
+    """What one ``_generate_and_score_completions`` call learns along the way."""
+
+    expects_old_pass: bool
+    generation_routes: torch.Tensor | None
+    old_pass_done: bool = False
+    old_natural_routes: torch.Tensor | None = None
+
+
+class MoEReplayGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
+
+    Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
+    gets the defaults: R3). Swapping two imports in a TRL GRPO script is the whole change::
+
+        from trl_moe_replay import MoEReplayGRPOTrainer as GRPOTrainer, MoEReplayGRPOConfig as GRPOConfig
+    """
+
+    _tag_names = ["trl", "grpo", "moe-routing-replay"]
+    _name = "MoE Replay GRPO"
+
+    def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        self.routing_replay = getattr(args, "routing_replay", "r3")
+        self.replay_reference_model = getattr(args, "replay_reference_model", True)
+        self.extreme_token_threshold = getattr(args, "extreme_token_threshold", 2.0)
+        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+
+        if self.routing_replay == "r3" and self._use_vllm_engine:
+            raise NotImplementedError(
+                "routing_replay='r3' with use_vllm=True needs vLLM's routed_experts, which this version does not "
+                "read yet. Use use_vllm=False (transformers generation records its routes) or routing_replay='r2'."
+            )
+        if self.routing_replay != "none" and (self.tools or self.rollout_func is not None):
+            raise NotImplementedError(
+                "routing replay supports single-turn generation only: tools and rollout_func produce multi-segment "
+                "completions whose routes are not recorded. Use routing_replay='none' with them."
+            )
+        self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model))
+        self._ref_route_replay = RouterReplay(self.ref_model) if self.ref_model is not None else None
+        # transformers generate records sampling log-probs like an engine: let TRL's importance-sampling
+        # correction and old-logprob pass treat it as one (see the `use_vllm` property).
+        self._hf_engine = not self._use_vllm_engine
+        if self.routing_replay != "none" and self.aux_loss_enabled:
+            logger.warning(
+                "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
+                "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
+            )
+            self.aux_loss_enabled = False
+        if self.routing_replay == "r2" and not self._old_pass_expected():
+            logger.warning(
+                "routing_replay='r2' is a no-op here: this configuration is on-policy (no old-logprob pass), so "
+                "every update already routes like the old policy."
+            )
+        self._scoring: _ScoringState | None = None
+        self._batch_routes: torch.Tensor | None = None
+        self._train_replay = contextlib.ExitStack()
+        self._engine_rows: list | None = None
+
+    # ------------------------------------------------------------------ engine flag
+    @property
+    def use_vllm(self) -> bool:
+        """TRL's switch for both "sample with vLLM" and "correct for the engine's log-probs".
+
+        On the transformers path our recorder supplies sampling log-probs just as vLLM does, so outside generation
+        itself we answer True: TRL then runs its old-logprob pass and importance-sampling correction unchanged.
+        """
+        if self.__dict__.get("_use_vllm_engine", False):
+            return True
+        return self.__dict__.get("_hf_engine", False) and not self.__dict__.get("_in_generation", False)
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:
+        self.__dict__["_use_vllm_engine"] = bool(value)
+
+    @property
+    def _use_vllm_engine(self) -> bool:
+        return self.__dict__.get("_use_vllm_engine", False)
+
+    def _old_pass_expected(self) -> bool:
+        """TRL's own condition for computing old-policy log-probs (``_generate_and_score_completions``)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    # ------------------------------------------------------------------ generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self._use_vllm_engine:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        causal_lm = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(causal_lm):
+            causal_lm = causal_lm.get_base_model()
+        recorder = TransformersRolloutRecorder(self._route_replay, causal_lm, self.temperature)
+        with recorder:
+            completion_ids, _ = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        recorder.finish_with(completion_ids, pad_token_id=self._tokenizer.pad_token_id)
+        prompt_lengths = [len(ids) for ids in prompt_ids]
+        completion_lengths = [len(ids) for ids in completion_ids]
+        self._engine_rows = recorder.engine_rows(prompt_lengths, completion_lengths)
+        return completion_ids, recorder.sampling_logprobs(completion_lengths)
+
+    def _generate(self, prompts):
+        self._engine_rows = None
+        self._in_generation = True
+        try:
+            output = super()._generate(prompts)
+        finally:
+            self._in_generation = False
+        prompt_ids, completion_ids = output[0], output[1]
+        self._generation_routes = self._align_engine_rows(prompt_ids, completion_ids)
+        return output
+
+    def _align_engine_rows(self, prompt_ids, completion_ids) -> torch.Tensor | None:
+        if self._engine_rows is None:
+            return None
+        rr = self._route_replay
+        return routes_from_engine(
+            self._engine_rows,
+            prompt_lengths=[len(ids) for ids in prompt_ids],
+            completion_lengths=[len(ids) for ids in completion_ids],
+            prompt_width=_padded_width(prompt_ids, self.pad_to_multiple_of),
+            completion_width=_padded_width(completion_ids, self.pad_to_multiple_of),
+            num_layers=rr.num_layers,
+            top_k=rr.top_k,
+            moe_layers=rr.moe_layers,
+            num_experts=rr.num_experts,
+        )
+
+    def _generate_and_score_completions(self, inputs):
+        self._generation_routes = None
+        self._scoring = _ScoringState(expects_old_pass=self._old_pass_expected(), generation_routes=None)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            state = self._scoring
+            if state.generation_routes is None:  # no old/ref pass picked them up (on-policy, beta == 0)
+                state.generation_routes = self._generation_routes
+        finally:
+            self._scoring = None
+            self._generation_routes = None
+        replay_routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
+        if replay_routes is not None:
+            output["replay_routes"] = replay_routes
+        self._log_mismatch_metrics(output, state)
+        return output
+
+    # ------------------------------------------------------------------ forwards
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        if any(value is not None for value in multimodal.values()):
+            raise NotImplementedError("routing replay supports text-only models")
+        parent = super()._get_per_token_logps_and_entropies
+        state = self._scoring
+        if state is None:  # training (or evaluation) forward on a micro-batch
+            routes = self._batch_routes
+            if routes is None:
+                return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                              compute_aux_loss)
+            if torch.is_grad_enabled():
+                # stays in force through the backward; training_step closes it
+                self._train_replay.enter_context(self._route_replay.replay(routes))
+                return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
+                              compute_aux_loss)
+            with self._route_replay.replay(routes):
+                return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
+                              compute_aux_loss)
+
+        if state.generation_routes is None and self._generation_routes is not None:
+            state.generation_routes = self._generation_routes
+        is_old_pass = state.expects_old_pass and not state.old_pass_done
+        state.old_pass_done = True
+        if is_old_pass:
+            rr, record = self._route_replay, True
+            routes = state.generation_routes if self.routing_replay == "r3" else None
+        else:  # reference pass
+            rr = self._ref_route_replay if model is self.ref_model else self._route_replay
+            record = False
+            routes = None
+            if self.replay_reference_model:
+                routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
+
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux_losses, natural = [], [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            with contextlib.ExitStack() as stack:
+                if routes is not None:
+                    stack.enter_context(rr.replay(routes[start:end]))
+                recording = stack.enter_context(rr.record()) if record else None
+                chunk_logps, chunk_entropies, chunk_aux = parent(
+                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, None, compute_entropy,
+                    compute_aux_loss,
+                )
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropies)
+            aux_losses.append(chunk_aux)
+            if recording is not None:
+                natural.append(recording.routes)
+        if record:
+            state.old_natural_routes = torch.cat(natural, dim=0)
+        return (
+            torch.cat(logps, dim=0),
+            torch.cat(entropies, dim=0) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None,
+        )
+
+    def _compute_loss(self, model, inputs):
+        self._batch_routes = inputs.get("replay_routes")
+        return super()._compute_loss(model, inputs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._train_replay.close()  # only now: the backward (and any recompute in it) has returned
+            self._batch_routes = None
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            self._train_replay.close()
+            self._batch_routes = None
+
+    # ------------------------------------------------------------------ metrics
+    def _log_mismatch_metrics(self, output: dict, state: _ScoringState) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        device = self.accelerator.device
+        old = output.get("old_per_token_logps")
+        sampling = output.get("sampling_per_token_logps")
+        if old is not None and sampling is not None:
+            sums = logprob_mismatch_sums(sampling, old, output["completion_mask"], self.extreme_token_threshold)
+            total = self._global_sums(sums, device)
+            tokens = total["tokens"].clamp(min=1.0)
+            metrics["mismatch/kl_k1"].append((total["kl_k1"] / tokens).item())
+            metrics["mismatch/kl_k3"].append((total["kl_k3"] / tokens).item())
+            metrics["mismatch/extreme_frac"].append((total["extreme"] / tokens).item())
+        reference = state.generation_routes
+        if state.old_natural_routes is not None and reference is not None:
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            sums = routing_agreement_sums(
+                state.old_natural_routes, reference, routable_positions(attention_mask).cpu(),
+                self._route_replay.moe_layers,
+            )
+            total = self._global_sums(sums, device)
+            pairs, tokens = total["pairs"].clamp(min=1.0), total["tokens"].clamp(min=1.0)
+            metrics["routing/mismatch_frac"].append((total["mismatch_pairs"] / pairs).item())
+            metrics["routing/token_any_mismatch"].append((total["tokens_any_mismatch"] / tokens).item())
+            metrics["routing/topk_agreement"].append((total["overlap"] / pairs).item())
+            metrics["routing/fallback_frac"].append(
+                (total["fallback_positions"] / total["positions"].clamp(min=1.0)).item()
+            )
+
+    def _global_sums(self, sums: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+        names = list(sums)
+        stacked = torch.stack([sums[name].float().to(device) for name in names])
+        gathered = self.accelerator.gather(stacked[None]).sum(dim=0)
+        return dict(zip(names, gathered, strict=True))
+
+
+def _padded_width(sequences: list[list[int]], multiple: int | None) -> int:
+    """The width ``trl.trainer.utils.pad`` gives: the longest sequence, rounded up to ``multiple``."""
+    width = max((len(seq) for seq in sequences), default=0)
+    if multiple:
+        width = -(-width // multiple) * multiple
+    return width
