@@ -6,7 +6,7 @@ models stay identical). Rounds alternate which trainer goes first. Prints the me
 The config is off-policy (num_iterations=2), so plain TRL runs the old-logprob pass too and the comparison is like
 for like; R3 adds route recording during generate, alignment, replay and the mismatch metrics.
 
-    python bench/step_overhead.py            # qwen3_moe, hidden 128, 4 layers, 16 experts top-4, 8x2 samples
+    python bench/step_overhead.py            # qwen3_moe, hidden 256, 4 layers, 16 experts top-4, 16 completions x 64 tokens
     python bench/step_overhead.py --rounds 3 # a quicker look
 """
 
@@ -52,6 +52,7 @@ def build(trainer_cls, config_cls, args, **extra):
     trainer = trainer_cls(model=model, reward_funcs=reward_len, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tiny_tokenizer())
     trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which we bypass
     batch = next(iter(trainer.get_train_dataloader()))
     return trainer, batch
 
@@ -60,7 +61,7 @@ def one_cycle(trainer, batch, seed: int) -> float:
     torch.manual_seed(seed)
     start = time.perf_counter()
     for _ in range(trainer.args.num_iterations):
-        trainer.training_step(trainer.model, batch)
+        trainer.training_step(trainer.model, batch, None)
     elapsed = time.perf_counter() - start
     trainer.model.zero_grad(set_to_none=True)
     return elapsed
@@ -68,11 +69,11 @@ def one_cycle(trainer, batch, seed: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--completion", type=int, default=32)
+    parser.add_argument("--completion", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
 

@@ -92,6 +92,168 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     ),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=16),
+    # Further families (routers.py): a dense first layer wherever the family has dense layers (the option is
+    # first_k_dense_replace, mlp_layer_types, mlp_only_layers, num_dense_layers, layers_block_type or
+    # expert_layer_offset), so there is always at least one MoE layer.
+    "flex_olmo": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    "mellum": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+        mlp_layer_types=["dense", "sparse"], layer_types=["full_attention", "sliding_attention"], sliding_window=16,
+    ),
+    "qwen4_exp_text": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], hc_count=2, hc_lowrank=8,
+        ple_embed_dim=16, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=64,
+        indexer_compress_ratio=4,
+    ),
+    "aria_text": dict(intermediate_size=32, moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1, head_dim=16),
+    "dots1": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, head_dim=16,
+    ),
+    "dots3_note_text": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_experts_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"],
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16,
+        num_key_value_heads=4, index_topk=64, index_head_dim=16, index_n_heads=2,
+        layer_types=["sliding_attention", "sliding_attention"], sliding_window=16, per_layer_config=None,
+    ),
+    "glm4_moe": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, first_k_dense_replace=1, head_dim=16,
+    ),
+    "glm4_moe_lite": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
+    "glm_moe_dsa": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, index_topk=64, index_head_dim=16,
+        index_n_heads=2,
+    ),
+    "deepseek_v32": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, index_topk=64, index_head_dim=16,
+        index_n_heads=2,
+    ),
+    "exaone_moe": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], head_dim=16,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+    ),
+    "mimo_v2_flash": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, mlp_layer_types=["dense", "sparse"], head_dim=16, v_head_dim=16,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=16,
+    ),
+    "nemotron_h": dict(
+        intermediate_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, layers_block_type=["full_attention", "moe"], head_dim=16,
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+    ),
+    "axk1": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    ),
+    "axk2": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, index_topk=64, index_head_dim=16,
+        index_n_heads=2, gated_norm_rank=8,
+    ),
+    "bailing_hybrid": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        num_expert_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, head_dim=16, linear_head_dim=16, linear_num_heads=4,
+        layer_types=["linear_attention", "full_attention"], layer_group_size=2, num_nextn_predict_layers=0,
+    ),
+    "hy_v4": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=16, num_key_value_heads=4, index_topk=64,
+        index_head_dim=16, index_n_heads=2,
+    ),
+    "kimi_linear": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        num_expert_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=16, linear_num_heads=4,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+    "solar_open": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, first_k_dense_replace=1, head_dim=16,
+    ),
+    "deepseek_v2": dict(
+        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
+    "qwen3_5_moe_text": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+    ),
+    "jamba": dict(
+        intermediate_size=32, num_experts=8, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+        attn_layer_period=2, attn_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8,
+    ),
+    "granitemoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "granitemoeshared": dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=32,
+    ),
+    "granitemoehybrid": dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=32,
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=16, mamba_d_head=32, mamba_chunk_size=16,
+    ),
+    "granitemoe_swa": dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        layer_types=["full_attention", "sliding_attention"], sliding_window=16,
+    ),
+    "cohere2_moe": dict(
+        intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        mlp_layer_types=["sparse", "sparse"], head_dim=16, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+    ),
+    "lfm2_moe": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, use_expert_bias=False,
+        num_dense_layers=1, layer_types=["conv", "full_attention"],
+    ),
+    "minimax_m3_vl_text": dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, dense_intermediate_size=64,
+        shared_intermediate_size=32, mlp_layer_types=["dense", "sparse"], head_dim=16, rotary_dim=8,
+        layer_types=["full_attention", "full_attention"],
+    ),
+    "laguna": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, mlp_layer_types=["dense", "sparse"], head_dim=16, num_attention_heads_per_layer=[4, 4],
+        layer_types=["full_attention", "sliding_attention"], sliding_window=16,
+    ),
+    "flint": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, mlp_only_layers=[0], head_dim=16, layer_types=["full_attention", "sliding_attention"],
+        sliding_window=16,
+    ),
+    "kolibri1": dict(
+        intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, head_dim=16, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+    ),
+    "beam": dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        mlp_layer_types=["dense", "sparse"], head_dim=16, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+    ),
+    "deepseek_v4": dict(
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        mlp_layer_types=["moe", "moe"], head_dim=32, q_lora_rank=32, num_key_value_heads=1, qk_rope_head_dim=8,
+        o_groups=2, o_lora_rank=16, layer_types=["sliding_attention", "sliding_attention"], sliding_window=16,
+        num_nextn_predict_layers=0,
+    ),
 }
 
 

@@ -179,8 +179,8 @@ class RouterReplay:
             kernels = {site.family.hub_kernel for site in sites} - {None}
             if kernels:
                 raise UnsupportedModelError(
-                    f"this model runs with use_kernels=True, and the hub kernel(s) {sorted(kernels)} replace the whole "
-                    "MoE block, so its router is never called and routes could not be replayed. Load the model "
+                    f"this model runs with use_kernels=True, and the hub kernel(s) {sorted(kernels)} replace its router "
+                    "or whole MoE block, so routes could not be recorded or replayed faithfully. Load the model "
                     "without use_kernels (or call model.set_use_kernels(False))."
                 )
         self._sites = sites
@@ -260,11 +260,18 @@ class RouterReplay:
             inputs = args[0]
         batch, length = int(inputs.shape[0]), int(inputs.shape[1])
         cache = kwargs.get("past_key_values")
-        continues = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
+        cache_position = kwargs.get("cache_position")
+        # A decode step continues the sequence. Some caches report length 0 while decoding (linear attention in
+        # layer 0), so the cache position is asked too.
+        continues = cache is not None and (
+            (hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0)
+            or (cache_position is not None and cache_position.numel() > 0 and int(cache_position[0]) > 0)
+        )
         for recording in self._recordings:
             segments = recording._segments
             if continues and segments and segments[-1].batch == batch:
                 segments[-1].length += length
+                segments[-1].uses_cache = True  # some models build their cache lazily inside the prefill
             else:
                 segments.append(_Segment(batch=batch, length=length, uses_cache=cache is not None))
         return None

@@ -33,8 +33,9 @@ class RouterFamily:
     gate_weights: GateWeightFn
     """``(router, logits, ids) -> weights``: the router's own normalisation at the given ids."""
     hub_kernel: str | None = None
-    """Name of a hub kernel that replaces the whole MoE block (and so bypasses the router) when the model
-    runs with ``use_kernels=True``; such models are refused."""
+    """Name of a hub kernel that replaces the whole MoE block (and so bypasses the router) or the router's own
+    forward (whose weights then need not match the gate-weight function) when the model runs with
+    ``use_kernels=True``; such models are refused."""
 
 
 def softmax_then_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -44,8 +45,8 @@ def softmax_then_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch
 
 
 def softmax_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Qwen2/Qwen3-MoE, Qwen3-Next, OLMoE: fp32 softmax, gather, renormalise iff ``norm_topk_prob``,
-    cast back to the logits dtype."""
+    """Qwen2/Qwen3-MoE, Qwen3-Next, OLMoE, FlexOlmo, Mellum, Qwen4-Exp: fp32 softmax, gather, renormalise iff
+    ``norm_topk_prob``, cast back to the logits dtype."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -53,8 +54,10 @@ def softmax_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: t
 
 
 def sigmoid_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3: sigmoid scores *without* the correction bias (the bias only steers the choice),
-    renormalised (+1e-20) iff ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    """DeepSeek-V3 and its copies (DeepSeek-V3.2, dots.llm1, dots3-note, GLM-4-MoE(-Lite), GLM-MoE-DSA, EXAONE-MoE,
+    MiMo-V2-Flash, Nemotron-H, A.X-K1/K2, Bailing-Hybrid, HY-V4, Kimi-Linear, Solar-Open): sigmoid of the fp32
+    logits *without* the correction bias (the bias and the group mask only steer the choice), renormalised
+    (+1e-20) iff ``norm_topk_prob``, times ``routed_scaling_factor``."""
     weights = logits.sigmoid().gather(1, ids)
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -62,9 +65,133 @@ def sigmoid_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -
 
 
 def softmax_over_selected_logits(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """GPT-OSS: softmax over the k selected raw logits (bias included in the logits)."""
+    """GPT-OSS, Aria: softmax over the k selected raw logits in their dtype (GPT-OSS's bias is included in the
+    logits; Aria's ``F.softmax`` without ``dtype`` is the same op)."""
     selected = logits.gather(1, ids)
     return F.softmax(selected, dim=1, dtype=selected.dtype)
+
+
+def _router_input_dtype(router: nn.Module) -> torch.dtype:
+    """The dtype of the hidden states the router was called with, for routers that cast their weights to it
+    (``.to(hidden_states.dtype)``), which a gate-weight function does not see.
+
+    Outside autocast their ``F.linear(hidden_states, self.weight)`` only runs when both share a dtype. Under
+    autocast the router is fed from a norm that returns the residual stream's dtype, i.e. the parameter dtype
+    (checked: CPU bf16 autocast of an fp32 model replays bit for bit). None of these routers' weights is in its
+    model's ``_keep_in_fp32_modules``, so a bf16 checkpoint has a bf16 router weight. A router whose weight is kept
+    in fp32 while its input is bf16 (Ernie-4.5-MoE) would break this, which is why that family is not in the table.
+    """
+    return router.weight.dtype
+
+
+def softmax_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2: fp32 softmax over all experts (the logits are fp32), gather, never renormalised, times
+    ``routed_scaling_factor``. ``group_limited_greedy`` zeroes the other groups' scores before the top-k, which
+    only steers the choice as long as ``top_k <= topk_group * n_experts / n_group`` (true of every config)."""
+    weights = logits.softmax(dim=-1, dtype=torch.float32).gather(1, ids)
+    return weights * router.routed_scaling_factor
+
+
+def softmax_renormalise_cast(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5-MoE: the Qwen3-MoE tail with renormalisation always on (the router has no ``norm_topk_prob``)."""
+    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def softmax_then_cast_to_input(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Jamba: fp32 softmax over all experts, gather, never renormalised, cast to the router input's dtype."""
+    weights = F.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
+    return weights.to(_router_input_dtype(router))
+
+
+def softmax_over_selected_logits_cast_to_input(
+    router: nn.Module, logits: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """GraniteMoe (and its -Shared, -Hybrid, -SWA variants): softmax over the k selected fp32 logits, cast to the
+    router input's dtype."""
+    selected = logits.gather(1, ids)
+    return torch.softmax(selected, dim=-1).type(_router_input_dtype(router))
+
+
+def cohere2_moe_selected_logits(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cohere2-MoE: on the k selected logits, either an fp32 softmax (``expert_selection_fn="softmax"``) or a
+    sigmoid renormalised iff ``norm_topk_prob`` (``"sigmoid"``); cast to the router input's dtype."""
+    selected = logits.gather(1, ids)
+    if router.expert_selection_fn == "softmax":
+        weights = F.softmax(selected, dim=1, dtype=torch.float)
+    elif router.expert_selection_fn == "sigmoid":
+        weights = F.sigmoid(selected)
+        if router.norm_topk_prob:
+            weights = weights / torch.sum(weights, dim=-1, keepdims=True)
+    else:
+        raise ValueError(f"unknown expert_selection_fn {router.expert_selection_fn!r}")
+    return weights.to(_router_input_dtype(router))
+
+
+def lfm2_moe_sigmoid(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """LFM2-MoE: sigmoid in the logits dtype (the expert bias only steers the choice), renormalised (+1e-6) iff
+    ``norm_topk_prob``, times ``routed_scaling_factor``."""
+    weights = logits.sigmoid().gather(1, ids)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    return weights * router.routed_scaling_factor
+
+
+def sigmoid_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """MiniMax-M3-VL (text): fp32 sigmoid (the correction bias only steers the choice), gather, always renormalised
+    (no epsilon); weights stay fp32. The block's ``routed_scaling_factor`` is applied after the experts."""
+    weights = F.sigmoid(logits.float()).gather(1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def sigmoid_renormalise_cast_to_input(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Laguna: sigmoid of the fp32 (optionally soft-capped: the returned logits are the capped ones) logits, the
+    bias only steers the choice, always renormalised (no epsilon), cast to the router input's dtype. The block's
+    ``routed_scaling_factor`` is applied after the experts."""
+    weights = torch.sigmoid(logits).gather(-1, ids)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(_router_input_dtype(router))
+
+
+def sigmoid_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Flint: sigmoid of all fp32 logits, gather, renormalised (no epsilon) iff ``norm_topk_prob``; weights stay
+    fp32."""
+    weights = logits.sigmoid().gather(1, ids)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
+def sigmoid_of_selected_logits_optional_renormalise(
+    router: nn.Module, logits: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Kolibri1: gather the fp32 logits, *then* sigmoid (the bias only steers the choice), renormalised (no
+    epsilon) iff ``norm_topk_prob``; weights stay fp32. The order matters: a CPU sigmoid over ``[N, E]`` and over
+    ``[N, K]`` can differ in the last bit, so this is not Flint's function."""
+    weights = logits.gather(1, ids).sigmoid()
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
+def sigmoid_optional_renormalise_eps(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Beam: the DeepSeek-V3 tail without the scaling (the block applies ``routed_scaling_factor`` after the
+    experts): fp32 sigmoid, gather, renormalised (+1e-20) iff ``norm_topk_prob``."""
+    weights = logits.sigmoid().gather(1, ids)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights
+
+
+def scored_renormalise_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4: the router's ``score_fn`` (``scoring_func``: sqrtsoftplus, sigmoid, ...) on the logits in their
+    dtype (the bias only steers the choice), gather, always renormalised (+1e-20), times ``routed_scaling_factor``.
+    Hash-routed layers (``mlp_layer_types="hash_moe"``, ``DeepseekV4HashRouter``: experts from the token id) are
+    not routers of this family and are left alone."""
+    weights = router.score_fn(logits).gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
 
 
 ROUTER_FAMILIES: tuple[RouterFamily, ...] = (
@@ -75,6 +202,43 @@ ROUTER_FAMILIES: tuple[RouterFamily, ...] = (
     RouterFamily("Qwen3-Next", ("Qwen3NextTopKRouter",), softmax_optional_renormalise),
     RouterFamily("DeepSeek-V3", ("DeepseekV3TopkRouter",), sigmoid_scaled),
     RouterFamily("GPT-OSS", ("GptOssTopKRouter",), softmax_over_selected_logits, hub_kernel="MegaBlocksMoeMLP"),
+    # Same router code as one of the families above.
+    RouterFamily("FlexOlmo", ("FlexOlmoTopKRouter",), softmax_optional_renormalise),
+    RouterFamily("Mellum", ("MellumTopKRouter",), softmax_optional_renormalise),
+    RouterFamily("Qwen4-Exp", ("Qwen4ExpTextTopKRouter",), softmax_optional_renormalise),
+    RouterFamily("Aria", ("AriaTextTopKRouter",), softmax_over_selected_logits),
+    RouterFamily("dots.llm1", ("Dots1TopkRouter",), sigmoid_scaled),
+    RouterFamily("dots3-note", ("Dots3NoteTextTopkRouter",), sigmoid_scaled),
+    RouterFamily("GLM-4-MoE", ("Glm4MoeTopkRouter",), sigmoid_scaled),
+    RouterFamily("GLM-4-MoE-Lite", ("Glm4MoeLiteTopkRouter",), sigmoid_scaled),
+    RouterFamily("GLM-MoE-DSA", ("GlmMoeDsaTopkRouter",), sigmoid_scaled),
+    RouterFamily("DeepSeek-V3.2", ("DeepseekV32TopkRouter",), sigmoid_scaled),
+    RouterFamily("EXAONE-MoE", ("ExaoneMoeTopkRouter",), sigmoid_scaled),
+    RouterFamily("MiMo-V2-Flash", ("MiMoV2FlashTopkRouter",), sigmoid_scaled),
+    RouterFamily("Nemotron-H", ("NemotronHTopkRouter",), sigmoid_scaled),
+    RouterFamily("A.X-K1", ("AXK1TopkRouter",), sigmoid_scaled),
+    RouterFamily("A.X-K2", ("AXK2TopkRouter",), sigmoid_scaled),
+    RouterFamily("Bailing-Hybrid", ("BailingHybridTopkRouter",), sigmoid_scaled),
+    RouterFamily("HY-V4", ("HYV4TopkRouter",), sigmoid_scaled),
+    RouterFamily("Kimi-Linear", ("KimiLinearTopkRouter",), sigmoid_scaled),
+    RouterFamily("Solar-Open", ("SolarOpenTopkRouter",), sigmoid_scaled),
+    # Own gate-weight function.
+    RouterFamily("DeepSeek-V2", ("DeepseekV2TopkRouter",), softmax_scaled),
+    RouterFamily("Qwen3.5-MoE", ("Qwen3_5MoeTopKRouter",), softmax_renormalise_cast, hub_kernel="SoftmaxTopKRouter"),
+    RouterFamily("Jamba", ("JambaTopKRouter",), softmax_then_cast_to_input),
+    RouterFamily(
+        "GraniteMoe",
+        ("GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter", "GraniteMoeHybridTopKRouter", "GraniteMoeSWATopKRouter"),
+        softmax_over_selected_logits_cast_to_input,
+    ),
+    RouterFamily("Cohere2-MoE", ("Cohere2MoeTopKRouter",), cohere2_moe_selected_logits),
+    RouterFamily("LFM2-MoE", ("Lfm2MoeTopKRouter",), lfm2_moe_sigmoid),
+    RouterFamily("MiniMax-M3-VL", ("MiniMaxM3VLTopKRouter",), sigmoid_renormalise),
+    RouterFamily("Laguna", ("LagunaTopKRouter",), sigmoid_renormalise_cast_to_input, hub_kernel="SoftmaxTopKRouter"),
+    RouterFamily("Flint", ("FlintTopKRouter",), sigmoid_optional_renormalise),
+    RouterFamily("Kolibri1", ("Kolibri1TopKRouter",), sigmoid_of_selected_logits_optional_renormalise),
+    RouterFamily("Beam", ("BeamTopKRouter",), sigmoid_optional_renormalise_eps),
+    RouterFamily("DeepSeek-V4", ("DeepseekV4TopKRouter",), scored_renormalise_scaled),
 )
 
 _FAMILY_BY_CLASS = {cls: family for family in ROUTER_FAMILIES for cls in family.router_classes}

@@ -1,0 +1,255 @@
+"""Math rewards: correctness on plain/boxed/conversational answers, the format rule, TRL's calling convention, and
+bounded time on hostile completions in the main thread (signal timeouts) and off it (helper process)."""
+
+import math
+import threading
+import time
+
+import pytest
+
+from trl_moe_replay import rewards
+from trl_moe_replay.rewards import accuracy_reward, format_reward
+
+BOUND_S = 10.0  # a safety bound, not a benchmark
+
+
+@pytest.fixture
+def short_timeouts(monkeypatch):
+    """1 s math-verify timeouts so the cases that must time out do so quickly."""
+    monkeypatch.setattr(rewards, "PARSING_TIMEOUT_S", 1)
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 1)
+    monkeypatch.setattr(rewards, "WORKER_SLACK_S", 3.0)
+
+
+def in_thread(fn, *args, **kwargs):
+    """Run fn in a non-main thread; return its result or raise its exception."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "reward function hung in a non-main thread"
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def chat(text):
+    return [{"role": "assistant", "content": text}]
+
+
+# ----------------------------------------------------------------------------- accuracy: correct / wrong / None
+CORRECT = [
+    ("7", "7"),  # bare number, no box: math-verify's default extraction
+    (r"3+4=7 so the answer is \boxed{7}.", "7"),
+    (r"\boxed{0.5}", r"\frac{1}{2}"),  # decimal equals LaTeX fraction
+    (r"so $x = \boxed{\dfrac{1}{2}}$", "0.5"),
+    (r"\boxed{2/4}", r"\frac{1}{2}"),
+    ("the answer is 12", "12"),
+    ("we get 3+4=7. total 12", "12"),  # final number
+    (r"\boxed{-5}", "-5"),
+    (r"\boxed{1,000}", "1000"),
+    (r"\boxed{\{1,2\}}", r"\{1, 2\}"),  # escaped braces inside the box
+    (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)"),  # MATH-500 style gold
+    (r"first \boxed{3}, no wait: \boxed{12}", "12"),  # the last box counts
+    (r"\boxed{12}", r"Adding gives $5+7=12$, so the answer is $\boxed{12}$."),  # worked gold solution
+    (r"\boxed{12}", 12),  # int gold
+    (r"\fbox{12}", "12"),
+    # bare LaTeX golds (MATH-500's `answer`) are read as one expression
+    (r"\boxed{\frac{\pi}{2}}", r"\frac{\pi}{2}"),
+    (r"\boxed{3\sqrt{2}}", r"3\sqrt{2}"),
+    (r"\boxed{[-2, 7]}", "[-2, 7]"),
+    (r"\boxed{(-\infty, 3) \cup (5, \infty)}", r"(-\infty,3)\cup(5,\infty)"),
+    (r"\boxed{\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+    (r"\boxed{12}", r"\$12"),
+    (r"\boxed{12}", "Natalia sold 48+24 = 72 clips, so 12"),  # prose gold: its final number
+]
+
+
+@pytest.mark.parametrize("completion,gold", CORRECT)
+def test_correct_answers_score_one(completion, gold):
+    assert accuracy_reward([completion], [gold]) == [1.0]
+    assert accuracy_reward([chat(completion)], [gold]) == [1.0]  # conversational form
+
+
+WRONG = [
+    ("8", "7"),
+    (r"\boxed{13}", "12"),
+    (r"\boxed{12}, no wait: \boxed{3}", "12"),  # the last box counts
+    (r"\boxed{0.51}", r"\frac{1}{2}"),
+    ("", "12"),
+    ("i do not know", "12"),
+    (r"\boxed{}", "12"),
+    (r"\boxed{12", "13"),  # malformed box: falls back to the final number, 12
+    (r"\boxed{3}", r"3\sqrt{2}"),  # math-verify's default extraction would read this gold as 3
+    (r"\boxed{7}", "[-2, 7]"),
+]
+
+
+@pytest.mark.parametrize("completion,gold", WRONG)
+def test_wrong_answers_score_zero(completion, gold):
+    assert accuracy_reward([completion], [gold]) == [0.0]
+    assert accuracy_reward([chat(completion)], [gold]) == [0.0]
+
+
+@pytest.mark.parametrize("gold", ["", None, "no numbers here", r"\boxed{12", r"\boxed{}"])
+def test_unparseable_gold_gives_none(gold):
+    assert accuracy_reward([r"\boxed{12}", "12"], [gold, gold]) == [None, None]
+
+
+def test_conversational_forms():
+    tool_turns = [
+        {"role": "assistant", "content": "let me compute"},
+        {"role": "tool", "content": "99"},
+        {"role": "assistant", "content": r"so \boxed{12}"},
+    ]
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": r"\boxed{12}"}]}]
+    out = accuracy_reward([tool_turns, parts, [], [{"role": "assistant"}], {"content": "12"}], ["12"] * 5)
+    assert out == [1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_trl_calling_convention_and_logging():
+    """TRL passes prompts, completion_ids, every dataset column and its hooks as keyword arguments."""
+    extra, metrics = {}, {}
+    out = accuracy_reward(
+        prompts=["3+4=", "1+1="],
+        completions=[r"\boxed{7}", "3"],
+        completion_ids=[[1, 2], [3]],
+        solution=["7", "2"],
+        level=[1, 1],
+        trainer_state=None,
+        log_extra=lambda column, values: extra.__setitem__(column, values),
+        log_metric=lambda name, value: metrics.__setitem__(name, value),
+    )
+    assert out == [1.0, 0.0]
+    assert extra["extracted_answer"] == ["7", "3"]
+    assert metrics == {"accuracy_reward/timeout_frac": 0.0, "accuracy_reward/gold_unparsed_frac": 0.0}
+    assert format_reward(prompts=["x"], completions=[r"\boxed{7}"], completion_ids=[[1]], solution=["7"]) == [1.0]
+
+
+def test_length_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="2 completions but 1 solutions"):
+        accuracy_reward(["1", "2"], ["1"])
+
+
+# ----------------------------------------------------------------------------- format rule
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        (r"so \boxed{7}", 1.0),
+        (r"\boxed{\frac{1}{2}} is it", 1.0),
+        (r"\boxed{\{1,2\}}", 1.0),  # escaped braces do not count
+        (r"\boxed{7} or \boxed{8}", 0.0),  # two boxes
+        (r"\boxed{\boxed{7}}", 0.0),
+        (r"\boxed{7", 0.0),  # unbalanced
+        (r"\boxed{{7}", 0.0),
+        (r"\boxed {7}", 0.0),  # "{" must follow immediately
+        (r"\boxed{ }", 0.0),  # blank
+        ("7", 0.0),
+        (r"\boxed{" + "1" * (rewards.MAX_ANSWER_CHARS + 1) + "}", 0.0),  # too long
+        (r"\boxed{" + "1" * rewards.MAX_ANSWER_CHARS + "}", 1.0),
+    ],
+)
+def test_format_rule(completion, expected):
+    assert format_reward([completion]) == [expected]
+    assert format_reward([chat(completion)]) == [expected]
+
+
+def test_format_reward_non_text():
+    assert format_reward([None, 7, object(), [], [{"role": "assistant", "content": None}]]) == [0.0] * 5
+
+
+# ----------------------------------------------------------------------------- hostile completions
+HOSTILE = {
+    "10MB_digits": "1" * 10_000_000,
+    "10MB_latex_soup": "a b $ \\frac{ " * 800_000,
+    "10MB_then_answer": "x" * 10_000_000 + r" \boxed{12}",
+    "open_braces": "{" * 100_000,
+    "close_braces": "}" * 100_000 + "{",
+    "boxed_open_100k": "\\boxed{" * 100_000,
+    "deep_parens_in_box": "\\boxed{" + "(" * 5000 + "12" + ")" * 5000 + "}",
+    "deep_parens_12": "\\boxed{" + "(" * 16 + "12" + ")" * 16 + "}",
+    "unbalanced_box": r"\boxed{\frac{1}{2}" + "}" * 3 + "{" * 7,
+    "power_tower": r"\boxed{9^{9^{9^{9}}}}",  # sympy would compute forever: needs the timeout
+    "control_chars": "".join(map(chr, range(32))) + "\x7f\x85 \\boxed{12}\x00",
+    "nul_bytes": "\x00" * 1000 + "12" + "\x00" * 1000,
+    "lone_surrogate": "\ud800\\boxed{12}\udfff",
+    "none": None,
+    "int": 12,
+    "float_nan": float("nan"),
+    "object": object(),
+    "bytes": b"\\boxed{12}\xff",
+    "message_without_content": [{"role": "assistant"}],
+    "message_content_none": [{"role": "assistant", "content": None}],
+    "message_content_int": [{"role": "assistant", "content": 12}],
+    "list_of_junk": [1, None, "x"],
+}
+
+
+def assert_reward_type(value, allow_none=False):
+    assert (value is None and allow_none) or (isinstance(value, float) and math.isfinite(value))
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_completion_is_bounded_main_thread(name, short_timeouts):
+    completion, metrics = HOSTILE[name], {}
+    start = time.perf_counter()
+    acc = accuracy_reward([completion], ["12"], log_metric=lambda k, v: metrics.__setitem__(k, v))
+    fmt = format_reward([completion])
+    elapsed = time.perf_counter() - start
+    assert elapsed < BOUND_S, f"{name} took {elapsed:.1f} s"
+    assert len(acc) == len(fmt) == 1
+    assert_reward_type(acc[0])
+    assert_reward_type(fmt[0])
+    if name in ("power_tower", "deep_parens_in_box", "open_braces", "10MB_digits"):
+        assert acc == [0.0]
+    if name in ("10MB_then_answer", "control_chars", "lone_surrogate", "bytes", "nul_bytes"):
+        assert acc == [1.0]  # the answer survives the noise
+    # only the tower needs math-verify's timeout; the size and depth limits stop the rest before parsing
+    assert metrics["accuracy_reward/timeout_frac"] == (1.0 if name == "power_tower" else 0.0)
+
+
+def test_hostile_gold_is_bounded(short_timeouts):
+    golds = [HOSTILE[k] for k in ("10MB_digits", "10MB_latex_soup", "open_braces", "boxed_open_100k", "object")]
+    start = time.perf_counter()
+    out = accuracy_reward(["12"] * len(golds), golds)
+    assert time.perf_counter() - start < BOUND_S
+    for value in out:
+        assert_reward_type(value, allow_none=True)
+
+
+def test_off_main_thread_is_bounded_and_correct(short_timeouts):
+    """Off the main thread math-verify's signal timeouts cannot work: the helper process must bound the time."""
+    names = list(HOSTILE)
+    completions = [HOSTILE[n] for n in names]
+    start = time.perf_counter()
+    hostile = in_thread(accuracy_reward, completions, ["12"] * len(completions))
+    elapsed = time.perf_counter() - start
+    # every case bounded: the tower's timeout costs ~1 s, the helper's start ~1 s
+    assert elapsed < BOUND_S + 2, f"took {elapsed:.1f} s"
+    for name, value in zip(names, hostile):
+        assert_reward_type(value), name
+    by_name = dict(zip(names, hostile))
+    assert by_name["power_tower"] == 0.0 and by_name["10MB_then_answer"] == 1.0
+
+    completions, golds = zip(*CORRECT, *WRONG)
+    expected = [1.0] * len(CORRECT) + [0.0] * len(WRONG)
+    assert in_thread(accuracy_reward, list(completions), list(golds)) == expected
+    assert in_thread(accuracy_reward, [r"\boxed{12}"], [None]) == [None]
+
+
+def test_helper_process_hard_deadline():
+    """A computation that escapes math-verify's timeout (here: timeouts disabled in the helper) is killed at the
+    parent's deadline, scored 0.0, and the helper restarts for the next request."""
+    start = time.perf_counter()
+    reward, status, _ = rewards._WORKER.score(HOSTILE["power_tower"], "12", 1, 0, deadline_s=1.0)
+    elapsed = time.perf_counter() - start
+    assert (reward, status) == (0.0, "timeout")
+    assert elapsed < BOUND_S
+    assert in_thread(accuracy_reward, [r"\boxed{\frac{1}{2}}"], ["0.5"]) == [1.0]
