@@ -146,8 +146,8 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
             output = super()._generate(prompts)
         finally:
             self._in_generation = False
-        prompt_ids, completion_ids = output[0], output[1]
-        self._generation_routes = self._align_engine_rows(prompt_ids, completion_ids)
+        if self._scoring is not None:  # TRL calls _generate from _generate_and_score_completions only
+            self._scoring.generation_routes = self._align_engine_rows(output[0], output[1])
         return output
 
     def _align_engine_rows(self, prompt_ids, completion_ids) -> torch.Tensor | None:
@@ -167,16 +167,12 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
         )
 
     def _generate_and_score_completions(self, inputs):
-        self._generation_routes = None
         self._scoring = _ScoringState(expects_old_pass=self._old_pass_expected(), generation_routes=None)
         try:
             output = super()._generate_and_score_completions(inputs)
             state = self._scoring
-            if state.generation_routes is None:  # no old/ref pass picked them up (on-policy, beta == 0)
-                state.generation_routes = self._generation_routes
         finally:
             self._scoring = None
-            self._generation_routes = None
         replay_routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
         if replay_routes is not None:
             output["replay_routes"] = replay_routes
@@ -204,8 +200,6 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
 
-        if state.generation_routes is None and self._generation_routes is not None:
-            state.generation_routes = self._generation_routes
         is_old_pass = state.expects_old_pass and not state.old_pass_done
         state.old_pass_done = True
         if is_old_pass:

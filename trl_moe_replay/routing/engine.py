@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .errors import RouteAlignmentError
+from .routes import NO_ROUTE
 
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
@@ -47,7 +48,6 @@ __all__ = [
     "routes_from_engine",
 ]
 
-NO_ROUTE = -1
 _INT16_LIMIT = 1 << 15  # int16 holds expert ids 0..32767
 
 

@@ -123,7 +123,6 @@ class _ActiveReplay:
     def __init__(self, routes: torch.Tensor):
         self.routes = routes
         self._on_device: dict[torch.device, torch.Tensor] = {}
-        self.applied: set[int] = set()
 
     def forced_ids(self, layer: int, natural: torch.Tensor) -> torch.Tensor:
         routes = self._on_device.get(natural.device)
