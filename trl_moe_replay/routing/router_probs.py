@@ -1,0 +1,177 @@
+"""Router probabilities at given experts, for RSPO's router-shift weight.
+
+``RouterProbes(router_replay)`` adds one forward hook per router that ``RouterReplay`` found, registered after
+RouterReplay's own, so it sees the output RouterReplay returned: ``(logits, gate_weights, ids_actually_used, ...)``
+(the replayed ids under R2/R3, the router's natural ones otherwise). Two contexts, one active at a time:
+
+* ``with probes.capture(batch, seq) as cap:`` around one forward (the old-logprob pass, chunk by chunk) stores the
+  ids actually used and the router probabilities there: ``cap.ids`` int16 and ``cap.probs`` float16, both
+  ``[B, S, num_layers, top_k]`` on the CPU, like ``replay_routes`` (dense layers: id ``-1``, probability 0).
+* ``with probes.at(ids) as reading:`` around one forward (a training forward) reads the current router's
+  probabilities at the given ids: ``reading.probs`` float32 ``[B, S, num_layers, top_k]`` (0 where ``ids < 0``).
+
+*Router probability* means the softmax over all experts of the router's logits (in float32), for every family.
+For softmax routers (Mixtral, Qwen-MoE, OLMoE, ...) that is the routing score itself; for routers that score by
+sigmoid (DeepSeek-V3 style, whose gate weights are sigmoids of the logits) or softmax over the selected logits only
+(GPT-OSS) it is a per-token normalisation of the same logits, so ``|log r - log r_old|`` still measures how far the
+router's preference for those experts moved. Calls made during backward (activation-checkpoint recompute) are
+ignored. Nothing runs outside the two contexts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from .errors import RouteValidationError
+from .replay import RouterReplay, _in_backward, _SharedHook
+from .routes import NO_ROUTE
+
+
+class _Collector:
+    """Per-layer rows gathered during one forward of ``batch x seq`` tokens."""
+
+    def __init__(self, probes: RouterProbes, batch: int, seq: int):
+        self.probes, self.batch, self.seq = probes, batch, seq
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _check_rows(self, layer: int, rows: int) -> None:
+        if rows != self.batch * self.seq:
+            raise RouteValidationError(
+                f"the router of layer {layer} saw {rows} tokens, but this forward was declared as "
+                f"{self.batch}x{self.seq}={self.batch * self.seq}; wrap exactly one forward of that shape"
+            )
+        if layer in self.layers:
+            raise RouteValidationError(
+                f"the router of layer {layer} ran twice inside one forward; wrap each forward in its own context"
+            )
+
+    def _assemble(self, fill_ids: bool, probs_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        probes = self.probes
+        missing = sorted(set(probes.moe_layers) - set(self.layers))
+        if missing:
+            raise RouteValidationError(f"no router call seen for MoE layer(s) {missing}: was a forward run inside?")
+        shape = (self.batch, self.seq, probes.num_layers, probes.top_k)
+        ids = torch.full(shape, NO_ROUTE, dtype=torch.int16, device=device) if fill_ids else None
+        probs = torch.zeros(shape, dtype=probs_dtype, device=device)
+        for layer, (layer_ids, layer_probs) in self.layers.items():
+            if ids is not None:
+                ids[:, :, layer] = layer_ids.view(self.batch, self.seq, -1).to(device)
+            probs[:, :, layer] = layer_probs.view(self.batch, self.seq, -1).to(device)
+        return ids, probs
+
+
+class RouterCapture(_Collector):
+    """What :meth:`RouterProbes.capture` yields; ``ids`` and ``probs`` are set when the context exits."""
+
+    ids: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+    def add(self, layer: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        self._check_rows(layer, ids.shape[0])
+        ids = ids.detach()
+        probs = torch.softmax(logits.detach().float(), dim=-1).gather(1, ids.long())
+        self.layers[layer] = (ids.to(torch.int16), probs.to(torch.float16))
+
+    def finish(self) -> None:
+        self.ids, self.probs = self._assemble(fill_ids=True, probs_dtype=torch.float16, device="cpu")
+
+
+class RouterReading(_Collector):
+    """What :meth:`RouterProbes.at` yields; ``probs`` is set when the context exits."""
+
+    probs: torch.Tensor | None = None
+
+    def __init__(self, probes: RouterProbes, ids: torch.Tensor):
+        super().__init__(probes, ids.shape[0], ids.shape[1])
+        self.ids = ids
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+        self.device: torch.device | None = None
+
+    def add(self, layer: int, logits: torch.Tensor, natural_ids: torch.Tensor) -> None:
+        self._check_rows(layer, logits.shape[0])
+        ids = self._on_device.get(logits.device)
+        if ids is None:
+            ids = self._on_device[logits.device] = self.ids.to(logits.device, non_blocking=True)
+        wanted = ids[:, :, layer].reshape(-1, ids.shape[-1]).long()
+        probs = torch.softmax(logits.detach().float(), dim=-1).gather(1, wanted.clamp(min=0))
+        self.layers[layer] = (wanted, torch.where(wanted >= 0, probs, 0.0))
+        self.device = logits.device
+
+    def finish(self) -> None:
+        _, self.probs = self._assemble(fill_ids=False, probs_dtype=torch.float32, device=self.device or "cpu")
+
+
+class RouterProbes:
+    """Read router probabilities at the experts actually used (``capture``) or at given experts (``at``)."""
+
+    def __init__(self, router_replay: RouterReplay):
+        self.router_replay = router_replay
+        self.num_layers = router_replay.num_layers
+        self.top_k = router_replay.top_k
+        self.num_experts = router_replay.num_experts
+        self.moe_layers = list(router_replay.moe_layers)
+        self._removed = False
+        self._active: _Collector | None = None
+        self._handles = []
+        for site in router_replay._sites:
+            hook = _SharedHook(self, self._make_hook(site.layer))
+            for module in site.modules:
+                # registered after RouterReplay's hook, so it sees the ids RouterReplay made the block use
+                self._handles.append(module.register_forward_hook(hook))
+
+    @contextlib.contextmanager
+    def capture(self, batch: int, seq: int) -> Iterator[RouterCapture]:
+        """Around one forward of ``batch x seq`` tokens: the ids actually used and the probabilities there."""
+        collector = RouterCapture(self, batch, seq)
+        with self._activate(collector):
+            yield collector
+        collector.finish()
+
+    @contextlib.contextmanager
+    def at(self, ids: torch.Tensor) -> Iterator[RouterReading]:
+        """Around one forward: the router probabilities at ``ids`` (``[B, S, num_layers, top_k]``, ``-1``: none)."""
+        if ids.dim() != 4 or ids.shape[2:] != (self.num_layers, self.top_k):
+            raise RouteValidationError(
+                f"expert ids must be [B, S, {self.num_layers}, {self.top_k}] (num_layers, top_k); "
+                f"got {tuple(ids.shape)}"
+            )
+        if ids.numel() and (int(ids.max()) >= self.num_experts or int(ids.min()) < NO_ROUTE):
+            raise RouteValidationError(
+                f"expert ids must be in [-1, {self.num_experts}); got [{int(ids.min())}, {int(ids.max())}]"
+            )
+        collector = RouterReading(self, ids)
+        with self._activate(collector):
+            yield collector
+        collector.finish()
+
+    def remove(self) -> None:
+        """Detach every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._removed = True
+
+    @contextlib.contextmanager
+    def _activate(self, collector: _Collector) -> Iterator[None]:
+        if self._removed:
+            raise RuntimeError("these RouterProbes were removed; create new ones")
+        if self._active is not None:
+            raise RuntimeError("RouterProbes contexts do not nest: one forward at a time")
+        self._active = collector
+        try:
+            yield
+        finally:
+            self._active = None
+
+    def _make_hook(self, layer: int):
+        def hook(module, args, output):
+            collector = self._active
+            if collector is None or _in_backward():
+                return None
+            collector.add(layer, output[0], output[2])
+            return None
+
+        return hook
