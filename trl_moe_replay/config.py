@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 ROUTING_REPLAY_MODES = ("none", "r2", "r3")
+# Loss types this package adds to TRL's (grpo, dapo, dr_grpo, bnpo, cispo, sapo, luspo, vespo).
+MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
+# Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
+_PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
 
 
 @dataclass
@@ -26,6 +30,38 @@ class MoEReplayGRPOConfig(GRPOConfig):
         extreme_token_threshold (`float`, *optional*, defaults to `2.0`):
             A completion token counts as extreme in `mismatch/extreme_frac` when its sampler/trainer probability
             ratio, either way, exceeds this value.
+
+        > Loss options for MoE (besides every TRL `loss_type`)
+
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            TRL's loss types, plus `"gspo"` (GSPO: TRL's sequence-level importance sampling with the `"grpo"`
+            aggregation and the paper's clipping), `"rspo"` (GSPO with RSPO's router-shift weight γ on the ratio)
+            and `"minirl"` (the Qwen team's MiniRL objective, their Eq. 7: REINFORCE with the token-level importance
+            weight to the rollout policy, truncated at `minirl_is_cap` and detached; group-mean advantages without
+            std scaling; no length normalisation; decoupled-PPO clipping mask on the ratio to the old policy).
+        epsilon (`float`, *optional*):
+            Lower clipping bound. Unset (`None`): the loss type's default: `3e-4` for `gspo`/`rspo` (GSPO paper),
+            `0.2` otherwise (TRL's default; MiniRL's ε_low).
+        epsilon_high (`float`, *optional*):
+            Upper clipping bound. Unset: `4e-4` for `gspo`/`rspo` and `0.27` for `minirl` when `epsilon` is unset
+            too; otherwise `epsilon` (TRL's rule).
+        importance_sampling_level (`str`, *optional*):
+            `"token"` or `"sequence"`. Unset: `"sequence"` for `gspo`/`rspo` (which cannot be token-level),
+            `"token"` otherwise.
+        scale_rewards (`str` or `bool`, *optional*):
+            As TRL's. Unset: `"none"` for `minirl` (which needs group-mean advantages without std scaling),
+            `"group"` otherwise.
+        router_shift_weighting (`bool`, *optional*):
+            Multiply the importance ratio by RSPO's router-shift weight γ before clipping, with any loss type.
+            Per completion token, Δ = mean over MoE layers of the mean over the old policy's top-k experts of
+            |log r_current − log r_old| (router softmax probabilities), γ = max(exp(−Δ), `router_shift_gamma_min`),
+            detached. Unset: on for `rspo` (which is GSPO plus this weight), off otherwise.
+        router_shift_gamma_min (`float`, *optional*, defaults to `0.8`):
+            The floor γ_min of the router-shift weight, in (0, 1]. 0.8 is the community RSPO implementation's default
+            (the paper does not report its value).
+        minirl_is_cap (`float`, *optional*, defaults to `5.0`):
+            Truncation cap C of MiniRL's rollout importance weight min(π_θ/μ, C) (the paper's TIS cap). `minirl` uses
+            it instead of TRL's `vllm_importance_sampling_mode` / `vllm_importance_sampling_clip_*` correction.
     """
 
     routing_replay: str = field(
@@ -48,11 +84,125 @@ class MoEReplayGRPOConfig(GRPOConfig):
         },
     )
 
+    loss_type: str = field(
+        default="dapo",
+        metadata={
+            "help": "TRL's loss types ('grpo', 'dapo', 'dr_grpo', 'bnpo', 'cispo', 'sapo', 'luspo', 'vespo') plus "
+            "'gspo' (sequence-level ratio, GSPO clipping), 'rspo' (gspo with RSPO's router-shift weight) and "
+            "'minirl' (Qwen's MiniRL objective, Eq. 7)."
+        },
+    )
+    epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Lower clipping bound. Unset: 3e-4 for gspo/rspo, 0.2 otherwise."},
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper clipping bound. Unset: 4e-4 for gspo/rspo and 0.27 for minirl when epsilon is unset too; "
+            "otherwise epsilon (TRL's rule; for cispo it is ε_max)."
+        },
+    )
+    importance_sampling_level: str | None = field(
+        default=None,
+        metadata={"help": "'token' or 'sequence'. Unset: 'sequence' for gspo/rspo, 'token' otherwise."},
+    )
+    scale_rewards: str | None = field(
+        default=None,
+        metadata={"help": "'group', 'batch' or 'none' (True/False as in TRL). Unset: 'none' for minirl, else 'group'"},
+    )
+    router_shift_weighting: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Rescale the importance ratio by RSPO's router-shift weight γ = max(exp(-Δ), "
+            "router_shift_gamma_min) before clipping, with any loss type. Unset: on for rspo, off otherwise."
+        },
+    )
+    router_shift_gamma_min: float = field(
+        default=0.8,
+        metadata={"help": "Floor γ_min of the router-shift weight, in (0, 1]."},
+    )
+    minirl_is_cap: float = field(
+        default=5.0,
+        metadata={"help": "Truncation cap of MiniRL's rollout importance weight min(π_θ/μ, cap)."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        self._resolve_loss_options()
         if self.routing_replay not in ROUTING_REPLAY_MODES:
             raise ValueError(
                 f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}"
             )
         if self.extreme_token_threshold <= 1.0:
             raise ValueError(f"extreme_token_threshold must be > 1, got {self.extreme_token_threshold}")
+
+    def _resolve_loss_options(self) -> None:
+        """Fill the loss-dependent defaults left unset (None) and refuse combinations that cannot work."""
+        loss = self.loss_type
+        epsilon_unset = self.epsilon is None
+        low, high = _PAPER_EPSILONS.get(loss, (0.2, None))
+        if epsilon_unset:
+            self.epsilon = low
+        if self.epsilon_high is None and epsilon_unset and high is not None:
+            self.epsilon_high = high  # else TRL's rule: epsilon_high = epsilon
+        if self.importance_sampling_level is None:
+            self.importance_sampling_level = "sequence" if loss in ("gspo", "rspo") else "token"
+        if self.scale_rewards is None:
+            self.scale_rewards = "none" if loss == "minirl" else "group"
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.router_shift_weighting is None:
+            self.router_shift_weighting = loss == "rspo"
+
+        if not 0.0 < self.router_shift_gamma_min <= 1.0:
+            raise ValueError(f"router_shift_gamma_min must be in (0, 1], got {self.router_shift_gamma_min}")
+        if loss in ("gspo", "rspo") and self.importance_sampling_level != "sequence":
+            raise ValueError(
+                f"loss_type={loss!r} uses GSPO's sequence-level ratio, but importance_sampling_level="
+                f"{self.importance_sampling_level!r}. Leave importance_sampling_level unset, or use loss_type='grpo' "
+                "for a token-level ratio."
+            )
+        if loss == "rspo" and not self.router_shift_weighting:
+            raise ValueError(
+                "loss_type='rspo' is GSPO with the router-shift weight; router_shift_weighting=False makes it "
+                "loss_type='gspo'. Use that instead."
+            )
+        if loss == "minirl":
+            self._check_minirl()
+
+    def _check_minirl(self) -> None:
+        def refuse(problem: str, fix: str) -> None:
+            raise ValueError(f"loss_type='minirl' {problem}. {fix}")
+
+        if self.minirl_is_cap <= 0:
+            refuse(f"needs minirl_is_cap > 0, got {self.minirl_is_cap}", "The paper uses 5.")
+        if not self.vllm_importance_sampling_correction:
+            refuse(
+                "weights every token by π_θ/μ against the rollout (sampling) policy, i.e. it is itself a "
+                "training-inference correction, but vllm_importance_sampling_correction=False turns that off (and "
+                "with it the old-logprob pass that MiniRL's clipping mask needs)",
+                "Set vllm_importance_sampling_correction=True: minirl then uses its own truncated token weight "
+                "(minirl_is_cap) instead of TRL's vllm_importance_sampling_mode correction.",
+            )
+        if self.use_transformers_continuous_batching:
+            refuse(
+                "needs the rollout log-probs, which transformers' continuous-batching generation does not return",
+                "Use use_transformers_continuous_batching=False (plain generate records them) or use_vllm=True.",
+            )
+        if self.scale_rewards != "none":
+            refuse(
+                f"uses group-mean advantages without std scaling, but scale_rewards={self.scale_rewards!r}",
+                "Leave scale_rewards unset (or 'none').",
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            refuse(
+                "uses group-mean advantages without std scaling, but multi_objective_aggregation="
+                "'normalize_then_sum' divides each reward by its std",
+                "Use multi_objective_aggregation='sum_then_normalize'.",
+            )
+        if self.importance_sampling_level != "token":
+            refuse("weights tokens, not sequences", "Leave importance_sampling_level unset (or 'token').")
+        if self.delta is not None:
+            refuse("clips by masking, it has no ratio for delta's two-sided clipping", "Leave delta unset.")
+        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
+            refuse("does not implement TRL's entropy bonus", "Set entropy_coef=0 and use_adaptive_entropy=False.")

@@ -11,6 +11,10 @@ The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Da
    buffer, shuffle and split.
 4. ``_compute_loss``/``training_step``: the micro-batch's routes are replayed in the training forward and stay in
    force until its backward has returned (gradient checkpointing recomputes the routers in backward).
+
+The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
+(``trl_moe_replay.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
+``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from trl import GRPOTrainer
 from .config import MoEReplayGRPOConfig
 from .generation import TransformersRolloutRecorder
 from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from .objectives import MoEObjectivesMixin
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
 
@@ -40,9 +45,11 @@ class _ScoringState:
     generation_routes: torch.Tensor | None
     old_pass_done: bool = False
     old_natural_routes: torch.Tensor | None = None
+    old_router_ids: torch.Tensor | None = None  # router_shift_weighting: the experts the old pass used ...
+    old_router_probs: torch.Tensor | None = None  # ... and the old router's probabilities there
 
 
-class MoEReplayGRPOTrainer(GRPOTrainer):
+class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -93,6 +100,7 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
         self._batch_routes: torch.Tensor | None = None
         self._train_replay = contextlib.ExitStack()
         self._engine_rows: list | None = None
+        self._setup_objectives(self.args)
 
     # ------------------------------------------------------------------ engine flag
     @property
@@ -176,6 +184,8 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
         replay_routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
         if replay_routes is not None:
             output["replay_routes"] = replay_routes
+        if state.old_router_ids is not None:  # ride through TRL's buffer, shuffle and split like the routes
+            output["old_router_ids"], output["old_router_probs"] = state.old_router_ids, state.old_router_probs
         self._log_mismatch_metrics(output, state)
         return output
 
@@ -213,13 +223,14 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
                 routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
 
         batch_size = batch_size or input_ids.size(0)
-        logps, entropies, aux_losses, natural = [], [], [], []
+        logps, entropies, aux_losses, natural, old_router = [], [], [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             with contextlib.ExitStack() as stack:
                 if routes is not None:
                     stack.enter_context(rr.replay(routes[start:end]))
                 recording = stack.enter_context(rr.record()) if record else None
+                capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), record))
                 chunk_logps, chunk_entropies, chunk_aux = parent(
                     model, input_ids[start:end], attention_mask[start:end], logits_to_keep, None, compute_entropy,
                     compute_aux_loss,
@@ -229,8 +240,13 @@ class MoEReplayGRPOTrainer(GRPOTrainer):
             aux_losses.append(chunk_aux)
             if recording is not None:
                 natural.append(recording.routes)
+            if capture is not None:
+                old_router.append((capture.ids, capture.probs))
         if record:
             state.old_natural_routes = torch.cat(natural, dim=0)
+        if old_router:
+            state.old_router_ids = torch.cat([ids for ids, _ in old_router], dim=0)
+            state.old_router_probs = torch.cat([probs for _, probs in old_router], dim=0)
         return (
             torch.cat(logps, dim=0),
             torch.cat(entropies, dim=0) if compute_entropy else None,

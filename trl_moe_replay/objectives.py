@@ -1,0 +1,239 @@
+"""The trainer side of the MoE loss options: RSPO's router-shift weight with any loss, ``gspo``/``rspo`` on TRL's
+loss, and ``minirl``'s own loss. The math lives in ``trl_moe_replay.losses``; ``MoEReplayGRPOTrainer`` mixes this in.
+
+How γ reaches TRL's loss without copying it: TRL builds every importance weight from
+``per_token_logps - old_per_token_logps``, read right after the training forward. ``_compute_loss`` hands TRL a
+shallow copy of the micro-batch, the training forward measures the current router at the old experts
+(``_measuring_router_shift``), and before TRL reads it the copy's ``old_per_token_logps`` becomes
+``old - log γ`` (``losses.shift_old_logps``): every TRL loss type then clips ``γ · ratio`` with its own code, and
+γ = 1 leaves TRL's computation bit for bit unchanged. The buffered batch itself is never modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from trl.trainer.utils import nanmax, nanmin
+
+from .losses import (
+    completion_aligned,
+    lower_quantile,
+    minirl_per_token_loss,
+    router_shift,
+    router_shift_gamma,
+    shift_old_logps,
+)
+from .routing.router_probs import RouterProbes
+
+# The TRL loss that carries our sequence-level names: GSPO is TRL's "grpo" loss (mean over sequences of the
+# per-sequence mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way).
+_TRL_LOSS_FOR = {"gspo": "grpo", "rspo": "grpo"}
+
+
+class MoEObjectivesMixin:
+    """Router-shift weighting, ``gspo``/``rspo`` and ``minirl`` for a ``GRPOTrainer`` subclass."""
+
+    _loss_inputs: dict | None = None  # the micro-batch copy while _compute_loss runs, else None
+
+    def _setup_objectives(self, args) -> None:
+        """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists."""
+        name = args.loss_type
+        if name in ("gspo", "rspo", "minirl") and not hasattr(args, "minirl_is_cap"):
+            raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
+        self.moe_loss_type = name
+        self.loss_type = _TRL_LOSS_FOR.get(name, name)  # what TRL's _compute_loss branches on
+        self.router_shift_weighting = bool(getattr(args, "router_shift_weighting", False))
+        self.router_shift_gamma_min = getattr(args, "router_shift_gamma_min", 0.8)
+        self.minirl_is_cap = getattr(args, "minirl_is_cap", 5.0)
+        self._router_probes = RouterProbes(self._route_replay) if self.router_shift_weighting else None
+        self._loss_inputs: dict | None = None
+        self._unshifted_old_logps: torch.Tensor | None = None
+        self._router_shift_gamma: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ old-logprob pass
+    def _old_router_capture(self, batch: int, seq: int, is_old_pass: bool):
+        """Context around one chunk's forward: in the old-logprob pass (with router-shift weighting), the old
+        router's probabilities at the experts used; yields None otherwise."""
+        if self._router_probes is None or not is_old_pass:
+            return contextlib.nullcontext()
+        return self._router_probes.capture(batch, seq)
+
+    # ------------------------------------------------------------------ loss and training forward
+    def _compute_loss(self, model, inputs):
+        inputs = self._begin_loss_inputs(inputs)  # a copy: the training forward may shift its old log-probs by γ
+        try:
+            if self.moe_loss_type == "minirl":
+                return self._compute_minirl_loss(model, inputs)
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._end_loss_inputs()
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **kwargs):
+        """TRL's forward; inside ``_compute_loss`` (the training forward) it also measures the router shift."""
+        parent = super()._get_per_token_logps_and_entropies
+        if self._loss_inputs is None:  # old-logprob and reference passes
+            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss, **kwargs)
+        with self._measuring_router_shift(input_ids, logits_to_keep):
+            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss, **kwargs)
+
+    def _begin_loss_inputs(self, inputs: dict) -> dict:
+        """A shallow copy of the micro-batch that the training forward may put γ-shifted old log-probs in."""
+        inputs = dict(inputs)
+        self._loss_inputs = inputs
+        self._unshifted_old_logps = inputs.get("old_per_token_logps")
+        self._router_shift_gamma = None
+        return inputs
+
+    def _end_loss_inputs(self) -> None:
+        self._loss_inputs = self._unshifted_old_logps = self._router_shift_gamma = None
+
+    @contextlib.contextmanager
+    def _measuring_router_shift(self, input_ids: torch.Tensor, logits_to_keep: int) -> Iterator[None]:
+        """Around the training forward of ``_compute_loss``: measure γ and hand it to the loss."""
+        inputs = self._loss_inputs
+        if not self.router_shift_weighting or inputs is None:
+            yield
+            return
+        old_ids = inputs.get("old_router_ids")
+        if old_ids is None:
+            # No old-logprob pass: TRL treats the batch as on-policy (old = current, detached), so the router has
+            # not moved either: Δ = 0, γ = 1.
+            yield
+            delta = torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device)
+        else:
+            if old_ids.shape[:2] != input_ids.shape:
+                raise ValueError(
+                    f"old_router_ids {tuple(old_ids.shape)} do not match the forward's input_ids "
+                    f"{tuple(input_ids.shape)}: they must travel with the batch like replay_routes"
+                )
+            with self._router_probes.at(old_ids) as reading:
+                yield
+            old_probs = inputs["old_router_probs"].to(reading.probs.device)
+            per_position = router_shift(old_probs, reading.probs, old_ids.to(reading.probs.device))
+            delta = completion_aligned(per_position, logits_to_keep)
+        gamma = router_shift_gamma(delta, self.router_shift_gamma_min)
+        self._router_shift_gamma = gamma
+        if self.moe_loss_type != "minirl" and self._unshifted_old_logps is not None:
+            inputs["old_per_token_logps"] = shift_old_logps(self._unshifted_old_logps, gamma)
+            if self.off_policy_mask_threshold is not None and "sampling_per_token_logps" not in inputs:
+                # TRL's off-policy mask falls back to the old log-probs: keep it on the unshifted ones
+                inputs["sampling_per_token_logps"] = self._unshifted_old_logps
+        self._log_router_shift(delta, gamma, _loss_mask(inputs))
+
+    def _log_router_shift(self, delta: torch.Tensor, gamma: torch.Tensor, mask: torch.Tensor) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        valid = mask.bool()
+        floored = torch.exp(-delta) < self.router_shift_gamma_min
+        sums = self._global_sums(
+            {
+                "tokens": valid.sum(),
+                "gamma": torch.where(valid, gamma, 0.0).sum(),
+                "shift": torch.where(valid, delta, 0.0).sum(),
+                "floored": (floored & valid).sum(),
+            },
+            gamma.device,
+        )
+        tokens = sums["tokens"].clamp(min=1.0)
+        metrics["rspo/gamma_mean"].append((sums["gamma"] / tokens).item())
+        metrics["rspo/shift_mean"].append((sums["shift"] / tokens).item())
+        metrics["rspo/floor_frac"].append((sums["floored"] / tokens).item())
+        # min and 10th percentile need the values themselves: gather them, padded to a common length with NaN
+        values = torch.where(valid, gamma, torch.nan).flatten().float()
+        values = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        values = self.accelerator.gather(values)
+        metrics["rspo/gamma_min"].append(nanmin(values).item() if (~values.isnan()).any() else float("nan"))
+        metrics["rspo/gamma_p10"].append(lower_quantile(values, 0.1).item())
+
+    # ------------------------------------------------------------------ minirl
+    def _compute_minirl_loss(self, model, inputs: dict) -> torch.Tensor:
+        """MiniRL (Eq. 7): ``-Σ_t M_t · sg[min(π_θ/μ, C)] · Â · log π_θ`` over valid tokens, divided by the constant
+        ``completions x max_completion_length`` (Dr. GRPO's normaliser: no length normalisation), plus TRL's KL
+        term (``beta``), off-policy and entropy masks and router aux loss when configured."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = _loss_mask(inputs)
+        sampling_logps = inputs.get("sampling_per_token_logps")
+        if sampling_logps is None:
+            raise RuntimeError(
+                "loss_type='minirl' needs the rollout log-probs (sampling_per_token_logps) in the batch, and this "
+                "batch has none: the generation path did not return them (a custom rollout_func without logprobs?)"
+            )
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+        )
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = per_token_logps.detach() if old_logps is None else old_logps
+        terms = minirl_per_token_loss(
+            per_token_logps, old_logps, sampling_logps, advantages, self.epsilon_low, self.epsilon_high,
+            self.minirl_is_cap, gamma=self._router_shift_gamma,
+        )
+        per_token_loss = terms.loss
+        if self.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages=advantages, per_token_logps=per_token_logps, sampling_per_token_logps=sampling_logps,
+                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
+            )
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            per_token_loss = per_token_loss * entropy_mask
+        if self.beta != 0.0:
+            ref_logps = inputs["ref_per_token_logps"]
+            per_token_kl = torch.exp(ref_logps - per_token_logps) - (ref_logps - per_token_logps) - 1
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(per_token_logps - old_logps)
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length) / accumulation
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+        metrics = self._metrics[mode]
+        low, high = terms.low_clipped, terms.high_clipped
+        valid = mask.bool()
+        sums = self._global_sums(
+            {
+                "tokens": valid.sum(),
+                "entropy": torch.where(valid, entropies.detach(), 0.0).sum(),
+                "low": (low & valid).sum(),
+                "high": (high & valid).sum(),
+                "is_weight": torch.where(valid, terms.is_weight, 0.0).sum(),
+                "truncated": (terms.truncated & valid).sum(),
+                **({"kl": torch.where(valid, per_token_kl.detach(), 0.0).sum()} if self.beta != 0.0 else {}),
+            },
+            per_token_logps.device,
+        )
+        tokens = sums["tokens"].clamp(min=1.0)
+        if self.beta != 0.0:
+            metrics["kl"].append((sums["kl"] / tokens).item())
+        metrics["entropy"].append((sums["entropy"] / tokens).item())
+        metrics["clip_ratio/low_mean"].append((sums["low"] / tokens).item())
+        metrics["clip_ratio/high_mean"].append((sums["high"] / tokens).item())
+        metrics["clip_ratio/region_mean"].append(((sums["low"] + sums["high"]) / tokens).item())
+        per_seq = mask.sum(-1)  # like TRL: a sequence without valid tokens gives NaN, which nanmin/nanmax skip
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather((low * mask).sum(-1) / per_seq)).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather((high * mask).sum(-1) / per_seq)).item())
+        metrics["minirl/is_weight_mean"].append((sums["is_weight"] / tokens).item())
+        metrics["minirl/is_truncated_frac"].append((sums["truncated"] / tokens).item())
+        return loss
+
+
+def _loss_mask(inputs: dict) -> torch.Tensor:
+    """TRL's loss mask: completion tokens, minus tool-output tokens."""
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
