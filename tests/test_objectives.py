@@ -137,6 +137,18 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
     assert 0 < metrics["minirl/is_truncated_frac"][-1] < 1 and 0 < metrics["clip_ratio/region_mean"][-1] < 1
 
 
+def test_minirl_with_kl_entropy_mask_and_off_policy_mask(tmp_path):
+    torch.manual_seed(0)
+    tiny_moe_model("qwen3_moe").save_pretrained(tmp_path / "model")  # beta != 0: TRL loads the reference by path
+    trainer = make_trainer(tmp_path, str(tmp_path / "model"), loss_type="minirl", routing_replay="r3", max_steps=1,
+                           beta=0.04, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    (kl,) = logged(trainer, "kl")
+    assert kl >= 0 and math.isfinite(kl) and math.isfinite(logged(trainer, "loss")[0])
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+
+
 # ---------------------------------------------------------------------------------------------- a few steps
 @pytest.mark.parametrize("mode", ["none", "r2", "r3"])
 @pytest.mark.parametrize("loss", ["rspo", "minirl", "gspo"])
