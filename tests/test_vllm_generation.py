@@ -68,7 +68,7 @@ def npy_b64decode(payload):
 
 
 def npy_b64encode(array):
-    """vLLM's ``numpy2base64`` (vllm/utils/serial_utils.py), stdlib codec; takes any dtype, as a broken server might."""
+    """vLLM's ``numpy2base64`` (vllm/utils/serial_utils.py), stdlib codec; any dtype, as a broken server might send."""
     with io.BytesIO() as buffer:
         np.save(buffer, array, allow_pickle=False)
         return base64.b64encode(buffer.getbuffer()).decode("ascii")
@@ -124,15 +124,18 @@ def assert_batches_match_the_engine(trainer, served, starts=None):
 @pytest.mark.parametrize(
     "model_kwargs, start",
     [
-        ({}, 0),  # 8 experts: uint8 payloads
+        # 8 experts: uint8 payloads; two completions per batch cut short by a stop string (rows trimmed alike)
+        ({}, 0),
         # 300 experts: uint16 payloads; layer 0 dense (zero rows on the wire); first 2 prompt rows not sent
         ({"num_experts": 300, "num_hidden_layers": 3, "mlp_only_layers": [0]}, 2),
     ],
-    ids=["uint8", "uint16-dense-layer-prompt-start"],
+    ids=["uint8-stop-trimmed", "uint16-dense-layer-prompt-start"],
 )
 def test_server_mode_replays_the_routes_the_server_sent(tmp_path, model_kwargs, start):
     extra = {"generation_kwargs": {"routed_experts_prompt_start": start}} if start else {}
-    with FakeVLLMServer(tiny_moe_model("qwen3_moe", **model_kwargs)) as server, trl_vllm_transport_stub(server):
+    stop_trim = None if model_kwargs else (lambda call, choice: 2 if choice in (1, 6) else 0)
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe", **model_kwargs), stop_trim=stop_trim)
+    with server, trl_vllm_transport_stub(server):
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **model_kwargs), vllm_mode="server",
                                vllm_server_base_url=server.url, **extra)
         trainer.train()
@@ -157,6 +160,10 @@ def test_server_mode_replays_the_routes_the_server_sent(tmp_path, model_kwargs, 
         (batch, [c.token_ids for c in sb.completions], [npy_b64decode(p) for p in sb.payloads])
         for batch, sb in zip(trainer.batches, server.batches, strict=True)
     ]
+    if stop_trim:  # the trimmed completions came back shorter than the rest and ended without EOS
+        eos = tiny_tokenizer().eos_token_id
+        trimmed = [sb.completions[i].token_ids for sb in server.batches for i in (1, 6)]
+        assert all(len(ids) < 6 and ids[-1] != eos for ids in trimmed)
     assert_batches_match_the_engine(trainer, served, starts=[start] * 8)
     # fp32, weights synced: the trainer under the server's routes reproduces the server's log-probs
     assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6
@@ -221,7 +228,8 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     )
     # counted: the bad samples' routable positions over all routable positions of the batch
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
-    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx((routable[bad].sum() / routable.sum()).item())]
+    expected_frac = (routable[bad].sum() / routable.sum()).item()
+    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
     assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6  # natural routing in fp32 matches the engine anyway
 
 

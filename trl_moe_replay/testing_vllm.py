@@ -23,6 +23,7 @@ Sampling is transformers ``generate``; its routes and processed log-probs are re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import queue
@@ -43,7 +44,13 @@ from .generation.transformers import TransformersRolloutRecorder
 from .routing import RouterReplay
 from .routing.engine import encode_routed_experts, engine_dtype
 
-__all__ = ["EngineCompletion", "FakeVLLMServer", "TransformersEngine", "fake_colocated_vllm", "trl_vllm_transport_stub"]
+__all__ = [
+    "EngineCompletion",
+    "FakeVLLMServer",
+    "TransformersEngine",
+    "fake_colocated_vllm",
+    "trl_vllm_transport_stub",
+]
 
 
 # ----------------------------------------------------------------------------- engine
@@ -147,17 +154,22 @@ class FakeVLLMServer:
     """vLLM's OpenAI server as TRL's client sees it, on ``127.0.0.1`` and an ephemeral port.
 
     ``return_routes=False`` is a server started without ``--enable-return-routed-experts`` (``routed_experts`` is
-    null); ``routes_field=False`` drops the field altogether, as a vLLM without R3 support answers. ``tamper(call, choice, payload) -> payload`` rewrites individual payloads (``call`` counts
-    ``/v1/completions`` requests from 0). Use as a context manager; ``url`` is the base URL.
+    null); ``routes_field=False`` drops the field altogether, as a vLLM without R3 support answers.
+    ``stop_trim(call, choice) -> k`` drops the last ``k`` tokens (all but one at most) with their log-probs and route
+    rows, as vLLM does when a stop string ends inside the sampled text (``routed_experts[:-num_dropped]``).
+    ``tamper(call, choice, payload) -> payload`` rewrites individual payloads (``call`` counts ``/v1/completions``
+    requests from 0). Use as a context manager; ``url`` is the base URL.
     """
 
     def __init__(self, model: nn.Module, *, model_name: str = "tiny-moe", return_routes: bool = True,
-                 routes_field: bool = True, tamper: Tamper | None = None, world_size: int = 1):
+                 routes_field: bool = True, tamper: Tamper | None = None,
+                 stop_trim: Callable[[int, int], int] | None = None, world_size: int = 1):
         self.engine = TransformersEngine(model)
         self.model_name = model_name
         self.return_routes = return_routes
         self.routes_field = routes_field
         self.tamper = tamper
+        self.stop_trim = stop_trim
         self.world_size = world_size
         self.batches: list[ServedBatch] = []
         self.weight_updates: list[WeightUpdate] = []
@@ -228,7 +240,8 @@ class FakeVLLMServer:
         if method == "POST" and path == "/update_weights":
             self._update_weights((body or {})["update_info"])
             return 200, {}
-        if method == "POST" and path in ("/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update"):
+        if method == "POST" and path in ("/init_weight_transfer_engine", "/start_weight_update",
+                                         "/finish_weight_update"):
             return 200, {}
         if method == "POST" and path == "/reset_prefix_cache":
             self.prefix_cache_resets += 1
@@ -255,6 +268,13 @@ class FakeVLLMServer:
         as_ids = bool(request.get("return_tokens_as_token_ids"))
         choices, flat, payloads = [], [], []
         for index, completion in enumerate(c for group in grouped for c in group):
+            drop = self.stop_trim(call, index) if self.stop_trim is not None else 0
+            drop = min(drop, len(completion.token_ids) - 1)  # keep at least one token
+            if drop > 0:
+                completion = dataclasses.replace(
+                    completion, token_ids=completion.token_ids[:-drop], logprobs=completion.logprobs[:-drop],
+                    routed_experts=completion.routed_experts[:-drop], finish_reason="stop",
+                )
             payload = encode_routed_experts(completion.routed_experts[start:]) if self.return_routes else None
             if self.tamper is not None:
                 payload = self.tamper(call, index, payload)
