@@ -13,7 +13,7 @@ completion lengths in [7/8, 1] of 4096 instead). Each repeat times, side by side
 
 "warm" writes into destinations allocated once (copy buffer / ``out=``); "cold" allocates fresh
 ones per call, adding first-touch page faults (the int16 output is 2x the engine bytes). Repeats
-are interleaved and medians reported. Target: align within 3x of the copy.
+are interleaved in random order and medians reported. Target: align within 3x of the copy.
 
 Also printed: bytes per routed token on the wire (base64 ``.npy``, as vLLM sends it) and what one
 generation batch moves to the trainer ranks: with the per-rank scatter each of ``--ranks`` ranks
@@ -131,14 +131,17 @@ def main() -> None:
         },
     }
     times = {(mode, name): [] for mode, group in cases.items() for name in group}
-    for _ in range(args.repeats):  # interleaved; each result is dropped before the next case runs
-        for mode, group in cases.items():
-            for name, fn in group.items():
-                gc.collect()
-                start = time.perf_counter()
-                result = fn()
-                times[mode, name].append(time.perf_counter() - start)
-                del result
+    order = [(mode, name, fn) for mode, group in cases.items() for name, fn in group.items()]
+    for _ in range(args.repeats):
+        # interleaved, in a fresh random order each repeat (a cold case right after a large free is penalised by
+        # the kernel reclaiming those pages); each result is dropped before the next case runs
+        for i in rng.permutation(len(order)):
+            mode, name, fn = order[i]
+            gc.collect()
+            start = time.perf_counter()
+            result = fn()
+            times[mode, name].append(time.perf_counter() - start)
+            del result
 
     tokens = sum(counts)
     raw_bytes = flat.nbytes

@@ -191,6 +191,17 @@ def test_server_without_routes_fails_at_the_first_batch_with_the_command(tmp_pat
     assert len(server.batches) == 1 and trainer.state.global_step == 0
 
 
+def test_routes_that_never_fit_the_model_fail_at_the_first_batch(tmp_path):
+    # e.g. the server serves another checkpoint: every payload has the wrong layer count
+    tamper = lambda call, choice, payload: npy_b64encode(np.concatenate([npy_b64decode(payload)] * 2, 1))  # noqa: E731
+    with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
+        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
+                               vllm_server_base_url=server.url)
+        with pytest.raises(RoutesUnavailableError, match=r"2 decoder layers, top-2.*got \(\d+, 4, 2\)"):
+            trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_path, caplog):
     def tamper(call, choice, payload):
         if call != 1:

@@ -20,9 +20,10 @@ least reach into TRL:
 
 Missing routes are handled in two ways. If the very first generation batch carries no route at all, the engine is
 not set up for R3 (flag off, prefix caching off, a model vLLM does not capture): :class:`RoutesUnavailableError`
-is raised on every rank with the exact command to run. Later, a sample whose payload is missing or malformed
-(aborted request, wrong length, undecodable) is routed by the trainer's own router instead, with a warning; its
-positions count in ``routing/fallback_frac``.
+is raised on every rank with the exact command to run; likewise if none of its routes fits the trained model
+(another checkpoint). Later, a sample whose payload is missing or malformed (aborted request, wrong length,
+undecodable) is routed by the trainer's own router instead, with a warning; its positions count in
+``routing/fallback_frac``.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class VLLMRouteSource:
         self._generation = vllm_generation
         self.prompt_start = _prompt_start(vllm_generation.generation_kwargs)
         self.received_routes = False  # has any batch carried a route yet (fail fast only before that)
+        self._aligned_first_batch = False
         self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
         self.last_transfer = RouteTransfer()
         self._colocate_outputs: list | None = None
@@ -251,12 +253,26 @@ class VLLMRouteSource:
 
     # ------------------------------------------------------------------ alignment
     def align(self, rows: Sequence[Any], **layout: Any) -> torch.Tensor:
-        """``routes_from_engine`` over this rank's rows; a sample with missing or malformed rows falls back."""
+        """``routes_from_engine`` over this rank's rows; a sample with missing or malformed rows falls back.
+
+        If no sample of the whole first batch (all ranks) fits, the engine and the trainer disagree about the model
+        (another checkpoint, layer count, top-k): that raises instead of silently training without replay.
+        """
         failures: list[RouteAlignmentError] = []
         routes = routes_from_engine(
             rows, prompt_starts=[self.prompt_start] * len(rows), on_error=failures.append, **layout
         )
         missing = sum(row is None for row in rows)
+        if not self._aligned_first_batch:
+            self._aligned_first_batch = True
+            usable = torch.tensor([len(rows) - missing - len(failures)], device=self.accelerator.device)
+            if int(self.accelerator.gather(usable).sum()) == 0:  # every rank takes this branch together
+                reason = f"first problem here: {failures[0]}" if failures else "this rank received no payloads"
+                raise RoutesUnavailableError(
+                    "routing_replay='r3': no route vLLM returned for the first batch fits the trained model "
+                    f"({layout['num_layers']} decoder layers, top-{layout['top_k']}); {reason}. Does the server "
+                    "serve the same checkpoint as the trainer?"
+                )
         if missing or failures:
             self.fallback_samples += missing + len(failures)
             detail = f"; first problem: {failures[0]}" if failures else ""
