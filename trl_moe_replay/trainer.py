@@ -3,7 +3,8 @@
 The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Data flow for one generation batch:
 
 1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
-   which records the routes and the sampling log-probs, like an inference engine would return them.
+   which records the routes and the sampling log-probs, like an inference engine would return them. With vLLM
+   (server or colocate), ``generation/vllm.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
 2. ``_generate``: engine rows -> routes in TRL's padded layout (``routes_from_engine``).
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
    ``_get_per_token_logps_and_entropies``, which replays (R3) or records (R2) per chunk and measures the natural
