@@ -1,8 +1,8 @@
 """Engine-route transport: decode + alignment cost as a ratio to a plain copy of the same bytes.
 
-Default sizes are a Qwen3-30B-A3B GRPO batch (48 layers, top-8, 128 experts -> uint8 rows,
-256 completions of ~4k tokens after ~256-token prompts, ~420 MB of engine rows). Each repeat
-times, side by side in this process:
+Default sizes are a Qwen3-30B-A3B GRPO batch: 48 layers, top-8, 128 experts (uint8 rows), 256
+completions of 4096 tokens after 192-256-token prompts (~420 MB of engine rows; ``--ragged`` draws
+completion lengths in [7/8, 1] of 4096 instead). Each repeat times, side by side in this process:
 
   copy           np.frombuffer(rows_i) copied for every sample (the floor: touching the bytes once)
   decode         decode_routed_experts on every base64 payload
@@ -13,7 +13,12 @@ times, side by side in this process:
 
 "warm" writes into destinations allocated once (copy buffer / ``out=``); "cold" allocates fresh
 ones per call, adding first-touch page faults (the int16 output is 2x the engine bytes). Repeats
-are interleaved and medians reported. Target: align within 3x of the copy.
+are interleaved in random order and medians reported. Target: align within 3x of the copy.
+
+Also printed: bytes per routed token on the wire (base64 ``.npy``, as vLLM sends it) and what one
+generation batch moves to the trainer ranks: with the per-rank scatter each of ``--ranks`` ranks
+receives only its share; a broadcast (TRL's path for tokens and log-probs) would send the whole
+batch to every rank.
 
     .venv/bin/python bench/route_transport.py            # full size (~2 GB RAM peak)
     .venv/bin/python bench/route_transport.py --quick    # seconds
@@ -40,13 +45,15 @@ from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_e
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256, help="completions per batch")
-    parser.add_argument("--completion", type=int, default=4096, help="completion_width (lengths drawn in [7/8, 1] of it)")
+    parser.add_argument("--completion", type=int, default=4096, help="completion length (= completion_width)")
+    parser.add_argument("--ragged", action="store_true", help="draw completion lengths in [7/8, 1] of --completion")
     parser.add_argument("--prompt", type=int, default=256, help="prompt_width (lengths drawn in [3/4, 1] of it)")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", type=int, default=8, help="trainer ranks the batch is split over (bytes report)")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -59,7 +66,10 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     dtype = engine_dtype(args.experts)
     prompt_lengths = rng.integers(args.prompt * 3 // 4, args.prompt + 1, args.batch).tolist()
-    completion_lengths = rng.integers(args.completion * 7 // 8, args.completion + 1, args.batch).tolist()
+    if args.ragged:
+        completion_lengths = rng.integers(args.completion * 7 // 8, args.completion + 1, args.batch).tolist()
+    else:
+        completion_lengths = [args.completion] * args.batch
     counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
     per_token = args.layers * args.top_k
 
@@ -121,14 +131,17 @@ def main() -> None:
         },
     }
     times = {(mode, name): [] for mode, group in cases.items() for name in group}
-    for _ in range(args.repeats):  # interleaved; each result is dropped before the next case runs
-        for mode, group in cases.items():
-            for name, fn in group.items():
-                gc.collect()
-                start = time.perf_counter()
-                result = fn()
-                times[mode, name].append(time.perf_counter() - start)
-                del result
+    order = [(mode, name, fn) for mode, group in cases.items() for name, fn in group.items()]
+    for _ in range(args.repeats):
+        # interleaved, in a fresh random order each repeat (a cold case right after a large free is penalised by
+        # the kernel reclaiming those pages); each result is dropped before the next case runs
+        for i in rng.permutation(len(order)):
+            mode, name, fn = order[i]
+            gc.collect()
+            start = time.perf_counter()
+            result = fn()
+            times[mode, name].append(time.perf_counter() - start)
+            del result
 
     tokens = sum(counts)
     raw_bytes = flat.nbytes
@@ -148,6 +161,11 @@ def main() -> None:
         f"repeats={args.repeats}, medians"
     )
     print(f"wire: {wire_bytes / tokens:.1f} B per routed token in base64 ({raw_bytes / tokens:.0f} B raw)")
+    print(
+        f"per generation batch: {wire_bytes / 2**20:,.0f} MiB of payloads; scattered over {args.ranks} ranks each "
+        f"receives ~{wire_bytes / args.ranks / 2**20:,.0f} MiB; a broadcast would move {args.ranks} x "
+        f"{wire_bytes / 2**20:,.0f} = {args.ranks * wire_bytes / 2**20:,.0f} MiB"
+    )
     print()
     print(f"{'mode':<6}{'case':<16}{'x copy':>8}{'median ms':>12}")
     for mode, name in times:
@@ -158,6 +176,12 @@ def main() -> None:
         ratio = median[mode, "align"] / median[mode, "copy"]
         verdict = "OK" if ratio <= 3 else "OVER TARGET"
         print(f"{mode} align / copy = {ratio:.2f} (target <= 3): {verdict}")
+    for mode in cases:
+        seconds = median[mode, "decode+align"]
+        print(
+            f"{mode} decode+align / copy = {seconds / median[mode, 'copy']:.2f}: "
+            f"{raw_bytes / seconds / 2**30:.2f} GiB/s of engine rows, {tokens / seconds / 1e6:.2f} M tokens/s"
+        )
 
 
 if __name__ == "__main__":

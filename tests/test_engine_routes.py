@@ -317,8 +317,9 @@ def test_alignment_errors_name_the_sample(bad_rows, bad, kwargs, message):
         with pytest.raises(RouteAlignmentError, match="sample 1: " + message):
             align(rows, samples, prompt_width=4, completion_width=5, **kwargs)
         return
-    with pytest.raises(RouteAlignmentError, match="sample 1: .*" + message):
+    with pytest.raises(RouteAlignmentError, match="sample 1: .*" + message) as error:
         _batch_with_bad_sample(bad_rows, bad, **kwargs)
+    assert error.value.sample == 1
 
 
 def test_negative_ids_are_rejected():
@@ -371,3 +372,42 @@ def test_errors_are_route_validation_and_value_errors():
     with pytest.raises(ValueError):
         routes_from_engine("abc", prompt_lengths=[], completion_lengths=[], prompt_width=1,
                            completion_width=1, num_layers=L, top_k=K)
+
+
+# ----------------------------------------------------------------------------- fallback instead of raising
+
+
+def test_on_error_falls_back_per_sample_and_reports_each_bad_one():
+    samples = [(3, 4, 0, True), (3, 4, 0, True), (2, 3, 1, True), (3, 4, 0, True), (4, 5, 0, True), (3, 2, 0, True)]
+    rows = [
+        engine_rows(3, 4),
+        engine_rows(3, 4)[:-1],  # trimmed one row too many (wrong length)
+        engine_rows(2, 3, 1),
+        "%%% not base64",
+        engine_rows(4, 5, top_k=K + 1),  # wrong top-k
+        engine_rows(3, 2).astype(np.float32),
+    ]
+    errors = []
+    out = align(rows, samples, prompt_width=4, completion_width=5, on_error=errors.append)
+    assert [e.sample for e in errors] == [1, 3, 4, 5]
+    assert all(isinstance(e, RouteAlignmentError) and str(e).startswith(f"sample {e.sample}:") for e in errors)
+    good = [i for i in range(6) if i not in (1, 3, 4, 5)]
+    expected = reference([samples[i] for i in good], 4, 5)
+    torch.testing.assert_close(out[good], expected, rtol=0, atol=0)
+    assert out[[1, 3, 4, 5]].eq(-1).all()  # the router's own choice
+
+
+def test_on_error_does_not_hide_the_callers_own_mistakes():
+    with pytest.raises(RouteAlignmentError, match="sample 0: prompt has 3 tokens but prompt_width is 2"):
+        routes_from_engine([engine_rows(3, 4)], prompt_lengths=[3], completion_lengths=[4], prompt_width=2,
+                           completion_width=5, num_layers=L, top_k=K, on_error=lambda error: None)
+
+
+def test_public_api_is_exported_from_the_routing_package():
+    import trl_moe_replay.routing as routing
+
+    assert routing.decode_routed_experts is decode_routed_experts and routing.routes_from_engine is routes_from_engine
+    rows = engine_rows(3, 4, num_experts=300)
+    out = routing.routes_from_engine([vllm_numpy2base64(rows), None], prompt_lengths=[3, 2], completion_lengths=[4, 1],
+                                     prompt_width=3, completion_width=4, num_layers=L, top_k=K)
+    torch.testing.assert_close(out, reference([(3, 4, 0, True), (2, 1, 0, False)], 3, 4, num_experts=300))

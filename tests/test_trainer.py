@@ -178,12 +178,14 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
 def test_import_swap_script_runs_on_two_processes():
     script = Path(__file__).parent / "scripts" / "grpo_swap.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script)]
+    # torchrun, not `accelerate launch --cpu --num_processes 2`: without MPI configured that starts one process
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("METRICS "))
-    logs = json.loads(line[len("METRICS "):])
+    report = json.loads(line[len("METRICS "):])
+    assert report["world"] == 2
+    logs = report["logs"]
     assert len(logs) == 2
     for entry in logs:  # fp32 R3 on both ranks: routes stayed with their samples
         assert entry["routing/mismatch_frac"] == 0.0

@@ -61,6 +61,13 @@ def routing_agreement_sums(
     }
 
 
+def fallback_sums(replayed: torch.Tensor, positions: torch.Tensor, moe_layers: list[int]) -> dict[str, torch.Tensor]:
+    """The two fallback sums of ``routing_agreement_sums``, for when there is no natural routing to compare."""
+    has_route = (replayed[:, :, moe_layers] >= 0).all(dim=-1).all(dim=-1)  # [B, S]
+    positions = positions.to(has_route.device).bool()
+    return {"positions": positions.sum().float(), "fallback_positions": (positions & ~has_route).sum().float()}
+
+
 def routable_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions an engine can have routed: real tokens except each sequence's final one (never fed forward)."""
     mask = attention_mask.bool()

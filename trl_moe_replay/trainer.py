@@ -3,7 +3,8 @@
 The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Data flow for one generation batch:
 
 1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
-   which records the routes and the sampling log-probs, like an inference engine would return them.
+   which records the routes and the sampling log-probs, like an inference engine would return them. With vLLM
+   (server or colocate), ``generation/vllm.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
 2. ``_generate``: engine rows -> routes in TRL's padded layout (``routes_from_engine``).
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
    ``_get_per_token_logps_and_entropies``, which replays (R3) or records (R2) per chunk and measures the natural
@@ -29,7 +30,8 @@ from trl import GRPOTrainer
 
 from .config import MoEReplayGRPOConfig
 from .generation import TransformersRolloutRecorder
-from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from .generation.vllm import VLLMRouteSource, routed_experts_in_colocated_llm
+from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
@@ -68,13 +70,14 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self.routing_replay = getattr(args, "routing_replay", "r3")
         self.replay_reference_model = getattr(args, "replay_reference_model", True)
         self.extreme_token_threshold = getattr(args, "extreme_token_threshold", 2.0)
-        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        colocated_r3 = self.routing_replay == "r3" and args.use_vllm and args.vllm_mode == "colocate"
+        with routed_experts_in_colocated_llm() if colocated_r3 else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
+        # R3 with vLLM: keep the routes vLLM returns (generation/vllm.py), this rank's samples only
+        self._vllm_routes = None
         if self.routing_replay == "r3" and self._use_vllm_engine:
-            raise NotImplementedError(
-                "routing_replay='r3' with use_vllm=True needs vLLM's routed_experts, which this version does not "
-                "read yet. Use use_vllm=False (transformers generation records its routes) or routing_replay='r2'."
-            )
+            self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator)
         if self.routing_replay != "none" and (self.tools or self.rollout_func is not None):
             raise NotImplementedError(
                 "routing replay supports single-turn generation only: tools and rollout_func produce multi-segment "
@@ -132,7 +135,11 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self._use_vllm_engine:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                   has_tool_images)
+            if self._vllm_routes is not None:
+                self._engine_rows = self._vllm_routes.local_rows(len(prompt_ids))
+            return output
         causal_lm = self.accelerator.unwrap_model(self.model)
         if is_peft_model(causal_lm):
             causal_lm = causal_lm.get_base_model()
@@ -162,8 +169,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if self._engine_rows is None:
             return None
         rr = self._route_replay
-        return routes_from_engine(
-            self._engine_rows,
+        layout = dict(
             prompt_lengths=[len(ids) for ids in prompt_ids],
             completion_lengths=[len(ids) for ids in completion_ids],
             prompt_width=_padded_width(prompt_ids, self.pad_to_multiple_of),
@@ -173,6 +179,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             moe_layers=rr.moe_layers,
             num_experts=rr.num_experts,
         )
+        if self._vllm_routes is not None:  # engine payloads: a bad sample falls back instead of failing the run
+            return self._vllm_routes.align(self._engine_rows, **layout)
+        return routes_from_engine(self._engine_rows, **layout)
 
     def _generate_and_score_completions(self, inputs):
         self._scoring = _ScoringState(expects_old_pass=self._old_pass_expected(), generation_routes=None)
@@ -286,8 +295,14 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             metrics["mismatch/kl_k3"].append((total["kl_k3"] / tokens).item())
             metrics["mismatch/extreme_frac"].append((total["extreme"] / tokens).item())
         reference = state.generation_routes
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        if state.old_natural_routes is None and reference is not None:  # no trainer pass to compare: fallback only
+            sums = fallback_sums(reference, routable_positions(attention_mask).cpu(), self._route_replay.moe_layers)
+            total = self._global_sums(sums, device)
+            metrics["routing/fallback_frac"].append(
+                (total["fallback_positions"] / total["positions"].clamp(min=1.0)).item()
+            )
         if state.old_natural_routes is not None and reference is not None:
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             sums = routing_agreement_sums(
                 state.old_natural_routes, reference, routable_positions(attention_mask).cpu(),
                 self._route_replay.moe_layers,

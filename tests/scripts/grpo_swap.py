@@ -1,6 +1,7 @@
 """A stock TRL GRPO script; the only change for MoE routing replay is the import line marked below.
 
-Used by the tests under `accelerate launch --num_processes 2 --cpu`; prints the last logged metrics as JSON.
+Used by the tests under `torchrun --nproc_per_node 2` (two real CPU processes, gloo); prints the world size and the
+logged metrics as JSON.
 """
 
 import json
@@ -31,7 +32,7 @@ def main():
     trainer.train()
     if trainer.accelerator.is_main_process:
         logged = [h for h in trainer.state.log_history if "routing/mismatch_frac" in h]
-        print("METRICS " + json.dumps(logged))
+        print("METRICS " + json.dumps({"world": trainer.accelerator.num_processes, "logs": logged}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
-"""Record and replay expert routes in Hugging Face MoE models."""
+"""Record and replay expert routes in Hugging Face MoE models.
 
+Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same layout) enter through
+``decode_routed_experts`` and ``routes_from_engine``, which place them in TRL's padded token layout.
+"""
+
+from .engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
 from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelError
 from .replay import RouteRecording, RouterReplay
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
@@ -14,6 +19,10 @@ __all__ = [
     "RouterFamily",
     "RouterReplay",
     "UnsupportedModelError",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "engine_dtype",
     "family_of",
+    "routes_from_engine",
     "validate_routes",
 ]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import binascii
 import functools
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,7 +156,7 @@ def _int_list(name: str, values: Any, count: int) -> list[int]:
     out = []
     for i, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise RouteAlignmentError(f"sample {i}: {name}[{i}] must be an int >= 0, got {value!r}")
+            raise RouteAlignmentError(f"sample {i}: {name}[{i}] must be an int >= 0, got {value!r}", sample=i)
         out.append(int(value))
     return out
 
@@ -170,11 +170,39 @@ def _as_numpy(row: Any, i: int) -> np.ndarray:
         try:
             return decode_routed_experts(row)
         except RouteAlignmentError as exc:
-            raise RouteAlignmentError(f"sample {i}: {exc}") from None
+            raise RouteAlignmentError(f"sample {i}: {exc}", sample=i) from None
     raise RouteAlignmentError(
         f"sample {i}: rows[{i}] must be a numpy array, torch tensor, base64 payload str or None, "
-        f"got {type(row).__name__}"
+        f"got {type(row).__name__}",
+        sample=i,
     )
+
+
+def _sample_rows(
+    row: Any, i: int, p: int, c: int, s: int, num_layers: int, top_k: int, moe: list[int], dense: list[int], limit: int
+) -> np.ndarray:
+    """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array; every error names the sample."""
+    row = _as_numpy(row, i)
+    expected = p + c - 1 - s
+    if not np.issubdtype(row.dtype, np.integer):
+        raise RouteAlignmentError(
+            f"sample {i}: engine rows must hold integer expert ids, got dtype {row.dtype}", sample=i
+        )
+    if row.ndim != 3 or row.shape[1:] != (num_layers, top_k):
+        raise RouteAlignmentError(
+            f"sample {i}: engine rows must have shape [{max(expected, 0)}, {num_layers}, {top_k}] "
+            f"(rows, num_layers, top_k), got {tuple(row.shape)}",
+            sample=i,
+        )
+    if expected < 0 or row.shape[0] != expected:
+        raise RouteAlignmentError(
+            f"sample {i}: expected prompt {p} + completion {c} - 1 - prompt_start {s} = {expected} engine rows, "
+            f"got {row.shape[0]}; pass the token counts vLLM returned (after stop trimming), "
+            "or None to fall back to the router's own choice",
+            sample=i,
+        )
+    _check_values(row, i, s, moe, dense, top_k, limit)
+    return row
 
 
 def routes_from_engine(
@@ -190,6 +218,7 @@ def routes_from_engine(
     prompt_starts: Sequence[int] | None = None,
     num_experts: int | None = None,
     out: torch.Tensor | None = None,
+    on_error: Callable[[RouteAlignmentError], None] | None = None,
 ) -> torch.Tensor:
     """Place per-sample engine rows into TRL's ``[B, prompt_width + completion_width, L, K]`` layout.
 
@@ -208,6 +237,12 @@ def routes_from_engine(
 
     ``out`` (optional) is a contiguous int16 CPU tensor of the result's shape to write into, e.g. a
     reused or pinned buffer; every element is overwritten, so it needs no clearing.
+
+    ``on_error`` (optional) turns a bad sample into a fallback instead of an exception: when one
+    sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids), that
+    sample gets ``-1`` everywhere (the router's own choice) and ``on_error`` receives the
+    :class:`RouteAlignmentError` (``.sample`` is its index). Errors in the caller's own arguments
+    (widths, lengths, ``moe_layers``) always raise.
     """
     prompt_width = _positive_int("prompt_width", prompt_width, 0)
     completion_width = _positive_int("completion_width", completion_width, 0)
@@ -251,35 +286,29 @@ def routes_from_engine(
     for i in range(batch):
         p, c, s = prompts[i], completions[i], starts[i]
         if p > prompt_width:
-            raise RouteAlignmentError(f"sample {i}: prompt has {p} tokens but prompt_width is {prompt_width}")
+            raise RouteAlignmentError(
+                f"sample {i}: prompt has {p} tokens but prompt_width is {prompt_width}", sample=i
+            )
         if c > completion_width:
             raise RouteAlignmentError(
-                f"sample {i}: completion has {c} tokens but completion_width is {completion_width}"
+                f"sample {i}: completion has {c} tokens but completion_width is {completion_width}", sample=i
             )
         if s > p:
-            raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]")
+            raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
         row = rows[i]
+        if row is not None:
+            try:
+                row = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit)
+            except RouteAlignmentError as exc:
+                if on_error is None:
+                    raise
+                on_error(exc)
+                row = None
         if row is None:
             out_np[i] = NO_ROUTE
             continue
-        row = _as_numpy(row, i)
-        expected = p + c - 1 - s
-        if not np.issubdtype(row.dtype, np.integer):
-            raise RouteAlignmentError(f"sample {i}: engine rows must hold integer expert ids, got dtype {row.dtype}")
-        if row.ndim != 3 or row.shape[1:] != (num_layers, top_k):
-            raise RouteAlignmentError(
-                f"sample {i}: engine rows must have shape [{max(expected, 0)}, {num_layers}, {top_k}] "
-                f"(rows, num_layers, top_k), got {tuple(row.shape)}"
-            )
-        if expected < 0 or row.shape[0] != expected:
-            raise RouteAlignmentError(
-                f"sample {i}: expected prompt {p} + completion {c} - 1 - prompt_start {s} = {expected} engine rows, "
-                f"got {row.shape[0]}; pass the token counts vLLM returned (after stop trimming), "
-                "or None to fall back to the router's own choice"
-            )
-        _check_values(row, i, s, moe, dense, top_k, limit)
         lo = prompt_width - p + s
-        hi = lo + expected
+        hi = lo + row.shape[0]
         out_np[i, :lo] = NO_ROUTE
         np.copyto(out_np[i, lo:hi], row, casting="unsafe")
         out_np[i, hi:] = NO_ROUTE
@@ -303,7 +332,8 @@ def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: li
             j, d, _ = np.argwhere(dense_rows)[0]
             raise RouteAlignmentError(
                 f"sample {i}: layer {dense[d]} is not in moe_layers but the engine routed position {start + j} "
-                f"there (vLLM leaves dense layers all-zero); check moe_layers"
+                f"there (vLLM leaves dense layers all-zero); check moe_layers",
+                sample=i,
             )
     if top_k >= 2:  # a real top-k row has distinct ids, so never all zeros
         ends = row[[0, -1]] if len(moe) == row.shape[1] else row[[0, -1]][:, moe]
@@ -313,19 +343,22 @@ def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: li
             position = start + (0 if end == 0 else row.shape[0] - 1)
             raise RouteAlignmentError(
                 f"sample {i}: layer {moe[m]} is in moe_layers but position {position} has an all-zero "
-                f"top-{top_k} route; is layer {moe[m]} a dense layer? pass moe_layers"
+                f"top-{top_k} route; is layer {moe[m]} a dense layer? pass moe_layers",
+                sample=i,
             )
     info = _iinfo(row.dtype)
     if info.min < 0 and row.min() < 0:
         j, layer, _ = np.argwhere(row < 0)[0]
         raise RouteAlignmentError(
             f"sample {i}: negative expert id {row[j, layer].min()} at position {start + j}, layer {layer}; "
-            "expected logical ids >= 0"
+            "expected logical ids >= 0",
+            sample=i,
         )
     if info.max >= limit and row.max() >= limit:
         j, layer, _ = np.argwhere(row >= limit)[0]
         raise RouteAlignmentError(
             f"sample {i}: expert id {row[j, layer].max()} at position {start + j}, layer {layer} is out of range; "
             f"expected ids < {limit}"
-            + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)")
+            + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)"),
+            sample=i,
         )

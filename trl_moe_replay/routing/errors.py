@@ -14,4 +14,12 @@ class RouteValidationError(ValueError):
 
 
 class RouteAlignmentError(RouteValidationError):
-    """Engine route rows do not line up with the tokens of the sample they belong to."""
+    """Engine route rows do not line up with the tokens of the sample they belong to.
+
+    ``sample`` is the batch index of the offending sample when the problem is in one sample's rows (its
+    message then starts with ``sample <i>:``), ``None`` when it concerns the whole call.
+    """
+
+    def __init__(self, message: str, sample: int | None = None):
+        super().__init__(message)
+        self.sample = sample

@@ -1,0 +1,75 @@
+"""R3 in TRL's vLLM server mode on 2 CPU processes, against the vLLM-contract stand-in server (rank 0 hosts it).
+
+Run by tests/test_vllm_generation.py under `torchrun --nproc_per_node 2` (`accelerate launch --cpu --num_processes 2`
+starts a single process unless MPI is set up); `use_cpu=True` makes accelerate use gloo. Each rank prints one
+`REPORT {json}` line: what route payloads it received per generation batch (count, bytes, sha256), and on rank 0
+what the server sent, cut into the two ranks' shares, plus the logged metrics.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+
+from datasets import Dataset
+
+from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+
+PER_RANK = 8  # per_device_train_batch_size x steps_per_generation
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(6 - len(c)) for c in completions]
+
+
+def digest(payloads):
+    return [hashlib.sha256(json.dumps(payloads).encode()).hexdigest(), sum(len(p) for p in payloads if p)]
+
+
+def main():
+    rank = int(os.environ.get("RANK", "0"))  # the trainer's arguments set up accelerate's state (cpu, gloo)
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe")).__enter__() if rank == 0 else None
+    try:
+        with trl_vllm_transport_stub(server):
+            args = MoEReplayGRPOConfig(
+                output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", max_steps=2,
+                logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                learning_rate=1e-3, gradient_accumulation_steps=2, save_strategy="no", seed=0, use_vllm=True,
+                vllm_mode="server", vllm_server_base_url=server.url if server else "http://127.0.0.1:9",
+            )
+            dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
+            trainer = MoEReplayGRPOTrainer(
+                model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args, train_dataset=dataset,
+                processing_class=tiny_tokenizer(),
+            )
+            received = []
+            local_rows = trainer._vllm_routes.local_rows
+
+            def recording_local_rows(num_local):
+                rows = local_rows(num_local)
+                transfer = trainer._vllm_routes.last_transfer
+                sha, _ = digest(rows)
+                received.append({"samples": transfer.samples, "payloads": transfer.payloads,
+                                 "bytes": transfer.payload_bytes, "sha256": sha})
+                return rows
+
+            trainer._vllm_routes.local_rows = recording_local_rows
+            trainer.train()
+        world = trainer.accelerator.num_processes
+        report = {"rank": trainer.accelerator.process_index, "world": world, "received": received}
+        if server is not None:
+            report["served"] = [
+                [digest(batch.payloads[r * PER_RANK : (r + 1) * PER_RANK]) for r in range(world)]
+                for batch in server.batches
+            ]
+            report["metrics"] = [h for h in trainer.state.log_history if "routing/mismatch_frac" in h]
+        print("REPORT " + json.dumps(report), flush=True)
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+
+
+if __name__ == "__main__":
+    main()

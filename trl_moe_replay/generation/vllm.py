@@ -1,0 +1,292 @@
+"""vLLM generation that keeps the routes (R3): TRL's server mode and colocate mode.
+
+vLLM returns, per completion, the experts it routed every forwarded token to (``enable_return_routed_experts``;
+layout in ``trl_moe_replay.routing.engine``). TRL 1.16 drops them on both paths; this module keeps them with the
+least reach into TRL:
+
+* **Server mode** (``trl vllm-serve --model M --enable-return-routed-experts``). Only the main process talks to
+  the server. Its ``VLLMClient`` is switched in place to :class:`RoutedExpertsVLLMClient` (same object, so the
+  weight-sync communicator TRL opened stays as it is), which runs TRL's own ``generate`` unchanged and also keeps
+  each ``/v1/completions`` choice's ``routed_experts`` string. TRL then broadcasts its token ids and log-probs to
+  every rank as usual; the route payloads do not ride along. :meth:`VLLMRouteSource.local_rows` scatters them
+  instead: rank r receives only the base64 payloads of its own samples (TRL's ``process_slice``), still encoded,
+  and decodes them itself while aligning. Bytes moved per generation batch: the payload bytes of the global batch
+  once (each rank its own share), instead of world size times that for a broadcast.
+* **Colocate mode** (``vllm.LLM`` inside each training process). While TRL builds its ``LLM``, the constructor is
+  called with ``enable_return_routed_experts=True`` added (:func:`routed_experts_in_colocated_llm`); the instance's
+  ``generate`` is wrapped to keep the ``RequestOutput``s, whose ``CompletionOutput.routed_experts`` arrays are this
+  rank's rows (sliced like TRL's tensor-parallel slice when ``vllm_tensor_parallel_size > 1``). Nothing moves
+  between processes.
+
+Missing routes are handled in two ways. If the very first generation batch carries no route at all, the engine is
+not set up for R3 (flag off, prefix caching off, a model vLLM does not capture): :class:`RoutesUnavailableError`
+is raised on every rank with the exact command to run; likewise if none of its routes fits the trained model
+(another checkpoint). Later, a sample whose payload is missing or malformed (aborted request, wrong length,
+undecodable) is routed by the trainer's own router instead, with a warning; its positions count in
+``routing/fallback_frac``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+from trl.generation.vllm_client import VLLMClient
+
+from ..routing.engine import routes_from_engine
+from ..routing.errors import RouteAlignmentError
+
+logger = logging.get_logger(__name__)
+
+SERVER_FLAG = "--enable-return-routed-experts"
+
+
+class RoutesUnavailableError(RuntimeError):
+    """The inference engine returned no routed experts, so R3 has nothing to replay."""
+
+
+def server_command(model: str) -> str:
+    """The command that starts a vLLM server returning routes for ``model`` (TRL forwards the flag to vLLM)."""
+    return f"trl vllm-serve --model {model} {SERVER_FLAG}"
+
+
+# ----------------------------------------------------------------------------- server mode
+class RoutedExpertsVLLMClient(VLLMClient):
+    """TRL's ``VLLMClient`` that also keeps the ``routed_experts`` of every ``/v1/completions`` choice.
+
+    ``generate`` is TRL's own; the ``choices`` it parses pass through ``_post``, where each choice's
+    ``routed_experts`` (vLLM's base64 ``.npy`` string, or ``None``) is kept in response order, which is the order
+    of TRL's completions (prompt-major, ``n`` per prompt). After ``generate``, :attr:`routed_experts` holds one
+    entry per returned completion.
+    """
+
+    routed_experts: list[str | None] | None = None
+    _capturing: list[str | None] | None = None
+
+    def generate(self, prompts, features=None, *args, **kwargs):
+        if features is not None:
+            # TRL sends one concurrent request per image prompt there, so response order is not completion order.
+            raise NotImplementedError("routing replay with vLLM supports text-only prompts")
+        self.routed_experts = None
+        self._capturing = []
+        try:
+            output = super().generate(prompts, features, *args, **kwargs)
+            self.routed_experts = self._capturing
+        finally:
+            self._capturing = None
+        return output
+
+    def _post(self, url: str, **kwargs) -> dict:
+        body = super()._post(url, **kwargs)
+        if self._capturing is not None and isinstance(body, dict):
+            self._capturing.extend(choice.get("routed_experts") for choice in body.get("choices", ()))
+        return body
+
+
+def _with_route_capture(client: VLLMClient) -> RoutedExpertsVLLMClient:
+    """Switch ``client`` (TRL's, already connected) to a route-keeping class in place."""
+    if not isinstance(client, RoutedExpertsVLLMClient):
+        cls = type(client)
+        client.__class__ = (
+            RoutedExpertsVLLMClient
+            if cls is VLLMClient
+            else type(f"RoutedExperts{cls.__name__}", (RoutedExpertsVLLMClient, cls), {})
+        )
+    return client
+
+
+# ----------------------------------------------------------------------------- colocate mode
+@contextlib.contextmanager
+def routed_experts_in_colocated_llm() -> Iterator[None]:
+    """While TRL's ``VLLMGeneration`` builds its colocated ``LLM``, add ``enable_return_routed_experts=True``.
+
+    TRL calls ``LLM(...)`` with a fixed argument list and no pass-through, so the name it calls is bound to a
+    partial for the duration of the trainer's constructor. Without vLLM installed the name does not exist and TRL
+    raises its own ImportError.
+    """
+    module = importlib.import_module("trl.generation.vllm_generation")
+    original = getattr(module, "LLM", None)
+    if original is None:
+        yield
+        return
+    module.LLM = functools.partial(original, enable_return_routed_experts=True)
+    try:
+        yield
+    finally:
+        module.LLM = original
+
+
+# ----------------------------------------------------------------------------- per-rank rows
+@dataclass
+class RouteTransfer:
+    """What this rank received for its last generation batch (server mode: over the wire, still base64)."""
+
+    samples: int = 0
+    payloads: int = 0  # samples that came with a payload
+    payload_bytes: int = 0
+
+
+class VLLMRouteSource:
+    """Engine route rows of this rank's samples, one generation batch at a time.
+
+    Built after TRL's ``VLLMGeneration`` exists (``trainer.vllm_generation``); installs the capture for its mode.
+    Every rank calls :meth:`local_rows` right after ``VLLMGeneration.generate`` (in server mode it is a collective,
+    like TRL's broadcast before it), then :meth:`align` with TRL's padded layout.
+    """
+
+    def __init__(self, vllm_generation: Any, accelerator: Any):
+        self.mode = vllm_generation.mode
+        self.accelerator = accelerator
+        self._generation = vllm_generation
+        self.prompt_start = _prompt_start(vllm_generation.generation_kwargs)
+        self.received_routes = False  # has any batch carried a route yet (fail fast only before that)
+        self._aligned_first_batch = False
+        self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
+        self.last_transfer = RouteTransfer()
+        self._colocate_outputs: list | None = None
+        if self.mode == "server":
+            self.client = _with_route_capture(vllm_generation.vllm_client) if accelerator.is_main_process else None
+        elif self.mode == "colocate":
+            self._capture_colocated_outputs(vllm_generation.llm)
+        else:
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
+
+    # ------------------------------------------------------------------ capture
+    def _capture_colocated_outputs(self, llm: Any) -> None:
+        generate = llm.generate
+
+        @functools.wraps(generate)
+        def generate_and_keep(*args, **kwargs):
+            outputs = generate(*args, **kwargs)
+            self._colocate_outputs = outputs
+            return outputs
+
+        llm.generate = generate_and_keep  # instance attribute: TRL calls self.llm.generate(...)
+
+    # ------------------------------------------------------------------ rows
+    def local_rows(self, num_local: int) -> list[Any]:
+        """This rank's ``num_local`` engine rows (base64 str, array or ``None``), in TRL's completion order."""
+        rows = self._server_rows(num_local) if self.mode == "server" else self._colocate_rows(num_local)
+        payloads = [row for row in rows if row is not None]
+        self.last_transfer = RouteTransfer(
+            samples=len(rows),
+            payloads=len(payloads),
+            payload_bytes=sum(len(row) if isinstance(row, str) else getattr(row, "nbytes", 0) for row in payloads),
+        )
+        return rows
+
+    def _server_rows(self, num_local: int) -> list[Any]:
+        accelerator = self.accelerator
+        world = accelerator.num_processes
+        if accelerator.is_main_process:
+            payloads, self.client.routed_experts = self.client.routed_experts, None
+            error = self._batch_error(payloads, num_local * world)
+            shares = [
+                (None if error else payloads[rank * num_local : (rank + 1) * num_local], error)
+                for rank in range(world)
+            ]
+        else:
+            shares = None
+        if world > 1:
+            # Each rank gets its own share only: TRL's broadcast sends everything everywhere, routes are too big.
+            received = [None]
+            torch.distributed.scatter_object_list(received, shares, src=0)
+            rows, error = received[0]
+        else:
+            rows, error = shares[0]
+        if error:
+            raise RoutesUnavailableError(error)
+        if any(row is not None for row in rows):
+            self.received_routes = True
+        return rows
+
+    def _batch_error(self, payloads: list | None, expected: int) -> str | None:
+        """On the main process: why this batch's routes cannot be used at all, or None."""
+        if payloads is None:
+            return "the vLLM client returned no routed_experts list: was generation done by another client?"
+        if len(payloads) != expected:
+            return (
+                f"the vLLM server returned routed_experts for {len(payloads)} completions, expected {expected} "
+                "(one per completion)"
+            )
+        if not self.received_routes and all(payload is None for payload in payloads):
+            model = self.client.model
+            return (
+                f"routing_replay='r3' needs the experts vLLM routed each token to, but the server at "
+                f"{self.client.base_url} returned none for the first batch ({expected} completions). Start it "
+                f"with:\n\n    {server_command(model)}\n\nvLLM captures routes only with prefix caching on "
+                "(the default: do not pass --no-enable-prefix-caching) and Model Runner V2 (the default: do not "
+                "set VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without pipeline or context "
+                "parallelism. Or train with routing_replay='r2' (no engine routes needed)."
+            )
+        return None
+
+    def _colocate_rows(self, num_local: int) -> list[Any]:
+        outputs, self._colocate_outputs = self._colocate_outputs, None
+        if outputs is None:
+            raise RoutesUnavailableError("the colocated vLLM engine's outputs were not captured for this batch")
+        rows = [getattr(completion, "routed_experts", None) for request in outputs for completion in request.outputs]
+        tp_size = self._generation.tensor_parallel_size
+        if tp_size > 1:  # every rank of a TP group generated the group's prompts: keep this rank's (as TRL does)
+            rank_in_group = torch.distributed.get_rank(group=self._generation.tp_group)
+            rows = rows[rank_in_group * num_local : (rank_in_group + 1) * num_local]
+        if len(rows) != num_local:
+            raise RoutesUnavailableError(f"vLLM returned {len(rows)} completions on this rank, expected {num_local}")
+        if not self.received_routes and all(row is None for row in rows):
+            raise RoutesUnavailableError(
+                "routing_replay='r3' needs the experts vLLM routed each token to, but the colocated engine "
+                f"returned no routed_experts for the first batch ({num_local} completions on this rank), although "
+                "it was built with LLM(..., enable_return_routed_experts=True). vLLM captures routes only with "
+                "prefix caching on (the default) and Model Runner V2 (the default: do not set "
+                "VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without pipeline or context "
+                "parallelism. Or train with routing_replay='r2' (no engine routes needed)."
+            )
+        if any(row is not None for row in rows):
+            self.received_routes = True
+        return rows
+
+    # ------------------------------------------------------------------ alignment
+    def align(self, rows: Sequence[Any], **layout: Any) -> torch.Tensor:
+        """``routes_from_engine`` over this rank's rows; a sample with missing or malformed rows falls back.
+
+        If no sample of the whole first batch (all ranks) fits, the engine and the trainer disagree about the model
+        (another checkpoint, layer count, top-k): that raises instead of silently training without replay.
+        """
+        failures: list[RouteAlignmentError] = []
+        routes = routes_from_engine(
+            rows, prompt_starts=[self.prompt_start] * len(rows), on_error=failures.append, **layout
+        )
+        missing = sum(row is None for row in rows)
+        if not self._aligned_first_batch:
+            self._aligned_first_batch = True
+            usable = torch.tensor([len(rows) - missing - len(failures)], device=self.accelerator.device)
+            if int(self.accelerator.gather(usable).sum()) == 0:  # every rank takes this branch together
+                reason = f"first problem here: {failures[0]}" if failures else "this rank received no payloads"
+                raise RoutesUnavailableError(
+                    "routing_replay='r3': no route vLLM returned for the first batch fits the trained model "
+                    f"({layout['num_layers']} decoder layers, top-{layout['top_k']}); {reason}. Does the server "
+                    "serve the same checkpoint as the trainer?"
+                )
+        if missing or failures:
+            self.fallback_samples += missing + len(failures)
+            detail = f"; first problem: {failures[0]}" if failures else ""
+            logger.warning(
+                f"routing replay: {missing + len(failures)} of {len(rows)} samples on this rank have no usable vLLM "
+                f"routes ({missing} missing, {len(failures)} malformed) and use the trainer's own routing instead "
+                f"(counted in routing/fallback_frac){detail}"
+            )
+        return routes
+
+
+def _prompt_start(generation_kwargs: dict | None) -> int:
+    """vLLM's ``routed_experts_prompt_start`` as the user set it through ``generation_kwargs`` (default 0)."""
+    start = (generation_kwargs or {}).get("routed_experts_prompt_start", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"generation_kwargs['routed_experts_prompt_start'] must be an int >= 0, got {start!r}")
+    return start
