@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from .generation import TransformersRolloutRecorder
 from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
@@ -206,13 +207,17 @@ def run_audit(
     engine_rr = RouterReplay(engine_model)
     eos_ids = _eos_ids(engine_model, tokenizer)
     prompt_ids, prompt_mask = _left_pad(prompt_rows, pad_id)
+    # Plain sampling at `temperature`, nothing from the checkpoint's generation_config (top_p, repetition penalty,
+    # ...): the recorded log-probs are log_softmax(logits / temperature), as the trainer computes them.
+    sampling = GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id, eos_token_id=eos_ids,
+    )
     torch.manual_seed(seed)
     recorder = TransformersRolloutRecorder(engine_rr, engine_model, temperature)
     with recorder:
         output = engine_model.generate(
-            input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), do_sample=True,
-            temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-            eos_token_id=eos_ids,
+            input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), generation_config=sampling,
         )
     generated = output[:, prompt_ids.shape[1]:].cpu()
     completion_rows = []
