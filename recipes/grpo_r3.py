@@ -3,7 +3,7 @@
 
 Offline default (no arguments): a tiny MoE from `trl_moe_replay.testing` gets a short cached cold-start SFT on a
 synthetic arithmetic set, then GRPO with R3 and the math-verify reward raises its accuracy; plots land in
-`OUTPUT_DIR/plots/`. Runs on 2 CPU cores in a few minutes and never touches the network:
+`OUTPUT_DIR/plots/`. Runs on 2 CPU cores in about a minute and never touches the network:
 
     accelerate launch recipes/grpo_r3.py
     accelerate launch recipes/grpo_r3.py --max_steps 30 --routing_replay none --output_dir runs/none
@@ -20,18 +20,18 @@ The tiny-model defaults (learning rate, batch, lengths, ...) apply only when no 
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
-def _names_a_model(argv: list[str]) -> bool:
-    """Whether the command line or its --config file names a model (then the Hub may be needed)."""
-    if any(a == "--model_name_or_path" or a.startswith("--model_name_or_path=") for a in argv):
+def _given(argv: list[str], name: str) -> bool:
+    """Whether the command line or its --config file sets the argument ``name`` (e.g. model_name_or_path)."""
+    if any(a == f"--{name}" or a.startswith(f"--{name}=") for a in argv):
         return True
     if "--config" in argv and argv.index("--config") + 1 < len(argv):
         import yaml
 
         with open(argv[argv.index("--config") + 1]) as f:
-            return bool((yaml.safe_load(f) or {}).get("model_name_or_path"))
+            return bool((yaml.safe_load(f) or {}).get(name))
     return False
 
 
@@ -40,7 +40,7 @@ def _names_a_model(argv: list[str]) -> bool:
 # Read by OpenMP when torch loads, so it is set before anything imports torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-if __name__ == "__main__" and not _names_a_model(sys.argv[1:]):
+if __name__ == "__main__" and not any(_given(sys.argv[1:], n) for n in ("model_name_or_path", "dataset_name")):
     # The offline default must not touch the network; set before transformers/huggingface_hub are imported.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None = None):
     defaults (only when no model is named) > the dataclasses' defaults."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
-    if not _names_a_model(argv):
+    if not _given(argv, "model_name_or_path"):
         parser.set_defaults(**OFFLINE_DEFAULTS)
     return parser.parse_args_and_config(argv)
 
@@ -191,11 +191,30 @@ def load_datasets(script_args, training_args):
     return train, evaluation
 
 
+def tiny_overrides(family: str, hidden: int, layers: int, experts: int, top_k: int) -> dict:
+    """Config overrides for `tiny_moe_model(family, ...)`: width, depth and experts, under the family's own names
+    for the fields its tiny config sets (num_experts / num_local_experts / n_routed_experts / moe_num_experts, ...).
+    Families whose tiny config lists per-layer types keep their 2 layers unless those lists are overridden too."""
+    from trl_moe_replay.testing import TINY_CONFIGS
+
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for {family!r}; one of {sorted(TINY_CONFIGS)}")
+    base = TINY_CONFIGS[family]
+    overrides = {"hidden_size": hidden, "num_hidden_layers": layers}
+    sizes = {"intermediate_size": 2 * hidden, "moe_intermediate_size": hidden, "head_dim": max(8, hidden // 4)}
+    overrides.update({k: v for k, v in sizes.items() if k in base})
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        if key in base:
+            overrides[key] = experts
+    for key in ("num_experts_per_tok", "num_experts_per_token", "moe_topk"):
+        if key in base:
+            overrides[key] = top_k
+    return overrides
+
+
 def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     """Path of the tiny MoE after its cold-start SFT (built once per settings, then read from the cache)."""
     from accelerate import PartialState
-
-    from dataclasses import asdict
 
     from trl_moe_replay.cold_start import (
         ColdStartConfig,
@@ -206,18 +225,9 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     )
     from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
-    h = script_args.tiny_hidden_size
-    overrides = dict(
-        hidden_size=h, num_hidden_layers=script_args.tiny_num_layers, intermediate_size=2 * h,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=max(8, h // 4),
-    )
     family = script_args.tiny_model_type
-    if family in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo"):
-        overrides.update(num_experts=script_args.tiny_num_experts, num_experts_per_tok=script_args.tiny_top_k)
-        if family.startswith("qwen"):
-            overrides["moe_intermediate_size"] = h
-    elif family in ("mixtral", "gpt_oss", "granitemoe"):
-        overrides.update(num_local_experts=script_args.tiny_num_experts, num_experts_per_tok=script_args.tiny_top_k)
+    overrides = tiny_overrides(family, script_args.tiny_hidden_size, script_args.tiny_num_layers,
+                               script_args.tiny_num_experts, script_args.tiny_top_k)
     sft = ColdStartConfig(
         steps=script_args.sft_steps, learning_rate=script_args.sft_learning_rate,
         batch_size=script_args.sft_batch_size, label_noise=script_args.sft_label_noise, seed=training_args.seed,

@@ -166,3 +166,15 @@ def test_accelerate_config_loads(path):
     section = config.fsdp_config if distributed == "FSDP" else config.deepspeed_config
     for key, value in extra.items():
         assert section[key] == value, key
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
+def test_tiny_overrides_build_the_requested_moe(recipe, family):
+    from trl_moe_replay.routing import RouterReplay
+    from trl_moe_replay.testing import tiny_moe_model
+
+    model = tiny_moe_model(family, **recipe.tiny_overrides(family, 32, 2, 4, 1))
+    replay = RouterReplay(model)
+    assert (replay.num_experts, replay.top_k, model.config.hidden_size) == (4, 1, 32)
+    with pytest.raises(ValueError, match="no tiny config"):
+        recipe.tiny_overrides("llama", 32, 2, 4, 1)

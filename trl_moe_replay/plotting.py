@@ -182,6 +182,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
                 ax.legend(fontsize=7)
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
+            ax.ticklabel_format(axis="y", useOffset=False)  # 1.00001, not "1e-5+1" above the axis
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(names):]:
