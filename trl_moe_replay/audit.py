@@ -75,11 +75,12 @@ class AuditReport:
         )
         columns = ["mode", "kl_k1", "kl_k3", "extreme_frac", "max|logratio|", "route_mismatch", "topk_agree",
                    "natural_mismatch", "fallback"]
-        lines = [head, "", "  ".join(f"{c:>16}" if i else f"{c:<6}" for i, c in enumerate(columns))]
+        widths = [max(len(c), 10) for c in columns[1:]]
+        lines = [head, "", "  ".join([f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths))])]
         for r in self.rows:
             values = [r.kl_k1, r.kl_k3, r.extreme_frac, r.max_abs_log_ratio, r.route_mismatch_frac,
                       r.topk_agreement, r.natural_mismatch_frac, r.fallback_frac]
-            lines.append("  ".join([f"{r.mode:<6}", *(f"{v:>16.4g}" for v in values)]))
+            lines.append("  ".join([f"{r.mode:<6}", *(f"{v:>{w}.4g}" for v, w in zip(values, widths))]))
         lines += ["", self.verdict()]
         return "\n".join(lines)
 
