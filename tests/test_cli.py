@@ -1,0 +1,133 @@
+"""The `trl-moe-replay` CLI: `plot` writes one PNG per metric family, `audit` measures engine/trainer mismatch."""
+
+import json
+import math
+import struct
+
+import pytest
+
+from trl_moe_replay.audit import run_audit
+from trl_moe_replay.cli import main
+from trl_moe_replay.plotting import group_metrics, load_log_history, metric_series
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; fails if the file is not a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def write_state(folder, history):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"log_history": history, "global_step": len(history)}))
+
+
+def fake_history(steps=5):
+    history = []
+    for step in range(1, steps + 1):
+        history.append({
+            "step": step, "epoch": step / 10, "learning_rate": 1e-3, "loss": 0.1 / step, "grad_norm": 1.0,
+            "reward": 0.2 + 0.1 * step, "reward_std": 0.3, "rewards/accuracy_reward/mean": 0.2 + 0.1 * step,
+            "mismatch/kl_k3": 1e-4 / step, "mismatch/kl_k1": 1e-4, "sampling/sampling_logp_difference/mean": 1e-3,
+            "routing/mismatch_frac": 0.02, "routing/topk_agreement": 0.99, "clip_ratio/low_mean": 0.0,
+            "completions/mean_length": 4.0, "rspo/router_shift_mean": 0.9,  # a family added by a later loss
+            "kl": float("nan"),  # NaN is skipped, not drawn
+        })
+    history.append({"step": steps, "eval_reward": 0.55, "eval_mismatch/kl_k3": 1e-5})
+    history.append({"step": steps, "train_runtime": 3.2, "train_loss": 0.05})
+    return history
+
+
+def test_metrics_are_grouped_by_family_with_eval_in_the_training_panel():
+    series = metric_series(fake_history())
+    assert "kl" not in series and "learning_rate" not in series and "train_runtime" not in series
+    groups = group_metrics(series)
+    assert list(groups)[:5] == ["reward", "mismatch", "routing", "loss", "completions"]
+    assert "rspo" in groups and groups["rspo"] == ["rspo/router_shift_mean"]
+    assert "sampling/sampling_logp_difference/mean" in groups["mismatch"]
+    assert "eval_reward" not in groups["reward"]  # drawn in the `reward` panel
+    assert series["reward"] == ([1, 2, 3, 4, 5], pytest.approx([0.3, 0.4, 0.5, 0.6, 0.7]))
+
+
+def test_plot_writes_one_png_per_family(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_state(run, fake_history())
+    assert main(["plot", str(run)]) == 0
+    printed = capsys.readouterr().out.split()
+    names = sorted(p.name for p in (run / "plots").iterdir())
+    assert names == sorted(["reward.png", "mismatch.png", "routing.png", "loss.png", "completions.png", "rspo.png"])
+    assert len(printed) == len(names)
+    for path in (run / "plots").iterdir():
+        width, height = png_size(path)
+        assert width >= 300 and height >= 200
+
+
+def test_plot_reads_the_latest_checkpoint_and_custom_out(tmp_path):
+    run = tmp_path / "run"
+    write_state(run / "checkpoint-2", fake_history(2))
+    write_state(run / "checkpoint-10", fake_history(10))
+    assert len(load_log_history(run)) == 12  # checkpoint-10, not checkpoint-2 (string order would pick it)
+    out = tmp_path / "charts"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert (out / "reward.png").is_file() and not (run / "plots").exists()
+
+
+def test_plot_without_state_explains(tmp_path):
+    with pytest.raises(FileNotFoundError, match="save_state"):
+        main(["plot", str(tmp_path)])
+
+
+# ----------------------------------------------------------------------------- audit
+@pytest.fixture(scope="module")
+def bf16_audit():
+    return run_audit("tiny:qwen3_moe", num_prompts=3, num_generations=2, max_new_tokens=12, seed=0)
+
+
+def test_audit_bf16_engine_vs_fp32_trainer(bf16_audit):
+    report = bf16_audit
+    none, r3 = report.row("none"), report.row("r3")
+    assert report.completion_tokens > 0 and report.routed_pairs > 0
+    for row in (none, r3):
+        assert all(math.isfinite(v) for v in (row.kl_k1, row.kl_k3, row.extreme_frac, row.max_abs_log_ratio))
+        assert row.kl_k3 >= 0 and 0 <= row.extreme_frac <= 1 and row.fallback_frac == 0.0
+    # bf16 sampling vs fp32 scoring routes some (token, layer) pairs differently without replay ...
+    assert none.route_mismatch_frac > 0 and none.topk_agreement < 1
+    assert none.route_mismatch_frac == none.natural_mismatch_frac  # `none` uses the router's own routes
+    # ... and R3 uses the engine's routes everywhere, which brings the trainer's log-probs closer to the engine's
+    assert r3.route_mismatch_frac == 0.0 and r3.topk_agreement == 1.0
+    assert r3.kl_k3 < none.kl_k3 and r3.max_abs_log_ratio <= none.max_abs_log_ratio
+    assert "R3" in report.verdict() and "x lower" in report.verdict()
+
+
+def test_audit_same_dtype_is_numerically_tight():
+    report = run_audit("tiny:mixtral", num_prompts=2, num_generations=2, max_new_tokens=8, engine_dtype="float32")
+    for row in report.rows:
+        assert row.kl_k3 < 1e-8 and row.extreme_frac == 0.0 and row.max_abs_log_ratio < 1e-4
+    assert report.row("r3").route_mismatch_frac == 0.0
+
+
+def test_audit_cli_prints_table_and_json(capsys):
+    args = ["audit", "--model", "tiny:olmoe", "--num_prompts", "2", "--max_new_tokens", "6"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    lines = table.splitlines()
+    assert lines[0].startswith("Routing audit of tiny:olmoe: engine bfloat16 generate vs trainer float32")
+    header = next(i for i, line in enumerate(lines) if line.startswith("mode"))
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[header + 1 : header + 3]}
+    assert set(rows) == {"none", "r3"}
+    columns = lines[header].split()[1:]
+    assert rows["r3"][columns.index("route_mismatch")] == 0.0
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["mode"] for r in report["rows"]] == ["none", "r3"] and report["model"] == "tiny:olmoe"
+
+
+def test_audit_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="dtype"):
+        run_audit("tiny:qwen3_moe", engine_dtype="int8")
+    with pytest.raises(SystemExit):
+        main(["audit"])  # --model is required

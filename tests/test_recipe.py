@@ -1,0 +1,180 @@
+"""recipes/grpo_r3.py: the offline default runs end to end (cold start cached, trainer_state, plots), flags and
+config files take precedence over the offline defaults, and every shipped config parses into the config objects."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from trl import get_peft_config
+
+from trl_moe_replay.config import ROUTING_REPLAY_MODES
+from trl_moe_replay.data import HUB_DATASETS
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "grpo_r3.py"
+RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("grpo_r3_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def small_run_args(output_dir, cache_dir, *extra):
+    return [
+        "--output_dir", str(output_dir), "--sft_cache_dir", str(cache_dir), "--max_steps", "2", "--sft_steps", "30",
+        "--per_device_train_batch_size", "16", "--synthetic_samples", "64", *extra,
+    ]
+
+
+def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
+    script_args, training_args, model_args = recipe.parse_args(small_run_args(tmp_path / "run", tmp_path / "cache"))
+    assert model_args.model_name_or_path is None and training_args.routing_replay == "r3"
+    recipe.main(script_args, training_args, model_args)
+    out = capsys.readouterr().out
+    assert "cold start: saved" in out and "mean reward:" in out
+
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    logged = [h for h in state["log_history"] if "reward" in h]
+    assert [h["step"] for h in logged] == [1, 2]
+    assert all(0.0 <= h["reward"] <= 1.0 for h in logged)
+    assert all(h["routing/mismatch_frac"] == 0.0 for h in logged)  # fp32, R3: the rollout's routes everywhere
+    plots = {p.name: p for p in (tmp_path / "run" / "plots").glob("*.png")}
+    assert {"reward.png", "mismatch.png", "routing.png", "loss.png"} <= set(plots)
+    assert all(p.read_bytes()[:8] == PNG_SIGNATURE for p in plots.values())
+
+    # the cold start is cached under a key of its settings, with what it measured
+    (entry,) = (tmp_path / "cache").iterdir()
+    record = json.loads((entry / "cold_start.json").read_text())
+    assert record["settings"]["sft"]["steps"] == 30 and 0.0 <= record["report"]["sampled_accuracy"] <= 1.0
+
+
+def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
+    # first run builds the cache (in this process, fast); the launched one must find and reuse it
+    spec = importlib.util.spec_from_file_location("grpo_r3_recipe_b", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    recipe.main(*recipe.parse_args(small_run_args(tmp_path / "a", tmp_path / "cache", "--max_steps", "1",
+                                                   "--plot", "false")))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("HF_HUB_OFFLINE", None)  # the recipe itself must go offline when no model is named
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(RECIPE),
+               *small_run_args(tmp_path / "b", tmp_path / "cache", "--max_steps", "1", "--routing_replay", "none")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cold start: reusing" in result.stdout and "cold start: saved" not in result.stdout
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    args = json.loads((tmp_path / "b" / "trainer_state.json").read_text())
+    assert args["global_step"] == 1
+    assert (tmp_path / "b" / "plots" / "reward.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
+    _, offline, _ = recipe.parse_args([])
+    assert offline.learning_rate == recipe.OFFLINE_DEFAULTS["learning_rate"] and offline.bf16 is False
+    assert offline.max_steps == recipe.OFFLINE_DEFAULTS["max_steps"] and offline.max_completion_length == 8
+    _, named, model_args = recipe.parse_args(["--model_name_or_path", "some/moe", "--use_cpu", "true"])
+    assert model_args.model_name_or_path == "some/moe"
+    assert named.learning_rate == 1e-6 and named.max_steps == -1  # GRPOConfig's own defaults
+    # command line beats everything
+    _, cli, _ = recipe.parse_args(["--max_steps", "7", "--routing_replay", "r2", "--learning_rate", "0.01"])
+    assert (cli.max_steps, cli.routing_replay, cli.learning_rate) == (7, "r2", 0.01)
+    # a config file beats the offline defaults, the command line beats the file
+    config = tmp_path / "c.yaml"
+    config.write_text("max_steps: 9\nlearning_rate: 0.5\nrouting_replay: none\n")
+    _, from_file, _ = recipe.parse_args(["--config", str(config), "--max_steps", "3"])
+    assert (from_file.max_steps, from_file.learning_rate, from_file.routing_replay) == (3, 0.5, "none")
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--routing_replay", "r9"])
+
+
+def test_reward_function_registry(recipe):
+    from trl_moe_replay.rewards import accuracy_reward, format_reward
+
+    assert recipe.reward_functions(["accuracy_reward", "format_reward"]) == [accuracy_reward, format_reward]
+    assert recipe.reward_functions(["trl_moe_replay.rewards.format_reward"]) == [format_reward]
+    with pytest.raises(ValueError, match="Unknown reward function"):
+        recipe.reward_functions(["no_such_reward"])
+
+
+@pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: p.stem)
+def test_recipe_config_builds_the_config_objects(recipe, path):
+    # bf16 configs are for GPUs; --use_cpu lets TrainingArguments validate them on this CPU-only machine
+    script_args, training_args, model_args = recipe.parse_args(["--config", str(path), "--use_cpu", "true"])
+    assert model_args.model_name_or_path and "/" in model_args.model_name_or_path
+    assert script_args.dataset_name in HUB_DATASETS
+    assert training_args.routing_replay in ROUTING_REPLAY_MODES
+    assert len(recipe.reward_functions(script_args.reward_funcs)) == len(script_args.reward_funcs)
+    if training_args.reward_weights is not None:
+        assert len(training_args.reward_weights) == len(script_args.reward_funcs)
+    assert training_args.bf16 and training_args.learning_rate <= 1e-5 and training_args.beta == 0.0
+    assert training_args.generation_batch_size % training_args.num_generations == 0
+    assert training_args.steps_per_generation % training_args.gradient_accumulation_steps == 0
+    peft = get_peft_config(model_args)
+    assert (peft is not None) == model_args.use_peft
+    if peft is not None:
+        assert set(peft.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    # the launch line in the file's comments names an accelerate config that exists
+    launch = re.findall(r"--config_file (recipes/accelerate/\S+\.yaml)", path.read_text())
+    assert launch and all((ROOT / p).is_file() for p in launch)
+
+
+def test_qwen3_config_is_the_papers_off4_server_setup(recipe):
+    path = ROOT / "recipes" / "configs" / "qwen3_30b_a3b_vllm_server_zero3.yaml"
+    script_args, args, model_args = recipe.parse_args(["--config", str(path), "--use_cpu", "true"])
+    assert model_args.model_name_or_path == "Qwen/Qwen3-30B-A3B"
+    assert script_args.dataset_name == "BytedTsinghua-SIA/DAPO-Math-17k"
+    assert args.use_vllm and args.vllm_mode == "server" and args.routing_replay == "r3"
+    assert (args.epsilon, args.epsilon_high, args.learning_rate) == (0.2, 0.28, 1e-6)
+    # 4 optimizer updates per rollout batch; 512 completions (64 prompts x 8) per rollout batch on 8 GPUs
+    assert args.steps_per_generation // args.gradient_accumulation_steps == 4
+    assert args.per_device_train_batch_size * 8 * args.steps_per_generation == 64 * args.num_generations
+
+
+EXPECTED_ACCELERATE = {
+    "single": ("NO", 1, {}),
+    "ddp": ("MULTI_GPU", 8, {}),
+    "zero2": ("DEEPSPEED", 8, {"zero_stage": 2, "zero3_init_flag": False}),
+    "zero3": ("DEEPSPEED", 8, {"zero_stage": 3, "zero3_init_flag": True, "zero3_save_16bit_model": True}),
+    "fsdp2": ("FSDP", 8, {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                          "fsdp_state_dict_type": "FULL_STATE_DICT"}),
+}
+
+
+def test_accelerate_configs_are_the_expected_set():
+    assert sorted(p.stem for p in ACCELERATE_CONFIGS) == sorted(EXPECTED_ACCELERATE)
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_config_loads(path):
+    config = load_config_from_file(str(path))
+    distributed, processes, extra = EXPECTED_ACCELERATE[path.stem]
+    assert config.distributed_type.value == distributed and config.num_processes == processes
+    assert config.mixed_precision == "bf16" and config.use_cpu is False
+    section = config.fsdp_config if distributed == "FSDP" else config.deepspeed_config
+    for key, value in extra.items():
+        assert section[key] == value, key
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
+def test_tiny_overrides_build_the_requested_moe(recipe, family):
+    from trl_moe_replay.routing import RouterReplay
+    from trl_moe_replay.testing import tiny_moe_model
+
+    model = tiny_moe_model(family, **recipe.tiny_overrides(family, 32, 2, 4, 1))
+    replay = RouterReplay(model)
+    assert (replay.num_experts, replay.top_k, model.config.hidden_size) == (4, 1, 32)
+    with pytest.raises(ValueError, match="no tiny config"):
+        recipe.tiny_overrides("llama", 32, 2, 4, 1)

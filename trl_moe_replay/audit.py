@@ -1,0 +1,302 @@
+"""Pre-training audit: how far apart are the generation engine and the trainer, with and without routing replay?
+
+The engine is transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded
+by :class:`~trl_moe_replay.generation.TransformersRolloutRecorder` exactly as the trainer records rollouts: per
+completion the routes it used and the sampled tokens' log-probabilities. The trainer is the same checkpoint in the
+trainer's dtype, fed the whole batch in TRL's layout (left-padded prompts, right-padded completions) in one
+forward, as TRL's old-logprob pass does. Two trainer passes are compared with the engine:
+
+- ``none``: the trainer routes by its own router (plain GRPO);
+- ``r3``: the trainer replays the engine's routes (:meth:`RouterReplay.replay`).
+
+For each: the sampler-vs-trainer KL estimators and the fraction of extreme tokens over the completion tokens
+(:func:`~trl_moe_replay.metrics.logprob_mismatch_sums`), and how the routes the trainer *used* compare with the
+engine's over every routable position and MoE layer (:func:`~trl_moe_replay.metrics.routing_agreement_sums`).
+Under ``r3`` the used routes are the engine's by construction (mismatch 0 unless a position lacked a route: see
+``fallback_frac``); its ``natural_mismatch`` column says how often the trainer's router would have chosen otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from .generation import TransformersRolloutRecorder
+from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from .routing import RouterReplay
+from .routing.engine import routes_from_engine
+
+TINY_PREFIX = "tiny:"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class AuditRow:
+    """Engine-vs-trainer numbers of one trainer pass (means over completion tokens / (position, layer) pairs)."""
+
+    mode: str
+    kl_k1: float
+    kl_k3: float
+    extreme_frac: float
+    max_abs_log_ratio: float
+    route_mismatch_frac: float  # routes the trainer used differ from the engine's (pairs of position x MoE layer)
+    topk_agreement: float  # mean |used top-k ∩ engine top-k| / k
+    natural_mismatch_frac: float  # the trainer's own router (recorded in this pass) vs the engine's routes
+    fallback_frac: float  # routable positions without an engine route (the router chose by itself there)
+
+
+@dataclass
+class AuditReport:
+    model: str
+    engine_dtype: str
+    trainer_dtype: str
+    num_prompts: int
+    completion_tokens: int
+    routed_pairs: int
+    rows: list[AuditRow]
+
+    def row(self, mode: str) -> AuditRow:
+        return next(r for r in self.rows if r.mode == mode)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def format_table(self) -> str:
+        """The table and a one-line reading of it."""
+        head = (
+            f"Routing audit of {self.model}: engine {self.engine_dtype} generate vs trainer {self.trainer_dtype} "
+            f"forward; {self.num_prompts} prompts, {self.completion_tokens} completion tokens, "
+            f"{self.routed_pairs} routed (position, MoE layer) pairs"
+        )
+        columns = ["mode", "kl_k1", "kl_k3", "extreme_frac", "max|logratio|", "route_mismatch", "topk_agree",
+                   "natural_mismatch", "fallback"]
+        widths = [max(len(c), 10) for c in columns[1:]]
+        lines = [head, "", "  ".join([f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths))])]
+        for r in self.rows:
+            values = [r.kl_k1, r.kl_k3, r.extreme_frac, r.max_abs_log_ratio, r.route_mismatch_frac,
+                      r.topk_agreement, r.natural_mismatch_frac, r.fallback_frac]
+            lines.append("  ".join([f"{r.mode:<6}", *(f"{v:>{w}.4g}" for v, w in zip(values, widths))]))
+        lines += ["", self.verdict()]
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        none, r3 = self.row("none"), self.row("r3")
+        if none.route_mismatch_frac == 0.0:
+            return (
+                "The trainer routes every token like the engine here: routing replay changes nothing on these prompts "
+                "(log-prob mismatch, if any, is numeric). Re-run with the real engine dtype and longer completions."
+            )
+        factor = none.kl_k3 / r3.kl_k3 if r3.kl_k3 > 0 else math.inf
+        return (
+            f"Without replay the trainer routes {100 * none.route_mismatch_frac:.2f}% of (token, layer) pairs to other "
+            f"experts than the engine; replaying the engine's routes (R3) changes kl_k3 from {none.kl_k3:.3g} to "
+            f"{r3.kl_k3:.3g} ({factor:.3g}x lower) and extreme tokens from {100 * none.extreme_frac:.2f}% to "
+            f"{100 * r3.extreme_frac:.2f}%."
+        )
+
+
+def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_code: bool = False, revision=None):
+    """``tiny:<model_type>`` (offline, :mod:`trl_moe_replay.testing`) or a Hub name / local path."""
+    if model.startswith(TINY_PREFIX):
+        from .testing import tiny_moe_model, tiny_tokenizer
+
+        return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
+    causal_lm = AutoModelForCausalLM.from_pretrained(
+        model, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision
+    )
+    return causal_lm.eval(), tokenizer
+
+
+def default_prompts(num_prompts: int, seed: int = 0) -> list[str]:
+    """Offline math prompts (the synthetic set's arithmetic and word problems, boxed-answer instruction)."""
+    from .data import BOXED_INSTRUCTION, synthetic_math_dataset
+
+    data = synthetic_math_dataset(num_prompts, seed=seed, difficulty=2, instruction=BOXED_INSTRUCTION)
+    return list(data["prompt"])
+
+
+def _encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool) -> list[list[int]]:
+    if use_chat_template:
+        return [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in prompts
+        ]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _right_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.insert(0, tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def run_audit(
+    model: str,
+    prompts: list[str] | None = None,
+    *,
+    num_prompts: int = 8,
+    num_generations: int = 2,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    engine_dtype: str = "bfloat16",
+    trainer_dtype: str = "float32",
+    use_chat_template: bool | None = None,
+    extreme_threshold: float = 2.0,
+    seed: int = 0,
+    device: str | None = None,
+    trust_remote_code: bool = False,
+) -> AuditReport:
+    """Sample with the engine, score with the trainer with and without R3, and compare (see module docstring)."""
+    for name in (engine_dtype, trainer_dtype):
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    if num_generations < 1 or max_new_tokens < 1 or temperature <= 0:
+        raise ValueError("num_generations and max_new_tokens must be >= 1 and temperature > 0")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
+    trainer_model.to(device).eval()
+    # A second copy in the engine's dtype (the engine holds its own weights, as vLLM does); same weights when equal.
+    engine_model = trainer_model if engine_dtype == trainer_dtype else copy.deepcopy(trainer_model).to(
+        DTYPES[engine_dtype]
+    )
+    if prompts is None:
+        prompts = default_prompts(num_prompts, seed=seed)
+    if not prompts:
+        raise ValueError("the audit needs at least one prompt")
+    if use_chat_template is None:
+        use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError(f"the tokenizer of {model} has neither a pad nor an eos token")
+    prompt_rows = [ids for ids in _encode_prompts(tokenizer, prompts, use_chat_template) for _ in range(num_generations)]
+
+    # ---- engine: sample and record routes + sampling log-probs
+    engine_rr = RouterReplay(engine_model)
+    eos_ids = _eos_ids(engine_model, tokenizer)
+    prompt_ids, prompt_mask = _left_pad(prompt_rows, pad_id)
+    # Plain sampling at `temperature`, nothing from the checkpoint's generation_config (top_p, repetition penalty,
+    # ...): the recorded log-probs are log_softmax(logits / temperature), as the trainer computes them.
+    sampling = GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id, eos_token_id=eos_ids,
+    )
+    torch.manual_seed(seed)
+    recorder = TransformersRolloutRecorder(engine_rr, engine_model, temperature)
+    with recorder:
+        output = engine_model.generate(
+            input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), generation_config=sampling,
+        )
+    generated = output[:, prompt_ids.shape[1]:].cpu()
+    completion_rows = []
+    for row in generated.tolist():  # up to and including the first EOS, as TRL keeps it
+        end = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+        completion_rows.append(row[:end])
+    recorder.finish_with(completion_rows, pad_token_id=pad_id)
+    prompt_lengths = [len(r) for r in prompt_rows]
+    completion_lengths = [len(r) for r in completion_rows]
+    engine_rows = recorder.engine_rows(prompt_lengths, completion_lengths)
+    sampling_rows = recorder.sampling_logprobs(completion_lengths)
+    engine_rr.remove()
+
+    # ---- trainer: TRL's batch layout, one forward per mode
+    trainer_rr = RouterReplay(trainer_model)
+    completion_ids, completion_mask = _right_pad(completion_rows, pad_id)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    engine_routes = routes_from_engine(
+        engine_rows, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+        prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
+        num_layers=trainer_rr.num_layers, top_k=trainer_rr.top_k, moe_layers=trainer_rr.moe_layers,
+        num_experts=trainer_rr.num_experts,
+    )
+    sampling = torch.full(completion_ids.shape, float("nan"))
+    for i, row in enumerate(sampling_rows):
+        sampling[i, : len(row)] = torch.tensor(row)
+    positions = routable_positions(attention_mask)
+
+    rows = []
+    for mode in ("none", "r3"):
+        trainer_logps, natural = _trainer_pass(
+            trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
+            temperature, engine_routes if mode == "r3" else None,
+        )
+        # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
+        used = natural if mode == "none" else torch.where(engine_routes < 0, natural.to(engine_routes.dtype),
+                                                          engine_routes)
+        rows.append(_row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
+                         trainer_rr.moe_layers, extreme_threshold))
+    trainer_rr.remove()
+    routed = routing_agreement_sums(engine_routes, engine_routes, positions, trainer_rr.moe_layers)["pairs"]
+    return AuditReport(
+        model=model, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype, num_prompts=len(prompts),
+        completion_tokens=int(completion_mask.sum()), routed_pairs=int(routed), rows=rows,
+    )
+
+
+def _trainer_pass(model, rr, input_ids, attention_mask, completion_width, temperature, routes):
+    """Completion-token log-probs ``[B, C]`` (float32, CPU) and the router's natural routes of this forward."""
+    with contextlib.ExitStack() as stack:  # replay outside, record inside: as the trainer's old-logprob pass
+        if routes is not None:
+            stack.enter_context(rr.replay(routes))
+        recording = stack.enter_context(rr.record())
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = logits[:, -completion_width - 1 : -1].float() / temperature
+    targets = input_ids[:, -completion_width:]
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logps.cpu(), recording.routes.cpu()
+
+
+def _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions, moe_layers,
+         threshold) -> AuditRow:
+    sums = logprob_mismatch_sums(sampling, trainer_logps, completion_mask, threshold)
+    tokens = sums["tokens"].clamp(min=1.0)
+    valid = completion_mask.bool() & ~torch.isnan(sampling)
+    log_ratio = torch.where(valid, trainer_logps - sampling, 0.0)
+    agreement = routing_agreement_sums(used, engine_routes, positions, moe_layers)
+    natural_agreement = routing_agreement_sums(natural, engine_routes, positions, moe_layers)
+    pairs = agreement["pairs"].clamp(min=1.0)
+    return AuditRow(
+        mode=mode,
+        kl_k1=(sums["kl_k1"] / tokens).item(),
+        kl_k3=(sums["kl_k3"] / tokens).item(),
+        extreme_frac=(sums["extreme"] / tokens).item(),
+        max_abs_log_ratio=log_ratio.abs().max().item() if valid.any() else 0.0,
+        route_mismatch_frac=(agreement["mismatch_pairs"] / pairs).item(),
+        topk_agreement=(agreement["overlap"] / pairs).item(),
+        natural_mismatch_frac=(natural_agreement["mismatch_pairs"] / natural_agreement["pairs"].clamp(min=1.0)).item(),
+        fallback_frac=(agreement["fallback_positions"] / agreement["positions"].clamp(min=1.0)).item(),
+    )

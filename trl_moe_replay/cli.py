@@ -1,0 +1,95 @@
+"""The ``trl-moe-replay`` command: ``plot`` a run's metrics, ``audit`` a model's engine/trainer mismatch.
+
+    trl-moe-replay plot RUN_DIR [--out DIR]
+    trl-moe-replay audit --model M [--engine_dtype bfloat16] [--trainer_dtype float32] [--num_prompts 8] ...
+
+Also runnable as ``python -m trl_moe_replay.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plotting import plot_run
+
+    paths = plot_run(args.run_dir, args.out)
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import run_audit
+
+    report = run_audit(
+        args.model,
+        prompts=args.prompt or None,
+        num_prompts=args.num_prompts,
+        num_generations=args.num_generations,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        engine_dtype=args.engine_dtype,
+        trainer_dtype=args.trainer_dtype,
+        use_chat_template={"auto": None, "yes": True, "no": False}[args.chat_template],
+        extreme_threshold=args.extreme_threshold,
+        seed=args.seed,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-moe-replay", description="Routing replay for MoE RL with TRL: plots and a pre-training audit."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plot = commands.add_parser(
+        "plot",
+        help="write PNG charts of a run's metrics (reward, mismatch/*, routing/*, loss, ...) from trainer_state.json",
+    )
+    plot.add_argument("run_dir", help="a training output_dir (trainer_state.json in it or in its last checkpoint-N)")
+    plot.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
+    plot.set_defaults(func=_plot)
+
+    audit = commands.add_parser(
+        "audit",
+        help="measure, before training, the routing and log-prob mismatch between the generation engine and the "
+        "trainer, with and without routing replay (R3)",
+    )
+    audit.add_argument("--model", required=True, help="Hub name or local path, or tiny:<model_type> (offline)")
+    audit.add_argument("--prompt", action="append", help="a prompt (repeatable); default: offline math prompts")
+    audit.add_argument("--num_prompts", type=int, default=8, help="number of default prompts (default 8)")
+    audit.add_argument("--num_generations", type=int, default=2, help="completions per prompt (default 2)")
+    audit.add_argument("--max_new_tokens", type=int, default=64)
+    audit.add_argument("--temperature", type=float, default=1.0)
+    audit.add_argument("--engine_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                       help="dtype of the generating copy (inference engines run bf16)")
+    audit.add_argument("--trainer_dtype", default="float32", choices=["bfloat16", "float16", "float32"],
+                       help="dtype of the trainer's forward")
+    audit.add_argument("--chat_template", default="auto", choices=["auto", "yes", "no"],
+                       help="wrap prompts as a user message with the tokenizer's chat template (auto: if it has one)")
+    audit.add_argument("--extreme_threshold", type=float, default=2.0,
+                       help="a token is extreme when its probability ratio exceeds this either way (default 2)")
+    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    audit.add_argument("--trust_remote_code", action="store_true")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    audit.set_defaults(func=_audit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

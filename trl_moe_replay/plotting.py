@@ -1,0 +1,246 @@
+"""PNG charts of a training run's logged metrics (``trainer_state.json``), and side-by-side comparisons of runs.
+
+A run's metrics are grouped by family, one PNG each, one panel per metric against the optimizer step:
+``reward.png`` (``reward``, ``reward_std``, ``rewards/<function>/mean``), ``mismatch.png`` (``mismatch/*`` and
+TRL's ``sampling/*`` engine-vs-trainer numbers), ``routing.png`` (``routing/*``), ``loss.png`` (``loss``,
+``grad_norm``, ``kl``, ``entropy``, ``clip_ratio/*``), ``completions.png`` and one more PNG per remaining metric
+prefix (``<prefix>/...``), so the metrics of a loss or a replay mode added later are drawn without code changes.
+Evaluation metrics (``eval_<name>``) share their training metric's panel.
+
+matplotlib is imported lazily with its non-interactive ``Agg`` backend: nothing here needs a display.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+#: Log-history keys that are bookkeeping, not metrics.
+_NOT_METRICS = frozenset(
+    {"step", "epoch", "learning_rate", "num_tokens", "step_time", "total_flos", "train_runtime",
+     "train_samples_per_second", "train_steps_per_second", "train_loss", "eval_runtime",
+     "eval_samples_per_second", "eval_steps_per_second"}
+)
+# Family of the metrics without a "prefix/" or whose prefix belongs to another family: name -> family.
+_FAMILY_OF_NAME = {
+    "reward": "reward", "reward_std": "reward", "frac_reward_zero_std": "reward",
+    "loss": "loss", "grad_norm": "loss", "kl": "loss", "entropy": "loss", "aux_loss": "loss",
+    "policy_loss": "loss", "entropy_coef": "loss", "cispo_clip_ratio": "loss",
+}
+_FAMILY_OF_PREFIX = {
+    "rewards": "reward", "sampling": "mismatch", "mismatch": "mismatch", "routing": "routing",
+    "clip_ratio": "loss", "completions": "completions",
+}
+_LEAD_METRIC = {"reward": "reward", "mismatch": "mismatch/kl_k3", "routing": "routing/mismatch_frac", "loss": "loss"}
+#: Families written first, in this order; the others follow alphabetically.
+FAMILY_ORDER = ("reward", "mismatch", "routing", "loss", "completions")
+
+
+def find_trainer_state(run_dir: str | Path) -> Path:
+    """``RUN_DIR/trainer_state.json``, else the one of the latest ``checkpoint-N`` inside ``RUN_DIR``."""
+    run_dir = Path(run_dir)
+    direct = run_dir / "trainer_state.json"
+    if direct.is_file():
+        return direct
+    checkpoints = sorted(
+        (p for p in run_dir.glob("checkpoint-*/trainer_state.json") if p.parent.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.parent.name.split("-")[-1]),
+    )
+    if checkpoints:
+        return checkpoints[-1]
+    raise FileNotFoundError(
+        f"no trainer_state.json in {run_dir} nor in a checkpoint-N folder inside it. The Trainer writes it with "
+        "each checkpoint and with `trainer.save_state()` (the recipe calls it at the end of training)."
+    )
+
+
+def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
+    """The ``log_history`` list of a run folder (see :func:`find_trainer_state`) or of a trainer_state.json."""
+    path = Path(run_dir_or_file)
+    if path.is_dir():
+        path = find_trainer_state(path)
+    with open(path) as f:
+        state = json.load(f)
+    history = state.get("log_history")
+    if not isinstance(history, list):
+        raise ValueError(f"{path} has no 'log_history' list")
+    return history
+
+
+def metric_series(log_history: Iterable[Mapping]) -> dict[str, tuple[list[int], list[float]]]:
+    """``{metric: (steps, values)}`` for every numeric, finite metric logged with a step."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for entry in log_history:
+        step = entry.get("step")
+        if not isinstance(step, int):
+            continue
+        for name, value in entry.items():
+            if name in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                continue
+            steps, values = series.setdefault(name, ([], []))
+            steps.append(step)
+            values.append(float(value))
+    return series
+
+
+def metric_family(name: str) -> str:
+    """The PNG a metric is drawn in (without ``.png``): see the module docstring."""
+    base = name.removeprefix("eval_")
+    if base in _FAMILY_OF_NAME:
+        return _FAMILY_OF_NAME[base]
+    if "/" in base:
+        prefix = base.split("/", 1)[0]
+        return _FAMILY_OF_PREFIX.get(prefix, prefix)
+    return "other"
+
+
+def group_metrics(names: Iterable[str]) -> dict[str, list[str]]:
+    """``{family: [training metric names]}``; an ``eval_`` metric is listed under its training name's panel (or
+    alone when there is no training metric of that name). Families in :data:`FAMILY_ORDER` first."""
+    names = set(names)
+    groups: dict[str, list[str]] = {}
+    for name in sorted(names):
+        panel = name.removeprefix("eval_")
+        if name.startswith("eval_") and panel in names:
+            continue  # drawn in the training metric's panel
+        groups.setdefault(metric_family(name), []).append(name)
+    for family, members in groups.items():  # the family's headline metric first
+        lead = _LEAD_METRIC.get(family)
+        members.sort(key=lambda n: (n.removeprefix("eval_") != lead, n))
+    ordered = [f for f in FAMILY_ORDER if f in groups] + sorted(f for f in groups if f not in FAMILY_ORDER)
+    return {family: groups[family] for family in ordered}
+
+
+def _window(count: int) -> int:
+    return max(2, count // 10)
+
+
+def moving_average(values: Sequence[float], min_points: int = 20) -> list[float] | None:
+    """Trailing running mean over ``max(2, n // 10)`` points; None for short series (drawn as they are)."""
+    if len(values) < min_points:
+        return None
+    window, out, total = _window(len(values)), [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(count: int, max_columns: int = 3) -> tuple[int, int]:
+    columns = min(max_columns, count)
+    return -(-count // columns), columns
+
+
+def _safe_filename(family: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", family) or "metrics"
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None) -> list[Path]:
+    """Write one PNG per metric family of the run in ``run_dir`` into ``out_dir`` (default ``RUN_DIR/plots``).
+
+    Returns the written paths, in :data:`FAMILY_ORDER` first. Raises if the run logged no metric at all.
+    """
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    series = metric_series(load_log_history(run_dir))
+    if not series:
+        raise ValueError(f"the run in {run_dir} logged no metric with a step (is logging_steps > max_steps?)")
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for family, names in group_metrics(series).items():
+        rows, columns = _grid(len(names))
+        fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, names):
+            steps, values = series[name]
+            smooth = moving_average(values)
+            if smooth is None:
+                ax.plot(steps, values, marker=".", label="train")
+            else:  # noisy per-step values: faint raw line, bold running mean
+                ax.plot(steps, values, alpha=0.3, color="C0")
+                ax.plot(steps, smooth, color="C0", label=f"train (mean of {_window(len(values))})")
+            eval_name = "eval_" + name
+            if not name.startswith("eval_") and eval_name in series:
+                ax.plot(*series[eval_name], linestyle="--", marker="o", markersize=3, color="C1", label="eval")
+            if smooth is not None or (not name.startswith("eval_") and eval_name in series):
+                ax.legend(fontsize=7)
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.ticklabel_format(axis="y", useOffset=False)  # 1.00001, not "1e-5+1" above the axis
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(names):]:
+            ax.set_visible(False)
+        fig.suptitle(f"{title or run_dir.name}: {family}", fontsize=10)
+        fig.tight_layout()
+        path = out_dir / f"{_safe_filename(family)}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def plot_comparison(
+    runs: Mapping[str, Sequence[Mapping]],
+    metrics: Sequence[str],
+    out_path: str | Path,
+    *,
+    title: str = "",
+    log_y: Iterable[str] = (),
+) -> Path:
+    """One PNG with a panel per metric and one line per run (``{label: log_history}``), e.g. none/r2/r3.
+
+    Metrics in ``log_y`` get a logarithmic y axis when all their values are positive (KL estimators span decades).
+    A metric that no run logged gets an empty panel that says so rather than silently disappearing.
+    """
+    log_y = set(log_y)
+    if not metrics:
+        raise ValueError("plot_comparison needs at least one metric")
+    plt = _pyplot()
+    per_run = {label: metric_series(history) for label, history in runs.items()}
+    rows, columns = _grid(len(metrics))
+    fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, metrics):
+        drawn = False
+        for label, series in per_run.items():
+            if name in series:
+                steps, values = series[name]
+                ax.plot(steps, values, label=label, marker="." if len(steps) <= 40 else None)
+                drawn = True
+        if drawn:
+            ax.legend(fontsize=7)
+            values = [v for series in per_run.values() for v in series.get(name, ((), ()))[1]]
+            if name in log_y and min(values) > 0:
+                ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
