@@ -1,7 +1,7 @@
 """Record and replay expert routes in Hugging Face MoE models."""
 
 from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelError
-from .replay import RouteRecording, RouterReplay
+from .replay import RouteRecording, RouterCall, RouterReplay
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
 from .routes import NO_ROUTE, validate_routes
 
@@ -11,6 +11,7 @@ __all__ = [
     "RouteAlignmentError",
     "RouteRecording",
     "RouteValidationError",
+    "RouterCall",
     "RouterFamily",
     "RouterReplay",
     "UnsupportedModelError",
