@@ -273,3 +273,86 @@ def test_torch_compile_aot_eager_matches_eager_replay():
     # hooks registered on the compiled wrapper find the same routers
     rr2 = RouterReplay(compiled)
     assert rr2.moe_layers == rr.moe_layers
+
+
+# ---------------------------------------------------------------------- steer and observe
+def test_steering_to_other_experts_equals_replaying_them_and_is_recorded():
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    x = random_ids(2, 9)
+    seen = {}
+
+    def next_experts(layer, router, router_input, logits, natural):
+        seen[layer] = natural.clone()
+        return (natural + 1) % rr.num_experts
+
+    with torch.no_grad():
+        reference = model(x).logits
+        with rr.steer(next_experts), rr.record() as steered:
+            out = model(x).logits
+        with rr.replay(steered.routes):
+            replayed = model(x).logits
+    for layer, natural in seen.items():
+        expected = ((natural + 1) % rr.num_experts).sort(-1).values
+        assert torch.equal(steered.routes[:, :, layer].reshape(18, -1).long().sort(-1).values, expected)
+    assert torch.equal(out, replayed)  # same ids, same gate-weight math: bit for bit
+    assert (out - reference).abs().max() > 1e-3
+
+
+def test_steering_to_the_natural_choice_is_bit_exact_and_replay_wins_where_it_has_routes():
+    model = tiny_moe_model("mixtral")
+    rr = RouterReplay(model)
+    x = random_ids(2, 8)
+
+    def own_choice(layer, router, router_input, logits, natural):
+        return natural.clone()
+
+    with torch.no_grad():
+        with rr.record() as natural:
+            reference = model(x).logits
+        with rr.steer(own_choice):
+            assert torch.equal(model(x).logits, reference)
+        mixed = natural.routes.clone()
+        mixed[0] = shifted(mixed[0], rr.num_experts)
+        partly = mixed.clone()
+        partly[1] = -1  # sample 1: no routes -> the steered choice (here the natural one)
+        with rr.steer(own_choice), rr.replay(partly):
+            out = model(x).logits
+        with rr.replay(mixed):
+            expected = model(x).logits
+    assert torch.equal(out, expected) and not torch.equal(out[0], reference[0])
+
+
+def test_observe_reports_each_router_call_with_its_input_and_is_silent_in_backward():
+    model = tiny_moe_model("qwen3_moe").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rr = RouterReplay(model)
+    routers = rr.routers()
+    x = random_ids(2, 7)
+    calls = []
+    with rr.record() as rec, rr.observe(calls.append):
+        model(x, labels=x).loss.backward()  # the recompute in backward runs the routers again
+    assert [c.layer for c in calls] == rr.moe_layers
+    for call in calls:
+        assert call.router_input.shape == (14, model.config.hidden_size)
+        logits, _, ids = routers[call.layer].forward(call.router_input.detach())
+        assert torch.equal(call.logits.detach(), logits) and torch.equal(call.natural, ids)
+        assert torch.equal(call.used, call.natural)
+        assert torch.equal(rec.routes[:, :, call.layer].reshape(14, -1).long(), ids)
+
+
+def test_bad_steer_functions_raise():
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    x = random_ids(1, 5)
+    with torch.no_grad():
+        with pytest.raises(RouteValidationError, match="expected integer ids of shape"):
+            with rr.steer(lambda layer, router, h, logits, ids: ids[:, :1]):
+                model(x)
+        with pytest.raises(RuntimeError, match="outside"):
+            with rr.steer(lambda layer, router, h, logits, ids: ids + rr.num_experts):
+                model(x)
+        with pytest.raises(RuntimeError, match="already active"):
+            with rr.steer(lambda *a: a[-1]), rr.steer(lambda *a: a[-1]):
+                pass
+        assert rr._steer is None

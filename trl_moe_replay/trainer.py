@@ -1,4 +1,4 @@
-"""``MoEReplayGRPOTrainer``: TRL's ``GRPOTrainer`` with expert-routing replay (R2/R3) and mismatch metrics.
+"""``MoEReplayGRPOTrainer``: TRL's ``GRPOTrainer`` with expert-routing replay (R2/R3/PR2) and mismatch metrics.
 
 The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Data flow for one generation batch:
 
@@ -16,15 +16,20 @@ The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Da
 The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
 (``trl_moe_replay.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
 ``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
+
+PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
+by the predicted routes; its state and predictor training live in ``trl_moe_replay.pr2``, called from 3. and 4.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
@@ -33,6 +38,7 @@ from .generation import TransformersRolloutRecorder
 from .generation.vllm import VLLMRouteSource, routed_experts_in_colocated_llm
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
+from .pr2 import PredictiveRoutingReplay
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
 
@@ -62,6 +68,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "moe-routing-replay"]
     _name = "MoE Replay GRPO"
+    _pr2: PredictiveRoutingReplay | None = None  # set in __init__ when routing_replay="pr2"
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
@@ -99,6 +106,12 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 "routing_replay='r2' is a no-op here: this configuration is on-policy (no old-logprob pass), so "
                 "every update already routes like the old policy."
             )
+        if self.routing_replay == "pr2" and not self._old_pass_expected():
+            logger.warning(
+                "routing_replay='pr2' needs the old-logprob pass, which this on-policy configuration skips: its "
+                "predictors get no training data and stay at zero, so the routes stay the router's own."
+            )
+        self._pr2 = self._build_pr2(args) if self.routing_replay == "pr2" else None
         self._scoring: _ScoringState | None = None
         self._batch_routes: torch.Tensor | None = None
         self._train_replay = contextlib.ExitStack()
@@ -144,7 +157,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if is_peft_model(causal_lm):
             causal_lm = causal_lm.get_base_model()
         recorder = TransformersRolloutRecorder(self._route_replay, causal_lm, self.temperature)
-        with recorder:
+        predicting = self._pr2 is not None and self._pr2.rollout_prediction
+        with recorder, (self._pr2.steering() if predicting else contextlib.nullcontext()):
             completion_ids, _ = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -190,11 +204,13 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             state = self._scoring
         finally:
             self._scoring = None
-        replay_routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
+        replay_routes = self._routes_to_replay(state)
         if replay_routes is not None:
             output["replay_routes"] = replay_routes
         if state.old_router_ids is not None:  # ride through TRL's buffer, shuffle and split like the routes
             output["old_router_ids"], output["old_router_probs"] = state.old_router_ids, state.old_router_probs
+        if self._pr2 is not None:
+            output.update(self._pr2.take_old_pass_cache(self.state.global_step))
         self._log_mismatch_metrics(output, state)
         return output
 
@@ -223,13 +239,11 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         state.old_pass_done = True
         if is_old_pass:
             rr, record = self._route_replay, True
-            routes = state.generation_routes if self.routing_replay == "r3" else None
+            routes = state.generation_routes if self._replays_rollout_routes() else None
         else:  # reference pass
             rr = self._ref_route_replay if model is self.ref_model else self._route_replay
             record = False
-            routes = None
-            if self.replay_reference_model:
-                routes = {"r3": state.generation_routes, "r2": state.old_natural_routes}.get(self.routing_replay)
+            routes = self._routes_to_replay(state) if self.replay_reference_model else None
 
         batch_size = batch_size or input_ids.size(0)
         logps, entropies, aux_losses, natural, old_router = [], [], [], [], []
@@ -238,6 +252,10 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             with contextlib.ExitStack() as stack:
                 if routes is not None:
                     stack.enter_context(rr.replay(routes[start:end]))
+                if is_old_pass and self._pr2 is not None:  # predicted routes (unless replayed) + predictor cache
+                    stack.enter_context(self._pr2.old_pass_chunk(
+                        attention_mask[start:end], logits_to_keep, steer=routes is None, cache=self.model.training
+                    ))
                 recording = stack.enter_context(rr.record()) if record else None
                 capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), record))
                 chunk_logps, chunk_entropies, chunk_aux = parent(
@@ -264,11 +282,19 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         self._batch_routes = inputs.get("replay_routes")
+        if self._pr2 is not None and self.model.training:
+            with self._pr2.watch_training_forward(inputs):
+                return super()._compute_loss(model, inputs)
         return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            if self._pr2 is not None:
+                self._pr2.begin_micro_step(self.state.global_step)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self._pr2 is not None:
+                self._train_pr2_predictors()
+            return loss
         finally:
             self._train_replay.close()  # only now: the backward (and any recompute in it) has returned
             self._batch_routes = None
@@ -279,6 +305,60 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         finally:
             self._train_replay.close()
             self._batch_routes = None
+
+    # ------------------------------------------------------------------ routes and PR2
+    def _replays_rollout_routes(self) -> bool:
+        return self.routing_replay == "r3" or (self._pr2 is not None and self._pr2.rollout_prediction)
+
+    def _routes_to_replay(self, state: _ScoringState) -> torch.Tensor | None:
+        if self._replays_rollout_routes():
+            return state.generation_routes
+        return state.old_natural_routes if self.routing_replay in ("r2", "pr2") else None
+
+    def _build_pr2(self, args) -> PredictiveRoutingReplay:
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise NotImplementedError(
+                "routing_replay='pr2' keeps its predictors outside the model in their own optimizer group, which "
+                "DeepSpeed and FSDP do not manage. Use DDP or a single device, or routing_replay='r2'/'r3'."
+            )
+        if self.optimizer is not None:
+            raise NotImplementedError(
+                "routing_replay='pr2' adds the predictors' param group in create_optimizer; pass no optimizer (or "
+                "subclass and call PredictiveRoutingReplay.add_to_optimizer yourself)."
+            )
+        return PredictiveRoutingReplay(
+            self._route_replay,
+            cached_tokens_per_sequence=getattr(args, "pr2_cached_tokens_per_sequence", 2048),
+            rollout_prediction=getattr(args, "pr2_rollout_prediction", False),
+        )
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._pr2 is not None:
+            lr = self.args.learning_rate * getattr(self.args, "pr2_lr_multiplier", 1e3)
+            self._pr2.add_to_optimizer(optimizer, lr, self.accelerator.num_processes)
+        return optimizer
+
+    def _train_pr2_predictors(self) -> None:
+        sums = self._pr2.train_step(
+            self.state.global_step,
+            grad_scale=1.0 / self.current_gradient_accumulation_steps,
+            backward=self.accelerator.backward,
+        )
+        if sums is not None:
+            for name, value in self._pr2.metrics(self._global_sums(sums, self.accelerator.device)).items():
+                self._metrics["train"][name].append(value)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self._pr2 is not None and self.args.should_save:
+            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() just wrote
+            self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self._pr2 is not None and checkpoint is not None and not self._pr2.load(checkpoint):
+            logger.warning(f"no PR2 predictors in {checkpoint}; they start from zero (R2 routes)")
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, state: _ScoringState) -> None:

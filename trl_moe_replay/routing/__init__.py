@@ -6,7 +6,7 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 
 from .engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
 from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelError
-from .replay import RouteRecording, RouterReplay
+from .replay import RouteRecording, RouterCall, RouterReplay
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
 from .routes import NO_ROUTE, validate_routes
 
@@ -16,6 +16,7 @@ __all__ = [
     "RouteAlignmentError",
     "RouteRecording",
     "RouteValidationError",
+    "RouterCall",
     "RouterFamily",
     "RouterReplay",
     "UnsupportedModelError",

@@ -1,7 +1,7 @@
 """Record and replay expert routes in Hugging Face MoE models through module hooks.
 
 ``RouterReplay(model)`` registers one forward hook per MoE router (plus two light hooks on each MoE block
-and one on the decoder stack). Nothing is patched and nothing runs while neither context is active:
+and one on the decoder stack). Nothing is patched and nothing runs while no context is active:
 
 * ``with rr.record() as rec:`` stores the router's natural top-k ids of every forward inside, including
   the prefill and decode steps of ``model.generate``; ``rec.routes`` is ``[B, S, num_layers, top_k]``.
@@ -9,6 +9,11 @@ and one on the decoder stack). Nothing is patched and nothing runs while neither
   backward, as long as the backward runs inside the context) route by ``routes``. The router's logits
   are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
   logits at those ids, so gradients still reach the router.
+* ``with rr.steer(choose):`` lets ``choose(layer, router, router_input, logits, natural_ids) -> ids`` pick each
+  router's experts (PR2's predicted routes); gate weights are recomputed exactly as under replay, and
+  ``record()`` records the steered ids. Replay, when also active, still wins where it has a route.
+* ``with rr.observe(fn):`` calls ``fn(RouterCall)`` after every router call of a forward (not of a backward
+  recompute) with the router's input, logits, natural ids and the ids actually used; it changes nothing.
 
 Routes layout: ``S`` is the position axis exactly as fed to the model, the layer axis is the absolute
 decoder-layer index (dense layers hold ``-1``), and ``-1`` means "no route: use the router's own choice".
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +122,29 @@ class RouteRecording:
         self.routes = torch.cat(blocks, dim=0)
 
 
+@dataclass(frozen=True)
+class RouterCall:
+    """One router call as ``RouterReplay.observe`` reports it (all tensors flattened to ``N`` tokens)."""
+
+    layer: int  # absolute decoder-layer index
+    router: nn.Module
+    router_input: torch.Tensor  # [N, hidden], exactly what the router was fed
+    logits: torch.Tensor  # [N, E], the router's own logits (in the autograd graph during training)
+    natural: torch.Tensor  # [N, K], the router's own choice
+    used: torch.Tensor  # [N, K], the experts the block ran (replayed / steered / natural)
+
+
+SteerFn = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _canonical_ids(rows: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
+    """The k ids are a set. A row equal (as a set) to the natural choice keeps the router's own order, which makes
+    natural replay bit-exact; any other set is put in ascending order so that its order never matters."""
+    rows_sorted = rows.sort(dim=-1).values
+    same_set = (rows_sorted == natural.sort(dim=-1).values).all(dim=-1, keepdim=True)
+    return torch.where(same_set, natural, rows_sorted)
+
+
 class _ActiveReplay:
     """Routes being replayed, validated once, moved to each device once."""
 
@@ -138,12 +166,7 @@ class _ActiveReplay:
             )
         rows = rows.to(natural.dtype)
         no_route = rows[:, :1] < 0
-        rows = torch.where(no_route, natural, rows)
-        # The k ids are a set. A row equal (as a set) to the natural choice keeps the router's own order, which
-        # makes natural replay bit-exact; any other set is put in ascending order so that its order never matters.
-        rows_sorted = rows.sort(dim=-1).values
-        same_set = (rows_sorted == natural.sort(dim=-1).values).all(dim=-1, keepdim=True)
-        return torch.where(same_set, natural, rows_sorted)
+        return _canonical_ids(torch.where(no_route, natural, rows), natural)
 
 
 class RouterReplay:
@@ -185,6 +208,8 @@ class RouterReplay:
         self._sites = sites
         self._removed = False
         self._replay: _ActiveReplay | None = None
+        self._steer: SteerFn | None = None
+        self._observers: list[Callable[[RouterCall], None]] = []
         self._recordings: list[RouteRecording] = []
         self._router_fired: dict[int, bool] = {}
         self._handles = []
@@ -228,6 +253,39 @@ class RouterReplay:
         finally:
             self._replay = previous
 
+    def routers(self) -> dict[int, nn.Module]:
+        """The router module of each MoE layer, by absolute layer index (under PEFT, its first copy)."""
+        return {site.layer: site.modules[0] for site in self._sites}
+
+    @contextlib.contextmanager
+    def steer(self, choose: SteerFn) -> Iterator[None]:
+        """Let ``choose(layer, router, router_input, logits, natural_ids) -> ids [N, K]`` pick the experts.
+
+        ``router_input`` is ``[N, hidden]`` (flattened like the router flattens it), ``logits`` ``[N, E]`` and
+        ``natural_ids`` ``[N, K]`` are the router's own outputs. The gate weights become the family's own
+        normalisation of the router's logits at the chosen ids, as under replay, so a choice equal to the
+        router's reproduces its outputs bit for bit. ``record()`` inside records the chosen ids. Under an
+        active ``replay`` the replayed routes win; rows without a route (``-1``) take the steered choice.
+        """
+        self._check_attached()
+        if self._steer is not None:
+            raise RuntimeError("steer() is already active on this RouterReplay; contexts do not nest")
+        self._steer = choose
+        try:
+            yield
+        finally:
+            self._steer = None
+
+    @contextlib.contextmanager
+    def observe(self, fn: Callable[[RouterCall], None]) -> Iterator[None]:
+        """Call ``fn(RouterCall)`` after every router call of every forward inside (not in backward recomputes)."""
+        self._check_attached()
+        self._observers.append(fn)
+        try:
+            yield
+        finally:
+            self._observers.remove(fn)
+
     def remove(self) -> None:
         """Detach every hook; the model behaves exactly as before."""
         for handle in self._handles:
@@ -243,7 +301,7 @@ class RouterReplay:
 
     # ------------------------------------------------------------------ hooks
     def _active(self) -> bool:
-        return self._replay is not None or bool(self._recordings)
+        return self._replay is not None or self._steer is not None or bool(self._recordings or self._observers)
 
     def _check_attached(self) -> None:
         if self._removed:
@@ -296,25 +354,51 @@ class RouterReplay:
         layer, gate_weights = site.layer, site.family.gate_weights
 
         def hook(module, args, output):
-            if self._replay is None and not self._recordings:
+            if not self._active():
                 return None
             if not torch.compiler.is_compiling():
                 self._router_fired[layer] = True
             logits, _, natural = output[0], output[1], output[2]
+            wants_input = self._steer is not None or bool(self._observers)
+            router_input = args[0].reshape(-1, args[0].shape[-1]) if wants_input else None
+            choice = natural
+            if self._steer is not None:
+                choice = self._steered_ids(layer, module, router_input, logits, natural)
             if self._recordings and not _in_backward():
-                ids = natural.detach().to(torch.int16)
+                ids = choice.detach().to(torch.int16)
                 for recording in self._recordings:
                     if not recording._segments:
                         raise RouteValidationError(
                             "a router ran during record() without a decoder-stack forward; call the model itself"
                         )
                     recording._segments[-1].ids.setdefault(layer, []).append(ids)
-            if self._replay is None:
+            used = choice if self._replay is None else self._replay.forced_ids(layer, choice)
+            if self._observers and not _in_backward():
+                call = RouterCall(layer, module, router_input, logits, natural, used)
+                for observer in list(self._observers):
+                    observer(call)
+            if used is natural:
                 return None
-            forced = self._replay.forced_ids(layer, natural)
-            return (logits, gate_weights(module, logits, forced), forced, *output[3:])
+            return (logits, gate_weights(module, logits, used), used, *output[3:])
 
         return hook
+
+    def _steered_ids(self, layer, module, router_input, logits, natural) -> torch.Tensor:
+        ids = self._steer(layer, module, router_input, logits, natural)
+        if not isinstance(ids, torch.Tensor) or ids.shape != natural.shape or ids.dtype.is_floating_point:
+            raise RouteValidationError(
+                f"steer() function returned {getattr(ids, 'dtype', type(ids).__name__)} "
+                f"{tuple(getattr(ids, 'shape', ()))} for layer {layer}; expected integer ids of shape "
+                f"{tuple(natural.shape)} like the router's own choice"
+            )
+        ids = ids.to(device=natural.device, dtype=natural.dtype)
+        # checked without a host sync (this runs at every decode step of generate): raises on CPU at once, on CUDA
+        # at the next synchronisation
+        torch._assert_async(
+            ((ids >= 0) & (ids < self.num_experts)).all(),
+            f"steer() function chose expert ids outside [0, {self.num_experts}) for layer {layer}",
+        )
+        return _canonical_ids(ids, natural)
 
 
 # ---------------------------------------------------------------------- discovery

@@ -1,0 +1,422 @@
+"""PR2 (Predictive Routing Replay): predictors, predicted routes, the predictor loss, and the trainer integration."""
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
+from trl_moe_replay.routing import RouterReplay
+from trl_moe_replay.routing.predictor import RoutePredictors, predictor_kl
+from trl_moe_replay.testing import supported_model_types, tiny_moe_model, tiny_tokenizer
+
+from .helpers import random_ids
+from .test_trainer import logged, make_trainer, prompts_dataset, reward_len
+
+# GA 1, every generation batch used twice: update 1 is on-policy (predictors skip), update 2 is off-policy (they train)
+OFF_POLICY = dict(gradient_accumulation_steps=1, num_iterations=2)
+
+
+def randomise(predictors: RoutePredictors, scale: float, seed: int = 0) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for linear in predictors.layers.values():
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * scale)
+
+
+def predictor_state(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer._pr2.predictors.named_parameters()}
+
+
+# ---------------------------------------------------------------------- predictors and predicted routes
+@pytest.mark.parametrize(
+    ("model_type", "dtype"),
+    [(model_type, torch.float32) for model_type in supported_model_types()]
+    + [(model_type, torch.bfloat16) for model_type in ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoe", "jamba")],
+)
+def test_zero_predictors_give_the_natural_routes_and_others_move_them(model_type, dtype):
+    model = tiny_moe_model(model_type, dtype=dtype)
+    rr = RouterReplay(model)
+    predictors = RoutePredictors(rr.routers())
+    assert all((linear.weight == 0).all() and linear.bias is None for linear in predictors.layers.values())
+    assert not any(p is q for p in predictors.parameters() for q in model.parameters())
+    x = random_ids(2, 9)
+    with torch.no_grad():
+        with rr.record() as natural:
+            reference = model(x).logits
+        with rr.steer(predictors.choose), rr.record() as steered:
+            out = model(x).logits
+        assert torch.equal(out, reference) and torch.equal(steered.routes, natural.routes)
+        randomise(predictors, scale=1.0)
+        with rr.steer(predictors.choose), rr.record() as moved:
+            model(x)
+    assert not torch.equal(moved.routes, natural.routes)
+
+
+def test_predicted_route_is_the_top_k_of_shifted_logits_and_replays_bit_for_bit():
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    predictors = RoutePredictors(rr.routers())
+    randomise(predictors, scale=0.3)
+    x = random_ids(2, 9)
+    calls = []
+    with torch.no_grad():
+        with rr.steer(predictors.choose), rr.record() as steered, rr.observe(calls.append):
+            out = model(x).logits
+        with rr.replay(steered.routes):
+            replayed = model(x).logits
+    assert torch.equal(out, replayed)  # the old-logprob pass and a first on-policy update agree exactly
+    changed = 0
+    for call in calls:
+        shifted = call.logits + predictors.shift(call.layer, call.router_input)  # softmax(p + h W_p^T) ranks these
+        expected = shifted.topk(rr.top_k, dim=-1).indices.sort(-1).values
+        assert torch.equal(call.used.sort(-1).values, expected)
+        changed += int((call.used.sort(-1).values != call.natural.sort(-1).values).any(-1).sum())
+    assert changed > 0
+
+
+def test_cached_positions_are_evenly_spaced_completion_tokens():
+    # 3 rows, prompt width 2, completion width 6; completion lengths 6, 3, 0
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]])
+    assert cached_positions(mask, 6, 3).tolist() == [[2, 4, 7], [2, 3, 4], [-1, -1, -1]]
+    assert cached_positions(mask, 6, 100).tolist() == [[2, 3, 4, 5, 6, 7], [2, 3, 4, -1, -1, -1], [-1] * 6]
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        cached_positions(mask, 9, 3)
+
+
+def test_predictor_loss_falls_and_predicted_routes_follow_a_synthetic_router_drift():
+    torch.manual_seed(0)
+    model = tiny_moe_model("qwen3_moe", num_experts=16, num_experts_per_tok=4)
+    rr = RouterReplay(model)
+    pr2 = PredictiveRoutingReplay(rr, cached_tokens_per_sequence=64, rollout_prediction=False)
+    x = random_ids(4, 24)
+    mask = torch.ones_like(x)
+    routers = rr.routers()
+    drift = {layer: torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(layer)) * 0.3
+             for layer, router in routers.items()}
+
+    def routes(steer: bool) -> torch.Tensor:
+        with torch.no_grad(), (pr2.steering() if steer else contextlib.nullcontext()), rr.record() as rec:
+            model(x)
+        return rec.routes[:, :, rr.moe_layers].long()
+
+    # old-logprob pass at the old router weights (zero predictors: the natural routes)
+    with torch.no_grad(), pr2.old_pass_chunk(mask, 16, steer=True, cache=True), rr.record() as old:
+        model(x)
+    cache = pr2.take_old_pass_cache(global_step=0)
+    assert cache["pr2_router_inputs"].shape == (4, 16, 2, model.config.hidden_size)
+    assert cache["pr2_old_logits"].shape == (4, 16, 2, 16) and cache["pr2_old_logits"].dtype == torch.float32
+    old_natural = routes(steer=False)
+    with torch.no_grad():
+        for layer, router in routers.items():
+            router.weight += drift[layer]
+    drifted_natural = routes(steer=False)
+    optimizer = torch.optim.Adam(pr2.predictors.parameters(), lr=3e-2)
+    losses = []
+    for _ in range(40):
+        optimizer.zero_grad()
+        with torch.no_grad(), rr.replay(old.routes), pr2.watch_training_forward(cache):
+            model(x)
+        sums = pr2.train_step(1, grad_scale=1.0, backward=lambda loss: loss.backward())
+        losses.append(pr2.metrics(sums)["pr2/loss"])
+        optimizer.step()
+    print(f"predictor loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    assert losses[-1] < 0.2 * losses[0]
+    # back at the old weights, the predicted routes anticipate the drifted router's choice
+    with torch.no_grad():
+        for layer, router in routers.items():
+            router.weight -= drift[layer]
+    predicted = routes(steer=True)
+
+    def agreement(a, b):
+        return (a[..., :, None] == b[..., None, :]).sum(-1).float().mean().item()
+
+    before, after = agreement(old_natural, drifted_natural), agreement(predicted, drifted_natural)
+    print(f"top-k agreement with the drifted router: natural {before:.3f}, predicted {after:.3f}")
+    assert after > before + 0.1
+
+
+def test_predictor_kl_is_zero_on_a_match_and_only_the_shift_gets_gradient():
+    old = torch.randn(5, 8, requires_grad=True)
+    current = torch.randn(5, 8, requires_grad=True)
+    shift = (current - old).detach().requires_grad_()
+    assert predictor_kl(old, shift, current).abs().max() < 1e-6
+    other = torch.zeros(5, 8, requires_grad=True)
+    predictor_kl(old, other, current).sum().backward()
+    assert old.grad is None and current.grad is None and other.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------- trainer
+class _PredictorSnapshots(TrainerCallback):
+    def __init__(self):
+        self.trainer, self.after_step = None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.after_step.append(predictor_state(self.trainer))
+
+
+def test_frozen_zero_predictors_reproduce_r2_exactly(tmp_path):
+    def run(mode):
+        seen = []
+
+        class Spy(MoEReplayGRPOTrainer):
+            def _compute_loss(self, model, inputs):
+                seen.append(inputs["replay_routes"].clone())
+                return super()._compute_loss(model, inputs)
+
+        torch.manual_seed(0)
+        trainer = Spy(
+            model=tiny_moe_model("olmoe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
+            processing_class=tiny_tokenizer(),
+            args=MoEReplayGRPOConfig(
+                output_dir=str(tmp_path / mode), use_cpu=True, bf16=False, report_to="none", max_steps=3,
+                logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                learning_rate=1e-3, save_strategy="no", seed=0, routing_replay=mode, pr2_lr_multiplier=0.0,
+                **OFF_POLICY,
+            ),
+        )
+        trainer.train()
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return trainer, seen, params
+
+    r2, r2_routes, r2_params = run("r2")
+    pr2, pr2_routes, pr2_params = run("pr2")
+    assert len(pr2_routes) == len(r2_routes) == 3
+    assert all(torch.equal(a, b) for a, b in zip(r2_routes, pr2_routes, strict=True))
+    assert logged(pr2, "loss") == logged(r2, "loss") and len(logged(r2, "loss")) == 3
+    assert all(torch.equal(pr2_params[n], r2_params[n]) for n in r2_params)
+    assert len(logged(pr2, "pr2/loss")) == 1  # trained (with lr 0) on the one off-policy update only
+    assert all((p == 0).all() for p in predictor_state(pr2).values())
+
+
+def test_predictors_train_on_off_policy_updates_only_and_log_their_metrics(tmp_path):
+    snapshots = _PredictorSnapshots()
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="pr2", max_steps=3,
+                           pr2_lr_multiplier=10.0, **OFF_POLICY)
+    snapshots.trainer = trainer
+    trainer.add_callback(snapshots)
+    trainer.train()
+    groups = trainer.optimizer.param_groups
+    assert groups[-1]["params"] == list(trainer._pr2.predictors.parameters()) and groups[-1]["weight_decay"] == 0.0
+    assert groups[-1]["initial_lr"] == pytest.approx(1e-3 * 10.0)
+    # step 1 on-policy: untouched; step 2 off-policy: trained; step 3 (new generation batch, on-policy): untouched
+    zero = [all((p == 0).all() for p in snap.values()) for snap in snapshots.after_step]
+    assert zero == [True, False, False]
+    assert all(torch.equal(snapshots.after_step[2][n], snapshots.after_step[1][n]) for n in snapshots.after_step[1])
+    assert len(logged(trainer, "pr2/loss")) == 1 and logged(trainer, "pr2/loss")[0] > 0
+    agreement, gap = logged(trainer, "pr2/topk_agreement"), logged(trainer, "pr2/coverage_gap")
+    assert len(agreement) == len(gap) == 3 and all(0 <= v <= 1 for v in agreement + gap)
+    assert agreement[0] == 1.0  # on-policy with zero predictors the replayed routes are the router's own
+    assert agreement[1] < 1.0  # after an update the router has moved away from some replayed routes
+    # the predictors never entered the model
+    assert not any("layers.0.weight" == n for n, _ in trainer.model.named_parameters())
+    assert all(p.data_ptr() != q.data_ptr() for p in trainer._pr2.predictors.parameters()
+               for q in trainer.model.parameters())
+
+
+def test_no_gradient_crosses_between_policy_and_predictors(tmp_path):
+    checks = {"policy": 0, "predictor": 0}
+
+    class CrossGradSpy(MoEReplayGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            grads = torch.autograd.grad(loss, list(self._pr2.predictors.parameters()), allow_unused=True,
+                                        retain_graph=True)
+            assert all(g is None for g in grads)
+            checks["policy"] += 1
+            return loss
+
+        def _train_pr2_predictors(self):
+            accelerator_backward = self.accelerator.backward
+            params = [p for p in self.model.parameters() if p.requires_grad]
+
+            def backward(loss):
+                assert all(g is None for g in torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True))
+                predictor_grads = torch.autograd.grad(loss, list(self._pr2.predictors.parameters()),
+                                                      retain_graph=True)
+                assert all(g.abs().sum() > 0 for g in predictor_grads)
+                checks["predictor"] += 1
+                accelerator_backward(loss)
+
+            self.accelerator.backward = backward
+            try:
+                super()._train_pr2_predictors()
+            finally:
+                self.accelerator.backward = accelerator_backward
+
+    trainer = CrossGradSpy(
+        model=tiny_moe_model("mixtral"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+        args=MoEReplayGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
+            save_strategy="no", routing_replay="pr2", **OFF_POLICY,
+        ),
+    )
+    trainer.train()
+    assert checks == {"policy": 2, "predictor": 1}
+
+
+def test_old_pass_predicted_routes_are_replayed_in_training(tmp_path):
+    # policy and predictors frozen (lr 0): every micro-batch must replay its own samples' predicted routes
+    checked = []
+
+    class Spy(MoEReplayGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            with torch.no_grad(), self._pr2.steering(), self._route_replay.record() as rec:
+                model(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+            real = attention_mask.bool()
+            replayed = inputs["replay_routes"]
+            assert torch.equal(rec.routes[real].long().sort(-1).values, replayed[real].long().sort(-1).values)
+            checked.append(int(real.sum()))
+            return super()._compute_loss(model, inputs)
+
+    trainer = Spy(
+        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+        args=MoEReplayGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=0.0,
+            gradient_accumulation_steps=2, save_strategy="no", routing_replay="pr2",
+        ),
+    )
+    randomise(trainer._pr2.predictors, scale=0.05)
+    trainer.train()
+    assert len(checked) == 4
+    # the predicted routes differ from what natural generation used, so the old-logprob pass sees other routes
+    assert min(logged(trainer, "routing/mismatch_frac")) > 0
+
+
+def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
+    captured = []
+
+    class Spy(MoEReplayGRPOTrainer):
+        def _generate(self, prompts):
+            output = super()._generate(prompts)
+            captured.append(self._scoring.generation_routes.clone())
+            return output
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            assert torch.equal(output["replay_routes"], captured[-1])
+            return output
+
+    trainer = Spy(
+        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+        args=MoEReplayGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
+            save_strategy="no", routing_replay="pr2", pr2_rollout_prediction=True, pr2_lr_multiplier=0.0,
+            **OFF_POLICY,
+        ),
+    )
+    randomise(trainer._pr2.predictors, scale=0.05)
+    trainer.train()
+    assert len(captured) == 1
+    # generate routed by the predictors: the old pass's natural routes differ from them, yet replaying them
+    # reproduces the sampling log-probs (fp32) as R3 does
+    assert logged(trainer, "routing/mismatch_frac")[0] > 0
+    assert logged(trainer, "mismatch/kl_k3")[0] < 1e-6
+    assert logged(trainer, "pr2/loss") and all(math.isfinite(v) for v in logged(trainer, "pr2/loss"))
+
+
+def test_checkpoint_saves_predictors_apart_and_resume_restores_them(tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(out, tiny_moe_model("qwen3_moe"), routing_replay="pr2", max_steps=2,
+                           pr2_lr_multiplier=10.0, save_strategy="steps", save_steps=1, **OFF_POLICY)
+    trainer.train()
+    final = predictor_state(trainer)
+    folder = out / "checkpoint-2"
+    saved = load_file(folder / PREDICTORS_FILE)
+    assert set(saved) == {"layers.0.weight", "layers.1.weight"}
+    assert all(torch.equal(saved[n], final[n]) for n in final) and any(v.abs().sum() > 0 for v in saved.values())
+    model_keys = set(load_file(folder / "model.safetensors"))
+    assert not any(key in model_keys for key in saved)
+    assert all((v == 0).all() for v in load_file(out / "checkpoint-1" / PREDICTORS_FILE).values())
+
+    restored = {}
+
+    class ResumeSpy(MoEReplayGRPOTrainer):
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            restored["predictors"] = predictor_state(self)
+            state = self.optimizer.state
+            restored["adam"] = [state[p]["exp_avg"].clone() for p in self._pr2.predictors.parameters()]
+
+    resumed = ResumeSpy(
+        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+        args=MoEReplayGRPOConfig(
+            output_dir=str(out), use_cpu=True, bf16=False, report_to="none", max_steps=3, logging_steps=1,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
+            save_strategy="no", routing_replay="pr2", pr2_lr_multiplier=10.0, **OFF_POLICY,
+        ),
+    )
+    resumed.train(resume_from_checkpoint=str(folder))
+    assert all(torch.equal(restored["predictors"][n], saved[n]) for n in saved)
+    saved_optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+    predictor_ids = saved_optimizer["param_groups"][-1]["params"]
+    for exp_avg, param_id in zip(restored["adam"], predictor_ids, strict=True):
+        assert torch.equal(exp_avg, saved_optimizer["state"][param_id]["exp_avg"]) and exp_avg.abs().sum() > 0
+    assert resumed.state.global_step == 3
+
+
+def test_peft_lora_with_router_in_modules_to_save_and_a_reference_model(tmp_path):
+    from peft import LoraConfig
+
+    trainer = MoEReplayGRPOTrainer(
+        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["gate"]),
+        args=MoEReplayGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
+            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
+            beta=0.04, save_strategy="steps", save_steps=2, routing_replay="pr2", pr2_lr_multiplier=10.0,
+            **OFF_POLICY,
+        ),
+    )
+    trainer.train()
+    assert len(logged(trainer, "pr2/loss")) == 1 and any((p != 0).any() for p in predictor_state(trainer).values())
+    adapter = load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")
+    assert any("gate" in key for key in adapter) and not any(key.startswith("layers.") for key in adapter)
+    assert set(load_file(tmp_path / "checkpoint-2" / PREDICTORS_FILE)) == {"layers.0.weight", "layers.1.weight"}
+
+
+def test_pr2_config_errors():
+    with pytest.raises(ValueError, match="pr2_rollout_prediction needs routing_replay='pr2'"):
+        MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, routing_replay="r2", pr2_rollout_prediction=True)
+    with pytest.raises(ValueError, match="use_vllm"):
+        MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, routing_replay="pr2",
+                            pr2_rollout_prediction=True, use_vllm=True)
+    with pytest.raises(ValueError, match="pr2_lr_multiplier"):
+        MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, pr2_lr_multiplier=-1.0)
+    with pytest.raises(ValueError, match="pr2_cached_tokens_per_sequence"):
+        MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, pr2_cached_tokens_per_sequence=0)
+
+
+def test_predictors_stay_identical_across_ddp_ranks(tmp_path):
+    script = Path(__file__).parent / "scripts" / "pr2_ddp.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # torchrun, not `accelerate launch --cpu`: the latter starts a single process (its simple launcher)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(script), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+    first, second = (torch.tensor(r["weights"]) for r in ranks)
+    assert first.abs().sum() > 0 and torch.equal(first, second)
+    assert all(len(r["pr2_loss"]) == 1 for r in ranks)
