@@ -45,6 +45,7 @@ if __name__ == "__main__" and not any(_given(sys.argv[1:], n) for n in ("model_n
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import torch  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
@@ -123,6 +124,8 @@ OFFLINE_DEFAULTS = dict(
     save_strategy="no",
     report_to="none",
     seed=0,
+    # accelerate treats a torchrun launch on a machine without a GPU as distributed only with use_cpu
+    use_cpu=not torch.cuda.is_available(),
 )
 
 
@@ -253,6 +256,13 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
 
 
 def main(script_args, training_args, model_args):
+    launched_ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched_ranks > 1 and training_args.world_size != launched_ranks:
+        raise RuntimeError(
+            f"launched as {launched_ranks} processes, but the trainer sees world size {training_args.world_size}: "
+            "each process would train alone and overwrite the same output_dir. On a machine without a GPU pass "
+            "--use_cpu true (accelerate needs it to set up CPU data parallelism)."
+        )
     import transformers
     from packaging.version import Version
     from transformers import ProgressCallback

@@ -81,6 +81,17 @@ def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     assert (tmp_path / "b" / "plots" / "reward.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
+               *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2", "--plot", "false")]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # one data-parallel run (only the main process reports), not two single-process runs on one output_dir
+    assert result.stdout.count("mean reward:") == 1
+    assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 2
+
+
 def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
     _, offline, _ = recipe.parse_args([])
     assert offline.learning_rate == recipe.OFFLINE_DEFAULTS["learning_rate"] and offline.bf16 is False
