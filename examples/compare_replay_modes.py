@@ -107,7 +107,7 @@ def mean_of(history: list[dict], name: str) -> float:
 
 def main(argv=None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["none", "r2", "r3"], choices=["none", "r2", "r3"])
+    parser.add_argument("--modes", nargs="+", default=["none", "r2", "r3"], choices=["none", "r2", "r3", "pr2"])
     parser.add_argument("--max_steps", type=int, default=60)
     parser.add_argument("--learning_rate", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
