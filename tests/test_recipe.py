@@ -154,6 +154,24 @@ def test_qwen3_config_is_the_papers_off4_server_setup(recipe):
     assert args.per_device_train_batch_size * 8 * args.steps_per_generation == 64 * args.num_generations
 
 
+def test_minirl_config_resolves_the_papers_loss_settings(recipe):
+    path = ROOT / "recipes" / "configs" / "qwen3_30b_a3b_minirl_r3_vllm_server_zero3.yaml"
+    _, args, _ = recipe.parse_args(["--config", str(path), "--use_cpu", "true"])
+    assert (args.loss_type, args.routing_replay, args.use_vllm) == ("minirl", "r3", True)
+    assert (args.epsilon, args.epsilon_high, args.scale_rewards, args.minirl_is_cap) == (0.2, 0.27, "none", 5.0)
+    assert args.steps_per_generation // args.gradient_accumulation_steps == 4  # large off-policiness: R3
+
+
+def test_pr2_config_is_off4_without_deepspeed_or_fsdp(recipe):
+    path = ROOT / "recipes" / "configs" / "granite_1b_a400m_pr2_off4_ddp.yaml"
+    _, args, _ = recipe.parse_args(["--config", str(path), "--use_cpu", "true"])
+    assert args.routing_replay == "pr2" and args.pr2_lr_multiplier == 1e3
+    assert args.steps_per_generation // args.gradient_accumulation_steps == 4
+    assert args.pr2_cached_tokens_per_sequence >= args.max_completion_length
+    launch = re.findall(r"--config_file (recipes/accelerate/\S+\.yaml)", path.read_text())
+    assert launch == ["recipes/accelerate/ddp.yaml"]  # PR2 refuses DeepSpeed and FSDP
+
+
 EXPECTED_ACCELERATE = {
     "single": ("NO", 1, {}),
     "ddp": ("MULTI_GPU", 8, {}),
