@@ -7,6 +7,7 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 from .engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
 from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelError
 from .replay import RouteRecording, RouterCall, RouterReplay
+from .router_probs import RouterProbes
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
 from .routes import NO_ROUTE, validate_routes
 
@@ -18,6 +19,7 @@ __all__ = [
     "RouteValidationError",
     "RouterCall",
     "RouterFamily",
+    "RouterProbes",
     "RouterReplay",
     "UnsupportedModelError",
     "decode_routed_experts",
