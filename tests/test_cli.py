@@ -4,11 +4,17 @@ import json
 import math
 import struct
 
+import numpy as np
 import pytest
+import torch
 
 from trl_moe_replay.audit import run_audit
 from trl_moe_replay.cli import main
 from trl_moe_replay.plotting import group_metrics, load_log_history, metric_series
+from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts
+from trl_moe_replay.routing.errors import RouteAlignmentError
+from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -131,3 +137,84 @@ def test_audit_rejects_bad_arguments():
         run_audit("tiny:qwen3_moe", engine_dtype="int8")
     with pytest.raises(SystemExit):
         main(["audit"])  # --model is required
+
+
+# ----------------------------------------------------------------------------- audit of a vLLM server
+# FakeVLLMServer answers TRL's real VLLMClient over HTTP the way vLLM does (routed_experts included); it serves
+# tiny_moe_model("qwen3_moe") with the default seed, the very weights `tiny:qwen3_moe` loads for the trainer.
+# trl_vllm_transport_stub only lets TRL's client be built without vLLM installed (the audit opens no communicator).
+def audit_server(server, **kwargs):
+    settings = dict(num_prompts=2, num_generations=3, max_new_tokens=8)
+    with server, trl_vllm_transport_stub(server):
+        return run_audit("tiny:qwen3_moe", vllm_server_url=server.url, **{**settings, **kwargs})
+
+
+def test_audit_of_a_vllm_server_replays_its_routes_exactly():
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), model_name="tiny:qwen3_moe")
+    report = audit_server(server)
+    # TRL's client path only: no weight sync; sampling as TRL's trainer asks for it
+    assert "POST /v1/completions" in server.endpoint_calls
+    assert not any("weight" in call for call in server.endpoint_calls)
+    request = server.batches[0].request
+    assert request["n"] == 3 and request["logprobs"] == 0 and request["temperature"] == 1.0
+    assert request["top_p"] == 1.0 and request["top_k"] == 0 and request["max_tokens"] == 8
+    assert len(request["prompt"]) == 2
+    served = server.batches[0].completions
+    assert report.num_completions == len(served) == 6
+    assert report.completion_tokens == sum(len(c.token_ids) for c in served)
+    assert report.engine == "vllm" and report.routes_available and report.notes == []
+    r3 = report.row("r3")
+    assert r3.route_mismatch_frac == 0.0 and r3.fallback_frac == 0.0 and r3.topk_agreement == 1.0
+    # fp32 server vs fp32 trainer with the server's routes replayed: the same distribution up to rounding
+    assert r3.kl_k3 < 1e-6 and r3.max_abs_log_ratio < 1e-4 and r3.extreme_frac == 0.0
+    assert report.routed_pairs > 0
+    head = report.format_table().splitlines()[0]
+    assert head.startswith(f"Routing audit of tiny:qwen3_moe: engine vLLM server at {server.url} (unknown) vs")
+
+
+def test_audit_of_a_bf16_vllm_server_shows_what_r3_removes():
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe", dtype=torch.bfloat16), model_name="tiny:qwen3_moe")
+    report = audit_server(server, num_prompts=3, num_generations=2, max_new_tokens=12)
+    none, r3 = report.row("none"), report.row("r3")
+    assert none.route_mismatch_frac > 0 and none.route_mismatch_frac == none.natural_mismatch_frac
+    assert r3.route_mismatch_frac == 0.0 and r3.fallback_frac == 0.0
+    # misaligned routes (an off-by-one column, another sample's rows) would not bring the log-probs closer
+    assert r3.kl_k3 < none.kl_k3 and r3.max_abs_log_ratio <= none.max_abs_log_ratio
+    assert "x lower" in report.verdict()
+
+
+def test_audit_cli_of_a_server_without_routes_gives_the_server_command(capsys):
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False)
+    with server, trl_vllm_transport_stub(server):
+        args = ["audit", "--model", "tiny:qwen3_moe", "--num_prompts", "2", "--max_new_tokens", "6",
+                "--vllm_server_url", server.url]
+        assert main(args) == 0
+        table = capsys.readouterr().out
+        assert main([*args, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    command = "trl vllm-serve --model tiny:qwen3_moe --enable-return-routed-experts"
+    assert command in table and "R3 row is unavailable" in table
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("mode"))
+    none = lines[header + 1].split()
+    assert none[0] == "none" and math.isfinite(float(none[2])) and none[5:] == ["n/a"] * 4
+    assert lines[header + 2].startswith("r3") and "unavailable" in lines[header + 2]
+    assert "the server serves 'tiny-moe'" in table  # served name differs from --model: said, not fatal
+    assert [r["mode"] for r in report["rows"]] == ["none"] and report["routes_available"] is False
+    assert report["server_command"] == command and report["rows"][0]["route_mismatch_frac"] is None
+    assert report["num_completions"] == 4 and report["rows"][0]["kl_k3"] < 1e-6
+
+
+def test_audit_of_a_server_with_misfit_or_missing_routes():
+    def drop_top_k(call, choice, payload):  # a server routing top-1: another checkpoint than --model
+        return encode_routed_experts(np.ascontiguousarray(decode_routed_experts(payload)[:, :, :1]))
+
+    with pytest.raises(RouteAlignmentError, match="same checkpoint"):
+        audit_server(FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=drop_top_k), num_prompts=1)
+
+    # one completion without routes among others: routed by the trainer itself under r3, counted as fallback
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=lambda call, choice, p: None if choice == 1 else p)
+    report = audit_server(server, num_prompts=1)
+    r3 = report.row("r3")
+    assert 0 < r3.fallback_frac < 1 and r3.route_mismatch_frac == 0.0
+    assert any("1 of 3 completions came without routes" in note for note in report.notes)

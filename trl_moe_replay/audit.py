@@ -1,8 +1,16 @@
 """Pre-training audit: how far apart are the generation engine and the trainer, with and without routing replay?
 
-The engine is transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded
-by :class:`~trl_moe_replay.generation.TransformersRolloutRecorder` exactly as the trainer records rollouts: per
-completion the routes it used and the sampled tokens' log-probabilities. The trainer is the same checkpoint in the
+The engine is either
+
+- transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded by
+  :class:`~trl_moe_replay.generation.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
+- a running vLLM server (``trl vllm-serve --model M --enable-return-routed-experts``), sampled through TRL's own
+  ``VLLMClient`` (:class:`~trl_moe_replay.generation.RoutedExpertsVLLMClient`, which also keeps each choice's
+  ``routed_experts``), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
+  tokens, i.e. ``log_softmax(logits / temperature)``.
+
+Either gives, per completion, the prompt and completion token ids, the sampled tokens' log-probabilities and the
+routes the engine used (vLLM's ``[p + c - 1, L, K]`` row layout). The trainer is the same checkpoint in the
 trainer's dtype, fed the whole batch in TRL's layout (left-padded prompts, right-padded completions) in one
 forward, as TRL's old-logprob pass does. Two trainer passes are compared with the engine:
 
@@ -14,6 +22,12 @@ For each: the sampler-vs-trainer KL estimators and the fraction of extreme token
 engine's over every routable position and MoE layer (:func:`~trl_moe_replay.metrics.routing_agreement_sums`).
 Under ``r3`` the used routes are the engine's by construction (mismatch 0 unless a position lacked a route: see
 ``fallback_frac``); its ``natural_mismatch`` column says how often the trainer's router would have chosen otherwise.
+
+A vLLM server that returns no routes at all (started without ``--enable-return-routed-experts``) still gets the
+``none`` row's log-prob numbers; the routing columns are ``None`` (``n/a``), there is no ``r3`` row, and the verdict
+gives the command that starts the server with routes. Completions that come without routes while others have them
+count as ``fallback``. A payload that does not fit the trainer's model (another checkpoint, layer count, top-k,
+expert count) raises :class:`~trl_moe_replay.routing.errors.RouteAlignmentError`: the numbers would be meaningless.
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import GenerationConfig
@@ -29,7 +43,8 @@ from transformers import GenerationConfig
 from .generation import TransformersRolloutRecorder
 from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .routing import RouterReplay
-from .routing.engine import routes_from_engine
+from .routing.engine import decode_routed_experts, routes_from_engine
+from .routing.errors import RouteAlignmentError
 
 TINY_PREFIX = "tiny:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,33 +59,48 @@ class AuditRow:
     kl_k3: float
     extreme_frac: float
     max_abs_log_ratio: float
-    route_mismatch_frac: float  # routes the trainer used differ from the engine's (pairs of position x MoE layer)
-    topk_agreement: float  # mean |used top-k ∩ engine top-k| / k
-    natural_mismatch_frac: float  # the trainer's own router (recorded in this pass) vs the engine's routes
-    fallback_frac: float  # routable positions without an engine route (the router chose by itself there)
+    # The routing columns are None when the engine returned no routes at all (nothing to compare with).
+    route_mismatch_frac: float | None  # routes the trainer used differ from the engine's (position x MoE layer pairs)
+    topk_agreement: float | None  # mean |used top-k ∩ engine top-k| / k
+    natural_mismatch_frac: float | None  # the trainer's own router (recorded in this pass) vs the engine's routes
+    fallback_frac: float | None  # routable positions without an engine route (the router chose by itself there)
 
 
 @dataclass
 class AuditReport:
     model: str
-    engine_dtype: str
+    engine_dtype: str  # the transformers engine's dtype; for a vLLM server, what it reports (or "unknown")
     trainer_dtype: str
     num_prompts: int
+    num_completions: int
     completion_tokens: int
     routed_pairs: int
     rows: list[AuditRow]
+    engine: str = "transformers"  # "transformers" (generate) or "vllm" (a server)
+    engine_url: str | None = None  # the vLLM server's base URL
+    routes_available: bool = True  # False: the engine returned no routes, so there is no r3 row
+    server_command: str | None = None  # how to start the vLLM server with routes (vLLM engine only)
+    notes: list[str] = field(default_factory=list)  # things to know about this run (server config, fallbacks)
 
     def row(self, mode: str) -> AuditRow:
-        return next(r for r in self.rows if r.mode == mode)
+        for r in self.rows:
+            if r.mode == mode:
+                return r
+        raise KeyError(f"no {mode!r} row in this report (rows: {[r.mode for r in self.rows]})")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def format_table(self) -> str:
         """The table and a one-line reading of it."""
+        engine = (
+            f"{self.engine_dtype} generate" if self.engine == "transformers"
+            else f"vLLM server at {self.engine_url} ({self.engine_dtype})"
+        )
         head = (
-            f"Routing audit of {self.model}: engine {self.engine_dtype} generate vs trainer {self.trainer_dtype} "
-            f"forward; {self.num_prompts} prompts, {self.completion_tokens} completion tokens, "
+            f"Routing audit of {self.model}: engine {engine} vs trainer {self.trainer_dtype} "
+            f"forward; {self.num_prompts} prompts, {self.num_completions} completions, {self.completion_tokens} "
+            f"completion tokens, "
             f"{self.routed_pairs} routed (position, MoE layer) pairs"
         )
         columns = ["mode", "kl_k1", "kl_k3", "extreme_frac", "max|logratio|", "route_mismatch", "topk_agree",
@@ -80,11 +110,25 @@ class AuditReport:
         for r in self.rows:
             values = [r.kl_k1, r.kl_k3, r.extreme_frac, r.max_abs_log_ratio, r.route_mismatch_frac,
                       r.topk_agreement, r.natural_mismatch_frac, r.fallback_frac]
-            lines.append("  ".join([f"{r.mode:<6}", *(f"{v:>{w}.4g}" for v, w in zip(values, widths))]))
+            lines.append("  ".join([f"{r.mode:<6}", *(f"{'n/a':>{w}}" if v is None else f"{v:>{w}.4g}"
+                                                        for v, w in zip(values, widths))]))
+        if not self.routes_available:
+            lines.append(f"{'r3':<6}  unavailable: the engine returned no routes")
         lines += ["", self.verdict()]
+        lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def verdict(self) -> str:
+        if not self.routes_available:
+            none = self.row("none")
+            return (
+                f"The vLLM server at {self.engine_url} returned no routed experts, so the R3 row is unavailable "
+                f"(only the log-prob mismatch without replay is measured: kl_k3 {none.kl_k3:.3g}, extreme tokens "
+                f"{100 * none.extreme_frac:.2f}%). Start the server with routes and re-run:\n\n"
+                f"    {self.server_command}\n\n"
+                "vLLM captures routes only with prefix caching on and Model Runner V2 (both the default), for a "
+                "Mixture-of-Experts model, without pipeline or context parallelism."
+            )
         none, r3 = self.row("none"), self.row("r3")
         if none.route_mismatch_frac == 0.0:
             return (
@@ -163,6 +207,17 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+@dataclass
+class EngineSamples:
+    """What an engine sampled, one entry per completion (prompt-major, ``num_generations`` per prompt)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # up to and including the first EOS, as TRL keeps them
+    sampling_logprobs: list[list[float]]  # of the sampled tokens, log_softmax(logits / T); NaN where none came
+    routes: list  # per completion, vLLM's [p + c - 1, L, K] rows (array or tensor), or None: no routes
+    notes: list[str] = field(default_factory=list)
+
+
 @torch.no_grad()
 def run_audit(
     model: str,
@@ -179,8 +234,13 @@ def run_audit(
     seed: int = 0,
     device: str | None = None,
     trust_remote_code: bool = False,
+    vllm_server_url: str | None = None,
 ) -> AuditReport:
-    """Sample with the engine, score with the trainer with and without R3, and compare (see module docstring)."""
+    """Sample with the engine, score with the trainer with and without R3, and compare (see module docstring).
+
+    With ``vllm_server_url`` the engine is that vLLM server (``engine_dtype`` is then the server's own); it must
+    serve the same checkpoint as ``model``. No weights are sent to it.
+    """
     for name in (engine_dtype, trainer_dtype):
         if name not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
@@ -189,10 +249,6 @@ def run_audit(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
     trainer_model.to(device).eval()
-    # A second copy in the engine's dtype (the engine holds its own weights, as vLLM does); same weights when equal.
-    engine_model = trainer_model if engine_dtype == trainer_dtype else copy.deepcopy(trainer_model).to(
-        DTYPES[engine_dtype]
-    )
     if prompts is None:
         prompts = default_prompts(num_prompts, seed=seed)
     if not prompts:
@@ -202,9 +258,105 @@ def run_audit(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError(f"the tokenizer of {model} has neither a pad nor an eos token")
-    prompt_rows = [ids for ids in _encode_prompts(tokenizer, prompts, use_chat_template) for _ in range(num_generations)]
+    encoded = _encode_prompts(tokenizer, prompts, use_chat_template)
 
-    # ---- engine: sample and record routes + sampling log-probs
+    # ---- engine: sample, with routes and sampling log-probs
+    server_cmd = None
+    if vllm_server_url is not None:
+        from .generation.vllm import server_command
+
+        server_cmd = server_command(model)
+        samples, engine_dtype = _sample_with_vllm_server(
+            vllm_server_url, model, encoded, num_generations=num_generations, max_new_tokens=max_new_tokens,
+            temperature=temperature, seed=seed,
+        )
+    else:
+        samples = _sample_with_transformers(
+            trainer_model, tokenizer, encoded, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
+            num_generations=num_generations, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            pad_id=pad_id, device=device,
+        )
+    _check_samples(samples, len(encoded) * num_generations)
+    routes_available = any(rows is not None for rows in samples.routes)
+    notes = list(samples.notes)
+    missing = sum(rows is None for rows in samples.routes)
+    if routes_available and missing:
+        notes.append(f"{missing} of {len(samples.routes)} completions came without routes: their positions are "
+                     "routed by the trainer's own router under r3 (counted in fallback)")
+
+    # ---- trainer: TRL's batch layout, one forward per mode
+    trainer_rr = RouterReplay(trainer_model)  # after the engine's: with equal dtypes it is the same model
+    prompt_ids, prompt_mask = _left_pad(samples.prompt_ids, pad_id)
+    completion_ids, completion_mask = _right_pad(samples.completion_ids, pad_id)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    prompt_lengths = [len(r) for r in samples.prompt_ids]
+    completion_lengths = [len(r) for r in samples.completion_ids]
+    try:
+        engine_routes = routes_from_engine(
+            samples.routes, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+            prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
+            num_layers=trainer_rr.num_layers, top_k=trainer_rr.top_k, moe_layers=trainer_rr.moe_layers,
+            num_experts=trainer_rr.num_experts,
+        )
+    except RouteAlignmentError as exc:
+        raise RouteAlignmentError(
+            f"the engine's routes do not fit {model} ({trainer_rr.num_layers} decoder layers, MoE layers "
+            f"{list(trainer_rr.moe_layers)}, top-{trainer_rr.top_k}, {trainer_rr.num_experts} experts): {exc}. "
+            "Does the engine serve the same checkpoint as --model?",
+            sample=exc.sample,
+        ) from exc
+    sampling = torch.full(completion_ids.shape, float("nan"))
+    for i, row in enumerate(samples.sampling_logprobs):
+        sampling[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    positions = routable_positions(attention_mask)
+
+    rows = []
+    for mode in ("none", "r3") if routes_available else ("none",):
+        trainer_logps, natural = _trainer_pass(
+            trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
+            temperature, engine_routes if mode == "r3" else None,
+        )
+        # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
+        used = natural if mode == "none" else torch.where(engine_routes < 0, natural.to(engine_routes.dtype),
+                                                          engine_routes)
+        row = _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
+                   trainer_rr.moe_layers, extreme_threshold)
+        if not routes_available:  # nothing to compare routes with
+            row.route_mismatch_frac = row.topk_agreement = row.natural_mismatch_frac = row.fallback_frac = None
+        rows.append(row)
+    trainer_rr.remove()
+    routed = routing_agreement_sums(engine_routes, engine_routes, positions, trainer_rr.moe_layers)["pairs"]
+    return AuditReport(
+        model=model, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype, num_prompts=len(prompts),
+        num_completions=len(samples.completion_ids), completion_tokens=int(completion_mask.sum()),
+        routed_pairs=int(routed), rows=rows,
+        engine="transformers" if vllm_server_url is None else "vllm", engine_url=vllm_server_url,
+        routes_available=routes_available, server_command=server_cmd, notes=notes,
+    )
+
+
+def _check_samples(samples: EngineSamples, expected: int) -> None:
+    """One prompt, completion, log-prob row and route entry per requested completion, log-probs per token."""
+    counts = {name: len(getattr(samples, name))
+              for name in ("prompt_ids", "completion_ids", "sampling_logprobs", "routes")}
+    if set(counts.values()) != {expected}:
+        raise ValueError(f"the engine returned {counts} entries, expected {expected} of each (one per completion)")
+    for i, (tokens, logps) in enumerate(zip(samples.completion_ids, samples.sampling_logprobs, strict=True)):
+        if len(tokens) != len(logps):
+            raise ValueError(f"completion {i}: {len(tokens)} tokens but {len(logps)} sampling log-probs")
+
+
+def _sample_with_transformers(
+    trainer_model, tokenizer, encoded, *, engine_dtype, trainer_dtype, num_generations, max_new_tokens, temperature,
+    seed, pad_id, device,
+) -> EngineSamples:
+    """transformers ``generate`` in ``engine_dtype``, recorded like the trainer's own rollouts."""
+    # A second copy in the engine's dtype (the engine holds its own weights, as vLLM does); same weights when equal.
+    engine_model = trainer_model if engine_dtype == trainer_dtype else copy.deepcopy(trainer_model).to(
+        DTYPES[engine_dtype]
+    )
+    prompt_rows = [ids for ids in encoded for _ in range(num_generations)]
     engine_rr = RouterReplay(engine_model)
     eos_ids = _eos_ids(engine_model, tokenizer)
     prompt_ids, prompt_mask = _left_pad(prompt_rows, pad_id)
@@ -216,55 +368,85 @@ def run_audit(
     )
     torch.manual_seed(seed)
     recorder = TransformersRolloutRecorder(engine_rr, engine_model, temperature)
-    with recorder:
-        output = engine_model.generate(
-            input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), generation_config=sampling,
-        )
-    generated = output[:, prompt_ids.shape[1]:].cpu()
-    completion_rows = []
-    for row in generated.tolist():  # up to and including the first EOS, as TRL keeps it
-        end = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
-        completion_rows.append(row[:end])
-    recorder.finish_with(completion_rows, pad_token_id=pad_id)
-    prompt_lengths = [len(r) for r in prompt_rows]
-    completion_lengths = [len(r) for r in completion_rows]
-    engine_rows = recorder.engine_rows(prompt_lengths, completion_lengths)
-    sampling_rows = recorder.sampling_logprobs(completion_lengths)
-    engine_rr.remove()
+    try:
+        with recorder:
+            output = engine_model.generate(
+                input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), generation_config=sampling,
+            )
+        generated = output[:, prompt_ids.shape[1]:].cpu()
+        completion_rows = []
+        for row in generated.tolist():  # up to and including the first EOS, as TRL keeps it
+            end = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
+            completion_rows.append(row[:end])
+        recorder.finish_with(completion_rows, pad_token_id=pad_id)
+        prompt_lengths = [len(r) for r in prompt_rows]
+        completion_lengths = [len(r) for r in completion_rows]
+        engine_rows = recorder.engine_rows(prompt_lengths, completion_lengths)
+        sampling_rows = recorder.sampling_logprobs(completion_lengths)
+    finally:
+        engine_rr.remove()
+    return EngineSamples(prompt_rows, completion_rows, sampling_rows, engine_rows)
 
-    # ---- trainer: TRL's batch layout, one forward per mode
-    trainer_rr = RouterReplay(trainer_model)
-    completion_ids, completion_mask = _right_pad(completion_rows, pad_id)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    engine_routes = routes_from_engine(
-        engine_rows, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
-        prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
-        num_layers=trainer_rr.num_layers, top_k=trainer_rr.top_k, moe_layers=trainer_rr.moe_layers,
-        num_experts=trainer_rr.num_experts,
-    )
-    sampling = torch.full(completion_ids.shape, float("nan"))
-    for i, row in enumerate(sampling_rows):
-        sampling[i, : len(row)] = torch.tensor(row)
-    positions = routable_positions(attention_mask)
 
-    rows = []
-    for mode in ("none", "r3"):
-        trainer_logps, natural = _trainer_pass(
-            trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
-            temperature, engine_routes if mode == "r3" else None,
+def _sample_with_vllm_server(
+    url, model, encoded, *, num_generations, max_new_tokens, temperature, seed
+) -> tuple[EngineSamples, str]:
+    """Sample through TRL's ``VLLMClient`` (route-keeping subclass); returns the samples and the server's dtype.
+
+    Sampling is plain (no top-p/top-k/min-p/repetition penalty) at ``temperature``, token-id prompts, ``n`` per
+    prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
+    position's list. No communicator is opened (no weight sync).
+    """
+    from .generation.vllm import RoutedExpertsVLLMClient
+
+    client = RoutedExpertsVLLMClient(base_url=url)
+    notes = []
+    try:
+        server_config = client.get_server_info()
+    except Exception as exc:  # /server_info needs VLLM_SERVER_DEV_MODE=1; the audit can do without it
+        server_config = {}
+        notes.append(f"could not read the server's configuration ({exc}); its logprobs mode is unchecked")
+    model_config = server_config.get("model_config") or {}
+    logprobs_mode = model_config.get("logprobs_mode")
+    if logprobs_mode is not None and logprobs_mode != "processed_logprobs":
+        notes.append(
+            f"the server runs with --logprobs-mode {logprobs_mode}: its log-probs are not log_softmax(logits / T), "
+            "so the kl and extreme columns are biased; `trl vllm-serve` sets processed_logprobs"
         )
-        # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
-        used = natural if mode == "none" else torch.where(engine_routes < 0, natural.to(engine_routes.dtype),
-                                                          engine_routes)
-        rows.append(_row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
-                         trainer_rr.moe_layers, extreme_threshold))
-    trainer_rr.remove()
-    routed = routing_agreement_sums(engine_routes, engine_routes, positions, trainer_rr.moe_layers)["pairs"]
-    return AuditReport(
-        model=model, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype, num_prompts=len(prompts),
-        completion_tokens=int(completion_mask.sum()), routed_pairs=int(routed), rows=rows,
+    if client.model != model:
+        notes.append(f"the server serves {client.model!r} and --model is {model!r}: they must be the same checkpoint")
+    output = client.generate(
+        encoded, n=num_generations, repetition_penalty=1.0, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+        max_tokens=max_new_tokens, logprobs=0, generation_kwargs={"seed": seed},
     )
+    payloads = client.routed_experts or []
+    completions = output["completion_ids"]
+    if len(output["prompt_ids"]) != len(encoded) or len(completions) != len(encoded) * num_generations:
+        raise ValueError(
+            f"the vLLM server returned {len(output['prompt_ids'])} prompts and {len(completions)} completions for "
+            f"{len(encoded)} prompts x {num_generations} generations"
+        )
+    for i, (sent, got) in enumerate(zip(encoded, output["prompt_ids"], strict=True)):
+        if list(sent) != list(got):
+            raise ValueError(f"prompt {i}: the vLLM server echoed other prompt token ids than were sent")
+    prompt_rows = [list(ids) for ids in output["prompt_ids"] for _ in range(num_generations)]
+    if output["logprobs"] is None:
+        raise ValueError("the vLLM server returned no log-probs although logprobs=0 was requested")
+    sampling_rows = [  # first entry of each position: the sampled token's (None where vLLM sent NaN)
+        [math.nan if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]
+    ]
+    routes = []
+    for i, payload in enumerate(payloads):
+        try:
+            routes.append(None if payload is None else decode_routed_experts(payload))
+        except RouteAlignmentError as exc:
+            raise RouteAlignmentError(f"completion {i}: {exc}", sample=i) from exc
+    if len(routes) != len(completions):
+        raise ValueError(
+            f"the vLLM server returned routed_experts for {len(routes)} of {len(completions)} completions"
+        )
+    dtype = str(model_config.get("dtype") or "unknown").removeprefix("torch.")
+    return EngineSamples(prompt_rows, [list(c) for c in completions], sampling_rows, routes, notes), dtype
 
 
 def _trainer_pass(model, rr, input_ids, attention_mask, completion_width, temperature, routes):

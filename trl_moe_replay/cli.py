@@ -2,6 +2,7 @@
 
     trl-moe-replay plot RUN_DIR [--out DIR]
     trl-moe-replay audit --model M [--engine_dtype bfloat16] [--trainer_dtype float32] [--num_prompts 8] ...
+    trl-moe-replay audit --model M --vllm_server_url http://localhost:8000 ...   (a running `trl vllm-serve`)
 
 Also runnable as ``python -m trl_moe_replay.cli``.
 """
@@ -40,6 +41,7 @@ def _audit(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
+        vllm_server_url=args.vllm_server_url,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0
@@ -81,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     audit.add_argument("--trust_remote_code", action="store_true")
+    audit.add_argument("--vllm_server_url", default=None, metavar="URL",
+                       help="audit this running vLLM server instead of transformers generate (start it with "
+                       "`trl vllm-serve --model M --enable-return-routed-experts`, same checkpoint as --model); "
+                       "--engine_dtype is then the server's own")
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     audit.set_defaults(func=_audit)
     return parser
