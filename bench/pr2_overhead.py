@@ -20,35 +20,20 @@ layer's compute; the predictor loss is one [tokens, hidden] x [hidden, experts] 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
 from trl_moe_replay.pr2 import PredictiveRoutingReplay
 from trl_moe_replay.routing import RouterReplay
-from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model
+from trl_moe_replay.testing import TINY_VOCAB_SIZE
+
+from _harness import bench_moe, interleaved_ratio, timer
 
 
-def timed(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
-
-
-def interleaved_ratio(baseline, candidate, repeats: int) -> tuple[float, float, float]:
-    """Median candidate/baseline over interleaved pairs (order alternates to cancel drift); also the medians."""
-    baseline(), candidate()  # warm-up
-    ratios, base_times, cand_times = [], [], []
-    for i in range(repeats):
-        if i % 2:
-            c, b = timed(candidate), timed(baseline)
-        else:
-            b, c = timed(baseline), timed(candidate)
-        ratios.append(c / b)
-        base_times.append(b)
-        cand_times.append(c)
-    return statistics.median(ratios), statistics.median(base_times), statistics.median(cand_times)
+def cpu_timer(fn):
+    """CPU seconds of this process: other load on a shared machine does not skew them."""
+    return timer(fn, time.process_time)
 
 
 def main() -> None:
@@ -69,18 +54,8 @@ def main() -> None:
         args.hidden, args.layers, args.experts, args.batch, args.seq, args.repeats = 128, 4, 16, 4, 128, 5
     torch.set_num_threads(args.threads)
 
-    model = tiny_moe_model(
-        "qwen3_moe",
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.hidden // 2,
-        intermediate_size=args.hidden * 2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=args.hidden // 8,
-    ).train()
+    model = bench_moe(args.hidden, args.layers, args.experts, args.top_k, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=args.hidden // 8).train()
     rr = RouterReplay(model)
     pr2 = PredictiveRoutingReplay(rr, cached_tokens_per_sequence=args.cached, rollout_prediction=False)
     generator = torch.Generator().manual_seed(0)
@@ -126,10 +101,12 @@ def main() -> None:
           f"batch {args.batch}x{args.seq} ({completion} completion positions); torch threads {torch.get_num_threads()}")
     print(f"cache: {cached_tokens} tokens, {cache_bytes / cached_tokens / 1024:.1f} KiB per cached token "
           f"({args.layers} x (hidden {args.hidden} x fp32 + {args.experts} x fp32))")
-    ratio, base, cand = interleaved_ratio(old_pass_r2, old_pass_pr2, args.repeats)
-    print(f"old-logprob pass     R2 {base:.3f}s  PR2 {cand:.3f}s  ratio PR2/R2 = {ratio:.3f}")
-    ratio, base, cand = interleaved_ratio(step_r2, step_pr2, args.repeats)
-    print(f"training micro-step  R2 {base:.3f}s  PR2 {cand:.3f}s  ratio PR2/R2 = {ratio:.3f}")
+    result = interleaved_ratio(cpu_timer(old_pass_r2), cpu_timer(old_pass_pr2), args.repeats)
+    print(f"old-logprob pass     R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
+          f"ratio PR2/R2 = {result.median:.3f}")
+    result = interleaved_ratio(cpu_timer(step_r2), cpu_timer(step_pr2), args.repeats)
+    print(f"training micro-step  R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
+          f"ratio PR2/R2 = {result.median:.3f}")
 
     model.eval()
     prompts = x[:, :64]
@@ -144,8 +121,9 @@ def main() -> None:
         with torch.no_grad(), pr2.steering(), rr.record():
             model.generate(prompts, **generate_kwargs)
 
-    ratio, base, cand = interleaved_ratio(generate_recorded, generate_steered, args.repeats)
-    print(f"generate             recording {base:.3f}s  steered {cand:.3f}s  ratio steered/recording = {ratio:.3f}")
+    result = interleaved_ratio(cpu_timer(generate_recorded), cpu_timer(generate_steered), args.repeats)
+    print(f"generate             recording {result.baseline:.3f}s  steered {result.candidate:.3f}s  "
+          f"ratio steered/recording = {result.median:.3f}")
 
 
 if __name__ == "__main__":

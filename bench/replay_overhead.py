@@ -11,34 +11,13 @@ meaningful as ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from trl_moe_replay.routing import RouterReplay
-from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model
+from trl_moe_replay.testing import TINY_VOCAB_SIZE
 
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def interleaved_ratio(baseline, candidate, repeats: int) -> tuple[float, float, float]:
-    """Median candidate/baseline over interleaved pairs (order alternates to cancel drift); also the medians."""
-    baseline(), candidate()  # warm-up
-    ratios, base_times, cand_times = [], [], []
-    for i in range(repeats):
-        if i % 2:
-            c, b = timed(candidate), timed(baseline)
-        else:
-            b, c = timed(baseline), timed(candidate)
-        ratios.append(c / b)
-        base_times.append(b)
-        cand_times.append(c)
-    return statistics.median(ratios), statistics.median(base_times), statistics.median(cand_times)
+from _harness import bench_moe, interleaved_ratio, timer
 
 
 def main() -> None:
@@ -56,18 +35,8 @@ def main() -> None:
     if args.quick:
         args.hidden, args.layers, args.experts, args.batch, args.seq, args.repeats = 128, 4, 16, 4, 128, 5
 
-    model = tiny_moe_model(
-        "qwen3_moe",
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.hidden // 2,
-        intermediate_size=args.hidden * 2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=args.hidden // 8,
-    ).train()
+    model = bench_moe(args.hidden, args.layers, args.experts, args.top_k, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=args.hidden // 8).train()
     rr = RouterReplay(model)
     x = torch.randint(6, TINY_VOCAB_SIZE, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), rr.record() as rec:
@@ -85,8 +54,9 @@ def main() -> None:
 
     print(f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "
           f"batch {args.batch}x{args.seq}; torch threads {torch.get_num_threads()}")
-    ratio, base, cand = interleaved_ratio(step_natural, step_replay, args.repeats)
-    print(f"forward+backward  natural {base:.3f}s  replay {cand:.3f}s  ratio replay/natural = {ratio:.3f}")
+    result = interleaved_ratio(timer(step_natural), timer(step_replay), args.repeats)
+    print(f"forward+backward  natural {result.baseline:.3f}s  replay {result.candidate:.3f}s  "
+          f"ratio replay/natural = {result.median:.3f}")
 
     model.eval()
     prompts = x[:, :64]
@@ -101,8 +71,9 @@ def main() -> None:
         with torch.no_grad(), rr.record():
             model.generate(prompts, **generate_kwargs)
 
-    ratio_gen, base_gen, cand_gen = interleaved_ratio(generate_plain, generate_recorded, args.repeats)
-    print(f"generate          plain {base_gen:.3f}s  recording {cand_gen:.3f}s  ratio recording/plain = {ratio_gen:.3f}")
+    result = interleaved_ratio(timer(generate_plain), timer(generate_recorded), args.repeats)
+    print(f"generate          plain {result.baseline:.3f}s  recording {result.candidate:.3f}s  "
+          f"ratio recording/plain = {result.median:.3f}")
 
 
 if __name__ == "__main__":

@@ -14,57 +14,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import tempfile
-import time
 import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402
 import transformers  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
+from _harness import build_trainer, interleaved_ratio, one_cycle  # noqa: E402
 
 transformers.logging.set_verbosity_error()
-
-
-def reward_len(completions, **kwargs):
-    return [-abs(12 - len(c)) for c in completions]
-
-
-def build(trainer_cls, config_cls, args, **extra):
-    model = tiny_moe_model(
-        "qwen3_moe", hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, moe_intermediate_size=args.hidden // 2, intermediate_size=args.hidden * 2,
-        router_aux_loss_coef=0.0,  # R3 turns the aux loss off; keep both sides doing the same work
-    )
-    config = config_cls(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=16,
-        num_generations=8, max_completion_length=args.completion, num_iterations=2, gradient_accumulation_steps=1,
-        save_strategy="no", disable_tqdm=True, logging_steps=1000, **extra,
-    )
-    prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-    trainer = trainer_cls(model=model, reward_funcs=reward_len, args=config,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tiny_tokenizer())
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which we bypass
-    batch = next(iter(trainer.get_train_dataloader()))
-    return trainer, batch
-
-
-def one_cycle(trainer, batch, seed: int) -> float:
-    torch.manual_seed(seed)
-    start = time.perf_counter()
-    for _ in range(trainer.args.num_iterations):
-        trainer.training_step(trainer.model, batch, None)
-    elapsed = time.perf_counter() - start
-    trainer.model.zero_grad(set_to_none=True)
-    return elapsed
 
 
 def main():
@@ -77,23 +38,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
 
-    plain, plain_batch = build(GRPOTrainer, GRPOConfig, args)
-    ours, ours_batch = build(MoEReplayGRPOTrainer, MoEReplayGRPOConfig, args, routing_replay="r3")
-    one_cycle(plain, plain_batch, 0), one_cycle(ours, ours_batch, 0)  # warm-up
-    ratios, plain_times, our_times = [], [], []
-    for seed in range(1, args.rounds + 1):
-        if seed % 2:
-            p, o = one_cycle(plain, plain_batch, seed), one_cycle(ours, ours_batch, seed)
-        else:
-            o, p = one_cycle(ours, ours_batch, seed), one_cycle(plain, plain_batch, seed)
-        ratios.append(o / p)
-        plain_times.append(p)
-        our_times.append(o)
+    plain, plain_batch = build_trainer(GRPOTrainer, GRPOConfig, args)
+    ours, ours_batch = build_trainer(MoEReplayGRPOTrainer, MoEReplayGRPOConfig, args, routing_replay="r3")
+    result = interleaved_ratio(lambda seed: one_cycle(plain, plain_batch, seed),
+                               lambda seed: one_cycle(ours, ours_batch, seed), args.rounds)
     print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
           f"16 completions x {args.completion} tokens; num_iterations=2; {args.rounds} rounds")
-    print(f"plain GRPOTrainer      median {statistics.median(plain_times):.3f}s per cycle")
-    print(f"MoEReplayGRPOTrainer   median {statistics.median(our_times):.3f}s per cycle (r3)")
-    print(f"ratio r3 / plain: median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(f"plain GRPOTrainer      median {result.baseline:.3f}s per cycle")
+    print(f"MoEReplayGRPOTrainer   median {result.candidate:.3f}s per cycle (r3)")
+    print(f"ratio r3 / plain: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})")
 
 
 if __name__ == "__main__":
