@@ -1,5 +1,9 @@
 """Small helpers shared by the tests."""
 
+import os
+import subprocess
+import sys
+
 import torch
 
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
@@ -21,3 +25,14 @@ def experts_module(model: torch.nn.Module, layer: int) -> torch.nn.Module:
         if f"layers.{layer}." in name + "." and name.endswith(".experts") and ".shared" not in name:
             return module
     raise LookupError(f"no experts module in layer {layer}")
+
+
+def run_two_ranks(script, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    """Run ``script`` as two CPU data-parallel processes (gloo) and return the finished process; fails the test on a
+    non-zero exit. torchrun, not `accelerate launch --cpu --num_processes 2`: without MPI that starts one process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

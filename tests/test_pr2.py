@@ -3,9 +3,6 @@
 import contextlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.routing.predictor import RoutePredictors, predictor_kl
 from trl_moe_replay.testing import supported_model_types, tiny_moe_model, tiny_tokenizer
 
-from .helpers import random_ids
+from .helpers import random_ids, run_two_ranks
 from .test_trainer import logged, make_trainer, prompts_dataset, reward_len
 
 # GA 1, every generation batch used twice: update 1 is on-policy (predictors skip), update 2 is off-policy (they train)
@@ -409,12 +406,7 @@ def test_pr2_config_errors():
 
 def test_predictors_stay_identical_across_ddp_ranks(tmp_path):
     script = Path(__file__).parent / "scripts" / "pr2_ddp.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # torchrun, not `accelerate launch --cpu`: the latter starts a single process (its simple launcher)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(script), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(script, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     first, second = (torch.tensor(r["weights"]) for r in ranks)

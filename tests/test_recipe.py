@@ -16,6 +16,8 @@ from trl import get_peft_config
 from trl_moe_replay.config import ROUTING_REPLAY_MODES
 from trl_moe_replay.data import HUB_DATASETS
 
+from .helpers import run_two_ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
 RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
@@ -82,11 +84,8 @@ def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
 
 
 def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
-               *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2", "--plot", "false")]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_two_ranks(RECIPE, *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2",
+                                                   "--plot", "false"), cwd=tmp_path)
     # one data-parallel run (only the main process reports), not two single-process runs on one output_dir
     assert result.stdout.count("mean reward:") == 1
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 2

@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,8 @@ from datasets import Dataset
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+
+from .helpers import run_two_ranks
 
 METRICS = [
     "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/extreme_frac", "routing/mismatch_frac",
@@ -177,11 +176,7 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
 
 def test_import_swap_script_runs_on_two_processes():
     script = Path(__file__).parent / "scripts" / "grpo_swap.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # torchrun, not `accelerate launch --cpu --num_processes 2`: without MPI configured that starts one process
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_two_ranks(script)
     line = next(line for line in result.stdout.splitlines() if line.startswith("METRICS "))
     report = json.loads(line[len("METRICS "):])
     assert report["world"] == 2

@@ -10,8 +10,6 @@ import io
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,8 @@ from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 from trl_moe_replay.generation import RoutesUnavailableError
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+
+from .helpers import run_two_ranks
 
 
 def reward_len(completions, **kwargs):
@@ -314,11 +314,7 @@ def test_r2_and_none_with_vllm_need_no_routes(tmp_path):
 # ----------------------------------------------------------------------------- two processes
 def test_two_ranks_each_receive_only_their_own_route_payloads():
     script = Path(__file__).parent / "scripts" / "grpo_vllm_server.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # torchrun: `accelerate launch --cpu --num_processes 2` runs a single process unless MPI is configured
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_two_ranks(script)
     reports = {}
     for line in result.stdout.splitlines():
         if line.startswith("REPORT "):
