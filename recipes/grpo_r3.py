@@ -20,7 +20,6 @@ The tiny-model defaults (learning rate, batch, lengths, ...) apply only when no 
 import importlib
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 
 
@@ -318,11 +317,6 @@ def main(script_args, training_args, model_args):
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if Version(transformers.__version__) >= Version("5.18.0"):
-        if torch.distributed.is_initialized():
-            # settle gloo's worker threads: destroying the group while one still drops a Python-owned tensor can
-            # deadlock (the main thread joins it holding the GIL); seen on CPU data parallelism
-            torch.distributed.barrier()
-            time.sleep(0.2)
         trainer.end()
     return trainer
 

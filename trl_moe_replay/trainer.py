@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -305,6 +306,18 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         finally:
             self._train_replay.close()
             self._batch_routes = None
+
+    def end(self):
+        """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
+
+        On CPU data parallelism (gloo), destroying the group while a worker thread still drops a Python-owned tensor
+        deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
+        interpreter at shutdown; a barrier and a short pause first avoid both.
+        """
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+            torch.distributed.barrier()
+            time.sleep(0.2)
+        super().end()
 
     # ------------------------------------------------------------------ routes and PR2
     def _replays_rollout_routes(self) -> bool:

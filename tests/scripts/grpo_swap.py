@@ -7,9 +7,7 @@ logged metrics as JSON.
 import json
 import sys
 import tempfile
-import time
 
-import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer  # the swap
@@ -35,11 +33,7 @@ def main():
     if trainer.accelerator.is_main_process:
         logged = [h for h in trainer.state.log_history if "routing/mismatch_frac" in h]
         print("METRICS " + json.dumps({"world": trainer.accelerator.num_processes, "logs": logged}))
-    # settle gloo's worker threads first: destroying the group while one still drops a Python-owned tensor
-    # deadlocks (main thread joins it holding the GIL), and exiting without destroying can abort at shutdown
-    torch.distributed.barrier()
-    time.sleep(0.2)
-    trainer.end()
+    trainer.end()  # destroys the process group before exit (see MoEReplayGRPOTrainer.end)
 
 
 if __name__ == "__main__":

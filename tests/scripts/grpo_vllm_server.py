@@ -10,9 +10,7 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 
-import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
@@ -68,11 +66,7 @@ def main():
             ]
             report["metrics"] = [h for h in trainer.state.log_history if "routing/mismatch_frac" in h]
         print("REPORT " + json.dumps(report), flush=True)
-        # settle gloo's worker threads first: destroying the group while one still drops a Python-owned tensor
-        # deadlocks (main thread joins it holding the GIL), and exiting without destroying can abort at shutdown
-        torch.distributed.barrier()
-        time.sleep(0.2)
-        trainer.end()
+        trainer.end()  # destroys the process group before exit (see MoEReplayGRPOTrainer.end)
     finally:
         if server is not None:
             server.__exit__(None, None, None)

@@ -8,7 +8,6 @@ the ranks see different prompts, so without that their predictors would drift ap
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -38,11 +37,7 @@ def main():
     result = {"rank": rank, "world": trainer.accelerator.num_processes, "weights": weights.tolist(),
               "pr2_loss": [h["pr2/loss"] for h in trainer.state.log_history if "pr2/loss" in h]}
     (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
-    # settle gloo's worker threads first: destroying the group while one still drops a Python-owned tensor
-    # deadlocks (main thread joins it holding the GIL), and exiting without destroying can abort at shutdown
-    torch.distributed.barrier()
-    time.sleep(0.2)
-    trainer.end()
+    trainer.end()  # destroys the process group before exit (see MoEReplayGRPOTrainer.end)
 
 
 if __name__ == "__main__":
