@@ -14,10 +14,10 @@ from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 from trl_moe_replay.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.routing.predictor import RoutePredictors, predictor_kl
-from trl_moe_replay.testing import supported_model_types, tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing import supported_model_types, tiny_moe_model
 
 from .helpers import random_ids, run_two_ranks
-from .test_trainer import logged, make_trainer, prompts_dataset, reward_len
+from .test_trainer import logged, make_trainer
 
 # GA 1, every generation batch used twice: update 1 is on-policy (predictors skip), update 2 is off-policy (they train)
 OFF_POLICY = dict(gradient_accumulation_steps=1, num_iterations=2)
@@ -171,16 +171,8 @@ def test_frozen_zero_predictors_reproduce_r2_exactly(tmp_path):
                 return super()._compute_loss(model, inputs)
 
         torch.manual_seed(0)
-        trainer = Spy(
-            model=tiny_moe_model("olmoe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
-            processing_class=tiny_tokenizer(),
-            args=MoEReplayGRPOConfig(
-                output_dir=str(tmp_path / mode), use_cpu=True, bf16=False, report_to="none", max_steps=3,
-                logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                learning_rate=1e-3, save_strategy="no", seed=0, routing_replay=mode, pr2_lr_multiplier=0.0,
-                **OFF_POLICY,
-            ),
-        )
+        trainer = make_trainer(tmp_path / mode, tiny_moe_model("olmoe"), cls=Spy, max_steps=3, routing_replay=mode,
+                               pr2_lr_multiplier=0.0, **OFF_POLICY)
         trainer.train()
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         return trainer, seen, params
@@ -250,15 +242,8 @@ def test_no_gradient_crosses_between_policy_and_predictors(tmp_path):
             finally:
                 self.accelerator.backward = accelerator_backward
 
-    trainer = CrossGradSpy(
-        model=tiny_moe_model("mixtral"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
-        processing_class=tiny_tokenizer(),
-        args=MoEReplayGRPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-            save_strategy="no", routing_replay="pr2", **OFF_POLICY,
-        ),
-    )
+    trainer = make_trainer(tmp_path, tiny_moe_model("mixtral"), cls=CrossGradSpy, routing_replay="pr2", seed=42,
+                           **OFF_POLICY)
     trainer.train()
     assert checks == {"policy": 2, "predictor": 1}
 
@@ -280,15 +265,8 @@ def test_old_pass_predicted_routes_are_replayed_in_training(tmp_path):
             checked.append(int(real.sum()))
             return super()._compute_loss(model, inputs)
 
-    trainer = Spy(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
-        processing_class=tiny_tokenizer(),
-        args=MoEReplayGRPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=0.0,
-            gradient_accumulation_steps=2, save_strategy="no", routing_replay="pr2",
-        ),
-    )
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, learning_rate=0.0, routing_replay="pr2",
+                           seed=42)
     randomise(trainer._pr2.predictors, scale=0.05)
     trainer.train()
     assert len(checked) == 4
@@ -310,16 +288,8 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
             assert torch.equal(output["replay_routes"], captured[-1])
             return output
 
-    trainer = Spy(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
-        processing_class=tiny_tokenizer(),
-        args=MoEReplayGRPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-            save_strategy="no", routing_replay="pr2", pr2_rollout_prediction=True, pr2_lr_multiplier=0.0,
-            **OFF_POLICY,
-        ),
-    )
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, routing_replay="pr2",
+                           pr2_rollout_prediction=True, pr2_lr_multiplier=0.0, seed=42, **OFF_POLICY)
     randomise(trainer._pr2.predictors, scale=0.05)
     trainer.train()
     assert len(captured) == 1
@@ -353,15 +323,8 @@ def test_checkpoint_saves_predictors_apart_and_resume_restores_them(tmp_path):
             state = self.optimizer.state
             restored["adam"] = [state[p]["exp_avg"].clone() for p in self._pr2.predictors.parameters()]
 
-    resumed = ResumeSpy(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
-        processing_class=tiny_tokenizer(),
-        args=MoEReplayGRPOConfig(
-            output_dir=str(out), use_cpu=True, bf16=False, report_to="none", max_steps=3, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-            save_strategy="no", routing_replay="pr2", pr2_lr_multiplier=10.0, **OFF_POLICY,
-        ),
-    )
+    resumed = make_trainer(out, tiny_moe_model("qwen3_moe"), cls=ResumeSpy, max_steps=3, routing_replay="pr2",
+                           pr2_lr_multiplier=10.0, seed=42, **OFF_POLICY)
     resumed.train(resume_from_checkpoint=str(folder))
     assert all(torch.equal(restored["predictors"][n], saved[n]) for n in saved)
     saved_optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
@@ -374,17 +337,10 @@ def test_checkpoint_saves_predictors_apart_and_resume_restores_them(tmp_path):
 def test_peft_lora_with_router_in_modules_to_save_and_a_reference_model(tmp_path):
     from peft import LoraConfig
 
-    trainer = MoEReplayGRPOTrainer(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, train_dataset=prompts_dataset(),
-        processing_class=tiny_tokenizer(),
-        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["gate"]),
-        args=MoEReplayGRPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-            beta=0.04, save_strategy="steps", save_steps=2, routing_replay="pr2", pr2_lr_multiplier=10.0,
-            **OFF_POLICY,
-        ),
-    )
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["gate"])
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=lora), beta=0.04,
+                           save_strategy="steps", save_steps=2, routing_replay="pr2", pr2_lr_multiplier=10.0, seed=42,
+                           **OFF_POLICY)
     trainer.train()
     assert len(logged(trainer, "pr2/loss")) == 1 and any((p != 0).any() for p in predictor_state(trainer).values())
     adapter = load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")

@@ -28,16 +28,18 @@ def reward_len(completions, **kwargs):
     return [-abs(6 - len(c)) for c in completions]
 
 
-def make_trainer(tmp_path, model, **overrides) -> MoEReplayGRPOTrainer:
+def make_trainer(tmp_path, model, cls=MoEReplayGRPOTrainer, trainer_kwargs: dict | None = None,
+                 **overrides) -> MoEReplayGRPOTrainer:
+    """A tiny GRPO run of ``cls`` on ``model``: ``overrides`` go to the config, ``trainer_kwargs`` to the trainer."""
     settings = dict(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
         gradient_accumulation_steps=2, save_strategy="no", seed=0,
     )
     settings.update(overrides)
-    return MoEReplayGRPOTrainer(
+    return cls(
         model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**settings),
-        train_dataset=prompts_dataset(), processing_class=tiny_tokenizer(),
+        train_dataset=prompts_dataset(), processing_class=tiny_tokenizer(), **(trainer_kwargs or {}),
     )
 
 
@@ -94,15 +96,10 @@ class RouteAlignmentSpy(MoEReplayGRPOTrainer):
 def test_routes_stay_aligned_with_their_samples_through_shuffle_split_and_eval(tmp_path):
     # lr 0: the policy never changes, so in fp32 the rollout routes must equal each micro-batch's natural routes
     RouteAlignmentSpy.checked_rows = 0
-    trainer = RouteAlignmentSpy(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len,
-        args=MoEReplayGRPOConfig(
-            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=0.0,
-            gradient_accumulation_steps=2, steps_per_generation=4, save_strategy="no", eval_strategy="steps",
-            eval_steps=1, per_device_eval_batch_size=4, routing_replay="r3",
-        ),
-        train_dataset=prompts_dataset(), eval_dataset=prompts_dataset(8), processing_class=tiny_tokenizer(),
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), cls=RouteAlignmentSpy,
+        trainer_kwargs=dict(eval_dataset=prompts_dataset(8)), learning_rate=0.0, steps_per_generation=4,
+        eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, routing_replay="r3", seed=42,
     )
     trainer.train()
     # 2 optimizer steps x 2 accumulation micro-batches of 4 rows, plus the evaluation batches (eval mid-buffer)

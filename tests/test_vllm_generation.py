@@ -15,18 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
 
-from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay import MoEReplayGRPOTrainer
 from trl_moe_replay.generation import RoutesUnavailableError
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
 from .helpers import run_two_ranks
-
-
-def reward_len(completions, **kwargs):
-    return [-abs(6 - len(c)) for c in completions]
+from .test_trainer import logged, make_trainer as make_tiny_trainer
 
 
 class BatchSpy(MoEReplayGRPOTrainer):
@@ -42,24 +38,9 @@ class BatchSpy(MoEReplayGRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
-def config(tmp_path, **overrides):
-    settings = dict(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-        gradient_accumulation_steps=2, save_strategy="no", seed=0, use_vllm=True,
-    )
-    settings.update(overrides)
-    return MoEReplayGRPOConfig(**settings)
-
-
 def make_trainer(tmp_path, model, cls=BatchSpy, **overrides):
-    dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
-    return cls(model=model, reward_funcs=reward_len, args=config(tmp_path, **overrides), train_dataset=dataset,
-               processing_class=tiny_tokenizer())
-
-
-def logged(trainer, name):
-    return [h[name] for h in trainer.state.log_history if name in h]
+    """The tests' tiny GRPO run (tests/test_trainer.py), generating with vLLM."""
+    return make_tiny_trainer(tmp_path, model, cls=cls, use_vllm=True, **overrides)
 
 
 def npy_b64decode(payload):
