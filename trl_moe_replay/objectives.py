@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
+from .config import MOE_LOSS_TYPES
 from .losses import (
     completion_aligned,
     lower_quantile,
@@ -40,7 +41,7 @@ class MoEObjectivesMixin:
     def _setup_objectives(self, args) -> None:
         """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists."""
         name = args.loss_type
-        if name in ("gspo", "rspo", "minirl") and not hasattr(args, "minirl_is_cap"):
+        if name in MOE_LOSS_TYPES and not hasattr(args, "minirl_is_cap"):
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
         self.moe_loss_type = name
         self.loss_type = _TRL_LOSS_FOR.get(name, name)  # what TRL's _compute_loss branches on
