@@ -1,8 +1,8 @@
 """Router probabilities at given experts, for RSPO's router-shift weight.
 
-``RouterProbes(router_replay)`` adds one forward hook per router that ``RouterReplay`` found, registered after
-RouterReplay's own, so it sees the output RouterReplay returned: ``(logits, gate_weights, ids_actually_used, ...)``
-(the replayed ids under R2/R3, the router's natural ones otherwise). Two contexts, one active at a time:
+``RouterProbes(router_replay)`` watches every router call through ``RouterReplay.observe``, which reports the
+router's logits and the ids the block actually used (the replayed ids under R2/R3, the predicted ones under PR2, the
+router's natural ones otherwise). Two contexts, one active at a time:
 
 * ``with probes.capture(batch, seq) as cap:`` around one forward (the old-logprob pass, chunk by chunk) stores the
   ids actually used and the router probabilities there: ``cap.ids`` int16 and ``cap.probs`` float16, both
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from .errors import RouteValidationError
-from .replay import RouterReplay, _in_backward, _SharedHook
+from .replay import RouterCall, RouterReplay
 from .routes import NO_ROUTE
 
 
@@ -69,11 +69,11 @@ class RouterCapture(_Collector):
     ids: torch.Tensor | None = None
     probs: torch.Tensor | None = None
 
-    def add(self, layer: int, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        self._check_rows(layer, ids.shape[0])
-        ids = ids.detach()
-        probs = torch.softmax(logits.detach().float(), dim=-1).gather(1, ids.long())
-        self.layers[layer] = (ids.to(torch.int16), probs.to(torch.float16))
+    def add(self, call: RouterCall) -> None:
+        self._check_rows(call.layer, call.used.shape[0])
+        ids = call.used.detach()
+        probs = torch.softmax(call.logits.detach().float(), dim=-1).gather(1, ids.long())
+        self.layers[call.layer] = (ids.to(torch.int16), probs.to(torch.float16))
 
     def finish(self) -> None:
         self.ids, self.probs = self._assemble(fill_ids=True, probs_dtype=torch.float16, device="cpu")
@@ -90,7 +90,8 @@ class RouterReading(_Collector):
         self._on_device: dict[torch.device, torch.Tensor] = {}
         self.device: torch.device | None = None
 
-    def add(self, layer: int, logits: torch.Tensor, natural_ids: torch.Tensor) -> None:
+    def add(self, call: RouterCall) -> None:
+        layer, logits = call.layer, call.logits
         self._check_rows(layer, logits.shape[0])
         ids = self._on_device.get(logits.device)
         if ids is None:
@@ -115,12 +116,6 @@ class RouterProbes:
         self.moe_layers = list(router_replay.moe_layers)
         self._removed = False
         self._active: _Collector | None = None
-        self._handles = []
-        for site in router_replay._sites:
-            hook = _SharedHook(self, self._make_hook(site.layer))
-            for module in site.modules:
-                # registered after RouterReplay's hook, so it sees the ids RouterReplay made the block use
-                self._handles.append(module.register_forward_hook(hook))
 
     @contextlib.contextmanager
     def capture(self, batch: int, seq: int) -> Iterator[RouterCapture]:
@@ -148,10 +143,7 @@ class RouterProbes:
         collector.finish()
 
     def remove(self) -> None:
-        """Detach every hook."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Retire these probes: their contexts refuse to run afterwards."""
         self._removed = True
 
     @contextlib.contextmanager
@@ -162,16 +154,7 @@ class RouterProbes:
             raise RuntimeError("RouterProbes contexts do not nest: one forward at a time")
         self._active = collector
         try:
-            yield
+            with self.router_replay.observe(collector.add):  # not called in backward recomputes
+                yield
         finally:
             self._active = None
-
-    def _make_hook(self, layer: int):
-        def hook(module, args, output):
-            collector = self._active
-            if collector is None or _in_backward():
-                return None
-            collector.add(layer, output[0], output[2])
-            return None
-
-        return hook
