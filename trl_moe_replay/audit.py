@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import GenerationConfig
+from trl.trainer.utils import pad
 
 from .generation import TransformersRolloutRecorder
 from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
@@ -178,24 +179,11 @@ def _encode_prompts(tokenizer, prompts: list[str], use_chat_template: bool) -> l
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def _right_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
+def _padded(rows: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows and their attention mask padded as TRL's trainer pads them (``trl.trainer.utils.pad``)."""
+    tensors = [torch.tensor(r, dtype=torch.long) for r in rows]
+    ids = pad(tensors, padding_value=pad_id, padding_side=side)
+    mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side=side)
     return ids, mask
 
 
@@ -286,8 +274,8 @@ def run_audit(
 
     # ---- trainer: TRL's batch layout, one forward per mode
     trainer_rr = RouterReplay(trainer_model)  # after the engine's: with equal dtypes it is the same model
-    prompt_ids, prompt_mask = _left_pad(samples.prompt_ids, pad_id)
-    completion_ids, completion_mask = _right_pad(samples.completion_ids, pad_id)
+    prompt_ids, prompt_mask = _padded(samples.prompt_ids, pad_id, "left")
+    completion_ids, completion_mask = _padded(samples.completion_ids, pad_id, "right")
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     prompt_lengths = [len(r) for r in samples.prompt_ids]
@@ -359,7 +347,7 @@ def _sample_with_transformers(
     prompt_rows = [ids for ids in encoded for _ in range(num_generations)]
     engine_rr = RouterReplay(engine_model)
     eos_ids = _eos_ids(engine_model, tokenizer)
-    prompt_ids, prompt_mask = _left_pad(prompt_rows, pad_id)
+    prompt_ids, prompt_mask = _padded(prompt_rows, pad_id, "left")
     # Plain sampling at `temperature`, nothing from the checkpoint's generation_config (top_p, repetition penalty,
     # ...): the recorded log-probs are log_softmax(logits / temperature), as the trainer computes them.
     sampling = GenerationConfig(
