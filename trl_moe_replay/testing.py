@@ -282,6 +282,19 @@ def tiny_moe_model(
     return model.to(dtype).eval()
 
 
+def tiny_dense_model(model_type: str = "qwen3", *, seed: int = 0, **config_overrides: Any) -> PreTrainedModel:
+    """A tiny random dense causal LM (no experts) with the same vocabulary and sizes as :func:`tiny_moe_model`:
+    what ``routing_replay="none"`` must train exactly like ``trl.GRPOTrainer``."""
+    settings = {**_COMMON, "intermediate_size": 64, "head_dim": 16, **config_overrides}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id
+    )
+    return model.eval()
+
+
 def _make_routing_nontrivial(model: PreTrainedModel, seed: int) -> None:
     """Some routers start at zero (all experts tie): give them small random weights so routing means something."""
     generator = torch.Generator().manual_seed(seed + 1)
