@@ -280,7 +280,7 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
     class Spy(MoEReplayGRPOTrainer):
         def _generate(self, prompts):
             output = super()._generate(prompts)
-            captured.append([rows.clone() for rows in self._scoring.engine_rows])  # generate's own, per sample
+            captured.append([turns[0].rows.clone() for turns in self._scoring.turns.turns])  # generate's own, per sample
             return output
 
         def _generate_and_score_completions(self, inputs):

@@ -37,13 +37,14 @@ from trl.trainer.utils import pad
 
 from .config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
 from .generation import TransformersRolloutRecorder
-from .generation.vllm import VLLMRouteSource, colocated_llm_returning_routes
+from .generation.turns import RolloutTurns
+from .generation.vllm import RoutesUnavailableError, VLLMRouteSource, colocated_llm_returning_routes
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
 from .pr2 import PredictiveRoutingReplay
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
-from .upstream import assert_trl_compatible, engine_logprob_correction, is_reference_forward
+from .upstream import assert_trl_compatible, engine_logprob_correction, is_reference_forward, vllm_request_fields
 
 logger = logging.get_logger(__name__)
 
@@ -52,7 +53,8 @@ logger = logging.get_logger(__name__)
 class _ScoringState:
     """What one ``_generate_and_score_completions`` call learns along the way."""
 
-    engine_rows: list | None = None  # this rank's engine rows per sample (vLLM's layout), None: no engine routes
+    turns: RolloutTurns | None = None  # the engine's rows per sample and turn (None: no engine routes)
+    generated_turns: int = 0  # _generate_single_turn calls so far (TRL's tool loop calls it again per turn)
     prompt_lengths: list[int] = field(default_factory=list)
     completion_lengths: list[int] = field(default_factory=list)
     sampling_logprobs: list[list[float]] | None = None  # recorded for the metrics only (not handed to TRL)
@@ -94,12 +96,6 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
         uses_routes = settings.routing_replay != "none" or settings.routing_metrics
-        if (uses_routes or settings.records_generation) and (self.tools or self.rollout_func is not None):
-            raise NotImplementedError(
-                "routing replay supports single-turn generation only: tools and rollout_func produce multi-segment "
-                "completions whose routes are not recorded. Use routing_replay='none' (routing_metrics and "
-                "transformers_importance_sampling_correction off) with them."
-            )
         hooks_needed = uses_routes or bool(getattr(args, "router_shift_weighting", False))
         self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
         self._ref_route_replay = (
@@ -137,18 +133,30 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """One generation turn: the first of the batch, or (TRL's tool loop) a later turn of the tool-calling
+        samples, prompted with their whole sequence so far. The engine's rows are kept per sample and turn."""
         parent = super()._generate_single_turn
         state = self._scoring
+        if state is None or (self.args.use_vllm and self._vllm_routes is None):
+            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        later_turn = state.generated_turns > 0
+        state.generated_turns += 1
+        samples = state.turns.match(prompt_ids) if later_turn and state.turns is not None else None
         if self.args.use_vllm:
-            if self._vllm_routes is None or state is None:
-                return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-            self._vllm_routes.begin_batch()
-            output = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-            rows = self._vllm_routes.local_rows(len(prompt_ids))
-            if self._vllm_routes.required or any(row is not None for row in rows):
-                state.engine_rows = rows  # (metrics alone: an engine without routes leaves nothing to compare)
+            source = self._vllm_routes
+            start = source.prompt_start
+            if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
+                start = state.turns.held_positions(samples) if state.turns is not None and source.can_skip else 0
+            source.begin_batch()
+            with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if later_turn else \
+                    contextlib.nullcontext():
+                output = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            rows = source.local_rows(len(prompt_ids))
+            if not source.required and not any(row is not None for row in rows):
+                rows = None  # metrics alone: an engine without routes leaves nothing to compare
+            self._record_turn(state, prompt_ids, output[0], rows, start, samples)
             return output
-        if not self.replay_settings.records_generation or state is None:
+        if not self.replay_settings.records_generation:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         causal_lm = self.accelerator.unwrap_model(self.model)
         if is_peft_model(causal_lm):
@@ -161,12 +169,23 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         recorder.finish_with(completion_ids, pad_token_id=self._tokenizer.pad_token_id)
         completion_lengths = [len(ids) for ids in completion_ids]
         if routes is not None:
-            state.engine_rows = recorder.engine_rows([len(ids) for ids in prompt_ids], completion_lengths)
+            rows = recorder.engine_rows([len(ids) for ids in prompt_ids], completion_lengths)
+            self._record_turn(state, prompt_ids, completion_ids, rows, 0, samples)
         logprobs = recorder.sampling_logprobs(completion_lengths)
         if self.replay_settings.transformers_importance_sampling_correction:
             return completion_ids, logprobs
-        state.sampling_logprobs = logprobs  # for the mismatch metrics only: TRL's numbers stay its own
+        # for the mismatch metrics only (TRL's numbers stay its own); single-turn batches only: TRL assembles
+        # multi-turn log-probs only when it receives them
+        state.sampling_logprobs = None if later_turn else logprobs
         return completion_ids, None
+
+    @staticmethod
+    def _record_turn(state: _ScoringState, prompt_ids, completion_ids, rows, prompt_start: int, samples) -> None:
+        if state.turns is None:  # the batch's first turn (later ones add to it), unless it brought no routes
+            if state.generated_turns == 1 and rows is not None:
+                state.turns = RolloutTurns(prompt_ids, completion_ids, rows, prompt_start)
+            return
+        state.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
     def _generate(self, prompts):
         state = self._scoring
@@ -174,14 +193,38 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             return super()._generate(prompts)
         with self._engine_correction(enabled=False):  # generate on the transformers path, as configured
             output = super()._generate(prompts)
-        prompt_ids, completion_ids = output[0], output[1]
+        prompt_ids, completion_ids, extra_fields = output[0], output[1], output[5]
         state.prompt_lengths = [len(ids) for ids in prompt_ids]
         state.completion_lengths = [len(ids) for ids in completion_ids]
+        if self.rollout_func is not None:
+            self._take_rollout_func_routes(state, prompt_ids, completion_ids, extra_fields)
         return output
+
+    def _take_rollout_func_routes(self, state: _ScoringState, prompt_ids, completion_ids, extra_fields: dict) -> None:
+        """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
+        arrays or base64 ``.npy`` strings, ``None`` for none) and ``routed_experts_prompt_start`` (int or per-sample
+        ints); they are taken out of the fields TRL hands to the reward functions."""
+        rows = extra_fields.pop("routed_experts", None)
+        starts = extra_fields.pop("routed_experts_prompt_start", 0)
+        if not self.replay_settings.generation_routes:
+            return
+        if rows is None:
+            if self.routing_replay == "r3":
+                raise RoutesUnavailableError(
+                    "routing_replay='r3' with a rollout_func needs the experts the engine routed each token to: "
+                    "return them as output['routed_experts'] (one [p + c - 1, num_layers, top_k] array or vLLM "
+                    "base64 payload per sample, vLLM's layout), or train with routing_replay='r2'."
+                )
+            return
+        if len(rows) != len(prompt_ids):
+            raise RoutesUnavailableError(
+                f"rollout_func returned routed_experts for {len(rows)} samples and {len(prompt_ids)} completions"
+            )
+        state.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
 
     def _rollout_routes(self, state: _ScoringState, prompt_width: int, completion_width: int) -> torch.Tensor | None:
         """The engine's routes in TRL's padded layout (aligned once, at TRL's widths), or None."""
-        if state.engine_rows is None:
+        if state.turns is None:
             return None
         if state.generation_routes is None:
             rr = self._route_replay
@@ -196,9 +239,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 num_experts=rr.num_experts,
             )
             if self._vllm_routes is not None:  # engine payloads: a bad sample falls back instead of failing the run
-                state.generation_routes = self._vllm_routes.align(state.engine_rows, **layout)
+                state.generation_routes = self._vllm_routes.align(state.turns.turns, **layout)
             else:
-                state.generation_routes = routes_from_engine(state.engine_rows, **layout)
+                state.generation_routes = routes_from_engine(state.turns.turns, **layout)
         elif state.generation_routes.shape[1] != prompt_width + completion_width:
             raise RuntimeError(
                 f"the generation routes were aligned to {state.generation_routes.shape[1]} positions, but TRL's batch "
@@ -418,7 +461,10 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 padding_side="right", pad_to_multiple_of=self.pad_to_multiple_of,
             ).to(device)
         if old is not None and sampling is not None:
-            sums = logprob_mismatch_sums(sampling, old, output["completion_mask"], self.extreme_token_threshold)
+            mask = output["completion_mask"]
+            if "tool_mask" in output:  # tool results are not sampled: TRL gives them log-prob 0 and masks them out
+                mask = mask * output["tool_mask"]
+            sums = logprob_mismatch_sums(sampling, old, mask, self.extreme_token_threshold)
             total = self._global_sums(sums, device)
             tokens = total["tokens"].clamp(min=1.0)
             metrics["mismatch/kl_k1"].append((total["kl_k1"] / tokens).item())

@@ -187,6 +187,23 @@ def colocated_llm_class(make_subclass: Callable[[type], type]) -> Iterator[None]
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 9. Per-request fields of TRL's vLLM requests (trl/generation/vllm_generation.py).
+#    VLLMGeneration.generate merges its `generation_kwargs` attribute (GRPOConfig.generation_kwargs) into every
+#    request: the /v1/completions body (server mode, through VLLMClient.generate) or SamplingParams (colocate).
+#    A later tool turn asks vLLM (`routed_experts_prompt_start`) not to resend the routes of the prefix it holds.
+# ---------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def vllm_request_fields(vllm_generation: Any, **fields: Any) -> Iterator[None]:
+    """Within the context, TRL's vLLM requests also carry ``fields``."""
+    saved = vllm_generation.generation_kwargs
+    vllm_generation.generation_kwargs = {**saved, **fields}
+    try:
+        yield
+    finally:
+        vllm_generation.generation_kwargs = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -279,8 +296,11 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     generation = importlib.import_module(_VLLM_GENERATION_MODULE)
     init_vllm = _code_only(_source(generation.VLLMGeneration._init_vllm))
     expect("8", "= LLM(" in init_vllm, "VLLMGeneration._init_vllm no longer builds the module-global LLM")
-    expect("8", "self.llm.generate(" in _code_only(_source(generation.VLLMGeneration.generate)),
-           "VLLMGeneration.generate no longer calls self.llm.generate")
+    vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
+    expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
+    expect("9", '"generation_kwargs": self.generation_kwargs' in vllm_generate
+           and "generation_kwargs.update(self.generation_kwargs)" in vllm_generate,
+           "VLLMGeneration.generate no longer merges self.generation_kwargs into its server and colocate requests")
     return tuple(findings)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..routing.engine import routes_from_engine
+from ..routing.engine import EngineTurn, routes_from_engine
 from ..routing.errors import RouteAlignmentError
 from ..upstream import client_session, colocated_llm_class
 
@@ -158,6 +158,15 @@ class VLLMRouteSource:
         elif self.mode != "colocate":
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
 
+    @property
+    def can_skip(self) -> bool:
+        """Whether one request serves only this rank's samples, so a later tool turn can ask vLLM to skip the
+        routes of the prefix they hold (server mode with one training process; colocate without tensor parallelism:
+        otherwise the request mixes other ranks' samples, whose held prefixes this rank does not know)."""
+        if self.mode == "server":
+            return self.accelerator.num_processes == 1
+        return self._generation.tensor_parallel_size == 1
+
     def begin_batch(self) -> None:
         """Call right before TRL's ``VLLMGeneration.generate``: capture this batch's server response."""
         if self._hook is not None:
@@ -253,17 +262,17 @@ class VLLMRouteSource:
         return rows
 
     # ------------------------------------------------------------------ alignment
-    def align(self, rows: Sequence[Any], **layout: Any) -> torch.Tensor:
-        """``routes_from_engine`` over this rank's rows; a sample with missing or malformed rows falls back.
+    def align(self, rows: Sequence[Sequence[EngineTurn]], **layout: Any) -> torch.Tensor:
+        """``routes_from_engine`` over this rank's samples (each a list of :class:`EngineTurn`, one per generation
+        turn, carrying its ``routed_experts_prompt_start``); a sample or turn with missing or malformed rows falls
+        back to the router's own choice.
 
         If no sample of the whole first batch (all ranks) fits, the engine and the trainer disagree about the model
         (another checkpoint, layer count, top-k): that raises instead of silently training without replay.
         """
         failures: list[RouteAlignmentError] = []
-        routes = routes_from_engine(
-            rows, prompt_starts=[self.prompt_start] * len(rows), on_error=failures.append, **layout
-        )
-        missing = sum(row is None for row in rows)
+        routes = routes_from_engine(rows, on_error=failures.append, **layout)
+        missing = sum(all(turn.rows is None for turn in turns) for turns in rows)
         if self.required and not self._aligned_first_batch:
             self._aligned_first_batch = True
             usable = torch.tensor([len(rows) - missing - len(failures)], device=self.accelerator.device)
