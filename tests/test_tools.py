@@ -9,8 +9,9 @@ import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.routing import RouterReplay
+from trl_moe_replay.routing import RouterReplay, decode_routed_experts
 from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
 MAX_COMPLETION = 240
 
@@ -152,26 +153,64 @@ class CheckedTrainer(MoEReplayGRPOTrainer):
         return result
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_tool_rollouts_replay_every_position_from_the_turn_that_forwarded_it(tmp_path, model_type):
-    model = tiny_moe_model(model_type, max_position_embeddings=2048)
+def tool_trainer(tmp_path, model_type="qwen3_moe", **overrides):
     tokenizer = tiny_tokenizer(tools=True)
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS for _ in range(2)]
-    args = MoEReplayGRPOConfig(
+    settings = dict(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
         per_device_train_batch_size=12, num_generations=2, max_completion_length=MAX_COMPLETION, learning_rate=1e-3,
-        num_iterations=2, save_strategy="no", seed=0, routing_replay="r3", beta=0.0,
+        num_iterations=2, save_strategy="no", seed=0, routing_replay="r3",
     )
-    trainer = CheckedTrainer(
-        model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions], args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer, tools=[add, div, echo],
+    settings.update(overrides)
+    return CheckedTrainer(
+        model=tiny_moe_model(model_type, max_position_embeddings=2048),
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=MoEReplayGRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer, tools=[add, div, echo],
     )
-    trainer.oracle = oracle = RouteOracle(trainer.model, tokenizer.eos_token_id)
-    with scripted_generation(trainer.model, tokenizer, script):
-        trainer.model.generate = oracle.record(trainer.model.generate, trainer._route_replay)
+
+
+def run_checked(trainer, engine_model, engine_rr):
+    """Train with scripted tool rollouts on ``engine_model``, whose every generate call routes differently."""
+    trainer.oracle = oracle = RouteOracle(engine_model, trainer.processing_class.eos_token_id)
+    with scripted_generation(engine_model, trainer.processing_class, script):
+        engine_model.generate = oracle.record(engine_model.generate, engine_rr)
         trainer.train()
     logs = trainer.state.log_history
     assert logs[0]["tools/call_frequency"] >= 1.0 and logs[0]["tools/failure_frequency"] > 0  # div(9, 0) raised
-    assert logs[0]["routing/fallback_frac"] == 0.0 and logs[0]["mismatch/kl_k3"] < 1e-6
+    assert logs[0]["routing/fallback_frac"] == 0.0
     assert trainer.forwards == 3 and trainer.checked_positions > 12 * 40  # old-logprob pass + two updates
     assert all(math.isfinite(entry.get("loss", 0.0)) for entry in logs)
+    return logs
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_tool_rollouts_replay_every_position_from_the_turn_that_forwarded_it(tmp_path, model_type):
+    trainer = tool_trainer(tmp_path, model_type)
+    logs = run_checked(trainer, trainer.model, trainer._route_replay)
+    assert logs[0]["mismatch/kl_k3"] < 1e-6  # fp32, replayed: the sampler's log-probs, tool tokens left out
+
+
+def test_tool_rollouts_with_a_vllm_server_ask_only_for_the_routes_they_lack(tmp_path):
+    with FakeVLLMServer(tiny_moe_model("qwen3_moe", max_position_embeddings=2048)) as server, \
+            trl_vllm_transport_stub(server):
+        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+        run_checked(trainer, server.engine.model, server.engine.router_replay)
+    first, *later = [batch for batch in server.batches]
+    assert first.request.get("routed_experts_prompt_start", 0) == 0
+    starts = [batch.request["routed_experts_prompt_start"] for batch in later]
+    assert later and all(start > 0 for start in starts)
+    for batch, start in zip(later, starts, strict=True):  # rows only from the first position not yet held
+        for completion, payload in zip(batch.completions, batch.payloads, strict=True):
+            rows = decode_routed_experts(payload)
+            assert rows.shape[0] == len(completion.prompt_ids) + len(completion.token_ids) - 1 - start
+    assert min(starts) > 20  # the shared system and user prompt at least
+
+
+def test_tool_rollouts_with_a_colocated_vllm(tmp_path):
+    with fake_colocated_vllm(tiny_moe_model("qwen3_moe", max_position_embeddings=2048)) as llm_class:
+        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="colocate")
+        llm = llm_class.instances[0]
+        run_checked(trainer, llm.engine.model, llm.engine.router_replay)
+    starts = [request.get("routed_experts_prompt_start", 0) for request in llm.requests]
+    assert starts[0] == 0 and len(starts) > 2 and all(start > 20 for start in starts[1:])
