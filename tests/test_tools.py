@@ -153,7 +153,40 @@ class CheckedTrainer(MoEReplayGRPOTrainer):
         return result
 
 
-def tool_trainer(tmp_path, model_type="qwen3_moe", **overrides):
+class Calculator:
+    """An environment (TRL's environment_factory): its public methods are the tools."""
+
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+    def div(self, a: int, b: int) -> float:
+        """Divide two integers.
+
+        Args:
+            a: The dividend.
+            b: The divisor.
+        """
+        return a / b
+
+    def echo(self, text: str) -> str:
+        """Repeat a text many times.
+
+        Args:
+            text: The text.
+        """
+        return text * 100
+
+
+def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, **overrides):
     tokenizer = tiny_tokenizer(tools=True)
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS for _ in range(2)]
     settings = dict(
@@ -166,7 +199,7 @@ def tool_trainer(tmp_path, model_type="qwen3_moe", **overrides):
         model=tiny_moe_model(model_type, max_position_embeddings=2048),
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=MoEReplayGRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer, tools=[add, div, echo],
+        processing_class=tokenizer, **(trainer_kwargs or {"tools": [add, div, echo]}),
     )
 
 
@@ -214,3 +247,9 @@ def test_tool_rollouts_with_a_colocated_vllm(tmp_path):
         run_checked(trainer, llm.engine.model, llm.engine.router_replay)
     starts = [request.get("routed_experts_prompt_start", 0) for request in llm.requests]
     assert starts[0] == 0 and len(starts) > 2 and all(start > 20 for start in starts[1:])
+
+
+def test_environment_factory_rollouts_replay_like_tools(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    trainer = tool_trainer(tmp_path, trainer_kwargs={"environment_factory": Calculator})
+    run_checked(trainer, trainer.model, trainer._route_replay)
