@@ -215,6 +215,10 @@ def test_a_plain_grpo_config_with_continuous_batching_is_refused_when_the_traine
                              train_dataset=prompts_dataset(), processing_class=tiny_tokenizer())
 
 
+# transformers' default continuous-batching cache is sized for a GPU: on CPU a small one is ~20x faster
+SMALL_CB_CACHE = {"num_blocks": 16, "max_batch_tokens": 256, "page_size": 16}
+
+
 class ReplaySpy(MoEReplayGRPOTrainer):
     """Counts the training micro-batches that carried routes to replay."""
 
@@ -229,7 +233,8 @@ def test_r2_trains_with_continuous_batching_and_beam_search_when_nothing_is_reco
     # nothing recorded during generate: continuous batching and beam search are TRL's business; R2 records its own
     # routes in the old-logprob pass (off-policy here: num_iterations=2)
     trainer = make_trainer(tmp_path / "cb", tiny_moe_model("qwen3_moe"), cls=ReplaySpy, routing_replay="r2",
-                           use_transformers_continuous_batching=True, num_iterations=2, max_steps=2)
+                           use_transformers_continuous_batching=True, num_iterations=2, max_steps=2,
+                           transformers_continuous_batching_config=SMALL_CB_CACHE)
     assert not trainer.replay_settings.records_generation
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.replayed == 4
