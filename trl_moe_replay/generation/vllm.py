@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,26 @@ def routed_experts_in_colocated_llm() -> Iterator[None]:
         yield
     finally:
         module.LLM = original
+
+
+# ----------------------------------------------------------------------------- weight sync
+def skip_in_weight_sync(vllm_generation: Any, skip: Callable[[str], bool]) -> None:
+    """Leave the parameters whose vLLM name satisfies ``skip`` out of TRL's weight sync to vLLM (server and colocate).
+
+    For parameters registered in the trained model that vLLM's model does not have (PR2's predictors): vLLM's
+    ``load_weights`` rejects unknown names. The parameters are still walked, so gathers stay collective.
+
+    TRL private name (1.16, ``trl/generation/vllm_generation.py``): ``VLLMGeneration._iter_named_params``, the one
+    iterator both ``sync_weights`` paths and the server's weight metadata read; wrapped on this instance only.
+    """
+    iterate = vllm_generation._iter_named_params
+
+    def without_skipped():
+        for name, param in iterate():
+            if not skip(name):
+                yield name, param
+
+    vllm_generation._iter_named_params = without_skipped
 
 
 # ----------------------------------------------------------------------------- per-rank rows
