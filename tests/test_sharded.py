@@ -1,7 +1,7 @@
-"""R3 and PR2 under DDP, DeepSpeed ZeRO-2, ZeRO-3 and FSDP2: two CPU processes (gloo) each, launched with the
+"""Routing replay under DDP, DeepSpeed ZeRO-2, ZeRO-3 and FSDP2: two CPU processes (gloo) each, launched with the
 shipped accelerate configs (``recipes/accelerate/*.yaml``). One launch per engine runs ``tests/scripts/sharded_run.py``
-(R3 for 3 steps; PR2 for 3 steps with a checkpoint at step 2, ``save_model()``, and a resume from that checkpoint);
-the DDP launch is the reference the sharded engines are compared with.
+(none, R2 and R3 for 3 steps each; PR2 for 3 steps with a checkpoint at step 2, ``save_model()``, and a resume from
+that checkpoint); the DDP launch is the reference the sharded engines are compared with.
 """
 
 import json
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"
 CONFIGS = {engine: ROOT / "recipes" / "accelerate" / f"{engine}.yaml" for engine in ("ddp", "zero2", "zero3", "fsdp2")}
 SHARDED = ["zero2", "zero3", "fsdp2"]
-STEPS = 3
+STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3}  # optimizer steps per mode in sharded_run.py
 
 
 def launch(engine: str, out: Path, **env) -> subprocess.CompletedProcess:
@@ -90,10 +90,11 @@ def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
 @pytest.mark.parametrize("engine", ["ddp", *SHARDED])
 def test_the_experts_used_are_the_replayed_routes(runs, engine):
     for rank in runs(engine):
-        for mode in ("r3", "pr2"):
+        assert rank["none"]["routes"]["calls"] == 0  # nothing replayed, nothing checked
+        for mode in ("r2", "r3", "pr2"):
             checks = rank[mode]["routes"]
-            # 3 steps x 2 MoE layers x (forward + gradient-checkpointing recompute in backward)
-            assert checks["calls"] == STEPS * 2 * 2 and checks["rows"] > 0
+            # steps x 2 MoE layers x (forward + gradient-checkpointing recompute in backward)
+            assert checks["calls"] == STEPS[mode] * 2 * 2 and checks["rows"] > 0
             assert checks["mismatched_rows"] == 0, (mode, checks)
 
 
@@ -101,11 +102,11 @@ def test_the_experts_used_are_the_replayed_routes(runs, engine):
 def test_losses_and_predictors_equal_ddp(runs, engine):
     reference, ranks = runs("ddp"), runs(engine)
     for ref, rank in zip(reference, ranks, strict=True):
-        for mode in ("r3", "pr2"):
-            assert len(rank[mode]["loss"]) == STEPS and close(rank[mode]["loss"], ref[mode]["loss"]), mode
+        for mode in ("none", "r2", "r3", "pr2"):
+            assert len(rank[mode]["loss"]) == STEPS[mode] and close(rank[mode]["loss"], ref[mode]["loss"]), mode
         assert close(rank["pr2"]["pr2_loss"], ref["pr2"]["pr2_loss"]) and len(ref["pr2"]["pr2_loss"]) == 1
         steps, ref_steps = rank["pr2"]["predictors_after_step"], ref["pr2"]["predictors_after_step"]
-        assert len(steps) == STEPS and all(close(a, b) for a, b in zip(steps, ref_steps, strict=True))
+        assert len(steps) == STEPS["pr2"] and all(close(a, b) for a, b in zip(steps, ref_steps, strict=True))
         # step 1 on-policy: untouched; step 2 off-policy: trained; step 3 (new generation batch, on-policy): the
         # optimizer left them alone, also where DeepSpeed hands it a zero gradient
         assert not any(steps[0]) and any(steps[1]) and steps[2] == steps[1]
@@ -119,7 +120,7 @@ def test_pr2_checkpoint_resume_and_save_model(runs, engine):
         resume = rank["pr2"]["resume"]
         # the checkpoint's pr2_predictors.safetensors holds the step-2 predictors, and resuming restores them exactly
         assert resume["file"] == rank["pr2"]["predictors_after_step"][1] and any(resume["file"])
-        assert resume["restored"] == resume["file"] and resume["global_step"] == STEPS
+        assert resume["restored"] == resume["file"] and resume["global_step"] == STEPS["pr2"]
     out = runs.out[engine]
     saved = load_file(out / "pr2" / "checkpoint-2" / PREDICTORS_FILE)
     assert set(saved) == {"layers.0.weight", "layers.1.weight"}

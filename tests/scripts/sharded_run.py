@@ -1,12 +1,13 @@
-"""R3 and PR2 under one distributed engine, two CPU processes (gloo). Launched by ``tests/test_sharded.py``:
+"""Routing replay (none, R2, R3, PR2) under one distributed engine, two CPU processes (gloo). Launched by
+``tests/test_sharded.py``:
 
-    accelerate launch --config_file recipes/accelerate/{ddp,zero2,zero3,fsdp2}.yaml --num_processes 2 \
+    accelerate launch --config_file recipes/accelerate/{ddp,zero2,zero3,fsdp2}.yaml --num_processes 2 \\
         tests/scripts/sharded_run.py OUT_DIR
 
 Each rank writes ``OUT_DIR/rank<i>.json``: the engine it ran (and how its parameters are stored), per mode the
-logged losses, whether every training forward and backward recompute ran exactly the replayed experts (checked by
-hooks on the experts modules, independently of the replay code), and for PR2 the predictors after every step, a
-save/resume round trip and whether ``save_model()`` output loads as a plain transformers model.
+logged losses and whether every training forward and backward recompute ran exactly the replayed experts (checked
+by hooks on the experts modules, independently of the replay code), and for PR2 the predictors after every step, a
+save/resume round trip, and ``save_model()`` output in ``OUT_DIR/pr2/final``.
 
 accelerate sets up FSDP only on GPU-type devices; on a CPU the trainer refuses an FSDP launch (it would run plain
 DDP). ``FORCE_FSDP_ON_CPU=1`` makes accelerate take the CPU processes for an FSDP-capable setup, so FSDP2 really
@@ -85,12 +86,14 @@ class Spy(MoEReplayGRPOTrainer):
         self.route_checks = {"calls": 0, "rows": 0, "mismatched_rows": 0}
 
     def _compute_loss(self, model, inputs):
-        self.given_routes = inputs["replay_routes"]
+        self.given_routes = inputs.get("replay_routes")  # none under routing_replay="none"
         self.watch.calls.clear()  # generation and the old-logprob pass ran before, in the same training_step
         return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)  # forward and backward (with recompute)
+        if self.given_routes is None:
+            return loss
         routes = self.given_routes.long()
         for layer, calls in self.watch.calls.items():
             expected = routes[:, :, layer].reshape(-1, routes.shape[-1])
@@ -153,8 +156,8 @@ def logged(trainer, name):
     return [h[name] for h in trainer.state.log_history if name in h]
 
 
-def run_r3(model) -> dict:
-    trainer = make_trainer("r3", model, max_steps=3, save_strategy="no")
+def run_mode(mode: str, model, steps: int) -> dict:
+    trainer = make_trainer(mode, model, max_steps=steps, save_strategy="no")
     trainer.train()
     return {"loss": logged(trainer, "loss"), "routes": trainer.route_checks, "storage": storage(trainer),
             "distributed_type": trainer.accelerator.distributed_type.value,
@@ -215,9 +218,11 @@ def main():
         skip_deepspeed_shm_build()
     # built before any trainer: once a ZeRO-3 trainer exists, transformers builds models inside deepspeed.zero.Init
     # (partitioned at creation, as from_pretrained does under zero3_init_flag); the runs compare exact weights
-    models = [tiny_moe_model(**MODEL) for _ in range(3)]
-    result = {"r3": run_r3(models[0])}
-    result["pr2"], trainer = run_pr2(models[1], models[2])
+    models = [tiny_moe_model(**MODEL) for _ in range(5)]
+    # none and R2: an on-policy and an off-policy update; R3 and PR2: also the next generation batch's first update
+    runs = zip(("none", "r2", "r3"), models, (2, 2, 3))
+    result = {mode: run_mode(mode, model, steps) for mode, model, steps in runs}
+    result["pr2"], trainer = run_pr2(models[3], models[4])
     if trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == 3:
         result["zero3_init_predictor_shapes"] = predictor_shapes_under_zero_init()
     rank = int(os.environ["RANK"])
