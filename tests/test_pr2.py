@@ -44,7 +44,9 @@ def test_zero_predictors_give_the_natural_routes_and_others_move_them(model_type
     model = tiny_moe_model(model_type, dtype=dtype)
     rr = RouterReplay(model)
     predictors = RoutePredictors(rr.routers())
-    assert all((linear.weight == 0).all() and linear.bias is None for linear in predictors.layers.values())
+    for predictor in predictors.layers.values():  # bias-free, fp32, zero
+        assert [n for n, _ in predictor.named_parameters()] == ["weight"] and predictor.weight.dtype == torch.float32
+        assert (predictor.weight == 0).all()
     assert not any(p is q for p in predictors.parameters() for q in model.parameters())
     x = random_ids(2, 9)
     with torch.no_grad():
