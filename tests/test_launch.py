@@ -45,5 +45,6 @@ def test_trainer_refuses_a_launch_that_does_not_match(tmp_path, monkeypatch):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="none")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an FSDP config; one CPU process: no FSDP here
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # accelerate's FSDP plugin writes it; undone after
     with pytest.raises(LaunchMismatchError, match="asked for FSDP .* set up NO"):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="pr2")
