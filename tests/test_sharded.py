@@ -81,6 +81,10 @@ def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
                 assert param["local"] * 2 == param["full"] and param["dtensor" if engine == "fsdp2" else "zero3"]
             else:
                 assert param["local"] == param["full"] and not (param["dtensor"] or param["zero3"]), name
+        # the predictors keep their own group in the engine's optimizer: learning_rate x pr2_lr_multiplier (the
+        # schedule's starting value), no weight decay
+        (group,) = storage["pr2_groups"]
+        assert group["initial_lr"] == pytest.approx(1e-3 * 10.0) and group["weight_decay"] == 0.0
         if engine.startswith("zero"):
             assert storage["wrapper"] == "DeepSpeedEngine" and storage["zero_stage"] == int(engine[-1])
         elif engine == "ddp":

@@ -131,6 +131,11 @@ def storage(trainer) -> dict:
     report = {"wrapper": type(trainer.model_wrapped).__name__, "params": {}}
     if trainer.is_deepspeed_enabled:
         report["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+    # the predictors' own param group as the engine's optimizer holds it
+    report["pr2_groups"] = [
+        {"lr": group["lr"], "initial_lr": group["initial_lr"], "weight_decay": group["weight_decay"]}
+        for group in trainer.optimizer.param_groups if group.get("pr2_predictors")
+    ]
     for name, param in model.named_parameters():
         if name.endswith(WATCHED_PARAMS):
             full = int(param.ds_numel) if is_zero3_partitioned(param) else param.numel()
