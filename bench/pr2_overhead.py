@@ -7,7 +7,8 @@ does not skew the ratios; absolute times mean little, the ratios are the result.
                      (one more evaluation of each router) that also caches router inputs and logits at up to
                      ``--cached`` completion positions per sequence.
   training micro-step  R2: forward + backward under replay. PR2: the same plus the watch of the current router
-                     logits at the cached positions, the predictor loss and its backward (an off-policy mini-step).
+                     logits at the cached positions and the predictor loss, in the same backward (an off-policy
+                     mini-step).
   generate           plain recording vs recording steered by the predictors (``pr2_rollout_prediction``).
 
 Also prints the cache size per cached token. Targets: each ratio <= 1.10 (the router is a small share of an MoE
@@ -93,8 +94,8 @@ def main() -> None:
         with rr.replay(routes):
             with pr2.watch_training_forward(cache):
                 loss = model(x, labels=x).loss
-            loss.backward()
-        pr2.train_step(1, grad_scale=1.0, backward=lambda predictor_loss: predictor_loss.backward())
+            predictor_loss, _ = pr2.training_loss(1, grad_scale=1.0)
+            (loss + predictor_loss).backward()  # one backward for both losses, as in the trainer
         optimizer.step()
 
     print(f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "

@@ -39,6 +39,12 @@ def test_pr2_with_a_vllm_server_chooses_its_routes_in_the_old_pass(tmp_path):
                                     **TWO_UPDATES)
         trainer.train()
     assert not trainer._vllm_routes.required  # PR2 needs no routes from the engine (asked for the metrics only)
+    # the predictors are registered in the trained model, but vLLM's model has none: the weight sync leaves them out
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert any(n.startswith("pr2_predictors.") for n in names)
+    assert [sorted(u.received) for u in server.weight_updates] == [
+        sorted(n for n in names if not n.startswith("pr2_predictors."))
+    ] * len(server.weight_updates) and server.weight_updates
     # the old pass's (predicted) routes ride with the batch and are replayed in the updates
     assert (trainer.batches[0]["replay_routes"] >= 0).any()
     assert all("replay_routes" in inputs for inputs in trainer.trained)

@@ -44,7 +44,9 @@ def test_zero_predictors_give_the_natural_routes_and_others_move_them(model_type
     model = tiny_moe_model(model_type, dtype=dtype)
     rr = RouterReplay(model)
     predictors = RoutePredictors(rr.routers())
-    assert all((linear.weight == 0).all() and linear.bias is None for linear in predictors.layers.values())
+    for predictor in predictors.layers.values():  # bias-free, fp32, zero
+        assert [n for n, _ in predictor.named_parameters()] == ["weight"] and predictor.weight.dtype == torch.float32
+        assert (predictor.weight == 0).all()
     assert not any(p is q for p in predictors.parameters() for q in model.parameters())
     x = random_ids(2, 9)
     with torch.no_grad():
@@ -123,7 +125,8 @@ def test_predictor_loss_falls_and_predicted_routes_follow_a_synthetic_router_dri
         optimizer.zero_grad()
         with torch.no_grad(), rr.replay(old.routes), pr2.watch_training_forward(cache):
             model(x)
-        sums = pr2.train_step(1, grad_scale=1.0, backward=lambda loss: loss.backward())
+        loss, sums = pr2.training_loss(1, grad_scale=1.0)
+        loss.backward()
         losses.append(pr2.metrics(sums)["pr2/loss"])
         optimizer.step()
     print(f"predictor loss {losses[0]:.4f} -> {losses[-1]:.4f}")
@@ -206,41 +209,44 @@ def test_predictors_train_on_off_policy_updates_only_and_log_their_metrics(tmp_p
     assert len(agreement) == len(gap) == 3 and all(0 <= v <= 1 for v in agreement + gap)
     assert agreement[0] == 1.0  # on-policy with zero predictors the replayed routes are the router's own
     assert agreement[1] < 1.0  # after an update the router has moved away from some replayed routes
-    # the predictors never entered the model
-    assert not any("layers.0.weight" == n for n, _ in trainer.model.named_parameters())
-    assert all(p.data_ptr() != q.data_ptr() for p in trainer._pr2.predictors.parameters()
-               for q in trainer.model.parameters())
+    # registered in the model, but only in their own optimizer group, and never saved with the model
+    predictor_ids = [id(p) for p in trainer._pr2.predictors.parameters()]
+    model_params = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert sorted(model_params[i] for i in predictor_ids) == ["pr2_predictors.layers.0.weight",
+                                                             "pr2_predictors.layers.1.weight"]
+    assert [id(p) for group in groups for p in group["params"]].count(predictor_ids[0]) == 1
+    assert set(trainer.model._keys_to_ignore_on_save) >= {model_params[i] for i in predictor_ids}
 
 
 def test_no_gradient_crosses_between_policy_and_predictors(tmp_path):
     checks = {"policy": 0, "predictor": 0}
 
     class CrossGradSpy(MoEReplayGRPOTrainer):
-        def _compute_loss(self, model, inputs):
-            loss = super()._compute_loss(model, inputs)
-            grads = torch.autograd.grad(loss, list(self._pr2.predictors.parameters()), allow_unused=True,
-                                        retain_graph=True)
-            assert all(g is None for g in grads)
+        def _add_pr2_predictor_loss(self, loss):
+            predictors = list(self._pr2.predictors.parameters())
+            own = {id(p) for p in predictors}
+            policy = [p for p in self.model.parameters() if p.requires_grad and id(p) not in own]
+            assert all(g is None for g in torch.autograd.grad(loss, predictors, allow_unused=True, retain_graph=True))
             checks["policy"] += 1
-            return loss
+            training_loss = self._pr2.training_loss
 
-        def _train_pr2_predictors(self):
-            accelerator_backward = self.accelerator.backward
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            def checked(*args, **kwargs):
+                predictor_loss, sums = training_loss(*args, **kwargs)
+                if predictor_loss is not None:
+                    assert all(g is None for g in torch.autograd.grad(predictor_loss, policy, allow_unused=True,
+                                                                      retain_graph=True))
+                    grads = torch.autograd.grad(predictor_loss, predictors, retain_graph=True)
+                    assert all(g.abs().sum() > 0 for g in grads)
+                    checks["predictor"] += 1
+                return predictor_loss, sums
 
-            def backward(loss):
-                assert all(g is None for g in torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True))
-                predictor_grads = torch.autograd.grad(loss, list(self._pr2.predictors.parameters()),
-                                                      retain_graph=True)
-                assert all(g.abs().sum() > 0 for g in predictor_grads)
-                checks["predictor"] += 1
-                accelerator_backward(loss)
-
-            self.accelerator.backward = backward
+            self._pr2.training_loss = checked
             try:
-                super()._train_pr2_predictors()
+                total = super()._add_pr2_predictor_loss(loss)
             finally:
-                self.accelerator.backward = accelerator_backward
+                del self._pr2.training_loss
+            assert total.item() == loss.item()  # the logged loss stays the policy loss
+            return total
 
     trainer = make_trainer(tmp_path, tiny_moe_model("mixtral"), cls=CrossGradSpy, routing_replay="pr2", seed=42,
                            **OFF_POLICY)
@@ -315,7 +321,7 @@ def test_checkpoint_saves_predictors_apart_and_resume_restores_them(tmp_path):
     assert set(saved) == {"layers.0.weight", "layers.1.weight"}
     assert all(torch.equal(saved[n], final[n]) for n in final) and any(v.abs().sum() > 0 for v in saved.values())
     model_keys = set(load_file(folder / "model.safetensors"))
-    assert not any(key in model_keys for key in saved)
+    assert model_keys and not any("pr2" in key for key in model_keys)
     assert all((v == 0).all() for v in load_file(out / "checkpoint-1" / PREDICTORS_FILE).values())
 
     restored = {}
@@ -348,7 +354,7 @@ def test_peft_lora_with_router_in_modules_to_save_and_a_reference_model(tmp_path
     trainer.train()
     assert len(logged(trainer, "pr2/loss")) == 1 and any((p != 0).any() for p in predictor_state(trainer).values())
     adapter = load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")
-    assert any("gate" in key for key in adapter) and not any(key.startswith("layers.") for key in adapter)
+    assert any("gate" in key for key in adapter) and not any("pr2" in key for key in adapter)
     assert set(load_file(tmp_path / "checkpoint-2" / PREDICTORS_FILE)) == {"layers.0.weight", "layers.1.weight"}
 
 

@@ -11,30 +11,41 @@ The predictors and their loss live in ``routing.predictor``; this module holds t
    with their samples through TRL's buffer, shuffle and split, like ``replay_routes``.
 3. Training forward of each micro-batch (``watch_training_forward``): the current router's logits, natural ids and
    replayed ids at the cached positions, taken from the forward the policy loss runs anyway.
-4. After the micro-batch's backward (``train_step``): metric sums, and from the first update after the
-   old-logprob pass on (off-policy mini-steps; the paper's Alg. 2 skips the on-policy first one) the predictor loss
-   ``KL(sg[current router distribution] || softmax(old logits + predictor(old router input)))``, back-propagated
-   into the predictors only.
+4. Right after that forward (``training_loss``): metric sums, and from the first update after the old-logprob
+   pass on (off-policy mini-steps; the paper's Alg. 2 skips the on-policy first one) the predictor loss
+   ``KL(sg[current router distribution] || softmax(old logits + predictor(old router input)))``, which the trainer
+   adds to the policy loss's graph, so one backward and one optimizer step serve both.
+
+The predictors are registered in the model (``model.pr2_predictors``), so DDP, FSDP and DeepSpeed hold, shard,
+clip, checkpoint and optimize them like any parameter; they are left out of ``save_pretrained`` (the model's
+``_keys_to_ignore_on_save``) and saved on their own in each checkpoint (``pr2_predictors.safetensors``).
 
 No cross-gradients: the predictors only steer no-grad forwards (old-logprob pass, ``generate``), so the policy
 loss never sees them; their loss reads detached cached tensors and detached current logits, so it reaches no
-model parameter.
+other model parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
+from accelerate.utils import is_peft_model
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from .routing import RouterCall, RouterReplay, RouteValidationError
 from .routing.predictor import RoutePredictors, predictor_kl
+from .sharded import full_tensors, is_dtensor
 
 PREDICTORS_FILE = "pr2_predictors.safetensors"
 CACHE_KEYS = ("pr2_positions", "pr2_router_inputs", "pr2_old_logits")
+#: attribute under which the predictors are registered in the (transformers) model
+MODULE_NAME = "pr2_predictors"
+#: marks the predictors' optimizer param group (engines that flatten groups keep the group dict, not its params)
+PARAM_GROUP_KEY = "pr2_predictors"
 
 
 def cached_positions(attention_mask: torch.Tensor, logits_to_keep: int, max_tokens: int) -> torch.Tensor:
@@ -145,7 +156,9 @@ class PredictiveRoutingReplay:
         self.old_pass_step: int | None = None  # global step at which the current cache was recorded
         self._chunks: list[dict[str, torch.Tensor]] = []
         self._watched: tuple[dict, dict] | None = None
-        self._grad_window: int | None = None
+        self._window: int | None = None  # global step of the optimizer step being accumulated
+        self._trained_in_window = False
+        _register_in_model(route_replay.model, self.predictors)
 
     # ------------------------------------------------------------------ routing
     def steering(self) -> contextlib.AbstractContextManager:
@@ -202,20 +215,21 @@ class PredictiveRoutingReplay:
         self._watched = ({key: inputs[key] for key in CACHE_KEYS}, watcher.calls)
 
     def begin_micro_step(self, global_step: int) -> None:
-        """Drop predictor gradients left from an earlier optimizer step (the Trainer zeroes only the model's)."""
-        if self._grad_window != global_step:
-            for param in self.predictors.parameters():
-                param.grad = None
-            self._grad_window = global_step
+        """Called before each micro-batch: tracks whether the predictors train in the optimizer step under way."""
+        if self._window != global_step:
+            self._window, self._trained_in_window = global_step, False
 
-    def train_step(
-        self, global_step: int, *, grad_scale: float, backward: Callable[[torch.Tensor], None]
-    ) -> dict[str, torch.Tensor] | None:
-        """Metric sums for the micro-batch just trained, and the predictor loss's backward when off-policy.
+    def training_loss(
+        self, global_step: int, *, grad_scale: float, always_in_graph: bool = False
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]] | None:
+        """The predictor loss and metric sums for the micro-batch whose training forward was just watched.
 
-        Returns ``None`` when the micro-batch carried no PR2 cache; otherwise 0-dim sums: ``tokens``, ``pairs``
+        Returns ``None`` when the micro-batch carried no PR2 cache; otherwise ``(loss, sums)``: ``loss`` (already
+        scaled by ``grad_scale``, the gradient-accumulation factor) on the off-policy mini-steps where the predictors
+        train, else ``None`` (or, with ``always_in_graph``, a zero through the predictors: every backward then gives
+        them a zero gradient, which DeepSpeed needs, see the trainer); ``sums`` are 0-dim: ``tokens``, ``pairs``
         (token x layer), ``overlap`` (|replayed ∩ current natural| / k), ``coverage_gap``, and ``kl`` (sum over
-        tokens of the layer-summed KL) on the off-policy mini-steps where the predictors train.
+        tokens of the layer-summed KL) when training.
         """
         watched, self._watched = self._watched, None
         if watched is None:
@@ -239,22 +253,25 @@ class PredictiveRoutingReplay:
                 shift = self.predictors.shift(layer, router_inputs[:, index])
                 kl = predictor_kl(old_logits[:, index].to(shift.device), shift, current.to(shift.device))
                 kl_sum = kl_sum + kl.sum().to(kl_sum.device)
+            elif always_in_graph:
+                kl_sum = kl_sum + self.predictors.shift(layer, router_inputs[:1, index]).sum().to(kl_sum.device) * 0.0
         sums = {
             "tokens": torch.tensor(float(tokens), device=overlap.device),
             "pairs": torch.tensor(float(tokens * len(self.moe_layers)), device=overlap.device),
             "overlap": overlap.detach(),
             "coverage_gap": coverage_gap.detach(),
         }
+        loss = kl_sum if always_in_graph and not train else None
         if train:
-            # sum over layers, mean over tokens (the paper's loss), averaged over the accumulated micro-batches
-            if tokens:
-                backward(kl_sum / tokens * grad_scale)
             sums["kl"] = kl_sum.detach()
-        return sums
+            # sum over layers, mean over tokens (the paper's loss), averaged over the accumulated micro-batches
+            loss = kl_sum / max(tokens, 1) * grad_scale
+            self._trained_in_window = True
+        return loss, sums
 
     @staticmethod
     def metrics(total: dict[str, torch.Tensor]) -> dict[str, float]:
-        """``pr2/*`` metric values from (cross-rank) ``train_step`` sums."""
+        """``pr2/*`` metric values from (cross-rank) ``training_loss`` sums."""
         pairs, tokens = total["pairs"].clamp(min=1.0), total["tokens"].clamp(min=1.0)
         values = {
             "pr2/topk_agreement": (total["overlap"] / pairs).item(),
@@ -264,19 +281,53 @@ class PredictiveRoutingReplay:
             values["pr2/loss"] = (total["kl"] / tokens).item()
         return values
 
-    # ------------------------------------------------------------------ optimizer and checkpoints
-    def add_to_optimizer(self, optimizer: torch.optim.Optimizer, lr: float, num_processes: int) -> None:
-        """Give the predictors their own param group (no weight decay) and, with several processes, average their
-        gradients across ranks before each step (they are not inside the DDP-wrapped model)."""
+    # ------------------------------------------------------------------ optimizer
+    @contextlib.contextmanager
+    def hidden_from_optimizer(self) -> Iterator[None]:
+        """Inside, the predictors do not require grad, so an optimizer built from the model's trainable parameters
+        (``Trainer.create_optimizer``) leaves them out; :meth:`add_to_optimizer` then gives them their own group."""
+        params = list(self.predictors.parameters())
+        flags = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p, flag in zip(params, flags, strict=True):
+                p.requires_grad_(flag)
+
+    def add_to_optimizer(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
+        """Give the predictors their own param group (``lr``, no weight decay) and skip that group in optimizer
+        steps where they did not train.
+
+        Without the skip, an engine that flattens each param group (DeepSpeed ZeRO) would hand the optimizer zero
+        gradients on the on-policy steps, and Adam's momentum would still move the predictors; with it, every
+        engine behaves as a single device does when a parameter has no gradient (Adam leaves it and its state).
+        """
+        if any(group.get(PARAM_GROUP_KEY) for group in optimizer.param_groups):
+            return  # the Trainer returns its optimizer again on a second create_optimizer() call
         params = list(self.predictors.parameters())
         present = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if any(id(p) in present for p in params):
-            return
-        optimizer.add_param_group({"params": params, "lr": lr, "weight_decay": 0.0})
-        if num_processes > 1:
-            optimizer.register_step_pre_hook(lambda *_: self._average_gradients(num_processes))
+            raise ValueError(
+                "the PR2 predictors are already in the optimizer; build it inside hidden_from_optimizer() so that "
+                "they get their own param group"
+            )
+        optimizer.add_param_group({"params": params, "lr": lr, "weight_decay": 0.0, PARAM_GROUP_KEY: True})
+        optimizer.register_step_pre_hook(self._skip_untrained_group)
 
-    def _average_gradients(self, num_processes: int) -> None:
+    def _skip_untrained_group(self, optimizer: torch.optim.Optimizer, *_) -> None:
+        if self._trained_in_window:
+            return
+        for group in optimizer.param_groups:
+            if group.get(PARAM_GROUP_KEY):
+                for param in group["params"]:
+                    param.grad = None
+
+    def average_gradients(self, num_processes: int) -> None:
+        """Average the predictors' gradients across ranks (plain data parallelism, where DDP is told to ignore them:
+        they are used outside the model's forward). Call on every rank after the backward that completes an
+        optimizer step's accumulation, before gradient clipping."""
         # every rank trains the predictors on the same micro-steps, so all or none of them hold gradients
         grads = [p.grad for p in self.predictors.parameters() if p.grad is not None]
         if not grads:
@@ -289,23 +340,91 @@ class PredictiveRoutingReplay:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
-    def save(self, folder: str) -> str:
+    def without_predictors(self, model: nn.Module) -> _ParametersView:
+        """``model`` as ``Trainer._clip_grad_norm`` reads it (``.parameters()`` only), less the predictors."""
+        own = {id(p) for p in self.predictors.parameters()}
+        return _ParametersView([p for p in model.parameters() if id(p) not in own])
+
+    def clip_gradients(self, max_norm: float) -> float | None:
+        """Clip the predictors' gradients to ``max_norm`` by their own norm; that norm (None without gradients)."""
+        with_grad = [p for p in self.predictors.parameters() if p.grad is not None]
+        if not with_grad:
+            return None
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        return float(norm.full_tensor() if is_dtensor(norm) else norm)  # FSDP2: a DTensor over the shards
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The predictors' full weights on the CPU (a collective under FSDP2 and ZeRO-3: call on every rank)."""
+        return full_tensors(dict(self.predictors.named_parameters()))
+
+    def save(self, folder: str, state: dict[str, torch.Tensor] | None = None) -> str:
+        """Write ``state`` (default: :meth:`full_state_dict`) to ``folder/pr2_predictors.safetensors``."""
         path = os.path.join(folder, PREDICTORS_FILE)
-        state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.predictors.state_dict().items()}
-        save_file(state, path, metadata={"format": "pt", "moe_layers": ",".join(map(str, self.moe_layers))})
+        state = self.full_state_dict() if state is None else state
+        save_file({k: v.contiguous() for k, v in state.items()}, path,
+                  metadata={"format": "pt", "moe_layers": ",".join(map(str, self.moe_layers))})
         return path
 
-    def load(self, folder: str) -> bool:
-        """Load the predictors saved in ``folder`` in place (the optimizer keeps its references); False if absent."""
+    def load(self, folder: str, *, restored_by_engine: bool = False) -> bool:
+        """Restore the predictors saved in ``folder`` (False if there are none).
+
+        Plain or DDP training: loaded in place (the optimizer keeps its references). DeepSpeed and FSDP restore the
+        predictors themselves with the rest of the model (``restored_by_engine``; their checkpoints hold every model
+        parameter, and DeepSpeed keeps fp32 master copies a write here would not reach); the file is then checked
+        against what they restored (a collective: call on every rank).
+        """
         path = os.path.join(folder, PREDICTORS_FILE)
         if not os.path.isfile(path):
             return False
         state = load_file(path)
-        expected = self.predictors.state_dict()
-        if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+        expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.predictors.named_parameters()}
+        if set(state) != set(expected) or any(tuple(state[k].shape) != expected[k] for k in expected):
             raise ValueError(
                 f"{path} holds predictors {sorted((k, tuple(v.shape)) for k, v in state.items())}, but this model "
-                f"needs {sorted((k, tuple(v.shape)) for k, v in expected.items())}"
+                f"needs {sorted(expected.items())}"
             )
-        self.predictors.load_state_dict(state)
+        if not restored_by_engine:
+            self.predictors.load_state_dict(state)
+            return True
+        current = self.full_state_dict()
+        differing = [name for name in state if not torch.equal(current[name], state[name].to(current[name].dtype))]
+        if differing:
+            raise ValueError(
+                f"{path} and the engine checkpoint in {folder} hold different PR2 predictors ({differing}); the "
+                "folder mixes files of different runs or steps"
+            )
         return True
+
+
+class _ParametersView:
+    """Stands for a model where only ``model.parameters()`` is read."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self._params = params
+
+    def parameters(self):
+        return iter(self._params)
+
+
+def _register_in_model(model: nn.Module, predictors: RoutePredictors) -> None:
+    """Register ``predictors`` as ``pr2_predictors`` of the transformers model inside ``model`` (under PEFT, its
+    base model), keep them out of ``save_pretrained`` and out of DDP's gradient buckets.
+
+    DDP must ignore them because their loss is taken after the model's forward (on cached inputs), which DDP's
+    reducer does not allow for its own parameters; ``average_gradients`` reduces them instead. FSDP and DeepSpeed
+    reduce them like any parameter.
+    """
+    base = model.get_base_model() if is_peft_model(model) else model
+    if hasattr(base, MODULE_NAME):
+        raise ValueError(f"the model already has a `{MODULE_NAME}` attribute; one PR2 trainer per model")
+    base.add_module(MODULE_NAME, predictors)
+    ignore_on_save = set(getattr(base, "_keys_to_ignore_on_save", None) or ())
+    base._keys_to_ignore_on_save = ignore_on_save | {f"{MODULE_NAME}.{k}" for k in predictors.state_dict()}
+    own = {id(p) for p in predictors.parameters()}
+    names = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in own]
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    # torch's own setter for DistributedDataParallel's ignore list (a private static method, stable since torch 1.8)
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, sorted(ignored | set(names))
+    )

@@ -39,12 +39,20 @@ from .config import MoEReplayGRPOConfig, ReplaySettings, check_generation_suppor
 from .generation import TransformersRolloutRecorder
 from .generation.turns import RolloutTurns
 from .generation.vllm import RoutesUnavailableError, VLLMRouteSource, colocated_llm_returning_routes
+from .launch import check_launched_engine, check_launched_precision
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
+from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PredictiveRoutingReplay
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
-from .upstream import assert_trl_compatible, engine_logprob_correction, is_reference_forward, vllm_request_fields
+from .upstream import (
+    assert_trl_compatible,
+    engine_logprob_correction,
+    exclude_from_weight_sync,
+    is_reference_forward,
+    vllm_request_fields,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -80,6 +88,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     _tag_names = ["trl", "grpo", "moe-routing-replay"]
     _name = "MoE Replay GRPO"
     _pr2: PredictiveRoutingReplay | None = None  # set in __init__ when routing_replay="pr2"
+    _pr2_averages_gradients = False  # PR2 under plain data parallelism (DDP ignores the predictors)
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
@@ -88,12 +97,15 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         assert_trl_compatible()
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
+        # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
+        check_launched_precision(args, strict=settings.routing_replay != "none")
         self.routing_replay = settings.routing_replay
         self.replay_reference_model = settings.replay_reference_model
         self.extreme_token_threshold = settings.extreme_token_threshold
         colocated_routes = args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes
         with colocated_llm_returning_routes() if colocated_routes else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        check_launched_engine(args, self.accelerator.state.distributed_type, strict=settings.routing_replay != "none")
 
         uses_routes = settings.routing_replay != "none" or settings.routing_metrics
         hooks_needed = uses_routes or bool(getattr(args, "router_shift_weighting", False))
@@ -358,7 +370,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         with self._engine_correction():
             if self._pr2 is not None and self.model.training:
                 with self._pr2.watch_training_forward(inputs):
-                    return super()._compute_loss(model, inputs)
+                    loss = super()._compute_loss(model, inputs)
+                return self._add_pr2_predictor_loss(loss)
             return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -366,8 +379,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             if self._pr2 is not None:
                 self._pr2.begin_micro_step(self.state.global_step)
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if self._pr2 is not None:
-                self._train_pr2_predictors()
+            if self._pr2_averages_gradients and self.accelerator.sync_gradients:
+                self._pr2.average_gradients(self.accelerator.num_processes)  # before the Trainer clips them
             return loss
         finally:
             self._train_replay.close()  # only now: the backward (and any recompute in it) has returned
@@ -402,48 +415,81 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         return state.old_natural_routes if self.routing_replay in ("r2", "pr2") else None
 
     def _build_pr2(self, args) -> PredictiveRoutingReplay:
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise NotImplementedError(
-                "routing_replay='pr2' keeps its predictors outside the model in their own optimizer group, which "
-                "DeepSpeed and FSDP do not manage. Use DDP or a single device, or routing_replay='r2'/'r3'."
-            )
         if self.optimizer is not None:
             raise NotImplementedError(
                 "routing_replay='pr2' adds the predictors' param group in create_optimizer; pass no optimizer (or "
                 "subclass and call PredictiveRoutingReplay.add_to_optimizer yourself)."
             )
-        return PredictiveRoutingReplay(
+        pr2 = PredictiveRoutingReplay(
             self._route_replay,
             cached_tokens_per_sequence=getattr(args, "pr2_cached_tokens_per_sequence", 2048),
             rollout_prediction=getattr(args, "pr2_rollout_prediction", False),
         )
+        # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
+        engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        self._pr2_averages_gradients = self.accelerator.num_processes > 1 and not engine_reduces
+        if self.args.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
+            exclude_from_weight_sync(self.vllm_generation, lambda name: name.split(".")[0] == PR2_MODULE_NAME)
+        return pr2
 
     def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model)
-        if self._pr2 is not None:
-            lr = self.args.learning_rate * getattr(self.args, "pr2_lr_multiplier", 1e3)
-            self._pr2.add_to_optimizer(optimizer, lr, self.accelerator.num_processes)
+        if self._pr2 is None:
+            return super().create_optimizer(model)
+        with self._pr2.hidden_from_optimizer():  # not in the Trainer's groups (weight decay, lr) ...
+            optimizer = super().create_optimizer(model)
+        lr = self.args.learning_rate * getattr(self.args, "pr2_lr_multiplier", 1e3)
+        self._pr2.add_to_optimizer(optimizer, lr)  # ... but in their own
         return optimizer
 
-    def _train_pr2_predictors(self) -> None:
-        sums = self._pr2.train_step(
-            self.state.global_step,
-            grad_scale=1.0 / self.current_gradient_accumulation_steps,
-            backward=self.accelerator.backward,
+    def _add_pr2_predictor_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus the predictor loss of the micro-batch in the graph: the value stays the policy loss (what
+        TRL logs as ``loss``), the one backward also trains the predictors."""
+        # DeepSpeed keeps a parameter's previous gradient when a backward gives it none (measured under ZeRO-3:
+        # the on-policy step's grad norm still held the last off-policy step's predictor gradient), so there the
+        # predictors take part in every backward, with a zero gradient on the steps they do not train
+        result = self._pr2.training_loss(
+            self.state.global_step, grad_scale=1.0 / self.current_gradient_accumulation_steps,
+            always_in_graph=self.is_deepspeed_enabled,
         )
-        if sums is not None:
-            for name, value in self._pr2.metrics(self._global_sums(sums, self.accelerator.device)).items():
-                self._metrics["train"][name].append(value)
+        if result is None:
+            return loss
+        predictor_loss, sums = result
+        for name, value in self._pr2.metrics(self._global_sums(sums, self.accelerator.device)).items():
+            self._metrics["train"][name].append(value)
+        if predictor_loss is None:
+            return loss
+        # x - x.detach() is exactly 0 in value and carries x's gradient; the predictor loss reaches only the
+        # predictors (detached inputs), and the policy loss never reaches them (they steer no-grad forwards only)
+        return loss + (predictor_loss - predictor_loss.detach()).to(loss.device)
+
+    def _clip_grad_norm(self, model):
+        """Clip the policy's gradients by their own norm and the predictors' by theirs (both to ``max_grad_norm``):
+        the two losses are independent, so neither gradient scales the other's update, and PR2 with frozen
+        predictors clips exactly like R2. The returned (logged) ``grad_norm`` is the policy's; ``pr2/grad_norm``
+        the predictors'. DeepSpeed clips every parameter it holds by one norm, predictors included."""
+        if self._pr2 is None or self.is_deepspeed_enabled:
+            return super()._clip_grad_norm(model)
+        # the Trainer's clipping (fp16 unscaling of every gradient included) over the model's other parameters
+        grad_norm = super()._clip_grad_norm(self._pr2.without_predictors(model))
+        predictor_norm = self._pr2.clip_gradients(self.args.max_grad_norm)
+        if predictor_norm is not None:
+            self._metrics["train"]["pr2/grad_norm"].append(predictor_norm)
+        return grad_norm
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self._pr2 is not None and self.args.should_save:
-            checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() just wrote
-            self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint))
+        if self._pr2 is not None:
+            state = self._pr2.full_state_dict()  # every rank: a collective under FSDP2 and ZeRO-3
+            if self.args.should_save:
+                checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() just wrote
+                self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if self._pr2 is not None and checkpoint is not None and not self._pr2.load(checkpoint):
+        if self._pr2 is None or checkpoint is None:
+            return
+        restored_by_engine = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if not self._pr2.load(checkpoint, restored_by_engine=restored_by_engine):
             logger.warning(f"no PR2 predictors in {checkpoint}; they start from zero (R2 routes)")
 
     # ------------------------------------------------------------------ metrics

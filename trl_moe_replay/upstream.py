@@ -50,6 +50,8 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer.py)
+    "_clip_grad_norm": ("self", "model"),
 }
 
 # Private attributes of GRPOTrainer the package reads or writes (set in GRPOTrainer.__init__):
@@ -204,6 +206,49 @@ def vllm_request_fields(vllm_generation: Any, **fields: Any) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 10. Parameters vLLM's model does not have (PR2's predictors, registered in the trained model).
+#    Both VLLMGeneration.sync_weights paths (server metadata and transfer, colocate load_weights) read the
+#    parameters through the one iterator VLLMGeneration._iter_named_params (gathering each under DeepSpeed/FSDP,
+#    mapping names to vLLM's); vLLM's load_weights rejects unknown names. The iterator is filtered on this
+#    instance; every parameter is still walked, so the gathers stay collective.
+# ---------------------------------------------------------------------------------------------------------------
+def exclude_from_weight_sync(vllm_generation: Any, skip: Callable[[str], bool]) -> None:
+    """Leave the parameters whose vLLM name satisfies ``skip`` out of TRL's weight sync to vLLM."""
+    iterate = vllm_generation._iter_named_params
+
+    def without_skipped():
+        for name, param in iterate():
+            if not skip(name):
+                yield name, param
+
+    vllm_generation._iter_named_params = without_skipped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/pr2.py, trainer.py)
+#    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
+#    PreTrainedModel._keys_to_ignore_on_save: save_model() leaves the predictors out;
+#    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names): DDP leaves them alone
+#    (the trainer averages their gradients itself). Read from transformers 5.23.0 and torch 2.13.0.
+# ---------------------------------------------------------------------------------------------------------------
+TRANSFORMERS_READ = "5.23.0"
+
+
+def check_transformers_and_torch() -> tuple[Finding, ...]:
+    """Entry 11 against the installed transformers and torch."""
+    import torch
+    from transformers import PreTrainedModel
+
+    findings = []
+    if "_keys_to_ignore_on_save" not in vars(PreTrainedModel):
+        findings.append(Finding("11", "PreTrainedModel._keys_to_ignore_on_save no longer exists"))
+    if not callable(getattr(torch.nn.parallel.DistributedDataParallel,
+                            "_set_params_and_buffers_to_ignore_for_model", None)):
+        findings.append(Finding("11", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is gone"))
+    return tuple(findings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -298,10 +343,13 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     expect("8", "= LLM(" in init_vllm, "VLLMGeneration._init_vllm no longer builds the module-global LLM")
     vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
     expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
+    sync = _code_only(_source(generation.VLLMGeneration.sync_weights))
+    expect("10", sync.count("self._iter_named_params()") >= 2,
+           "VLLMGeneration.sync_weights no longer reads the parameters through self._iter_named_params()")
     expect("9", '"generation_kwargs": self.generation_kwargs' in vllm_generate
            and "generation_kwargs.update(self.generation_kwargs)" in vllm_generate,
            "VLLMGeneration.generate no longer merges self.generation_kwargs into its server and colocate requests")
-    return tuple(findings)
+    return tuple(findings) + check_transformers_and_torch()
 
 
 def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:

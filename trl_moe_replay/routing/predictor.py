@@ -27,13 +27,36 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class RoutePredictors(nn.Module):
-    """The PR2 predictors of one model: ``layers[str(layer)]`` is ``nn.Linear(hidden, num_experts, bias=False)``.
+class RoutePredictor(nn.Module):
+    """One router's predictor ``W_p`` (``[num_experts, hidden]``, fp32, zero-initialised).
 
-    Built from ``{absolute layer index: router}`` (``RouterReplay.routers()``), zero-initialised without touching
-    the global RNG (so a run with PR2 samples exactly like one without), in fp32 (the predictor trains with a
-    learning rate ~1e3 times the policy's), each on its router's device. Keep it outside the model: it is not a
-    parameter of the policy and is saved on its own.
+    Every use goes through ``__call__``: without ``router`` it returns the logit shift ``h W_p^T``; with it, the
+    route the router picks with weight ``W + W_p``. Engines that materialise a parameter only inside its module's
+    forward (DeepSpeed ZeRO-3 gathers in forward hooks) then see the full weight in both uses.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, device: torch.device):
+        super().__init__()
+        # torch.zeros: no draw from the global RNG, so a run with PR2 samples exactly like one without
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, device=device, dtype=torch.float32))
+
+    def forward(self, router_input: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
+        if router is None:
+            return F.linear(router_input.to(device=self.weight.device, dtype=torch.float32), self.weight)
+        with torch.no_grad():
+            weight = router.weight
+            shifted = weight + self.weight.to(device=weight.device, dtype=weight.dtype)
+            with _weight_replaced(router, shifted):
+                # `forward`, not `__call__`: no hook (ours or anyone's) sees this second evaluation of the router
+                return router.forward(router_input)[2]
+
+
+class RoutePredictors(nn.Module):
+    """The PR2 predictors of one model: ``layers[str(layer)]`` is a [`RoutePredictor`] ``[num_experts, hidden]``.
+
+    Built from ``{absolute layer index: router}`` (``RouterReplay.routers()``), each on its router's device, in fp32
+    (the predictor trains with a learning rate ~1e3 times the policy's). ``PredictiveRoutingReplay`` registers it in
+    the model (so DDP, FSDP and DeepSpeed see it like any parameter) and keeps it out of the saved model.
     """
 
     def __init__(self, routers: dict[int, nn.Module]):
@@ -44,28 +67,19 @@ class RoutePredictors(nn.Module):
         self.layers = nn.ModuleDict()
         for layer in self.moe_layers:
             weight = routers[layer].weight
-            num_experts, hidden = weight.shape
-            linear = torch.nn.utils.skip_init(
-                nn.Linear, hidden, num_experts, bias=False, device=weight.device, dtype=torch.float32
-            )
-            nn.init.zeros_(linear.weight)
-            self.layers[str(layer)] = linear
+            # under DeepSpeed ZeRO-3 (zero.Init) a partitioned weight is empty; ds_shape is its real shape
+            num_experts, hidden = getattr(weight, "ds_shape", weight.shape)
+            self.layers[str(layer)] = RoutePredictor(num_experts, hidden, weight.device)
 
     def shift(self, layer: int, router_input: torch.Tensor) -> torch.Tensor:
         """The predicted logit shift ``h W_p^T`` in fp32, ``[N, E]`` for ``router_input`` ``[N, hidden]``."""
-        linear = self.layers[str(layer)]
-        return linear(router_input.to(device=linear.weight.device, dtype=torch.float32))
+        return self.layers[str(layer)](router_input)
 
-    @torch.no_grad()
     def choose(
         self, layer: int, router: nn.Module, router_input: torch.Tensor, logits: torch.Tensor, natural: torch.Tensor
     ) -> torch.Tensor:
         """The predicted route: the router's own choice with logits ``p + h W_p^T`` (a ``RouterReplay.steer`` fn)."""
-        weight = router.weight
-        shifted = weight + self.layers[str(layer)].weight.to(device=weight.device, dtype=weight.dtype)
-        with _weight_replaced(router, shifted):
-            # `forward`, not `__call__`: no hook (ours or anyone's) sees this second evaluation of the router
-            return router.forward(router_input)[2]
+        return self.layers[str(layer)](router_input, router)
 
 
 @contextlib.contextmanager
