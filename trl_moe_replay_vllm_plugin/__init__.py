@@ -49,6 +49,7 @@ logger = logging.getLogger("vllm.plugins.trl_moe_replay_cpu_capture")
 
 ENTRY_POINT_NAME = "trl_moe_replay_cpu_capture"
 _WRAPPED = "__trl_moe_replay_capture__"  # marks what this plugin wrapped (idempotence)
+_PROCESSED_COUNT = "_trl_moe_replay_processed"  # per CPU-experts instance: process_weights_after_loading calls
 
 
 def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool:
@@ -85,12 +86,15 @@ def register() -> None:
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
         from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
         experts_cls = cpu_moe.CPUUnquantizedExperts
         runner_cls = moe_runner.MoERunner
-        if not callable(getattr(runner_cls, "_select_forward", None)):
-            raise AttributeError("MoERunner._select_forward")
+        for cls, name in ((runner_cls, "_select_forward"), (UnquantizedFusedMoEMethod, "_setup_kernel")):
+            if not callable(getattr(cls, name, None)):
+                raise AttributeError(f"{cls.__name__}.{name}")
     except Exception as exc:  # a vLLM without these modules or names: leave it as it is (vLLM refuses capture)
-        logger.debug("trl-moe-replay: CPU routed-experts capture not installed (%s: %s)", type(exc).__name__, exc)
+        logger.debug("trl-moe-replay: vLLM CPU fixes not installed (%s: %s)", type(exc).__name__, exc)
         return
     if add_routing_replay_capture(experts_cls, FusedMoEExpertsMonolithic):
         keep_moe_out_of_compiled_graph(runner_cls)
@@ -98,6 +102,8 @@ def register() -> None:
             "trl-moe-replay: added routed-experts capture to %s (enable_return_routed_experts on CPU)",
             experts_cls.__name__,
         )
+    if repack_cpu_experts_on_weight_update(UnquantizedFusedMoEMethod, experts_cls):
+        logger.info("trl-moe-replay: CPU MoE experts are re-packed after weight updates (reload_weights)")
 
 
 def keep_moe_out_of_compiled_graph(runner_cls: type) -> None:
@@ -125,6 +131,45 @@ def keep_moe_out_of_compiled_graph(runner_cls: type) -> None:
 
     setattr(_select_forward, _WRAPPED, True)
     runner_cls._select_forward = _select_forward
+
+
+def repack_cpu_experts_on_weight_update(method_cls: type, experts_cls: type) -> bool:
+    """Re-pack CPU MoE expert weights when vLLM reloads weights into a running engine; return whether it patched.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` runs the CPU experts' ``process_weights_after_loading`` (pad the
+    intermediate size, pre-pack into the grouped-gemm layout) only on the first load. A weight update (vLLM's
+    ``reload_weights``, the layerwise reload RL trainers use) copies the new weights in checkpoint layout into the
+    pre-packed storage and never re-packs them: the engine then computes with mis-laid-out expert weights, silently
+    (measured on vLLM 0.28 CPU: prompt log-probs off by up to 0.019 nats and other routes after reloading the very
+    same weights). The wrapper re-packs after an update, unless vLLM already did so during the call.
+    """
+    setup_kernel = method_cls._setup_kernel
+    if getattr(setup_kernel, _WRAPPED, False):
+        return False
+    process = experts_cls.process_weights_after_loading
+    if not getattr(process, _WRAPPED, False):
+
+        @functools.wraps(process)
+        def process_weights_after_loading(self, layer):
+            self.__dict__[_PROCESSED_COUNT] = self.__dict__.get(_PROCESSED_COUNT, 0) + 1
+            return process(self, layer)
+
+        setattr(process_weights_after_loading, _WRAPPED, True)
+        experts_cls.process_weights_after_loading = process_weights_after_loading
+
+    @functools.wraps(setup_kernel)
+    def _setup_kernel(self, layer, *args, **kwargs):
+        kernel = getattr(self, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        is_weight_update = isinstance(experts, experts_cls)
+        processed = experts.__dict__.get(_PROCESSED_COUNT, 0) if is_weight_update else 0
+        setup_kernel(self, layer, *args, **kwargs)
+        if is_weight_update and experts.__dict__.get(_PROCESSED_COUNT, 0) == processed:
+            experts.process_weights_after_loading(layer)
+
+    setattr(_setup_kernel, _WRAPPED, True)
+    method_cls._setup_kernel = _setup_kernel
+    return True
 
 
 def _with_subclasses(cls: type) -> list[type]:
