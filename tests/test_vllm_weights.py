@@ -1,0 +1,34 @@
+"""checkpoint_named_tensors: the trainer's weights under the names and layout save_pretrained writes (no vLLM)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trl_moe_replay.generation.vllm_weights import checkpoint_named_tensors
+from trl_moe_replay.testing import tiny_moe_model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_equals_what_save_pretrained_writes(family, tmp_path):
+    model = tiny_moe_model(family, num_hidden_layers=3)
+    model.save_pretrained(tmp_path)
+    on_disk = {}
+    for file in tmp_path.glob("*.safetensors"):
+        on_disk.update(load_file(file))
+    ours = dict(checkpoint_named_tensors(model))
+    assert sorted(ours) == sorted(on_disk)
+    for name, tensor in on_disk.items():
+        assert torch.equal(ours[name], tensor), name
+    if family in ("qwen3_moe", "olmoe"):  # fused in transformers 5, one tensor per expert on disk
+        assert "model.layers.2.mlp.experts.7.up_proj.weight" in ours
+        assert not any(name.endswith("experts.gate_up_proj") for name in ours)
+
+
+def test_converts_the_tensors_it_is_given():
+    model = tiny_moe_model("qwen3_moe")
+    doubled = ((name, param.detach() * 2) for name, param in model.named_parameters())
+    ours = dict(checkpoint_named_tensors(model, doubled))
+    fused = model.model.layers[1].mlp.experts.gate_up_proj.detach()
+    intermediate = fused.shape[1] // 2
+    assert torch.equal(ours["model.layers.1.mlp.experts.3.gate_proj.weight"], 2 * fused[3, :intermediate])
+    assert torch.equal(ours["model.layers.1.mlp.experts.3.up_proj.weight"], 2 * fused[3, intermediate:])

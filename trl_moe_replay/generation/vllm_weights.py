@@ -1,0 +1,48 @@
+"""The trainer's weights as a vLLM engine loads them: the checkpoint's names and layout on disk.
+
+transformers 5 loads many MoE checkpoints through weight conversions (e.g. Qwen3-MoE's per-expert
+``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` become fused ``mlp.experts.gate_up_proj``
+``[E, 2I, H]`` and ``mlp.experts.down_proj``), and ``save_pretrained`` reverts them when it writes the checkpoint.
+vLLM's model loaders are written for the checkpoint on disk. :func:`checkpoint_named_tensors` applies the same
+reversion as ``save_pretrained`` (``transformers.core_model_loading.revert_weight_conversion``), one decoder layer at a
+time, so a weight sync sends exactly what a fresh engine would read from a saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+
+__all__ = ["checkpoint_named_tensors"]
+
+_LAYER_PREFIX = re.compile(r"^(.*?(?:^|\.)layers\.\d+\.)")
+
+
+def checkpoint_named_tensors(
+    model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` in the naming and layout ``model.save_pretrained`` would write.
+
+    ``named_tensors`` defaults to ``model.named_parameters()`` (detached); pass TRL's own iterator (names already
+    stripped of wrapper prefixes) to convert what it would send. Tensors are grouped by decoder layer before the
+    reversion (a conversion never spans layers), so at most one layer's tensors are held at a time; reverted tensors
+    are views of the given ones where the reversion is a split.
+    """
+    if named_tensors is None:
+        named_tensors = ((name, param.detach()) for name, param in model.named_parameters())
+    group: dict[str, torch.Tensor] = {}
+    group_layer: str | None = None
+    for name, tensor in named_tensors:
+        match = _LAYER_PREFIX.match(name)
+        layer = match.group(1) if match else None
+        if group and layer != group_layer:
+            yield from revert_weight_conversion(model, group).items()
+            group = {}
+        group_layer = layer
+        group[name] = tensor
+    if group:
+        yield from revert_weight_conversion(model, group).items()

