@@ -227,7 +227,8 @@ def test_tool_rollouts_replay_every_position_from_the_turn_that_forwarded_it(tmp
 def test_tool_rollouts_with_a_vllm_server_ask_only_for_the_routes_they_lack(tmp_path):
     with FakeVLLMServer(tiny_moe_model("qwen3_moe", max_position_embeddings=2048)) as server, \
             trl_vllm_transport_stub(server):
-        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
+                               vllm_weight_sync="trl")
         run_checked(trainer, server.engine.model, server.engine.router_replay)
     first, *later = [batch for batch in server.batches]
     assert first.request.get("routed_experts_prompt_start", 0) == 0
@@ -242,7 +243,7 @@ def test_tool_rollouts_with_a_vllm_server_ask_only_for_the_routes_they_lack(tmp_
 
 def test_tool_rollouts_with_a_colocated_vllm(tmp_path):
     with fake_colocated_vllm(tiny_moe_model("qwen3_moe", max_position_embeddings=2048)) as llm_class:
-        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="colocate")
+        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_weight_sync="trl")
         llm = llm_class.instances[0]
         run_checked(trainer, llm.engine.model, llm.engine.router_replay)
     starts = [request.get("routed_experts_prompt_start", 0) for request in llm.requests]

@@ -39,7 +39,9 @@ class BatchSpy(MoEReplayGRPOTrainer):
 
 
 def make_trainer(tmp_path, model, cls=BatchSpy, **overrides):
-    """The tests' tiny GRPO run (tests/test_trainer.py), generating with vLLM."""
+    """The tests' tiny GRPO run (tests/test_trainer.py), generating with vLLM. The stand-ins take TRL's own weight
+    sync (the NCCL transport stubbed); vLLM's reload path runs against the real engine (tests/test_vllm_engine.py)."""
+    overrides.setdefault("vllm_weight_sync", "trl")
     return make_tiny_trainer(tmp_path, model, cls=cls, use_vllm=True, **overrides)
 
 

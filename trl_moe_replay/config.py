@@ -46,6 +46,17 @@ class ReplaySettings:
         )
 
 
+def vllm_weight_sync(args: GRPOConfig) -> str | None:
+    """The resolved ``vllm_weight_sync`` (``"trl"`` or ``"reload"``), or None without vLLM."""
+    if not args.use_vllm:
+        return None
+    method = getattr(args, "vllm_weight_sync", "auto")
+    if method != "auto":
+        return method
+    replay = getattr(args, "routing_replay", "r3") != "none"
+    return "reload" if replay and args.device.type == "cpu" else "trl"
+
+
 def default_transformers_correction(args: GRPOConfig) -> bool:
     """``transformers_importance_sampling_correction`` when unset: on with replay or MiniRL on plain ``generate``."""
     wanted = getattr(args, "routing_replay", "r3") != "none" or args.loss_type == "minirl"
@@ -109,6 +120,20 @@ class MoEReplayGRPOConfig(GRPOConfig):
             (`vllm_importance_sampling_mode`, `vllm_importance_sampling_clip_min`/`_max`; it also makes TRL run
             its old-logprob pass). Unset: on with routing replay (`r2`/`r3`/`pr2`) or `loss_type="minirl"` while
             `vllm_importance_sampling_correction` is on (TRL's default), off for `"none"` (plain TRL).
+        vllm_weight_sync (`str`, *optional*, defaults to `"auto"`):
+            How the trainer's weights reach vLLM (`use_vllm=True`). `"trl"`: TRL's own sync (per-parameter
+            `load_weights` into a colocated engine, NCCL to a server). `"reload"`: vLLM's own `reload_weights` under
+            the checkpoint's names and layout (in process when colocated; through a file in `vllm_sync_dir` and the
+            server's dev-mode `/collective_rpc` in server mode), which works on vLLM's CPU build and with
+            transformers-5 Mixtral names. `"auto"`: `"reload"` when training on a CPU with routing replay, else
+            `"trl"` (`routing_replay="none"` stays plain TRL).
+        vllm_sync_dir (`str`, *optional*):
+            Server mode with `vllm_weight_sync="reload"`: where the trainer writes the weights for the server to read
+            (the server must see the same path). Unset: `<output_dir>/vllm_sync`.
+        vllm_sync_check (`bool`, *optional*, defaults to `False`):
+            After each weight sync, score a fixed probe (the first prompt trained on) with vLLM and with the trainer and
+            log the largest log-prob difference as `vllm/sync_max_logprob_diff` (~1e-6 in fp32 when the weights
+            arrived).
         extreme_token_threshold (`float`, *optional*, defaults to `2.0`):
             A completion token counts as extreme in `mismatch/extreme_frac` when its sampler/trainer probability
             ratio, either way, exceeds this value.
@@ -182,6 +207,23 @@ class MoEReplayGRPOConfig(GRPOConfig):
             "help": "use_vllm=False: record generate's sampling log-probs and apply TRL's vllm_importance_sampling_* "
             "correction to them. Unset: on with r2/r3/pr2 or loss_type='minirl', off with 'none'."
         },
+    )
+    vllm_weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach vLLM: 'trl' (TRL's sync), 'reload' (vLLM's reload_weights with checkpoint "
+            "names; works on vLLM's CPU build), 'auto' ('reload' on CPU with routing replay, else 'trl').",
+            "choices": ["auto", "trl", "reload"],
+        },
+    )
+    vllm_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "Server mode, vllm_weight_sync='reload': directory the server reads the weights from. "
+                  "Unset: <output_dir>/vllm_sync."},
+    )
+    vllm_sync_check: bool = field(
+        default=False,
+        metadata={"help": "After each weight sync, log vllm/sync_max_logprob_diff (engine vs trainer on a probe)."},
     )
     extreme_token_threshold: float = field(
         default=2.0,
@@ -260,6 +302,8 @@ class MoEReplayGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}"
             )
+        if self.vllm_weight_sync not in ("auto", "trl", "reload"):
+            raise ValueError(f"vllm_weight_sync must be 'auto', 'trl' or 'reload', got {self.vllm_weight_sync!r}")
         if self.extreme_token_threshold <= 1.0:
             raise ValueError(f"extreme_token_threshold must be > 1, got {self.extreme_token_threshold}")
         if self.pr2_lr_multiplier < 0:

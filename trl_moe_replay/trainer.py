@@ -33,12 +33,14 @@ from accelerate.utils import is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad
 
-from .config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
+from .config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
 from .generation import TransformersRolloutRecorder
 from .generation.turns import RolloutTurns
-from .generation.vllm import RoutesUnavailableError, VLLMRouteSource, colocated_llm_returning_routes
+from .generation.vllm import RoutesUnavailableError, VLLMRouteSource, llm_returning_routes
+from .generation.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
 from .launch import check_launched_engine, check_launched_precision
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
@@ -51,7 +53,10 @@ from .upstream import (
     engine_logprob_correction,
     exclude_from_weight_sync,
     is_reference_forward,
+    mark_vllm_weights_synced,
+    vllm_generation_classes,
     vllm_request_fields,
+    vllm_weights_stale,
 )
 
 logger = logging.get_logger(__name__)
@@ -102,8 +107,13 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self.routing_replay = settings.routing_replay
         self.replay_reference_model = settings.replay_reference_model
         self.extreme_token_threshold = settings.extreme_token_threshold
-        colocated_routes = args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes
-        with colocated_llm_returning_routes() if colocated_routes else contextlib.nullcontext():
+        sync_method = vllm_weight_sync(args)
+        vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (upstream entry 8)
+        if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
+            vllm_classes["LLM"] = llm_returning_routes
+        if args.use_vllm and args.vllm_mode == "server" and sync_method == "reload":
+            vllm_classes["VLLMClient"] = client_without_communicator
+        with vllm_generation_classes(**vllm_classes):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launched_engine(args, self.accelerator.state.distributed_type, strict=settings.routing_replay != "none")
 
@@ -126,6 +136,14 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             )
             self.aux_loss_enabled = False
         self._pr2 = self._build_pr2(args) if settings.routing_replay == "pr2" else None
+        self._weight_sync = self._sync_check = None
+        if sync_method == "reload":
+            sync_dir = getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync")
+            self._weight_sync = ReloadWeightSync(
+                self.vllm_generation, self.accelerator, self.accelerator.unwrap_model(self.model), sync_dir
+            )
+        if args.use_vllm and getattr(args, "vllm_sync_check", False):
+            self._sync_check = SyncCheck(self.vllm_generation, self.accelerator)
         self._scoring: _ScoringState | None = None
         self._warned_on_policy = False
         self._batch_routes: torch.Tensor | None = None
@@ -149,6 +167,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         samples, prompted with their whole sequence so far. The engine's rows are kept per sample and turn."""
         parent = super()._generate_single_turn
         state = self._scoring
+        if self._sync_check is not None:
+            self._sync_check.set_probe(prompt_ids[0])  # kept from the first call on
         if state is None or (self.args.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = state.generated_turns > 0
@@ -200,6 +220,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         state.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
     def _generate(self, prompts):
+        if self.args.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
+            self._sync_vllm_weights()
         state = self._scoring
         if state is None:
             return super()._generate(prompts)
@@ -211,6 +233,23 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if self.rollout_func is not None:
             self._take_rollout_func_routes(state, prompt_ids, completion_ids, extra_fields)
         return output
+
+    def _sync_vllm_weights(self) -> None:
+        """Sync the weights into vLLM before TRL would (``upstream`` entry 12), by vLLM's reload or TRL's own sync,
+        then, with ``vllm_sync_check``, measure how far the engine's log-probs of the probe are from the trainer's."""
+        with profiling_context(self, "sync_weights"):
+            if self._weight_sync is not None:
+                self._weight_sync.sync()
+            else:
+                self.vllm_generation.sync_weights()
+        mark_vllm_weights_synced(self)
+        if self._sync_check is not None:
+            diff = self._sync_check.measure(self.accelerator.unwrap_model(self.model))
+            value = torch.tensor([float("nan") if diff is None else diff], device=self.accelerator.device)
+            worst = self.accelerator.gather(value)
+            if not worst.isnan().all():
+                mode = "train" if self.model.training else "eval"
+                self._metrics[mode]["vllm/sync_max_logprob_diff"].append(float(worst.nan_to_num(-1.0).max()))
 
     def _take_rollout_func_routes(self, state: _ScoringState, prompt_ids, completion_ids, extra_fields: dict) -> None:
         """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``

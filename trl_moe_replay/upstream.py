@@ -161,32 +161,33 @@ def client_session(vllm_client: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 8. vLLM colocate mode: the LLM TRL builds (trl/generation/vllm_generation.py).
-#    VLLMGeneration._init_vllm builds `LLM(...)` from the module-global name `LLM` with a fixed argument list (no
-#    pass-through), with distributed_executor_backend="external_launcher"; VLLMGeneration.generate calls
+# 8. The vLLM classes TRL builds (trl/generation/vllm_generation.py).
+#    VLLMGeneration._init_vllm builds, from module-global names, `VLLMClient(...)` then `init_communicator(...)`
+#    (server mode, main process), or `LLM(...)` with a fixed argument list (no pass-through) and
+#    distributed_executor_backend="external_launcher" (colocate); VLLMGeneration.generate calls
 #    `self.llm.generate(...)` and keeps only token ids and log-probs from the returned RequestOutputs. To get
-#    `enable_return_routed_experts=True` and the outputs, the LLM class is chosen at construction: the trainer
-#    builds TRL's VLLMGeneration while that name refers to a subclass (`llm_class`).
+#    `enable_return_routed_experts=True` and the outputs (colocate), or a client without TRL's NCCL communicator
+#    (server mode, weight sync by vLLM's reload), the classes are chosen at construction: the trainer builds TRL's
+#    VLLMGeneration while those names refer to subclasses.
 # ---------------------------------------------------------------------------------------------------------------
 _VLLM_GENERATION_MODULE = "trl.generation.vllm_generation"
 
 
 @contextlib.contextmanager
-def colocated_llm_class(make_subclass: Callable[[type], type]) -> Iterator[None]:
-    """While the trainer builds TRL's ``VLLMGeneration``, its ``LLM`` is ``make_subclass(vllm.LLM)``.
-
-    Without vLLM installed the name does not exist; TRL then raises its own ImportError, unchanged.
-    """
+def vllm_generation_classes(**make_subclass: Callable[[type], type]) -> Iterator[None]:
+    """While the trainer builds TRL's ``VLLMGeneration``, each module-global name given (``LLM``, ``VLLMClient``)
+    is ``make_subclass(original)``. Without vLLM installed ``LLM`` does not exist; TRL then raises its own error."""
     module = importlib.import_module(_VLLM_GENERATION_MODULE)
-    original = getattr(module, "LLM", None)
-    if original is None:
-        yield
-        return
-    module.LLM = make_subclass(original)
+    saved = {name: getattr(module, name, None) for name in make_subclass}
+    for name, make in make_subclass.items():
+        if saved[name] is not None:
+            setattr(module, name, make(saved[name]))
     try:
         yield
     finally:
-        module.LLM = original
+        for name, original in saved.items():
+            if original is not None:
+                setattr(module, name, original)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,6 +224,36 @@ def exclude_from_weight_sync(vllm_generation: Any, skip: Callable[[str], bool]) 
                 yield name, param
 
     vllm_generation._iter_named_params = without_skipped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 12. When TRL syncs vLLM's weights, and how it reads them.
+#    GRPOTrainer._generate_single_turn (vLLM) and _generate (rollout_func) call self.vllm_generation.sync_weights()
+#    when `self.state.global_step != self._last_loaded_step`, then set _last_loaded_step: a sync the trainer does
+#    first (vLLM's reload, `vllm_weight_sync="reload"`) and records there replaces TRL's. It reads the parameters as
+#    TRL's sync would, through VLLMGeneration._iter_named_params (gathered under DeepSpeed/FSDP, PEFT merged, vLLM
+#    names), and wakes sleeping colocated weights first as TRL does (`_llm_weights_sleeping`).
+# ---------------------------------------------------------------------------------------------------------------
+def vllm_weights_stale(trainer: GRPOTrainer) -> bool:
+    """Whether TRL would sync vLLM's weights before the next generation."""
+    return trainer.state.global_step != trainer._last_loaded_step
+
+
+def mark_vllm_weights_synced(trainer: GRPOTrainer) -> None:
+    """Record that vLLM holds the weights of the current step (TRL then skips its own sync)."""
+    trainer._last_loaded_step = trainer.state.global_step
+
+
+def trl_named_params(vllm_generation: Any) -> Iterator[tuple[str, Any]]:
+    """The parameters TRL's sync would send, one at a time, gathered and named as it names them."""
+    return vllm_generation._iter_named_params()
+
+
+def wake_colocated_weights(vllm_generation: Any) -> None:
+    """Before loading into a sleeping colocated engine (``vllm_enable_sleep_mode``), as TRL's sync does."""
+    if vllm_generation.mode == "colocate" and vllm_generation.enable_sleep_mode:
+        vllm_generation.llm.wake_up(tags=["weights"])
+        vllm_generation._llm_weights_sleeping = False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,6 +373,15 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     generation = importlib.import_module(_VLLM_GENERATION_MODULE)
     init_vllm = _code_only(_source(generation.VLLMGeneration._init_vllm))
     expect("8", "= LLM(" in init_vllm, "VLLMGeneration._init_vllm no longer builds the module-global LLM")
+    expect("8", "= VLLMClient(" in init_vllm and "self.vllm_client.init_communicator(" in init_vllm,
+           "VLLMGeneration._init_vllm no longer builds the module-global VLLMClient and opens its communicator")
+    for method in (trainer_class._generate_single_turn, trainer_class._generate):
+        body = _code_only(_source(method))
+        expect("12", "self.state.global_step != self._last_loaded_step" in body
+               and "self._last_loaded_step = self.state.global_step" in body,
+               f"GRPOTrainer.{method.__name__} no longer syncs vLLM's weights by _last_loaded_step")
+    expect("12", "self._llm_weights_sleeping = False" in _code_only(_source(generation.VLLMGeneration.sync_weights)),
+           "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights")
     vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
     expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
     sync = _code_only(_source(generation.VLLMGeneration.sync_weights))

@@ -38,6 +38,7 @@ def main():
                 logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
                 learning_rate=1e-3, gradient_accumulation_steps=2, save_strategy="no", seed=0, use_vllm=True,
                 vllm_mode="server", vllm_server_base_url=server.url if server else "http://127.0.0.1:9",
+                vllm_weight_sync="trl",  # the stand-in takes TRL's sync, its NCCL transport stubbed
             )
             dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
             trainer = MoEReplayGRPOTrainer(

@@ -38,7 +38,7 @@ from transformers.utils import logging
 
 from ..routing.engine import EngineTurn, routes_from_engine
 from ..routing.errors import RouteAlignmentError
-from ..upstream import client_session, colocated_llm_class
+from ..upstream import client_session
 
 logger = logging.get_logger(__name__)
 
@@ -112,13 +112,6 @@ def llm_returning_routes(llm_class: type) -> type:
 
     RoutedExpertsLLM.__qualname__ = RoutedExpertsLLM.__name__ = f"RoutedExperts{llm_class.__name__}"
     return RoutedExpertsLLM
-
-
-@contextlib.contextmanager
-def colocated_llm_returning_routes() -> Iterator[None]:
-    """Around the construction of TRL's trainer: its colocated ``LLM`` returns routes (``upstream`` entry 8)."""
-    with colocated_llm_class(llm_returning_routes):
-        yield
 
 
 # ----------------------------------------------------------------------------- per-rank rows
