@@ -8,10 +8,12 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.routing import RouterReplay, decode_routed_experts
+from trl_moe_replay import MoEReplayGRPOConfig
+from trl_moe_replay.routing import decode_routed_experts
 from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+
+from .route_checks import RouteCheckingTrainer, RouteOracle
 
 MAX_COMPLETION = 240
 
@@ -71,88 +73,6 @@ def script(prompt: str) -> str:
 QUESTIONS = ["5+2=", "3+4=", "1+1=", "9/0=", "say", "7+7="]
 
 
-class RouteOracle:
-    """The experts generate actually used, by token prefix: the route of position j of a sequence s depends on
-    s[: j + 1] only; the first forward of a prefix is kept (a later turn's prefill never replaces it)."""
-
-    def __init__(self, model, eos_token_id: int):
-        self.eos_token_id = eos_token_id
-        self.routes: dict[tuple[int, ...], torch.Tensor] = {}
-        self.rr = RouterReplay(model)
-
-    def record(self, generate, steering_rr: RouterReplay):
-        """Wrap ``generate``; each call routes differently (its experts shifted by the call's index), so a later
-        turn's prefill of a prefix never routes it like the turn that forwarded it first."""
-        calls = iter(range(1_000))
-
-        def recorded(*args, **kwargs):
-            shift = next(calls)
-            num_experts = steering_rr.num_experts
-
-            def shifted(layer, router, router_input, logits, natural):
-                return (natural + shift) % num_experts
-
-            with steering_rr.steer(shifted), self.rr.record() as rec:
-                out = generate(*args, **kwargs)
-            mask = kwargs["attention_mask"]
-            width = mask.shape[1]
-            eos = self.eos_token_id
-            for row, row_mask, routes in zip(out, mask, rec.routes, strict=True):
-                start = width - int(row_mask.sum())
-                completion = row[width:].tolist()
-                end = completion.index(eos) + 1 if eos in completion else len(completion)  # TRL cuts at the EOS
-                tokens = row[start : width + end].tolist()
-                # the final sampled token is never forwarded for this sample (a batch's finished rows keep being fed
-                # EOS/padding by generate, but no engine forwards a finished sequence)
-                for j in range(len(tokens) - 1):
-                    self.routes.setdefault(tuple(tokens[: j + 1]), routes[start + j])
-            return out
-
-        return recorded
-
-    def expected(self, input_ids, attention_mask):
-        """[B, S, L, K] expected routes for a forward's input (-1 where no generate forwarded the prefix)."""
-        batch, seq = input_ids.shape
-        out = torch.full((batch, seq, self.rr.num_layers, self.rr.top_k), -1, dtype=torch.int16)
-        for i in range(batch):
-            start = int((attention_mask[i].cumsum(0) == 0).sum())
-            tokens = input_ids[i, start:][attention_mask[i, start:].bool()].tolist()
-            for j in range(len(tokens)):
-                route = self.routes.get(tuple(tokens[: j + 1]))
-                if route is not None:
-                    out[i, start + j] = route
-        return out
-
-
-class CheckedTrainer(MoEReplayGRPOTrainer):
-    """Compares the experts every scoring and training forward actually used with the oracle, token by token."""
-
-    oracle: RouteOracle
-    checked_positions = 0
-    forwards = 0
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        used: dict[int, list[torch.Tensor]] = {}
-        with self._route_replay.observe(lambda call: used.setdefault(call.layer, []).append(call.used.detach())):
-            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                *args, **kwargs)
-        expected = self.oracle.expected(input_ids.cpu(), attention_mask.cpu())
-        # every real position except each sequence's last one was forwarded by some turn (the last one too when TRL
-        # truncated the sample: the engine went on generating, but that position scores no token)
-        last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).int().argmax(-1)
-        scored = attention_mask.bool().cpu().clone()
-        scored[torch.arange(scored.shape[0]), last.cpu()] = False
-        assert (expected[scored] >= 0).all()
-        for layer, calls in used.items():
-            ids = torch.cat(calls).view(input_ids.shape[0], input_ids.shape[1], -1).cpu()
-            got, want = ids.sort(-1).values[scored], expected[:, :, layer].long().sort(-1).values[scored]
-            assert torch.equal(got, want), f"layer {layer}: experts used differ from the engine's"
-        has_route = scored
-        self.checked_positions += int(has_route.sum())
-        self.forwards += 1
-        return result
-
-
 class Calculator:
     """An environment (TRL's environment_factory): its public methods are the tools."""
 
@@ -195,7 +115,7 @@ def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, **overri
         num_iterations=2, save_strategy="no", seed=0, routing_replay="r3",
     )
     settings.update(overrides)
-    return CheckedTrainer(
+    return RouteCheckingTrainer(
         model=tiny_moe_model(model_type, max_position_embeddings=2048),
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=MoEReplayGRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -204,10 +124,19 @@ def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, **overri
 
 
 def run_checked(trainer, engine_model, engine_rr):
-    """Train with scripted tool rollouts on ``engine_model``, whose every generate call routes differently."""
-    trainer.oracle = oracle = RouteOracle(engine_model, trainer.processing_class.eos_token_id)
+    """Train with scripted tool rollouts on ``engine_model``, whose every generate call routes differently (its
+    experts shifted by the call's index), so a later turn's prefill of a prefix never routes it like the turn that
+    forwarded it first."""
+    trainer.oracle = oracle = RouteOracle(engine_rr.num_layers, engine_rr.top_k)
+    num_experts = engine_rr.num_experts
+
+    def shifted(call):
+        return lambda layer, router, router_input, logits, natural: (natural + call) % num_experts
+
     with scripted_generation(engine_model, trainer.processing_class, script):
-        engine_model.generate = oracle.record(engine_model.generate, engine_rr)
+        engine_model.generate = oracle.record_generate(
+            engine_model.generate, engine_rr, trainer.processing_class.eos_token_id, steer=shifted
+        )
         trainer.train()
     logs = trainer.state.log_history
     assert logs[0]["tools/call_frequency"] >= 1.0 and logs[0]["tools/failure_frequency"] > 0  # div(9, 0) raised
