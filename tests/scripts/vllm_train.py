@@ -1,0 +1,122 @@
+"""R3 training against a real vLLM CPU engine, checked token by token; writes a JSON report for the test.
+
+    python vllm_train.py REPORT.json colocate FAMILY [key=value ...]          # TRL's colocate mode (this process)
+    python vllm_train.py REPORT.json server URL CHECKPOINT [key=value ...]    # a running `vllm serve` on CHECKPOINT
+
+Colocate mode needs RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (TRL's external launcher runs the engine in
+this process). The trainer (tests/route_checks.py) checks, in every old-logprob, reference and training forward,
+that the experts actually used equal the routes vLLM returned for those tokens. Around every weight sync it scores a
+probe with the engine and the trainer: before the sync (the engine still has the previous step's weights) and after.
+Extra arguments go to MoEReplayGRPOConfig (e.g. routing_replay=r2, max_steps=2).
+"""
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+#: tiny configs vLLM's CPU build runs (its attention needs head_dim >= 32)
+FAMILIES = {
+    "qwen3_moe": dict(head_dim=32, num_hidden_layers=3),
+    "mixtral": dict(head_dim=32, num_hidden_layers=3),
+}
+
+
+def checkpoint(family: str, directory: str) -> str:
+    from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+
+    tiny_moe_model(family, **FAMILIES[family]).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def parse(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def main():
+    import torch
+    from datasets import Dataset
+
+    from tests.route_checks import RouteCheckingTrainer, RouteOracle
+    from trl_moe_replay import MoEReplayGRPOConfig
+    from trl_moe_replay.testing import tiny_tokenizer
+
+    out, mode = sys.argv[1], sys.argv[2]
+    if mode == "colocate":
+        model_path, rest = checkpoint(sys.argv[3], tempfile.mkdtemp()), sys.argv[4:]
+        engine = dict(vllm_mode="colocate")
+    else:
+        url, model_path, rest = sys.argv[3], sys.argv[4], sys.argv[5:]
+        engine = dict(vllm_mode="server", vllm_server_base_url=url)
+    overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
+
+    class EngineChecked(RouteCheckingTrainer):
+        syncs: list = []
+
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            state = self._scoring
+            if state is not None and state.generated_turns == 1:
+                self.oracle.routes.clear()  # a new generation batch: the engine holds new weights
+            if state is not None and state.turns is not None:  # what vLLM returned, per sample
+                for turns, prompt, completion in zip(state.turns.turns, prompt_ids, completion_ids, strict=True):
+                    turn = turns[-1]
+                    if turn.rows is not None:
+                        self.oracle.add(list(prompt) + list(completion), turn.rows, start=turn.prompt_start)
+            return completion_ids, logprobs
+
+        def _sync_vllm_weights(self):
+            model = self.accelerator.unwrap_model(self.model)
+            before = self._sync_check.measure(model) if self._sync_check.probe is not None else None
+            super()._sync_vllm_weights()
+            after = self._sync_check.measure(model) if self._sync_check.probe is not None else None
+            self.syncs.append({"step": self.state.global_step, "before": before, "after": after})
+
+    settings = dict(
+        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", max_steps=3, logging_steps=1,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=3e-2,
+        save_strategy="no", seed=0, routing_replay="r3", use_vllm=True, vllm_sync_check=True, beta=0.04,
+        vllm_gpu_memory_utilization=0.5, **engine,
+    )
+    settings.update(overrides)
+    args = MoEReplayGRPOConfig(**settings)
+    trainer = EngineChecked(
+        model=model_path, args=args, processing_class=tiny_tokenizer(),
+        reward_funcs=lambda completions, **kw: [-abs(6 - len(c)) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+    )
+    rr = trainer._route_replay
+    trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
+    report = {
+        "log_history": trainer.state.log_history,
+        "forwards": trainer.forwards,
+        "checked_positions": trainer.checked_positions,
+        "syncs": trainer.syncs,
+        "weight_sync": type(trainer._weight_sync).__name__ if trainer._weight_sync is not None else "trl",
+        "max_param_change": moved,
+        "engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype) if mode == "colocate" else None,
+    }
+    Path(out).write_text(json.dumps(report))
+    trainer.end()
+
+
+if __name__ == "__main__":
+    main()
