@@ -24,6 +24,7 @@ by the predicted routes; its state and predictor training live in ``trl_moe_repl
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -375,6 +376,12 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, state: _ScoringState) -> None:
+        """Log the mismatch and routing metrics of this generation batch, summed over ranks before dividing.
+
+        A ratio with nothing to measure (no valid completion token, no routed pair) is logged as NaN, not 0.0 (which
+        reads as a perfect score): TRL's ``log`` drops NaN before averaging a logging window, so other steps'
+        values are not pulled, and a window of no-data steps logs ``None``.
+        """
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         device = self.accelerator.device
@@ -383,37 +390,36 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if old is not None and sampling is not None:
             sums = logprob_mismatch_sums(sampling, old, output["completion_mask"], self.extreme_token_threshold)
             total = self._global_sums(sums, device)
-            tokens = total["tokens"].clamp(min=1.0)
-            metrics["mismatch/kl_k1"].append((total["kl_k1"] / tokens).item())
-            metrics["mismatch/kl_k3"].append((total["kl_k3"] / tokens).item())
-            metrics["mismatch/extreme_frac"].append((total["extreme"] / tokens).item())
+            metrics["mismatch/kl_k1"].append(_ratio(total["kl_k1"], total["tokens"]))
+            metrics["mismatch/kl_k3"].append(_ratio(total["kl_k3"], total["tokens"]))
+            metrics["mismatch/extreme_frac"].append(_ratio(total["extreme"], total["tokens"]))
         reference = state.generation_routes
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         if state.old_natural_routes is None and reference is not None:  # no trainer pass to compare: fallback only
             sums = fallback_sums(reference, routable_positions(attention_mask).cpu(), self._route_replay.moe_layers)
             total = self._global_sums(sums, device)
-            metrics["routing/fallback_frac"].append(
-                (total["fallback_positions"] / total["positions"].clamp(min=1.0)).item()
-            )
+            metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
         if state.old_natural_routes is not None and reference is not None:
             sums = routing_agreement_sums(
                 state.old_natural_routes, reference, routable_positions(attention_mask).cpu(),
                 self._route_replay.moe_layers,
             )
             total = self._global_sums(sums, device)
-            pairs, tokens = total["pairs"].clamp(min=1.0), total["tokens"].clamp(min=1.0)
-            metrics["routing/mismatch_frac"].append((total["mismatch_pairs"] / pairs).item())
-            metrics["routing/token_any_mismatch"].append((total["tokens_any_mismatch"] / tokens).item())
-            metrics["routing/topk_agreement"].append((total["overlap"] / pairs).item())
-            metrics["routing/fallback_frac"].append(
-                (total["fallback_positions"] / total["positions"].clamp(min=1.0)).item()
-            )
+            metrics["routing/mismatch_frac"].append(_ratio(total["mismatch_pairs"], total["pairs"]))
+            metrics["routing/token_any_mismatch"].append(_ratio(total["tokens_any_mismatch"], total["tokens"]))
+            metrics["routing/topk_agreement"].append(_ratio(total["overlap"], total["pairs"]))
+            metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
 
     def _global_sums(self, sums: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
         names = list(sums)
         stacked = torch.stack([sums[name].float().to(device) for name in names])
         gathered = self.accelerator.gather(stacked[None]).sum(dim=0)
         return dict(zip(names, gathered, strict=True))
+
+
+def _ratio(total: torch.Tensor, count: torch.Tensor) -> float:
+    """``total / count``, or NaN when nothing was counted ("no data", which TRL's ``log`` leaves out of averages)."""
+    return (total / count).item() if count.item() > 0 else math.nan
 
 
 def _padded_width(sequences: list[list[int]], multiple: int | None) -> int:
