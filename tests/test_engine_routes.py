@@ -425,7 +425,7 @@ def _long_rows(p=40, c=60, **kwargs):
 def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
     from trl_moe_replay.routing import engine
 
-    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 7, raising=False)  # many chunks, so chunk boundaries are exercised
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 7, raising=False)  # many blocks: block edges are exercised
     rows = engine_rows(40, 60, top_k=4, num_experts=64)
     rows[position, 2, 3] = rows[position, 2, 1]
     samples = [(40, 60, 0, True)]

@@ -143,8 +143,8 @@ def test_row_count_mismatch_names_both_shapes():
     model = tiny_moe_model("qwen3_moe")
     rr = RouterReplay(model)
     routes = torch.tensor([0, 1]).repeat(2, 8, 2, 1)
-    with pytest.raises(RouteValidationError, match=r"routes \[2, 8, 2, 2\] .* input \[batch=2, seq=7\].*expected routes "
-                                                   r"\[2, 7, 2, 2\]"):
+    message = r"routes \[2, 8, 2, 2\] .* input \[batch=2, seq=7\].*expected routes \[2, 7, 2, 2\]"
+    with pytest.raises(RouteValidationError, match=message):
         with torch.no_grad(), rr.replay(routes):
             model(random_ids(2, 7))
     assert issubclass(RouteValidationError, ValueError)

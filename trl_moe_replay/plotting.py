@@ -53,9 +53,10 @@ def find_trainer_state(run_dir: str | Path) -> Path:
     """``RUN_DIR/trainer_state.json``, else the one of the latest ``checkpoint-N`` inside ``RUN_DIR``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
+        problem = "is not a folder" if run_dir.exists() else "does not exist"
         raise FileNotFoundError(
-            f"{run_dir} does not exist: pass a training output_dir (the folder with trainer_state.json or "
-            "checkpoint-N folders)" if not run_dir.exists() else f"{run_dir} is not a folder: pass a training output_dir"
+            f"{run_dir} {problem}: pass a training output_dir (the folder with trainer_state.json or checkpoint-N "
+            "folders)"
         )
     direct = run_dir / "trainer_state.json"
     if direct.is_file():
@@ -191,8 +192,8 @@ class Figure(NamedTuple):
 def plan_figures(
     series: Mapping[str, object], max_panels: int = MAX_PANELS_PER_FIGURE, max_figures: int = MAX_FIGURES_PER_FAMILY
 ) -> list[Figure]:
-    """The PNGs for ``series``: each family of :func:`group_metrics` split into PNGs of at most ``max_panels`` panels
-    (``<family>``, ``<family>-2``, ...), at most ``max_figures`` per family; the family's other metrics are left out."""
+    """The PNGs for ``series``: each family of :func:`group_metrics` split into PNGs of at most ``max_panels``
+    panels (``<family>``, ``<family>-2``, ...), at most ``max_figures`` per family; its other metrics are left out."""
     figures = []
     for family, names in group_metrics(series).items():
         chunks = [names[i : i + max_panels] for i in range(0, len(names), max_panels)][:max_figures]
