@@ -1,13 +1,24 @@
 """Training keeps going, and says so, when inputs are bad or absent (issue 16): metrics without data, one output
 directory per trainer, and a fuzz of corrupted vLLM route payloads."""
 
+import contextlib
+import gc
+import json
+import logging
 import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from trl_moe_replay.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
 
+from .helpers import run_two_ranks
 from .test_trainer import logged, make_trainer
 
 MISMATCH = ["mismatch/kl_k1", "mismatch/kl_k3", "mismatch/extreme_frac"]
@@ -49,3 +60,97 @@ def test_no_data_steps_do_not_pull_the_average_of_a_logging_window(tmp_path):
     logs = {}
     trainer.log(logs)
     assert logs["mismatch/kl_k3"] == pytest.approx(0.3)
+
+
+# ----------------------------------------------------------------------------- one trainer per output_dir
+HOLD_LOCK = """
+import sys, time
+from trl_moe_replay.output_lock import OutputDirLock
+lock = OutputDirLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@contextlib.contextmanager
+def lock_held_by_another_process(output_dir, seconds=120):
+    """Another process holding ``output_dir``'s lock, as a second trainer would; killed (not released) on exit."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(output_dir), str(seconds)],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_lock_is_taken_over(tmp_path, caplog):
+    lock_path = tmp_path / LOCK_NAME
+    with lock_held_by_another_process(tmp_path) as holder:
+        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1)
+        with pytest.raises(OutputDirInUseError, match=f"in use by another trainer: pid {holder.pid} on "):
+            trainer.train()
+        assert trainer.state.global_step == 0 and json.loads(lock_path.read_text())["pid"] == holder.pid
+    # the holder was killed without releasing: a crashed run. Its lock is stale and taken over, with a warning.
+    assert json.loads(lock_path.read_text())["pid"] == holder.pid
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.output_lock"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+    assert f"process {holder.pid} is gone" in caplog.text
+    assert json.loads(lock_path.read_text())["pid"] == os.getpid()
+    trainer.end()
+    assert not lock_path.exists()
+
+
+def test_trainers_of_one_process_reuse_an_output_dir_one_after_the_other(tmp_path):
+    lock_path = tmp_path / LOCK_NAME
+    first = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, save_strategy="steps", save_steps=1)
+    first.train()
+    assert lock_path.exists()  # held after train(): save_model / save_state come next
+    # a second trainer object of the same process (a notebook cell run again, a resumed run) takes over ...
+    second = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=2, save_strategy="steps", save_steps=1)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 2
+    token = json.loads(lock_path.read_text())["token"]
+    # ... and the first one, collected later, does not drop its successor's lock
+    del first
+    gc.collect()
+    assert json.loads(lock_path.read_text())["token"] == token
+    del second
+    gc.collect()
+    assert not lock_path.exists()
+
+
+def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
+    lock_path = tmp_path / LOCK_NAME
+    lock_path.write_text(json.dumps({"pid": 4242, "host": "node-7", "token": "theirs", "started": "earlier"}))
+    lock = OutputDirLock(tmp_path)
+    with pytest.raises(OutputDirInUseError, match="pid 4242 on node-7"):  # fresh heartbeat: live (can't see the pid)
+        lock.acquire()
+    old = time.time() - STALE_AFTER_S - 10
+    os.utime(lock_path, (old, old))
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.output_lock"):
+        lock.acquire()
+    assert "no heartbeat for" in caplog.text and lock.held
+    lock.release()
+    assert not lock_path.exists()
+
+
+def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
+    result = run_two_ranks(Path(__file__).parent / "scripts" / "output_lock_ddp.py", tmp_path / "run")
+    reports = [json.loads(line[len("REPORT "):]) for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    main = next(r for r in reports if r["rank"] == 0)
+    for report in reports:  # during training both ranks see one lock, the main process's
+        assert report["lock_pid"] == main["pid"] and report["steps"] == 1
+    assert not (tmp_path / "run" / LOCK_NAME).exists()  # released by end()
+    # and a busy output_dir stops both ranks (not only the main one, which would leave the other hanging)
+    with lock_held_by_another_process(tmp_path / "run"):
+        failed = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             str(Path(__file__).parent / "scripts" / "output_lock_ddp.py"), str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    assert failed.returncode != 0 and failed.stderr.count("OutputDirInUseError") >= 2

@@ -27,10 +27,11 @@ import contextlib
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import broadcast_object_list, is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -40,6 +41,7 @@ from .generation import TransformersRolloutRecorder
 from .generation.vllm import VLLMRouteSource, routed_experts_in_colocated_llm
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
+from .output_lock import OutputDirInUseError, OutputDirLock
 from .pr2 import PredictiveRoutingReplay
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
@@ -119,6 +121,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self._train_replay = contextlib.ExitStack()
         self._engine_rows: list | None = None
         self._setup_objectives(self.args)
+        # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
+        self._output_lock = OutputDirLock(self.args.output_dir)
+        weakref.finalize(self, self._output_lock.release)
 
     # ------------------------------------------------------------------ engine flag
     @property
@@ -308,6 +313,26 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             self._train_replay.close()
             self._batch_routes = None
 
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.output_lock`).
+
+        Raises ``OutputDirInUseError`` on every rank when another live trainer writes there.
+        """
+        self._claim_output_dir()
+        return super().train(*args, **kwargs)
+
+    def _claim_output_dir(self) -> None:
+        problem = None
+        if self.accelerator.is_main_process:  # one lock per run
+            try:
+                self._output_lock.acquire()
+            except OutputDirInUseError as exc:
+                problem = str(exc)
+        if self.accelerator.num_processes > 1:  # every rank stops, not only the main one (the others would hang)
+            problem = broadcast_object_list([problem])[0]
+        if problem is not None:
+            raise OutputDirInUseError(problem)
+
     def end(self):
         """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
 
@@ -315,6 +340,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
         interpreter at shutdown; a barrier and a short pause first avoid both.
         """
+        self._output_lock.release()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()
             time.sleep(0.2)
