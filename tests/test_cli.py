@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -299,3 +300,12 @@ def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys):
     for model in (str(missing), "./no/such/model"):
         line = one_line_error(capsys, ["audit", "--model", model])
         assert "no model folder" in line and "Repo id" not in line
+
+
+def test_audit_of_an_unreachable_server_is_one_line(capsys):
+    with socket.socket() as probe:  # a port nothing listens on any more
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with trl_vllm_transport_stub(None):
+        line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url])
+    assert "can't be reached" in line and url in line
