@@ -389,9 +389,9 @@ def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] 
     """``(row, layer)`` of the first route ``rows[row, layer]`` (``layer`` in ``layers``) naming an expert twice.
 
     None if there is none. An all-zero route (vLLM's never-written rows) names expert 0 ``K`` times, so it is found
-    too. Vectorised without a sort: over a block of routes laid flat, one broadcast comparison of every id with the
-    ids 1 .. K-1 places later (contiguous, so SIMD), then an OR over the block that keeps only the comparisons that
-    stay inside a route. The block's first offending route is located (by a sort) only when there is one.
+    too. Vectorised without a sort: over a block of routes laid flat, every id is compared with the ids 1 .. K-1
+    places later (K - 1 contiguous, SIMD comparisons), then an OR over the block keeps only the comparisons that stay
+    inside a route. The block's first offending route is located (by a sort) only when there is one.
     """
     num_tokens, num_layers, k = rows.shape
     width = len(layers)
@@ -421,8 +421,8 @@ def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] 
             np.copyto(buffer[:n].reshape(hi - lo, width, k), rows[lo:hi, select])
             compared = n
         same = equal[:, : -(-n // period) * period]
-        later = np.lib.stride_tricks.as_strided(flat[1:], shape=(k - 1, compared), strides=(flat.itemsize,) * 2)
-        np.equal(flat[None, :compared], later, out=same[:, :compared])
+        for shift in range(1, k):  # one contiguous (SIMD) comparison per distance between slots
+            np.equal(flat[:compared], flat[shift : compared + shift], out=same[shift - 1, :compared])
         same[:, compared:] = False
         words = np.bitwise_or.reduce(same.view(np.uint64).reshape(k - 1, -1, period // 8), axis=1)
         last_route = flat[n - k : n]
