@@ -151,7 +151,9 @@ def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
 
 def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
     result = run_two_ranks(Path(__file__).parent / "scripts" / "output_lock_ddp.py", tmp_path / "run")
-    reports = [json.loads(line[len("REPORT "):]) for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    # raw_decode: print() writes text and newline separately, so the other rank's output may follow on the same line
+    reports = [json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
+               for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     main = next(r for r in reports if r["rank"] == 0)
     for report in reports:  # during training both ranks see one lock, the main process's

@@ -42,9 +42,9 @@ _FAMILY_OF_PREFIX = {
 _LEAD_METRIC = {"reward": "reward", "mismatch": "mismatch/kl_k3", "routing": "routing/mismatch_frac", "loss": "loss"}
 #: Families written first, in this order; the others follow alphabetically.
 FAMILY_ORDER = ("reward", "mismatch", "routing", "loss", "completions")
-#: Panels per PNG, and PNGs per family: at most 96 metrics of one family are drawn (a PNG of 24 panels takes seconds).
+#: Panels per PNG, and PNGs per family: at most 48 metrics of one family are drawn (a PNG of 24 panels takes seconds).
 MAX_PANELS_PER_FIGURE = 24
-MAX_FIGURES_PER_FAMILY = 4
+MAX_FIGURES_PER_FAMILY = 2
 
 logger = logging.getLogger(__name__)
 

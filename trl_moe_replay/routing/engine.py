@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 _INT16_LIMIT = 1 << 15  # int16 holds expert ids 0..32767
-# Rows per block of the repeated-id check: a block's slot arrays stay in the CPU cache.
+# Routes per block of the repeated-id check (its comparison buffer holds K - 1 bytes per id of the block).
 _CHECK_CHUNK_ROWS = 1 << 16
 
 
@@ -250,8 +250,7 @@ def routes_from_engine(
 
     ``on_error`` (optional) turns a bad sample into a fallback instead of an exception: when one
     sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids, repeated or
-    never-written routes), that
-    sample gets ``-1`` everywhere (the router's own choice) and ``on_error`` receives the
+    never-written routes), that sample gets ``-1`` everywhere (the router's own choice) and ``on_error`` receives the
     :class:`RouteAlignmentError` (``.sample`` is its index). Errors in the caller's own arguments
     (widths, lengths, ``moe_layers``) always raise.
     """
@@ -413,8 +412,8 @@ def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] 
         n = (hi - lo) * width * k
         if in_place:
             flat = flat_rows[lo * width * k :]
-            # the shifted view reads up to k - 1 ids past the block: past the array's end for its last route, which
-            # is then checked on its own
+            # the comparisons read up to k - 1 ids past the block: past the array's end for its last route, which is
+            # then checked on its own
             compared = n if flat.size >= n + k - 1 else n - k
         else:
             flat = buffer
