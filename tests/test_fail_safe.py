@@ -200,8 +200,9 @@ def test_every_corruption_kind_is_rejected_per_sample_in_alignment():
         assert sorted(e.sample for e in errors) == [i for i in bad if i not in missing], batch
         assert routes[bad].eq(-1).all()
         good = [i for i in range(16) if i not in bad]
-        expected = routes_from_engine([clean[i] for i in good], **{
-            **layout, "prompt_lengths": [prompts[i] for i in good], "completion_lengths": [completions[i] for i in good]})
+        good_layout = {**layout, "prompt_lengths": [prompts[i] for i in good],
+                       "completion_lengths": [completions[i] for i in good]}
+        expected = routes_from_engine([clean[i] for i in good], **good_layout)
         assert torch.equal(routes[good], expected)
     assert sum(seen.values()) >= 300 and set(seen) == set(CORRUPTIONS), seen
 
