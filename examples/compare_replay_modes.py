@@ -91,6 +91,9 @@ def train(mode: str, model_dir: str, args) -> list[dict]:
         steps_per_generation=2, num_generations=8, max_completion_length=8, bf16=False,
         use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, logging_steps=1, save_strategy="no",
         report_to="none", seed=args.seed, disable_tqdm=True,
+        # measure and correct "none" like the replay modes: log its routing agreement, and score every batch against
+        # the sampler's log-probs (TRL's importance-sampling correction, as with vLLM)
+        routing_metrics=True, transformers_importance_sampling_correction=True,
     )
     trainer = BF16EngineTrainer(
         model=model, reward_funcs=accuracy_reward, args=config, processing_class=tiny_tokenizer(),

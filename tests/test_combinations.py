@@ -38,7 +38,7 @@ def test_pr2_with_a_vllm_server_chooses_its_routes_in_the_old_pass(tmp_path):
                                     vllm_server_base_url=server.url, routing_replay="pr2", pr2_lr_multiplier=10.0,
                                     **TWO_UPDATES)
         trainer.train()
-    assert trainer._vllm_routes is None  # PR2 needs no routes from the engine
+    assert not trainer._vllm_routes.required  # PR2 needs no routes from the engine (asked for the metrics only)
     # the old pass's (predicted) routes ride with the batch and are replayed in the updates
     assert (trainer.batches[0]["replay_routes"] >= 0).any()
     assert all("replay_routes" in inputs for inputs in trainer.trained)

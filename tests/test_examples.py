@@ -45,3 +45,14 @@ def test_compare_replay_modes(tmp_path, capsys):
     assert none["routing/mismatch_frac"] > 0
     assert r3["mismatch/kl_k3"] < none["mismatch/kl_k3"] / 3  # measured 2.1e-4 -> 1.8e-5
     assert r3["sampling/sampling_logp_difference/max"] < none["sampling/sampling_logp_difference/max"]
+
+
+def test_rollout_func_routes_example_replays_the_engines_routes(tmp_path):
+    spec = importlib.util.spec_from_file_location("rollout_func_routes", EXAMPLES / "rollout_func_routes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    logs = module.main(["--max_steps", "2", "--output_dir", str(tmp_path / "run")])
+    assert len(logs) == 2
+    # every forwarded position came with the engine's route, and the engine holds the trainer's weights (fp32): the
+    # replayed trainer reproduces its sampling log-probs
+    assert all(entry["routing/fallback_frac"] == 0.0 and entry["mismatch/kl_k3"] < 1e-6 for entry in logs)

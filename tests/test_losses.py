@@ -10,7 +10,7 @@ from trl_moe_replay.losses import (
     clipped_surrogate,
     completion_aligned,
     lower_quantile,
-    minirl_per_token_loss,
+    minirl_token_weights,
     router_shift,
     router_shift_gamma,
     sequence_log_weights,
@@ -120,26 +120,27 @@ def test_sequence_log_weights_and_clipped_surrogate_by_hand():
 
 
 # ---------------------------------------------------------------------------------------------- MiniRL
-def test_minirl_per_token_loss_by_hand():
+def test_minirl_token_weights_by_hand():
     # four tokens of one completion (A = +1) and four of another (A = -1)
     current = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]))
     old = torch.log(torch.tensor([[0.4, 0.3, 0.5, 0.5], [0.6, 0.7, 0.5, 0.5]]))
     sampling = torch.log(torch.tensor([[0.5, 0.5, 0.05, 0.25], [0.5, 0.5, 0.5, float("nan")]]))
     advantages = torch.tensor([[1.0], [-1.0]])
     logps = current.clone().requires_grad_(True)
-    terms = minirl_per_token_loss(logps, old, sampling, advantages, epsilon_low=0.2, epsilon_high=0.27, is_cap=5.0)
+    weights = minirl_token_weights(logps, logps - old, sampling, advantages, epsilon_low=0.2, epsilon_high=0.27,
+                                   is_cap=5.0)
     # r = [1.25, 1.667, 1, 1] and [0.833, 0.714, 1, 1]: A>0 & r>1.27 masks token (0,1); A<0 & r<0.8 masks (1,1)
-    assert terms.high_clipped.tolist() == [[False, True, False, False], [False] * 4]
-    assert terms.low_clipped.tolist() == [[False] * 4, [False, True, False, False]]
+    assert weights.high_clipped.tolist() == [[False, True, False, False], [False] * 4]
+    assert weights.low_clipped.tolist() == [[False] * 4, [False, True, False, False]]
     # IS weight π/μ: 1, 1, 10 -> truncated to 5, 2; 1, 1, 1, NaN rollout log-prob -> 1
-    torch.testing.assert_close(terms.is_weight, torch.tensor([[1.0, 1.0, 5.0, 2.0], [1.0, 1.0, 1.0, 1.0]]))
-    assert terms.truncated.tolist() == [[False, False, True, False], [False] * 4]
+    torch.testing.assert_close(weights.is_weight, torch.tensor([[1.0, 1.0, 5.0, 2.0], [1.0, 1.0, 1.0, 1.0]]))
+    assert weights.truncated.tolist() == [[False, False, True, False], [False] * 4]
     keep = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 1.0]])
-    expected = -keep * terms.is_weight * advantages * current
-    torch.testing.assert_close(terms.loss, expected)
-    # gradient: -M·w·Â per token (the weight is detached)
-    terms.loss.sum().backward()
-    torch.testing.assert_close(logps.grad, -keep * terms.is_weight * advantages)
+    torch.testing.assert_close(weights.weight, keep * weights.is_weight)
+    # the weight is detached: TRL's -weight · Â · log π has gradient -M·w·Â per token
+    assert not weights.weight.requires_grad
+    (-weights.weight * advantages * logps).sum().backward()
+    torch.testing.assert_close(logps.grad, -keep * weights.is_weight * advantages)
 
 
 def test_minirl_gamma_rescales_both_ratios_before_mask_and_truncation():
@@ -147,11 +148,12 @@ def test_minirl_gamma_rescales_both_ratios_before_mask_and_truncation():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     sampling = torch.log(torch.tensor([[0.5, 0.09]]))  # weights 1 and 5.56
     gamma = torch.tensor([[0.75, 0.85]])
-    terms = minirl_per_token_loss(current, old, sampling, torch.tensor([[-1.0]]), 0.2, 0.27, 5.0, gamma=gamma)
+    weights = minirl_token_weights(current, current - old, sampling, torch.tensor([[-1.0]]), 0.2, 0.27, 5.0,
+                                   gamma=gamma)
     # γ·r = 0.75 < 0.8 with A<0: masked; the second token's weight 5.56·0.85 = 4.72 is no longer truncated
-    assert terms.low_clipped.tolist() == [[True, False]]
-    torch.testing.assert_close(terms.is_weight, torch.tensor([[0.75, 0.5 / 0.09 * 0.85]]))
-    assert not terms.truncated.any()
+    assert weights.low_clipped.tolist() == [[True, False]]
+    torch.testing.assert_close(weights.is_weight, torch.tensor([[0.75, 0.5 / 0.09 * 0.85]]))
+    assert weights.weight[0, 0] == 0 and not weights.truncated.any()
 
 
 def test_lower_quantile_matches_torch_quantile_and_skips_nan():

@@ -9,7 +9,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from trl_moe_replay import MoEReplayGRPOConfig
-from trl_moe_replay.losses import completion_aligned, minirl_per_token_loss
+from trl_moe_replay.losses import completion_aligned, minirl_token_weights
 from trl_moe_replay.testing import tiny_moe_model
 
 from .test_trainer import logged, make_trainer
@@ -24,6 +24,12 @@ def first_micro_batch(trainer) -> dict:
     prompts = [{"prompt": p} for p in ["1+2=", "3+1="] for _ in range(trainer.num_generations)]
     batch = trainer._generate_and_score_completions(prompts)
     return split_tensor_dict(batch, 2)[0]
+
+
+def trl_compute_loss(trainer, inputs):
+    """TRL's own _compute_loss on ``inputs``, under the same engine correction our trainer applies."""
+    with trainer._engine_correction():
+        return GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
 
 
 def loss_and_grads(trainer, compute):
@@ -49,8 +55,9 @@ def assert_same(result, expected, exact: bool):
 # ---------------------------------------------------------------------------------------------- rspo / gspo
 def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_the_router_moved(tmp_path):
     torch.manual_seed(0)
+    # routing_replay="none" is on-policy TRL here; recording generate's log-probs brings TRL's old-logprob pass
     trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), loss_type="rspo", routing_replay="none",
-                           router_shift_gamma_min=0.5)
+                           router_shift_gamma_min=0.5, transformers_importance_sampling_correction=True)
     assert trainer.loss_type == "grpo" and trainer.importance_sampling_level == "sequence"
     assert (trainer.epsilon_low, trainer.epsilon_high) == (3e-4, 4e-4)
     micro = first_micro_batch(trainer)
@@ -59,7 +66,7 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     assert micro["old_router_ids"].shape[:2] == (4, micro["prompt_ids"].shape[1] + micro["completion_ids"].shape[1])
 
     def trl_loss(inputs):  # TRL's own _compute_loss on the same inputs, without our γ
-        return loss_and_grads(trainer, lambda: GRPOTrainer._compute_loss(trainer, trainer.model, inputs))
+        return loss_and_grads(trainer, lambda: trl_compute_loss(trainer, inputs))
 
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
     assert trainer._metrics["train"]["rspo/gamma_min"][-1] == 1.0  # same weights as the old pass: γ == 1 exactly
@@ -97,7 +104,7 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
 
     def trl_with_replay():
         trainer._batch_routes = micro["replay_routes"]
-        return GRPOTrainer._compute_loss(trainer, trainer.model, by_hand)
+        return trl_compute_loss(trainer, by_hand)
 
     assert_same(ours, loss_and_grads(trainer, trl_with_replay), exact=False)
     # ratio·γ = 0.8 < 1 - 0.2: every negative-advantage token is clipped on the low side
@@ -127,10 +134,14 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
         input_ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
         attention_mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
         logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, completion)
-        terms = minirl_per_token_loss(logps, micro["old_per_token_logps"], micro["sampling_per_token_logps"],
-                                      micro["advantages"].unsqueeze(1), 0.2, 0.27, 1.001)
-        assert terms.truncated.any() and (terms.low_clipped | terms.high_clipped).any()
-        return (terms.loss * micro["completion_mask"]).sum() / (4 * trainer.max_completion_length)
+        advantages = micro["advantages"].unsqueeze(1)
+        weights = minirl_token_weights(logps, logps - micro["old_per_token_logps"],
+                                       micro["sampling_per_token_logps"], advantages, 0.2, 0.27, 1.001)
+        assert weights.truncated.any() and (weights.low_clipped | weights.high_clipped).any()
+        # summed over tokens (no length normalisation), divided by the batch's loss-token count as TRL's dapo does:
+        # the generation batch's count over the micro-batches it is split into (one process, no accumulation here)
+        normaliser = micro["num_items_in_batch"] / trainer.args.steps_per_generation
+        return (-weights.weight * advantages * logps * micro["completion_mask"]).sum() / normaliser
 
     assert_same(ours, loss_and_grads(trainer, by_hand), exact=False)
     metrics = trainer._metrics["train"]
@@ -233,7 +244,9 @@ def test_loss_defaults_are_filled_only_when_unset():
         (dict(loss_type="minirl", multi_objective_aggregation="normalize_then_sum"), "normalize_then_sum"),
         (dict(loss_type="minirl", importance_sampling_level="sequence"), "weights tokens"),
         (dict(loss_type="minirl", delta=2.0), "delta"),
-        (dict(loss_type="minirl", entropy_coef=0.01), "entropy"),
+        (dict(loss_type="minirl", transformers_importance_sampling_correction=False),
+         "transformers_importance_sampling_correction"),
+        (dict(loss_type="rspo", beta=0.04), "use_bias_correction_kl"),
         (dict(loss_type="minirl", minirl_is_cap=0.0), "minirl_is_cap"),
         (dict(loss_type="gspo", importance_sampling_level="token"), "sequence-level"),
         (dict(loss_type="rspo", router_shift_weighting=False), "loss_type='gspo'"),

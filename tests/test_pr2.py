@@ -280,12 +280,16 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
     class Spy(MoEReplayGRPOTrainer):
         def _generate(self, prompts):
             output = super()._generate(prompts)
-            captured.append(self._scoring.generation_routes.clone())
+            captured.append([turns[0].rows.clone() for turns in self._scoring.turns.turns])  # generate's own, per sample
             return output
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
-            assert torch.equal(output["replay_routes"], captured[-1])
+            replayed, prompt_width = output["replay_routes"], output["prompt_mask"].shape[1]
+            for i, rows in enumerate(captured[-1]):  # rows: positions 0 .. p + c - 2 of the sample
+                start = prompt_width - int(output["prompt_mask"][i].sum())
+                assert torch.equal(replayed[i, start : start + len(rows)], rows)
+                assert (replayed[i, :start] == -1).all() and (replayed[i, start + len(rows):] == -1).all()
             return output
 
     trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, routing_replay="pr2",

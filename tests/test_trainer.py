@@ -56,7 +56,10 @@ def test_a_few_steps_log_finite_metrics_and_update_the_model(tmp_path, model_typ
     trainer.train()
     for name in METRICS:
         values = logged(trainer, name)
-        assert len(values) == 2 and all(math.isfinite(v) for v in values), name
+        if mode == "none":  # plain TRL: no sampler log-probs on this path, no routes recorded
+            assert values == [], name
+        else:
+            assert len(values) == 2 and all(math.isfinite(v) for v in values), name
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert any("gate" in n or "router" in n for n in changed)  # the routers still learn under replay
     if mode == "r3":
@@ -160,8 +163,10 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
         torch.manual_seed(0)
         model = tiny_moe_model("qwen3_moe", dtype=torch.bfloat16, num_experts=32, num_experts_per_tok=4,
                                initializer_range=0.1)
+        # "none" measures too (routing_metrics), and scores the batch against the sampler like r3 does
         trainer = make_trainer(tmp_path / mode, model, routing_replay=mode, max_steps=1, learning_rate=0.0,
-                               max_completion_length=16, bf16=True, gradient_checkpointing=False)
+                               max_completion_length=16, bf16=True, gradient_checkpointing=False,
+                               routing_metrics=True, transformers_importance_sampling_correction=True)
         trainer.train()
         return logged(trainer, "routing/mismatch_frac")[0], logged(trainer, "mismatch/kl_k3")[0]
 
@@ -182,3 +187,60 @@ def test_import_swap_script_runs_on_two_processes():
     for entry in logs:  # fp32 R3 on both ranks: routes stayed with their samples
         assert entry["routing/mismatch_frac"] == 0.0
         assert entry["mismatch/kl_k3"] < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(routing_replay="r3", use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
+        (dict(routing_replay="pr2", pr2_rollout_prediction=True, use_transformers_continuous_batching=True),
+         "use_transformers_continuous_batching"),
+        (dict(routing_replay="r2", use_transformers_continuous_batching=True,
+              transformers_importance_sampling_correction=True), "continuous_batching"),
+        (dict(routing_replay="r3", generation_kwargs={"num_beams": 2}), "num_beams=2"),
+        (dict(routing_replay="none", routing_metrics=True, generation_kwargs={"num_beams": 2}), "beam search"),
+    ],
+)
+def test_generation_settings_that_cannot_keep_routes_are_refused_when_configured(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        MoEReplayGRPOConfig(output_dir="unused", use_cpu=True, **overrides)
+
+
+def test_a_plain_grpo_config_with_continuous_batching_is_refused_when_the_trainer_is_built(tmp_path):
+    from trl import GRPOConfig
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="use_transformers_continuous_batching"):  # GRPOConfig means r3 here
+        MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args,
+                             train_dataset=prompts_dataset(), processing_class=tiny_tokenizer())
+
+
+# transformers' default continuous-batching cache is sized for a GPU: on CPU a small one is ~20x faster
+SMALL_CB_CACHE = {"num_blocks": 16, "max_batch_tokens": 256, "page_size": 16}
+
+
+class ReplaySpy(MoEReplayGRPOTrainer):
+    """Counts the training micro-batches that carried routes to replay."""
+
+    replayed = 0
+
+    def _compute_loss(self, model, inputs):
+        self.replayed += "replay_routes" in inputs
+        return super()._compute_loss(model, inputs)
+
+
+def test_r2_trains_with_continuous_batching_and_beam_search_when_nothing_is_recorded(tmp_path):
+    # nothing recorded during generate: continuous batching and beam search are TRL's business; R2 records its own
+    # routes in the old-logprob pass (off-policy here: num_iterations=2)
+    trainer = make_trainer(tmp_path / "cb", tiny_moe_model("qwen3_moe"), cls=ReplaySpy, routing_replay="r2",
+                           use_transformers_continuous_batching=True, num_iterations=2, max_steps=2,
+                           transformers_continuous_batching_config=SMALL_CB_CACHE)
+    assert not trainer.replay_settings.records_generation
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.replayed == 4
+    trainer = make_trainer(tmp_path / "beams", tiny_moe_model("qwen3_moe"), cls=ReplaySpy, routing_replay="r2",
+                           routing_metrics=False, transformers_importance_sampling_correction=False,
+                           generation_kwargs={"num_beams": 2}, num_iterations=2, max_steps=2)
+    assert not trainer.replay_settings.records_generation
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.replayed == 4

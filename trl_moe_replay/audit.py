@@ -5,8 +5,8 @@ The engine is either
 - transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded by
   :class:`~trl_moe_replay.generation.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
 - a running vLLM server (``trl vllm-serve --model M --enable-return-routed-experts``), sampled through TRL's own
-  ``VLLMClient`` (:class:`~trl_moe_replay.generation.RoutedExpertsVLLMClient`, which also keeps each choice's
-  ``routed_experts``), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
+  ``VLLMClient`` (with :class:`~trl_moe_replay.generation.CompletionRoutesHook` on its session, which keeps each
+  choice's ``routed_experts``), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
   tokens, i.e. ``log_softmax(logits / temperature)``.
 
 Either gives, per completion, the prompt and completion token ids, the sampled tokens' log-probabilities and the
@@ -427,15 +427,18 @@ def _sample_with_transformers(
 def _sample_with_vllm_server(
     url, model, encoded, *, num_generations, max_new_tokens, temperature, seed
 ) -> tuple[EngineSamples, str]:
-    """Sample through TRL's ``VLLMClient`` (route-keeping subclass); returns the samples and the server's dtype.
+    """Sample through TRL's ``VLLMClient`` (keeping the routes); returns the samples and the server's dtype.
 
     Sampling is plain (no top-p/top-k/min-p/repetition penalty) at ``temperature``, token-id prompts, ``n`` per
     prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
     position's list. No communicator is opened (no weight sync).
     """
-    from .generation.vllm import RoutedExpertsVLLMClient
+    from trl.generation.vllm_client import VLLMClient
 
-    client = RoutedExpertsVLLMClient(base_url=url)
+    from .generation.vllm import install_routes_hook
+
+    client = VLLMClient(base_url=url)
+    routes_hook = install_routes_hook(client)
     notes = []
     try:
         server_config = client.get_server_info()
@@ -451,11 +454,12 @@ def _sample_with_vllm_server(
         )
     if client.model != model:
         notes.append(f"the server serves {client.model!r} and --model is {model!r}: they must be the same checkpoint")
+    routes_hook.start()
     output = client.generate(
         encoded, n=num_generations, repetition_penalty=1.0, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
         max_tokens=max_new_tokens, logprobs=0, generation_kwargs={"seed": seed},
     )
-    payloads = client.routed_experts or []
+    payloads = routes_hook.take() or []
     completions = output["completion_ids"]
     if len(output["prompt_ids"]) != len(encoded) or len(completions) != len(encoded) * num_generations:
         raise ValueError(

@@ -16,6 +16,75 @@ TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "
 _PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
 
 
+@dataclass(frozen=True)
+class ReplaySettings:
+    """A run's routing options, resolved once from a ``MoEReplayGRPOConfig`` or, with our defaults, a plain
+    ``GRPOConfig`` (what ``MoEReplayGRPOTrainer`` reads)."""
+
+    routing_replay: str
+    replay_reference_model: bool
+    extreme_token_threshold: float
+    routing_metrics: bool
+    transformers_importance_sampling_correction: bool
+    records_generation: bool  # transformers generate runs inside the rollout recorder
+    generation_routes: bool  # the trainer keeps the engine's routes (recorded, or requested from vLLM)
+
+    @classmethod
+    def from_args(cls, args: GRPOConfig) -> ReplaySettings:
+        mode = getattr(args, "routing_replay", "r3")
+        metrics = getattr(args, "routing_metrics", None)
+        metrics = mode != "none" if metrics is None else bool(metrics)
+        correction = getattr(args, "transformers_importance_sampling_correction", None)
+        correction = default_transformers_correction(args) if correction is None else bool(correction)
+        engine_routes = mode == "r3" or getattr(args, "pr2_rollout_prediction", False) or metrics
+        transformers_generate = not args.use_vllm and not args.use_transformers_continuous_batching
+        return cls(
+            routing_replay=mode,
+            replay_reference_model=getattr(args, "replay_reference_model", True),
+            extreme_token_threshold=getattr(args, "extreme_token_threshold", 2.0),
+            routing_metrics=metrics,
+            transformers_importance_sampling_correction=correction and not args.use_vllm,
+            records_generation=transformers_generate and (engine_routes or correction),
+            generation_routes=engine_routes and not args.use_transformers_continuous_batching,
+        )
+
+
+def default_transformers_correction(args: GRPOConfig) -> bool:
+    """``transformers_importance_sampling_correction`` when unset: on with replay or MiniRL on plain ``generate``."""
+    wanted = getattr(args, "routing_replay", "r3") != "none" or args.loss_type == "minirl"
+    return (
+        wanted and args.vllm_importance_sampling_correction and not args.use_vllm
+        and not args.use_transformers_continuous_batching
+    )
+
+
+def check_generation_support(args: GRPOConfig) -> None:
+    """Refuse, when the run is configured, generation settings under which the engine's routes cannot be kept."""
+    settings = ReplaySettings.from_args(args)
+    mode = settings.routing_replay
+    if args.use_transformers_continuous_batching:
+        if mode == "r3" or getattr(args, "pr2_rollout_prediction", False):
+            raise ValueError(
+                f"routing_replay={mode!r} replays the routes generation used, but use_transformers_continuous_batching"
+                "=True generates with transformers' generate_batch, whose per-request routes are not recorded. Set "
+                "use_transformers_continuous_batching=False (plain generate records them), use vLLM, or use "
+                "routing_replay='r2' (routes recorded by the trainer itself)."
+            )
+        if getattr(args, "transformers_importance_sampling_correction", None):
+            raise ValueError(
+                "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
+                "use_transformers_continuous_batching=True does not return them. Turn one of them off."
+            )
+    beams = (args.generation_kwargs or {}).get("num_beams", 1)
+    if settings.records_generation and beams and beams > 1:
+        raise ValueError(
+            f"generation_kwargs num_beams={beams}: beam search reorders and prunes the sequences between decode "
+            "steps, so the routes and sampling log-probs recorded during generate would not belong to the returned "
+            "completions. Use sampling (num_beams=1), or routing_replay='none'/'r2' with routing_metrics=False and "
+            "transformers_importance_sampling_correction=False."
+        )
+
+
 @dataclass
 class MoEReplayGRPOConfig(GRPOConfig):
     r"""
@@ -32,6 +101,17 @@ class MoEReplayGRPOConfig(GRPOConfig):
             recorded in the old-logprob pass, or in `generate` with `pr2_rollout_prediction`).
         replay_reference_model (`bool`, *optional*, defaults to `True`):
             Whether the reference model's forward (only when `beta != 0`) replays the same routes as the policy.
+        routing_metrics (`bool`, *optional*):
+            Log the routing agreement between the engine and the trainer (`routing/*`): the engine's routes are
+            recorded (transformers `generate`) or requested (vLLM), and the trainer's natural routes are recorded in
+            its old-logprob pass. Unset: on with routing replay (`r2`/`r3`/`pr2`), off for `"none"`, which is then
+            plain `GRPOTrainer` (no hooks at all). Turning it on under `"none"` changes no TRL number.
+        transformers_importance_sampling_correction (`bool`, *optional*):
+            With `use_vllm=False`: record the log-probs transformers `generate` samples with (as vLLM returns them)
+            and let TRL correct for the sampler/trainer mismatch with them exactly as it does for vLLM
+            (`vllm_importance_sampling_mode`, `vllm_importance_sampling_clip_min`/`_max`; it also makes TRL run
+            its old-logprob pass). Unset: on with routing replay (`r2`/`r3`/`pr2`) or `loss_type="minirl"` while
+            `vllm_importance_sampling_correction` is on (TRL's default), off for `"none"` (plain TRL).
         extreme_token_threshold (`float`, *optional*, defaults to `2.0`):
             A completion token counts as extreme in `mismatch/extreme_frac` when its sampler/trainer probability
             ratio, either way, exceeds this value.
@@ -91,6 +171,20 @@ class MoEReplayGRPOConfig(GRPOConfig):
     replay_reference_model: bool = field(
         default=True,
         metadata={"help": "Whether the reference model's forward (beta != 0) replays the same routes as the policy."},
+    )
+    routing_metrics: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Log routing/* agreement between engine and trainer. Unset: on with r2/r3/pr2, off with 'none' "
+            "(plain GRPOTrainer, no hooks)."
+        },
+    )
+    transformers_importance_sampling_correction: bool | None = field(
+        default=None,
+        metadata={
+            "help": "use_vllm=False: record generate's sampling log-probs and apply TRL's vllm_importance_sampling_* "
+            "correction to them. Unset: on with r2/r3/pr2 or loss_type='minirl', off with 'none'."
+        },
     )
     extreme_token_threshold: float = field(
         default=2.0,
@@ -178,12 +272,26 @@ class MoEReplayGRPOConfig(GRPOConfig):
             raise ValueError(f"pr2_cached_tokens_per_sequence must be >= 1, got {self.pr2_cached_tokens_per_sequence}")
         if self.pr2_rollout_prediction and self.routing_replay != "pr2":
             raise ValueError(f"pr2_rollout_prediction needs routing_replay='pr2', got {self.routing_replay!r}")
+        self._resolve_generation_options()
         if self.pr2_rollout_prediction and self.use_vllm:
             raise ValueError(
                 "pr2_rollout_prediction routes transformers `generate` with the predictors; vLLM cannot run them. "
                 "Set use_vllm=False, or keep use_vllm and pr2_rollout_prediction=False (predicted routes are then "
                 "chosen in the trainer's old-logprob pass)."
             )
+
+    def _resolve_generation_options(self) -> None:
+        """Fill routing_metrics and transformers_importance_sampling_correction when unset (see the docstring)."""
+        if self.routing_metrics is None:
+            self.routing_metrics = self.routing_replay != "none"
+        if self.transformers_importance_sampling_correction is None:
+            self.transformers_importance_sampling_correction = default_transformers_correction(self)
+        elif self.transformers_importance_sampling_correction and not self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "transformers_importance_sampling_correction=True applies TRL's vllm_importance_sampling_* "
+                "correction, which vllm_importance_sampling_correction=False turns off. Set one of them differently."
+            )
+        check_generation_support(self)
 
     def _resolve_loss_options(self) -> None:
         """Fill the loss-dependent defaults left unset (None) and refuse combinations that cannot work."""
@@ -214,6 +322,12 @@ class MoEReplayGRPOConfig(GRPOConfig):
             raise ValueError(
                 "loss_type='rspo' is GSPO with the router-shift weight; router_shift_weighting=False makes it "
                 "loss_type='gspo'. Use that instead."
+            )
+        if self.router_shift_weighting and self.beta != 0.0 and self.use_bias_correction_kl and loss != "minirl":
+            raise ValueError(
+                "router_shift_weighting rescales TRL's importance ratio by γ, and with beta != 0 "
+                "use_bias_correction_kl (TRL's default) multiplies the KL term by that same ratio, so γ would reach "
+                "the KL term too. Set use_bias_correction_kl=False (or beta=0, or router_shift_weighting=False)."
             )
         if loss == "minirl":
             self._check_minirl()
@@ -252,8 +366,11 @@ class MoEReplayGRPOConfig(GRPOConfig):
             refuse("weights tokens, not sequences", "Leave importance_sampling_level unset (or 'token').")
         if self.delta is not None:
             refuse("clips by masking, it has no ratio for delta's two-sided clipping", "Leave delta unset.")
-        if self.entropy_coef != 0.0 or self.use_adaptive_entropy:
-            refuse("does not implement TRL's entropy bonus", "Set entropy_coef=0 and use_adaptive_entropy=False.")
+        if not self.use_vllm and self.transformers_importance_sampling_correction is False:
+            refuse(
+                "needs the rollout log-probs that transformers_importance_sampling_correction records, and it is off",
+                "Leave transformers_importance_sampling_correction unset (or True).",
+            )
 
     def _refuse_meaningless_values(self) -> None:
         """NaN in any float field, inf in this class's own float fields, and an unknown ``loss_type``.

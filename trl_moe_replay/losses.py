@@ -100,40 +100,41 @@ def clip_masks(
 
 # ---------------------------------------------------------------------------------------------- MiniRL
 @dataclass
-class MiniRLTerms:
-    """What :func:`minirl_per_token_loss` computes, all ``[B, C]``."""
+class MiniRLWeights:
+    """What :func:`minirl_token_weights` computes, all ``[B, C]``."""
 
-    loss: torch.Tensor
-    """``-M_t · sg[min(π_θ/μ, cap)] · Â · log π_θ`` (not yet masked or normalised)."""
+    weight: torch.Tensor
+    """``M_t · min(π_θ/μ, cap)``, detached: the per-token loss is ``-weight · Â · log π_θ``."""
     low_clipped: torch.Tensor
     high_clipped: torch.Tensor
     is_weight: torch.Tensor
-    """The truncated rollout importance weight (detached)."""
+    """The truncated rollout importance weight ``min(π_θ/μ, cap)`` (detached)."""
     truncated: torch.Tensor
     """Tokens whose weight hit the cap."""
 
 
-def minirl_per_token_loss(
+def minirl_token_weights(
     per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor,
+    log_ratio: torch.Tensor,
     sampling_per_token_logps: torch.Tensor,
     advantages: torch.Tensor,
     epsilon_low: float,
     epsilon_high: float,
     is_cap: float,
     gamma: torch.Tensor | None = None,
-) -> MiniRLTerms:
-    """The per-token MiniRL objective (Zheng et al. 2025, "Stabilizing RL with LLMs", Eq. 7), as a loss.
+) -> MiniRLWeights:
+    """The token weight of the MiniRL objective (Zheng et al. 2025, "Stabilizing RL with LLMs", Eq. 7).
 
     ``J = Σ_t M_t · sg[π_θ(y_t)/μ(y_t)] · Â · log π_θ(y_t)``: a REINFORCE term with the token-level importance weight
     with respect to the rollout policy μ (``sampling_per_token_logps``), truncated at ``is_cap`` (TIS) and inside a
-    stop-gradient, and the decoupled-PPO mask ``M_t`` on the ratio to the old policy ``r_t = π_θ/π_θold``: ``M_t = 0``
-    where ``Â > 0`` and ``r_t > 1 + ε_high`` or ``Â < 0`` and ``r_t < 1 - ε_low``. Its gradient is
-    ``M_t · w_t · Â · ∇log π_θ``. With ``gamma`` (RSPO's router-shift weight) both ratios are rescaled by γ before the
-    mask and the truncation. A NaN rollout log-prob (vLLM could not score the token) gets weight 1, as in TRL.
+    stop-gradient, and the decoupled-PPO mask ``M_t`` on the ratio to the old policy ``r_t = exp(log_ratio)``:
+    ``M_t = 0`` where ``Â > 0`` and ``r_t > 1 + ε_high`` or ``Â < 0`` and ``r_t < 1 - ε_low``. Its gradient is
+    ``weight · Â · ∇log π_θ`` with ``weight = M_t · min(π_θ/μ, cap)``. With ``gamma`` (RSPO's router-shift weight)
+    both ratios are rescaled by γ before the mask and the truncation. A NaN rollout log-prob (vLLM could not score
+    the token) gets weight 1, as in TRL.
     """
     current = per_token_logps.detach()
-    ratio = torch.exp(current - old_per_token_logps)
+    ratio = torch.exp(log_ratio.detach())
     rollout_log_ratio = torch.nan_to_num(current - sampling_per_token_logps, nan=0.0)
     is_weight = torch.exp(rollout_log_ratio)
     if gamma is not None:
@@ -142,9 +143,10 @@ def minirl_per_token_loss(
     truncated = is_weight > is_cap
     is_weight = is_weight.clamp(max=is_cap)
     low, high = clip_masks(ratio, advantages, epsilon_low, epsilon_high)
-    keep = (~(low | high)).to(per_token_logps.dtype)
-    loss = -keep * is_weight * advantages * per_token_logps
-    return MiniRLTerms(loss=loss, low_clipped=low, high_clipped=high, is_weight=is_weight, truncated=truncated)
+    keep = (~(low | high)).to(is_weight.dtype)
+    return MiniRLWeights(
+        weight=keep * is_weight, low_clipped=low, high_clipped=high, is_weight=is_weight, truncated=truncated
+    )
 
 
 # ---------------------------------------------------------------------------------------------- metrics

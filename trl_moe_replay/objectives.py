@@ -1,12 +1,16 @@
 """The trainer side of the MoE loss options: RSPO's router-shift weight with any loss, ``gspo``/``rspo`` on TRL's
-loss, and ``minirl``'s own loss. The math lives in ``trl_moe_replay.losses``; ``MoEReplayGRPOTrainer`` mixes this in.
+loss, and ``minirl`` on TRL's loss code. The math lives in ``trl_moe_replay.losses``; ``MoEReplayGRPOTrainer`` mixes
+this in. Every reliance on how TRL's ``_compute_loss`` is written is an entry of ``trl_moe_replay.upstream``.
 
-How γ reaches TRL's loss without copying it: TRL builds every importance weight from
-``per_token_logps - old_per_token_logps``, read right after the training forward. ``_compute_loss`` hands TRL a
-shallow copy of the micro-batch, the training forward measures the current router at the old experts
-(``_measuring_router_shift``), and before TRL reads it the copy's ``old_per_token_logps`` becomes
-``old - log γ`` (``losses.shift_old_logps``): every TRL loss type then clips ``γ · ratio`` with its own code, and
-γ = 1 leaves TRL's computation bit for bit unchanged. The buffered batch itself is never modified.
+* γ (``upstream`` entry 5): TRL builds every importance weight from ``per_token_logps - old_per_token_logps``, read
+  right after the training forward. ``_compute_loss`` hands TRL a shallow copy of the micro-batch, the training
+  forward measures the current router at the old experts (``_measuring_router_shift``), and before TRL reads it the
+  copy's ``old_per_token_logps`` becomes ``old - log γ`` (``losses.shift_old_logps``): every TRL loss type then
+  clips ``γ · ratio`` with its own code, and γ = 1 leaves TRL's computation bit for bit unchanged. The buffered
+  batch itself is never modified.
+* MiniRL (``upstream`` entry 6): its per-token loss ``-sg[M_t · min(π_θ/μ, C)] · Â · log π_θ`` is the form of TRL's
+  ``vespo`` branch, whose weight TRL asks ``get_gamma_weights`` for. This mixin answers with MiniRL's weight, and
+  TRL's code does the rest (forward, masks, KL term, aggregation, aux loss, entropy bonus, metrics).
 """
 
 from __future__ import annotations
@@ -21,16 +25,20 @@ from .config import MOE_LOSS_TYPES
 from .losses import (
     completion_aligned,
     lower_quantile,
-    minirl_per_token_loss,
+    minirl_token_weights,
     router_shift,
     router_shift_gamma,
     shift_old_logps,
 )
 from .routing.router_probs import RouterProbes
+from .upstream import MINIRL_TRL_BRANCH, run_loss_on_trl_branch, set_old_logps_for_loss
 
-# The TRL loss that carries our sequence-level names: GSPO is TRL's "grpo" loss (mean over sequences of the
-# per-sequence mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way).
-_TRL_LOSS_FOR = {"gspo": "grpo", "rspo": "grpo"}
+# The TRL loss branch each of our names runs on: GSPO is TRL's "grpo" loss (mean over sequences of the per-sequence
+# mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way); MiniRL is TRL's
+# vespo branch with MiniRL's token weight.
+_TRL_LOSS_FOR = {"gspo": "grpo", "rspo": "grpo", "minirl": MINIRL_TRL_BRANCH}
+# TRL logs the vespo weight's mean under this name; under minirl it is MiniRL's weight, logged under ours.
+_VESPO_WEIGHT_METRIC = "vespo/phi_seq_mean"
 
 
 class MoEObjectivesMixin:
@@ -44,7 +52,7 @@ class MoEObjectivesMixin:
         if name in MOE_LOSS_TYPES and not hasattr(args, "minirl_is_cap"):
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
         self.moe_loss_type = name
-        self.loss_type = _TRL_LOSS_FOR.get(name, name)  # what TRL's _compute_loss branches on
+        run_loss_on_trl_branch(self, _TRL_LOSS_FOR.get(name, name))
         self.router_shift_weighting = bool(getattr(args, "router_shift_weighting", False))
         self.router_shift_gamma_min = getattr(args, "router_shift_gamma_min", 0.8)
         self.minirl_is_cap = getattr(args, "minirl_is_cap", 5.0)
@@ -65,8 +73,6 @@ class MoEObjectivesMixin:
     def _compute_loss(self, model, inputs):
         inputs = self._begin_loss_inputs(inputs)  # a copy: the training forward may shift its old log-probs by γ
         try:
-            if self.moe_loss_type == "minirl":
-                return self._compute_minirl_loss(model, inputs)
             return super()._compute_loss(model, inputs)
         finally:
             self._end_loss_inputs()
@@ -119,8 +125,9 @@ class MoEObjectivesMixin:
             delta = completion_aligned(per_position, logits_to_keep)
         gamma = router_shift_gamma(delta, self.router_shift_gamma_min)
         self._router_shift_gamma = gamma
+        # MiniRL applies γ inside its own weight (get_gamma_weights): its ratio is not TRL's clipped one
         if self.moe_loss_type != "minirl" and self._unshifted_old_logps is not None:
-            inputs["old_per_token_logps"] = shift_old_logps(self._unshifted_old_logps, gamma)
+            set_old_logps_for_loss(inputs, shift_old_logps(self._unshifted_old_logps, gamma))
             if self.off_policy_mask_threshold is not None and "sampling_per_token_logps" not in inputs:
                 # TRL's off-policy mask falls back to the old log-probs: keep it on the unshifted ones
                 inputs["sampling_per_token_logps"] = self._unshifted_old_logps
@@ -152,77 +159,48 @@ class MoEObjectivesMixin:
         metrics["rspo/gamma_p10"].append(lower_quantile(values, 0.1).item())
 
     # ------------------------------------------------------------------ minirl
-    def _compute_minirl_loss(self, model, inputs: dict) -> torch.Tensor:
-        """MiniRL (Eq. 7): ``-Σ_t M_t · sg[min(π_θ/μ, C)] · Â · log π_θ`` over valid tokens, divided by the constant
-        ``completions x max_completion_length`` (Dr. GRPO's normaliser: no length normalisation), plus TRL's KL
-        term (``beta``), off-policy and entropy masks and router aux loss when configured."""
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        logits_to_keep = completion_ids.size(1)
-        mask = _loss_mask(inputs)
+    def get_gamma_weights(self, advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, **vespo):
+        """TRL's VESPO weight, or under ``loss_type="minirl"`` MiniRL's detached token weight ``M_t · min(π_θ/μ, C)``
+        (TRL's vespo branch then forms ``-weight · Â · log π_θ``; ``upstream`` entry 6)."""
+        if self.moe_loss_type != "minirl":
+            return super().get_gamma_weights(
+                advantages=advantages, log_ratio_per_token=log_ratio_per_token, mask=mask,
+                importance_sampling_ratio=importance_sampling_ratio, **vespo,
+            )
+        inputs = self._loss_inputs
         sampling_logps = inputs.get("sampling_per_token_logps")
         if sampling_logps is None:
             raise RuntimeError(
                 "loss_type='minirl' needs the rollout log-probs (sampling_per_token_logps) in the batch, and this "
                 "batch has none: the generation path did not return them (a custom rollout_func without logprobs?)"
             )
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
-        )
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
         old_logps = inputs.get("old_per_token_logps")
-        old_logps = per_token_logps.detach() if old_logps is None else old_logps
-        terms = minirl_per_token_loss(
-            per_token_logps, old_logps, sampling_logps, advantages, self.epsilon_low, self.epsilon_high,
+        if old_logps is None:  # the config guarantees an old-logprob pass (importance-sampling correction on)
+            raise RuntimeError("loss_type='minirl' needs old_per_token_logps in the batch: TRL ran no old-logprob pass")
+        current = log_ratio_per_token.detach() + old_logps  # TRL: log_ratio = per_token_logps - old (unshifted here)
+        weights = minirl_token_weights(
+            current, log_ratio_per_token, sampling_logps, advantages, self.epsilon_low, self.epsilon_high,
             self.minirl_is_cap, gamma=self._router_shift_gamma,
         )
-        per_token_loss = terms.loss
-        if self.off_policy_mask_threshold is not None:
-            per_token_loss = per_token_loss * self.get_off_policy_mask(
-                advantages=advantages, per_token_logps=per_token_logps, sampling_per_token_logps=sampling_logps,
-                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
-            )
-        if self.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-            per_token_loss = per_token_loss * entropy_mask
-        if self.beta != 0.0:
-            ref_logps = inputs["ref_per_token_logps"]
-            per_token_kl = torch.exp(ref_logps - per_token_logps) - (ref_logps - per_token_logps) - 1
-            if self.args.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(per_token_logps - old_logps)
-            per_token_loss = per_token_loss + self.beta * per_token_kl
+        self._log_minirl(weights, _loss_mask(inputs))
+        return weights.weight
 
+    def _log_minirl(self, weights, mask: torch.Tensor) -> None:
         mode = "train" if self.model.training else "eval"
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length) / accumulation
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-
         metrics = self._metrics[mode]
-        low, high = terms.low_clipped, terms.high_clipped
         valid = mask.bool()
+        low, high = weights.low_clipped, weights.high_clipped
         sums = self._global_sums(
             {
                 "tokens": valid.sum(),
-                "entropy": torch.where(valid, entropies.detach(), 0.0).sum(),
                 "low": (low & valid).sum(),
                 "high": (high & valid).sum(),
-                "is_weight": torch.where(valid, terms.is_weight, 0.0).sum(),
-                "truncated": (terms.truncated & valid).sum(),
-                **({"kl": torch.where(valid, per_token_kl.detach(), 0.0).sum()} if self.beta != 0.0 else {}),
+                "is_weight": torch.where(valid, weights.is_weight, 0.0).sum(),
+                "truncated": (weights.truncated & valid).sum(),
             },
-            per_token_logps.device,
+            mask.device,
         )
         tokens = sums["tokens"].clamp(min=1.0)
-        if self.beta != 0.0:
-            metrics["kl"].append((sums["kl"] / tokens).item())
-        metrics["entropy"].append((sums["entropy"] / tokens).item())
         metrics["clip_ratio/low_mean"].append((sums["low"] / tokens).item())
         metrics["clip_ratio/high_mean"].append((sums["high"] / tokens).item())
         metrics["clip_ratio/region_mean"].append(((sums["low"] + sums["high"]) / tokens).item())
@@ -231,7 +209,13 @@ class MoEObjectivesMixin:
         metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather((high * mask).sum(-1) / per_seq)).item())
         metrics["minirl/is_weight_mean"].append((sums["is_weight"] / tokens).item())
         metrics["minirl/is_truncated_frac"].append((sums["truncated"] / tokens).item())
-        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.moe_loss_type == "minirl":  # TRL's vespo metric is MiniRL's mean token weight here
+            for mode_metrics in self._metrics.values():
+                if _VESPO_WEIGHT_METRIC in mode_metrics:
+                    mode_metrics["minirl/token_weight_mean"] = mode_metrics.pop(_VESPO_WEIGHT_METRIC)
+        super().log(logs, start_time)
 
 
 def _loss_mask(inputs: dict) -> torch.Tensor:

@@ -6,12 +6,22 @@ tokenizer is built from code. ``tiny_moe_model("qwen3_moe")`` takes the ``model_
 
 from __future__ import annotations
 
+import contextlib
 import string
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 # ----------------------------------------------------------------------------- tokenizer
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>"]
@@ -27,11 +37,30 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+# A compact ChatML template that renders tool calls the way Qwen3's does (``<tool_call>\n{json}\n</tool_call>``, tool
+# results inside ``<tool_response>``), so TRL's Qwen3 response parser reads them; the system line only names the
+# tools (Qwen3's full JSON schema would make a character-level prompt hundreds of tokens long).
+TOOL_CHAT_TEMPLATE = (  # one line of Jinja, no stray whitespace, so no whitespace control is needed
+    "{% if tools %}<|im_start|>system\nTools:"
+    "{% for t in tools %} {{ t.function.name if t.function is defined else t.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for tc in (m.tool_calls or []) %}<tool_call>\n{{ (tc.function if tc.function is defined else tc) | tojson }}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer (plus role words and ``\\boxed{``) with a ChatML chat template.
 
     Round-trips any printable ASCII text exactly, pads on the left, ends assistant turns with ``<|im_end|>``
-    (its ``eos_token``), and works as TRL's ``processing_class``.
+    (its ``eos_token``), and works as TRL's ``processing_class``. ``tools=True``: a template that renders tool
+    calls and results (:data:`TOOL_CHAT_TEMPLATE`) and TRL's Qwen3 response parser, for ``GRPOTrainer(tools=...)``.
     """
     words = "|".join(Regex_escape(w) for w in WORD_TOKENS)
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(TINY_VOCAB)}, unk_token="<unk>"))
@@ -48,6 +77,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=1024,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    if tools:
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+        tokenizer.response_template = qwen3_template
     return tokenizer
 
 
@@ -282,6 +316,19 @@ def tiny_moe_model(
     return model.to(dtype).eval()
 
 
+def tiny_dense_model(model_type: str = "qwen3", *, seed: int = 0, **config_overrides: Any) -> PreTrainedModel:
+    """A tiny random dense causal LM (no experts) with the same vocabulary and sizes as :func:`tiny_moe_model`:
+    what ``routing_replay="none"`` must train exactly like ``trl.GRPOTrainer``."""
+    settings = {**_COMMON, "intermediate_size": 64, "head_dim": 16, **config_overrides}
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id
+    )
+    return model.eval()
+
+
 def _make_routing_nontrivial(model: PreTrainedModel, seed: int) -> None:
     """Some routers start at zero (all experts tie): give them small random weights so routing means something."""
     generator = torch.Generator().manual_seed(seed + 1)
@@ -297,3 +344,52 @@ def _make_routing_nontrivial(model: PreTrainedModel, seed: int) -> None:
                 extra = getattr(module, buffer_name, None)
                 if isinstance(extra, torch.Tensor) and extra.abs().max() == 0:
                     extra.copy_(torch.randn(extra.shape, generator=generator) * 0.05)
+
+
+# ----------------------------------------------------------------------------- scripted generation
+class _ScriptedLogits(LogitsProcessor):
+    """Forces each row's continuation to a fixed token list (then EOS): every other logit becomes -inf."""
+
+    def __init__(self, targets: list[list[int]], prompt_width: int, eos_token_id: int):
+        self.targets, self.prompt_width, self.eos_token_id = targets, prompt_width, eos_token_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_width
+        forced = torch.full_like(scores, float("-inf"))
+        for row, target in enumerate(self.targets):
+            token = target[step] if step < len(target) else self.eos_token_id
+            forced[row, token] = 0.0
+        return forced
+
+
+@contextlib.contextmanager
+def scripted_generation(model: torch.nn.Module, tokenizer, script: Callable[[str], str]) -> Iterator[None]:
+    """While active, ``model.generate`` writes ``script(prompt_text)`` (then EOS) for every prompt.
+
+    The model's real forwards still run (prefill and every decode step), so routes and log-probs are recorded as
+    for any generation; only the choice of tokens is scripted, through a logits processor. ``prompt_text`` is the
+    decoded prompt without padding, tool results of earlier turns included: tests use it to drive multi-turn
+    tool-calling rollouts deterministically with a tiny random model.
+    """
+    own = model.__dict__.get("generate")  # an instance attribute to restore, if someone set one
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        input_ids = kwargs["input_ids"]
+        mask = kwargs.get("attention_mask")
+        texts = [
+            tokenizer.decode(row[row_mask.bool()] if mask is not None else row)
+            for row, row_mask in zip(input_ids, mask if mask is not None else input_ids, strict=True)
+        ]
+        targets = [tokenizer(script(text), add_special_tokens=False)["input_ids"] for text in texts]
+        processor = _ScriptedLogits(targets, input_ids.shape[1], tokenizer.eos_token_id)
+        return original(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.generate  # the class's generate again
+        else:
+            model.generate = own

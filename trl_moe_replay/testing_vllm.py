@@ -447,15 +447,19 @@ class FakeLLM:
         self.return_routes = bool(kwargs.get("enable_return_routed_experts", False))
         self.prefix_cache_resets = 0
         self.outputs: list[list[FakeRequestOutput]] = []
+        self.requests: list[dict] = []  # the SamplingParams keyword arguments of every generate
         loader = type("Model", (), {"load_weights": lambda _, weights: self.engine.load_weights(iter(weights))})()
         runner = type("Runner", (), {"model": loader})()
         self.llm_engine = type("Engine", (), {})()
         self.llm_engine.model_executor = type("Executor", (), {})()
         self.llm_engine.model_executor.driver_worker = type("Worker", (), {"model_runner": runner})()
+        max_model_len = kwargs.get("max_model_len") or model_object.config.max_position_embeddings
+        self.llm_engine.model_config = type("ModelConfig", (), {"max_model_len": max_model_len})()
         type(self).instances.append(self)
 
     def generate(self, prompts: list[dict], sampling_params: FakeSamplingParams, use_tqdm: bool = False):
         params = sampling_params.kwargs
+        self.requests.append(params)
         grouped = self.engine.generate(
             [p["prompt_token_ids"] for p in prompts], n=params.get("n", 1),
             temperature=params.get("temperature", 1.0), max_tokens=params.get("max_tokens", 16),

@@ -28,23 +28,26 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import broadcast_object_list, is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
+from trl.trainer.utils import pad
 
-from .config import MoEReplayGRPOConfig
+from .config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
 from .generation import TransformersRolloutRecorder
-from .generation.vllm import VLLMRouteSource, routed_experts_in_colocated_llm
+from .generation.turns import RolloutTurns
+from .generation.vllm import RoutesUnavailableError, VLLMRouteSource, colocated_llm_returning_routes
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
 from .output_lock import OutputDirInUseError, OutputDirLock
 from .pr2 import PredictiveRoutingReplay
 from .routing import RouterReplay
 from .routing.engine import routes_from_engine
+from .upstream import assert_trl_compatible, engine_logprob_correction, is_reference_forward, vllm_request_fields
 
 logger = logging.get_logger(__name__)
 
@@ -53,9 +56,12 @@ logger = logging.get_logger(__name__)
 class _ScoringState:
     """What one ``_generate_and_score_completions`` call learns along the way."""
 
-    expects_old_pass: bool
-    generation_routes: torch.Tensor | None
-    old_pass_done: bool = False
+    turns: RolloutTurns | None = None  # the engine's rows per sample and turn (None: no engine routes)
+    generated_turns: int = 0  # _generate_single_turn calls so far (TRL's tool loop calls it again per turn)
+    prompt_lengths: list[int] = field(default_factory=list)
+    completion_lengths: list[int] = field(default_factory=list)
+    sampling_logprobs: list[list[float]] | None = None  # recorded for the metrics only (not handed to TRL)
+    generation_routes: torch.Tensor | None = None  # engine rows in TRL's padded layout, aligned on first use
     old_natural_routes: torch.Tensor | None = None
     old_router_ids: torch.Tensor | None = None  # router_shift_weighting: the experts the old pass used ...
     old_router_probs: torch.Tensor | None = None  # ... and the old router's probabilities there
@@ -68,6 +74,10 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     gets the defaults: R3). Swapping two imports in a TRL GRPO script is the whole change::
 
         from trl_moe_replay import MoEReplayGRPOTrainer as GRPOTrainer, MoEReplayGRPOConfig as GRPOConfig
+
+    With ``routing_replay="none"`` (and ``routing_metrics`` left off) it is ``GRPOTrainer`` itself: every override
+    hands straight to TRL, no hook is registered, and only ``mismatch/*`` metrics computed from TRL's own tensors
+    are added.
     """
 
     _tag_names = ["trl", "grpo", "moe-routing-replay"]
@@ -78,139 +88,192 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
-        self.routing_replay = getattr(args, "routing_replay", "r3")
-        self.replay_reference_model = getattr(args, "replay_reference_model", True)
-        self.extreme_token_threshold = getattr(args, "extreme_token_threshold", 2.0)
-        colocated_r3 = self.routing_replay == "r3" and args.use_vllm and args.vllm_mode == "colocate"
-        with routed_experts_in_colocated_llm() if colocated_r3 else contextlib.nullcontext():
+        assert_trl_compatible()
+        check_generation_support(args)
+        settings = self.replay_settings = ReplaySettings.from_args(args)
+        self.routing_replay = settings.routing_replay
+        self.replay_reference_model = settings.replay_reference_model
+        self.extreme_token_threshold = settings.extreme_token_threshold
+        colocated_routes = args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes
+        with colocated_llm_returning_routes() if colocated_routes else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
-        # R3 with vLLM: keep the routes vLLM returns (generation/vllm.py), this rank's samples only
+        uses_routes = settings.routing_replay != "none" or settings.routing_metrics
+        hooks_needed = uses_routes or bool(getattr(args, "router_shift_weighting", False))
+        self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
+        self._ref_route_replay = (
+            RouterReplay(self.ref_model) if self.ref_model is not None and settings.routing_replay != "none" else None
+        )
+        # R3 with vLLM (or routing metrics): keep the routes vLLM returns (generation/vllm.py), this rank's only
         self._vllm_routes = None
-        if self.routing_replay == "r3" and self._use_vllm_engine:
-            self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator)
-        if self.routing_replay != "none" and (self.tools or self.rollout_func is not None):
-            raise NotImplementedError(
-                "routing replay supports single-turn generation only: tools and rollout_func produce multi-segment "
-                "completions whose routes are not recorded. Use routing_replay='none' with them."
+        if args.use_vllm and settings.generation_routes:
+            self._vllm_routes = VLLMRouteSource(
+                self.vllm_generation, self.accelerator, required=settings.routing_replay == "r3"
             )
-        self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model))
-        self._ref_route_replay = RouterReplay(self.ref_model) if self.ref_model is not None else None
-        # transformers generate records sampling log-probs like an engine: let TRL's importance-sampling
-        # correction and old-logprob pass treat it as one (see the `use_vllm` property).
-        self._hf_engine = not self._use_vllm_engine
-        if self.routing_replay != "none" and self.aux_loss_enabled:
+        if settings.routing_replay != "none" and self.aux_loss_enabled:
             logger.warning(
                 "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
                 "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
             )
             self.aux_loss_enabled = False
-        if self.routing_replay == "r2" and not self._old_pass_expected():
-            logger.warning(
-                "routing_replay='r2' is a no-op here: this configuration is on-policy (no old-logprob pass), so "
-                "every update already routes like the old policy."
-            )
-        if self.routing_replay == "pr2" and not self._old_pass_expected():
-            logger.warning(
-                "routing_replay='pr2' needs the old-logprob pass, which this on-policy configuration skips: its "
-                "predictors get no training data and stay at zero, so the routes stay the router's own."
-            )
-        self._pr2 = self._build_pr2(args) if self.routing_replay == "pr2" else None
+        self._pr2 = self._build_pr2(args) if settings.routing_replay == "pr2" else None
         self._scoring: _ScoringState | None = None
+        self._warned_on_policy = False
         self._batch_routes: torch.Tensor | None = None
         self._train_replay = contextlib.ExitStack()
-        self._engine_rows: list | None = None
         self._setup_objectives(self.args)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = OutputDirLock(self.args.output_dir)
         weakref.finalize(self, self._output_lock.release)
 
-    # ------------------------------------------------------------------ engine flag
     @property
-    def use_vllm(self) -> bool:
-        """TRL's switch for both "sample with vLLM" and "correct for the engine's log-probs".
+    def _is_plain_trl(self) -> bool:
+        """Nothing to record or replay: every override hands straight to TRL."""
+        return self._route_replay is None and not self.replay_settings.records_generation and self._vllm_routes is None
 
-        On the transformers path our recorder supplies sampling log-probs just as vLLM does, so outside generation
-        itself we answer True: TRL then runs its old-logprob pass and importance-sampling correction unchanged.
-        """
-        if self.__dict__.get("_use_vllm_engine", False):
-            return True
-        return self.__dict__.get("_hf_engine", False) and not self.__dict__.get("_in_generation", False)
-
-    @use_vllm.setter
-    def use_vllm(self, value: bool) -> None:
-        self.__dict__["_use_vllm_engine"] = bool(value)
-
-    @property
-    def _use_vllm_engine(self) -> bool:
-        return self.__dict__.get("_use_vllm_engine", False)
-
-    def _old_pass_expected(self) -> bool:
-        """TRL's own condition for computing old-policy log-probs (``_generate_and_score_completions``)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
+    def _engine_correction(self, enabled: bool = True):
+        """TRL's engine log-prob correction on the transformers path, when configured (``upstream`` entry 2)."""
+        if not self.replay_settings.transformers_importance_sampling_correction:
+            return contextlib.nullcontext()
+        return engine_logprob_correction(self, enabled)
 
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if self._use_vllm_engine:
-            output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                   has_tool_images)
-            if self._vllm_routes is not None:
-                self._engine_rows = self._vllm_routes.local_rows(len(prompt_ids))
+        """One generation turn: the first of the batch, or (TRL's tool loop) a later turn of the tool-calling
+        samples, prompted with their whole sequence so far. The engine's rows are kept per sample and turn."""
+        parent = super()._generate_single_turn
+        state = self._scoring
+        if state is None or (self.args.use_vllm and self._vllm_routes is None):
+            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        later_turn = state.generated_turns > 0
+        state.generated_turns += 1
+        samples = state.turns.match(prompt_ids) if later_turn and state.turns is not None else None
+        if self.args.use_vllm:
+            source = self._vllm_routes
+            start = source.prompt_start
+            if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
+                start = state.turns.held_positions(samples) if state.turns is not None and source.can_skip else 0
+            source.begin_batch()
+            with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if later_turn else \
+                    contextlib.nullcontext():
+                output = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            rows = source.local_rows(len(prompt_ids))
+            if not source.required and not any(row is not None for row in rows):
+                rows = None  # metrics alone: an engine without routes leaves nothing to compare
+            self._record_turn(state, prompt_ids, output[0], rows, start, samples)
             return output
+        if not self.replay_settings.records_generation:
+            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         causal_lm = self.accelerator.unwrap_model(self.model)
         if is_peft_model(causal_lm):
             causal_lm = causal_lm.get_base_model()
-        recorder = TransformersRolloutRecorder(self._route_replay, causal_lm, self.temperature)
+        routes = self._route_replay if self.replay_settings.generation_routes else None
+        recorder = TransformersRolloutRecorder(routes, causal_lm, self.temperature)
         predicting = self._pr2 is not None and self._pr2.rollout_prediction
         with recorder, (self._pr2.steering() if predicting else contextlib.nullcontext()):
-            completion_ids, _ = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+            completion_ids, _ = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         recorder.finish_with(completion_ids, pad_token_id=self._tokenizer.pad_token_id)
-        prompt_lengths = [len(ids) for ids in prompt_ids]
         completion_lengths = [len(ids) for ids in completion_ids]
-        self._engine_rows = recorder.engine_rows(prompt_lengths, completion_lengths)
-        return completion_ids, recorder.sampling_logprobs(completion_lengths)
+        if routes is not None:
+            rows = recorder.engine_rows([len(ids) for ids in prompt_ids], completion_lengths)
+            self._record_turn(state, prompt_ids, completion_ids, rows, 0, samples)
+        logprobs = recorder.sampling_logprobs(completion_lengths)
+        if self.replay_settings.transformers_importance_sampling_correction:
+            return completion_ids, logprobs
+        # for the mismatch metrics only (TRL's numbers stay its own); single-turn batches only: TRL assembles
+        # multi-turn log-probs only when it receives them
+        state.sampling_logprobs = None if later_turn else logprobs
+        return completion_ids, None
+
+    @staticmethod
+    def _record_turn(state: _ScoringState, prompt_ids, completion_ids, rows, prompt_start: int, samples) -> None:
+        if state.turns is None:  # the batch's first turn (later ones add to it), unless it brought no routes
+            if state.generated_turns == 1 and rows is not None:
+                state.turns = RolloutTurns(prompt_ids, completion_ids, rows, prompt_start)
+            return
+        state.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
     def _generate(self, prompts):
-        self._engine_rows = None
-        self._in_generation = True
-        try:
+        state = self._scoring
+        if state is None:
+            return super()._generate(prompts)
+        with self._engine_correction(enabled=False):  # generate on the transformers path, as configured
             output = super()._generate(prompts)
-        finally:
-            self._in_generation = False
-        if self._scoring is not None:  # TRL calls _generate from _generate_and_score_completions only
-            self._scoring.generation_routes = self._align_engine_rows(output[0], output[1])
+        prompt_ids, completion_ids, extra_fields = output[0], output[1], output[5]
+        state.prompt_lengths = [len(ids) for ids in prompt_ids]
+        state.completion_lengths = [len(ids) for ids in completion_ids]
+        if self.rollout_func is not None:
+            self._take_rollout_func_routes(state, prompt_ids, completion_ids, extra_fields)
         return output
 
-    def _align_engine_rows(self, prompt_ids, completion_ids) -> torch.Tensor | None:
-        if self._engine_rows is None:
+    def _take_rollout_func_routes(self, state: _ScoringState, prompt_ids, completion_ids, extra_fields: dict) -> None:
+        """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
+        arrays or base64 ``.npy`` strings, ``None`` for none) and ``routed_experts_prompt_start`` (int or per-sample
+        ints); they are taken out of the fields TRL hands to the reward functions."""
+        rows = extra_fields.pop("routed_experts", None)
+        starts = extra_fields.pop("routed_experts_prompt_start", 0)
+        if not self.replay_settings.generation_routes:
+            return
+        if rows is None:
+            if self.routing_replay == "r3":
+                raise RoutesUnavailableError(
+                    "routing_replay='r3' with a rollout_func needs the experts the engine routed each token to: "
+                    "return them as output['routed_experts'] (one [p + c - 1, num_layers, top_k] array or vLLM "
+                    "base64 payload per sample, vLLM's layout), or train with routing_replay='r2'."
+                )
+            return
+        if len(rows) != len(prompt_ids):
+            raise RoutesUnavailableError(
+                f"rollout_func returned routed_experts for {len(rows)} samples and {len(prompt_ids)} completions"
+            )
+        state.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
+
+    def _rollout_routes(self, state: _ScoringState, prompt_width: int, completion_width: int) -> torch.Tensor | None:
+        """The engine's routes in TRL's padded layout (aligned once, at TRL's widths), or None."""
+        if state.turns is None:
             return None
-        rr = self._route_replay
-        layout = dict(
-            prompt_lengths=[len(ids) for ids in prompt_ids],
-            completion_lengths=[len(ids) for ids in completion_ids],
-            prompt_width=_padded_width(prompt_ids, self.pad_to_multiple_of),
-            completion_width=_padded_width(completion_ids, self.pad_to_multiple_of),
-            num_layers=rr.num_layers,
-            top_k=rr.top_k,
-            moe_layers=rr.moe_layers,
-            num_experts=rr.num_experts,
-        )
-        if self._vllm_routes is not None:  # engine payloads: a bad sample falls back instead of failing the run
-            return self._vllm_routes.align(self._engine_rows, **layout)
-        return routes_from_engine(self._engine_rows, **layout)
+        if state.generation_routes is None:
+            rr = self._route_replay
+            layout = dict(
+                prompt_lengths=state.prompt_lengths,
+                completion_lengths=state.completion_lengths,
+                prompt_width=prompt_width,
+                completion_width=completion_width,
+                num_layers=rr.num_layers,
+                top_k=rr.top_k,
+                moe_layers=rr.moe_layers,
+                num_experts=rr.num_experts,
+            )
+            if self._vllm_routes is not None:  # engine payloads: a bad sample falls back instead of failing the run
+                state.generation_routes = self._vllm_routes.align(state.turns.turns, **layout)
+            else:
+                state.generation_routes = routes_from_engine(state.turns.turns, **layout)
+        elif state.generation_routes.shape[1] != prompt_width + completion_width:
+            raise RuntimeError(
+                f"the generation routes were aligned to {state.generation_routes.shape[1]} positions, but TRL's batch "
+                f"has {prompt_width} + {completion_width}"
+            )
+        return state.generation_routes
 
     def _generate_and_score_completions(self, inputs):
-        self._scoring = _ScoringState(expects_old_pass=self._old_pass_expected(), generation_routes=None)
-        try:
+        if self._is_plain_trl:
             output = super()._generate_and_score_completions(inputs)
-            state = self._scoring
+            self._log_mismatch_metrics(output, None)
+            return output
+        state = self._scoring = _ScoringState()
+        try:
+            with self._engine_correction():
+                output = super()._generate_and_score_completions(inputs)
         finally:
             self._scoring = None
+        self._rollout_routes(state, output["prompt_ids"].size(1), output["completion_ids"].size(1))
+        if self.routing_replay in ("r2", "pr2") and "old_per_token_logps" not in output and not self._warned_on_policy:
+            self._warned_on_policy = True
+            logger.warning(
+                f"routing_replay={self.routing_replay!r} has nothing to replay here: TRL ran no old-logprob pass for "
+                "this batch, so the configuration is on-policy and every update already routes like the old policy"
+                + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None else ".")
+            )
         replay_routes = self._routes_to_replay(state)
         if replay_routes is not None:
             output["replay_routes"] = replay_routes
@@ -224,33 +287,42 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     # ------------------------------------------------------------------ forwards
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        if any(value is not None for value in multimodal.values()):
-            raise NotImplementedError("routing replay supports text-only models")
         parent = super()._get_per_token_logps_and_entropies
         state = self._scoring
-        if state is None:  # training (or evaluation) forward on a micro-batch
-            routes = self._batch_routes
-            if routes is None:
-                return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                              compute_aux_loss)
+        if self._route_replay is None or (state is None and self._batch_routes is None):
+            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss, **multimodal)
+        if any(value is not None for value in multimodal.values()):
+            raise NotImplementedError("routing replay supports text-only models")
+        if state is None:  # training (or evaluation) forward on a micro-batch, replaying its routes
             if torch.is_grad_enabled():
                 # stays in force through the backward; training_step closes it
-                self._train_replay.enter_context(self._route_replay.replay(routes))
+                self._train_replay.enter_context(self._route_replay.replay(self._batch_routes))
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
-            with self._route_replay.replay(routes):
+            with self._route_replay.replay(self._batch_routes):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
 
-        is_old_pass = state.expects_old_pass and not state.old_pass_done
-        state.old_pass_done = True
+        prompt_width = input_ids.size(1) - logits_to_keep
+        is_old_pass = not is_reference_forward(self, model)
         if is_old_pass:
-            rr, record = self._route_replay, True
-            routes = state.generation_routes if self._replays_rollout_routes() else None
-        else:  # reference pass
+            rr = self._route_replay
+            record = self.replay_settings.routing_metrics or self.routing_replay in ("r2", "pr2")
+            rollout = self._rollout_routes(state, prompt_width, logits_to_keep)
+            routes = rollout if self._replays_rollout_routes() else None
+            observed = record or self._pr2 is not None or self._router_probes is not None
+        else:  # the reference pass (beta != 0) replays the policy's routes, unless told not to
             rr = self._ref_route_replay if model is self.ref_model else self._route_replay
             record = False
-            routes = self._routes_to_replay(state) if self.replay_reference_model else None
+            routes = None
+            if self.routing_replay != "none" and self.replay_reference_model:
+                self._rollout_routes(state, prompt_width, logits_to_keep)
+                routes = self._routes_to_replay(state)
+            observed = False
+        if routes is None and not observed:
+            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss)
 
         batch_size = batch_size or input_ids.size(0)
         logps, entropies, aux_losses, natural, old_router = [], [], [], [], []
@@ -264,7 +336,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                         attention_mask[start:end], logits_to_keep, steer=routes is None, cache=self.model.training
                     ))
                 recording = stack.enter_context(rr.record()) if record else None
-                capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), record))
+                capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), is_old_pass))
                 chunk_logps, chunk_entropies, chunk_aux = parent(
                     model, input_ids[start:end], attention_mask[start:end], logits_to_keep, None, compute_entropy,
                     compute_aux_loss,
@@ -289,10 +361,11 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         self._batch_routes = inputs.get("replay_routes")
-        if self._pr2 is not None and self.model.training:
-            with self._pr2.watch_training_forward(inputs):
-                return super()._compute_loss(model, inputs)
-        return super()._compute_loss(model, inputs)
+        with self._engine_correction():
+            if self._pr2 is not None and self.model.training:
+                with self._pr2.watch_training_forward(inputs):
+                    return super()._compute_loss(model, inputs)
+            return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:
@@ -401,8 +474,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             logger.warning(f"no PR2 predictors in {checkpoint}; they start from zero (R2 routes)")
 
     # ------------------------------------------------------------------ metrics
-    def _log_mismatch_metrics(self, output: dict, state: _ScoringState) -> None:
-        """Log the mismatch and routing metrics of this generation batch, summed over ranks before dividing.
+    def _log_mismatch_metrics(self, output: dict, state: _ScoringState | None) -> None:
+        """``mismatch/*`` wherever the batch has both the sampler's and the trainer's old log-probs (TRL's own, or
+        recorded for the metrics), ``routing/*`` wherever the engine's routes and the trainer's natural ones exist.
 
         A ratio with nothing to measure (no valid completion token, no routed pair) is logged as NaN, not 0.0 (which
         reads as a perfect score): TRL's ``log`` drops NaN before averaging a logging window, so other steps'
@@ -413,28 +487,36 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         device = self.accelerator.device
         old = output.get("old_per_token_logps")
         sampling = output.get("sampling_per_token_logps")
+        if sampling is None and state is not None and state.sampling_logprobs is not None:
+            sampling = pad(
+                [torch.tensor(row, dtype=torch.float32) for row in state.sampling_logprobs], padding_value=0.0,
+                padding_side="right", pad_to_multiple_of=self.pad_to_multiple_of,
+            ).to(device)
         if old is not None and sampling is not None:
-            sums = logprob_mismatch_sums(sampling, old, output["completion_mask"], self.extreme_token_threshold)
+            mask = output["completion_mask"]
+            if "tool_mask" in output:  # tool results are not sampled: TRL gives them log-prob 0 and masks them out
+                mask = mask * output["tool_mask"]
+            sums = logprob_mismatch_sums(sampling, old, mask, self.extreme_token_threshold)
             total = self._global_sums(sums, device)
             metrics["mismatch/kl_k1"].append(_ratio(total["kl_k1"], total["tokens"]))
             metrics["mismatch/kl_k3"].append(_ratio(total["kl_k3"], total["tokens"]))
             metrics["mismatch/extreme_frac"].append(_ratio(total["extreme"], total["tokens"]))
-        reference = state.generation_routes
+        reference = state.generation_routes if state is not None else None
+        if reference is None:
+            return
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        if state.old_natural_routes is None and reference is not None:  # no trainer pass to compare: fallback only
-            sums = fallback_sums(reference, routable_positions(attention_mask).cpu(), self._route_replay.moe_layers)
-            total = self._global_sums(sums, device)
-            metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
-        if state.old_natural_routes is not None and reference is not None:
-            sums = routing_agreement_sums(
-                state.old_natural_routes, reference, routable_positions(attention_mask).cpu(),
-                self._route_replay.moe_layers,
+        positions = routable_positions(attention_mask).cpu()
+        moe_layers = self._route_replay.moe_layers
+        if state.old_natural_routes is None:  # no trainer pass to compare: fallback only
+            total = self._global_sums(fallback_sums(reference, positions, moe_layers), device)
+        else:
+            total = self._global_sums(
+                routing_agreement_sums(state.old_natural_routes, reference, positions, moe_layers), device
             )
-            total = self._global_sums(sums, device)
             metrics["routing/mismatch_frac"].append(_ratio(total["mismatch_pairs"], total["pairs"]))
             metrics["routing/token_any_mismatch"].append(_ratio(total["tokens_any_mismatch"], total["tokens"]))
             metrics["routing/topk_agreement"].append(_ratio(total["overlap"], total["pairs"]))
-            metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
+        metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
 
     def _global_sums(self, sums: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
         names = list(sums)
@@ -446,11 +528,3 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
 def _ratio(total: torch.Tensor, count: torch.Tensor) -> float:
     """``total / count``, or NaN when nothing was counted ("no data", which TRL's ``log`` leaves out of averages)."""
     return (total / count).item() if count.item() > 0 else math.nan
-
-
-def _padded_width(sequences: list[list[int]], multiple: int | None) -> int:
-    """The width ``trl.trainer.utils.pad`` gives: the longest sequence, rounded up to ``multiple``."""
-    width = max((len(seq) for seq in sequences), default=0)
-    if multiple:
-        width = -(-width // multiple) * multiple
-    return width

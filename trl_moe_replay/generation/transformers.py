@@ -19,10 +19,11 @@ class TransformersRolloutRecorder:
 
     ``causal_lm`` is the module whose forward returns ``.logits`` (for PEFT, the base causal LM). Log-probs are
     gathered step by step (each decode step's input is the token sampled from the previous step's logits), so only
-    one step of ``[B, vocab]`` log-probs is alive at a time.
+    one step of ``[B, vocab]`` log-probs is alive at a time. With ``router_replay=None`` only the log-probs are
+    recorded (a run that needs the sampler's log-probs but not its routes).
     """
 
-    def __init__(self, router_replay: RouterReplay, causal_lm: nn.Module, temperature: float):
+    def __init__(self, router_replay: RouterReplay | None, causal_lm: nn.Module, temperature: float):
         self.router_replay = router_replay
         self.causal_lm = causal_lm
         self.temperature = temperature
@@ -33,8 +34,9 @@ class TransformersRolloutRecorder:
         self._record_ctx = None
 
     def __enter__(self) -> TransformersRolloutRecorder:
-        self._record_ctx = self.router_replay.record()
-        self._recording = self._record_ctx.__enter__()
+        if self.router_replay is not None:
+            self._record_ctx = self.router_replay.record()
+            self._recording = self._record_ctx.__enter__()
         self._handles = [
             self.causal_lm.register_forward_pre_hook(self._before_step, with_kwargs=True),
             self.causal_lm.register_forward_hook(self._after_step),
@@ -44,7 +46,8 @@ class TransformersRolloutRecorder:
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
-        self._record_ctx.__exit__(*exc)
+        if self._record_ctx is not None:
+            self._record_ctx.__exit__(*exc)
 
     def _before_step(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)

@@ -5,18 +5,18 @@ layout in ``trl_moe_replay.routing.engine``). TRL 1.16 drops them on both paths;
 least reach into TRL:
 
 * **Server mode** (``trl vllm-serve --model M --enable-return-routed-experts``). Only the main process talks to
-  the server. Its ``VLLMClient`` is switched in place to :class:`RoutedExpertsVLLMClient` (same object, so the
-  weight-sync communicator TRL opened stays as it is), which runs TRL's own ``generate`` unchanged and also keeps
-  each ``/v1/completions`` choice's ``routed_experts`` string. TRL then broadcasts its token ids and log-probs to
-  every rank as usual; the route payloads do not ride along. :meth:`VLLMRouteSource.local_rows` scatters them
-  instead: rank r receives only the base64 payloads of its own samples (TRL's ``process_slice``), still encoded,
-  and decodes them itself while aligning. Bytes moved per generation batch: the payload bytes of the global batch
-  once (each rank its own share), instead of world size times that for a broadcast.
-* **Colocate mode** (``vllm.LLM`` inside each training process). While TRL builds its ``LLM``, the constructor is
-  called with ``enable_return_routed_experts=True`` added (:func:`routed_experts_in_colocated_llm`); the instance's
-  ``generate`` is wrapped to keep the ``RequestOutput``s, whose ``CompletionOutput.routed_experts`` arrays are this
-  rank's rows (sliced like TRL's tensor-parallel slice when ``vllm_tensor_parallel_size > 1``). Nothing moves
-  between processes.
+  the server. A ``requests`` response hook on the session of TRL's ``VLLMClient`` (:class:`CompletionRoutesHook`)
+  keeps each ``/v1/completions`` choice's ``routed_experts`` string while TRL's own ``generate`` runs unchanged.
+  TRL then broadcasts its token ids and log-probs to every rank as usual; the route payloads do not ride along.
+  :meth:`VLLMRouteSource.local_rows` scatters them instead: rank r receives only the base64 payloads of its own
+  samples (TRL's ``process_slice``), still encoded, and decodes them itself while aligning. Bytes moved per
+  generation batch: the payload bytes of the global batch once (each rank its own share), instead of world size
+  times that for a broadcast.
+* **Colocate mode** (``vllm.LLM`` inside each training process). TRL builds its ``LLM`` from a subclass chosen at
+  construction (:func:`llm_returning_routes`, installed through ``trl_moe_replay.upstream``) that adds
+  ``enable_return_routed_experts=True`` and keeps the ``RequestOutput``s of its last ``generate``; their
+  ``CompletionOutput.routed_experts`` arrays are this rank's rows (sliced like TRL's tensor-parallel slice when
+  ``vllm_tensor_parallel_size > 1``). Nothing moves between processes.
 
 Missing routes are handled in two ways. If the very first generation batch carries no route at all, the engine is
 not set up for R3 (flag off, prefix caching off, a model vLLM does not capture): :class:`RoutesUnavailableError`
@@ -29,18 +29,16 @@ undecodable) is routed by the trainer's own router instead, with a warning; its 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.utils import logging
-from trl.generation.vllm_client import VLLMClient
 
-from ..routing.engine import routes_from_engine
+from ..routing.engine import EngineTurn, routes_from_engine
 from ..routing.errors import RouteAlignmentError
+from ..upstream import client_session, colocated_llm_class
 
 logger = logging.get_logger(__name__)
 
@@ -57,69 +55,70 @@ def server_command(model: str) -> str:
 
 
 # ----------------------------------------------------------------------------- server mode
-class RoutedExpertsVLLMClient(VLLMClient):
-    """TRL's ``VLLMClient`` that also keeps the ``routed_experts`` of every ``/v1/completions`` choice.
+class CompletionRoutesHook:
+    """A ``requests`` response hook that keeps the ``routed_experts`` of every ``/v1/completions`` choice.
 
-    ``generate`` is TRL's own; the ``choices`` it parses pass through ``_post``, where each choice's
-    ``routed_experts`` (vLLM's base64 ``.npy`` string, or ``None``) is kept in response order, which is the order
-    of TRL's completions (prompt-major, ``n`` per prompt). After ``generate``, :attr:`routed_experts` holds one
-    entry per returned completion.
+    Installed once on the session of TRL's ``VLLMClient`` (main process); it records only between :meth:`start`
+    and :meth:`take`, i.e. around one ``VLLMClient.generate``, whose single response lists its choices in TRL's
+    completion order (prompt-major, ``n`` per prompt). Each entry is vLLM's base64 ``.npy`` string, or ``None``.
     """
 
-    routed_experts: list[str | None] | None = None
-    _capturing: list[str | None] | None = None
+    def __init__(self) -> None:
+        self._capturing: list[str | None] | None = None
 
-    def generate(self, prompts, features=None, *args, **kwargs):
-        if features is not None:
-            # TRL sends one concurrent request per image prompt there, so response order is not completion order.
-            raise NotImplementedError("routing replay with vLLM supports text-only prompts")
-        self.routed_experts = None
-        self._capturing = []
-        try:
-            output = super().generate(prompts, features, *args, **kwargs)
-            self.routed_experts = self._capturing
-        finally:
-            self._capturing = None
-        return output
-
-    def _post(self, url: str, **kwargs) -> dict:
-        body = super()._post(url, **kwargs)
-        if self._capturing is not None and isinstance(body, dict):
+    def __call__(self, response, *args, **kwargs) -> None:
+        if self._capturing is None or not response.ok or response.request.method != "POST":
+            return None
+        if not response.request.path_url.split("?")[0].endswith("/v1/completions"):
+            return None
+        body = response.json()
+        if isinstance(body, dict):
             self._capturing.extend(choice.get("routed_experts") for choice in body.get("choices", ()))
-        return body
+        return None
+
+    def start(self) -> None:
+        self._capturing = []
+
+    def take(self) -> list[str | None] | None:
+        """The payloads captured since :meth:`start` (``None`` if not started), and stop capturing."""
+        captured, self._capturing = self._capturing, None
+        return captured
 
 
-def _with_route_capture(client: VLLMClient) -> RoutedExpertsVLLMClient:
-    """Switch ``client`` (TRL's, already connected) to a route-keeping class in place."""
-    if not isinstance(client, RoutedExpertsVLLMClient):
-        cls = type(client)
-        client.__class__ = (
-            RoutedExpertsVLLMClient
-            if cls is VLLMClient
-            else type(f"RoutedExperts{cls.__name__}", (RoutedExpertsVLLMClient, cls), {})
-        )
-    return client
+def install_routes_hook(vllm_client: Any) -> CompletionRoutesHook:
+    """Add a :class:`CompletionRoutesHook` to the session of TRL's (already connected) ``VLLMClient``."""
+    hook = CompletionRoutesHook()
+    client_session(vllm_client).hooks["response"].append(hook)
+    return hook
 
 
 # ----------------------------------------------------------------------------- colocate mode
-@contextlib.contextmanager
-def routed_experts_in_colocated_llm() -> Iterator[None]:
-    """While TRL's ``VLLMGeneration`` builds its colocated ``LLM``, add ``enable_return_routed_experts=True``.
+def llm_returning_routes(llm_class: type) -> type:
+    """A subclass of ``llm_class`` (vLLM's ``LLM``) built with ``enable_return_routed_experts=True`` that keeps the
+    ``RequestOutput``s of its last ``generate`` in :attr:`last_outputs` (TRL's ``VLLMGeneration`` keeps only token
+    ids and log-probs)."""
 
-    TRL calls ``LLM(...)`` with a fixed argument list and no pass-through, so the name it calls is bound to a
-    partial for the duration of the trainer's constructor. Without vLLM installed the name does not exist and TRL
-    raises its own ImportError.
-    """
-    module = importlib.import_module("trl.generation.vllm_generation")
-    original = getattr(module, "LLM", None)
-    if original is None:
+    class RoutedExpertsLLM(llm_class):
+        last_outputs = None
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("enable_return_routed_experts", True)
+            super().__init__(*args, **kwargs)
+
+        def generate(self, *args, **kwargs):
+            outputs = super().generate(*args, **kwargs)
+            self.last_outputs = outputs
+            return outputs
+
+    RoutedExpertsLLM.__qualname__ = RoutedExpertsLLM.__name__ = f"RoutedExperts{llm_class.__name__}"
+    return RoutedExpertsLLM
+
+
+@contextlib.contextmanager
+def colocated_llm_returning_routes() -> Iterator[None]:
+    """Around the construction of TRL's trainer: its colocated ``LLM`` returns routes (``upstream`` entry 8)."""
+    with colocated_llm_class(llm_returning_routes):
         yield
-        return
-    module.LLM = functools.partial(original, enable_return_routed_experts=True)
-    try:
-        yield
-    finally:
-        module.LLM = original
 
 
 # ----------------------------------------------------------------------------- per-rank rows
@@ -140,40 +139,50 @@ class VLLMRouteSource:
     like TRL's broadcast before it), then :meth:`align` with TRL's padded layout.
     """
 
-    def __init__(self, vllm_generation: Any, accelerator: Any):
+    def __init__(self, vllm_generation: Any, accelerator: Any, *, required: bool = True):
         self.mode = vllm_generation.mode
         self.accelerator = accelerator
+        self.required = required  # R3 stops when the engine returns no routes; metrics alone do without them
         self._generation = vllm_generation
         self.prompt_start = _prompt_start(vllm_generation.generation_kwargs)
         self.received_routes = False  # has any batch carried a route yet (fail fast only before that)
         self._aligned_first_batch = False
+        self._warned_no_routes = False
         self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
         self.last_transfer = RouteTransfer()
-        self._colocate_outputs: list | None = None
+        self._hook: CompletionRoutesHook | None = None
         if self.mode == "server":
-            self.client = _with_route_capture(vllm_generation.vllm_client) if accelerator.is_main_process else None
-        elif self.mode == "colocate":
-            self._capture_colocated_outputs(vllm_generation.llm)
-        else:
+            self.client = vllm_generation.vllm_client if accelerator.is_main_process else None
+            if self.client is not None:
+                self._hook = install_routes_hook(self.client)
+        elif self.mode != "colocate":
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
 
-    # ------------------------------------------------------------------ capture
-    def _capture_colocated_outputs(self, llm: Any) -> None:
-        generate = llm.generate
+    @property
+    def can_skip(self) -> bool:
+        """Whether one request serves only this rank's samples, so a later tool turn can ask vLLM to skip the
+        routes of the prefix they hold (server mode with one training process; colocate without tensor parallelism:
+        otherwise the request mixes other ranks' samples, whose held prefixes this rank does not know)."""
+        if self.mode == "server":
+            return self.accelerator.num_processes == 1
+        return self._generation.tensor_parallel_size == 1
 
-        @functools.wraps(generate)
-        def generate_and_keep(*args, **kwargs):
-            outputs = generate(*args, **kwargs)
-            self._colocate_outputs = outputs
-            return outputs
-
-        llm.generate = generate_and_keep  # instance attribute: TRL calls self.llm.generate(...)
+    def begin_batch(self) -> None:
+        """Call right before TRL's ``VLLMGeneration.generate``: capture this batch's server response."""
+        if self._hook is not None:
+            self._hook.start()
 
     # ------------------------------------------------------------------ rows
     def local_rows(self, num_local: int) -> list[Any]:
         """This rank's ``num_local`` engine rows (base64 str, array or ``None``), in TRL's completion order."""
         rows = self._server_rows(num_local) if self.mode == "server" else self._colocate_rows(num_local)
         payloads = [row for row in rows if row is not None]
+        if not self.required and not payloads and not self._warned_no_routes:  # routing metrics only
+            self._warned_no_routes = True
+            logger.warning(
+                "routing_metrics: vLLM returned no routed experts, so routing/* against the engine cannot be logged. "
+                f"Start the server with {SERVER_FLAG} (colocate: a vLLM that returns routes) to get them."
+            )
         self.last_transfer = RouteTransfer(
             samples=len(rows),
             payloads=len(payloads),
@@ -185,7 +194,7 @@ class VLLMRouteSource:
         accelerator = self.accelerator
         world = accelerator.num_processes
         if accelerator.is_main_process:
-            payloads, self.client.routed_experts = self.client.routed_experts, None
+            payloads = self._hook.take()
             error = self._batch_error(payloads, num_local * world)
             shares = [
                 (None if error else payloads[rank * num_local : (rank + 1) * num_local], error)
@@ -215,7 +224,7 @@ class VLLMRouteSource:
                 f"the vLLM server returned routed_experts for {len(payloads)} completions, expected {expected} "
                 "(one per completion)"
             )
-        if not self.received_routes and all(payload is None for payload in payloads):
+        if self.required and not self.received_routes and all(payload is None for payload in payloads):
             model = self.client.model
             return (
                 f"routing_replay='r3' needs the experts vLLM routed each token to, but the server at "
@@ -228,7 +237,8 @@ class VLLMRouteSource:
         return None
 
     def _colocate_rows(self, num_local: int) -> list[Any]:
-        outputs, self._colocate_outputs = self._colocate_outputs, None
+        llm = self._generation.llm
+        outputs, llm.last_outputs = getattr(llm, "last_outputs", None), None
         if outputs is None:
             raise RoutesUnavailableError("the colocated vLLM engine's outputs were not captured for this batch")
         rows = [getattr(completion, "routed_experts", None) for request in outputs for completion in request.outputs]
@@ -238,7 +248,7 @@ class VLLMRouteSource:
             rows = rows[rank_in_group * num_local : (rank_in_group + 1) * num_local]
         if len(rows) != num_local:
             raise RoutesUnavailableError(f"vLLM returned {len(rows)} completions on this rank, expected {num_local}")
-        if not self.received_routes and all(row is None for row in rows):
+        if self.required and not self.received_routes and all(row is None for row in rows):
             raise RoutesUnavailableError(
                 "routing_replay='r3' needs the experts vLLM routed each token to, but the colocated engine "
                 f"returned no routed_experts for the first batch ({num_local} completions on this rank), although "
@@ -252,18 +262,18 @@ class VLLMRouteSource:
         return rows
 
     # ------------------------------------------------------------------ alignment
-    def align(self, rows: Sequence[Any], **layout: Any) -> torch.Tensor:
-        """``routes_from_engine`` over this rank's rows; a sample with missing or malformed rows falls back.
+    def align(self, rows: Sequence[Sequence[EngineTurn]], **layout: Any) -> torch.Tensor:
+        """``routes_from_engine`` over this rank's samples (each a list of :class:`EngineTurn`, one per generation
+        turn, carrying its ``routed_experts_prompt_start``); a sample or turn with missing or malformed rows falls
+        back to the router's own choice.
 
         If no sample of the whole first batch (all ranks) fits, the engine and the trainer disagree about the model
         (another checkpoint, layer count, top-k): that raises instead of silently training without replay.
         """
         failures: list[RouteAlignmentError] = []
-        routes = routes_from_engine(
-            rows, prompt_starts=[self.prompt_start] * len(rows), on_error=failures.append, **layout
-        )
-        missing = sum(row is None for row in rows)
-        if not self._aligned_first_batch:
+        routes = routes_from_engine(rows, on_error=failures.append, **layout)
+        missing = sum(all(turn.rows is None for turn in turns) for turns in rows)
+        if self.required and not self._aligned_first_batch:
             self._aligned_first_batch = True
             usable = torch.tensor([len(rows) - missing - len(failures)], device=self.accelerator.device)
             if int(self.accelerator.gather(usable).sum()) == 0:  # every rank takes this branch together

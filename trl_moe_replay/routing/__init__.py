@@ -4,7 +4,7 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 ``decode_routed_experts`` and ``routes_from_engine``, which place them in TRL's padded token layout.
 """
 
-from .engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
+from .engine import EngineTurn, decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
 from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelError
 from .replay import RouteRecording, RouterCall, RouterReplay
 from .router_probs import RouterProbes
@@ -13,6 +13,7 @@ from .routes import NO_ROUTE, validate_routes
 
 __all__ = [
     "NO_ROUTE",
+    "EngineTurn",
     "ROUTER_FAMILIES",
     "RouteAlignmentError",
     "RouteRecording",

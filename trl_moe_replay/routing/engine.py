@@ -28,6 +28,7 @@ import functools
 import io
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "NO_ROUTE",
+    "EngineTurn",
     "decode_routed_experts",
     "encode_routed_experts",
     "engine_dtype",
@@ -57,6 +59,23 @@ _CHECK_CHUNK_ROWS = 1 << 16
 def _holds_ids(dtype: np.dtype) -> bool:
     """Signed or unsigned integers only: ``np.issubdtype(timedelta64, np.integer)`` is True, and bool is no id."""
     return dtype.kind in "iu"
+
+
+@dataclass(frozen=True)
+class EngineTurn:
+    """One generation turn of one sample in a multi-turn rollout: the engine's rows and the tokens they cover.
+
+    ``rows`` is what the engine returned for this turn (``[prompt_length + completion_length - 1 - prompt_start, L,
+    K]``, or ``None``); ``prompt_length`` counts the tokens the turn was prompted with (the sample's prompt plus its
+    completion so far, tool results included), ``completion_length`` the tokens it generated (before any later
+    truncation), ``prompt_start`` the ``routed_experts_prompt_start`` it asked for. If the engine ignored that
+    field and sent every row, the rows are taken from position 0.
+    """
+
+    rows: Any
+    prompt_length: int
+    completion_length: int
+    prompt_start: int = 0
 
 
 def engine_dtype(num_experts: int) -> np.dtype:
@@ -231,7 +250,10 @@ def routes_from_engine(
     """Place per-sample engine rows into TRL's ``[B, prompt_width + completion_width, L, K]`` layout.
 
     ``rows[i]`` is sample i's ``[p_i + c_i - 1 - s_i, L, K]`` engine array (numpy, torch, or a base64
-    payload str decoded here one sample at a time), or ``None`` for "no routes". ``p_i``/``c_i`` are
+    payload str decoded here one sample at a time), or ``None`` for "no routes", or, for a multi-turn sample
+    (tool calls), the list of its :class:`EngineTurn` s in generation order: each position then gets the route of
+    the first turn that forwarded it (a generated token from the turn that sampled it, a tool-result token from
+    the prefill of the turn that read it), and positions no turn routed get ``-1``. ``p_i``/``c_i`` are
     the token counts actually returned (after stop-string trimming, which trims rows alike), and
     ``s_i = prompt_starts[i]`` (default 0). ``c_i == 0`` is accepted: the formula still holds
     (``p_i - 1 - s_i`` rows, the last prompt token has none).
@@ -306,6 +328,10 @@ def routes_from_engine(
         if s > p:
             raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
         row = rows[i]
+        if _is_turn_list(row):
+            out_np[i] = NO_ROUTE
+            _place_turns(out_np[i, prompt_width - p :], row, i, p, c, num_layers, top_k, moe, dense, limit, on_error)
+            continue
         if row is not None:
             try:
                 row = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit)
@@ -325,6 +351,47 @@ def routes_from_engine(
     if dense and batch:
         out.index_fill_(2, torch.tensor(dense), NO_ROUTE)
     return out
+
+
+def _is_turn_list(entry: Any) -> bool:
+    return isinstance(entry, (list, tuple)) and len(entry) > 0 and isinstance(entry[0], EngineTurn)
+
+
+def _place_turns(
+    target: np.ndarray, turns: Sequence[EngineTurn], i: int, p: int, c: int, num_layers: int, top_k: int,
+    moe: list[int], dense: list[int], limit: int, on_error: Callable[[RouteAlignmentError], None] | None,
+) -> None:
+    """Write a multi-turn sample's routes into ``target`` (its row of the output, from its position 0)."""
+    end = p + c - 1  # positions of the final sequence that were forwarded (the last token never was)
+    covered = 0  # positions [0, covered) already hold the route of the first turn that forwarded them
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, EngineTurn):
+            raise RouteAlignmentError(f"sample {i}: turn {t} must be an EngineTurn, got {type(turn).__name__}", sample=i)
+        pt = _positive_int(f"sample {i} turn {t} prompt_length", turn.prompt_length, 1)
+        ct = _positive_int(f"sample {i} turn {t} completion_length", turn.completion_length, 0)
+        st = _positive_int(f"sample {i} turn {t} prompt_start", turn.prompt_start, 0)
+        if (t == 0 and pt != p) or not p <= pt <= p + c:
+            raise RouteAlignmentError(
+                f"sample {i}: turn {t} was prompted with {pt} tokens, but the sample's prompt has {p} and its whole "
+                f"sequence {p + c}: the first turn's prompt must be the sample's, a later one's a prefix of its sequence",
+                sample=i,
+            )
+        if turn.rows is None:
+            continue
+        try:
+            rows = _as_numpy(turn.rows, i)
+            if st and rows.ndim == 3 and rows.shape[0] == pt + ct - 1:
+                st = 0  # the engine ignored routed_experts_prompt_start and sent every row
+            rows = _sample_rows(rows, i, pt, ct, st, num_layers, top_k, moe, dense, limit)
+        except RouteAlignmentError as exc:
+            if on_error is None:
+                raise RouteAlignmentError(f"{exc} (turn {t})", sample=i) from None
+            on_error(RouteAlignmentError(f"{exc} (turn {t})", sample=i))
+            continue
+        lo, hi = max(st, covered), min(pt + ct - 1, end)
+        if hi > lo:
+            np.copyto(target[lo:hi], rows[lo - st : hi - st], casting="unsafe")
+        covered = max(covered, hi)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,146 @@
+"""Golden tests: with ``routing_replay="none"`` our trainer is ``trl.GRPOTrainer``, bit for bit.
+
+Each test trains the same tiny model twice from the same seed, once with TRL's ``GRPOConfig``/``GRPOTrainer`` and
+once with ours (the two-import swap plus ``routing_replay="none"``), and compares every logged number TRL logs
+(loss, grad norm, rewards, KL, entropy, clip ratios, sampling metrics, ...) and the final parameters exactly. Our
+trainer may only add metrics under its own prefixes.
+"""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.testing import tiny_dense_model, tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+
+OUR_PREFIXES = ("mismatch/", "routing/", "rspo/", "pr2/", "minirl/")
+WALL_CLOCK = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(6 - len(c)) for c in completions]
+
+
+def train(tmp_path, trainer_cls, config_cls, model, trainer_kwargs=None, **overrides):
+    """Three logged steps; everything not given keeps TRL's defaults (bf16, gradient checkpointing, lr 1e-6...)."""
+    settings = dict(
+        output_dir=str(tmp_path / trainer_cls.__name__), use_cpu=True, report_to="none", max_steps=3,
+        logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+        save_strategy="no", seed=0,
+    )
+    settings.update(overrides)
+    if config_cls is MoEReplayGRPOConfig:
+        settings.setdefault("routing_replay", "none")
+    trainer = trainer_cls(
+        model=model, reward_funcs=reward_len, args=config_cls(**settings),
+        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+        processing_class=tiny_tokenizer(), **(trainer_kwargs or {}),
+    )
+    trainer.train()
+    return trainer
+
+
+def assert_identical_runs(ours, theirs):
+    ours_log, theirs_log = ours.state.log_history, theirs.state.log_history
+    assert len(ours_log) == len(theirs_log) == 4  # three steps and the summary
+    for step, (mine, trl) in enumerate(zip(ours_log, theirs_log, strict=True)):
+        for name, value in trl.items():
+            if name in WALL_CLOCK:
+                continue
+            assert name in mine, f"step {step}: TRL logged {name}, we did not"
+            same = mine[name] == value or (isinstance(value, float) and math.isnan(value) and math.isnan(mine[name]))
+            assert same, f"step {step}: {name} is {mine[name]!r} with our trainer, {value!r} with TRL's"
+        extra = set(mine) - set(trl)
+        assert all(name.startswith(OUR_PREFIXES) for name in extra), f"step {step}: unexpected metrics {extra}"
+    assert "loss" in theirs_log[0] and "grad_norm" in theirs_log[0]
+    theirs_params = dict(theirs.model.named_parameters())
+    moved = 0
+    for name, param in ours.model.named_parameters():
+        assert torch.equal(param, theirs_params[name]), f"final parameter {name} differs"
+        moved += param.requires_grad
+    assert moved
+
+
+def both(tmp_path, make_model, trainer_kwargs=None, **overrides):
+    theirs = train(tmp_path, GRPOTrainer, GRPOConfig, make_model(), trainer_kwargs, **overrides)
+    ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, make_model(), trainer_kwargs, **overrides)
+    assert ours._is_plain_trl and ours._route_replay is None  # nothing built, nothing consulted
+    return ours, theirs
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="trl-defaults"),
+        pytest.param(dict(loss_type="grpo"), id="grpo"),
+        pytest.param(dict(loss_type="bnpo"), id="bnpo"),
+        pytest.param(dict(loss_type="dr_grpo"), id="dr_grpo"),
+        pytest.param(dict(gradient_accumulation_steps=2, learning_rate=1e-3), id="grad-accumulation"),
+        pytest.param(dict(num_iterations=2, learning_rate=1e-3), id="num-iterations"),
+        pytest.param(dict(steps_per_generation=2, learning_rate=1e-3), id="steps-per-generation"),
+        pytest.param(dict(loss_type="grpo", gradient_accumulation_steps=2, num_iterations=2, learning_rate=1e-3),
+                     id="grpo-off-policy"),
+    ],
+)
+def test_none_is_trl_on_a_moe_model(tmp_path, overrides):
+    assert_identical_runs(*both(tmp_path, lambda: tiny_moe_model("qwen3_moe"), **overrides))
+
+
+def test_none_is_trl_with_a_reference_model(tmp_path):
+    tiny_moe_model("mixtral").save_pretrained(tmp_path / "model")  # beta != 0: TRL loads the reference by path
+    assert_identical_runs(*both(tmp_path, lambda: str(tmp_path / "model"), beta=0.04, learning_rate=1e-3))
+
+
+def test_none_is_trl_with_peft_lora(tmp_path):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    ours, theirs = both(tmp_path, lambda: tiny_moe_model("qwen3_moe"), dict(peft_config=lora), learning_rate=1e-3,
+                        beta=0.04)
+    assert_identical_runs(ours, theirs)
+
+
+def test_none_is_trl_on_a_dense_model(tmp_path):
+    assert_identical_runs(*both(tmp_path, tiny_dense_model, learning_rate=1e-3, num_iterations=2))
+
+
+# transformers' default continuous-batching cache is sized for a GPU: on CPU a small one is ~20x faster
+SMALL_CB_CACHE = {"num_blocks": 16, "max_batch_tokens": 256, "page_size": 16}
+
+
+def test_none_is_trl_with_continuous_batching(tmp_path):
+    assert_identical_runs(*both(tmp_path, lambda: tiny_moe_model("olmoe"), use_transformers_continuous_batching=True,
+                                transformers_continuous_batching_config=SMALL_CB_CACHE, learning_rate=1e-3))
+
+
+def test_none_is_trl_with_a_vllm_server(tmp_path):
+    def run(trainer_cls, config_cls):
+        with FakeVLLMServer(tiny_moe_model("qwen3_moe")) as server, trl_vllm_transport_stub(server):
+            return train(tmp_path, trainer_cls, config_cls, tiny_moe_model("qwen3_moe"), use_vllm=True,
+                         vllm_mode="server", vllm_server_base_url=server.url, learning_rate=1e-3, bf16=False)
+
+    theirs, ours = run(GRPOTrainer, GRPOConfig), run(MoEReplayGRPOTrainer, MoEReplayGRPOConfig)
+    assert_identical_runs(ours, theirs)
+    assert any("mismatch/kl_k3" in entry for entry in ours.state.log_history)  # from TRL's own tensors
+
+
+def test_routing_metrics_under_none_change_no_trl_number(tmp_path):
+    # the hooks and the rollout recorder only watch: TRL's losses, metrics and parameters stay its own
+    overrides = dict(learning_rate=1e-3, gradient_accumulation_steps=2, num_iterations=2)
+    theirs = train(tmp_path, GRPOTrainer, GRPOConfig, tiny_moe_model("qwen3_moe"), **overrides)
+    ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, tiny_moe_model("qwen3_moe"),
+                 routing_metrics=True, **overrides)
+    assert not ours._is_plain_trl and ours._route_replay is not None
+    assert_identical_runs(ours, theirs)
+    logged = {name for entry in ours.state.log_history for name in entry}
+    assert {"routing/mismatch_frac", "mismatch/kl_k3"} <= logged
+
+
+def test_a_plain_grpo_config_gets_r3(tmp_path):
+    # the import swap without our config: a GRPOConfig brings our defaults (R3 on transformers generate)
+    trainer = train(tmp_path, MoEReplayGRPOTrainer, GRPOConfig, tiny_moe_model("qwen3_moe"), max_steps=1, bf16=False)
+    assert trainer.routing_replay == "r3" and trainer.replay_settings.transformers_importance_sampling_correction
+    assert trainer.state.log_history[0]["routing/fallback_frac"] == 0.0
