@@ -331,8 +331,8 @@ def test_two_ranks_each_receive_only_their_own_route_payloads():
     result = run_two_ranks(script)
     reports = {}
     for line in result.stdout.splitlines():
-        if line.startswith("REPORT "):
-            report = json.loads(line[len("REPORT "):])
+        if line.startswith("REPORT "):  # raw_decode: the other rank's output may follow on the same line
+            report = json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
             reports[report["rank"]] = report
     assert set(reports) == {0, 1} and reports[0]["world"] == reports[1]["world"] == 2
     served = reports[0]["served"]  # per generation batch: [sha256, bytes] of each rank's share of the payloads
