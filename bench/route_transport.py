@@ -61,6 +61,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def distinct_routes(rng: np.random.Generator, rows: int, top_k: int, experts: int, dtype: np.dtype) -> np.ndarray:
+    """``[rows, top_k]`` ids, distinct within each row: one of 1024 random top-k sets per row, shifted by a random
+    offset modulo ``experts`` (which keeps the ids distinct). Built in blocks to keep the int64 temporaries small."""
+    sets = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(1024)])
+    out = np.empty((rows, top_k), dtype)
+    for lo in range(0, rows, 1 << 20):
+        n = min(1 << 20, rows - lo)
+        out[lo : lo + n] = (sets[rng.integers(0, len(sets), n)] + rng.integers(0, experts, n)[:, None]) % experts
+    return out
+
+
 def main() -> None:
     args = parse_args()
     rng = np.random.default_rng(args.seed)
@@ -73,8 +84,8 @@ def main() -> None:
     counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
     per_token = args.layers * args.top_k
 
-    # One flat buffer of random logical ids; each sample's rows are a view into it.
-    flat = rng.integers(0, args.experts, sum(counts) * per_token, dtype=dtype)
+    # One flat buffer of random logical ids, distinct within each route as a real top-k; each sample's rows are a view.
+    flat = distinct_routes(rng, sum(counts) * args.layers, args.top_k, args.experts, dtype).reshape(-1)
     offsets = np.cumsum([0, *counts]) * per_token
     rows = [flat[a:b].reshape(n, args.layers, args.top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
     payloads = [encode_routed_experts(r) for r in rows]

@@ -7,6 +7,7 @@ prompt+completion, the last token has no row, dense layers are zero rows; base64
 
 import base64
 import io
+import re
 
 import numpy as np
 import pytest
@@ -411,3 +412,126 @@ def test_public_api_is_exported_from_the_routing_package():
     out = routing.routes_from_engine([vllm_numpy2base64(rows), None], prompt_lengths=[3, 2], completion_lengths=[4, 1],
                                      prompt_width=3, completion_width=4, num_layers=L, top_k=K)
     torch.testing.assert_close(out, reference([(3, 4, 0, True), (2, 1, 0, False)], 3, 4, num_experts=300))
+
+
+# ----------------------------------------------------------------------------- every row checked (issue 16)
+
+
+def _long_rows(p=40, c=60, **kwargs):
+    return engine_rows(p, c, **kwargs)
+
+
+@pytest.mark.parametrize("position", [0, 1, 37, 62, 97])  # first row, chunk edges (chunk of 7 rows), middle, last
+def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
+    from trl_moe_replay.routing import engine
+
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 7, raising=False)  # many blocks: block edges are exercised
+    rows = engine_rows(40, 60, top_k=4, num_experts=64)
+    rows[position, 2, 3] = rows[position, 2, 1]
+    samples = [(40, 60, 0, True)]
+    with pytest.raises(RouteAlignmentError, match=rf"sample 0: position {position}, layer 2 names expert "
+                                                  rf"{rows[position, 2, 1]} twice") as error:
+        align([rows], samples, prompt_width=40, completion_width=60, top_k=4)
+    assert error.value.sample == 0
+
+
+def test_an_all_zero_row_in_the_middle_is_rejected_as_never_written(monkeypatch):
+    from trl_moe_replay.routing import engine
+
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 5, raising=False)
+    rows = engine_rows(40, 60)
+    rows[50, 3] = 0  # vLLM's capture buffer is zeros where it never wrote
+    with pytest.raises(RouteAlignmentError, match="sample 1: layer 3 is in moe_layers but position 50 has an "
+                                                  "all-zero top-2 route"):
+        align([engine_rows(40, 60), rows], [(40, 60, 0, True)] * 2, prompt_width=40, completion_width=60)
+
+
+def test_rows_are_checked_at_the_moe_layers_only_contiguous_or_not(monkeypatch):
+    from trl_moe_replay.routing import engine
+
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 9, raising=False)
+    for dense, moe in (((0,), [1, 2, 3]), ((1, 3), [0, 2])):
+        rows = engine_rows(20, 30, dense=dense)  # dense layers all-zero: legitimate
+        out = align([rows], [(20, 30, 0, True)], prompt_width=20, completion_width=30, moe_layers=moe)
+        torch.testing.assert_close(out, reference([(20, 30, 0, True)], 20, 30, dense=dense), rtol=0, atol=0)
+        bad = rows.copy()
+        bad[33, moe[-1], 1] = bad[33, moe[-1], 0]
+        with pytest.raises(RouteAlignmentError, match=f"position 33, layer {moe[-1]} names expert"):
+            align([bad], [(20, 30, 0, True)], prompt_width=20, completion_width=30, moe_layers=moe)
+
+
+def test_top1_rows_of_expert_zero_and_wide_dtypes_are_legitimate():
+    rows = np.zeros((6, L, 1), np.uint8)  # top-1: a single expert 0 is a real route, not "never written"
+    out = align([rows], [(3, 4, 0, True)], prompt_width=3, completion_width=4, top_k=1)
+    assert out[0, :6].eq(0).all() and out[0, 6].eq(-1).all()
+    for dtype in (np.int64, np.uint16, np.int8, ">u2"):
+        rows = engine_rows(3, 4).astype(dtype)
+        bad = rows.copy()
+        bad[2, 0, 1] = bad[2, 0, 0]
+        align([rows], [(3, 4, 0, True)], prompt_width=3, completion_width=4)
+        with pytest.raises(RouteAlignmentError, match="position 2, layer 0 names expert"):
+            align([bad], [(3, 4, 0, True)], prompt_width=3, completion_width=4)
+
+
+def test_on_error_falls_back_for_repeated_and_never_written_rows():
+    samples = [(3, 4, 0, True)] * 4
+    repeated, zero = engine_rows(3, 4), engine_rows(3, 4)
+    repeated[3, 1, 0] = repeated[3, 1, 1]
+    zero[2, 0] = 0
+    errors = []
+    out = align([engine_rows(3, 4), repeated, zero, engine_rows(3, 4)], samples, prompt_width=3, completion_width=4,
+                on_error=errors.append)
+    assert [e.sample for e in errors] == [1, 2]
+    assert out[[1, 2]].eq(-1).all()
+    torch.testing.assert_close(out[[0, 3]], reference([samples[0]] * 2, 3, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["m8[s]", "M8[s]", "m8[ns]", bool])
+def test_time_and_bool_dtypes_are_not_expert_ids(dtype):
+    array = engine_rows(3, 4).astype(np.int64).astype(dtype)
+    with pytest.raises(RouteAlignmentError, match=re.escape(f"integer expert ids, got dtype {np.dtype(dtype)}")):
+        decode_routed_experts(_npy_b64(array))
+    errors = []
+    out = align([engine_rows(3, 4), _npy_b64(array), array], [(3, 4, 0, True)] * 3, prompt_width=3,
+                completion_width=4, on_error=errors.append)
+    assert [e.sample for e in errors] == [1, 2]
+    assert all("integer expert ids" in str(e) for e in errors)
+    assert out[1:].eq(-1).all() and out[0, :6].ge(0).all()
+    with pytest.raises(RouteAlignmentError, match="integer expert ids"):
+        encode_routed_experts(array)
+
+
+def test_a_header_whose_shape_overflows_int64_is_a_clean_error():
+    header = {"descr": "|u1", "fortran_order": False, "shape": (2**32, 2**32, 2)}  # 2**65 elements
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, header)
+    payload = base64.b64encode(buffer.getvalue() + b"\x00" * 16).decode()
+    with pytest.raises(RouteAlignmentError, match="not a readable .npy"):
+        decode_routed_experts(payload)
+
+
+def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
+    """The vectorised search (flat shifted comparisons, OR-reduced per block) against a plain loop over routes, for
+    many top-k sizes, dtypes, layer subsets, block sizes and planted repeats, including the very last route."""
+    from trl_moe_replay.routing import engine
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        k = int(rng.integers(2, 10))
+        tokens, layers = int(rng.integers(1, 30)), int(rng.integers(1, 5))
+        dtype = rng.choice([np.uint8, np.uint16, np.int32, np.int64])
+        experts = int(rng.integers(k, 40))
+        rows = np.stack([rng.permutation(experts)[:k] for _ in range(tokens * layers)]).astype(dtype)
+        rows = rows.reshape(tokens, layers, k)
+        for _ in range(int(rng.integers(0, 3))):  # plant repeats (or zeros) at random routes
+            t, layer, a, b = rng.integers(tokens), rng.integers(layers), *rng.choice(k, 2, replace=False)
+            rows[t, layer, a] = rows[t, layer, b] if rng.random() < 0.8 else 0
+            if rng.random() < 0.3:
+                rows[t, layer] = 0
+        if rng.random() < 0.3:
+            rows = np.asfortranarray(rows)  # not C-contiguous: the block-copy path
+        moe = sorted(rng.choice(layers, int(rng.integers(1, layers + 1)), replace=False).tolist())
+        monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", int(rng.integers(1, 40)))
+        expected = next(((t, layer) for t in range(tokens) for layer in moe
+                         if len(set(rows[t, layer].tolist())) < k), None)
+        assert engine._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)

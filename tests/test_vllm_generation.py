@@ -227,6 +227,37 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6  # natural routing in fp32 matches the engine anyway
 
 
+def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_instead_of_ending_the_run(tmp_path):
+    # each payload decodes and has the right shape and length; the problem is inside the rows (issue 16)
+    def tamper(call, choice, payload):
+        if call != 1 or choice not in (2, 4, 7):
+            return payload
+        rows = npy_b64decode(payload).copy()
+        if choice == 2:
+            rows[len(rows) // 2, 1, 1] = rows[len(rows) // 2, 1, 0]  # an expert named twice in one route
+        elif choice == 4:
+            rows[len(rows) // 2, 0] = 0  # a route in the middle vLLM never wrote
+        else:
+            rows = rows.astype("m8[s]")  # passes np.issubdtype(..., np.integer)
+        return npy_b64encode(rows)
+
+    with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
+        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
+                               vllm_server_base_url=server.url)
+        trainer.train()
+
+    assert trainer.state.global_step == 2  # the run went on
+    bad = [2, 4, 7]
+    assert trainer._vllm_routes.fallback_samples == len(bad)
+    batch = trainer.batches[1]
+    assert (batch["replay_routes"][bad] == -1).all()
+    good = [i for i in range(8) if i not in bad]
+    assert (batch["replay_routes"][good] >= 0).any(dim=(1, 2, 3)).all()
+    routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
+    expected_frac = (routable[bad].sum() / routable.sum()).item()
+    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
+
+
 def test_fallback_frac_is_logged_without_an_old_logprob_pass(tmp_path):
     # on-policy and no importance-sampling correction: TRL computes no old log-probs, so there is no natural routing
     # to compare with, but missing routes are still counted
@@ -302,8 +333,8 @@ def test_two_ranks_each_receive_only_their_own_route_payloads():
     result = run_two_ranks(script)
     reports = {}
     for line in result.stdout.splitlines():
-        if line.startswith("REPORT "):
-            report = json.loads(line[len("REPORT "):])
+        if line.startswith("REPORT "):  # raw_decode: the other rank's output may follow on the same line
+            report = json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
             reports[report["rank"]] = report
     assert set(reports) == {0, 1} and reports[0]["world"] == reports[1]["world"] == 2
     served = reports[0]["served"]  # per generation batch: [sha256, bytes] of each rank's share of the payloads
