@@ -19,8 +19,10 @@ def random_ids(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
 
 
 def shifted(routes: torch.Tensor, num_experts: int, by: int = 1) -> torch.Tensor:
-    """Every route moved to other experts (keeps -1 and keeps each row a set of distinct ids)."""
-    return torch.where(routes < 0, routes, (routes + by) % num_experts)
+    """Every route moved to other experts (keeps "no route" rows and keeps each row a set of distinct ids)."""
+    from trl_moe_replay.routing import has_route
+
+    return torch.where(has_route(routes)[..., None], ((routes.long() + by) % num_experts).to(routes.dtype), routes)
 
 
 def experts_module(model: torch.nn.Module, layer: int) -> torch.nn.Module:
@@ -74,3 +76,17 @@ def silent_server(lifetime_s: float = 60.0):
     finally:
         stop.set()
         thread.join(timeout=5)
+
+
+def no_route(routes: torch.Tensor) -> torch.Tensor:
+    """Per entry: whether the row holds "no route" (-1 in signed routes, a row of 255s in one-byte routes)."""
+    from trl_moe_replay.routing import has_route
+
+    return (~has_route(routes))[..., None].expand_as(routes)
+
+
+def as_signed(routes: torch.Tensor) -> torch.Tensor:
+    """Routes of any compact dtype as int64 with -1 for "no route" (to compare them with hand-built ones)."""
+    from trl_moe_replay.routing import has_route
+
+    return torch.where(has_route(routes)[..., None], routes.long(), -1)

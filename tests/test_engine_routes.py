@@ -20,6 +20,9 @@ from trl_moe_replay.routing.engine import (
     routes_from_engine,
 )
 from trl_moe_replay.routing.errors import RouteAlignmentError, RouteValidationError
+from trl_moe_replay.routing.routes import has_route, route_dtype, validate_routes
+
+from .helpers import no_route
 
 L, K, E = 4, 2, 64
 
@@ -115,14 +118,14 @@ def test_mixed_batch_every_column_maps_to_its_token():
     torch.testing.assert_close(out, reference(samples, 6, 9), rtol=0, atol=0)
 
     # Spot checks spelled out, so a shared mistake in the reference cannot hide.
-    assert out[1, :4].eq(-1).all()  # 4 left pads for a 2-token prompt
+    assert no_route(out[1, :4]).all()  # 4 left pads for a 2-token prompt
     assert out[1, 4, 0, 0] == route_value(0, 0, 0) and out[1, 5, 1, 1] == route_value(1, 1, 1)
-    assert out[1, 6:].eq(-1).all()  # the only completion token is final: no route
+    assert no_route(out[1, 6:]).all()  # the only completion token is final: no route
     assert out[0, 6, 2, 1] == route_value(6, 2, 1)  # first completion token = position p
-    assert out[0, 14].eq(-1).all() and out[0, 13, 3, 0] == route_value(13, 3, 0)
-    assert out[2].eq(-1).all()
-    assert out[3, :3].eq(-1).all() and out[3, 3, 0, 0] == route_value(2, 0, 0)
-    assert out[5, :6].eq(-1).all() and out[5, 6, 0, 0] == route_value(6, 0, 0) and out[5, 9].eq(-1).all()
+    assert no_route(out[0, 14]).all() and out[0, 13, 3, 0] == route_value(13, 3, 0)
+    assert no_route(out[2]).all()
+    assert no_route(out[3, :3]).all() and out[3, 3, 0, 0] == route_value(2, 0, 0)
+    assert no_route(out[5, :6]).all() and out[5, 6, 0, 0] == route_value(6, 0, 0) and no_route(out[5, 9]).all()
 
 
 def test_prompt_start_skips_the_routed_prefix():
@@ -130,7 +133,7 @@ def test_prompt_start_skips_the_routed_prefix():
     rows = engine_rows(p, c, s)
     assert rows.shape[0] == p + c - 1 - s
     out = align([rows], [(p, c, s, True)], prompt_width=8, completion_width=3)
-    assert out[0, : 8 - p + s].eq(-1).all()  # left pad + the s skipped prompt tokens
+    assert no_route(out[0, : 8 - p + s]).all()  # left pad + the s skipped prompt tokens
     assert out[0, 8 - p + s, 0, 0] == route_value(s, 0, 0)
     torch.testing.assert_close(out, reference([(p, c, s, True)], 8, 3), rtol=0, atol=0)
 
@@ -146,8 +149,8 @@ def test_stop_string_trimming_rows_follow_returned_tokens():
     out = align([trimmed], [(p, returned, 0, True)], prompt_width=5, completion_width=8)
     for k in range(returned - 1):  # returned completion tokens keep the engine's routes
         torch.testing.assert_close(out[0, 5 + k], torch.from_numpy(full[p + k].astype(np.int16)))
-    assert out[0, 5 + returned - 1].eq(-1).all()  # last returned token: its row went with the surplus
-    assert out[0, 5 + returned :].eq(-1).all()
+    assert no_route(out[0, 5 + returned - 1]).all()  # last returned token: its row went with the surplus
+    assert no_route(out[0, 5 + returned :]).all()
 
     # The untrimmed array with the trimmed token count is a mismatch, never cut silently.
     with pytest.raises(RouteAlignmentError, match=r"sample 0: expected prompt 5 \+ completion 4 .* = 8 engine rows, got 11"):
@@ -156,8 +159,8 @@ def test_stop_string_trimming_rows_follow_returned_tokens():
 
 def test_empty_completion_expects_prompt_rows_minus_one():
     out = align([engine_rows(4, 0)], [(4, 0, 0, True)], prompt_width=4, completion_width=2)
-    assert out[0, 3].eq(-1).all() and out[0, 2, 1, 1] == route_value(2, 1, 1)
-    assert out[0, 4:].eq(-1).all()
+    assert no_route(out[0, 3]).all() and out[0, 2, 1, 1] == route_value(2, 1, 1)
+    assert no_route(out[0, 4:]).all()
     with pytest.raises(RouteAlignmentError, match="sample 0"):  # a row for the last prompt token is one too many
         align([engine_rows(4, 1)], [(4, 0, 0, True)], prompt_width=4, completion_width=2)
 
@@ -167,7 +170,7 @@ def test_dense_layers_become_minus_one():
     samples = [(3, 4, 0, True), (2, 2, 1, True)]
     rows = [engine_rows(p, c, s, dense=dense) for p, c, s, _ in samples]
     out = align(rows, samples, prompt_width=3, completion_width=4, moe_layers=[1, 3])
-    assert out[:, :, list(dense)].eq(-1).all()
+    assert no_route(out[:, :, list(dense)]).all()
     assert out[0, 0, 1, 0] == route_value(0, 1, 0)  # the zero rows did not leak as expert 0
     torch.testing.assert_close(out, reference(samples, 3, 4, dense=dense), rtol=0, atol=0)
 
@@ -395,7 +398,7 @@ def test_on_error_falls_back_per_sample_and_reports_each_bad_one():
     good = [i for i in range(6) if i not in (1, 3, 4, 5)]
     expected = reference([samples[i] for i in good], 4, 5)
     torch.testing.assert_close(out[good], expected, rtol=0, atol=0)
-    assert out[[1, 3, 4, 5]].eq(-1).all()  # the router's own choice
+    assert no_route(out[[1, 3, 4, 5]]).all()  # the router's own choice
 
 
 def test_on_error_does_not_hide_the_callers_own_mistakes():
@@ -463,7 +466,7 @@ def test_rows_are_checked_at_the_moe_layers_only_contiguous_or_not(monkeypatch):
 def test_top1_rows_of_expert_zero_and_wide_dtypes_are_legitimate():
     rows = np.zeros((6, L, 1), np.uint8)  # top-1: a single expert 0 is a real route, not "never written"
     out = align([rows], [(3, 4, 0, True)], prompt_width=3, completion_width=4, top_k=1)
-    assert out[0, :6].eq(0).all() and out[0, 6].eq(-1).all()
+    assert out[0, :6].eq(0).all() and no_route(out[0, 6]).all()
     for dtype in (np.int64, np.uint16, np.int8, ">u2"):
         rows = engine_rows(3, 4).astype(dtype)
         bad = rows.copy()
@@ -482,7 +485,7 @@ def test_on_error_falls_back_for_repeated_and_never_written_rows():
     out = align([engine_rows(3, 4), repeated, zero, engine_rows(3, 4)], samples, prompt_width=3, completion_width=4,
                 on_error=errors.append)
     assert [e.sample for e in errors] == [1, 2]
-    assert out[[1, 2]].eq(-1).all()
+    assert no_route(out[[1, 2]]).all()
     torch.testing.assert_close(out[[0, 3]], reference([samples[0]] * 2, 3, 4), rtol=0, atol=0)
 
 
@@ -496,7 +499,7 @@ def test_time_and_bool_dtypes_are_not_expert_ids(dtype):
                 completion_width=4, on_error=errors.append)
     assert [e.sample for e in errors] == [1, 2]
     assert all("integer expert ids" in str(e) for e in errors)
-    assert out[1:].eq(-1).all() and out[0, :6].ge(0).all()
+    assert no_route(out[1:]).all() and out[0, :6].ge(0).all()
     with pytest.raises(RouteAlignmentError, match="integer expert ids"):
         encode_routed_experts(array)
 
@@ -535,3 +538,30 @@ def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
         expected = next(((t, layer) for t in range(tokens) for layer in moe
                          if len(set(rows[t, layer].tolist())) < k), None)
         assert engine._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)
+
+
+# ----------------------------------------------------------------------------- one byte per entry
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "dtype"),
+    [(8, 2, torch.uint8), (255, 1, torch.uint8), (256, 8, torch.uint8), (256, 1, torch.int16), (257, 8, torch.int16)],
+)
+def test_routes_stay_one_byte_per_entry_where_an_id_and_no_route_fit(num_experts, top_k, dtype):
+    assert route_dtype(num_experts, top_k) == dtype
+    rows = [(np.arange(3 * 2 * top_k).reshape(3, 2, top_k) % num_experts).astype(engine_dtype(num_experts)), None]
+    out = routes_from_engine(rows, prompt_lengths=[2, 2], completion_lengths=[2, 2], prompt_width=2,
+                             completion_width=2, num_layers=2, top_k=top_k, num_experts=num_experts)
+    assert out.dtype == dtype and out.element_size() == (1 if dtype == torch.uint8 else 2)
+    routed = has_route(out)  # [B, S, L]
+    assert routed[0, :3].all() and not routed[0, 3].any() and not routed[1].any()  # final token, no-rows sample
+    assert torch.equal(out[0, :3].long(), torch.from_numpy(rows[0].astype(np.int64)))
+    validate_routes(out, num_layers=2, top_k=top_k, num_experts=num_experts)
+
+
+def test_uint8_routes_with_256_experts_keep_expert_255_and_rows_of_255_mean_no_route():
+    routes = torch.tensor([[[[255, 3]], [[255, 255]], [[3, 255]]]], dtype=torch.uint8)  # [1, 3, 1, 2]
+    assert has_route(routes).tolist() == [[[True], [False], [True]]]
+    validate_routes(routes, num_layers=1, top_k=2, num_experts=256)
+    with pytest.raises(RouteValidationError, match="expert ids must lie in \\[0, 200\\)"):
+        validate_routes(routes, num_layers=1, top_k=2, num_experts=200)  # 255 is no id of a 200-expert model
+    with pytest.raises(RouteValidationError, match="names the same expert twice"):
+        validate_routes(torch.tensor([[[[7, 7]]]], dtype=torch.uint8), num_layers=1, top_k=2, num_experts=8)

@@ -28,7 +28,7 @@ from trl_moe_replay.testing_vllm import (
     trl_vllm_transport_stub,
 )
 
-from .helpers import run_two_ranks
+from .helpers import no_route, run_two_ranks
 from .test_trainer import logged, make_trainer
 from .test_vllm_generation import BatchSpy
 
@@ -209,7 +209,7 @@ def test_every_corruption_kind_is_rejected_per_sample_in_alignment():
         routes = routes_from_engine(payloads, on_error=errors.append, **layout)
         missing = [i for i in bad if payloads[i] is None]
         assert sorted(e.sample for e in errors) == [i for i in bad if i not in missing], batch
-        assert routes[bad].eq(-1).all()
+        assert no_route(routes[bad]).all()
         good = [i for i in range(16) if i not in bad]
         good_layout = {**layout, "prompt_lengths": [prompts[i] for i in good],
                        "completion_lengths": [completions[i] for i in good]}
@@ -234,7 +234,7 @@ def test_fuzzed_route_payloads_never_end_the_run_and_fallback_frac_is_exact(tmp_
     expected = []
     for call, batch in enumerate(trainer.batches):
         bad = [choice for (c, choice) in fuzzer.corrupted if c == call]
-        assert batch["replay_routes"][bad].eq(-1).all()
+        assert no_route(batch["replay_routes"][bad]).all()
         routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
         expected.append((routable[bad].sum() / routable.sum()).item())
     assert logged(trainer, "routing/fallback_frac") == expected  # exactly the bad samples' share of positions

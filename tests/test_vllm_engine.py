@@ -99,6 +99,20 @@ def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, se
     assert "RoutesUnavailableError" in run.stderr and "Does the server serve the same checkpoint" in run.stderr
 
 
+def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, server, checkpoint):
+    """The fuzz of tests/test_fail_safe.py on the real server's payloads: random corruptions of bytes, dtypes,
+    shapes and ids in half the samples; no run ends, and routing/fallback_frac is exactly their share."""
+    reload_weights(server, checkpoint)
+    report, _ = train(tmp_path, "server", server, checkpoint, "fuzz=5", "beta=0.0", "max_steps=4")
+    logs, corrupted = steps(report), report["corrupted"]
+    assert len(logs) == 4 and len(report["batches"]) == 4 and len(corrupted) >= 4
+    for call, (entry, batch) in enumerate(zip(logs, report["batches"], strict=True)):
+        bad = sorted(choice for c, choice, _ in corrupted if c == call)
+        routable = batch["routable"]
+        assert [i for i, routed in enumerate(batch["routed"]) if routed == 0] == bad  # exactly these fell back
+        assert entry["routing/fallback_frac"] == pytest.approx(sum(routable[i] for i in bad) / sum(routable), abs=1e-6)
+
+
 def test_audit_of_the_real_server(server, checkpoint):
     reload_weights(server, checkpoint)
     from trl_moe_replay.audit import run_audit

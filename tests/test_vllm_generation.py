@@ -18,10 +18,11 @@ import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
 from trl_moe_replay.generation import RoutesUnavailableError
+from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
-from .helpers import run_two_ranks
+from .helpers import as_signed, no_route, run_two_ranks
 from .test_trainer import logged, make_trainer as make_tiny_trainer
 
 
@@ -63,14 +64,14 @@ def expected_routes(batch, engine_rows, starts, moe_layers):
     prompt_width = prompt_mask.shape[1]
     b, width = prompt_mask.shape[0], prompt_width + completion_mask.shape[1]
     _, layers, top_k = next(r for r in engine_rows if r is not None).shape
-    out = torch.full((b, width, layers, top_k), -1, dtype=torch.int16)
+    out = torch.full((b, width, layers, top_k), -1, dtype=torch.long)
     for i, rows in enumerate(engine_rows):
         if rows is None:
             continue
         p = int(prompt_mask[i].sum())
         for j, row in enumerate(rows):
             position = starts[i] + j  # token position in prompt + completion
-            out[i, prompt_width - p + position] = torch.from_numpy(row.astype(np.int16))
+            out[i, prompt_width - p + position] = torch.from_numpy(row.astype(np.int64))
     dense = [layer for layer in range(layers) if layer not in moe_layers]
     out[:, :, dense] = -1
     return out
@@ -85,7 +86,7 @@ def assert_batches_match_the_engine(trainer, served, starts=None):
             c = int(batch["completion_mask"][i].sum())
             assert batch["completion_ids"][i, :c].tolist() == tokens
         starts_k = starts or [0] * len(rows)
-        torch.testing.assert_close(batch["replay_routes"], expected_routes(batch, rows, starts_k, moe_layers),
+        torch.testing.assert_close(as_signed(batch["replay_routes"]), expected_routes(batch, rows, starts_k, moe_layers),
                                    rtol=0, atol=0)
     # and every training forward replayed routes of its own sequence (TRL shuffles and splits the buffer)
     by_sequence = {}
@@ -210,12 +211,12 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "5 of 8 samples" in warning and "1 missing, 4 malformed" in warning and "sample 1:" in warning
     batch = trainer.batches[1]
-    assert (batch["replay_routes"][bad] == -1).all()  # the router's own choice
+    assert no_route(batch["replay_routes"][bad]).all()  # the router's own choice
     good = [i for i in range(8) if i not in bad]
     served = [(batch, [server.batches[1].completions[i].token_ids for i in good],
                [npy_b64decode(server.batches[1].payloads[i]) for i in good])]
     torch.testing.assert_close(
-        batch["replay_routes"][good],
+        as_signed(batch["replay_routes"][good]),
         expected_routes({k: batch[k][good] for k in ("prompt_mask", "completion_mask")}, served[0][2], [0] * 6,
                         trainer._route_replay.moe_layers),
         rtol=0, atol=0,
@@ -250,9 +251,9 @@ def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_inste
     bad = [2, 4, 7]
     assert trainer._vllm_routes.fallback_samples == len(bad)
     batch = trainer.batches[1]
-    assert (batch["replay_routes"][bad] == -1).all()
+    assert no_route(batch["replay_routes"][bad]).all()
     good = [i for i in range(8) if i not in bad]
-    assert (batch["replay_routes"][good] >= 0).any(dim=(1, 2, 3)).all()
+    assert has_route(batch["replay_routes"][good]).any(dim=(1, 2)).all()
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
     expected_frac = (routable[bad].sum() / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]

@@ -45,7 +45,7 @@ from trl.trainer.utils import pad
 
 from .generation import TransformersRolloutRecorder
 from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
-from .routing import RouterReplay
+from .routing import RouterReplay, has_route
 from .routing.engine import decode_routed_experts, routes_from_engine
 from .routing.errors import RouteAlignmentError
 
@@ -328,8 +328,9 @@ def run_audit(
             temperature, engine_routes if mode == "r3" else None,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
-        used = natural if mode == "none" else torch.where(engine_routes < 0, natural.to(engine_routes.dtype),
-                                                          engine_routes)
+        used = natural if mode == "none" else torch.where(
+            has_route(engine_routes)[..., None], engine_routes.to(natural.dtype), natural
+        )
         row = _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
                    trainer_rr.moe_layers, extreme_threshold)
         if not routes_available:  # nothing to compare routes with

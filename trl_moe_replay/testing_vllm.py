@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .generation.transformers import TransformersRolloutRecorder
-from .routing import RouterReplay
+from .routing import RouterReplay, has_route
 from .routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype
 
 __all__ = [
@@ -117,11 +117,11 @@ class TransformersEngine:
         dense = [layer for layer in range(self.router_replay.num_layers) if layer not in self.router_replay.moe_layers]
         out = []
         for i in range(len(batch)):
-            routes = rows[i].numpy().copy()
-            routes[:, dense] = 0  # vLLM's capture buffer is zeros and dense layers never write to it
-            if (routes[:, self.router_replay.moe_layers] < 0).any():
+            if not has_route(rows[i][:, self.router_replay.moe_layers]).all():
                 raise RuntimeError(f"completion {i}: a forwarded position has no recorded route")
-            out.append(EngineCompletion(batch[i], completions[i], logprobs[i], routes.astype(self.dtype), reasons[i]))
+            routes = rows[i].numpy().astype(self.dtype)
+            routes[:, dense] = 0  # vLLM's capture buffer is zeros and dense layers never write to it
+            out.append(EngineCompletion(batch[i], completions[i], logprobs[i], routes, reasons[i]))
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> list[str]:

@@ -54,6 +54,7 @@ def main():
 
     from tests.route_checks import RouteCheckingTrainer, RouteOracle
     from trl_moe_replay import MoEReplayGRPOConfig
+    from trl_moe_replay.routing import has_route
     from trl_moe_replay.testing import tiny_tokenizer
 
     out, mode = sys.argv[1], sys.argv[2]
@@ -64,21 +65,31 @@ def main():
         url, model_path, rest = sys.argv[3], sys.argv[4], sys.argv[5:]
         engine = dict(vllm_mode="server", vllm_server_base_url=url)
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
+    fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
 
     class EngineChecked(RouteCheckingTrainer):
         syncs: list = []
+        batches: list = []
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             state = self._scoring
             if state is not None and state.generated_turns == 1:
                 self.oracle.routes.clear()  # a new generation batch: the engine holds new weights
-            if state is not None and state.turns is not None:  # what vLLM returned, per sample
+            if state is not None and state.turns is not None and fuzz_seed is None:  # what vLLM returned, per sample
                 for turns, prompt, completion in zip(state.turns.turns, prompt_ids, completion_ids, strict=True):
                     turn = turns[-1]
                     if turn.rows is not None:
                         self.oracle.add(list(prompt) + list(completion), turn.rows, start=turn.prompt_start)
             return completion_ids, logprobs
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            if "replay_routes" in output:  # before TRL shuffles the batch: sample i is the engine's completion i
+                attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+                self.batches.append({"routable": (attention.sum(1) - 1).tolist(),
+                                     "routed": has_route(output["replay_routes"]).any(-1).sum(1).tolist()})
+            return output
 
         def _sync_vllm_weights(self):
             model = self.accelerator.unwrap_model(self.model)
@@ -102,6 +113,19 @@ def main():
     )
     rr = trainer._route_replay
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
+    fuzzer = None
+    if fuzz_seed is not None:  # corrupt payloads as they arrive, before the trainer sees them
+        from trl_moe_replay.testing_vllm import RouteFuzzer
+
+        fuzzer = RouteFuzzer(int(fuzz_seed), num_experts=rr.num_experts, moe_layers=rr.moe_layers, rate=0.5)
+        hook, calls = trainer._vllm_routes._hook, iter(range(1_000_000))
+        take = hook.take
+
+        def take_corrupted():
+            payloads, call = take(), next(calls)
+            return None if payloads is None else [fuzzer(call, i, p) for i, p in enumerate(payloads)]
+
+        hook.take = take_corrupted
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters())
@@ -113,6 +137,8 @@ def main():
         "weight_sync": type(trainer._weight_sync).__name__ if trainer._weight_sync is not None else "trl",
         "max_param_change": moved,
         "engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype) if mode == "colocate" else None,
+        "batches": trainer.batches,
+        "corrupted": [[call, choice, kind] for (call, choice), kind in fuzzer.corrupted.items()] if fuzzer else [],
     }
     Path(out).write_text(json.dumps(report))
     trainer.end()

@@ -16,8 +16,8 @@ in one contiguous slice. Example, ``prompt_width=5``, ``completion_width=6``, ``
     routes       -1   -1   -1   r0   r1 |   r2   r3   r4   -1   -1   -1
                             ^ skipped (s=1)                 ^ final token: never forwarded
 
-``-1`` means "no route: let the router choose" (pads, skipped prefix, final token, samples without
-rows, and every layer not in ``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
+``-1`` (shown for int16 routes; a row of 255s in one-byte routes) means "no route: let the router choose" (pads,
+skipped prefix, final token, samples without rows, and every layer not in ``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
 several times faster) when it is installed, else the standard library.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .errors import RouteAlignmentError
-from .routes import NO_ROUTE
+from .routes import NO_ROUTE, no_route_value, route_dtype
 
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
@@ -253,13 +253,15 @@ def routes_from_engine(
     payload str decoded here one sample at a time), or ``None`` for "no routes", or, for a multi-turn sample
     (tool calls), the list of its :class:`EngineTurn` s in generation order: each position then gets the route of
     the first turn that forwarded it (a generated token from the turn that sampled it, a tool-result token from
-    the prefill of the turn that read it), and positions no turn routed get ``-1``. ``p_i``/``c_i`` are
+    the prefill of the turn that read it), and positions no turn routed get "no route". ``p_i``/``c_i`` are
     the token counts actually returned (after stop-string trimming, which trims rows alike), and
     ``s_i = prompt_starts[i]`` (default 0). ``c_i == 0`` is accepted: the formula still holds
     (``p_i - 1 - s_i`` rows, the last prompt token has none).
 
-    Returns an int16 CPU tensor, ``-1`` where there is no route (see module docstring). Layers not
-    in ``moe_layers`` (default: all layers are MoE) become ``-1`` and must be all-zero in the
+    Returns a CPU tensor in the compact routes dtype (``trl_moe_replay.routing.routes``): with
+    ``num_experts`` given, ``uint8`` (one byte per entry, as vLLM sends them, "no route" a row of 255s)
+    up to 256 experts, else ``int16`` ("no route" ``-1``); without ``num_experts``, ``int16``. Layers not
+    in ``moe_layers`` (default: all layers are MoE) become "no route" and must be all-zero in the
     engine rows, as vLLM writes them. Every route of a MoE layer must name ``top_k`` distinct
     experts: a repeated id, or (``top_k >= 2``) an all-zero route (vLLM's "never written"; also what
     a dense layer missing from ``moe_layers`` looks like) is rejected; with ``top_k == 1`` expert 0
@@ -267,12 +269,12 @@ def routes_from_engine(
     the dtype must be a signed or unsigned integer. Any mismatch raises
     :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently.
 
-    ``out`` (optional) is a contiguous int16 CPU tensor of the result's shape to write into, e.g. a
+    ``out`` (optional) is a contiguous CPU tensor of the result's shape and dtype to write into, e.g. a
     reused or pinned buffer; every element is overwritten, so it needs no clearing.
 
     ``on_error`` (optional) turns a bad sample into a fallback instead of an exception: when one
     sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids, repeated or
-    never-written routes), that sample gets ``-1`` everywhere (the router's own choice) and ``on_error`` receives the
+    never-written routes), that sample gets "no route" everywhere (the router's own choice) and ``on_error`` receives the
     :class:`RouteAlignmentError` (``.sample`` is its index). Errors in the caller's own arguments
     (widths, lengths, ``moe_layers``) always raise.
     """
@@ -306,15 +308,18 @@ def routes_from_engine(
     dense = [layer for layer in range(num_layers) if layer not in moe_set]
 
     shape = (batch, prompt_width + completion_width, num_layers, top_k)
+    dtype = torch.int16 if num_experts is None else route_dtype(num_experts, top_k)
     if out is None:
-        out = torch.empty(shape, dtype=torch.int16)
+        out = torch.empty(shape, dtype=dtype)
     elif (
-        not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != torch.int16
+        not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype
         or out.device.type != "cpu" or not out.is_contiguous()
     ):
         got = (tuple(out.shape), out.dtype, out.device.type) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise RouteAlignmentError(f"out must be a contiguous int16 CPU tensor of shape {shape}, got {got}")
+        name = str(dtype).removeprefix("torch.")
+        raise RouteAlignmentError(f"out must be a contiguous {name} CPU tensor of shape {shape}, got {got}")
     out_np = out.numpy()
+    no_route = no_route_value(dtype)
     for i in range(batch):
         p, c, s = prompts[i], completions[i], starts[i]
         if p > prompt_width:
@@ -329,7 +334,7 @@ def routes_from_engine(
             raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
         row = rows[i]
         if _is_turn_list(row):
-            out_np[i] = NO_ROUTE
+            out_np[i] = no_route
             _place_turns(out_np[i, prompt_width - p :], row, i, p, c, num_layers, top_k, moe, dense, limit, on_error)
             continue
         if row is not None:
@@ -341,15 +346,15 @@ def routes_from_engine(
                 on_error(exc)
                 row = None
         if row is None:
-            out_np[i] = NO_ROUTE
+            out_np[i] = no_route
             continue
         lo = prompt_width - p + s
         hi = lo + row.shape[0]
-        out_np[i, :lo] = NO_ROUTE
+        out_np[i, :lo] = no_route
         np.copyto(out_np[i, lo:hi], row, casting="unsafe")
-        out_np[i, hi:] = NO_ROUTE
+        out_np[i, hi:] = no_route
     if dense and batch:
-        out.index_fill_(2, torch.tensor(dense), NO_ROUTE)
+        out.index_fill_(2, torch.tensor(dense), no_route)
     return out
 
 

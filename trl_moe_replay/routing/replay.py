@@ -32,7 +32,7 @@ from torch import nn
 
 from .errors import RouteValidationError, UnsupportedModelError
 from .routers import RouterFamily, family_of, supported_family_names
-from .routes import validate_routes
+from .routes import has_route, no_route_value, route_dtype, validate_routes
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
@@ -104,7 +104,9 @@ class RouteRecording:
         blocks = []
         for seg in self._segments:
             extra = 1 if seg.uses_cache else 0
-            block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), -1, dtype=torch.int16)
+            dtype = route_dtype(rr.num_experts, rr.top_k)
+            block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), no_route_value(dtype),
+                               dtype=dtype)
             for layer, chunks in seg.ids.items():
                 per_call = [c.view(seg.batch, -1, rr.top_k) for c in chunks]
                 ids = torch.cat(per_call, dim=1)
@@ -208,8 +210,8 @@ class _ActiveReplay:
                 f"{layer} saw {natural.shape[0]} tokens in this forward. Replay one routes tensor per forward and "
                 "slice it exactly as the inputs are sliced (chunked forwards, micro-batches)."
             )
+        no_route = ~has_route(rows)[:, None]
         rows = rows.to(natural.dtype)
-        no_route = rows[:, :1] < 0
         return _canonical_ids(torch.where(no_route, natural, rows), natural)
 
 
@@ -414,7 +416,7 @@ class RouterReplay:
             if self._steer is not None:
                 choice = self._steered_ids(layer, module, router_input, logits, natural)
             if self._recordings and not _in_backward():
-                ids = choice.detach().to(torch.int16)
+                ids = choice.detach().to(route_dtype(self.num_experts, self.top_k))
                 for recording in self._recordings:
                     if not recording._segments:
                         raise RouteValidationError(
