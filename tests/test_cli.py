@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from trl_moe_replay.plotting import (
 from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts
 from trl_moe_replay.routing.errors import RouteAlignmentError
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+from trl_moe_replay.testing_vllm import FakeVLLMServer
 
 from .helpers import silent_server
 
@@ -206,10 +207,13 @@ def test_audit_rejects_bad_arguments():
 # ----------------------------------------------------------------------------- audit of a vLLM server
 # FakeVLLMServer answers TRL's real VLLMClient over HTTP the way vLLM does (routed_experts included); it serves
 # tiny_moe_model("qwen3_moe") with the default seed, the very weights `tiny:qwen3_moe` loads for the trainer.
-# trl_vllm_transport_stub only lets TRL's client be built without vLLM installed (the audit opens no communicator).
+# The audit only speaks HTTP: it must work on a machine without vLLM, so TRL's check for vLLM answers False here.
+WITHOUT_LOCAL_VLLM = mock.patch("trl.generation.vllm_client.is_vllm_available", lambda *args, **kw: False)
+
+
 def audit_server(server, **kwargs):
     settings = dict(num_prompts=2, num_generations=3, max_new_tokens=8)
-    with server, trl_vllm_transport_stub(server):
+    with server, WITHOUT_LOCAL_VLLM:
         return run_audit("tiny:qwen3_moe", vllm_server_url=server.url, **{**settings, **kwargs})
 
 
@@ -249,7 +253,7 @@ def test_audit_of_a_bf16_vllm_server_shows_what_r3_removes():
 
 def test_audit_cli_of_a_server_without_routes_gives_the_server_command(capsys):
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False)
-    with server, trl_vllm_transport_stub(server):
+    with server, WITHOUT_LOCAL_VLLM:
         args = ["audit", "--model", "tiny:qwen3_moe", "--num_prompts", "2", "--max_new_tokens", "6",
                 "--vllm_server_url", server.url]
         assert main(args) == 0
@@ -285,7 +289,7 @@ def test_audit_of_a_server_with_misfit_or_missing_routes():
 
 
 def test_audit_of_a_server_that_never_answers_times_out_with_one_line(capsys):
-    with silent_server() as url, trl_vllm_transport_stub(None):
+    with silent_server() as url, WITHOUT_LOCAL_VLLM:
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=f"vLLM server at {url} did not answer within 1 s"):
             run_audit("tiny:qwen3_moe", vllm_server_url=url, vllm_timeout=1, num_prompts=1, max_new_tokens=4)
@@ -306,6 +310,6 @@ def test_audit_of_an_unreachable_server_is_one_line(capsys):
     with socket.socket() as probe:  # a port nothing listens on any more
         probe.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    with trl_vllm_transport_stub(None):
+    with WITHOUT_LOCAL_VLLM:
         line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url])
     assert "can't be reached" in line and url in line

@@ -434,11 +434,10 @@ def _sample_with_vllm_server(
     prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
     position's list. No communicator is opened (no weight sync).
     """
-    from trl.generation.vllm_client import VLLMClient
-
     from .generation.vllm import install_routes_hook
+    from .upstream import http_vllm_client
 
-    client = VLLMClient(base_url=url)
+    client = http_vllm_client(url)
     routes_hook = install_routes_hook(client)
     notes = []
     try:

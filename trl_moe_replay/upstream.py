@@ -257,6 +257,24 @@ def wake_colocated_weights(vllm_generation: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 13. TRL's VLLMClient as a plain HTTP client (trl/generation/vllm_client.py).
+#    VLLMClient.__init__ refuses to build unless `is_vllm_available()` (its module-global name) answers True,
+#    although generation through it is only HTTP (the weight-transfer communicator, which needs vLLM, is opened
+#    separately). `trl-moe-replay audit --vllm_server_url` samples through it from a machine without vLLM.
+# ---------------------------------------------------------------------------------------------------------------
+def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
+    """TRL's ``VLLMClient`` for ``base_url``, built whether or not vLLM is installed on this machine."""
+    from trl.generation import vllm_client
+
+    saved = vllm_client.is_vllm_available
+    vllm_client.is_vllm_available = lambda *args, **kw: True
+    try:
+        return vllm_client.VLLMClient(base_url=base_url, **kwargs)
+    finally:
+        vllm_client.is_vllm_available = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/pr2.py, trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
 #    PreTrainedModel._keys_to_ignore_on_save: save_model() leaves the predictors out;
@@ -365,6 +383,9 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
 
     client_source = _code_only(_source(vllm_client.VLLMClient))
     expect("7", "self.session = requests.Session()" in client_source, "VLLMClient no longer keeps self.session")
+    client_init = _code_only(_source(vllm_client.VLLMClient.__init__))
+    expect("13", "if not is_vllm_available():" in client_init and hasattr(vllm_client, "is_vllm_available"),
+           "VLLMClient.__init__ no longer checks vLLM through its module's is_vllm_available")
     expect("7", "self.session.post(" in _code_only(_source(vllm_client.VLLMClient._post)),
            "VLLMClient._post no longer posts through self.session")
     expect("7", '"/v1/completions"' in _code_only(_source(vllm_client.VLLMClient.generate)).replace(
