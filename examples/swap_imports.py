@@ -18,8 +18,12 @@ if "--tiny" in sys.argv:  # the offline mode must not reach for the Hub (set bef
 # from trl import GRPOConfig, GRPOTrainer                                    # before
 from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer  # after  # noqa: E402
 
-from trl_moe_replay.data import REASONING_INSTRUCTION, load_math_dataset, synthetic_math_dataset  # noqa: E402
-from trl_moe_replay.rewards import accuracy_reward, format_reward  # noqa: E402
+from trl_moe_replay.extras.math.data import (  # noqa: E402
+    REASONING_INSTRUCTION,
+    load_math_dataset,
+    synthetic_math_dataset,
+)
+from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward  # noqa: E402
 
 
 def main():

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.audit import run_audit
+from trl_moe_replay.cli.audit import run_audit
 from trl_moe_replay.cli import main
-from trl_moe_replay.plotting import (
+from trl_moe_replay.cli.plotting import (
     MAX_FIGURES_PER_FAMILY,
     MAX_PANELS_PER_FIGURE,
     group_metrics,
@@ -27,7 +27,7 @@ from trl_moe_replay.plotting import (
 from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts
 from trl_moe_replay.routing.errors import RouteAlignmentError
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.testing_vllm import FakeVLLMServer
+from trl_moe_replay.testing import FakeVLLMServer
 
 from .helpers import silent_server
 

@@ -5,7 +5,7 @@ import math
 import torch
 
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+from trl_moe_replay.testing import FakeVLLMServer, trl_vllm_transport_stub
 from trl_moe_replay.routing import has_route
 
 from .test_trainer import logged

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
+from trl_moe_replay.trainer.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.routing.engine import encode_routed_experts, engine_dtype, routes_from_engine
-from trl_moe_replay.testing_vllm import (
+from trl_moe_replay.testing import (
     CORRUPTIONS,
     FakeVLLMServer,
     RouteFuzzer,
@@ -76,7 +76,7 @@ def test_no_data_steps_do_not_pull_the_average_of_a_logging_window(tmp_path):
 # ----------------------------------------------------------------------------- one trainer per output_dir
 HOLD_LOCK = """
 import sys, time
-from trl_moe_replay.output_lock import OutputDirLock
+from trl_moe_replay.trainer.output_lock import OutputDirLock
 lock = OutputDirLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
@@ -106,7 +106,7 @@ def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_loc
         assert trainer.state.global_step == 0 and json.loads(lock_path.read_text())["pid"] == holder.pid
     # the holder was killed without releasing: a crashed run. Its lock is stale and taken over, with a warning.
     assert json.loads(lock_path.read_text())["pid"] == holder.pid
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
         trainer.train()
     assert trainer.state.global_step == 1
     assert f"process {holder.pid} is gone" in caplog.text
@@ -142,7 +142,7 @@ def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
         lock.acquire()
     old = time.time() - STALE_AFTER_S - 10
     os.utime(lock_path, (old, old))
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
         lock.acquire()
     assert "no heartbeat for" in caplog.text and lock.held
     lock.release()
@@ -153,7 +153,7 @@ def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
     # routing_replay="none" is plain GRPOTrainer, which TRL would run: a loud warning, not a refusal
     with lock_held_by_another_process(tmp_path) as holder:
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, routing_replay="none")
-        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer"):
+        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.grpo_trainer"):
             trainer.train()
         assert trainer.state.global_step == 1
         assert "OUTPUT DIR IN USE" in caplog.text and f"pid {holder.pid}" in caplog.text

@@ -1,11 +1,12 @@
-"""The loss math (trl_moe_replay.losses) against hand computations, and router-probability capture on tiny models."""
+"""The loss math (trl_moe_replay.trainer.losses) against hand computations, and router-probability capture on tiny
+models."""
 
 import math
 
 import pytest
 import torch
 
-from trl_moe_replay.losses import (
+from trl_moe_replay.trainer.losses import (
     clip_masks,
     clipped_surrogate,
     completion_aligned,

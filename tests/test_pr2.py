@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
+from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.routing.predictor import RoutePredictors, predictor_kl
 from trl_moe_replay.testing import supported_model_types, tiny_moe_model

@@ -13,8 +13,8 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from trl import get_peft_config
 
-from trl_moe_replay.config import ROUTING_REPLAY_MODES
-from trl_moe_replay.data import HUB_DATASETS
+from trl_moe_replay.trainer.grpo_config import ROUTING_REPLAY_MODES
+from trl_moe_replay.extras.math.data import HUB_DATASETS
 
 from .helpers import run_two_ranks
 
@@ -112,10 +112,10 @@ def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
 
 
 def test_reward_function_registry(recipe):
-    from trl_moe_replay.rewards import accuracy_reward, format_reward
+    from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
     assert recipe.reward_functions(["accuracy_reward", "format_reward"]) == [accuracy_reward, format_reward]
-    assert recipe.reward_functions(["trl_moe_replay.rewards.format_reward"]) == [format_reward]
+    assert recipe.reward_functions(["trl_moe_replay.extras.math.rewards.format_reward"]) == [format_reward]
     with pytest.raises(ValueError, match="Unknown reward function"):
         recipe.reward_functions(["no_such_reward"])
 

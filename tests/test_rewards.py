@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from trl_moe_replay import rewards
-from trl_moe_replay.rewards import accuracy_reward, format_reward
+from trl_moe_replay.extras.math import rewards
+from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
 BOUND_S = 60.0  # a safety bound against hanging (catastrophic backtracking, sympy blow-ups), not a benchmark
 

@@ -1,6 +1,6 @@
 """R3 through vLLM, on CPU: TRL's real client against a vLLM-contract HTTP server, and a colocated ``LLM`` stand-in.
 
-The server (trl_moe_replay.testing_vllm.FakeVLLMServer) answers TRL's ``VLLMClient`` over HTTP on 127.0.0.1 the
+The server (trl_moe_replay.testing.FakeVLLMServer) answers TRL's ``VLLMClient`` over HTTP on 127.0.0.1 the
 way vLLM 0.33 does, ``routed_experts`` included (base64 ``.npy``, uint8/uint16, dense layers zero). Only TRL's
 NCCL weight transport is stubbed (no CUDA): its tensors reach the server's model in-process.
 """
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
-from trl_moe_replay.generation import RoutesUnavailableError
+from trl_moe_replay.engines import RoutesUnavailableError
 from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+from trl_moe_replay.testing import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
 from .helpers import as_signed, no_route, run_two_ranks
 from .test_trainer import logged, make_trainer as make_tiny_trainer
@@ -202,7 +202,7 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
                                vllm_server_base_url=server.url)
-        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.generation.vllm"):
+        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.engines.vllm_routes"):
             trainer.train()
 
     assert trainer.state.global_step == 2  # the run went on

@@ -2,9 +2,8 @@
 
 __version__ = "0.1.0.dev0"
 
-from .config import MoEReplayGRPOConfig  # noqa: E402
 from .routing import RouterReplay, RouteValidationError, UnsupportedModelError  # noqa: E402
-from .trainer import MoEReplayGRPOTrainer  # noqa: E402
+from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
 
 __all__ = [
     "MoEReplayGRPOConfig",

@@ -51,7 +51,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-    # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer.py)
+    # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer/grpo_trainer.py)
     "_clip_grad_norm": ("self", "model"),
 }
 
@@ -275,7 +275,8 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/pr2.py, trainer.py)
+# 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/trainer/pr2.py and
+#    grpo_trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
 #    PreTrainedModel._keys_to_ignore_on_save: save_model() leaves the predictors out;
 #    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names): DDP leaves them alone

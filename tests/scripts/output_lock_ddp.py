@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.output_lock import LOCK_NAME
+from trl_moe_replay.trainer.output_lock import LOCK_NAME
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
 

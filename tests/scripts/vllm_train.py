@@ -115,7 +115,7 @@ def main():
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
     fuzzer = None
     if fuzz_seed is not None:  # corrupt payloads as they arrive, before the trainer sees them
-        from trl_moe_replay.testing_vllm import RouteFuzzer
+        from trl_moe_replay.testing import RouteFuzzer
 
         fuzzer = RouteFuzzer(int(fuzz_seed), num_experts=rr.num_experts, moe_layers=rr.moe_layers, rate=0.5)
         hook, calls = trainer._vllm_routes._hook, iter(range(1_000_000))
