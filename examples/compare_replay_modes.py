@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
+from trl_moe_replay.cli.plotting import plot_comparison  # noqa: E402
 from trl_moe_replay.extras.math.cold_start import (  # noqa: E402
     ColdStartConfig,
     cached_cold_start,
@@ -38,7 +39,6 @@ from trl_moe_replay.extras.math.cold_start import (  # noqa: E402
     settings_key,
 )
 from trl_moe_replay.extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset  # noqa: E402
-from trl_moe_replay.cli.plotting import plot_comparison  # noqa: E402
 from trl_moe_replay.extras.math.rewards import accuracy_reward  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 

@@ -29,8 +29,7 @@ from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E4
 from trl_moe_replay.extras.math.data import synthetic_math_dataset  # noqa: E402
 from trl_moe_replay.extras.math.rewards import accuracy_reward  # noqa: E402
 from trl_moe_replay.routing import encode_routed_experts  # noqa: E402
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
-from trl_moe_replay.testing import TransformersEngine  # noqa: E402
+from trl_moe_replay.testing import TransformersEngine, tiny_moe_model, tiny_tokenizer  # noqa: E402
 
 
 class EngineRollout:

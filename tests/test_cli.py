@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.cli.audit import run_audit
 from trl_moe_replay.cli import main
+from trl_moe_replay.cli.audit import run_audit
 from trl_moe_replay.cli.plotting import (
     MAX_FIGURES_PER_FAMILY,
     MAX_PANELS_PER_FIGURE,
@@ -26,8 +26,7 @@ from trl_moe_replay.cli.plotting import (
 )
 from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts
 from trl_moe_replay.routing.errors import RouteAlignmentError
-from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.testing import FakeVLLMServer
+from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
 
 from .helpers import silent_server
 
@@ -61,6 +60,21 @@ def fake_history(steps=5):
     history.append({"step": steps, "eval_reward": 0.55, "eval_mismatch/kl_k3": 1e-5})
     history.append({"step": steps, "train_runtime": 3.2, "train_loss": 0.05})
     return history
+
+
+def test_the_command_and_the_package_import_without_trl():
+    """`trl-moe-replay --help` and `plot` load neither TRL nor torch: the package's top level is lazy (PEP 562), and
+    its public names still import from it."""
+    code = (
+        "import sys, trl_moe_replay, trl_moe_replay.cli\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'trl') if m in sys.modules))\n"
+        "from trl_moe_replay import MoEReplayGRPOTrainer\n"
+        "import trl\n"
+        "print(issubclass(MoEReplayGRPOTrainer, trl.GRPOTrainer))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[]", "True"]
 
 
 def test_metrics_are_grouped_by_family_with_eval_in_the_training_panel():

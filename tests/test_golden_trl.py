@@ -15,8 +15,13 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.testing import tiny_dense_model, tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing import FakeVLLMServer, trl_vllm_transport_stub
+from trl_moe_replay.testing import (
+    FakeVLLMServer,
+    tiny_dense_model,
+    tiny_moe_model,
+    tiny_tokenizer,
+    trl_vllm_transport_stub,
+)
 
 OUR_PREFIXES = ("mismatch/", "routing/", "rspo/", "pr2/", "minirl/")
 WALL_CLOCK = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}

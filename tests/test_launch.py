@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
-from trl_moe_replay.trainer.launch import LaunchMismatchError, check_launched_engine, check_launched_precision
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.launch import LaunchMismatchError, check_launched_engine, check_launched_precision
 
 from .test_trainer import make_trainer
 

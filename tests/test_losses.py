@@ -6,6 +6,9 @@ import math
 import pytest
 import torch
 
+from trl_moe_replay.routing import RouterReplay
+from trl_moe_replay.routing.router_probs import RouterProbes
+from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.trainer.losses import (
     clip_masks,
     clipped_surrogate,
@@ -17,9 +20,6 @@ from trl_moe_replay.trainer.losses import (
     sequence_log_weights,
     shift_old_logps,
 )
-from trl_moe_replay.routing import RouterReplay
-from trl_moe_replay.routing.router_probs import RouterProbes
-from trl_moe_replay.testing import tiny_moe_model
 
 from .helpers import no_route, random_ids, shifted
 

@@ -9,8 +9,8 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from trl_moe_replay import MoEReplayGRPOConfig
-from trl_moe_replay.trainer.losses import completion_aligned, minirl_token_weights
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.losses import completion_aligned, minirl_token_weights
 
 from .test_trainer import logged, make_trainer
 

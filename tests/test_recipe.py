@@ -13,8 +13,8 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from trl import get_peft_config
 
-from trl_moe_replay.trainer.grpo_config import ROUTING_REPLAY_MODES
 from trl_moe_replay.extras.math.data import HUB_DATASETS
+from trl_moe_replay.trainer.grpo_config import ROUTING_REPLAY_MODES
 
 from .helpers import run_two_ranks
 

@@ -22,8 +22,8 @@ from trl_moe_replay.extras.math.cold_start import (
     tool_demonstration,
 )
 from trl_moe_replay.extras.math.data import synthetic_math_dataset
-from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.extras.math.tools import MAX_EXPRESSION_CHARS, calculator, calculator_demonstration
+from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"

@@ -9,8 +9,14 @@ from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig
 from trl_moe_replay.routing import decode_routed_experts
-from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+from trl_moe_replay.testing import (
+    FakeVLLMServer,
+    fake_colocated_vllm,
+    scripted_generation,
+    tiny_moe_model,
+    tiny_tokenizer,
+    trl_vllm_transport_stub,
+)
 
 from .route_checks import RouteCheckingTrainer, RouteOracle
 
