@@ -1,9 +1,26 @@
 """trl_moe_replay: stable RL for Mixture-of-Experts models with TRL (routing replay R2/R3, mismatch metrics)."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0.dev0"
 
-from .routing import RouterReplay, RouteValidationError, UnsupportedModelError  # noqa: E402
-from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
+# The public names load on first use (PEP 562), so that `trl-moe-replay --help`, `trl-moe-replay plot` and
+# `import trl_moe_replay.routing` do not pay for importing TRL (~15 s of CPU on a small machine).
+# `from trl_moe_replay import MoEReplayGRPOTrainer` works exactly as with eager imports.
+_PUBLIC = {
+    "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
+    "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
+    "RouteValidationError": "trl_moe_replay.routing",
+    "RouterReplay": "trl_moe_replay.routing",
+    "UnsupportedModelError": "trl_moe_replay.routing",
+}
+
+if TYPE_CHECKING:
+    from .routing import RouterReplay, RouteValidationError, UnsupportedModelError
+    from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 
 __all__ = [
     "MoEReplayGRPOConfig",
@@ -13,3 +30,15 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'trl_moe_replay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
