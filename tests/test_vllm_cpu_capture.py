@@ -2,7 +2,9 @@
 
 The unit tests patch fresh subclasses of vLLM's own classes, so the classes vLLM uses stay untouched in this process.
 The real-engine tests build ``vllm.LLM`` with its default executor (engine core in a spawned process), so the plugin
-can only act there through its ``vllm.general_plugins`` entry point.
+can only act there through its ``vllm.general_plugins`` entry point. The unit tests name vLLM's private methods
+(``_select_experts``, ``_select_forward``, ``_setup_kernel``) and the plugin's ``_WRAPPED`` mark on purpose: patching
+those methods is what the plugin does.
 """
 
 import copy

@@ -207,7 +207,6 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
 
     assert trainer.state.global_step == 2  # the run went on
     bad = [0, 1, 2, 3, 5]
-    assert trainer._vllm_routes.fallback_samples == len(bad)
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "5 of 8 samples" in warning and "1 missing, 4 malformed" in warning and "sample 1:" in warning
     batch = trainer.batches[1]
@@ -249,11 +248,13 @@ def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_inste
 
     assert trainer.state.global_step == 2  # the run went on
     bad = [2, 4, 7]
-    assert trainer._vllm_routes.fallback_samples == len(bad)
     batch = trainer.batches[1]
     assert no_route(batch["replay_routes"][bad]).all()
     good = [i for i in range(8) if i not in bad]
     assert has_route(batch["replay_routes"][good]).any(dim=(1, 2)).all()
+    routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
+    expected_frac = (routable[bad].sum() / routable.sum()).item()  # exactly the bad samples' positions
+    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
     expected_frac = (routable[bad].sum() / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
