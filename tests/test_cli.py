@@ -7,7 +7,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from unittest import mock
 
 import numpy as np
@@ -304,10 +303,9 @@ def test_audit_of_a_server_with_misfit_or_missing_routes():
 
 def test_audit_of_a_server_that_never_answers_times_out_with_one_line(capsys):
     with silent_server() as url, WITHOUT_LOCAL_VLLM:
-        start = time.monotonic()
+        # without the timeout the silent server would close the connection after a minute: another error than this
         with pytest.raises(TimeoutError, match=f"vLLM server at {url} did not answer within 1 s"):
             run_audit("tiny:qwen3_moe", vllm_server_url=url, vllm_timeout=1, num_prompts=1, max_new_tokens=4)
-        assert time.monotonic() - start < 60  # a safety bound, not a benchmark: without the timeout it never ends
         line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url,
                                        "--vllm_timeout", "1", "--num_prompts", "1"])
     assert "did not answer within 1 s" in line and "--vllm_timeout" in line
