@@ -62,18 +62,12 @@ def fake_history(steps=5):
 
 
 def test_the_command_and_the_package_import_without_trl():
-    """`trl-moe-replay --help` and `plot` load neither TRL nor torch: the package's top level is lazy (PEP 562), and
-    its public names still import from it."""
-    code = (
-        "import sys, trl_moe_replay, trl_moe_replay.cli\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'trl') if m in sys.modules))\n"
-        "from trl_moe_replay import MoEReplayGRPOTrainer\n"
-        "import trl\n"
-        "print(issubclass(MoEReplayGRPOTrainer, trl.GRPOTrainer))\n"
-    )
+    """`trl-moe-replay --help` and `plot` load neither TRL nor torch: the package's top level is lazy (PEP 562).
+    (tests/test_layout.py checks that its public names still import from it.)"""
+    code = "import sys, trl_moe_replay.cli; print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["[]", "True"]
+    assert result.stdout.split() == ["[]"]
 
 
 def test_metrics_are_grouped_by_family_with_eval_in_the_training_panel():
@@ -147,6 +141,7 @@ def test_plot_errors_are_one_line_and_say_what_to_do(tmp_path, capsys):
     assert out_file.read_text() == "not a folder"
 
 
+@pytest.mark.slow  # the CLI in a subprocess
 def test_plot_of_thousands_of_metrics_in_one_family_is_split_and_capped(tmp_path):
     run = tmp_path / "run"
     write_state(run, [{"step": step, **{f"routing/layer_{i}/expert_frac": i * step / 1e4 for i in range(2000)},

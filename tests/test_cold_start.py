@@ -20,6 +20,7 @@ def trained(data, **settings):
     return model, tokenizer, report
 
 
+@pytest.mark.slow  # trains for hundreds of steps
 def test_cold_start_teaches_the_task_and_noise_caps_accuracy(data):
     _, _, untrained = trained(data, steps=0)
     _, _, clean = trained(data, steps=250)

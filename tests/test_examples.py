@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # runs the example in a subprocess
 def test_swap_imports_example_runs_offline(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("HF_HUB_OFFLINE", None)  # --tiny must set it itself
@@ -27,6 +30,7 @@ def test_swap_imports_example_runs_offline(tmp_path):
                                "as GRPOTrainer") for line in lines)
 
 
+@pytest.mark.slow  # trains every replay mode
 def test_compare_replay_modes(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("compare_replay_modes", EXAMPLES / "compare_replay_modes.py")
     module = importlib.util.module_from_spec(spec)

@@ -97,6 +97,7 @@ def lock_held_by_another_process(output_dir):
         holder.wait()
 
 
+@pytest.mark.slow  # a second process holds the lock
 def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_lock_is_taken_over(tmp_path, caplog):
     lock_path = tmp_path / LOCK_NAME
     with lock_held_by_another_process(tmp_path) as holder:
@@ -149,6 +150,7 @@ def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
     assert not lock_path.exists()
 
 
+@pytest.mark.slow  # a second process holds the lock
 def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
     # routing_replay="none" is plain GRPOTrainer, which TRL would run: a loud warning, not a refusal
     with lock_held_by_another_process(tmp_path) as holder:
@@ -160,6 +162,7 @@ def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
         trainer.end()
 
 
+@pytest.mark.slow  # torchrun, two processes, twice
 def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
     result = run_two_ranks(Path(__file__).parent / "scripts" / "output_lock_ddp.py", tmp_path / "run")
     # raw_decode: print() writes text and newline separately, so the other rank's output may follow on the same line

@@ -372,6 +372,7 @@ def test_pr2_config_errors():
         MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, pr2_cached_tokens_per_sequence=0)
 
 
+@pytest.mark.slow  # torchrun, two processes
 def test_predictors_stay_identical_across_ddp_ranks(tmp_path):
     script = Path(__file__).parent / "scripts" / "pr2_ddp.py"
     run_two_ranks(script, tmp_path)

@@ -41,6 +41,7 @@ def small_run_args(output_dir, cache_dir, *extra):
     ]
 
 
+@pytest.mark.slow  # runs the recipe: cold start and training
 def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     script_args, training_args, model_args = recipe.parse_args(small_run_args(tmp_path / "run", tmp_path / "cache"))
     assert model_args.model_name_or_path is None and training_args.routing_replay == "r3"
@@ -63,6 +64,7 @@ def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     assert record["settings"]["sft"]["steps"] == 30 and 0.0 <= record["report"]["sampled_accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # accelerate launch subprocess
 def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     # first run builds the cache (in this process, fast); the launched one must find and reuse it
     spec = importlib.util.spec_from_file_location("grpo_r3_recipe_b", RECIPE)
@@ -84,6 +86,7 @@ def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     assert (tmp_path / "b" / "plots" / "reward.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.slow  # torchrun, two processes
 def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
     result = run_two_ranks(RECIPE, *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2",
                                                    "--plot", "false"), cwd=tmp_path)

