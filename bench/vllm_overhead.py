@@ -136,8 +136,9 @@ def bench_generation(args, checkpoint: str) -> None:
         print(f"    capture on   median {result.candidate:.3f}s per generate")
         print(f"    ratio on/off: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})  "
               f"target <= 1.05")
-        print(f"    same tokens sampled by both engines: {same_tokens}; routes returned: {sum(r is not None for r in routes)}"
-              f"/{len(routes)} with shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
+        returned = sum(r is not None for r in routes)
+        print(f"    same tokens sampled by both engines: {same_tokens}; routes returned: {returned}/{len(routes)}, "
+              f"shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
               f"capture-off engine returned routes for {off_routes}")
     finally:
         for llm in engines.values():
