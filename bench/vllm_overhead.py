@@ -14,8 +14,11 @@
     replays the engine's routes and logs the mismatch and routing metrics. Target <= 1.05. The per-component
     medians (generate, sync, the rest) show where a difference comes from.
 
-Rounds alternate which side goes first (`_harness.interleaved_ratio`); round 0 warms both up. Absolute times on a
-shared CPU are not the point; the ratios are. The machine's load average is printed at start and end.
+Rounds alternate which side goes first (`_harness.interleaved_ratio`); round 0 warms both up. Each round is timed
+twice: CPU seconds (user + system of this process and, for (a), of that engine's own processes; in (b) the engines
+run in this process) and wall seconds. On a shared machine the CPU ratio is the steadier one: other jobs stretch
+wall time a lot and the work done little. Absolute times are not the point; the ratios are. The machine's load
+average is printed at start and end.
 
     python bench/vllm_overhead.py                  # both parts, qwen3_moe hidden 128, 4 layers, 64 experts top-8
     python bench/vllm_overhead.py --part generate --rounds 9
@@ -56,6 +59,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=32, help="(a) prompts per generate call")
     parser.add_argument("--max-tokens", type=int, default=64, help="(a) tokens generated per prompt")
     parser.add_argument("--rounds", type=int, default=7, help="(a) timed rounds")
+    parser.add_argument("--eager", action="store_true",
+                        help="(a) both engines with enforce_eager=True (no torch.compile): separates the cost of "
+                        "capturing from the graph change the CPU plugin makes with capture on (MoE behind an "
+                        "opaque op)")
     parser.add_argument("--batch", type=int, default=16, help="(b) completions per training step")
     parser.add_argument("--completion", type=int, default=32, help="(b) tokens per completion")
     parser.add_argument("--step-rounds", type=int, default=5, help="(b) timed rounds (training steps per side)")
@@ -90,6 +97,52 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def child_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def cpu_seconds(pids: set[int] = frozenset()) -> float:
+    """User + system CPU time of this process and of the processes ``pids`` (an engine's core): the work done, which
+    other jobs on a shared machine inflate much less than wall time."""
+    import psutil
+
+    total = sum(psutil.Process().cpu_times()[:2])
+    for pid in pids:
+        try:
+            total += sum(psutil.Process(pid).cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def measured(fn, records: list, pids: set[int] = frozenset()):
+    """``fn(round)`` as a round function for ``interleaved_ratio`` that returns its CPU seconds (this process and
+    ``pids``) and appends (wall, cpu) seconds to ``records``."""
+    def run(round_: int) -> float:
+        wall, cpu = time.perf_counter(), cpu_seconds(pids)
+        fn(round_)
+        records.append((time.perf_counter() - wall, cpu_seconds(pids) - cpu))
+        return records[-1][1]
+    return run
+
+
+def paired(baseline: list, candidate: list, index: int) -> tuple[float, float, float]:
+    """Median, min and max over the timed rounds (round 0 warms up) of candidate/baseline, clock ``index``."""
+    ratios = [c[index] / b[index] for b, c in zip(baseline[1:], candidate[1:], strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def print_ratio(label: str, baseline: list, candidate: list, names: tuple[str, str]) -> None:
+    for index, clock in ((1, "CPU"), (0, "wall")):
+        base = statistics.median(r[index] for r in baseline[1:])
+        cand = statistics.median(r[index] for r in candidate[1:])
+        median, low, high = paired(baseline, candidate, index)
+        print(f"    {clock:<4} {names[0]} {base:.3f}s, {names[1]} {cand:.3f}s (medians); {label}: median "
+              f"{median:.3f} (min {low:.3f}, max {high:.3f})")
+
+
 # ----------------------------------------------------------------------------- (a) generation
 def bench_generation(args, checkpoint: str) -> None:
     import numpy as np
@@ -101,23 +154,25 @@ def bench_generation(args, checkpoint: str) -> None:
     prompts = [{"prompt_token_ids": tokenizer(p)["input_ids"]} for p in math_prompts(args.prompts)]
     # TRL's colocate settings, minus the launcher: dtype left to vLLM (bf16 on CPU), processed log-probs
     common = dict(model=checkpoint, max_model_len=512, seed=0, max_num_batched_tokens=4096,
-                  logprobs_mode="processed_logprobs")
-    engines = {}
+                  logprobs_mode="processed_logprobs", enforce_eager=args.eager)
+    engines, pids = {}, {}
     try:
-        engines["off"] = LLM(**common, enable_return_routed_experts=False)
-        engines["on"] = LLM(**common, enable_return_routed_experts=True)
+        for side in ("off", "on"):  # each engine's core runs in processes of its own: count their CPU time too
+            before = child_pids()
+            engines[side] = LLM(**common, enable_return_routed_experts=side == "on")
+            pids[side] = child_pids() - before
         last = {}
 
         def generate(side: str):
-            def run(round_: int) -> float:
+            def run(round_: int) -> None:
                 params = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0,
                                          seed=1000 * round_ + i) for i in range(len(prompts))]
-                start = time.perf_counter()
                 last[side] = engines[side].generate(prompts, params, use_tqdm=False)
-                return time.perf_counter() - start
             return run
 
-        result = interleaved_ratio(generate("off"), generate("on"), args.rounds)
+        records = {"off": [], "on": []}
+        interleaved_ratio(measured(generate("off"), records["off"], pids["off"]),
+                          measured(generate("on"), records["on"], pids["on"]), args.rounds)
 
         # what the last round returned: same tokens, routes only from the capturing engine
         same_tokens = all(
@@ -131,11 +186,9 @@ def bench_generation(args, checkpoint: str) -> None:
         )
         dtypes = sorted({str(np.asarray(r).dtype) for r in routes if r is not None})
         off_routes = sum(out.outputs[0].routed_experts is not None for out in last["off"])
-        print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds")
-        print(f"    capture off  median {result.baseline:.3f}s per generate")
-        print(f"    capture on   median {result.candidate:.3f}s per generate")
-        print(f"    ratio on/off: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})  "
-              f"target <= 1.05")
+        print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds"
+              + (", enforce_eager on both engines" if args.eager else ""))
+        print_ratio("ratio on/off (target <= 1.05)", records["off"], records["on"], ("off", "on"))
         returned = sum(r is not None for r in routes)
         print(f"    same tokens sampled by both engines: {same_tokens}; routes returned: {returned}/{len(routes)}, "
               f"shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
@@ -147,8 +200,8 @@ def bench_generation(args, checkpoint: str) -> None:
 
 # ----------------------------------------------------------------------------- (b) training step
 class ComponentClock:
-    """Seconds spent in the trainer's engine calls during one step: ``generate`` and weight sync
-    (``collective_rpc``: vLLM's ``reload_weights``, in process)."""
+    """CPU seconds of this process spent in the trainer's engine calls during one step: ``generate`` and weight
+    sync (``collective_rpc``: vLLM's ``reload_weights``). Colocated, the engine runs in this process."""
 
     def __init__(self, trainer):
         self.generate = self.sync = 0.0
@@ -158,11 +211,11 @@ class ComponentClock:
 
     def _timed(self, fn, name):
         def wrapped(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                setattr(self, name, getattr(self, name) + time.perf_counter() - start)
+                setattr(self, name, getattr(self, name) + time.process_time() - start)
         return wrapped
 
     def reset(self) -> None:
@@ -196,7 +249,7 @@ def build_trainer(args, checkpoint: str, mode: str):
     return trainer
 
 
-def whole_step(trainer, seed: int) -> float:
+def whole_step(trainer, seed: int) -> None:
     """One optimizer step as ``Trainer.train`` runs it here (steps_per_generation=1, num_iterations=1): generation
     (after a weight sync, as the step counter moved), scoring, loss, backward, optimizer step."""
     import torch
@@ -204,14 +257,12 @@ def whole_step(trainer, seed: int) -> float:
     batch = next(trainer.batches)
     torch.manual_seed(seed)
     trainer.clock.reset()
-    start = time.perf_counter()
+    start = time.process_time()
     trainer.training_step(trainer.model, batch, None)
     trainer.optimizer.step()
     trainer.model.zero_grad(set_to_none=True)
     trainer.state.global_step += 1  # the next step syncs the new weights into the engine, as in training
-    elapsed = time.perf_counter() - start
-    trainer.parts.append((elapsed, trainer.clock.generate, trainer.clock.sync))
-    return elapsed
+    trainer.parts.append((time.process_time() - start, trainer.clock.generate, trainer.clock.sync))
 
 
 def bench_step(args, checkpoint: str) -> None:
@@ -227,25 +278,25 @@ def bench_step(args, checkpoint: str) -> None:
         # none first: its engine is built without route capture
         trainers["none"] = build_trainer(args, checkpoint, "none")
         trainers["r3"] = build_trainer(args, checkpoint, "r3")
-        for trainer in trainers.values():
-            trainer.parts = []
-        result = interleaved_ratio(lambda seed: whole_step(trainers["none"], seed),
-                                   lambda seed: whole_step(trainers["r3"], seed), args.step_rounds)
+        records = {}
+        for mode, trainer in trainers.items():
+            trainer.parts, records[mode] = [], []
+        interleaved_ratio(measured(lambda seed: whole_step(trainers["none"], seed), records["none"]),
+                          measured(lambda seed: whole_step(trainers["r3"], seed), records["r3"]), args.step_rounds)
         print(f"(b) training step: {args.batch} completions x {args.completion} tokens, colocated engines, "
               f"{args.step_rounds} rounds")
+        print_ratio("ratio r3/none (target <= 1.05)", records["none"], records["r3"], ("none", "r3"))
         medians = {}
         for mode, trainer in trainers.items():
             timed = trainer.parts[1:]  # round 0 is the warm-up
-            total, gen, sync = (statistics.median(p[i] for p in timed) for i in range(3))
+            gen, sync = (statistics.median(p[i] for p in timed) for i in (1, 2))
             rest = statistics.median(p[0] - p[1] - p[2] for p in timed)
-            medians[mode] = (total, gen, sync, rest)
-            print(f"    {mode:<4} median {total:.3f}s per step  (generate {gen:.3f}s, sync {sync:.3f}s, "
-                  f"scoring+update {rest:.3f}s)")
-        print(f"    ratio r3/none: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})  "
-              f"target <= 1.05")
+            medians[mode] = (gen, sync, rest)
+            print(f"    {mode:<4} CPU seconds per step (medians): generate {gen:.3f}, sync {sync:.3f}, "
+                  f"scoring+update {rest:.3f}")
         names = ("generate", "sync", "scoring+update")
-        print("    per component, ratio of medians r3/none: " + ", ".join(
-            f"{name} {medians['r3'][i + 1] / medians['none'][i + 1]:.3f}" for i, name in enumerate(names)))
+        print("    per component, ratio of CPU medians r3/none: " + ", ".join(
+            f"{name} {medians['r3'][i] / medians['none'][i]:.3f}" for i, name in enumerate(names)))
         metrics = trainers["r3"]._metrics["train"]
         fallback = metrics.get("routing/fallback_frac", [])
         print(f"    r3 replayed the engine's routes: routing/fallback_frac max "
