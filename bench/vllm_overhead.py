@@ -51,6 +51,10 @@ from _harness import interleaved_ratio  # noqa: E402
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["generate", "step", "both"], default="both")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads for the engines and the trainer (e.g. 1: CPU time is then pure work, "
+                        "steady on a shared machine; the engines' OpenMP threads are bound to the first cores). "
+                        "Unset: vLLM's and torch's defaults")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
@@ -313,7 +317,13 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     args = parse_args()
-    print(f"load average at start: {load()} ({os.cpu_count()} cores)")
+    if args.threads:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the trainer, and accelerate leaves it alone
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")  # each engine's worker
+        torch.set_num_threads(args.threads)
+    print(f"load average at start: {load()} ({os.cpu_count()} cores); threads: {args.threads or 'default'}")
     print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
           f"head_dim {args.head_dim}; vLLM CPU engine in its default dtype, trainer in float32")
     with tempfile.TemporaryDirectory(prefix="vllm_overhead_") as tmp:
