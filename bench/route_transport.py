@@ -7,12 +7,13 @@ completion lengths in [7/8, 1] of 4096 instead). Each repeat times, side by side
   copy           np.frombuffer(rows_i) copied for every sample (the floor: touching the bytes once)
   decode         decode_routed_experts on every base64 payload
   decode/np.load np.load(io.BytesIO(base64.b64decode(x))) for reference
-  align          routes_from_engine on decoded arrays -> int16 [B, S, L, K]
-  align+ids      the same with num_experts given (adds an id-range pass)
+  align          routes_from_engine on decoded arrays, as the trainer calls it (num_experts given) -> the compact
+                 routes [B, S, L, K]: uint8 up to 256 experts (one byte per entry, like the payload)
+  align/int16    the same without num_experts -> int16 (the pre-uint8 layout, for reference)
   decode+align   routes_from_engine on the payload strings (decoded one sample at a time)
 
 "warm" writes into destinations allocated once (copy buffer / ``out=``); "cold" allocates fresh
-ones per call, adding first-touch page faults (the int16 output is 2x the engine bytes). Repeats
+ones per call, adding first-touch page faults. Repeats
 are interleaved in random order and medians reported. Target: align within 3x of the copy.
 
 Also printed: bytes per routed token on the wire (base64 ``.npy``, as vLLM sends it) and what one
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from trl_moe_replay.routing import engine
+from trl_moe_replay.routing import route_dtype
 from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
 
 
@@ -61,6 +63,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def distinct_routes(rng: np.random.Generator, rows: int, top_k: int, experts: int, dtype: np.dtype) -> np.ndarray:
+    """``[rows, top_k]`` ids, distinct within each row: one of 1024 random top-k sets per row, shifted by a random
+    offset modulo ``experts`` (which keeps the ids distinct). Built in blocks to keep the int64 temporaries small."""
+    sets = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(1024)])
+    out = np.empty((rows, top_k), dtype)
+    for lo in range(0, rows, 1 << 20):
+        n = min(1 << 20, rows - lo)
+        out[lo : lo + n] = (sets[rng.integers(0, len(sets), n)] + rng.integers(0, experts, n)[:, None]) % experts
+    return out
+
+
 def main() -> None:
     args = parse_args()
     rng = np.random.default_rng(args.seed)
@@ -73,8 +86,8 @@ def main() -> None:
     counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
     per_token = args.layers * args.top_k
 
-    # One flat buffer of random logical ids; each sample's rows are a view into it.
-    flat = rng.integers(0, args.experts, sum(counts) * per_token, dtype=dtype)
+    # One flat buffer of random logical ids, distinct within each route as a real top-k; each sample's rows are a view.
+    flat = distinct_routes(rng, sum(counts) * args.layers, args.top_k, args.experts, dtype).reshape(-1)
     offsets = np.cumsum([0, *counts]) * per_token
     rows = [flat[a:b].reshape(n, args.layers, args.top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
     payloads = [encode_routed_experts(r) for r in rows]
@@ -86,18 +99,22 @@ def main() -> None:
         completion_width=args.completion,
         num_layers=args.layers,
         top_k=args.top_k,
+        num_experts=args.experts,
     )
     # Sanity: the aligned tensor holds the engine rows where they belong.
     check = routes_from_engine(payloads[:2], **{**layout, "prompt_lengths": prompt_lengths[:2],
                                                 "completion_lengths": completion_lengths[:2]})
     lo = args.prompt - prompt_lengths[1]
-    assert torch.equal(check[1, lo : lo + counts[1]], torch.from_numpy(rows[1].astype(np.int16)))
+    assert torch.equal(check[1, lo : lo + counts[1]].long(), torch.from_numpy(rows[1].astype(np.int64)))
     del check
 
     # Warm: destinations allocated and touched once, then reused (what the work itself costs).
     # Cold: fresh destinations every call (adds first-touch page faults, large and noisy in VMs).
     copy_dst = np.zeros(flat.nbytes, dtype=np.uint8)
-    out_dst = torch.zeros((args.batch, args.prompt + args.completion, args.layers, args.top_k), dtype=torch.int16)
+    shape = (args.batch, args.prompt + args.completion, args.layers, args.top_k)
+    out_dst = torch.zeros(shape, dtype=route_dtype(args.experts, args.top_k))
+    out_int16 = torch.zeros(shape, dtype=torch.int16)
+    without_experts = {key: value for key, value in layout.items() if key != "num_experts"}
     starts = offsets[:-1] * flat.itemsize
 
     def copy_warm():
@@ -121,7 +138,7 @@ def main() -> None:
             "decode": decode,
             "decode/np.load": decode_npload,
             "align": lambda: routes_from_engine(rows, **layout, out=out_dst),
-            "align+ids": lambda: routes_from_engine(rows, **layout, num_experts=args.experts, out=out_dst),
+            "align/int16": lambda: routes_from_engine(rows, **without_experts, out=out_int16),
             "decode+align": lambda: routes_from_engine(payloads, **layout, out=out_dst),
         },
         "cold": {
@@ -146,14 +163,15 @@ def main() -> None:
     tokens = sum(counts)
     raw_bytes = flat.nbytes
     wire_bytes = sum(len(x) for x in payloads)
-    out_bytes = out_dst.numel() * 2
+    out_bytes = out_dst.numel() * out_dst.element_size()
     median = {key: statistics.median(value) for key, value in times.items()}
 
     print(
         f"routes: B={args.batch} prompt<={args.prompt} completion<={args.completion} L={args.layers} "
         f"K={args.top_k} E={args.experts} ({dtype.name}); {tokens:,} routed tokens, "
         f"{raw_bytes / 2**20:,.0f} MiB engine rows, {wire_bytes / 2**20:,.0f} MiB base64, "
-        f"{out_bytes / 2**20:,.0f} MiB int16 out"
+        f"{out_bytes / 2**20:,.0f} MiB {str(out_dst.dtype).removeprefix('torch.')} out "
+        f"({out_dst.element_size()} B per entry)"
     )
     print(
         f"host: {platform.machine()}, {os.cpu_count()} cpus, numpy {np.__version__}, torch {torch.__version__}, "

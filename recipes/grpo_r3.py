@@ -8,6 +8,11 @@ synthetic arithmetic set, then GRPO with R3 and the math-verify reward raises it
     accelerate launch recipes/grpo_r3.py
     accelerate launch recipes/grpo_r3.py --max_steps 30 --routing_replay none --output_dir runs/none
 
+Tool use (`--tools`, TRL's `GRPOTrainer(tools=...)`): the tiny MoE is cold-started on calculator demonstrations for
+two-digit additions, then GRPO with R3 (every turn's routes replayed) teaches it to call the calculator:
+
+    accelerate launch recipes/grpo_r3.py --config recipes/configs/tiny_tools_r3.yaml
+
 Real models: name one (and a dataset), on the command line or in a config file; every flag overrides the file:
 
     accelerate launch --config_file recipes/accelerate/zero3.yaml recipes/grpo_r3.py \
@@ -76,6 +81,14 @@ class GRPOR3ScriptArguments(ScriptArguments):
                   "answer within \\boxed{}.' (Hub datasets; the synthetic set's cold start teaches the format)."},
     )
     system_prompt: str | None = field(default=None, metadata={"help": "System message (conversational prompts)."})
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Tools the policy may call (TRL's GRPOTrainer(tools=...)): calculator (trl_moe_replay.tools) or "
+            "any dotted import path (my_lib.tools.func; Google-style docstring, type hints). Prompts are then "
+            "conversational and rendered with the tools."
+        },
+    )
     # ---- offline synthetic set
     synthetic_samples: int = field(default=4000, metadata={"help": "Rows of the synthetic set."})
     synthetic_difficulty: int = field(default=0, metadata={"help": "trl_moe_replay.data.LEVELS key (0: a+b, 0-9)."})
@@ -97,6 +110,11 @@ class GRPOR3ScriptArguments(ScriptArguments):
         default=0.67,
         metadata={"help": "Fraction of SFT answers replaced by a near miss (+-1): the SFT policy is then right only "
                   "about 1 - noise of the time, and RL has something to fix."},
+    )
+    sft_tool_call_fraction: float = field(
+        default=0.5,
+        metadata={"help": "With --tools: fraction of cold-start demonstrations that call the tool before answering "
+                  "(the others answer at once). 0: no tool demonstrations."},
     )
     sft_cache_dir: str | None = field(
         default=None, metadata={"help": "Cold-start cache (default $TRL_MOE_REPLAY_CACHE or ~/.cache/trl_moe_replay)."}
@@ -169,12 +187,40 @@ def reward_functions(names: list[str]) -> list:
     return funcs
 
 
+def tool_functions(names: list[str]) -> list:
+    """The callables for ``--tools``: names of :data:`trl_moe_replay.tools.BUILTIN_TOOLS` or dotted import paths."""
+    from trl_moe_replay.tools import BUILTIN_TOOLS
+
+    tools = []
+    for name in names:
+        if name in BUILTIN_TOOLS:
+            tools.append(BUILTIN_TOOLS[name])
+        elif "." in name:
+            module_path, func_name = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            tools.append(getattr(importlib.import_module(module_path), func_name))
+        else:
+            raise ValueError(f"Unknown tool {name!r}: one of {sorted(BUILTIN_TOOLS)} or a dotted import path.")
+    return tools
+
+
+def is_conversational(script_args) -> bool:
+    """Chat-message prompts: as asked, else for Hub datasets and whenever tools are on (TRL renders them with the
+    chat template)."""
+    if script_args.tools and script_args.conversational is False:
+        raise ValueError("--tools needs conversational prompts (TRL renders the tools with the chat template); "
+                         "drop --conversational false")
+    if script_args.conversational is not None:
+        return script_args.conversational
+    return bool(script_args.dataset_name or script_args.tools)
+
+
 def load_datasets(script_args, training_args):
     """(train, eval or None) with `prompt` and `solution` columns."""
     from trl_moe_replay.data import load_math_dataset, synthetic_math_dataset
 
+    conversational = is_conversational(script_args)
     if script_args.dataset_name:
-        conversational = True if script_args.conversational is None else script_args.conversational
         kwargs = dict(conversational=conversational, instruction=script_args.instruction,
                       system_prompt=script_args.system_prompt, config=script_args.dataset_config)
         train = load_math_dataset(script_args.dataset_name, script_args.dataset_train_split, **kwargs)
@@ -185,7 +231,8 @@ def load_datasets(script_args, training_args):
     settings = dict(
         difficulty=script_args.synthetic_difficulty, max_operand=script_args.synthetic_max_operand,
         kinds=tuple(script_args.synthetic_kinds), instruction=script_args.instruction,
-        conversational=bool(script_args.conversational), system_prompt=script_args.system_prompt,
+        conversational=conversational, system_prompt=script_args.system_prompt,
+        expressions=bool(script_args.tools),  # what the cold start's calculator demonstrations compute
     )
     train = synthetic_math_dataset(script_args.synthetic_samples, seed=training_args.seed, **settings)
     evaluation = None
@@ -231,17 +278,23 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     family = script_args.tiny_model_type
     overrides = tiny_overrides(family, script_args.tiny_hidden_size, script_args.tiny_num_layers,
                                script_args.tiny_num_experts, script_args.tiny_top_k)
+    tools = tool_functions(script_args.tools)
     sft = ColdStartConfig(
         steps=script_args.sft_steps, learning_rate=script_args.sft_learning_rate,
         batch_size=script_args.sft_batch_size, label_noise=script_args.sft_label_noise, seed=training_args.seed,
+        tool_call_fraction=script_args.sft_tool_call_fraction if tools else 0.0,
     )
-    data_key = settings_key({"prompt": train_dataset["prompt"], "solution": train_dataset["solution"]})
+    tool_call = demonstration_call(script_args.tools) if sft.tool_call_fraction else None
+    data_key = settings_key({column: train_dataset[column] for column in train_dataset.column_names})
     settings = dict(model_type=family, overrides=overrides, sft=asdict(sft), data=data_key, version=1)
+    if tools:
+        settings["tools"] = script_args.tools
 
     def build():
         model = tiny_moe_model(family, seed=training_args.seed, **overrides)
-        tokenizer = tiny_tokenizer()
-        report = cold_start_sft(model, tokenizer, train_dataset, sft) if sft.steps else {}
+        tokenizer = tiny_tokenizer(tools=bool(tools))
+        report = cold_start_sft(model, tokenizer, train_dataset, sft, tools=tools, tool_call=tool_call) \
+            if sft.steps else {}
         return model, tokenizer, report
 
     cache_dir = script_args.sft_cache_dir or default_cache_dir()
@@ -249,10 +302,23 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     with state.main_process_first():  # the main process trains and saves; the others then read the cache
         folder, record = cached_cold_start(cache_dir, settings, build, log=state.print if state.is_main_process
                                            else (lambda *_: None))
-    accuracy = record["report"].get("sampled_accuracy")
-    if accuracy is not None:
-        state.print(f"cold start: {sft.steps} SFT steps, sampled accuracy {accuracy:.2f} before GRPO")
+    report = record["report"]
+    if report.get("sampled_accuracy") is not None:
+        tool_calls = f", tool calls in {report['tool_call_rate']:.0%} of samples" if "tool_call_rate" in report else ""
+        state.print(f"cold start: {sft.steps} SFT steps, sampled accuracy {report['sampled_accuracy']:.2f} before "
+                    f"GRPO{tool_calls}")
     return str(folder)
+
+
+def demonstration_call(tool_names: list[str]):
+    """``row -> tool call`` for the cold start's tool demonstrations: the first built-in tool that has one."""
+    from trl_moe_replay.tools import DEMONSTRATIONS
+
+    for name in tool_names:
+        if name in DEMONSTRATIONS:
+            return DEMONSTRATIONS[name]
+    raise ValueError(f"the cold start demonstrates only built-in tools ({sorted(DEMONSTRATIONS)}); with --tools "
+                     f"{' '.join(tool_names)} pass --sft_tool_call_fraction 0 (or add a built-in tool)")
 
 
 def main(script_args, training_args, model_args):
@@ -269,15 +335,16 @@ def main(script_args, training_args, model_args):
     from trl import get_peft_config, get_quantization_config
 
     from trl_moe_replay import MoEReplayGRPOTrainer
-    from trl_moe_replay.progress import CompactProgressCallback
+    from trl_moe_replay.progress import KEY_METRICS, CompactProgressCallback
 
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
+    tools = tool_functions(script_args.tools)
     processing_class = None
     if model_args.model_name_or_path is None:  # offline default: the tiny MoE, cold-started
         from trl_moe_replay.testing import tiny_tokenizer
 
         model = cold_started_tiny_model(script_args, training_args, train_dataset)
-        processing_class = tiny_tokenizer()
+        processing_class = tiny_tokenizer(tools=bool(tools))
         model_init_kwargs = dict(dtype="float32")
     else:
         model = model_args.model_name_or_path
@@ -298,10 +365,13 @@ def main(script_args, training_args, model_args):
         processing_class=processing_class,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
+        tools=tools or None,
     )
     if not training_args.disable_tqdm:
+        metrics = {**KEY_METRICS, "tools/call_frequency": "tool_calls"} if tools else KEY_METRICS
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(CompactProgressCallback(print_every=max(10, training_args.logging_steps)))
+        print_every = max(10, training_args.logging_steps)
+        trainer.add_callback(CompactProgressCallback(print_every=print_every, metrics=metrics))
 
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
@@ -309,6 +379,8 @@ def main(script_args, training_args, model_args):
 
     if trainer.accelerator.is_main_process:
         print(reward_summary(trainer.state.log_history))
+        if tools:
+            print(reward_summary(trainer.state.log_history, key="tools/call_frequency", label="tool calls per sample"))
         if script_args.plot:
             from trl_moe_replay.plotting import plot_run
 
@@ -321,14 +393,14 @@ def main(script_args, training_args, model_args):
     return trainer
 
 
-def reward_summary(log_history: list[dict], window: int = 10) -> str:
-    """'mean reward: first N steps X -> last N steps Y' from the training log."""
-    rewards = [h["reward"] for h in log_history if "reward" in h and "eval_reward" not in h]
-    if not rewards:
-        return "no reward logged"
-    n = max(1, min(window, len(rewards) // 3 or 1))
-    first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
-    return f"mean reward: first {n} logged steps {first:.3f} -> last {n} logged steps {last:.3f}"
+def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward", label: str = "mean reward") -> str:
+    """'mean reward: first N steps X -> last N steps Y' from the training log (or another logged ``key``)."""
+    values = [h[key] for h in log_history if key in h and f"eval_{key}" not in h]
+    if not values:
+        return f"no {key} logged"
+    n = max(1, min(window, len(values) // 3 or 1))
+    first, last = sum(values[:n]) / n, sum(values[-n:]) / n
+    return f"{label}: first {n} logged steps {first:.3f} -> last {n} logged steps {last:.3f}"
 
 
 if __name__ == "__main__":

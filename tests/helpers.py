@@ -1,8 +1,12 @@
 """Small helpers shared by the tests."""
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -15,8 +19,10 @@ def random_ids(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
 
 
 def shifted(routes: torch.Tensor, num_experts: int, by: int = 1) -> torch.Tensor:
-    """Every route moved to other experts (keeps -1 and keeps each row a set of distinct ids)."""
-    return torch.where(routes < 0, routes, (routes + by) % num_experts)
+    """Every route moved to other experts (keeps "no route" rows and keeps each row a set of distinct ids)."""
+    from trl_moe_replay.routing import has_route
+
+    return torch.where(has_route(routes)[..., None], ((routes.long() + by) % num_experts).to(routes.dtype), routes)
 
 
 def experts_module(model: torch.nn.Module, layer: int) -> torch.nn.Module:
@@ -36,3 +42,51 @@ def run_two_ranks(script, *args: str, cwd=None) -> subprocess.CompletedProcess:
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+@contextlib.contextmanager
+def silent_server(lifetime_s: float = 60.0):
+    """A TCP server on 127.0.0.1 that accepts connections and never answers; yields its ``http://`` URL.
+
+    Bounded: it closes every connection (and stops) when the context exits or after ``lifetime_s``, whichever comes
+    first, so a client still waiting on it gets an error instead of hanging.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+    held = []
+
+    def accept_and_hold():
+        deadline = time.monotonic() + lifetime_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:  # accept timed out: look at the stop flag again
+                continue
+        for connection in held:
+            connection.close()
+        listener.close()
+
+    thread = threading.Thread(target=accept_and_hold, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def no_route(routes: torch.Tensor) -> torch.Tensor:
+    """Per entry: whether the row holds "no route" (-1 in signed routes, a row of 255s in one-byte routes)."""
+    from trl_moe_replay.routing import has_route
+
+    return (~has_route(routes))[..., None].expand_as(routes)
+
+
+def as_signed(routes: torch.Tensor) -> torch.Tensor:
+    """Routes of any compact dtype as int64 with -1 for "no route" (to compare them with hand-built ones)."""
+    from trl_moe_replay.routing import has_route
+
+    return torch.where(has_route(routes)[..., None], routes.long(), -1)

@@ -88,6 +88,9 @@ class RouteCheckingTrainer(MoEReplayGRPOTrainer):
         with self._route_replay.observe(lambda call: used.setdefault(call.layer, []).append(call.used.detach())):
             result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                                 *args, **kwargs)
+        self.forwards += 1
+        if not self.oracle.routes:  # no engine routes in this run (r2 against an engine without them)
+            return result
         expected = self.oracle.expected(input_ids.cpu(), attention_mask.cpu())
         # every real position but each sequence's last was forwarded by the engine (the last one too when TRL
         # truncated the sample: the engine went on generating, but that position scores no token)
@@ -102,5 +105,4 @@ class RouteCheckingTrainer(MoEReplayGRPOTrainer):
                 f"layer {layer}: the experts used differ from the engine's"
             )
         self.checked_positions += int(scored.sum())
-        self.forwards += 1
         return result

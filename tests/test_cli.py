@@ -2,7 +2,13 @@
 
 import json
 import math
+import os
+import socket
 import struct
+import subprocess
+import sys
+import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -10,11 +16,20 @@ import torch
 
 from trl_moe_replay.audit import run_audit
 from trl_moe_replay.cli import main
-from trl_moe_replay.plotting import group_metrics, load_log_history, metric_series
+from trl_moe_replay.plotting import (
+    MAX_FIGURES_PER_FAMILY,
+    MAX_PANELS_PER_FIGURE,
+    group_metrics,
+    load_log_history,
+    metric_series,
+    plan_figures,
+)
 from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts
 from trl_moe_replay.routing.errors import RouteAlignmentError
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+from trl_moe_replay.testing_vllm import FakeVLLMServer
+
+from .helpers import silent_server
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -82,9 +97,59 @@ def test_plot_reads_the_latest_checkpoint_and_custom_out(tmp_path):
     assert (out / "reward.png").is_file() and not (run / "plots").exists()
 
 
-def test_plot_without_state_explains(tmp_path):
-    with pytest.raises(FileNotFoundError, match="save_state"):
-        main(["plot", str(tmp_path)])
+def one_line_error(capsys, argv) -> str:
+    """Run the CLI; it must fail with exit status 2 and exactly one line on stderr, and no traceback."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith(f"trl-moe-replay {argv[0]}: error: ")
+    return lines[0]
+
+
+def test_plot_without_state_explains(tmp_path, capsys):
+    assert "save_state" in one_line_error(capsys, ["plot", str(tmp_path)])
+
+
+def test_plot_errors_are_one_line_and_say_what_to_do(tmp_path, capsys):
+    missing = tmp_path / "no-such-run"
+    assert f"{missing} does not exist" in one_line_error(capsys, ["plot", str(missing)])
+
+    not_object = tmp_path / "list"
+    not_object.mkdir()
+    (not_object / "trainer_state.json").write_text("[1, 2, 3]")
+    assert "not a JSON object" in one_line_error(capsys, ["plot", str(not_object)])
+
+    truncated = tmp_path / "truncated"
+    write_state(truncated, fake_history())
+    text = (truncated / "trainer_state.json").read_text()
+    (truncated / "trainer_state.json").write_text(text[: len(text) // 2])
+    line = one_line_error(capsys, ["plot", str(truncated)])
+    assert "not valid JSON" in line and "truncated" in line
+
+    run, out_file = tmp_path / "run", tmp_path / "charts.png"
+    write_state(run, fake_history())
+    out_file.write_text("not a folder")
+    assert "is a file" in one_line_error(capsys, ["plot", str(run), "--out", str(out_file)])
+    assert out_file.read_text() == "not a folder"
+
+
+def test_plot_of_thousands_of_metrics_in_one_family_is_split_and_capped(tmp_path):
+    run = tmp_path / "run"
+    write_state(run, [{"step": step, **{f"routing/layer_{i}/expert_frac": i * step / 1e4 for i in range(2000)},
+                       "reward": 0.1 * step} for step in (1, 2, 3)])
+    figures = plan_figures(metric_series(load_log_history(run)))
+    assert [f.name for f in figures] == ["reward", "routing", "routing-2"]
+    routing = [f for f in figures if f.family == "routing"]
+    assert [len(f.metrics) for f in routing] == [MAX_PANELS_PER_FIGURE] * MAX_FIGURES_PER_FAMILY
+    assert [f.not_drawn for f in routing] == [0, 2000 - MAX_PANELS_PER_FIGURE * MAX_FIGURES_PER_FAMILY]
+    assert len({m for f in routing for m in f.metrics}) == MAX_PANELS_PER_FIGURE * MAX_FIGURES_PER_FAMILY
+    # the CLI draws them in bounded time (a safety bound for a loaded machine, not a benchmark)
+    result = subprocess.run([sys.executable, "-m", "trl_moe_replay.cli", "plot", str(run)], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(f"{f.name}.png" for f in figures)
+    assert "1952 routing metrics not drawn" in result.stderr
 
 
 # ----------------------------------------------------------------------------- audit
@@ -142,10 +207,13 @@ def test_audit_rejects_bad_arguments():
 # ----------------------------------------------------------------------------- audit of a vLLM server
 # FakeVLLMServer answers TRL's real VLLMClient over HTTP the way vLLM does (routed_experts included); it serves
 # tiny_moe_model("qwen3_moe") with the default seed, the very weights `tiny:qwen3_moe` loads for the trainer.
-# trl_vllm_transport_stub only lets TRL's client be built without vLLM installed (the audit opens no communicator).
+# The audit only speaks HTTP: it must work on a machine without vLLM, so TRL's check for vLLM answers False here.
+WITHOUT_LOCAL_VLLM = mock.patch("trl.generation.vllm_client.is_vllm_available", lambda *args, **kw: False)
+
+
 def audit_server(server, **kwargs):
     settings = dict(num_prompts=2, num_generations=3, max_new_tokens=8)
-    with server, trl_vllm_transport_stub(server):
+    with server, WITHOUT_LOCAL_VLLM:
         return run_audit("tiny:qwen3_moe", vllm_server_url=server.url, **{**settings, **kwargs})
 
 
@@ -185,7 +253,7 @@ def test_audit_of_a_bf16_vllm_server_shows_what_r3_removes():
 
 def test_audit_cli_of_a_server_without_routes_gives_the_server_command(capsys):
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False)
-    with server, trl_vllm_transport_stub(server):
+    with server, WITHOUT_LOCAL_VLLM:
         args = ["audit", "--model", "tiny:qwen3_moe", "--num_prompts", "2", "--max_new_tokens", "6",
                 "--vllm_server_url", server.url]
         assert main(args) == 0
@@ -218,3 +286,30 @@ def test_audit_of_a_server_with_misfit_or_missing_routes():
     r3 = report.row("r3")
     assert 0 < r3.fallback_frac < 1 and r3.route_mismatch_frac == 0.0
     assert any("1 of 3 completions came without routes" in note for note in report.notes)
+
+
+def test_audit_of_a_server_that_never_answers_times_out_with_one_line(capsys):
+    with silent_server() as url, WITHOUT_LOCAL_VLLM:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"vLLM server at {url} did not answer within 1 s"):
+            run_audit("tiny:qwen3_moe", vllm_server_url=url, vllm_timeout=1, num_prompts=1, max_new_tokens=4)
+        assert time.monotonic() - start < 60  # a safety bound, not a benchmark: without the timeout it never ends
+        line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url,
+                                       "--vllm_timeout", "1", "--num_prompts", "1"])
+    assert "did not answer within 1 s" in line and "--vllm_timeout" in line
+
+
+def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "checkpoints" / "step-100"
+    for model in (str(missing), "./no/such/model"):
+        line = one_line_error(capsys, ["audit", "--model", model])
+        assert "no model folder" in line and "Repo id" not in line
+
+
+def test_audit_of_an_unreachable_server_is_one_line(capsys):
+    with socket.socket() as probe:  # a port nothing listens on any more
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with WITHOUT_LOCAL_VLLM:
+        line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url])
+    assert "can't be reached" in line and url in line

@@ -6,6 +6,7 @@ import torch
 
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+from trl_moe_replay.routing import has_route
 
 from .test_trainer import logged
 from .test_vllm_generation import make_trainer as make_vllm_trainer
@@ -24,7 +25,7 @@ def test_rspo_with_r3_routes_from_a_vllm_server(tmp_path):
     # γ is taken at the experts the old pass used, i.e. the server's routes wherever it sent one
     used = batch["old_router_ids"]
     replayed = batch["replay_routes"]
-    sent = replayed >= 0
+    sent = has_route(replayed)[..., None].expand_as(replayed)
     assert sent.any() and torch.equal(used[sent], replayed[sent])
     assert logged(trainer, "routing/mismatch_frac") == [0.0] and logged(trainer, "mismatch/kl_k3")[0] < 1e-6
     gamma_min, gamma_mean = logged(trainer, "rspo/gamma_min"), logged(trainer, "rspo/gamma_mean")
@@ -46,7 +47,7 @@ def test_pr2_with_a_vllm_server_chooses_its_routes_in_the_old_pass(tmp_path):
         sorted(n for n in names if not n.startswith("pr2_predictors."))
     ] * len(server.weight_updates) and server.weight_updates
     # the old pass's (predicted) routes ride with the batch and are replayed in the updates
-    assert (trainer.batches[0]["replay_routes"] >= 0).any()
+    assert has_route(trainer.batches[0]["replay_routes"]).any()
     assert all("replay_routes" in inputs for inputs in trainer.trained)
     # the predictors trained on the off-policy update, from the cache of the server-sampled batch
     losses = logged(trainer, "pr2/loss")

@@ -75,6 +75,20 @@ def test_synthetic_answers_are_correct(difficulty):
             assert value >= 0
 
 
+@pytest.mark.parametrize("difficulty", sorted(data.LEVELS))
+def test_synthetic_expressions_compute_the_answers_and_change_nothing_else(difficulty):
+    plain = synthetic_math_dataset(200, seed=difficulty, difficulty=difficulty)
+    with_expressions = synthetic_math_dataset(200, seed=difficulty, difficulty=difficulty, expressions=True)
+    assert with_expressions.column_names == ["prompt", "solution", "expression"]
+    assert with_expressions["prompt"] == plain["prompt"] and with_expressions["solution"] == plain["solution"]
+    for prompt, solution, expression in zip(*(with_expressions[c] for c in ("prompt", "solution", "expression"))):
+        assert evaluate(expression) == int(solution), (prompt, expression)
+        if prompt.endswith("="):
+            assert expression == prompt[:-1]
+        else:  # a word problem: the expression uses the numbers of the text
+            assert sorted(re.findall(r"\d+", expression)) == sorted(re.findall(r"\d+", prompt)), (prompt, expression)
+
+
 def test_difficulty_zero_is_single_digit_addition():
     ds = synthetic_math_dataset(200, seed=3, difficulty=0, kinds=("arithmetic",))
     assert all(re.fullmatch(r"\d\+\d=", p) for p in ds["prompt"])

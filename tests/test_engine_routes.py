@@ -7,6 +7,7 @@ prompt+completion, the last token has no row, dense layers are zero rows; base64
 
 import base64
 import io
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,9 @@ from trl_moe_replay.routing.engine import (
     routes_from_engine,
 )
 from trl_moe_replay.routing.errors import RouteAlignmentError, RouteValidationError
+from trl_moe_replay.routing.routes import has_route, route_dtype, validate_routes
+
+from .helpers import no_route
 
 L, K, E = 4, 2, 64
 
@@ -114,14 +118,14 @@ def test_mixed_batch_every_column_maps_to_its_token():
     torch.testing.assert_close(out, reference(samples, 6, 9), rtol=0, atol=0)
 
     # Spot checks spelled out, so a shared mistake in the reference cannot hide.
-    assert out[1, :4].eq(-1).all()  # 4 left pads for a 2-token prompt
+    assert no_route(out[1, :4]).all()  # 4 left pads for a 2-token prompt
     assert out[1, 4, 0, 0] == route_value(0, 0, 0) and out[1, 5, 1, 1] == route_value(1, 1, 1)
-    assert out[1, 6:].eq(-1).all()  # the only completion token is final: no route
+    assert no_route(out[1, 6:]).all()  # the only completion token is final: no route
     assert out[0, 6, 2, 1] == route_value(6, 2, 1)  # first completion token = position p
-    assert out[0, 14].eq(-1).all() and out[0, 13, 3, 0] == route_value(13, 3, 0)
-    assert out[2].eq(-1).all()
-    assert out[3, :3].eq(-1).all() and out[3, 3, 0, 0] == route_value(2, 0, 0)
-    assert out[5, :6].eq(-1).all() and out[5, 6, 0, 0] == route_value(6, 0, 0) and out[5, 9].eq(-1).all()
+    assert no_route(out[0, 14]).all() and out[0, 13, 3, 0] == route_value(13, 3, 0)
+    assert no_route(out[2]).all()
+    assert no_route(out[3, :3]).all() and out[3, 3, 0, 0] == route_value(2, 0, 0)
+    assert no_route(out[5, :6]).all() and out[5, 6, 0, 0] == route_value(6, 0, 0) and no_route(out[5, 9]).all()
 
 
 def test_prompt_start_skips_the_routed_prefix():
@@ -129,7 +133,7 @@ def test_prompt_start_skips_the_routed_prefix():
     rows = engine_rows(p, c, s)
     assert rows.shape[0] == p + c - 1 - s
     out = align([rows], [(p, c, s, True)], prompt_width=8, completion_width=3)
-    assert out[0, : 8 - p + s].eq(-1).all()  # left pad + the s skipped prompt tokens
+    assert no_route(out[0, : 8 - p + s]).all()  # left pad + the s skipped prompt tokens
     assert out[0, 8 - p + s, 0, 0] == route_value(s, 0, 0)
     torch.testing.assert_close(out, reference([(p, c, s, True)], 8, 3), rtol=0, atol=0)
 
@@ -145,8 +149,8 @@ def test_stop_string_trimming_rows_follow_returned_tokens():
     out = align([trimmed], [(p, returned, 0, True)], prompt_width=5, completion_width=8)
     for k in range(returned - 1):  # returned completion tokens keep the engine's routes
         torch.testing.assert_close(out[0, 5 + k], torch.from_numpy(full[p + k].astype(np.int16)))
-    assert out[0, 5 + returned - 1].eq(-1).all()  # last returned token: its row went with the surplus
-    assert out[0, 5 + returned :].eq(-1).all()
+    assert no_route(out[0, 5 + returned - 1]).all()  # last returned token: its row went with the surplus
+    assert no_route(out[0, 5 + returned :]).all()
 
     # The untrimmed array with the trimmed token count is a mismatch, never cut silently.
     with pytest.raises(RouteAlignmentError, match=r"sample 0: expected prompt 5 \+ completion 4 .* = 8 engine rows, got 11"):
@@ -155,8 +159,8 @@ def test_stop_string_trimming_rows_follow_returned_tokens():
 
 def test_empty_completion_expects_prompt_rows_minus_one():
     out = align([engine_rows(4, 0)], [(4, 0, 0, True)], prompt_width=4, completion_width=2)
-    assert out[0, 3].eq(-1).all() and out[0, 2, 1, 1] == route_value(2, 1, 1)
-    assert out[0, 4:].eq(-1).all()
+    assert no_route(out[0, 3]).all() and out[0, 2, 1, 1] == route_value(2, 1, 1)
+    assert no_route(out[0, 4:]).all()
     with pytest.raises(RouteAlignmentError, match="sample 0"):  # a row for the last prompt token is one too many
         align([engine_rows(4, 1)], [(4, 0, 0, True)], prompt_width=4, completion_width=2)
 
@@ -166,7 +170,7 @@ def test_dense_layers_become_minus_one():
     samples = [(3, 4, 0, True), (2, 2, 1, True)]
     rows = [engine_rows(p, c, s, dense=dense) for p, c, s, _ in samples]
     out = align(rows, samples, prompt_width=3, completion_width=4, moe_layers=[1, 3])
-    assert out[:, :, list(dense)].eq(-1).all()
+    assert no_route(out[:, :, list(dense)]).all()
     assert out[0, 0, 1, 0] == route_value(0, 1, 0)  # the zero rows did not leak as expert 0
     torch.testing.assert_close(out, reference(samples, 3, 4, dense=dense), rtol=0, atol=0)
 
@@ -394,7 +398,7 @@ def test_on_error_falls_back_per_sample_and_reports_each_bad_one():
     good = [i for i in range(6) if i not in (1, 3, 4, 5)]
     expected = reference([samples[i] for i in good], 4, 5)
     torch.testing.assert_close(out[good], expected, rtol=0, atol=0)
-    assert out[[1, 3, 4, 5]].eq(-1).all()  # the router's own choice
+    assert no_route(out[[1, 3, 4, 5]]).all()  # the router's own choice
 
 
 def test_on_error_does_not_hide_the_callers_own_mistakes():
@@ -411,3 +415,153 @@ def test_public_api_is_exported_from_the_routing_package():
     out = routing.routes_from_engine([vllm_numpy2base64(rows), None], prompt_lengths=[3, 2], completion_lengths=[4, 1],
                                      prompt_width=3, completion_width=4, num_layers=L, top_k=K)
     torch.testing.assert_close(out, reference([(3, 4, 0, True), (2, 1, 0, False)], 3, 4, num_experts=300))
+
+
+# ----------------------------------------------------------------------------- every row checked (issue 16)
+
+
+def _long_rows(p=40, c=60, **kwargs):
+    return engine_rows(p, c, **kwargs)
+
+
+@pytest.mark.parametrize("position", [0, 1, 37, 62, 97])  # first row, chunk edges (chunk of 7 rows), middle, last
+def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
+    from trl_moe_replay.routing import engine
+
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 7, raising=False)  # many blocks: block edges are exercised
+    rows = engine_rows(40, 60, top_k=4, num_experts=64)
+    rows[position, 2, 3] = rows[position, 2, 1]
+    samples = [(40, 60, 0, True)]
+    with pytest.raises(RouteAlignmentError, match=rf"sample 0: position {position}, layer 2 names expert "
+                                                  rf"{rows[position, 2, 1]} twice") as error:
+        align([rows], samples, prompt_width=40, completion_width=60, top_k=4)
+    assert error.value.sample == 0
+
+
+def test_an_all_zero_row_in_the_middle_is_rejected_as_never_written(monkeypatch):
+    from trl_moe_replay.routing import engine
+
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 5, raising=False)
+    rows = engine_rows(40, 60)
+    rows[50, 3] = 0  # vLLM's capture buffer is zeros where it never wrote
+    with pytest.raises(RouteAlignmentError, match="sample 1: layer 3 is in moe_layers but position 50 has an "
+                                                  "all-zero top-2 route"):
+        align([engine_rows(40, 60), rows], [(40, 60, 0, True)] * 2, prompt_width=40, completion_width=60)
+
+
+def test_rows_are_checked_at_the_moe_layers_only_contiguous_or_not(monkeypatch):
+    from trl_moe_replay.routing import engine
+
+    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 9, raising=False)
+    for dense, moe in (((0,), [1, 2, 3]), ((1, 3), [0, 2])):
+        rows = engine_rows(20, 30, dense=dense)  # dense layers all-zero: legitimate
+        out = align([rows], [(20, 30, 0, True)], prompt_width=20, completion_width=30, moe_layers=moe)
+        torch.testing.assert_close(out, reference([(20, 30, 0, True)], 20, 30, dense=dense), rtol=0, atol=0)
+        bad = rows.copy()
+        bad[33, moe[-1], 1] = bad[33, moe[-1], 0]
+        with pytest.raises(RouteAlignmentError, match=f"position 33, layer {moe[-1]} names expert"):
+            align([bad], [(20, 30, 0, True)], prompt_width=20, completion_width=30, moe_layers=moe)
+
+
+def test_top1_rows_of_expert_zero_and_wide_dtypes_are_legitimate():
+    rows = np.zeros((6, L, 1), np.uint8)  # top-1: a single expert 0 is a real route, not "never written"
+    out = align([rows], [(3, 4, 0, True)], prompt_width=3, completion_width=4, top_k=1)
+    assert out[0, :6].eq(0).all() and no_route(out[0, 6]).all()
+    for dtype in (np.int64, np.uint16, np.int8, ">u2"):
+        rows = engine_rows(3, 4).astype(dtype)
+        bad = rows.copy()
+        bad[2, 0, 1] = bad[2, 0, 0]
+        align([rows], [(3, 4, 0, True)], prompt_width=3, completion_width=4)
+        with pytest.raises(RouteAlignmentError, match="position 2, layer 0 names expert"):
+            align([bad], [(3, 4, 0, True)], prompt_width=3, completion_width=4)
+
+
+def test_on_error_falls_back_for_repeated_and_never_written_rows():
+    samples = [(3, 4, 0, True)] * 4
+    repeated, zero = engine_rows(3, 4), engine_rows(3, 4)
+    repeated[3, 1, 0] = repeated[3, 1, 1]
+    zero[2, 0] = 0
+    errors = []
+    out = align([engine_rows(3, 4), repeated, zero, engine_rows(3, 4)], samples, prompt_width=3, completion_width=4,
+                on_error=errors.append)
+    assert [e.sample for e in errors] == [1, 2]
+    assert no_route(out[[1, 2]]).all()
+    torch.testing.assert_close(out[[0, 3]], reference([samples[0]] * 2, 3, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["m8[s]", "M8[s]", "m8[ns]", bool])
+def test_time_and_bool_dtypes_are_not_expert_ids(dtype):
+    array = engine_rows(3, 4).astype(np.int64).astype(dtype)
+    with pytest.raises(RouteAlignmentError, match=re.escape(f"integer expert ids, got dtype {np.dtype(dtype)}")):
+        decode_routed_experts(_npy_b64(array))
+    errors = []
+    out = align([engine_rows(3, 4), _npy_b64(array), array], [(3, 4, 0, True)] * 3, prompt_width=3,
+                completion_width=4, on_error=errors.append)
+    assert [e.sample for e in errors] == [1, 2]
+    assert all("integer expert ids" in str(e) for e in errors)
+    assert no_route(out[1:]).all() and out[0, :6].ge(0).all()
+    with pytest.raises(RouteAlignmentError, match="integer expert ids"):
+        encode_routed_experts(array)
+
+
+def test_a_header_whose_shape_overflows_int64_is_a_clean_error():
+    header = {"descr": "|u1", "fortran_order": False, "shape": (2**32, 2**32, 2)}  # 2**65 elements
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, header)
+    payload = base64.b64encode(buffer.getvalue() + b"\x00" * 16).decode()
+    with pytest.raises(RouteAlignmentError, match="not a readable .npy"):
+        decode_routed_experts(payload)
+
+
+def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
+    """The vectorised search (flat shifted comparisons, OR-reduced per block) against a plain loop over routes, for
+    many top-k sizes, dtypes, layer subsets, block sizes and planted repeats, including the very last route."""
+    from trl_moe_replay.routing import engine
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        k = int(rng.integers(2, 10))
+        tokens, layers = int(rng.integers(1, 30)), int(rng.integers(1, 5))
+        dtype = rng.choice([np.uint8, np.uint16, np.int32, np.int64])
+        experts = int(rng.integers(k, 40))
+        rows = np.stack([rng.permutation(experts)[:k] for _ in range(tokens * layers)]).astype(dtype)
+        rows = rows.reshape(tokens, layers, k)
+        for _ in range(int(rng.integers(0, 3))):  # plant repeats (or zeros) at random routes
+            t, layer, a, b = rng.integers(tokens), rng.integers(layers), *rng.choice(k, 2, replace=False)
+            rows[t, layer, a] = rows[t, layer, b] if rng.random() < 0.8 else 0
+            if rng.random() < 0.3:
+                rows[t, layer] = 0
+        if rng.random() < 0.3:
+            rows = np.asfortranarray(rows)  # not C-contiguous: the block-copy path
+        moe = sorted(rng.choice(layers, int(rng.integers(1, layers + 1)), replace=False).tolist())
+        monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", int(rng.integers(1, 40)))
+        expected = next(((t, layer) for t in range(tokens) for layer in moe
+                         if len(set(rows[t, layer].tolist())) < k), None)
+        assert engine._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)
+
+
+# ----------------------------------------------------------------------------- one byte per entry
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "dtype"),
+    [(8, 2, torch.uint8), (255, 1, torch.uint8), (256, 8, torch.uint8), (256, 1, torch.int16), (257, 8, torch.int16)],
+)
+def test_routes_stay_one_byte_per_entry_where_an_id_and_no_route_fit(num_experts, top_k, dtype):
+    assert route_dtype(num_experts, top_k) == dtype
+    rows = [(np.arange(3 * 2 * top_k).reshape(3, 2, top_k) % num_experts).astype(engine_dtype(num_experts)), None]
+    out = routes_from_engine(rows, prompt_lengths=[2, 2], completion_lengths=[2, 2], prompt_width=2,
+                             completion_width=2, num_layers=2, top_k=top_k, num_experts=num_experts)
+    assert out.dtype == dtype and out.element_size() == (1 if dtype == torch.uint8 else 2)
+    routed = has_route(out)  # [B, S, L]
+    assert routed[0, :3].all() and not routed[0, 3].any() and not routed[1].any()  # final token, no-rows sample
+    assert torch.equal(out[0, :3].long(), torch.from_numpy(rows[0].astype(np.int64)))
+    validate_routes(out, num_layers=2, top_k=top_k, num_experts=num_experts)
+
+
+def test_uint8_routes_with_256_experts_keep_expert_255_and_rows_of_255_mean_no_route():
+    routes = torch.tensor([[[[255, 3]], [[255, 255]], [[3, 255]]]], dtype=torch.uint8)  # [1, 3, 1, 2]
+    assert has_route(routes).tolist() == [[[True], [False], [True]]]
+    validate_routes(routes, num_layers=1, top_k=2, num_experts=256)
+    with pytest.raises(RouteValidationError, match="expert ids must lie in \\[0, 200\\)"):
+        validate_routes(routes, num_layers=1, top_k=2, num_experts=200)  # 255 is no id of a 200-expert model
+    with pytest.raises(RouteValidationError, match="names the same expert twice"):
+        validate_routes(torch.tensor([[[[7, 7]]]], dtype=torch.uint8), num_layers=1, top_k=2, num_experts=8)

@@ -20,7 +20,7 @@ from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.routing.router_probs import RouterProbes
 from trl_moe_replay.testing import tiny_moe_model
 
-from .helpers import random_ids, shifted
+from .helpers import no_route, random_ids, shifted
 
 LN2 = math.log(2.0)
 
@@ -181,7 +181,7 @@ def test_capture_stores_the_ids_actually_used_and_their_probabilities():
     input_ids = random_ids(2, 7)
     with torch.no_grad(), rr.record() as rec, probes.capture(2, 7) as cap:
         model(input_ids=input_ids)
-    assert cap.ids.dtype == torch.int16 and cap.probs.dtype == torch.float16
+    assert cap.ids.dtype == torch.uint8 and cap.probs.dtype == torch.float16  # 8 experts: one byte per id
     assert cap.ids.shape == cap.probs.shape == (2, 7, rr.num_layers, rr.top_k)
     assert torch.equal(cap.ids, rec.routes)  # no replay: the natural top-k
     reference = router_logits_probs(model, input_ids)
@@ -208,7 +208,7 @@ def test_reading_at_old_ids_gives_gamma_one_at_the_same_weights_and_skips_dense_
     input_ids = random_ids(2, 6)
     with torch.no_grad(), probes.capture(2, 6) as cap:
         model(input_ids=input_ids)
-    assert (cap.ids[:, :, 0] == -1).all() and (cap.probs[:, :, 0] == 0).all()
+    assert no_route(cap.ids[:, :, 0]).all() and (cap.probs[:, :, 0] == 0).all()
     with torch.no_grad(), probes.at(cap.ids) as reading:
         model(input_ids=input_ids)
     assert reading.probs.dtype == torch.float32

@@ -61,7 +61,7 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     assert trainer.loss_type == "grpo" and trainer.importance_sampling_level == "sequence"
     assert (trainer.epsilon_low, trainer.epsilon_high) == (3e-4, 4e-4)
     micro = first_micro_batch(trainer)
-    assert micro["old_router_ids"].dtype == torch.int16 and micro["old_router_probs"].dtype == torch.float16
+    assert micro["old_router_ids"].dtype == torch.uint8 and micro["old_router_probs"].dtype == torch.float16
     assert micro["old_router_ids"].shape == micro["old_router_probs"].shape
     assert micro["old_router_ids"].shape[:2] == (4, micro["prompt_ids"].shape[1] + micro["completion_ids"].shape[1])
 

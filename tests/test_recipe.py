@@ -20,7 +20,8 @@ from .helpers import run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
-RECIPE_CONFIGS = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
+# real-model configs; the offline ones (tiny_*.yaml, no model named) are tested where their feature is
+RECIPE_CONFIGS = sorted(p for p in (ROOT / "recipes" / "configs").glob("*.yaml") if not p.stem.startswith("tiny_"))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

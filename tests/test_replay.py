@@ -1,13 +1,15 @@
 """RouterReplay behaviour beyond one family: layout, padding, errors, checkpointing, PEFT, compile, kernels."""
 
+import re
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_moe_replay.routing import RouterReplay, RouteValidationError, UnsupportedModelError
+from trl_moe_replay.routing import RouterReplay, RouteValidationError, UnsupportedModelError, has_route
 from trl_moe_replay.testing import tiny_moe_model
 
-from .helpers import random_ids, shifted
+from .helpers import no_route, random_ids, shifted
 
 
 def test_attributes_and_dense_layers_keep_the_absolute_layer_axis():
@@ -18,7 +20,7 @@ def test_attributes_and_dense_layers_keep_the_absolute_layer_axis():
     with torch.no_grad(), rr.record() as rec:
         model(x)
     assert rec.routes.shape == (2, 7, 4, 2)
-    assert (rec.routes[:, :, [0, 2]] == -1).all() and (rec.routes[:, :, [1, 3]] >= 0).all()
+    assert no_route(rec.routes[:, :, [0, 2]]).all() and has_route(rec.routes[:, :, [1, 3]]).all()
     # dense-layer rows are ignored by replay: any content there is fine as long as it is -1 or valid
     with torch.no_grad(), rr.replay(rec.routes):
         assert torch.equal(model(x).logits, model(x).logits)
@@ -42,7 +44,7 @@ def test_sparse_layer_options_map_to_absolute_layers(model_type, overrides, moe_
         with rr.record() as rec:
             model(x)
         dense = [layer for layer in range(rr.num_layers) if layer not in moe_layers]
-        assert (rec.routes[:, :, dense] == -1).all()
+        assert no_route(rec.routes[:, :, dense]).all()
         with rr.replay(rec.routes):
             assert torch.equal(model(x).logits, reference)
         moved = rec.routes.clone()
@@ -137,14 +139,63 @@ def test_bad_routes_raise_clear_errors(routes, match):
             pass
 
 
-def test_row_count_mismatch_names_both_counts():
+def test_row_count_mismatch_names_both_shapes():
     model = tiny_moe_model("qwen3_moe")
     rr = RouterReplay(model)
     routes = torch.tensor([0, 1]).repeat(2, 8, 2, 1)
-    with pytest.raises(RouteValidationError, match=r"2x8=16 rows.*saw 14 tokens"):
+    message = r"routes \[2, 8, 2, 2\] .* input \[batch=2, seq=7\].*expected routes \[2, 7, 2, 2\]"
+    with pytest.raises(RouteValidationError, match=message):
         with torch.no_grad(), rr.replay(routes):
             model(random_ids(2, 7))
     assert issubclass(RouteValidationError, ValueError)
+
+
+@pytest.mark.parametrize("layout", ["seq-batch", "transposed-view", "other-factorisation", "other-batch"])
+def test_routes_whose_layout_is_not_the_forwards_are_refused_even_when_the_row_count_matches(layout):
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    x = random_ids(2, 8)
+    with torch.no_grad(), rr.record() as rec:
+        model(x)
+    routes = {
+        "seq-batch": rec.routes.transpose(0, 1).contiguous(),  # [S, B, L, K]: B x S rows, wrong order
+        "transposed-view": rec.routes.transpose(0, 1),
+        "other-factorisation": rec.routes.reshape(4, 4, rr.num_layers, rr.top_k),
+        "other-batch": rec.routes[:1],
+    }[layout]
+    expected = "expected routes [2, 8, 2, 2]"
+    with pytest.raises(RouteValidationError, match=re.escape(expected)) as error:
+        with torch.no_grad(), rr.replay(routes):
+            model(x)
+    assert f"routes [{', '.join(map(str, routes.shape))}]" in str(error.value)
+
+
+def test_replay_inside_generate_follows_the_kv_cached_positions():
+    """Under replay, generate's prefill takes the first columns of the routes and each decode step the next column
+    (the layout ``record()`` produces for generate), so a recorded generation can be replayed step by step."""
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    prompts = random_ids(3, 5, seed=4)
+    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        with rr.record() as rec:
+            model.generate(prompts, **kwargs)
+        routes = shifted(rec.routes, rr.num_experts)  # [3, 11, L, K]: not the router's own choice
+        calls = []
+        with rr.replay(routes), rr.observe(calls.append):
+            model.generate(prompts, **kwargs)
+        for layer in rr.moe_layers:
+            used = torch.cat([c.used.view(3, -1, rr.top_k) for c in calls if c.layer == layer], dim=1)
+            assert used.shape[1] == 10  # the last sampled token is never fed forward
+            assert torch.equal(used.sort(-1).values, routes[:, :10, layer].long().sort(-1).values)
+        # a fresh forward without a cache must match the routes exactly: wider routes are refused
+        with pytest.raises(RouteValidationError, match=re.escape("expected routes [3, 5, 2, 2]")):
+            with rr.replay(routes):
+                model(prompts)
+        # a cached continuation past the routes' end is refused too
+        with pytest.raises(RouteValidationError, match="KV-cached"):
+            with rr.replay(routes[:, :7]):
+                model.generate(prompts, **kwargs)
 
 
 def test_remove_restores_the_model_exactly():

@@ -10,15 +10,46 @@ import pytest
 from trl_moe_replay import rewards
 from trl_moe_replay.rewards import accuracy_reward, format_reward
 
-BOUND_S = 10.0  # a safety bound, not a benchmark
+BOUND_S = 60.0  # a safety bound against hanging (catastrophic backtracking, sympy blow-ups), not a benchmark
+
+
+@pytest.fixture(autouse=True)
+def generous_timeouts(monkeypatch):
+    """Correctness must not depend on the machine's speed: 30 s math-verify timeouts (production: 5 s), far above what
+    a correct answer needs even on a loaded machine. Tests about timing out ask for ``short_timeouts``."""
+    monkeypatch.setattr(rewards, "PARSING_TIMEOUT_S", 30)
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 30)
+    monkeypatch.setattr(rewards, "WORKER_SLACK_S", 30.0)
 
 
 @pytest.fixture
 def short_timeouts(monkeypatch):
-    """1 s math-verify timeouts so the cases that must time out do so quickly."""
+    """1 s math-verify timeouts, for the tests whose subject is timing out: only inputs that can never finish in time
+    (the power tower) are asserted to time out, and no correct answer is expected under these timeouts."""
     monkeypatch.setattr(rewards, "PARSING_TIMEOUT_S", 1)
     monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 1)
     monkeypatch.setattr(rewards, "WORKER_SLACK_S", 3.0)
+
+
+@pytest.fixture
+def slow_machine(monkeypatch):
+    """Every math-verify parse and comparison takes 1.5 s longer, inside its timed section: a machine under load."""
+    import math_verify.grader
+    import math_verify.parser
+
+    def slowed(fn):
+        def wrapper(*args, **kwargs):
+            time.sleep(1.5)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    parse_inner = math_verify.parser.extract_target_from_pred
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", slowed(parse_inner))
+    monkeypatch.setattr(math_verify.grader, "sympy_expr_eq", slowed(math_verify.grader.sympy_expr_eq))
+    rewards._parse_gold.cache_clear()
+    yield
+    rewards._parse_gold.cache_clear()
 
 
 def in_thread(fn, *args, **kwargs):
@@ -196,6 +227,11 @@ def assert_reward_type(value, allow_none=False):
     assert (value is None and allow_none) or (isinstance(value, float) and math.isfinite(value))
 
 
+NEVER_IN_TIME = "power_tower"  # sympy would compute forever: it times out whatever the timeout and the machine
+SURVIVES_NOISE = ("10MB_then_answer", "control_chars", "lone_surrogate", "bytes", "nul_bytes")
+STOPPED_BEFORE_PARSING = ("deep_parens_in_box", "open_braces", "10MB_digits")  # size and depth limits
+
+
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_completion_is_bounded_main_thread(name, short_timeouts):
     completion, metrics = HOSTILE[name], {}
@@ -207,12 +243,20 @@ def test_hostile_completion_is_bounded_main_thread(name, short_timeouts):
     assert len(acc) == len(fmt) == 1
     assert_reward_type(acc[0])
     assert_reward_type(fmt[0])
-    if name in ("power_tower", "deep_parens_in_box", "open_braces", "10MB_digits"):
+    if name in (NEVER_IN_TIME, *STOPPED_BEFORE_PARSING):
         assert acc == [0.0]
-    if name in ("10MB_then_answer", "control_chars", "lone_surrogate", "bytes", "nul_bytes"):
+        assert metrics["accuracy_reward/timeout_frac"] == (1.0 if name == NEVER_IN_TIME else 0.0)
+
+
+@pytest.mark.parametrize("name", [n for n in HOSTILE if n != NEVER_IN_TIME])
+def test_hostile_completion_answers_and_no_timeouts_with_room_to_finish(name):
+    metrics = {}
+    acc = accuracy_reward([HOSTILE[name]], ["12"], log_metric=lambda k, v: metrics.__setitem__(k, v))
+    if name in SURVIVES_NOISE:
         assert acc == [1.0]  # the answer survives the noise
+    assert_reward_type(acc[0])
     # only the tower needs math-verify's timeout; the size and depth limits stop the rest before parsing
-    assert metrics["accuracy_reward/timeout_frac"] == (1.0 if name == "power_tower" else 0.0)
+    assert metrics["accuracy_reward/timeout_frac"] == 0.0
 
 
 def test_hostile_gold_is_bounded(short_timeouts):
@@ -224,24 +268,37 @@ def test_hostile_gold_is_bounded(short_timeouts):
         assert_reward_type(value, allow_none=True)
 
 
-def test_off_main_thread_is_bounded_and_correct(short_timeouts):
+def test_off_main_thread_is_bounded(short_timeouts):
     """Off the main thread math-verify's signal timeouts cannot work: the helper process must bound the time."""
     names = list(HOSTILE)
     completions = [HOSTILE[n] for n in names]
     start = time.perf_counter()
     hostile = in_thread(accuracy_reward, completions, ["12"] * len(completions))
     elapsed = time.perf_counter() - start
-    # every case bounded: the tower's timeout costs ~1 s, the helper's start ~1 s
-    assert elapsed < BOUND_S + 2, f"took {elapsed:.1f} s"
+    assert elapsed < BOUND_S, f"took {elapsed:.1f} s"
     for name, value in zip(names, hostile):
         assert_reward_type(value), name
-    by_name = dict(zip(names, hostile))
-    assert by_name["power_tower"] == 0.0 and by_name["10MB_then_answer"] == 1.0
+    assert dict(zip(names, hostile))[NEVER_IN_TIME] == 0.0
 
+
+def test_off_main_thread_is_correct():
     completions, golds = zip(*CORRECT, *WRONG)
     expected = [1.0] * len(CORRECT) + [0.0] * len(WRONG)
     assert in_thread(accuracy_reward, list(completions), list(golds)) == expected
     assert in_thread(accuracy_reward, [r"\boxed{12}"], [None]) == [None]
+    assert in_thread(accuracy_reward, [HOSTILE["10MB_then_answer"]], ["12"]) == [1.0]
+
+
+def test_correct_answers_do_not_depend_on_the_machines_speed(slow_machine, monkeypatch):
+    """Under 1.5 s of extra latency per parse and comparison, correct answers still score 1.0 with the timeouts the
+    correctness tests use; with the 1 s timeouts they once used, the same answers time out (the old flake)."""
+    metrics = {}
+    log = dict(log_metric=lambda k, v: metrics.__setitem__(k, v))
+    assert accuracy_reward([r"\boxed{\frac{1}{2}}"], ["0.5"], **log) == [1.0]
+    assert metrics["accuracy_reward/timeout_frac"] == 0.0
+    monkeypatch.setattr(rewards, "PARSING_TIMEOUT_S", 1)
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 1)
+    assert accuracy_reward([r"\boxed{\frac{1}{3}}"], ["1/3"], **log) in ([0.0], [None])
 
 
 def test_helper_process_hard_deadline():

@@ -5,7 +5,6 @@ import math
 import re
 
 import pytest
-import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.routing import RouterReplay
+from trl_moe_replay.routing import RouterReplay, has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
 from .helpers import run_two_ranks
@@ -85,13 +85,13 @@ class RouteAlignmentSpy(MoEReplayGRPOTrainer):
             self.accelerator.unwrap_model(model)(input_ids=input_ids, attention_mask=attention_mask,
                                                  position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
         probe.remove()
-        has_route = (routes >= 0).all(-1).all(-1)
+        routed = has_route(routes).all(-1)
         # every real token but the last of each sequence has a route; pads have none
-        assert not has_route[attention_mask == 0].any()
-        assert has_route.sum() == attention_mask.sum() - attention_mask.shape[0]
+        assert not routed[attention_mask == 0].any()
+        assert routed.sum() == attention_mask.sum() - attention_mask.shape[0]
         natural = rec.routes.long().sort(-1).values
         replayed = routes.long().sort(-1).values
-        assert torch.equal(natural[has_route], replayed[has_route])
+        assert torch.equal(natural[routed], replayed[routed])
         type(self).checked_rows += input_ids.shape[0]
         return super()._compute_loss(model, inputs)
 

@@ -8,6 +8,8 @@ from trl_moe_replay.generation.turns import RolloutTurns
 from trl_moe_replay.routing import EngineTurn, RouteAlignmentError, routes_from_engine
 from trl_moe_replay.routing.engine import encode_routed_experts
 
+from .helpers import no_route
+
 L, K, E = 3, 2, 64
 
 
@@ -36,19 +38,19 @@ def test_every_position_keeps_the_route_of_the_first_turn_that_forwarded_it():
     turns = [EngineTurn(turn_rows(4, 3, turn=0), 4, 3), EngineTurn(turn_rows(9, 4, turn=1), 9, 4)]
     out = align([turns], [p], [c], prompt_width=6, completion_width=10)
     base = 6 - p  # column of position 0
-    assert out[0, :base].eq(-1).all()
+    assert no_route(out[0, :base]).all()
     for position in range(p + c - 1):
         first = 0 if position < 4 + 3 - 1 else 1  # turn 0 forwarded positions 0..5; 6 (its last token) on: turn 1
         assert out[0, base + position, 2, 0] == expected_id(position, 2, first), position
-    assert out[0, base + p + c - 1 :].eq(-1).all()  # the final token and the padding
+    assert no_route(out[0, base + p + c - 1 :]).all()  # the final token and the padding
 
 
 def test_a_turn_without_rows_leaves_a_gap_that_a_later_prefill_fills_and_ids_of_gaps_are_minus_one():
     turns = [EngineTurn(None, 4, 3), EngineTurn(turn_rows(9, 2, start=3, turn=1), 9, 2, prompt_start=3)]
     out = align([turns], [4], [7], prompt_width=4, completion_width=7)
-    assert out[0, :3].eq(-1).all()  # positions 0..2: no turn routed them (turn 1 skipped them)
+    assert no_route(out[0, :3]).all()  # positions 0..2: no turn routed them (turn 1 skipped them)
     assert [int(out[0, q, 0, 0]) for q in range(3, 10)] == [expected_id(q, 0, 1) for q in range(3, 10)]
-    assert out[0, 10].eq(-1).all()
+    assert no_route(out[0, 10]).all()
 
 
 def test_rows_sent_despite_a_requested_prompt_start_are_taken_from_position_zero():
@@ -62,7 +64,7 @@ def test_a_truncated_final_sequence_uses_only_the_rows_it_still_has():
     # the last turn generated 6 tokens; TRL kept 2 of them (max_completion_length)
     turns = [EngineTurn(turn_rows(3, 2, turn=0), 3, 2), EngineTurn(turn_rows(6, 6, turn=1), 6, 6)]
     out = align([turns], [3], [3 + 2], prompt_width=3, completion_width=6)
-    assert out[0, 7].eq(-1).all() and out[0, 6, 0, 0] == expected_id(6, 0, 1)
+    assert no_route(out[0, 7]).all() and out[0, 6, 0, 0] == expected_id(6, 0, 1)
 
 
 def test_a_malformed_turn_falls_back_alone_and_is_reported_with_its_sample_and_turn():
@@ -75,7 +77,7 @@ def test_a_malformed_turn_falls_back_alone_and_is_reported_with_its_sample_and_t
     out = align(samples, [4, 2], [6, 3], prompt_width=4, completion_width=6, on_error=errors.append)
     assert [(error.sample, "turn 1" in str(error)) for error in errors] == [(0, True)]
     assert [int(out[0, q, 0, 0]) for q in range(6)] == [expected_id(q, 0, 0) for q in range(6)]
-    assert out[0, 6:].eq(-1).all()  # turn 1's positions: the trainer's own routing
+    assert no_route(out[0, 6:]).all()  # turn 1's positions: the trainer's own routing
     assert out[1, 2, 0, 0] == expected_id(0, 0, 2)
     with pytest.raises(RouteAlignmentError, match=r"sample 0: .*\(turn 1\)"):
         align(samples, [4, 2], [6, 3], prompt_width=4, completion_width=6)
@@ -97,7 +99,7 @@ def test_turns_that_cannot_belong_to_the_sample_raise(turns, message):
 def test_single_turn_rows_and_turn_lists_mix_in_one_batch():
     samples = [turn_rows(3, 4), [EngineTurn(turn_rows(3, 4), 3, 4)], None]
     out = align(samples, [3, 3, 3], [4, 4, 4], prompt_width=3, completion_width=4)
-    assert torch.equal(out[0], out[1]) and out[2].eq(-1).all()
+    assert torch.equal(out[0], out[1]) and no_route(out[2]).all()
 
 
 # ---------------------------------------------------------------------------------------------- RolloutTurns

@@ -1,7 +1,5 @@
 """The versioned seam: every reliance on TRL beyond its public API is checked against the installed TRL."""
 
-import inspect
-
 import pytest
 import torch
 import trl

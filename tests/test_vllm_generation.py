@@ -18,10 +18,11 @@ import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
 from trl_moe_replay.generation import RoutesUnavailableError
+from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
-from .helpers import run_two_ranks
+from .helpers import as_signed, no_route, run_two_ranks
 from .test_trainer import logged, make_trainer as make_tiny_trainer
 
 
@@ -63,14 +64,14 @@ def expected_routes(batch, engine_rows, starts, moe_layers):
     prompt_width = prompt_mask.shape[1]
     b, width = prompt_mask.shape[0], prompt_width + completion_mask.shape[1]
     _, layers, top_k = next(r for r in engine_rows if r is not None).shape
-    out = torch.full((b, width, layers, top_k), -1, dtype=torch.int16)
+    out = torch.full((b, width, layers, top_k), -1, dtype=torch.long)
     for i, rows in enumerate(engine_rows):
         if rows is None:
             continue
         p = int(prompt_mask[i].sum())
         for j, row in enumerate(rows):
             position = starts[i] + j  # token position in prompt + completion
-            out[i, prompt_width - p + position] = torch.from_numpy(row.astype(np.int16))
+            out[i, prompt_width - p + position] = torch.from_numpy(row.astype(np.int64))
     dense = [layer for layer in range(layers) if layer not in moe_layers]
     out[:, :, dense] = -1
     return out
@@ -85,7 +86,7 @@ def assert_batches_match_the_engine(trainer, served, starts=None):
             c = int(batch["completion_mask"][i].sum())
             assert batch["completion_ids"][i, :c].tolist() == tokens
         starts_k = starts or [0] * len(rows)
-        torch.testing.assert_close(batch["replay_routes"], expected_routes(batch, rows, starts_k, moe_layers),
+        torch.testing.assert_close(as_signed(batch["replay_routes"]), expected_routes(batch, rows, starts_k, moe_layers),
                                    rtol=0, atol=0)
     # and every training forward replayed routes of its own sequence (TRL shuffles and splits the buffer)
     by_sequence = {}
@@ -210,12 +211,12 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "5 of 8 samples" in warning and "1 missing, 4 malformed" in warning and "sample 1:" in warning
     batch = trainer.batches[1]
-    assert (batch["replay_routes"][bad] == -1).all()  # the router's own choice
+    assert no_route(batch["replay_routes"][bad]).all()  # the router's own choice
     good = [i for i in range(8) if i not in bad]
     served = [(batch, [server.batches[1].completions[i].token_ids for i in good],
                [npy_b64decode(server.batches[1].payloads[i]) for i in good])]
     torch.testing.assert_close(
-        batch["replay_routes"][good],
+        as_signed(batch["replay_routes"][good]),
         expected_routes({k: batch[k][good] for k in ("prompt_mask", "completion_mask")}, served[0][2], [0] * 6,
                         trainer._route_replay.moe_layers),
         rtol=0, atol=0,
@@ -225,6 +226,37 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     expected_frac = (routable[bad].sum() / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
     assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6  # natural routing in fp32 matches the engine anyway
+
+
+def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_instead_of_ending_the_run(tmp_path):
+    # each payload decodes and has the right shape and length; the problem is inside the rows (issue 16)
+    def tamper(call, choice, payload):
+        if call != 1 or choice not in (2, 4, 7):
+            return payload
+        rows = npy_b64decode(payload).copy()
+        if choice == 2:
+            rows[len(rows) // 2, 1, 1] = rows[len(rows) // 2, 1, 0]  # an expert named twice in one route
+        elif choice == 4:
+            rows[len(rows) // 2, 0] = 0  # a route in the middle vLLM never wrote
+        else:
+            rows = rows.astype("m8[s]")  # passes np.issubdtype(..., np.integer)
+        return npy_b64encode(rows)
+
+    with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
+        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
+                               vllm_server_base_url=server.url)
+        trainer.train()
+
+    assert trainer.state.global_step == 2  # the run went on
+    bad = [2, 4, 7]
+    assert trainer._vllm_routes.fallback_samples == len(bad)
+    batch = trainer.batches[1]
+    assert no_route(batch["replay_routes"][bad]).all()
+    good = [i for i in range(8) if i not in bad]
+    assert has_route(batch["replay_routes"][good]).any(dim=(1, 2)).all()
+    routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
+    expected_frac = (routable[bad].sum() / routable.sum()).item()
+    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
 
 
 def test_fallback_frac_is_logged_without_an_old_logprob_pass(tmp_path):
@@ -302,8 +334,8 @@ def test_two_ranks_each_receive_only_their_own_route_payloads():
     result = run_two_ranks(script)
     reports = {}
     for line in result.stdout.splitlines():
-        if line.startswith("REPORT "):
-            report = json.loads(line[len("REPORT "):])
+        if line.startswith("REPORT "):  # raw_decode: the other rank's output may follow on the same line
+            report = json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
             reports[report["rank"]] = report
     assert set(reports) == {0, 1} and reports[0]["world"] == reports[1]["world"] == 2
     served = reports[0]["served"]  # per generation batch: [sha256, bytes] of each rank's share of the payloads

@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
+import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -43,7 +45,7 @@ from trl.trainer.utils import pad
 
 from .generation import TransformersRolloutRecorder
 from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
-from .routing import RouterReplay
+from .routing import RouterReplay, has_route
 from .routing.engine import decode_routed_experts, routes_from_engine
 from .routing.errors import RouteAlignmentError
 
@@ -151,6 +153,12 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         from .testing import tiny_moe_model, tiny_tokenizer
 
         return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
+    if _is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
+        # transformers would answer with the Hub's "Repo id must be in the form ..." for a path it cannot find
+        raise FileNotFoundError(
+            f"no model folder at {model}: it is a local path (a Hub id looks like 'org/name'); pass the folder that "
+            "holds config.json and the weights"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
@@ -158,6 +166,11 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         model, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision
     )
     return causal_lm.eval(), tokenizer
+
+
+def _is_local_path(model: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything absolute, relative (``./``, ``~``) or deeper is a path."""
+    return os.path.exists(model) or os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
 
 
 def default_prompts(num_prompts: int, seed: int = 0) -> list[str]:
@@ -223,11 +236,14 @@ def run_audit(
     device: str | None = None,
     trust_remote_code: bool = False,
     vllm_server_url: str | None = None,
+    vllm_timeout: float | None = 300.0,
 ) -> AuditReport:
     """Sample with the engine, score with the trainer with and without R3, and compare (see module docstring).
 
     With ``vllm_server_url`` the engine is that vLLM server (``engine_dtype`` is then the server's own); it must
-    serve the same checkpoint as ``model``. No weights are sent to it.
+    serve the same checkpoint as ``model``. No weights are sent to it. Talking to it (health check, model list,
+    generation) must finish within ``vllm_timeout`` seconds (None or 0: wait as long as it takes), else
+    ``TimeoutError``: a server that accepts connections but never answers would otherwise block forever.
     """
     for name in (engine_dtype, trainer_dtype):
         if name not in DTYPES:
@@ -254,9 +270,15 @@ def run_audit(
         from .generation.vllm import server_command
 
         server_cmd = server_command(model)
-        samples, engine_dtype = _sample_with_vllm_server(
-            vllm_server_url, model, encoded, num_generations=num_generations, max_new_tokens=max_new_tokens,
-            temperature=temperature, seed=seed,
+        samples, engine_dtype = _within(
+            vllm_timeout,
+            lambda: _sample_with_vllm_server(
+                vllm_server_url, model, encoded, num_generations=num_generations, max_new_tokens=max_new_tokens,
+                temperature=temperature, seed=seed,
+            ),
+            f"the vLLM server at {vllm_server_url} did not answer within {vllm_timeout:g} s (--vllm_timeout): it "
+            f"accepts connections but sent no reply in time. Is it still loading the model, or stuck? Check "
+            f"`curl {vllm_server_url}/health`, or raise --vllm_timeout for long generations.",
         )
     else:
         samples = _sample_with_transformers(
@@ -306,8 +328,9 @@ def run_audit(
             temperature, engine_routes if mode == "r3" else None,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
-        used = natural if mode == "none" else torch.where(engine_routes < 0, natural.to(engine_routes.dtype),
-                                                          engine_routes)
+        used = natural if mode == "none" else torch.where(
+            has_route(engine_routes)[..., None], engine_routes.to(natural.dtype), natural
+        )
         row = _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
                    trainer_rr.moe_layers, extreme_threshold)
         if not routes_available:  # nothing to compare routes with
@@ -322,6 +345,32 @@ def run_audit(
         engine="transformers" if vllm_server_url is None else "vllm", engine_url=vllm_server_url,
         routes_available=routes_available, server_command=server_cmd, notes=notes,
     )
+
+
+def _within(seconds: float | None, fn, timeout_message: str):
+    """``fn()``, given at most ``seconds`` (None or 0: no limit); raises ``TimeoutError(timeout_message)`` after that.
+
+    TRL's client sends its health check without a timeout and retries reads, so the limit is enforced from outside:
+    ``fn`` runs in a daemon thread, left behind (blocked on its socket) if it never returns.
+    """
+    if not seconds:
+        return fn()
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="trl-moe-replay-audit-engine", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(timeout_message)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _check_samples(samples: EngineSamples, expected: int) -> None:
@@ -385,11 +434,10 @@ def _sample_with_vllm_server(
     prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
     position's list. No communicator is opened (no weight sync).
     """
-    from trl.generation.vllm_client import VLLMClient
-
     from .generation.vllm import install_routes_hook
+    from .upstream import http_vllm_client
 
-    client = VLLMClient(base_url=url)
+    client = http_vllm_client(url)
     routes_hook = install_routes_hook(client)
     notes = []
     try:

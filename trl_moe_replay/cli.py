@@ -42,6 +42,7 @@ def _audit(args: argparse.Namespace) -> int:
         device=args.device,
         trust_remote_code=args.trust_remote_code,
         vllm_server_url=args.vllm_server_url,
+        vllm_timeout=args.vllm_timeout,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0
@@ -87,14 +88,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="audit this running vLLM server instead of transformers generate (start it with "
                        "`trl vllm-serve --model M --enable-return-routed-experts`, same checkpoint as --model); "
                        "--engine_dtype is then the server's own")
+    audit.add_argument("--vllm_timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="give up on the vLLM server after this long without the completions (default 300; 0: "
+                       "wait as long as it takes)")
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     audit.set_defaults(func=_audit)
     return parser
 
 
+# What a user can fix (a path, a file, a server, an argument): one line on stderr and exit status 2, no traceback.
+# Anything else is a bug and keeps its traceback.
+_USER_ERRORS = (OSError, ValueError, ImportError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _USER_ERRORS as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"trl-moe-replay {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

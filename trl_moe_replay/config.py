@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
 ROUTING_REPLAY_MODES = ("none", "r2", "r3", "pr2")
-# Loss types this package adds to TRL's (grpo, dapo, dr_grpo, bnpo, cispo, sapo, luspo, vespo).
+# Loss types this package adds to TRL's.
 MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
+# TRL 1.16's own loss types (named in GRPOConfig.loss_type's help; TRL exposes no list of them).
+TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
 _PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
 
@@ -296,6 +299,7 @@ class MoEReplayGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._refuse_meaningless_values()
         super().__post_init__()
         self._resolve_loss_options()
         if self.routing_replay not in ROUTING_REPLAY_MODES:
@@ -410,4 +414,24 @@ class MoEReplayGRPOConfig(GRPOConfig):
             refuse(
                 "needs the rollout log-probs that transformers_importance_sampling_correction records, and it is off",
                 "Leave transformers_importance_sampling_correction unset (or True).",
+            )
+
+    def _refuse_meaningless_values(self) -> None:
+        """NaN in any float field, inf in this class's own float fields, and an unknown ``loss_type``.
+
+        Inherited fields may be inf on purpose (``max_grad_norm=inf`` logs the gradient norm without clipping).
+        """
+        own = MoEReplayGRPOConfig.__annotations__
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if isinstance(value, bool) or not isinstance(value, float):
+                continue
+            if spec.name in own and not math.isfinite(value):
+                raise ValueError(f"{spec.name} must be a finite number, got {value}")
+            if math.isnan(value):
+                raise ValueError(f"{spec.name} is NaN; set a number (its default: {spec.default})")
+        if self.loss_type not in TRL_LOSS_TYPES + MOE_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type must be one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}, got "
+                f"{self.loss_type!r}"
             )

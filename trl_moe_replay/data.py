@@ -116,37 +116,49 @@ def _expression(rng: random.Random, num_ops: int, level: _Level, max_operand: in
     return f"{left_text}{op}{right_text}", value, prec
 
 
-def _word_problem(rng: random.Random, kind: str, max_operand: int) -> tuple[str, int]:
+def _word_problem(rng: random.Random, kind: str, max_operand: int) -> tuple[str, int, str]:
+    """(question, answer, the arithmetic expression that computes the answer)."""
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
     c = 0
     if kind == "add":
-        answer = a + b
+        answer, expression = a + b, f"{a}+{b}"
     elif kind == "sub":
         a, b = max(a, b), min(a, b)
-        answer = a - b
+        answer, expression = a - b, f"{a}-{b}"
     elif kind == "mul":
-        answer = a * b
+        answer, expression = a * b, f"{a}*{b}"
     elif kind == "div":
         b = rng.randint(min(2, max_operand), max_operand)
         answer = a
         a = a * b  # "a*b items split among b" -> a each
+        expression = f"{a}/{b}"
     else:  # mul_sub
         c = rng.randint(0, a * b)
-        answer = a * b - c
+        answer, expression = a * b - c, f"{a}*{b}-{c}"
     text = _WORD_TEMPLATES[kind].format(name=name, item=item, a=a, b=b, c=c)
-    return text, answer
+    return text, answer, expression
 
 
 def synthetic_math_question(
     rng: random.Random, *, difficulty: int = 0, kind: str = "arithmetic", max_operand: int | None = None
 ) -> tuple[str, int]:
     """One (question, integer answer) pair; ``kind`` is ``"arithmetic"`` or ``"word"``."""
+    question, answer, _ = synthetic_math_problem(rng, difficulty=difficulty, kind=kind, max_operand=max_operand)
+    return question, answer
+
+
+def synthetic_math_problem(
+    rng: random.Random, *, difficulty: int = 0, kind: str = "arithmetic", max_operand: int | None = None
+) -> tuple[str, int, str]:
+    """One (question, integer answer, expression) triple: the expression is the arithmetic that computes the answer
+    (``"12+7*3"`` for ``"12+7*3="``, ``"3+4"`` for ``"tom has 3 pens, gets 4 more. how many?"``), what a calculator
+    tool would be asked. Draws from ``rng`` exactly as :func:`synthetic_math_question`."""
     level = LEVELS[difficulty]
     bound = level.max_operand if max_operand is None else max_operand
     if kind == "arithmetic":
         text, value, _ = _expression(rng, rng.randint(*level.num_ops), level, bound)
-        return f"{text}=", value
+        return f"{text}=", value, text
     return _word_problem(rng, rng.choice(level.word_ops), bound)
 
 
@@ -160,8 +172,10 @@ def synthetic_math_dataset(
     kinds: Sequence[str] = ("arithmetic", "word"),
     instruction: str | None = None,
     system_prompt: str | None = None,
+    expressions: bool = False,
 ) -> Dataset:
-    r"""An offline math dataset with columns ``prompt`` and ``solution`` (the exact integer answer as a string).
+    r"""An offline math dataset with columns ``prompt`` and ``solution`` (the exact integer answer as a string), and
+    ``expression`` if asked.
 
     Deterministic given ``seed`` (its own ``random.Random``; global random state untouched). Each sample is an
     arithmetic expression ending in ``=`` (``"12+7*3="``; usual precedence, minimal parentheses, divisions exact) or a
@@ -180,6 +194,8 @@ def synthetic_math_dataset(
         instruction: appended to the question after a space, e.g. :data:`BOXED_INSTRUCTION`
             (``"put the answer in \boxed{}."``). None: the prompt is the bare question.
         system_prompt: system message (conversational only).
+        expressions: add a column ``expression``: the arithmetic that computes the answer (``"123+456"``), e.g.
+            for demonstrations of a calculator tool. The other columns do not change.
     """
     if difficulty not in LEVELS:
         raise ValueError(f"difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}.")
@@ -191,16 +207,20 @@ def synthetic_math_dataset(
     if num_samples < 0:
         raise ValueError(f"num_samples must be >= 0, got {num_samples}.")
     rng = random.Random(seed)
-    prompts, solutions = [], []
+    prompts, solutions, expression_column = [], [], []
     for _ in range(num_samples):
-        question, answer = synthetic_math_question(
+        question, answer, expression = synthetic_math_problem(
             rng, difficulty=difficulty, kind=rng.choice(tuple(kinds)), max_operand=max_operand
         )
         prompts.append(
             make_prompt(question, conversational=conversational, system_prompt=system_prompt, instruction=instruction)
         )
         solutions.append(str(answer))
-    return Dataset.from_dict({"prompt": prompts, "solution": solutions})
+        expression_column.append(expression)
+    columns = {"prompt": prompts, "solution": solutions}
+    if expressions:
+        columns["expression"] = expression_column
+    return Dataset.from_dict(columns)
 
 
 # ----------------------------------------------------------------------------- Hub datasets: one mapping per dataset

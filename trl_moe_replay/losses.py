@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .routing.routes import has_route
+
 
 # ---------------------------------------------------------------------------------------------- RSPO router shift
 def router_shift(old_probs: torch.Tensor, current_probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -36,7 +38,7 @@ def router_shift(old_probs: torch.Tensor, current_probs: torch.Tensor, expert_id
             f"{tuple(old_probs.shape)}, {tuple(current_probs.shape)}, {tuple(expert_ids.shape)}"
         )
     floor = torch.finfo(old_probs.dtype).smallest_normal
-    valid = expert_ids >= 0
+    valid = has_route(expert_ids)[..., None].expand_as(expert_ids)
     old_log = old_probs.float().clamp(min=floor).log()
     current_log = current_probs.detach().to(old_probs.dtype).float().clamp(min=floor).log()
     per_expert = torch.where(valid, (current_log - old_log).abs(), 0.0)

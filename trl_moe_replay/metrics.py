@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from .routing.routes import has_route
+
 
 def logprob_mismatch_sums(
     sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor, extreme_threshold: float
@@ -41,11 +43,11 @@ def routing_agreement_sums(
     to judge. Pairs are (position, MoE layer). A position without a replayed route (``-1``) counts as a fallback
     and is left out of the agreement sums.
     """
+    routed = has_route(replayed[:, :, moe_layers]).to(natural.device)  # [B, S, L]
     natural = natural[:, :, moe_layers].long()
     replayed = replayed[:, :, moe_layers].to(natural.device).long()
     positions = positions.to(natural.device).bool()
-    has_route = (replayed >= 0).all(dim=-1)  # [B, S, L]
-    judged = has_route & positions[..., None]
+    judged = routed & positions[..., None]
     # |natural ∩ replayed| per pair: ids within a row are distinct, so count equal pairs across the k x k grid
     overlap = (natural[..., :, None] == replayed[..., None, :]).sum(dim=(-1, -2))
     k = natural.shape[-1]
@@ -57,15 +59,15 @@ def routing_agreement_sums(
         "tokens": judged.any(dim=-1).sum().float(),
         "tokens_any_mismatch": differs.any(dim=-1).sum().float(),
         "positions": positions.sum().float(),
-        "fallback_positions": (positions & ~has_route.all(dim=-1)).sum().float(),
+        "fallback_positions": (positions & ~routed.all(dim=-1)).sum().float(),
     }
 
 
 def fallback_sums(replayed: torch.Tensor, positions: torch.Tensor, moe_layers: list[int]) -> dict[str, torch.Tensor]:
     """The two fallback sums of ``routing_agreement_sums``, for when there is no natural routing to compare."""
-    has_route = (replayed[:, :, moe_layers] >= 0).all(dim=-1).all(dim=-1)  # [B, S]
-    positions = positions.to(has_route.device).bool()
-    return {"positions": positions.sum().float(), "fallback_positions": (positions & ~has_route).sum().float()}
+    routed = has_route(replayed[:, :, moe_layers]).all(dim=-1)  # [B, S]
+    positions = positions.to(routed.device).bool()
+    return {"positions": positions.sum().float(), "fallback_positions": (positions & ~routed).sum().float()}
 
 
 def routable_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,10 @@ A run's metrics are grouped by family, one PNG each, one panel per metric agains
 TRL's ``sampling/*`` engine-vs-trainer numbers), ``routing.png`` (``routing/*``), ``loss.png`` (``loss``,
 ``grad_norm``, ``kl``, ``entropy``, ``clip_ratio/*``), ``completions.png`` and one more PNG per remaining metric
 prefix (``<prefix>/...``), so the metrics of a loss or a replay mode added later are drawn without code changes.
-Evaluation metrics (``eval_<name>``) share their training metric's panel.
+Evaluation metrics (``eval_<name>``) share their training metric's panel. A PNG holds at most
+:data:`MAX_PANELS_PER_FIGURE` panels: a larger family is split over ``<family>-2.png``, ``<family>-3.png``, ... up to
+:data:`MAX_FIGURES_PER_FAMILY` PNGs; the family's remaining metrics are not drawn (a warning and the last PNG's title
+say how many), so a run that logs thousands of metrics in one family still plots in seconds.
 
 matplotlib is imported lazily with its non-interactive ``Agg`` backend: nothing here needs a display.
 """
@@ -13,10 +16,12 @@ matplotlib is imported lazily with its non-interactive ``Agg`` backend: nothing 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 #: Log-history keys that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(
@@ -37,11 +42,22 @@ _FAMILY_OF_PREFIX = {
 _LEAD_METRIC = {"reward": "reward", "mismatch": "mismatch/kl_k3", "routing": "routing/mismatch_frac", "loss": "loss"}
 #: Families written first, in this order; the others follow alphabetically.
 FAMILY_ORDER = ("reward", "mismatch", "routing", "loss", "completions")
+#: Panels per PNG, and PNGs per family: at most 48 metrics of one family are drawn (a PNG of 24 panels takes seconds).
+MAX_PANELS_PER_FIGURE = 24
+MAX_FIGURES_PER_FAMILY = 2
+
+logger = logging.getLogger(__name__)
 
 
 def find_trainer_state(run_dir: str | Path) -> Path:
     """``RUN_DIR/trainer_state.json``, else the one of the latest ``checkpoint-N`` inside ``RUN_DIR``."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        problem = "is not a folder" if run_dir.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"{run_dir} {problem}: pass a training output_dir (the folder with trainer_state.json or checkpoint-N "
+            "folders)"
+        )
     direct = run_dir / "trainer_state.json"
     if direct.is_file():
         return direct
@@ -62,8 +78,21 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
     path = Path(run_dir_or_file)
     if path.is_dir():
         path = find_trainer_state(path)
-    with open(path) as f:
-        state = json.load(f)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass a training output_dir or its trainer_state.json")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}): the file may be truncated (a run stopped while saving it); plot one "
+            "of the run's checkpoint-N folders instead"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(state).__name__}, not a JSON object with a 'log_history' list: is it a "
+            "Trainer's trainer_state.json?"
+        )
     history = state.get("log_history")
     if not isinstance(history, list):
         raise ValueError(f"{path} has no 'log_history' list")
@@ -151,20 +180,55 @@ def _safe_filename(family: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", family) or "metrics"
 
 
+class Figure(NamedTuple):
+    """One PNG of :func:`plot_run`: its file name (without ``.png``), its family, and its metrics (one panel each)."""
+
+    name: str
+    family: str
+    metrics: list[str]
+    not_drawn: int = 0  # the family's metrics left out (set on the family's last PNG only)
+
+
+def plan_figures(
+    series: Mapping[str, object], max_panels: int = MAX_PANELS_PER_FIGURE, max_figures: int = MAX_FIGURES_PER_FAMILY
+) -> list[Figure]:
+    """The PNGs for ``series``: each family of :func:`group_metrics` split into PNGs of at most ``max_panels``
+    panels (``<family>``, ``<family>-2``, ...), at most ``max_figures`` per family; its other metrics are left out."""
+    figures = []
+    for family, names in group_metrics(series).items():
+        chunks = [names[i : i + max_panels] for i in range(0, len(names), max_panels)][:max_figures]
+        left_out = len(names) - sum(len(chunk) for chunk in chunks)
+        for k, chunk in enumerate(chunks):
+            last = k == len(chunks) - 1
+            figures.append(Figure(family if k == 0 else f"{family}-{k + 1}", family, chunk, left_out if last else 0))
+    return figures
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None) -> list[Path]:
-    """Write one PNG per metric family of the run in ``run_dir`` into ``out_dir`` (default ``RUN_DIR/plots``).
+    """Write the PNGs of the run in ``run_dir`` into ``out_dir`` (default ``RUN_DIR/plots``): one per metric family,
+    split when large (:func:`plan_figures`).
 
     Returns the written paths, in :data:`FAMILY_ORDER` first. Raises if the run logged no metric at all.
     """
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"the output folder {out_dir} is a file: pass a folder (it is created if missing)")
     series = metric_series(load_log_history(run_dir))
     if not series:
         raise ValueError(f"the run in {run_dir} logged no metric with a step (is logging_steps > max_steps?)")
+    figures = plan_figures(series)
+    for figure in figures:
+        if figure.not_drawn:
+            logger.warning(
+                f"{figure.not_drawn} {figure.family} metrics not drawn: at most {MAX_FIGURES_PER_FAMILY} PNGs of "
+                f"{MAX_PANELS_PER_FIGURE} panels per family (plot_comparison draws chosen metrics)"
+            )
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for family, names in group_metrics(series).items():
+    for figure in figures:
+        names = figure.metrics
         rows, columns = _grid(len(names))
         fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
         for ax, name in zip(axes.flat, names):
@@ -187,9 +251,12 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(names):]:
             ax.set_visible(False)
-        fig.suptitle(f"{title or run_dir.name}: {family}", fontsize=10)
+        heading = f"{title or run_dir.name}: {figure.name}"
+        if figure.not_drawn:
+            heading += f" ({figure.not_drawn} more {figure.family} metrics not drawn)"
+        fig.suptitle(heading, fontsize=10)
         fig.tight_layout()
-        path = out_dir / f"{_safe_filename(family)}.png"
+        path = out_dir / f"{_safe_filename(figure.name)}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)

@@ -28,7 +28,10 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|
 # Whole-word tokens for the chat roles and the answer format; everything else is one printable character a token.
 WORD_TOKENS = ["system", "user", "assistant", "\\boxed{"]
 CHAR_TOKENS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
-TINY_VOCAB = SPECIAL_TOKENS + WORD_TOKENS + CHAR_TOKENS
+# With tools=True, the tool-call markup is whole words too (real tokenizers spend one or a few tokens on each): it
+# halves the length of a character-level tool-calling rollout. Last in the vocabulary, so the other ids never move.
+TOOL_WORD_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", '"name": ', '"arguments": ']
+TINY_VOCAB = SPECIAL_TOKENS + WORD_TOKENS + CHAR_TOKENS + TOOL_WORD_TOKENS
 TINY_VOCAB_SIZE = 128  # len(TINY_VOCAB) rounded up, so models leave room for a few added tokens
 PAD_ID, BOS_ID, EOS_ID = 0, 1, TINY_VOCAB.index("<|im_end|>")
 CHAT_TEMPLATE = (
@@ -60,9 +63,10 @@ def tiny_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
 
     Round-trips any printable ASCII text exactly, pads on the left, ends assistant turns with ``<|im_end|>``
     (its ``eos_token``), and works as TRL's ``processing_class``. ``tools=True``: a template that renders tool
-    calls and results (:data:`TOOL_CHAT_TEMPLATE`) and TRL's Qwen3 response parser, for ``GRPOTrainer(tools=...)``.
+    calls and results (:data:`TOOL_CHAT_TEMPLATE`) and TRL's Qwen3 response parser, for ``GRPOTrainer(tools=...)``,
+    and one token for each piece of tool-call markup (:data:`TOOL_WORD_TOKENS`).
     """
-    words = "|".join(Regex_escape(w) for w in WORD_TOKENS)
+    words = "|".join(Regex_escape(w) for w in (WORD_TOKENS + TOOL_WORD_TOKENS if tools else WORD_TOKENS))
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(TINY_VOCAB)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(f"{words}|.|\\n"), behavior="isolated")
     backend.decoder = decoders.Fuse()  # concatenate pieces verbatim: exact round trip, no inserted spaces

@@ -15,6 +15,9 @@ vLLM cannot run here, so these answer TRL exactly the way vLLM 0.33 does, backed
 * :func:`fake_colocated_vllm`: a ``vllm.LLM`` look-alike for TRL's colocate mode whose ``generate`` returns
   ``RequestOutput``/``CompletionOutput``-shaped objects (``CompletionOutput.routed_experts`` an ``np.ndarray``,
   only when built with ``enable_return_routed_experts=True``, as in vLLM).
+* :func:`corrupt_route_payload` and :class:`RouteFuzzer`: payloads no engine may send (bytes, dtypes, shapes, ids),
+  each one that the trainer must reject and route natively; ``RouteFuzzer`` is a ``tamper`` hook (for
+  ``FakeVLLMServer``, or any function that sees the payloads of a real engine) that records what it corrupted.
 
 Sampling is transformers ``generate``; its routes and processed log-probs are recorded with
 ``TransformersRolloutRecorder``, so in fp32 they are what the trainer's own forward computes.
@@ -22,15 +25,17 @@ Sampling is transformers ``generate``; its routes and processed log-probs are re
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
+import io
 import itertools
 import json
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,13 +46,16 @@ import torch
 from torch import nn
 
 from .generation.transformers import TransformersRolloutRecorder
-from .routing import RouterReplay
-from .routing.engine import encode_routed_experts, engine_dtype
+from .routing import RouterReplay, has_route
+from .routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype
 
 __all__ = [
+    "CORRUPTIONS",
     "EngineCompletion",
     "FakeVLLMServer",
+    "RouteFuzzer",
     "TransformersEngine",
+    "corrupt_route_payload",
     "fake_colocated_vllm",
     "trl_vllm_transport_stub",
 ]
@@ -109,11 +117,11 @@ class TransformersEngine:
         dense = [layer for layer in range(self.router_replay.num_layers) if layer not in self.router_replay.moe_layers]
         out = []
         for i in range(len(batch)):
-            routes = rows[i].numpy().copy()
-            routes[:, dense] = 0  # vLLM's capture buffer is zeros and dense layers never write to it
-            if (routes[:, self.router_replay.moe_layers] < 0).any():
+            if not has_route(rows[i][:, self.router_replay.moe_layers]).all():
                 raise RuntimeError(f"completion {i}: a forwarded position has no recorded route")
-            out.append(EngineCompletion(batch[i], completions[i], logprobs[i], routes.astype(self.dtype), reasons[i]))
+            routes = rows[i].numpy().astype(self.dtype)
+            routes[:, dense] = 0  # vLLM's capture buffer is zeros and dense layers never write to it
+            out.append(EngineCompletion(batch[i], completions[i], logprobs[i], routes, reasons[i]))
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
@@ -524,3 +532,122 @@ def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
                 delattr(target, name)
             else:
                 setattr(target, name, old)
+
+
+# ----------------------------------------------------------------------------- corrupted route payloads
+#: Corruption kinds of :func:`corrupt_route_payload`, by what they break.
+CORRUPTIONS = (
+    "missing", "not-a-string", "base64-garbage", "base64-truncated", "npy-truncated", "npy-magic",
+    "dtype", "rows", "layers", "top-k", "ndim", "id-out-of-range", "id-negative", "id-repeated",
+    "route-never-written", "dense-layer-routed",
+)
+
+
+def _npy_base64(array: np.ndarray) -> str:
+    """Any array as vLLM's ``numpy2base64`` would encode it (object arrays pickled, as a broken server might)."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=array.dtype.kind == "O")
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def corrupt_route_payload(
+    payload: str, rng: np.random.Generator, *, num_experts: int, moe_layers: Sequence[int] | None = None,
+    kind: str | None = None,
+) -> tuple[str, Any]:
+    """``(kind, corrupted)``: ``payload`` (one completion's base64 ``.npy`` routes, ``[T, L, K]``) broken so that no
+    engine could have sent it for that completion and ``routes_from_engine`` must reject it.
+
+    ``kind`` is one of :data:`CORRUPTIONS` (random among those that apply when None): the payload missing or not a
+    string; invalid or truncated base64; a truncated ``.npy`` or a broken magic; a non-integer dtype (float, bool,
+    time, complex, text, object); one row, layer or top-k slot too many or too few, or another number of dimensions;
+    one id out of ``[0, num_experts)`` or negative; a route naming an expert twice or never written (all zeros, top-k
+    >= 2); a dense layer (not in ``moe_layers``) routed.
+    """
+    rows = decode_routed_experts(payload)
+    tokens, layers, top_k = rows.shape
+    moe = list(range(layers)) if moe_layers is None else list(moe_layers)
+    dense = [layer for layer in range(layers) if layer not in moe]
+    applicable = [k for k in CORRUPTIONS if not (
+        (k in ("id-repeated", "route-never-written") and top_k < 2)
+        or (k == "dense-layer-routed" and not dense)
+        or (k in ("id-out-of-range", "id-negative", "id-repeated", "route-never-written", "dense-layer-routed")
+            and tokens == 0)
+    )]
+    kind = kind or str(rng.choice(applicable))
+    if kind not in applicable:
+        raise ValueError(f"corruption {kind!r} does not apply to routes {rows.shape} (applicable: {applicable})")
+    rows = np.array(rows)  # writable copy
+    t = int(rng.integers(tokens)) if tokens else 0
+    if kind == "missing":
+        return kind, None
+    if kind == "not-a-string":
+        return kind, [7, rows.tolist()[:1], {"routed_experts": payload[:8]}][int(rng.integers(3))]
+    if kind == "base64-garbage":
+        at = int(rng.integers(len(payload) + 1))
+        return kind, payload[:at] + str(rng.choice(["!", "@", "é", " ", "-", "*"])) + payload[at:]
+    if kind == "base64-truncated":
+        return kind, payload[: len(payload) - 4 - int(rng.integers(1, 4))]  # length no longer a multiple of 4
+    raw = base64.b64decode(payload)
+    if kind == "npy-truncated":
+        return kind, base64.b64encode(raw[: int(rng.integers(len(raw) - rows.nbytes // 2 or 1))]).decode()
+    if kind == "npy-magic":
+        return kind, base64.b64encode(b"\x00NOPE!" + raw[6:]).decode()
+    if kind == "dtype":
+        dtype = str(rng.choice(["float16", "float32", "float64", "bool", "m8[s]", "M8[s]", "complex64", "<U3",
+                                "object"]))
+        return kind, _npy_base64(rows.astype(np.int64).astype(dtype))
+    if kind == "rows":
+        extra = rows[-1:] if tokens else np.arange(layers * top_k, dtype=rows.dtype).reshape(1, layers, top_k)
+        changed = rows[:-1] if tokens and rng.random() < 0.5 else np.concatenate([rows, extra])
+        return kind, _npy_base64(changed)
+    if kind == "layers":
+        changed = rows[:, :-1] if rng.random() < 0.5 else np.concatenate([rows, rows[:, -1:]], axis=1)
+        return kind, _npy_base64(changed)
+    if kind == "top-k":
+        changed = rows[..., :-1] if rng.random() < 0.5 else np.concatenate([rows, rows[..., -1:]], axis=2)
+        return kind, _npy_base64(changed)
+    if kind == "ndim":
+        return kind, _npy_base64(rows.reshape(tokens, layers * top_k) if rng.random() < 0.5 else rows[None])
+    layer = int(rng.choice(moe))
+    if kind == "id-out-of-range":
+        rows = rows.astype(np.uint16) if num_experts > np.iinfo(rows.dtype).max else rows
+        high = min(np.iinfo(rows.dtype).max, num_experts + 1000)
+        rows[t, layer, int(rng.integers(top_k))] = int(rng.integers(num_experts, high + 1))
+    elif kind == "id-negative":
+        rows = rows.astype(np.int16)
+        rows[t, layer, int(rng.integers(top_k))] = -int(rng.integers(1, 100))
+    elif kind == "id-repeated":
+        a, b = rng.choice(top_k, 2, replace=False)
+        rows[t, layer, b] = rows[t, layer, a]
+    elif kind == "route-never-written":
+        rows[t, layer] = 0
+    else:  # dense-layer-routed
+        rows[t, int(rng.choice(dense)), int(rng.integers(top_k))] = int(rng.integers(1, num_experts))
+    return kind, encode_routed_experts(rows)
+
+
+class RouteFuzzer:
+    """A ``tamper(call, choice, payload)`` hook that corrupts a random share of the route payloads.
+
+    Seeded; ``rate`` is the chance that a payload is corrupted (by :func:`corrupt_route_payload`, a random kind).
+    ``keep_first`` keeps the first choice of the first call intact, so the first generation batch has a usable
+    payload (a batch without any fails fast by design: the engine would not be set up for routes). ``corrupted``
+    maps ``(call, choice)`` to the kind applied.
+    """
+
+    def __init__(self, seed: int, *, num_experts: int, moe_layers: Sequence[int] | None = None, rate: float = 0.5,
+                 keep_first: bool = True):
+        self.rng = np.random.default_rng(seed)
+        self.num_experts = num_experts
+        self.moe_layers = moe_layers
+        self.rate = rate
+        self.keep_first = keep_first
+        self.corrupted: dict[tuple[int, int], str] = {}
+
+    def __call__(self, call: int, choice: int, payload: str | None) -> Any:
+        if payload is None or (self.keep_first and call == 0 and choice == 0) or self.rng.random() >= self.rate:
+            return payload
+        kind, corrupted = corrupt_route_payload(payload, self.rng, num_experts=self.num_experts,
+                                                moe_layers=self.moe_layers)
+        self.corrupted[call, choice] = kind
+        return corrupted

@@ -24,12 +24,14 @@ by the predicted routes; its state and predictor training live in ``trl_moe_repl
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import broadcast_object_list, is_peft_model
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -44,6 +46,7 @@ from .generation.vllm_sync import ReloadWeightSync, SyncCheck, client_without_co
 from .launch import check_launched_engine, check_launched_precision
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
+from .output_lock import OutputDirInUseError, OutputDirLock
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PredictiveRoutingReplay
 from .routing import RouterReplay
@@ -149,6 +152,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self._batch_routes: torch.Tensor | None = None
         self._train_replay = contextlib.ExitStack()
         self._setup_objectives(self.args)
+        # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
+        self._output_lock = OutputDirLock(self.args.output_dir)
+        weakref.finalize(self, self._output_lock.release)
 
     @property
     def _is_plain_trl(self) -> bool:
@@ -432,6 +438,29 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             self._train_replay.close()
             self._batch_routes = None
 
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.output_lock`).
+
+        Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
+        ``routing_replay="none"``, plain TRL, a loud warning instead).
+        """
+        self._claim_output_dir()
+        return super().train(*args, **kwargs)
+
+    def _claim_output_dir(self) -> None:
+        problem = None
+        if self.accelerator.is_main_process:  # one lock per run
+            try:
+                self._output_lock.acquire()
+            except OutputDirInUseError as exc:
+                problem = str(exc)
+        if self.accelerator.num_processes > 1:  # every rank stops, not only the main one (the others would hang)
+            problem = broadcast_object_list([problem])[0]
+        if problem is not None and self.routing_replay == "none":  # plain GRPOTrainer runs where TRL would
+            logger.warning(f"OUTPUT DIR IN USE (not stopping: routing_replay='none' trains as TRL would): {problem}")
+        elif problem is not None:
+            raise OutputDirInUseError(problem)
+
     def end(self):
         """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
 
@@ -439,6 +468,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
         interpreter at shutdown; a barrier and a short pause first avoid both.
         """
+        self._output_lock.release()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()
             time.sleep(0.2)
@@ -534,7 +564,12 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, state: _ScoringState | None) -> None:
         """``mismatch/*`` wherever the batch has both the sampler's and the trainer's old log-probs (TRL's own, or
-        recorded for the metrics), ``routing/*`` wherever the engine's routes and the trainer's natural ones exist."""
+        recorded for the metrics), ``routing/*`` wherever the engine's routes and the trainer's natural ones exist.
+
+        A ratio with nothing to measure (no valid completion token, no routed pair) is logged as NaN, not 0.0 (which
+        reads as a perfect score): TRL's ``log`` drops NaN before averaging a logging window, so other steps'
+        values are not pulled, and a window of no-data steps logs ``None``.
+        """
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         device = self.accelerator.device
@@ -551,10 +586,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 mask = mask * output["tool_mask"]
             sums = logprob_mismatch_sums(sampling, old, mask, self.extreme_token_threshold)
             total = self._global_sums(sums, device)
-            tokens = total["tokens"].clamp(min=1.0)
-            metrics["mismatch/kl_k1"].append((total["kl_k1"] / tokens).item())
-            metrics["mismatch/kl_k3"].append((total["kl_k3"] / tokens).item())
-            metrics["mismatch/extreme_frac"].append((total["extreme"] / tokens).item())
+            metrics["mismatch/kl_k1"].append(_ratio(total["kl_k1"], total["tokens"]))
+            metrics["mismatch/kl_k3"].append(_ratio(total["kl_k3"], total["tokens"]))
+            metrics["mismatch/extreme_frac"].append(_ratio(total["extreme"], total["tokens"]))
         reference = state.generation_routes if state is not None else None
         if reference is None:
             return
@@ -567,14 +601,18 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             total = self._global_sums(
                 routing_agreement_sums(state.old_natural_routes, reference, positions, moe_layers), device
             )
-            pairs, tokens = total["pairs"].clamp(min=1.0), total["tokens"].clamp(min=1.0)
-            metrics["routing/mismatch_frac"].append((total["mismatch_pairs"] / pairs).item())
-            metrics["routing/token_any_mismatch"].append((total["tokens_any_mismatch"] / tokens).item())
-            metrics["routing/topk_agreement"].append((total["overlap"] / pairs).item())
-        metrics["routing/fallback_frac"].append((total["fallback_positions"] / total["positions"].clamp(min=1.0)).item())
+            metrics["routing/mismatch_frac"].append(_ratio(total["mismatch_pairs"], total["pairs"]))
+            metrics["routing/token_any_mismatch"].append(_ratio(total["tokens_any_mismatch"], total["tokens"]))
+            metrics["routing/topk_agreement"].append(_ratio(total["overlap"], total["pairs"]))
+        metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
 
     def _global_sums(self, sums: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
         names = list(sums)
         stacked = torch.stack([sums[name].float().to(device) for name in names])
         gathered = self.accelerator.gather(stacked[None]).sum(dim=0)
         return dict(zip(names, gathered, strict=True))
+
+
+def _ratio(total: torch.Tensor, count: torch.Tensor) -> float:
+    """``total / count``, or NaN when nothing was counted ("no data", which TRL's ``log`` leaves out of averages)."""
+    return (total / count).item() if count.item() > 0 else math.nan

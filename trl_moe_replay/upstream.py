@@ -257,6 +257,33 @@ def wake_colocated_weights(vllm_generation: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 13. TRL's VLLMClient as a plain HTTP client (trl/generation/vllm_client.py).
+#    VLLMClient.__init__ refuses to build unless `is_vllm_available()` (its module-global name) answers True,
+#    although generation through it is only HTTP (the weight-transfer communicator, which needs vLLM, is opened
+#    separately). `trl-moe-replay audit --vllm_server_url` samples through it from a machine without vLLM.
+# ---------------------------------------------------------------------------------------------------------------
+def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
+    """TRL's ``VLLMClient`` for ``base_url``, built whether or not vLLM is installed on this machine."""
+    from trl.generation import vllm_client
+
+    saved = vllm_client.is_vllm_available
+    vllm_client.is_vllm_available = lambda *args, **kw: True
+    try:
+        return vllm_client.VLLMClient(base_url=base_url, **kwargs)
+    finally:
+        vllm_client.is_vllm_available = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 14. How TRL's tool loop renders a tool turn (trl/trainer/grpo_trainer.py), mirrored by the offline cold start.
+#    trl_moe_replay.cold_start teaches the tiny demo model tool calls with sequences built as TRL 1.16's
+#    _tool_call_loop builds them at train time: `prompt + completion + _get_tool_suffix_ids(tool_messages)`, the
+#    suffix cut from a dummy conversation after its last EOS, and a failing tool's result `{"error": str(e)}`.
+#    (tests/test_tool_recipe.py checks a real trainer run against the cold start's sequences token for token.)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/pr2.py, trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
 #    PreTrainedModel._keys_to_ignore_on_save: save_model() leaves the predictors out;
@@ -365,6 +392,9 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
 
     client_source = _code_only(_source(vllm_client.VLLMClient))
     expect("7", "self.session = requests.Session()" in client_source, "VLLMClient no longer keeps self.session")
+    client_init = _code_only(_source(vllm_client.VLLMClient.__init__))
+    expect("13", "if not is_vllm_available():" in client_init and hasattr(vllm_client, "is_vllm_available"),
+           "VLLMClient.__init__ no longer checks vLLM through its module's is_vllm_available")
     expect("7", "self.session.post(" in _code_only(_source(vllm_client.VLLMClient._post)),
            "VLLMClient._post no longer posts through self.session")
     expect("7", '"/v1/completions"' in _code_only(_source(vllm_client.VLLMClient.generate)).replace(
@@ -384,6 +414,14 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
            "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights")
     vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
     expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
+    suffix = _code_only(_source(trainer_class._get_tool_suffix_ids))
+    expect("14", "dummy_messages" in suffix and "eos_positions[-1] + 1" in suffix,
+           "GRPOTrainer._get_tool_suffix_ids no longer cuts a dummy conversation after its last EOS")
+    expect("14", 'result = {"error": str(e)}' in _code_only(_source(trainer_class._tool_call_loop))
+           and "prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids"
+           in _code_only(_source(trainer_class._tool_call_loop)),
+           "GRPOTrainer._tool_call_loop no longer builds prompt + completion + tool suffix, or reports errors as "
+           '{"error": str(e)}')
     sync = _code_only(_source(generation.VLLMGeneration.sync_weights))
     expect("10", sync.count("self._iter_named_params()") >= 2,
            "VLLMGeneration.sync_weights no longer reads the parameters through self._iter_named_params()")

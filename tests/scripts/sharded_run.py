@@ -24,6 +24,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.routing.routes import has_route
 from trl_moe_replay.sharded import is_dtensor, is_zero3_partitioned, local_numel
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
@@ -94,10 +95,11 @@ class Spy(MoEReplayGRPOTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)  # forward and backward (with recompute)
         if self.given_routes is None:
             return loss
-        routes = self.given_routes.long()
+        routes = self.given_routes
         for layer, calls in self.watch.calls.items():
-            expected = routes[:, :, layer].reshape(-1, routes.shape[-1])
-            given = expected[:, 0] >= 0
+            layer_routes = routes[:, :, layer].reshape(-1, routes.shape[-1])
+            given = has_route(layer_routes)  # uint8 routes mark "no route" rows with 255, signed ones with -1
+            expected = layer_routes.long()
             for ids in calls:
                 ids = ids.to(expected.device)
                 differ = (ids.sort(-1).values != expected.sort(-1).values).any(-1) & given

@@ -28,8 +28,7 @@ undecodable) is routed by the trainer's own router instead, with a warning; its 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

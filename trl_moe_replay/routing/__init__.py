@@ -9,10 +9,11 @@ from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelE
 from .replay import RouteRecording, RouterCall, RouterReplay
 from .router_probs import RouterProbes
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
-from .routes import NO_ROUTE, validate_routes
+from .routes import NO_ROUTE, NO_ROUTE_UINT8, has_route, no_route_value, route_dtype, validate_routes
 
 __all__ = [
     "NO_ROUTE",
+    "NO_ROUTE_UINT8",
     "EngineTurn",
     "ROUTER_FAMILIES",
     "RouteAlignmentError",
@@ -27,6 +28,9 @@ __all__ = [
     "encode_routed_experts",
     "engine_dtype",
     "family_of",
+    "has_route",
+    "no_route_value",
+    "route_dtype",
     "routes_from_engine",
     "validate_routes",
 ]

@@ -16,8 +16,8 @@ in one contiguous slice. Example, ``prompt_width=5``, ``completion_width=6``, ``
     routes       -1   -1   -1   r0   r1 |   r2   r3   r4   -1   -1   -1
                             ^ skipped (s=1)                 ^ final token: never forwarded
 
-``-1`` means "no route: let the router choose" (pads, skipped prefix, final token, samples without
-rows, and every layer not in ``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
+``-1`` (shown for int16 routes; a row of 255s in one-byte routes) means "no route: let the router choose" (pads,
+skipped prefix, final token, samples without rows, and every layer not in ``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
 several times faster) when it is installed, else the standard library.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import binascii
 import functools
 import io
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from .errors import RouteAlignmentError
-from .routes import NO_ROUTE
+from .routes import NO_ROUTE, no_route_value, route_dtype
 
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
@@ -51,6 +52,13 @@ __all__ = [
 ]
 
 _INT16_LIMIT = 1 << 15  # int16 holds expert ids 0..32767
+# Routes per block of the repeated-id check (its comparison buffer holds K - 1 bytes per id of the block).
+_CHECK_CHUNK_ROWS = 1 << 16
+
+
+def _holds_ids(dtype: np.dtype) -> bool:
+    """Signed or unsigned integers only: ``np.issubdtype(timedelta64, np.integer)`` is True, and bool is no id."""
+    return dtype.kind in "iu"
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,7 @@ def _load_npy(raw: bytes) -> np.ndarray:
         shape, fortran_order, dtype = fmt.read_array_header_2_0(stream)
     else:  # rare header versions: let numpy handle them (one extra copy)
         return np.load(io.BytesIO(raw), allow_pickle=False)
-    if not np.issubdtype(dtype, np.integer):
+    if not _holds_ids(dtype):
         raise RouteAlignmentError(f"routed_experts must hold integer expert ids, got dtype {dtype}")
     count = int(np.prod(shape, dtype=np.int64))
     if count == 0:
@@ -156,7 +164,7 @@ def _load_npy(raw: bytes) -> np.ndarray:
 
 
 def _check_array(array: np.ndarray, what: str) -> None:
-    if not np.issubdtype(array.dtype, np.integer):
+    if not _holds_ids(array.dtype):
         raise RouteAlignmentError(f"{what} must hold integer expert ids, got dtype {array.dtype}")
     if array.ndim != 3:
         raise RouteAlignmentError(f"{what} must be 3-D [tokens, layers, top_k], got shape {tuple(array.shape)}")
@@ -203,7 +211,7 @@ def _sample_rows(
     """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array; every error names the sample."""
     row = _as_numpy(row, i)
     expected = p + c - 1 - s
-    if not np.issubdtype(row.dtype, np.integer):
+    if not _holds_ids(row.dtype):
         raise RouteAlignmentError(
             f"sample {i}: engine rows must hold integer expert ids, got dtype {row.dtype}", sample=i
         )
@@ -245,24 +253,28 @@ def routes_from_engine(
     payload str decoded here one sample at a time), or ``None`` for "no routes", or, for a multi-turn sample
     (tool calls), the list of its :class:`EngineTurn` s in generation order: each position then gets the route of
     the first turn that forwarded it (a generated token from the turn that sampled it, a tool-result token from
-    the prefill of the turn that read it), and positions no turn routed get ``-1``. ``p_i``/``c_i`` are
+    the prefill of the turn that read it), and positions no turn routed get "no route". ``p_i``/``c_i`` are
     the token counts actually returned (after stop-string trimming, which trims rows alike), and
     ``s_i = prompt_starts[i]`` (default 0). ``c_i == 0`` is accepted: the formula still holds
     (``p_i - 1 - s_i`` rows, the last prompt token has none).
 
-    Returns an int16 CPU tensor, ``-1`` where there is no route (see module docstring). Layers not
-    in ``moe_layers`` (default: all layers are MoE) become ``-1`` and must be all-zero in the
-    engine rows, as vLLM writes them; a MoE layer whose first or last row is all zeros with
-    ``top_k >= 2`` is rejected as a probable dense layer. Ids must be >= 0 and fit int16, and be
-    ``< num_experts`` when that is given. Any mismatch raises :class:`RouteAlignmentError` naming
-    the sample; nothing is padded or cut silently.
+    Returns a CPU tensor in the compact routes dtype (``trl_moe_replay.routing.routes``): with
+    ``num_experts`` given, ``uint8`` (one byte per entry, as vLLM sends them, "no route" a row of 255s)
+    up to 256 experts, else ``int16`` ("no route" ``-1``); without ``num_experts``, ``int16``. Layers not
+    in ``moe_layers`` (default: all layers are MoE) become "no route" and must be all-zero in the
+    engine rows, as vLLM writes them. Every route of a MoE layer must name ``top_k`` distinct
+    experts: a repeated id, or (``top_k >= 2``) an all-zero route (vLLM's "never written"; also what
+    a dense layer missing from ``moe_layers`` looks like) is rejected; with ``top_k == 1`` expert 0
+    is a real route. Ids must be >= 0 and fit int16, and be ``< num_experts`` when that is given;
+    the dtype must be a signed or unsigned integer. Any mismatch raises
+    :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently.
 
-    ``out`` (optional) is a contiguous int16 CPU tensor of the result's shape to write into, e.g. a
+    ``out`` (optional) is a contiguous CPU tensor of the result's shape and dtype to write into, e.g. a
     reused or pinned buffer; every element is overwritten, so it needs no clearing.
 
     ``on_error`` (optional) turns a bad sample into a fallback instead of an exception: when one
-    sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids), that
-    sample gets ``-1`` everywhere (the router's own choice) and ``on_error`` receives the
+    sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids, repeated or
+    never-written routes), that sample gets "no route" everywhere (the router's own choice) and ``on_error`` receives the
     :class:`RouteAlignmentError` (``.sample`` is its index). Errors in the caller's own arguments
     (widths, lengths, ``moe_layers``) always raise.
     """
@@ -296,15 +308,18 @@ def routes_from_engine(
     dense = [layer for layer in range(num_layers) if layer not in moe_set]
 
     shape = (batch, prompt_width + completion_width, num_layers, top_k)
+    dtype = torch.int16 if num_experts is None else route_dtype(num_experts, top_k)
     if out is None:
-        out = torch.empty(shape, dtype=torch.int16)
+        out = torch.empty(shape, dtype=dtype)
     elif (
-        not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != torch.int16
+        not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype
         or out.device.type != "cpu" or not out.is_contiguous()
     ):
         got = (tuple(out.shape), out.dtype, out.device.type) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise RouteAlignmentError(f"out must be a contiguous int16 CPU tensor of shape {shape}, got {got}")
+        name = str(dtype).removeprefix("torch.")
+        raise RouteAlignmentError(f"out must be a contiguous {name} CPU tensor of shape {shape}, got {got}")
     out_np = out.numpy()
+    no_route = no_route_value(dtype)
     for i in range(batch):
         p, c, s = prompts[i], completions[i], starts[i]
         if p > prompt_width:
@@ -319,7 +334,7 @@ def routes_from_engine(
             raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
         row = rows[i]
         if _is_turn_list(row):
-            out_np[i] = NO_ROUTE
+            out_np[i] = no_route
             _place_turns(out_np[i, prompt_width - p :], row, i, p, c, num_layers, top_k, moe, dense, limit, on_error)
             continue
         if row is not None:
@@ -331,15 +346,15 @@ def routes_from_engine(
                 on_error(exc)
                 row = None
         if row is None:
-            out_np[i] = NO_ROUTE
+            out_np[i] = no_route
             continue
         lo = prompt_width - p + s
         hi = lo + row.shape[0]
-        out_np[i, :lo] = NO_ROUTE
+        out_np[i, :lo] = no_route
         np.copyto(out_np[i, lo:hi], row, casting="unsafe")
-        out_np[i, hi:] = NO_ROUTE
+        out_np[i, hi:] = no_route
     if dense and batch:
-        out.index_fill_(2, torch.tensor(dense), NO_ROUTE)
+        out.index_fill_(2, torch.tensor(dense), no_route)
     return out
 
 
@@ -402,15 +417,25 @@ def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: li
                 f"there (vLLM leaves dense layers all-zero); check moe_layers",
                 sample=i,
             )
-    if top_k >= 2:  # a real top-k row has distinct ids, so never all zeros
-        ends = row[[0, -1]] if len(moe) == row.shape[1] else row[[0, -1]][:, moe]
-        zero = ~ends.any(axis=-1)  # [first/last row, MoE layer]
-        if zero.any():
-            end, m = np.argwhere(zero)[0]
-            position = start + (0 if end == 0 else row.shape[0] - 1)
+    if top_k >= 2 and moe:  # a top-k route names k distinct experts; vLLM's never-written rows are all zeros
+        bad = _first_repeated_row(row, moe)
+        if bad is not None:
+            j, layer = bad
+            ids = row[j, layer]
+            if not ids.any():
+                dense_hint = (
+                    f"; every row of layer {layer} is zero: is it a dense layer? pass moe_layers"
+                    if not row[:, layer].any() else ""
+                )
+                raise RouteAlignmentError(
+                    f"sample {i}: layer {layer} is in moe_layers but position {start + j} has an all-zero "
+                    f"top-{top_k} route (vLLM leaves rows it never wrote as zeros{dense_hint})",
+                    sample=i,
+                )
+            values, counts = np.unique(ids, return_counts=True)
             raise RouteAlignmentError(
-                f"sample {i}: layer {moe[m]} is in moe_layers but position {position} has an all-zero "
-                f"top-{top_k} route; is layer {moe[m]} a dense layer? pass moe_layers",
+                f"sample {i}: position {start + j}, layer {layer} names expert {values[counts > 1][0]} twice "
+                f"({ids.tolist()}); a top-{top_k} route names {top_k} distinct experts",
                 sample=i,
             )
     info = _iinfo(row.dtype)
@@ -429,3 +454,61 @@ def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: li
             + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)"),
             sample=i,
         )
+
+
+def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] | None:
+    """``(row, layer)`` of the first route ``rows[row, layer]`` (``layer`` in ``layers``) naming an expert twice.
+
+    None if there is none. An all-zero route (vLLM's never-written rows) names expert 0 ``K`` times, so it is found
+    too. Vectorised without a sort: over a block of routes laid flat, every id is compared with the ids 1 .. K-1
+    places later (K - 1 contiguous, SIMD comparisons), then an OR over the block keeps only the comparisons that stay
+    inside a route. The block's first offending route is located (by a sort) only when there is one.
+    """
+    num_tokens, num_layers, k = rows.shape
+    width = len(layers)
+    period = math.lcm(k, 8)  # comparison bytes per OR-reduction word group: whole routes and whole uint64 words
+    masks = _same_route_masks(k)
+    in_place = width == num_layers and rows.flags.c_contiguous
+    if in_place:
+        flat_rows = rows.reshape(-1)
+    else:  # copy each block's MoE routes into a contiguous buffer (dense layers, non-contiguous arrays)
+        select = layers if width != num_layers else slice(None)
+        if width != num_layers and layers == list(range(layers[0], layers[-1] + 1)):
+            select = slice(layers[0], layers[-1] + 1)
+    tokens_per_block = max(1, _CHECK_CHUNK_ROWS // width)
+    block_size = min(tokens_per_block, num_tokens) * width * k
+    buffer = None if in_place else np.empty(block_size + k - 1, rows.dtype)
+    equal = np.empty((k - 1, -(-block_size // period) * period), np.bool_)
+    for lo in range(0, num_tokens, tokens_per_block):
+        hi = min(lo + tokens_per_block, num_tokens)
+        n = (hi - lo) * width * k
+        if in_place:
+            flat = flat_rows[lo * width * k :]
+            # the comparisons read up to k - 1 ids past the block: past the array's end for its last route, which is
+            # then checked on its own
+            compared = n if flat.size >= n + k - 1 else n - k
+        else:
+            flat = buffer
+            np.copyto(buffer[:n].reshape(hi - lo, width, k), rows[lo:hi, select])
+            compared = n
+        same = equal[:, : -(-n // period) * period]
+        for shift in range(1, k):  # one contiguous (SIMD) comparison per distance between slots
+            np.equal(flat[:compared], flat[shift : compared + shift], out=same[shift - 1, :compared])
+        same[:, compared:] = False
+        words = np.bitwise_or.reduce(same.view(np.uint64).reshape(k - 1, -1, period // 8), axis=1)
+        last_route = flat[n - k : n]
+        if (words & masks).any() or (compared < n and np.unique(last_route).size < k):
+            ordered = np.sort(flat[:n].reshape(-1, k), axis=1)
+            first = int(np.argmax((ordered[:, 1:] == ordered[:, :-1]).any(axis=1)))
+            return lo + first // width, layers[first % width]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _same_route_masks(k: int) -> np.ndarray:
+    """``[k - 1, lcm(k, 8) / 8]`` uint64: byte ``b`` of row ``s - 1`` is 1 where comparing flat id ``b`` with the id
+    ``s`` places later stays inside one route (``b % k + s < k``)."""
+    period = math.lcm(k, 8)
+    slot = np.arange(period) % k
+    inside = np.stack([(slot + s < k) for s in range(1, k)]).astype(np.uint8)
+    return inside.view(np.uint64)

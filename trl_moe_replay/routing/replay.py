@@ -6,7 +6,8 @@ and one on the decoder stack). Nothing is patched and nothing runs while no cont
 * ``with rr.record() as rec:`` stores the router's natural top-k ids of every forward inside, including
   the prefill and decode steps of ``model.generate``; ``rec.routes`` is ``[B, S, num_layers, top_k]``.
 * ``with rr.replay(routes):`` makes every forward inside (and the recompute of gradient checkpointing in
-  backward, as long as the backward runs inside the context) route by ``routes``. The router's logits
+  backward, as long as the backward runs inside the context) route by ``routes``; each forward's input must be
+  ``[B, S]`` (``generate``'s KV-cached steps take the next columns). The router's logits
   are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
   logits at those ids, so gradients still reach the router.
 * ``with rr.steer(choose):`` lets ``choose(layer, router, router_input, logits, natural_ids) -> ids`` pick each
@@ -31,7 +32,7 @@ from torch import nn
 
 from .errors import RouteValidationError, UnsupportedModelError
 from .routers import RouterFamily, family_of, supported_family_names
-from .routes import validate_routes
+from .routes import has_route, no_route_value, route_dtype, validate_routes
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
@@ -103,7 +104,9 @@ class RouteRecording:
         blocks = []
         for seg in self._segments:
             extra = 1 if seg.uses_cache else 0
-            block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), -1, dtype=torch.int16)
+            dtype = route_dtype(rr.num_experts, rr.top_k)
+            block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), no_route_value(dtype),
+                               dtype=dtype)
             for layer, chunks in seg.ids.items():
                 per_call = [c.view(seg.batch, -1, rr.top_k) for c in chunks]
                 ids = torch.cat(per_call, dim=1)
@@ -145,17 +148,60 @@ def _canonical_ids(rows: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
     return torch.where(same_set, natural, rows_sorted)
 
 
+@dataclass
+class _Window:
+    """The positions of the routes that the current forward covers: ``routes[:, start : start + length]``."""
+
+    batch: int
+    start: int
+    length: int
+
+
 class _ActiveReplay:
-    """Routes being replayed, validated once, moved to each device once."""
+    """Routes being replayed, validated once, moved to each device once.
+
+    The decoder-stack pre-hook announces each forward (:meth:`begin_forward`): a fresh forward covers positions
+    ``0 .. length - 1`` and must be fed exactly ``routes.shape[:2]`` (unless it opens a KV cache, as ``generate``'s
+    prefill does); a KV-cached continuation covers the next positions. Routes whose batch or sequence axis cannot be
+    the forward's are refused there, before any router runs, even when their row count would match.
+    """
 
     def __init__(self, routes: torch.Tensor):
         self.routes = routes
+        self.window: _Window | None = None
         self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def begin_forward(self, batch: int, length: int, opens_cache: bool, continues: bool) -> None:
+        previous = self.window
+        if continues and previous is not None and previous.batch == batch:
+            start = previous.start + previous.length
+        else:
+            start = 0
+        shape = list(self.routes.shape)
+        expected = [batch, start + length, *shape[2:]]
+        if start > 0:
+            if shape[0] != batch or shape[1] < start + length:
+                raise RouteValidationError(
+                    f"routes {shape} cover {shape[1]} positions of {shape[0]} sequences, but this KV-cached forward "
+                    f"feeds positions {start}..{start + length - 1} of {batch} sequences: expected routes "
+                    f"[{batch}, >= {start + length}, {shape[2]}, {shape[3]}] (record() lays out generate this way)"
+                )
+        elif shape[0] != batch or (shape[1] < length if opens_cache else shape[1] != length):
+            raise RouteValidationError(
+                f"routes {shape} do not fit this forward's input [batch={batch}, seq={length}]: expected routes "
+                f"{expected} ([batch, seq, num_layers, top_k], positions as fed to the model). Replay one routes "
+                "tensor per forward and slice it exactly as the inputs are sliced (chunked forwards, micro-batches)."
+            )
+        self.window = _Window(batch, start, length)
 
     def forced_ids(self, layer: int, natural: torch.Tensor) -> torch.Tensor:
         routes = self._on_device.get(natural.device)
         if routes is None:
             routes = self._on_device[natural.device] = self.routes.to(natural.device, non_blocking=True)
+        window = self.window
+        if window is not None and not _in_backward():
+            routes = routes[:, window.start : window.start + window.length]
+        # in a backward recompute (gradient checkpointing) the whole routes tensor, as the forward it recomputes used
         batch, seq, _, k = routes.shape
         rows = routes[:, :, layer].reshape(-1, k)
         if rows.shape[0] != natural.shape[0]:
@@ -164,8 +210,8 @@ class _ActiveReplay:
                 f"{layer} saw {natural.shape[0]} tokens in this forward. Replay one routes tensor per forward and "
                 "slice it exactly as the inputs are sliced (chunked forwards, micro-batches)."
             )
+        no_route = ~has_route(rows)[:, None]
         rows = rows.to(natural.dtype)
-        no_route = rows[:, :1] < 0
         return _canonical_ids(torch.where(no_route, natural, rows), natural)
 
 
@@ -240,6 +286,9 @@ class RouterReplay:
     def replay(self, routes: torch.Tensor) -> Iterator[None]:
         """Route every forward inside by ``routes`` (``[B, S, num_layers, top_k]``, ``-1`` = own choice).
 
+        Each forward must be fed exactly ``[B, S]`` (``input_ids`` or ``inputs_embeds``): routes of another layout
+        raise ``RouteValidationError`` even when ``B x S`` matches. Under ``generate`` (a KV cache), the prefill
+        takes the first columns and each decode step the next ones, the layout ``record()`` gives a generate.
         Keep the backward inside the context when gradient checkpointing is on: the recompute in backward
         runs the routers again and must see the same routes.
         """
@@ -308,7 +357,7 @@ class RouterReplay:
             raise RuntimeError("this RouterReplay was removed; create a new one")
 
     def _stack_pre_hook(self, module, args, kwargs):
-        if not self._recordings or _in_backward():
+        if (not self._recordings and self._replay is None) or _in_backward():
             return None
         inputs = kwargs.get("input_ids")
         if inputs is None:
@@ -324,6 +373,8 @@ class RouterReplay:
             (hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0)
             or (cache_position is not None and cache_position.numel() > 0 and int(cache_position[0]) > 0)
         )
+        if self._replay is not None:
+            self._replay.begin_forward(batch, length, opens_cache=cache is not None, continues=continues)
         for recording in self._recordings:
             segments = recording._segments
             if continues and segments and segments[-1].batch == batch:
@@ -365,7 +416,7 @@ class RouterReplay:
             if self._steer is not None:
                 choice = self._steered_ids(layer, module, router_input, logits, natural)
             if self._recordings and not _in_backward():
-                ids = choice.detach().to(torch.int16)
+                ids = choice.detach().to(route_dtype(self.num_experts, self.top_k))
                 for recording in self._recordings:
                     if not recording._segments:
                         raise RouteValidationError(

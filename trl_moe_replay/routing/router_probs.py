@@ -27,7 +27,7 @@ import torch
 
 from .errors import RouteValidationError
 from .replay import RouterCall, RouterReplay
-from .routes import NO_ROUTE
+from .routes import NO_ROUTE, has_route, no_route_value, route_dtype
 
 
 class _Collector:
@@ -54,7 +54,8 @@ class _Collector:
         if missing:
             raise RouteValidationError(f"no router call seen for MoE layer(s) {missing}: was a forward run inside?")
         shape = (self.batch, self.seq, probes.num_layers, probes.top_k)
-        ids = torch.full(shape, NO_ROUTE, dtype=torch.int16, device=device) if fill_ids else None
+        dtype = route_dtype(probes.num_experts, probes.top_k)
+        ids = torch.full(shape, no_route_value(dtype), dtype=dtype, device=device) if fill_ids else None
         probs = torch.zeros(shape, dtype=probs_dtype, device=device)
         for layer, (layer_ids, layer_probs) in self.layers.items():
             if ids is not None:
@@ -73,7 +74,8 @@ class RouterCapture(_Collector):
         self._check_rows(call.layer, call.used.shape[0])
         ids = call.used.detach()
         probs = torch.softmax(call.logits.detach().float(), dim=-1).gather(1, ids.long())
-        self.layers[call.layer] = (ids.to(torch.int16), probs.to(torch.float16))
+        self.layers[call.layer] = (ids.to(route_dtype(self.probes.num_experts, self.probes.top_k)),
+                                   probs.to(torch.float16))
 
     def finish(self) -> None:
         self.ids, self.probs = self._assemble(fill_ids=True, probs_dtype=torch.float16, device="cpu")
@@ -96,9 +98,11 @@ class RouterReading(_Collector):
         ids = self._on_device.get(logits.device)
         if ids is None:
             ids = self._on_device[logits.device] = self.ids.to(logits.device, non_blocking=True)
-        wanted = ids[:, :, layer].reshape(-1, ids.shape[-1]).long()
-        probs = torch.softmax(logits.detach().float(), dim=-1).gather(1, wanted.clamp(min=0))
-        self.layers[layer] = (wanted, torch.where(wanted >= 0, probs, 0.0))
+        wanted = ids[:, :, layer].reshape(-1, ids.shape[-1])
+        routed = has_route(wanted)[:, None]
+        wanted = torch.where(routed, wanted.long(), 0)
+        probs = torch.softmax(logits.detach().float(), dim=-1).gather(1, wanted)
+        self.layers[layer] = (wanted, torch.where(routed, probs, 0.0))
         self.device = logits.device
 
     def finish(self) -> None:
@@ -133,10 +137,13 @@ class RouterProbes:
                 f"expert ids must be [B, S, {self.num_layers}, {self.top_k}] (num_layers, top_k); "
                 f"got {tuple(ids.shape)}"
             )
-        if ids.numel() and (int(ids.max()) >= self.num_experts or int(ids.min()) < NO_ROUTE):
-            raise RouteValidationError(
-                f"expert ids must be in [-1, {self.num_experts}); got [{int(ids.min())}, {int(ids.max())}]"
-            )
+        if ids.numel():
+            routed = ids[has_route(ids)]
+            low = int(ids.min()) if ids.dtype != torch.uint8 else 0
+            if low < NO_ROUTE or (routed.numel() and int(routed.max()) >= self.num_experts):
+                raise RouteValidationError(
+                    f"expert ids must be in [0, {self.num_experts}) or no route; got [{low}, {int(ids.max())}]"
+                )
         collector = RouterReading(self, ids)
         with self._activate(collector):
             yield collector

