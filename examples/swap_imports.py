@@ -1,64 +1,47 @@
-"""A stock TRL GRPO script for a Mixture-of-Experts model, switched to routing replay by swapping two imports.
-
-The whole change is the marked import line: TRL's `GRPOTrainer`/`GRPOConfig` become `MoEReplayGRPOTrainer`/
-`MoEReplayGRPOConfig` (same constructor and fields, plus `routing_replay`, default "r3"). Everything else is TRL's
-quickstart: a model name, a dataset with a `prompt` column, a reward function.
-
-    accelerate launch examples/swap_imports.py                  # OLMoE-1B-7B on GSM8K (GPU, downloads from the Hub)
-    python examples/swap_imports.py --tiny --max_steps 5        # offline: tiny MoE, synthetic math, CPU
-"""
-
-import argparse
-import os
+# train_grpo.py: TRL's GRPO quick start on a Mixture-of-Experts model.
+#
+# examples/swap_imports_trl_original.py is the plain-TRL script; examples/swap_imports.py is the same script with
+# routing replay (R3 by default). The two files differ only in the line that imports GRPOConfig and GRPOTrainer.
+#
+#     python examples/swap_imports.py [MODEL]    # MODEL: a Hub id or a local checkpoint (model + tokenizer)
+#
+# The settings are sized for a quick run on a small model (the tests train a tiny offline MoE with them and check
+# that the reward rises); for a billion-parameter model lower learning_rate to TRL's default, 1e-6.
 import sys
 
-if "--tiny" in sys.argv:  # the offline mode must not reach for the Hub (set before transformers is imported)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from datasets import Dataset
 
-# from trl import GRPOConfig, GRPOTrainer                                    # before
-from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer  # after  # noqa: E402
+from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer
 
-from trl_moe_replay.extras.math.data import (  # noqa: E402
-    REASONING_INSTRUCTION,
-    load_math_dataset,
-    synthetic_math_dataset,
+model = sys.argv[1] if len(sys.argv) > 1 else "ibm-granite/granite-3.1-1b-a400m-instruct"
+
+# A small prompt-only dataset, built in place (TRL's quick start loads trl-lib/tldr from the Hub)
+topics = ["the sea", "a cat", "rain", "the moon", "bread", "a train", "snow", "music"]
+dataset = Dataset.from_dict({"prompt": [f"Write about {topic}:" for topic in topics] * 32})
+
+
+# Define the reward function, which rewards completions that are close to 20 characters
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+training_args = GRPOConfig(
+    output_dir="GRPO-MoE",
+    learning_rate=1e-3,
+    per_device_train_batch_size=8,
+    num_generations=8,
+    max_completion_length=48,
+    max_steps=30,
+    logging_steps=1,
+    seed=0,
+    report_to="none",
+    bf16=torch.cuda.is_available(),  # TRL's default (bf16) needs a GPU; on a CPU train in float32
 )
-from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward  # noqa: E402
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="offline: tiny random MoE and synthetic math (CPU)")
-    parser.add_argument("--max_steps", type=int, default=-1)
-    parser.add_argument("--output_dir", default="runs/swap_imports")
-    args = parser.parse_args()
-
-    if args.tiny:
-        from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-
-        model, tokenizer = tiny_moe_model("qwen3_moe"), tiny_tokenizer()
-        dataset = synthetic_math_dataset(256, kinds=("arithmetic",))
-        extra = dict(per_device_train_batch_size=8, max_completion_length=8, bf16=False, use_cpu=True,
-                     gradient_checkpointing=False, report_to="none", save_strategy="no")
-    else:
-        model, tokenizer = "allenai/OLMoE-1B-7B-0924-Instruct", None
-        dataset = load_math_dataset("openai/gsm8k", instruction=REASONING_INSTRUCTION)
-        extra = dict(per_device_train_batch_size=8, max_completion_length=1024, learning_rate=1e-6)
-
-    training_args = GRPOConfig(
-        output_dir=args.output_dir, max_steps=args.max_steps, num_generations=8, logging_steps=1, **extra
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[accuracy_reward, format_reward],
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    trainer.save_model(args.output_dir)
-    trainer.save_state()
-
-
-if __name__ == "__main__":
-    main()
+trainer = GRPOTrainer(
+    model=model,
+    reward_funcs=reward_len,
+    args=training_args,
+    train_dataset=dataset,
+)
+trainer.train()

@@ -64,6 +64,19 @@ def test_colocate_r3_trains_on_the_real_engine(tmp_path, family):
     assert_r3_verified(report)
 
 
+def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
+    """TRL's tool loop against the real engine (a regex makes every turn a calculator call or an answer): the
+    tool-result tokens and the later turns are forwarded by vLLM too, and every position the trainer scores
+    replays the route vLLM used for it, across turns."""
+    report, _ = train(tmp_path, "colocate", "qwen3_moe", "tools=true")
+    assert report["later_turns"] > 0  # some samples called the tool and went on generating after its result
+    logs = steps(report)
+    assert any(entry["tools/call_frequency"] > 0 for entry in logs)
+    assert all(entry["tools/failure_frequency"] == 0.0 for entry in logs)
+    assert report["forwards"] == 3 * STEPS and report["checked_positions"] > 50 * STEPS
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     sys.path.insert(0, str(SCRIPT.parent))

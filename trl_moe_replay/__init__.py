@@ -11,24 +11,49 @@ __version__ = "0.1.0.dev0"
 # `import trl_moe_replay.routing` do not pay for importing TRL (~15 s of CPU on a small machine).
 # `from trl_moe_replay import MoEReplayGRPOTrainer` works exactly as with eager imports.
 _PUBLIC = {
+    "LaunchMismatchError": "trl_moe_replay.trainer.launch",
     "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
     "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
+    "OutputDirInUseError": "trl_moe_replay.trainer.output_lock",
+    "RouteAlignmentError": "trl_moe_replay.routing",
     "RouteValidationError": "trl_moe_replay.routing",
     "RouterReplay": "trl_moe_replay.routing",
+    "RoutesUnavailableError": "trl_moe_replay.engines",
     "UnsupportedModelError": "trl_moe_replay.routing",
+    "decode_routed_experts": "trl_moe_replay.routing",
+    "encode_routed_experts": "trl_moe_replay.routing",
+    "routes_from_engine": "trl_moe_replay.routing",
 }
 
 if TYPE_CHECKING:
-    from .routing import RouterReplay, RouteValidationError, UnsupportedModelError
+    from .engines import RoutesUnavailableError
+    from .routing import (
+        RouteAlignmentError,
+        RouterReplay,
+        RouteValidationError,
+        UnsupportedModelError,
+        decode_routed_experts,
+        encode_routed_experts,
+        routes_from_engine,
+    )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+    from .trainer.launch import LaunchMismatchError
+    from .trainer.output_lock import OutputDirInUseError
 
 __all__ = [
+    "LaunchMismatchError",
     "MoEReplayGRPOConfig",
     "MoEReplayGRPOTrainer",
+    "OutputDirInUseError",
+    "RouteAlignmentError",
     "RouteValidationError",
     "RouterReplay",
+    "RoutesUnavailableError",
     "UnsupportedModelError",
     "__version__",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "routes_from_engine",
 ]
 
 

@@ -275,6 +275,15 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 14. How TRL's tool loop renders a tool turn (trl/trainer/grpo_trainer.py), mirrored by the offline cold start.
+#    trl_moe_replay.extras.math.cold_start teaches the tiny demo model tool calls with sequences built as TRL 1.16's
+#    _tool_call_loop builds them at train time: `prompt + completion + _get_tool_suffix_ids(tool_messages)`, the
+#    suffix cut from a dummy conversation after its last EOS, and a failing tool's result `{"error": str(e)}`.
+#    (tests/test_tool_recipe.py checks a real trainer run against the cold start's sequences token for token.)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/trainer/pr2.py and
 #    grpo_trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
@@ -406,6 +415,14 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
            "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights")
     vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
     expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
+    suffix = _code_only(_source(trainer_class._get_tool_suffix_ids))
+    expect("14", "dummy_messages" in suffix and "eos_positions[-1] + 1" in suffix,
+           "GRPOTrainer._get_tool_suffix_ids no longer cuts a dummy conversation after its last EOS")
+    expect("14", 'result = {"error": str(e)}' in _code_only(_source(trainer_class._tool_call_loop))
+           and "prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids"
+           in _code_only(_source(trainer_class._tool_call_loop)),
+           "GRPOTrainer._tool_call_loop no longer builds prompt + completion + tool suffix, or reports errors as "
+           '{"error": str(e)}')
     sync = _code_only(_source(generation.VLLMGeneration.sync_weights))
     expect("10", sync.count("self._iter_named_params()") >= 2,
            "VLLMGeneration.sync_weights no longer reads the parameters through self._iter_named_params()")

@@ -31,11 +31,11 @@ FAMILIES = {
 }
 
 
-def checkpoint(family: str, directory: str) -> str:
+def checkpoint(family: str, directory: str, tools: bool = False) -> str:
     from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
     tiny_moe_model(family, **FAMILIES[family]).save_pretrained(directory)
-    tiny_tokenizer().save_pretrained(directory)
+    tiny_tokenizer(tools=tools).save_pretrained(directory)  # the engine reads the same vocabulary
     return directory
 
 
@@ -59,28 +59,33 @@ def main():
 
     out, mode = sys.argv[1], sys.argv[2]
     if mode == "colocate":
-        model_path, rest = checkpoint(sys.argv[3], tempfile.mkdtemp()), sys.argv[4:]
+        model_path, rest = checkpoint(sys.argv[3], tempfile.mkdtemp(), tools="tools=true" in sys.argv[4:]), sys.argv[4:]
         engine = dict(vllm_mode="colocate")
     else:
         url, model_path, rest = sys.argv[3], sys.argv[4], sys.argv[5:]
         engine = dict(vllm_mode="server", vllm_server_base_url=url)
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
     fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
+    with_tools = overrides.pop("tools", False)  # tool-calling rollouts (TRL's tool loop), forced by a regex
 
     class EngineChecked(RouteCheckingTrainer):
         syncs: list = []
         batches: list = []
+        later_turns = 0  # tool turns generated (a sample's second or third turn)
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             state = self._scoring
             if state is not None and state.generated_turns == 1:
                 self.oracle.routes.clear()  # a new generation batch: the engine holds new weights
+            elif state is not None:
+                self.later_turns += len(prompt_ids)
             if state is not None and state.turns is not None and fuzz_seed is None:  # what vLLM returned, per sample
-                for turns, prompt, completion in zip(state.turns.turns, prompt_ids, completion_ids, strict=True):
-                    turn = turns[-1]
+                for sample, turns in enumerate(state.turns.turns):  # (a later tool turn adds to some samples only)
+                    turn, sequence = turns[-1], state.turns._sequences[sample]
                     if turn.rows is not None:
-                        self.oracle.add(list(prompt) + list(completion), turn.rows, start=turn.prompt_start)
+                        tokens = sequence[: turn.prompt_length + turn.completion_length]
+                        self.oracle.add(tokens, turn.rows, start=turn.prompt_start)
             return completion_ids, logprobs
 
         def _generate_and_score_completions(self, inputs):
@@ -105,11 +110,23 @@ def main():
         vllm_gpu_memory_utilization=0.5, **engine,
     )
     settings.update(overrides)
+    prompts = [f"{a}+{b}=" for a in range(4) for b in range(4)]
+    tool_kwargs = {}
+    if with_tools:  # every turn either calls the tool or answers: the engine picks, the regex keeps the format
+        from trl_moe_replay.extras.math.tools import calculator
+
+        prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
+        tool_kwargs = {"tools": [calculator]}
+        settings.update(
+            vllm_structured_outputs_regex=r'(<tool_call>\n\{"name": "calculator", "arguments": \{"expression": '
+            r'"[0-9]\+[0-9]"\}\}\n</tool_call>|\\boxed\{[0-9]{1,2}\})',
+            max_completion_length=96, max_tool_calling_iterations=2,
+        )
     args = MoEReplayGRPOConfig(**settings)
     trainer = EngineChecked(
-        model=model_path, args=args, processing_class=tiny_tokenizer(),
-        reward_funcs=lambda completions, **kw: [-abs(6 - len(c)) for c in completions],
-        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+        model=model_path, args=args, processing_class=tiny_tokenizer(tools=bool(with_tools)),
+        reward_funcs=lambda completions, **kw: [float(len(str(c))) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": prompts}), **tool_kwargs,
     )
     rr = trainer._route_replay
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
@@ -139,6 +156,7 @@ def main():
         "engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype) if mode == "colocate" else None,
         "batches": trainer.batches,
         "corrupted": [[call, choice, kind] for (call, choice), kind in fuzzer.corrupted.items()] if fuzzer else [],
+        "later_turns": trainer.later_turns,
     }
     Path(out).write_text(json.dumps(report))
     trainer.end()
