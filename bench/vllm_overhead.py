@@ -87,7 +87,7 @@ def write_checkpoint(args, directory: str) -> str:
 
 
 def math_prompts(count: int, seed: int = 0) -> list[str]:
-    from trl_moe_replay.data import BOXED_INSTRUCTION, synthetic_math_dataset
+    from trl_moe_replay.extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset
 
     data = synthetic_math_dataset(count, seed=seed, kinds=("arithmetic",), instruction=BOXED_INSTRUCTION)
     return list(data["prompt"])

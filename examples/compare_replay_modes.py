@@ -30,16 +30,16 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from trl_moe_replay.cold_start import (  # noqa: E402
+from trl_moe_replay.cli.plotting import plot_comparison  # noqa: E402
+from trl_moe_replay.extras.math.cold_start import (  # noqa: E402
     ColdStartConfig,
     cached_cold_start,
     cold_start_sft,
     default_cache_dir,
     settings_key,
 )
-from trl_moe_replay.data import BOXED_INSTRUCTION, synthetic_math_dataset  # noqa: E402
-from trl_moe_replay.plotting import plot_comparison  # noqa: E402
-from trl_moe_replay.rewards import accuracy_reward  # noqa: E402
+from trl_moe_replay.extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset  # noqa: E402
+from trl_moe_replay.extras.math.rewards import accuracy_reward  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 
 METRICS = [
@@ -58,7 +58,7 @@ def math_data(num_samples: int, seed: int):
 
 
 def cold_started_model(seed: int, cache_dir: str | None, steps: int) -> str:
-    """The tiny MoE after a short cached SFT on noisy boxed answers (see trl_moe_replay.cold_start)."""
+    """The tiny MoE after a short cached SFT on noisy boxed answers (see trl_moe_replay.extras.math.cold_start)."""
     data = math_data(2000, seed)
     sft = ColdStartConfig(steps=steps, label_noise=0.5, seed=seed)
     data_key = settings_key({"prompt": data["prompt"], "solution": data["solution"]})

@@ -13,7 +13,7 @@ SGLang returns that layout too (its default wire format is flat base64 int32: re
 checks every sample (a sample whose routes do not fit its tokens is routed by the trainer itself and counted in
 `routing/fallback_frac`) and replays them in the old-logprob, reference and training forwards.
 
-Here the "engine" is a transformers copy of the policy (trl_moe_replay.testing_vllm.TransformersEngine, which
+Here the "engine" is a transformers copy of the policy (trl_moe_replay.testing.TransformersEngine, which
 records routes like vLLM returns them), kept in sync with the trainer's weights before each rollout:
 
     python examples/rollout_func_routes.py --max_steps 5     # offline, tiny MoE, CPU, a few seconds
@@ -26,11 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from trl_moe_replay.data import synthetic_math_dataset  # noqa: E402
-from trl_moe_replay.rewards import accuracy_reward  # noqa: E402
+from trl_moe_replay.extras.math.data import synthetic_math_dataset  # noqa: E402
+from trl_moe_replay.extras.math.rewards import accuracy_reward  # noqa: E402
 from trl_moe_replay.routing import encode_routed_experts  # noqa: E402
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
-from trl_moe_replay.testing_vllm import TransformersEngine  # noqa: E402
+from trl_moe_replay.testing import TransformersEngine, tiny_moe_model, tiny_tokenizer  # noqa: E402
 
 
 class EngineRollout:

@@ -60,14 +60,14 @@ from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
 class GRPOR3ScriptArguments(ScriptArguments):
     """Script arguments: TRL's `ScriptArguments` (dataset_name, dataset_config, splits, ...) plus the ones below.
 
-    Without `dataset_name`, the offline synthetic math set of `trl_moe_replay.data` is used. Without
+    Without `dataset_name`, the offline synthetic math set of `trl_moe_replay.extras.math.data` is used. Without
     `--model_name_or_path`, the tiny offline MoE described by the `tiny_*` arguments is built and cold-started.
     """
 
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy_reward"],
         metadata={
-            "help": "Reward functions: accuracy_reward, format_reward (trl_moe_replay.rewards), TRL's "
+            "help": "Reward functions: accuracy_reward, format_reward (trl_moe_replay.extras.math.rewards), TRL's "
             "think_format_reward, reasoning_accuracy_reward, or any dotted import path (my_lib.rewards.func)."
         },
     )
@@ -84,14 +84,16 @@ class GRPOR3ScriptArguments(ScriptArguments):
     tools: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "Tools the policy may call (TRL's GRPOTrainer(tools=...)): calculator (trl_moe_replay.tools) or "
-            "any dotted import path (my_lib.tools.func; Google-style docstring, type hints). Prompts are then "
-            "conversational and rendered with the tools."
+            "help": "Tools the policy may call (TRL's GRPOTrainer(tools=...)): calculator "
+            "(trl_moe_replay.extras.math.tools) or any dotted import path (my_lib.tools.func; Google-style docstring, "
+            "type hints). Prompts are then conversational and rendered with the tools."
         },
     )
     # ---- offline synthetic set
     synthetic_samples: int = field(default=4000, metadata={"help": "Rows of the synthetic set."})
-    synthetic_difficulty: int = field(default=0, metadata={"help": "trl_moe_replay.data.LEVELS key (0: a+b, 0-9)."})
+    synthetic_difficulty: int = field(
+        default=0, metadata={"help": "trl_moe_replay.extras.math.data.LEVELS key (0: a+b, 0-9)."}
+    )
     synthetic_max_operand: int | None = field(default=None, metadata={"help": "Largest operand (level's default)."})
     synthetic_kinds: list[str] = field(
         default_factory=lambda: ["arithmetic"], metadata={"help": "Problem kinds: arithmetic and/or word."}
@@ -164,7 +166,7 @@ def parse_args(argv: list[str] | None = None):
 def reward_functions(names: list[str]) -> list:
     from trl.rewards import reasoning_accuracy_reward, think_format_reward
 
-    from trl_moe_replay.rewards import accuracy_reward, format_reward
+    from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
     registry = {
         "accuracy_reward": accuracy_reward,
@@ -188,8 +190,9 @@ def reward_functions(names: list[str]) -> list:
 
 
 def tool_functions(names: list[str]) -> list:
-    """The callables for ``--tools``: names of :data:`trl_moe_replay.tools.BUILTIN_TOOLS` or dotted import paths."""
-    from trl_moe_replay.tools import BUILTIN_TOOLS
+    """The callables for ``--tools``: names in :data:`trl_moe_replay.extras.math.tools.BUILTIN_TOOLS`, or dotted
+    import paths."""
+    from trl_moe_replay.extras.math.tools import BUILTIN_TOOLS
 
     tools = []
     for name in names:
@@ -217,7 +220,7 @@ def is_conversational(script_args) -> bool:
 
 def load_datasets(script_args, training_args):
     """(train, eval or None) with `prompt` and `solution` columns."""
-    from trl_moe_replay.data import load_math_dataset, synthetic_math_dataset
+    from trl_moe_replay.extras.math.data import load_math_dataset, synthetic_math_dataset
 
     conversational = is_conversational(script_args)
     if script_args.dataset_name:
@@ -266,7 +269,7 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     """Path of the tiny MoE after its cold-start SFT (built once per settings, then read from the cache)."""
     from accelerate import PartialState
 
-    from trl_moe_replay.cold_start import (
+    from trl_moe_replay.extras.math.cold_start import (
         ColdStartConfig,
         cached_cold_start,
         cold_start_sft,
@@ -312,7 +315,7 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
 
 def demonstration_call(tool_names: list[str]):
     """``row -> tool call`` for the cold start's tool demonstrations: the first built-in tool that has one."""
-    from trl_moe_replay.tools import DEMONSTRATIONS
+    from trl_moe_replay.extras.math.tools import DEMONSTRATIONS
 
     for name in tool_names:
         if name in DEMONSTRATIONS:
@@ -335,7 +338,7 @@ def main(script_args, training_args, model_args):
     from trl import get_peft_config, get_quantization_config
 
     from trl_moe_replay import MoEReplayGRPOTrainer
-    from trl_moe_replay.progress import KEY_METRICS, CompactProgressCallback
+    from trl_moe_replay.cli.progress import KEY_METRICS, CompactProgressCallback
 
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
     tools = tool_functions(script_args.tools)
@@ -382,7 +385,7 @@ def main(script_args, training_args, model_args):
         if tools:
             print(reward_summary(trainer.state.log_history, key="tools/call_frequency", label="tool calls per sample"))
         if script_args.plot:
-            from trl_moe_replay.plotting import plot_run
+            from trl_moe_replay.cli.plotting import plot_run
 
             paths = plot_run(training_args.output_dir)
             print(f"plots: {', '.join(str(p) for p in paths)}")

@@ -48,24 +48,28 @@ def run_two_ranks(script, *args: str, cwd=None) -> subprocess.CompletedProcess:
 def silent_server(lifetime_s: float = 60.0):
     """A TCP server on 127.0.0.1 that accepts connections and never answers; yields its ``http://`` URL.
 
-    Bounded: it closes every connection (and stops) when the context exits or after ``lifetime_s``, whichever comes
-    first, so a client still waiting on it gets an error instead of hanging.
+    Bounded: it closes each connection ``lifetime_s`` after accepting it (and all of them when the context exits), so
+    a client still waiting on it gets an error instead of hanging. Counted per connection, so a slow test (a loaded
+    machine) still finds the server listening and silent.
     """
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     listener.settimeout(0.1)
     stop = threading.Event()
-    held = []
+    held = []  # (connection, when to close it)
 
     def accept_and_hold():
-        deadline = time.monotonic() + lifetime_s
-        while not stop.is_set() and time.monotonic() < deadline:
+        while not stop.is_set():
+            now = time.monotonic()
+            for connection, close_at in [entry for entry in held if entry[1] <= now]:
+                connection.close()
+                held.remove((connection, close_at))
             try:
-                held.append(listener.accept()[0])
-            except OSError:  # accept timed out: look at the stop flag again
+                held.append((listener.accept()[0], time.monotonic() + lifetime_s))
+            except OSError:  # accept timed out: look at the stop flag and the lifetimes again
                 continue
-        for connection in held:
+        for connection, _ in held:
             connection.close()
         listener.close()
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from trl_moe_replay.cold_start import ColdStartConfig, cached_cold_start, cold_start_sft, settings_key
-from trl_moe_replay.data import synthetic_math_dataset
+from trl_moe_replay.extras.math.cold_start import ColdStartConfig, cached_cold_start, cold_start_sft, settings_key
+from trl_moe_replay.extras.math.data import synthetic_math_dataset
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
 
@@ -20,6 +20,7 @@ def trained(data, **settings):
     return model, tokenizer, report
 
 
+@pytest.mark.slow  # trains for hundreds of steps
 def test_cold_start_teaches_the_task_and_noise_caps_accuracy(data):
     _, _, untrained = trained(data, steps=0)
     _, _, clean = trained(data, steps=250)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from trl_moe_replay import MoEReplayGRPOConfig
-from trl_moe_replay.config import MOE_LOSS_TYPES, TRL_LOSS_TYPES
+from trl_moe_replay.trainer.grpo_config import MOE_LOSS_TYPES, TRL_LOSS_TYPES
 
 
 def config(**kwargs):

@@ -10,8 +10,8 @@ from fractions import Fraction
 import pytest
 from datasets import Dataset
 
-from trl_moe_replay import data
-from trl_moe_replay.data import (
+from trl_moe_replay.extras.math import data
+from trl_moe_replay.extras.math.data import (
     BOXED_INSTRUCTION,
     HUB_DATASETS,
     load_math_dataset,
@@ -22,7 +22,7 @@ from trl_moe_replay.data import (
     map_math_dataset,
     synthetic_math_dataset,
 )
-from trl_moe_replay.rewards import accuracy_reward
+from trl_moe_replay.extras.math.rewards import accuracy_reward
 
 ALPHABET = re.compile(r"^[a-z0-9 +\-*/=().,?:]*$")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}

@@ -537,6 +537,7 @@ def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
         monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", int(rng.integers(1, 40)))
         expected = next(((t, layer) for t in range(tokens) for layer in moe
                          if len(set(rows[t, layer].tolist())) < k), None)
+        # private on purpose: the chunked search itself, against a plain loop (the public path only says "repeated")
         assert engine._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)
 
 

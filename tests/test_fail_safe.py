@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
+from trl_moe_replay.trainer.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.routing.engine import encode_routed_experts, engine_dtype, routes_from_engine
-from trl_moe_replay.testing_vllm import (
+from trl_moe_replay.testing import (
     CORRUPTIONS,
     FakeVLLMServer,
     RouteFuzzer,
@@ -67,7 +67,7 @@ def test_no_data_steps_do_not_pull_the_average_of_a_logging_window(tmp_path):
     # TRL averages a logging window with NaN filtered out: a no-data step leaves the others' mean as it is
     trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1)
     trainer.model.train()
-    trainer._metrics["train"]["mismatch/kl_k3"] = [0.2, math.nan, 0.4]
+    trainer._metrics["train"]["mismatch/kl_k3"] = [0.2, math.nan, 0.4]  # TRL's metric buffer: what log() averages
     logs = {}
     trainer.log(logs)
     assert logs["mismatch/kl_k3"] == pytest.approx(0.3)
@@ -75,19 +75,19 @@ def test_no_data_steps_do_not_pull_the_average_of_a_logging_window(tmp_path):
 
 # ----------------------------------------------------------------------------- one trainer per output_dir
 HOLD_LOCK = """
-import sys, time
-from trl_moe_replay.output_lock import OutputDirLock
+import sys
+from trl_moe_replay.trainer.output_lock import OutputDirLock
 lock = OutputDirLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
-time.sleep(float(sys.argv[2]))
+sys.stdin.read()  # until the test kills it (or, should the test die, closes the pipe): however long the test takes
 """
 
 
 @contextlib.contextmanager
-def lock_held_by_another_process(output_dir, seconds=120):
+def lock_held_by_another_process(output_dir):
     """Another process holding ``output_dir``'s lock, as a second trainer would; killed (not released) on exit."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(output_dir), str(seconds)],
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(output_dir)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -97,6 +97,7 @@ def lock_held_by_another_process(output_dir, seconds=120):
         holder.wait()
 
 
+@pytest.mark.slow  # a second process holds the lock
 def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_lock_is_taken_over(tmp_path, caplog):
     lock_path = tmp_path / LOCK_NAME
     with lock_held_by_another_process(tmp_path) as holder:
@@ -106,7 +107,7 @@ def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_loc
         assert trainer.state.global_step == 0 and json.loads(lock_path.read_text())["pid"] == holder.pid
     # the holder was killed without releasing: a crashed run. Its lock is stale and taken over, with a warning.
     assert json.loads(lock_path.read_text())["pid"] == holder.pid
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
         trainer.train()
     assert trainer.state.global_step == 1
     assert f"process {holder.pid} is gone" in caplog.text
@@ -142,24 +143,26 @@ def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
         lock.acquire()
     old = time.time() - STALE_AFTER_S - 10
     os.utime(lock_path, (old, old))
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
         lock.acquire()
     assert "no heartbeat for" in caplog.text and lock.held
     lock.release()
     assert not lock_path.exists()
 
 
+@pytest.mark.slow  # a second process holds the lock
 def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
     # routing_replay="none" is plain GRPOTrainer, which TRL would run: a loud warning, not a refusal
     with lock_held_by_another_process(tmp_path) as holder:
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, routing_replay="none")
-        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer"):
+        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.grpo_trainer"):
             trainer.train()
         assert trainer.state.global_step == 1
         assert "OUTPUT DIR IN USE" in caplog.text and f"pid {holder.pid}" in caplog.text
         trainer.end()
 
 
+@pytest.mark.slow  # torchrun, two processes, twice
 def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
     result = run_two_ranks(Path(__file__).parent / "scripts" / "output_lock_ddp.py", tmp_path / "run")
     # raw_decode: print() writes text and newline separately, so the other rank's output may follow on the same line
@@ -230,7 +233,6 @@ def test_fuzzed_route_payloads_never_end_the_run_and_fallback_frac_is_exact(tmp_
     assert trainer.state.global_step == 6  # no single sample ended the run
     assert len(server.batches) == 6 and all(len(b.payloads) == 32 for b in server.batches)
     assert len(fuzzer.corrupted) >= 100 and set(fuzzer.corrupted.values()) == set(CORRUPTIONS)
-    assert trainer._vllm_routes.fallback_samples == len(fuzzer.corrupted)
     expected = []
     for call, batch in enumerate(trainer.batches):
         bad = [choice for (c, choice) in fuzzer.corrupted if c == call]

@@ -15,8 +15,13 @@ from peft import LoraConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.testing import tiny_dense_model, tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing_vllm import FakeVLLMServer, trl_vllm_transport_stub
+from trl_moe_replay.testing import (
+    FakeVLLMServer,
+    tiny_dense_model,
+    tiny_moe_model,
+    tiny_tokenizer,
+    trl_vllm_transport_stub,
+)
 
 OUR_PREFIXES = ("mismatch/", "routing/", "rspo/", "pr2/", "minirl/")
 WALL_CLOCK = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -69,6 +74,7 @@ def assert_identical_runs(ours, theirs):
 def both(tmp_path, make_model, trainer_kwargs=None, **overrides):
     theirs = train(tmp_path, GRPOTrainer, GRPOConfig, make_model(), trainer_kwargs, **overrides)
     ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, make_model(), trainer_kwargs, **overrides)
+    # private on purpose: "nothing built" has no public view; the public check is assert_identical_runs (bit for bit)
     assert ours._is_plain_trl and ours._route_replay is None  # nothing built, nothing consulted
     return ours, theirs
 
@@ -133,7 +139,7 @@ def test_routing_metrics_under_none_change_no_trl_number(tmp_path):
     theirs = train(tmp_path, GRPOTrainer, GRPOConfig, tiny_moe_model("qwen3_moe"), **overrides)
     ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, tiny_moe_model("qwen3_moe"),
                  routing_metrics=True, **overrides)
-    assert not ours._is_plain_trl and ours._route_replay is not None
+    assert not ours._is_plain_trl and ours._route_replay is not None  # private: the counterpart of both()'s check
     assert_identical_runs(ours, theirs)
     logged = {name for entry in ours.state.log_history for name in entry}
     assert {"routing/mismatch_frac", "mismatch/kl_k3"} <= logged

@@ -1,13 +1,13 @@
 """The launch configuration against what the trainer gets: precision follows the training arguments, and a run that
-asked for FSDP or DeepSpeed but got something else stops (``trl_moe_replay.launch``)."""
+asked for FSDP or DeepSpeed but got something else stops (``trl_moe_replay.trainer.launch``)."""
 
 from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DistributedType
 
-from trl_moe_replay.launch import LaunchMismatchError, check_launched_engine, check_launched_precision
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.launch import LaunchMismatchError, check_launched_engine, check_launched_precision
 
 from .test_trainer import make_trainer
 
@@ -44,7 +44,7 @@ def test_trainer_refuses_a_launch_that_does_not_match(tmp_path, monkeypatch, cap
     with pytest.raises(LaunchMismatchError, match="bf16=False"):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3")
     # routing_replay="none" is plain GRPOTrainer, which TRL would run: a loud warning, no refusal
-    with caplog.at_level("WARNING", logger="trl_moe_replay.launch"):
+    with caplog.at_level("WARNING", logger="trl_moe_replay.trainer.launch"):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="none")
     assert "LAUNCH MISMATCH" in caplog.text and "bf16=False" in caplog.text
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")

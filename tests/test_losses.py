@@ -1,11 +1,15 @@
-"""The loss math (trl_moe_replay.losses) against hand computations, and router-probability capture on tiny models."""
+"""The loss math (trl_moe_replay.trainer.losses) against hand computations, and router-probability capture on tiny
+models."""
 
 import math
 
 import pytest
 import torch
 
-from trl_moe_replay.losses import (
+from trl_moe_replay.routing import RouterReplay
+from trl_moe_replay.routing.router_probs import RouterProbes
+from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.losses import (
     clip_masks,
     clipped_surrogate,
     completion_aligned,
@@ -16,9 +20,6 @@ from trl_moe_replay.losses import (
     sequence_log_weights,
     shift_old_logps,
 )
-from trl_moe_replay.routing import RouterReplay
-from trl_moe_replay.routing.router_probs import RouterProbes
-from trl_moe_replay.testing import tiny_moe_model
 
 from .helpers import no_route, random_ids, shifted
 

@@ -9,14 +9,17 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from trl_moe_replay import MoEReplayGRPOConfig
-from trl_moe_replay.losses import completion_aligned, minirl_token_weights
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.losses import completion_aligned, minirl_token_weights
 
 from .test_trainer import logged, make_trainer
 
 LN2 = math.log(2.0)
 
 
+# These tests drive the loss on hand-made micro-batches, so they call TRL's private loss entry points
+# (_generate_and_score_completions, _compute_loss) and set the replayed routes (_batch_routes) the way train() does;
+# what they assert goes through logged metrics.
 def first_micro_batch(trainer) -> dict:
     """One generation batch scored by the trainer (old-logprob pass included), and its first micro-batch."""
     trainer.model.train()
@@ -38,6 +41,13 @@ def loss_and_grads(trainer, compute):
     loss.backward()
     trainer._train_replay.close()
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def flush_logs(trainer) -> dict:
+    """The metrics logged since the last call, as ``trainer.log`` writes them to ``state.log_history`` (TRL averages
+    each metric over the calls since the last log, so one call = that call's value)."""
+    trainer.log({})
+    return trainer.state.log_history[-1]
 
 
 def assert_same(result, expected, exact: bool):
@@ -68,8 +78,9 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     def trl_loss(inputs):  # TRL's own _compute_loss on the same inputs, without our γ
         return loss_and_grads(trainer, lambda: trl_compute_loss(trainer, inputs))
 
+    flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
-    assert trainer._metrics["train"]["rspo/gamma_min"][-1] == 1.0  # same weights as the old pass: γ == 1 exactly
+    assert flush_logs(trainer)["rspo/gamma_min"] == 1.0  # same weights as the old pass: γ == 1 exactly
     assert_same(ours, trl_loss(micro), exact=True)
 
     # Let the old router have given half the probability at layer 0 on every even position: Δ = ln2 / 2 there
@@ -78,7 +89,9 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     moved["old_router_probs"] = micro["old_router_probs"].clone()
     moved["old_router_probs"][:, ::2, 0] *= 2
     old_before = micro["old_per_token_logps"].clone()
+    flush_logs(trainer)  # TRL's own loss above logs too
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, moved))
+    logs = flush_logs(trainer)
     assert torch.equal(moved["old_per_token_logps"], old_before)  # the buffered batch is never shifted in place
     seq = micro["old_router_ids"].shape[1]
     gamma_at_position = torch.tensor([2 ** -0.5 if p % 2 == 0 else 1.0 for p in range(seq)]).expand(4, seq)
@@ -86,9 +99,9 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - gamma.log())
     assert_same(ours, trl_loss(by_hand), exact=False)  # γ is a constant: same loss and same gradients
     valid = micro["completion_mask"].bool()
-    assert trainer._metrics["train"]["rspo/gamma_mean"][-1] == pytest.approx(gamma[valid].mean().item(), rel=1e-4)
-    assert trainer._metrics["train"]["rspo/gamma_min"][-1] == pytest.approx(2 ** -0.5, rel=1e-4)
-    assert trainer._metrics["train"]["rspo/floor_frac"][-1] == 0.0
+    assert logs["rspo/gamma_mean"] == pytest.approx(gamma[valid].mean().item(), rel=1e-4)
+    assert logs["rspo/gamma_min"] == pytest.approx(2 ** -0.5, rel=1e-4)
+    assert logs["rspo/floor_frac"] == 0.0
 
 
 def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before_clipping(tmp_path):
@@ -97,9 +110,11 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
                            routing_replay="r3", router_shift_gamma_min=0.8)
     micro = first_micro_batch(trainer)
     moved = dict(micro, old_router_probs=micro["old_router_probs"] * 2)  # Δ = ln2 everywhere: γ floored at 0.8
+    flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, moved))
-    assert trainer._metrics["train"]["rspo/floor_frac"][-1] == 1.0
-    assert trainer._metrics["train"]["rspo/shift_mean"][-1] == pytest.approx(LN2, rel=1e-3)
+    logs = flush_logs(trainer)
+    assert logs["rspo/floor_frac"] == 1.0
+    assert logs["rspo/shift_mean"] == pytest.approx(LN2, rel=1e-3)
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - math.log(0.8))
 
     def trl_with_replay():
@@ -109,7 +124,7 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
     assert_same(ours, loss_and_grads(trainer, trl_with_replay), exact=False)
     # ratio·γ = 0.8 < 1 - 0.2: every negative-advantage token is clipped on the low side
     negative = (micro["advantages"] < 0).unsqueeze(1) & micro["completion_mask"].bool()
-    assert trainer._metrics["train"]["clip_ratio/low_mean"][-1] == pytest.approx(
+    assert logs["clip_ratio/low_mean"] == pytest.approx(
         negative.sum().item() / micro["completion_mask"].sum().item(), rel=1e-5
     )
 
@@ -127,7 +142,9 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
     micro = dict(micro, sampling_per_token_logps=micro["sampling_per_token_logps"] + offsets,
                  old_per_token_logps=micro["old_per_token_logps"] - offsets.flip(0))
     trainer._batch_routes = micro["replay_routes"]
+    flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
+    logs = flush_logs(trainer)
 
     def by_hand():
         trainer._batch_routes = micro["replay_routes"]
@@ -144,8 +161,7 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
         return (-weights.weight * advantages * logps * micro["completion_mask"]).sum() / normaliser
 
     assert_same(ours, loss_and_grads(trainer, by_hand), exact=False)
-    metrics = trainer._metrics["train"]
-    assert 0 < metrics["minirl/is_truncated_frac"][-1] < 1 and 0 < metrics["clip_ratio/region_mean"][-1] < 1
+    assert 0 < logs["minirl/is_truncated_frac"] < 1 and 0 < logs["clip_ratio/region_mean"] < 1
 
 
 def test_minirl_with_kl_entropy_mask_and_off_policy_mask(tmp_path):

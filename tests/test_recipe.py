@@ -13,8 +13,8 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from trl import get_peft_config
 
-from trl_moe_replay.config import ROUTING_REPLAY_MODES
-from trl_moe_replay.data import HUB_DATASETS
+from trl_moe_replay.extras.math.data import HUB_DATASETS
+from trl_moe_replay.trainer.grpo_config import ROUTING_REPLAY_MODES
 
 from .helpers import run_two_ranks
 
@@ -41,6 +41,7 @@ def small_run_args(output_dir, cache_dir, *extra):
     ]
 
 
+@pytest.mark.slow  # runs the recipe: cold start and training
 def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     script_args, training_args, model_args = recipe.parse_args(small_run_args(tmp_path / "run", tmp_path / "cache"))
     assert model_args.model_name_or_path is None and training_args.routing_replay == "r3"
@@ -63,6 +64,7 @@ def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     assert record["settings"]["sft"]["steps"] == 30 and 0.0 <= record["report"]["sampled_accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # accelerate launch subprocess
 def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     # first run builds the cache (in this process, fast); the launched one must find and reuse it
     spec = importlib.util.spec_from_file_location("grpo_r3_recipe_b", RECIPE)
@@ -84,6 +86,7 @@ def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     assert (tmp_path / "b" / "plots" / "reward.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.slow  # torchrun, two processes
 def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
     result = run_two_ranks(RECIPE, *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2",
                                                    "--plot", "false"), cwd=tmp_path)
@@ -112,10 +115,10 @@ def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
 
 
 def test_reward_function_registry(recipe):
-    from trl_moe_replay.rewards import accuracy_reward, format_reward
+    from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
     assert recipe.reward_functions(["accuracy_reward", "format_reward"]) == [accuracy_reward, format_reward]
-    assert recipe.reward_functions(["trl_moe_replay.rewards.format_reward"]) == [format_reward]
+    assert recipe.reward_functions(["trl_moe_replay.extras.math.rewards.format_reward"]) == [format_reward]
     with pytest.raises(ValueError, match="Unknown reward function"):
         recipe.reward_functions(["no_such_reward"])
 

@@ -203,6 +203,7 @@ def test_remove_restores_the_model_exactly():
     x = random_ids(2, 8)
     with torch.no_grad():
         reference = model(x).logits
+    # torch has no public way to list a module's hooks
     hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     rr = RouterReplay(model)
     rr.remove()
@@ -406,4 +407,5 @@ def test_bad_steer_functions_raise():
         with pytest.raises(RuntimeError, match="already active"):
             with rr.steer(lambda *a: a[-1]), rr.steer(lambda *a: a[-1]):
                 pass
-        assert rr._steer is None
+        with rr.steer(lambda *a: a[-1]):  # every failed steer() above gave its slot back
+            model(x)

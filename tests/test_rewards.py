@@ -7,10 +7,14 @@ import time
 
 import pytest
 
-from trl_moe_replay import rewards
-from trl_moe_replay.rewards import accuracy_reward, format_reward
+from trl_moe_replay.extras.math import rewards
+from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
-BOUND_S = 60.0  # a safety bound against hanging (catastrophic backtracking, sympy blow-ups), not a benchmark
+# Bounds against runaway work (catastrophic backtracking, sympy blow-ups), not benchmarks. In-process work is bounded
+# in CPU seconds of this process (time.process_time), which other jobs on the machine do not inflate; work in the
+# helper process is bounded by the parent's deadline, which the status "timeout" shows, and threads by HANG_GUARD_S.
+BOUND_S = 60.0
+HANG_GUARD_S = 600.0  # far beyond any run under load; only a hang reaches it
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +51,7 @@ def slow_machine(monkeypatch):
     parse_inner = math_verify.parser.extract_target_from_pred
     monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", slowed(parse_inner))
     monkeypatch.setattr(math_verify.grader, "sympy_expr_eq", slowed(math_verify.grader.sympy_expr_eq))
-    rewards._parse_gold.cache_clear()
+    rewards._parse_gold.cache_clear()  # a cached gold answer would skip the slowed parser
     yield
     rewards._parse_gold.cache_clear()
 
@@ -64,7 +68,7 @@ def in_thread(fn, *args, **kwargs):
 
     thread = threading.Thread(target=target)
     thread.start()
-    thread.join(timeout=120)
+    thread.join(timeout=HANG_GUARD_S)
     assert not thread.is_alive(), "reward function hung in a non-main thread"
     if "error" in box:
         raise box["error"]
@@ -235,11 +239,11 @@ STOPPED_BEFORE_PARSING = ("deep_parens_in_box", "open_braces", "10MB_digits")  #
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_completion_is_bounded_main_thread(name, short_timeouts):
     completion, metrics = HOSTILE[name], {}
-    start = time.perf_counter()
+    start = time.process_time()
     acc = accuracy_reward([completion], ["12"], log_metric=lambda k, v: metrics.__setitem__(k, v))
     fmt = format_reward([completion])
-    elapsed = time.perf_counter() - start
-    assert elapsed < BOUND_S, f"{name} took {elapsed:.1f} s"
+    cpu = time.process_time() - start
+    assert cpu < BOUND_S, f"{name} took {cpu:.1f} s of CPU"
     assert len(acc) == len(fmt) == 1
     assert_reward_type(acc[0])
     assert_reward_type(fmt[0])
@@ -261,9 +265,9 @@ def test_hostile_completion_answers_and_no_timeouts_with_room_to_finish(name):
 
 def test_hostile_gold_is_bounded(short_timeouts):
     golds = [HOSTILE[k] for k in ("10MB_digits", "10MB_latex_soup", "open_braces", "boxed_open_100k", "object")]
-    start = time.perf_counter()
+    start = time.process_time()
     out = accuracy_reward(["12"] * len(golds), golds)
-    assert time.perf_counter() - start < BOUND_S
+    assert time.process_time() - start < BOUND_S
     for value in out:
         assert_reward_type(value, allow_none=True)
 
@@ -272,10 +276,7 @@ def test_off_main_thread_is_bounded(short_timeouts):
     """Off the main thread math-verify's signal timeouts cannot work: the helper process must bound the time."""
     names = list(HOSTILE)
     completions = [HOSTILE[n] for n in names]
-    start = time.perf_counter()
-    hostile = in_thread(accuracy_reward, completions, ["12"] * len(completions))
-    elapsed = time.perf_counter() - start
-    assert elapsed < BOUND_S, f"took {elapsed:.1f} s"
+    hostile = in_thread(accuracy_reward, completions, ["12"] * len(completions))  # returns: bounded
     for name, value in zip(names, hostile):
         assert_reward_type(value), name
     assert dict(zip(names, hostile))[NEVER_IN_TIME] == 0.0
@@ -304,9 +305,7 @@ def test_correct_answers_do_not_depend_on_the_machines_speed(slow_machine, monke
 def test_helper_process_hard_deadline():
     """A computation that escapes math-verify's timeout (here: timeouts disabled in the helper) is killed at the
     parent's deadline, scored 0.0, and the helper restarts for the next request."""
-    start = time.perf_counter()
+    # private on purpose: the helper process's deadline, with math-verify's own timeouts disabled in it
     reward, status, _ = rewards._WORKER.score(HOSTILE["power_tower"], "12", 1, 0, deadline_s=1.0)
-    elapsed = time.perf_counter() - start
-    assert (reward, status) == (0.0, "timeout")
-    assert elapsed < BOUND_S
+    assert (reward, status) == (0.0, "timeout")  # the tower never ends: only the parent's deadline returns it
     assert in_thread(accuracy_reward, [r"\boxed{\frac{1}{2}}"], ["0.5"]) == [1.0]

@@ -5,10 +5,9 @@ import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.generation import RoutesUnavailableError
+from trl_moe_replay.engines import RoutesUnavailableError
 from trl_moe_replay.routing import encode_routed_experts
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing_vllm import TransformersEngine
+from trl_moe_replay.testing import TransformersEngine, tiny_moe_model, tiny_tokenizer
 
 from .helpers import no_route
 

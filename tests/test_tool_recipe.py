@@ -13,7 +13,7 @@ from transformers.utils import get_json_schema
 from trl.chat_template_utils import parse_response
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.cold_start import (
+from trl_moe_replay.extras.math.cold_start import (
     _batch,
     demonstration,
     prompt_token_ids,
@@ -21,9 +21,9 @@ from trl_moe_replay.cold_start import (
     tool_call_turn_ids,
     tool_demonstration,
 )
-from trl_moe_replay.data import synthetic_math_dataset
+from trl_moe_replay.extras.math.data import synthetic_math_dataset
+from trl_moe_replay.extras.math.tools import MAX_EXPRESSION_CHARS, calculator, calculator_demonstration
 from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.tools import MAX_EXPRESSION_CHARS, calculator, calculator_demonstration
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
@@ -156,7 +156,7 @@ def test_cold_start_demonstrations_are_the_sequences_trls_tool_loop_builds(tmp_p
 
 
 def test_cold_start_needs_a_demonstration_for_tool_calls():
-    from trl_moe_replay.cold_start import ColdStartConfig, cold_start_sft
+    from trl_moe_replay.extras.math.cold_start import ColdStartConfig, cold_start_sft
 
     data = synthetic_math_dataset(4, seed=0, conversational=True, expressions=True)
     with pytest.raises(ValueError, match="needs `tool_call`"):
@@ -185,7 +185,7 @@ def test_tools_config_fits_its_demonstrations(recipe):
 
 
 def test_tool_flags_are_checked(recipe):
-    assert recipe.tool_functions(["trl_moe_replay.tools.calculator"]) == [calculator]
+    assert recipe.tool_functions(["trl_moe_replay.extras.math.tools.calculator"]) == [calculator]
     with pytest.raises(ValueError, match="Unknown tool"):
         recipe.tool_functions(["search"])
     with pytest.raises(ValueError, match="conversational"):
@@ -194,6 +194,7 @@ def test_tool_flags_are_checked(recipe):
         recipe.demonstration_call(["my_lib.search"])
 
 
+@pytest.mark.slow  # runs the tool recipe
 def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, capsys):
     script_args, training_args, model_args = recipe.parse_args([
         "--config", str(TOOLS_CONFIG), "--output_dir", str(tmp_path / "run"), "--sft_cache_dir", str(tmp_path / "c"),

@@ -9,8 +9,14 @@ from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig
 from trl_moe_replay.routing import decode_routed_experts
-from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+from trl_moe_replay.testing import (
+    FakeVLLMServer,
+    fake_colocated_vllm,
+    scripted_generation,
+    tiny_moe_model,
+    tiny_tokenizer,
+    trl_vllm_transport_stub,
+)
 
 from .route_checks import RouteCheckingTrainer, RouteOracle
 
@@ -148,6 +154,7 @@ def run_checked(trainer, engine_model, engine_rr):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_tool_rollouts_replay_every_position_from_the_turn_that_forwarded_it(tmp_path, model_type):
     trainer = tool_trainer(tmp_path, model_type)
+    # the trainer's own RouterReplay, whose observe() sees the routes each forward used (no public handle on it)
     logs = run_checked(trainer, trainer.model, trainer._route_replay)
     assert logs[0]["mismatch/kl_k3"] < 1e-6  # fp32, replayed: the sampler's log-probs, tool tokens left out
 

@@ -176,6 +176,7 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
     assert kl_r3 < kl_none / 2  # measured 6.7e-5 -> 1.1e-5 (2 layers) and 9.8e-5 -> 1.5e-5 (4 layers)
 
 
+@pytest.mark.slow  # torchrun, two processes
 def test_import_swap_script_runs_on_two_processes():
     script = Path(__file__).parent / "scripts" / "grpo_swap.py"
     result = run_two_ranks(script)

@@ -7,8 +7,8 @@ from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
-from trl_moe_replay.objectives import MoEObjectivesMixin
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
 
 from .test_trainer import make_trainer
 

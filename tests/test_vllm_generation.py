@@ -1,6 +1,6 @@
 """R3 through vLLM, on CPU: TRL's real client against a vLLM-contract HTTP server, and a colocated ``LLM`` stand-in.
 
-The server (trl_moe_replay.testing_vllm.FakeVLLMServer) answers TRL's ``VLLMClient`` over HTTP on 127.0.0.1 the
+The server (trl_moe_replay.testing.FakeVLLMServer) answers TRL's ``VLLMClient`` over HTTP on 127.0.0.1 the
 way vLLM 0.33 does, ``routed_experts`` included (base64 ``.npy``, uint8/uint16, dense layers zero). Only TRL's
 NCCL weight transport is stubbed (no CUDA): its tensors reach the server's model in-process.
 """
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
-from trl_moe_replay.generation import RoutesUnavailableError
+from trl_moe_replay.engines import RoutesUnavailableError
 from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing_vllm import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+from trl_moe_replay.testing import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
 from .helpers import as_signed, no_route, run_two_ranks
 from .test_trainer import logged, make_trainer as make_tiny_trainer
@@ -202,12 +202,11 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
                                vllm_server_base_url=server.url)
-        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.generation.vllm"):
+        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.engines.vllm_routes"):
             trainer.train()
 
     assert trainer.state.global_step == 2  # the run went on
     bad = [0, 1, 2, 3, 5]
-    assert trainer._vllm_routes.fallback_samples == len(bad)
     warning = " ".join(r.getMessage() for r in caplog.records)
     assert "5 of 8 samples" in warning and "1 missing, 4 malformed" in warning and "sample 1:" in warning
     batch = trainer.batches[1]
@@ -249,11 +248,13 @@ def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_inste
 
     assert trainer.state.global_step == 2  # the run went on
     bad = [2, 4, 7]
-    assert trainer._vllm_routes.fallback_samples == len(bad)
     batch = trainer.batches[1]
     assert no_route(batch["replay_routes"][bad]).all()
     good = [i for i in range(8) if i not in bad]
     assert has_route(batch["replay_routes"][good]).any(dim=(1, 2)).all()
+    routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
+    expected_frac = (routable[bad].sum() / routable.sum()).item()  # exactly the bad samples' positions
+    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
     expected_frac = (routable[bad].sum() / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
@@ -329,6 +330,7 @@ def test_r2_and_none_with_vllm_need_no_routes(tmp_path):
 
 
 # ----------------------------------------------------------------------------- two processes
+@pytest.mark.slow  # torchrun, two processes
 def test_two_ranks_each_receive_only_their_own_route_payloads():
     script = Path(__file__).parent / "scripts" / "grpo_vllm_server.py"
     result = run_two_ranks(script)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_moe_replay.generation.vllm_weights import checkpoint_named_tensors
+from trl_moe_replay.engines.vllm_weights import checkpoint_named_tensors
 from trl_moe_replay.testing import tiny_moe_model
 
 

@@ -1,21 +1,44 @@
 """trl_moe_replay: stable RL for Mixture-of-Experts models with TRL (routing replay R2/R3, mismatch metrics)."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0.dev0"
 
-from .config import MoEReplayGRPOConfig  # noqa: E402
-from .generation.vllm import RoutesUnavailableError  # noqa: E402
-from .launch import LaunchMismatchError  # noqa: E402
-from .output_lock import OutputDirInUseError  # noqa: E402
-from .routing import (  # noqa: E402
-    RouteAlignmentError,
-    RouterReplay,
-    RouteValidationError,
-    UnsupportedModelError,
-    decode_routed_experts,
-    encode_routed_experts,
-    routes_from_engine,
-)
-from .trainer import MoEReplayGRPOTrainer  # noqa: E402
+# The public names load on first use (PEP 562), so that `trl-moe-replay --help`, `trl-moe-replay plot` and
+# `import trl_moe_replay.routing` do not pay for importing TRL (~15 s of CPU on a small machine).
+# `from trl_moe_replay import MoEReplayGRPOTrainer` works exactly as with eager imports.
+_PUBLIC = {
+    "LaunchMismatchError": "trl_moe_replay.trainer.launch",
+    "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
+    "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
+    "OutputDirInUseError": "trl_moe_replay.trainer.output_lock",
+    "RouteAlignmentError": "trl_moe_replay.routing",
+    "RouteValidationError": "trl_moe_replay.routing",
+    "RouterReplay": "trl_moe_replay.routing",
+    "RoutesUnavailableError": "trl_moe_replay.engines",
+    "UnsupportedModelError": "trl_moe_replay.routing",
+    "decode_routed_experts": "trl_moe_replay.routing",
+    "encode_routed_experts": "trl_moe_replay.routing",
+    "routes_from_engine": "trl_moe_replay.routing",
+}
+
+if TYPE_CHECKING:
+    from .engines import RoutesUnavailableError
+    from .routing import (
+        RouteAlignmentError,
+        RouterReplay,
+        RouteValidationError,
+        UnsupportedModelError,
+        decode_routed_experts,
+        encode_routed_experts,
+        routes_from_engine,
+    )
+    from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+    from .trainer.launch import LaunchMismatchError
+    from .trainer.output_lock import OutputDirInUseError
 
 __all__ = [
     "LaunchMismatchError",
@@ -32,3 +55,15 @@ __all__ = [
     "encode_routed_experts",
     "routes_from_engine",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'trl_moe_replay' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

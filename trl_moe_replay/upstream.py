@@ -51,7 +51,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-    # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer.py)
+    # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer/grpo_trainer.py)
     "_clip_grad_norm": ("self", "model"),
 }
 
@@ -276,7 +276,7 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------------------------
 # 14. How TRL's tool loop renders a tool turn (trl/trainer/grpo_trainer.py), mirrored by the offline cold start.
-#    trl_moe_replay.cold_start teaches the tiny demo model tool calls with sequences built as TRL 1.16's
+#    trl_moe_replay.extras.math.cold_start teaches the tiny demo model tool calls with sequences built as TRL 1.16's
 #    _tool_call_loop builds them at train time: `prompt + completion + _get_tool_suffix_ids(tool_messages)`, the
 #    suffix cut from a dummy conversation after its last EOS, and a failing tool's result `{"error": str(e)}`.
 #    (tests/test_tool_recipe.py checks a real trainer run against the cold start's sequences token for token.)
@@ -284,7 +284,8 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/pr2.py, trainer.py)
+# 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/trainer/pr2.py and
+#    grpo_trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
 #    PreTrainedModel._keys_to_ignore_on_save: save_model() leaves the predictors out;
 #    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names): DDP leaves them alone

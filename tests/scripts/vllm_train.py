@@ -113,7 +113,7 @@ def main():
     prompts = [f"{a}+{b}=" for a in range(4) for b in range(4)]
     tool_kwargs = {}
     if with_tools:  # every turn either calls the tool or answers: the engine picks, the regex keeps the format
-        from trl_moe_replay.tools import calculator
+        from trl_moe_replay.extras.math.tools import calculator
 
         prompts = [[{"role": "user", "content": prompt}] for prompt in prompts]
         tool_kwargs = {"tools": [calculator]}
@@ -132,7 +132,7 @@ def main():
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
     fuzzer = None
     if fuzz_seed is not None:  # corrupt payloads as they arrive, before the trainer sees them
-        from trl_moe_replay.testing_vllm import RouteFuzzer
+        from trl_moe_replay.testing import RouteFuzzer
 
         fuzzer = RouteFuzzer(int(fuzz_seed), num_experts=rr.num_experts, moe_layers=rr.moe_layers, rate=0.5)
         hook, calls = trainer._vllm_routes._hook, iter(range(1_000_000))

@@ -3,9 +3,9 @@
 The engine is either
 
 - transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded by
-  :class:`~trl_moe_replay.generation.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
+  :class:`~trl_moe_replay.engines.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
 - a running vLLM server (``trl vllm-serve --model M --enable-return-routed-experts``), sampled through TRL's own
-  ``VLLMClient`` (with :class:`~trl_moe_replay.generation.CompletionRoutesHook` on its session, which keeps each
+  ``VLLMClient`` (with :class:`~trl_moe_replay.engines.CompletionRoutesHook` on its session, which keeps each
   choice's ``routed_experts``), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
   tokens, i.e. ``log_softmax(logits / temperature)``.
 
@@ -18,8 +18,8 @@ forward, as TRL's old-logprob pass does. Two trainer passes are compared with th
 - ``r3``: the trainer replays the engine's routes (:meth:`RouterReplay.replay`).
 
 For each: the sampler-vs-trainer KL estimators and the fraction of extreme tokens over the completion tokens
-(:func:`~trl_moe_replay.metrics.logprob_mismatch_sums`), and how the routes the trainer *used* compare with the
-engine's over every routable position and MoE layer (:func:`~trl_moe_replay.metrics.routing_agreement_sums`).
+(:func:`~trl_moe_replay.trainer.metrics.logprob_mismatch_sums`), and how the routes the trainer *used* compare with the
+engine's over every routable position and MoE layer (:func:`~trl_moe_replay.trainer.metrics.routing_agreement_sums`).
 Under ``r3`` the used routes are the engine's by construction (mismatch 0 unless a position lacked a route: see
 ``fallback_frac``); its ``natural_mismatch`` column says how often the trainer's router would have chosen otherwise.
 
@@ -43,11 +43,11 @@ import torch
 from transformers import GenerationConfig
 from trl.trainer.utils import pad
 
-from .generation import TransformersRolloutRecorder
-from .metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
-from .routing import RouterReplay, has_route
-from .routing.engine import decode_routed_experts, routes_from_engine
-from .routing.errors import RouteAlignmentError
+from ..engines import TransformersRolloutRecorder
+from ..routing import RouterReplay, has_route
+from ..routing.engine import decode_routed_experts, routes_from_engine
+from ..routing.errors import RouteAlignmentError
+from ..trainer.metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
 
 TINY_PREFIX = "tiny:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -150,7 +150,7 @@ class AuditReport:
 def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_code: bool = False, revision=None):
     """``tiny:<model_type>`` (offline, :mod:`trl_moe_replay.testing`) or a Hub name / local path."""
     if model.startswith(TINY_PREFIX):
-        from .testing import tiny_moe_model, tiny_tokenizer
+        from ..testing import tiny_moe_model, tiny_tokenizer
 
         return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
     if _is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
@@ -175,7 +175,7 @@ def _is_local_path(model: str) -> bool:
 
 def default_prompts(num_prompts: int, seed: int = 0) -> list[str]:
     """Offline math prompts (the synthetic set's arithmetic and word problems, boxed-answer instruction)."""
-    from .data import BOXED_INSTRUCTION, synthetic_math_dataset
+    from ..extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset
 
     data = synthetic_math_dataset(num_prompts, seed=seed, difficulty=2, instruction=BOXED_INSTRUCTION)
     return list(data["prompt"])
@@ -267,7 +267,7 @@ def run_audit(
     # ---- engine: sample, with routes and sampling log-probs
     server_cmd = None
     if vllm_server_url is not None:
-        from .generation.vllm import server_command
+        from ..engines.vllm_routes import server_command
 
         server_cmd = server_command(model)
         samples, engine_dtype = _within(
@@ -434,8 +434,8 @@ def _sample_with_vllm_server(
     prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
     position's list. No communicator is opened (no weight sync).
     """
-    from .generation.vllm import install_routes_hook
-    from .upstream import http_vllm_client
+    from ..engines.vllm_routes import install_routes_hook
+    from ..upstream import http_vllm_client
 
     client = http_vllm_client(url)
     routes_hook = install_routes_hook(client)

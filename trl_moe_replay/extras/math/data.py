@@ -1,5 +1,5 @@
 r"""Math datasets in TRL's GRPO format: a ``prompt`` column and a ``solution`` column (the gold answer, read by
-:func:`trl_moe_replay.rewards.accuracy_reward`).
+:func:`trl_moe_replay.extras.math.rewards.accuracy_reward`).
 
 Two sources:
 

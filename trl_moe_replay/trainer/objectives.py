@@ -1,6 +1,7 @@
 """The trainer side of the MoE loss options: RSPO's router-shift weight with any loss, ``gspo``/``rspo`` on TRL's
-loss, and ``minirl`` on TRL's loss code. The math lives in ``trl_moe_replay.losses``; ``MoEReplayGRPOTrainer`` mixes
-this in. Every reliance on how TRL's ``_compute_loss`` is written is an entry of ``trl_moe_replay.upstream``.
+loss, and ``minirl`` on TRL's loss code. The math lives in ``trl_moe_replay.trainer.losses``;
+``MoEReplayGRPOTrainer`` mixes this in. Every reliance on how TRL's ``_compute_loss`` is written is an entry of
+``trl_moe_replay.upstream``.
 
 * γ (``upstream`` entry 5): TRL builds every importance weight from ``per_token_logps - old_per_token_logps``, read
   right after the training forward. ``_compute_loss`` hands TRL a shallow copy of the micro-batch, the training
@@ -21,7 +22,9 @@ from collections.abc import Iterator
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .config import MOE_LOSS_TYPES
+from ..routing.router_probs import RouterProbes
+from ..upstream import MINIRL_TRL_BRANCH, run_loss_on_trl_branch, set_old_logps_for_loss
+from .grpo_config import MOE_LOSS_TYPES
 from .losses import (
     completion_aligned,
     lower_quantile,
@@ -30,8 +33,6 @@ from .losses import (
     router_shift_gamma,
     shift_old_logps,
 )
-from .routing.router_probs import RouterProbes
-from .upstream import MINIRL_TRL_BRANCH, run_loss_on_trl_branch, set_old_logps_for_loss
 
 # The TRL loss branch each of our names runs on: GSPO is TRL's "grpo" loss (mean over sequences of the per-sequence
 # mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way); MiniRL is TRL's

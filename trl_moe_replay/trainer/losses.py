@@ -1,6 +1,7 @@
 """Policy-loss math for MoE RL: RSPO's router-shift weight, GSPO's sequence ratio and the MiniRL objective.
 
-Pure tensor functions, no trainer state; the trainer (``trl_moe_replay.objectives``) wires them into TRL's loss.
+Pure tensor functions, no trainer state; the trainer (``trl_moe_replay.trainer.objectives``) wires them into TRL's
+loss.
 Shapes: ``B`` completions, ``S = P + C`` input positions (prompt + completion, TRL's padded layout), ``C``
 completion tokens, ``L`` decoder layers, ``K`` experts per token. Per-token tensors are ``[B, C]``; advantages are
 ``[B, 1]`` (or ``[B, C]``).
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .routing.routes import has_route
+from ..routing.routes import has_route
 
 
 # ---------------------------------------------------------------------------------------------- RSPO router shift

@@ -36,8 +36,8 @@ from accelerate.utils import is_peft_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .routing import RouterCall, RouterReplay, RouteValidationError
-from .routing.predictor import RoutePredictors, predictor_kl
+from ..routing import RouterCall, RouterReplay, RouteValidationError
+from ..routing.predictor import RoutePredictors, predictor_kl
 from .sharded import full_tensors, is_dtensor
 
 PREDICTORS_FILE = "pr2_predictors.safetensors"

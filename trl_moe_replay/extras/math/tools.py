@@ -6,8 +6,8 @@ template, runs the tool on every call the model writes and feeds back ``str(resu
 ``{"error": message}`` and counts in ``tools/failure_frequency``. So a tool raises on bad input rather than returning
 an error text.
 
-Kept apart from :mod:`trl_moe_replay.rewards` (what scores a completion) because a tool is what the policy calls
-while it generates; the offline recipe's ``--tools calculator`` names :data:`BUILTIN_TOOLS` entries.
+Kept apart from :mod:`trl_moe_replay.extras.math.rewards` (what scores a completion) because a tool is what the policy
+calls while it generates; the offline recipe's ``--tools calculator`` names :data:`BUILTIN_TOOLS` entries.
 """
 
 from __future__ import annotations

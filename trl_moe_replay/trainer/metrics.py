@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .routing.routes import has_route
+from ..routing.routes import has_route
 
 
 def logprob_mismatch_sums(

@@ -14,11 +14,11 @@ The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Da
    force until its backward has returned (gradient checkpointing recomputes the routers in backward).
 
 The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
-(``trl_moe_replay.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
+(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
 ``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
-by the predicted routes; its state and predictor training live in ``trl_moe_replay.pr2``, called from 3. and 4.
+by the predicted routes; its state and predictor training live in ``trl_moe_replay.trainer.pr2``, called from 3. and 4.
 """
 
 from __future__ import annotations
@@ -38,20 +38,13 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.trainer.utils import pad
 
-from .config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
-from .generation import TransformersRolloutRecorder
-from .generation.turns import RolloutTurns
-from .generation.vllm import RoutesUnavailableError, VLLMRouteSource, llm_returning_routes
-from .generation.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
-from .launch import check_launched_engine, check_launched_precision
-from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
-from .objectives import MoEObjectivesMixin
-from .output_lock import OutputDirInUseError, OutputDirLock
-from .pr2 import MODULE_NAME as PR2_MODULE_NAME
-from .pr2 import PredictiveRoutingReplay
-from .routing import RouterReplay
-from .routing.engine import routes_from_engine
-from .upstream import (
+from ..engines import TransformersRolloutRecorder
+from ..engines.turns import RolloutTurns
+from ..engines.vllm_routes import RoutesUnavailableError, VLLMRouteSource, llm_returning_routes
+from ..engines.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
+from ..routing import RouterReplay
+from ..routing.engine import routes_from_engine
+from ..upstream import (
     assert_trl_compatible,
     engine_logprob_correction,
     exclude_from_weight_sync,
@@ -61,6 +54,13 @@ from .upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
+from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
+from .launch import check_launched_engine, check_launched_precision
+from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from .objectives import MoEObjectivesMixin
+from .output_lock import OutputDirInUseError, OutputDirLock
+from .pr2 import MODULE_NAME as PR2_MODULE_NAME
+from .pr2 import PredictiveRoutingReplay
 
 logger = logging.get_logger(__name__)
 
@@ -439,7 +439,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             self._batch_routes = None
 
     def train(self, *args, **kwargs):
-        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.output_lock`).
+        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.trainer.output_lock`).
 
         Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
         ``routing_replay="none"``, plain TRL, a loud warning instead).

@@ -1,0 +1,24 @@
+"""Generation backends that keep what R3 needs: the routes the engine used and its sampling log-probs.
+
+``hf_generate`` (transformers ``generate`` with a route recorder), ``vllm_routes`` (TRL's vLLM server and colocate
+modes, keeping vLLM's ``routed_experts``), ``vllm_sync`` / ``vllm_weights`` (weight sync to vLLM) and ``turns`` (routes
+of multi-turn rollouts). Depends on :mod:`trl_moe_replay.routing` and :mod:`trl_moe_replay.upstream` only.
+"""
+
+from .hf_generate import TransformersRolloutRecorder
+from .vllm_routes import (
+    CompletionRoutesHook,
+    RoutesUnavailableError,
+    VLLMRouteSource,
+    llm_returning_routes,
+    server_command,
+)
+
+__all__ = [
+    "CompletionRoutesHook",
+    "RoutesUnavailableError",
+    "TransformersRolloutRecorder",
+    "VLLMRouteSource",
+    "llm_returning_routes",
+    "server_command",
+]
