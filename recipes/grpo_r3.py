@@ -163,6 +163,17 @@ def parse_args(argv: list[str] | None = None):
     return parser.parse_args_and_config(argv)
 
 
+def _by_name(name: str, registry: dict, kind: str):
+    """``registry[name]``, or the callable a dotted import path names (modules under the working directory too)."""
+    if name in registry:
+        return registry[name]
+    if "." in name:
+        module_path, func_name = name.rsplit(".", 1)
+        sys.path.insert(0, os.getcwd())
+        return getattr(importlib.import_module(module_path), func_name)
+    raise ValueError(f"Unknown {kind} {name!r}: one of {sorted(registry)} or a dotted import path.")
+
+
 def reward_functions(names: list[str]) -> list:
     from trl.rewards import reasoning_accuracy_reward, think_format_reward
 
@@ -174,16 +185,7 @@ def reward_functions(names: list[str]) -> list:
         "think_format_reward": think_format_reward,
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
     }
-    funcs = []
-    for name in names:
-        if name in registry:
-            funcs.append(registry[name])
-        elif "." in name:
-            module_path, func_name = name.rsplit(".", 1)
-            sys.path.insert(0, os.getcwd())
-            funcs.append(getattr(importlib.import_module(module_path), func_name))
-        else:
-            raise ValueError(f"Unknown reward function {name!r}: one of {sorted(registry)} or a dotted import path.")
+    funcs = [_by_name(name, registry, "reward function") for name in names]
     if not funcs:
         raise ValueError("at least one reward function is needed (--reward_funcs)")
     return funcs
@@ -194,17 +196,7 @@ def tool_functions(names: list[str]) -> list:
     import paths."""
     from trl_moe_replay.extras.math.tools import BUILTIN_TOOLS
 
-    tools = []
-    for name in names:
-        if name in BUILTIN_TOOLS:
-            tools.append(BUILTIN_TOOLS[name])
-        elif "." in name:
-            module_path, func_name = name.rsplit(".", 1)
-            sys.path.insert(0, os.getcwd())
-            tools.append(getattr(importlib.import_module(module_path), func_name))
-        else:
-            raise ValueError(f"Unknown tool {name!r}: one of {sorted(BUILTIN_TOOLS)} or a dotted import path.")
-    return tools
+    return [_by_name(name, BUILTIN_TOOLS, "tool") for name in names]
 
 
 def is_conversational(script_args) -> bool:
