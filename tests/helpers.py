@@ -1,6 +1,7 @@
 """Small helpers shared by the tests."""
 
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -94,3 +95,11 @@ def as_signed(routes: torch.Tensor) -> torch.Tensor:
     from trl_moe_replay.routing import has_route
 
     return torch.where(has_route(routes)[..., None], routes.long(), -1)
+
+
+def load_script(path, name: str):
+    """Import a script that is not in a package (a recipe or an example) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

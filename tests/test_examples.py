@@ -2,7 +2,6 @@
 comparison trains, plots and shows R3 lowest; the rollout_func example replays its engine's routes."""
 
 import difflib
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+
+from .helpers import load_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -50,9 +51,7 @@ def test_swap_imports_example_learns_offline(tmp_path):
 
 
 def test_compare_replay_modes(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("compare_replay_modes", EXAMPLES / "compare_replay_modes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(EXAMPLES / "compare_replay_modes.py", "compare_replay_modes")
     out = tmp_path / "cmp"
     # no cold start: the seeded random model makes the run deterministic (SFT's CPU backward is not bit-exact)
     summary = module.main(["--max_steps", "2", "--modes", "none", "r3", "--sft_steps", "0",
@@ -70,9 +69,7 @@ def test_compare_replay_modes(tmp_path, capsys):
 
 
 def test_rollout_func_routes_example_replays_the_engines_routes(tmp_path):
-    spec = importlib.util.spec_from_file_location("rollout_func_routes", EXAMPLES / "rollout_func_routes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(EXAMPLES / "rollout_func_routes.py", "rollout_func_routes")
     logs = module.main(["--max_steps", "2", "--output_dir", str(tmp_path / "run")])
     assert len(logs) == 2
     # every forwarded position came with the engine's route, and the engine holds the trainer's weights (fp32): the

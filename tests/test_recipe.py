@@ -1,7 +1,6 @@
 """recipes/grpo_r3.py: the offline default runs end to end (cold start cached, trainer_state, plots), flags and
 config files take precedence over the offline defaults, and every shipped config parses into the config objects."""
 
-import importlib.util
 import json
 import os
 import re
@@ -16,7 +15,7 @@ from trl import get_peft_config
 from trl_moe_replay.extras.math.data import HUB_DATASETS
 from trl_moe_replay.trainer.grpo_config import ROUTING_REPLAY_MODES
 
-from .helpers import run_two_ranks
+from .helpers import load_script, run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
@@ -28,9 +27,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("grpo_r3_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(RECIPE, "grpo_r3_recipe")
     return module
 
 
@@ -67,9 +64,7 @@ def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
 @pytest.mark.slow  # accelerate launch subprocess
 def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     # first run builds the cache (in this process, fast); the launched one must find and reuse it
-    spec = importlib.util.spec_from_file_location("grpo_r3_recipe_b", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_script(RECIPE, "grpo_r3_recipe_b")
     recipe.main(*recipe.parse_args(small_run_args(tmp_path / "a", tmp_path / "cache", "--max_steps", "1",
                                                    "--plot", "false")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

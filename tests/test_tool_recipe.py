@@ -1,7 +1,6 @@
 """Tool-use GRPO with R3 on the offline recipe: the calculator tool, the cold start's tool demonstrations (exactly the
 sequences TRL's tool loop builds), and `recipes/grpo_r3.py --config recipes/configs/tiny_tools_r3.yaml` end to end."""
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -25,6 +24,8 @@ from trl_moe_replay.extras.math.data import synthetic_math_dataset
 from trl_moe_replay.extras.math.tools import MAX_EXPRESSION_CHARS, calculator, calculator_demonstration
 from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tokenizer
 
+from .helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
 TOOLS_CONFIG = ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml"
@@ -32,9 +33,7 @@ TOOLS_CONFIG = ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml"
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("grpo_r3_tool_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(RECIPE, "grpo_r3_tool_recipe")
     return module
 
 
