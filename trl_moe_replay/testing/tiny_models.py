@@ -107,6 +107,14 @@ _COMMON: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+# DeepSeek-V3.2's sparse-attention architecture (MLA + the DSA indexer), which GLM-MoE-DSA shares: one tiny config.
+_DSA: dict[str, Any] = dict(
+    intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, index_topk=64, index_head_dim=16,
+    index_n_heads=2,
+)
+
 # Per-family settings on top of _COMMON: 8 experts, top-2, small expert MLPs.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16),
@@ -166,18 +174,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     ),
-    "glm_moe_dsa": dict(
-        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, index_topk=64, index_head_dim=16,
-        index_n_heads=2,
-    ),
-    "deepseek_v32": dict(
-        intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], kv_lora_rank=16, q_lora_rank=32,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, index_topk=64, index_head_dim=16,
-        index_n_heads=2,
-    ),
+    "glm_moe_dsa": _DSA,
+    "deepseek_v32": _DSA,
     "exaone_moe": dict(
         intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
         n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"], head_dim=16,
