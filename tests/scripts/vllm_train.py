@@ -58,15 +58,16 @@ def main():
     from trl_moe_replay.testing import tiny_tokenizer
 
     out, mode = sys.argv[1], sys.argv[2]
-    if mode == "colocate":
-        model_path, rest = checkpoint(sys.argv[3], tempfile.mkdtemp(), tools="tools=true" in sys.argv[4:]), sys.argv[4:]
-        engine = dict(vllm_mode="colocate")
-    else:
-        url, model_path, rest = sys.argv[3], sys.argv[4], sys.argv[5:]
-        engine = dict(vllm_mode="server", vllm_server_base_url=url)
+    rest = sys.argv[4:] if mode == "colocate" else sys.argv[5:]
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
     fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
     with_tools = overrides.pop("tools", False)  # tool-calling rollouts (TRL's tool loop), forced by a regex
+    if mode == "colocate":
+        model_path = checkpoint(sys.argv[3], tempfile.mkdtemp(), tools=bool(with_tools))
+        engine = dict(vllm_mode="colocate")
+    else:
+        url, model_path = sys.argv[3], sys.argv[4]
+        engine = dict(vllm_mode="server", vllm_server_base_url=url)
 
     class EngineChecked(RouteCheckingTrainer):
         syncs: list = []
