@@ -1,14 +1,14 @@
 """Generation backends that keep what R3 needs: the routes the engine used and its sampling log-probs.
 
-``hf_generate`` (transformers ``generate`` with a route recorder), ``vllm_routes`` (TRL's vLLM server and colocate
+``route_intake`` (the one entry point from engine rows to replayable routes), ``hf_generate`` (transformers ``generate`` with a route recorder), ``vllm_routes`` (TRL's vLLM server and colocate
 modes, keeping vLLM's ``routed_experts``), ``vllm_sync`` / ``vllm_weights`` (weight sync to vLLM) and ``turns`` (routes
 of multi-turn rollouts). Depends on :mod:`trl_moe_replay.routing` and :mod:`trl_moe_replay.upstream` only.
 """
 
 from .hf_generate import TransformersRolloutRecorder
+from .route_intake import RouteIntake, RoutesUnavailableError
 from .vllm_routes import (
     CompletionRoutesHook,
-    RoutesUnavailableError,
     VLLMRouteSource,
     llm_returning_routes,
     server_command,
@@ -16,6 +16,7 @@ from .vllm_routes import (
 
 __all__ = [
     "CompletionRoutesHook",
+    "RouteIntake",
     "RoutesUnavailableError",
     "TransformersRolloutRecorder",
     "VLLMRouteSource",

@@ -28,24 +28,18 @@ undecodable) is routed by the trainer's own router instead, with a warning; its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.utils import logging
 
-from ..routing.engine import EngineTurn, routes_from_engine
-from ..routing.errors import RouteAlignmentError
+from .route_intake import RoutesUnavailableError
 from ..upstream import client_session
 
 logger = logging.get_logger(__name__)
 
 SERVER_FLAG = "--enable-return-routed-experts"
-
-
-class RoutesUnavailableError(RuntimeError):
-    """The inference engine returned no routed experts, so R3 has nothing to replay."""
 
 
 def server_command(model: str) -> str:
@@ -128,7 +122,7 @@ class VLLMRouteSource:
 
     Built after TRL's ``VLLMGeneration`` exists (``trainer.vllm_generation``); installs the capture for its mode.
     Every rank calls :meth:`local_rows` right after ``VLLMGeneration.generate`` (in server mode it is a collective,
-    like TRL's broadcast before it), then :meth:`align` with TRL's padded layout.
+    like TRL's broadcast before it); the rows then go to the trainer's :class:`~.route_intake.RouteIntake`.
     """
 
     def __init__(self, vllm_generation: Any, accelerator: Any, *, required: bool = True):
@@ -138,9 +132,7 @@ class VLLMRouteSource:
         self._generation = vllm_generation
         self.prompt_start = _prompt_start(vllm_generation.generation_kwargs)
         self.received_routes = False  # has any batch carried a route yet (fail fast only before that)
-        self._aligned_first_batch = False
         self._warned_no_routes = False
-        self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
         self.last_transfer = RouteTransfer()
         self._hook: CompletionRoutesHook | None = None
         if self.mode == "server":
@@ -252,38 +244,6 @@ class VLLMRouteSource:
         if any(row is not None for row in rows):
             self.received_routes = True
         return rows
-
-    # ------------------------------------------------------------------ alignment
-    def align(self, rows: Sequence[Sequence[EngineTurn]], **layout: Any) -> torch.Tensor:
-        """``routes_from_engine`` over this rank's samples (each a list of :class:`EngineTurn`, one per generation
-        turn, carrying its ``routed_experts_prompt_start``); a sample or turn with missing or malformed rows falls
-        back to the router's own choice.
-
-        If no sample of the whole first batch (all ranks) fits, the engine and the trainer disagree about the model
-        (another checkpoint, layer count, top-k): that raises instead of silently training without replay.
-        """
-        failures: list[RouteAlignmentError] = []
-        routes = routes_from_engine(rows, on_error=failures.append, **layout)
-        missing = sum(all(turn.rows is None for turn in turns) for turns in rows)
-        if self.required and not self._aligned_first_batch:
-            self._aligned_first_batch = True
-            usable = torch.tensor([len(rows) - missing - len(failures)], device=self.accelerator.device)
-            if int(self.accelerator.gather(usable).sum()) == 0:  # every rank takes this branch together
-                reason = f"first problem here: {failures[0]}" if failures else "this rank received no payloads"
-                raise RoutesUnavailableError(
-                    "routing_replay='r3': no route vLLM returned for the first batch fits the trained model "
-                    f"({layout['num_layers']} decoder layers, top-{layout['top_k']}); {reason}. Does the server "
-                    "serve the same checkpoint as the trainer?"
-                )
-        if missing or failures:
-            self.fallback_samples += missing + len(failures)
-            detail = f"; first problem: {failures[0]}" if failures else ""
-            logger.warning(
-                f"routing replay: {missing + len(failures)} of {len(rows)} samples on this rank have no usable vLLM "
-                f"routes ({missing} missing, {len(failures)} malformed) and use the trainer's own routing instead "
-                f"(counted in routing/fallback_frac){detail}"
-            )
-        return routes
 
 
 def _prompt_start(generation_kwargs: dict | None) -> int:

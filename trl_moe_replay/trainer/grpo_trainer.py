@@ -5,7 +5,8 @@ The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Da
 1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
    which records the routes and the sampling log-probs, like an inference engine would return them. With vLLM
    (server or colocate), ``generation/vllm.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
-2. ``_generate``: engine rows -> routes in TRL's padded layout (``routes_from_engine``).
+2. ``_generate``: engine rows -> routes in TRL's padded layout, through the one entry point
+   (``trl_moe_replay.engines.route_intake.RouteIntake``: per-sample fallback, warning, first-batch rule).
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
    ``_get_per_token_logps_and_entropies``, which replays (R3) or records (R2) per chunk and measures the natural
    routing at no extra forward; the routes to replay ride in the batch dict as ``replay_routes`` through TRL's
@@ -40,10 +41,10 @@ from trl.trainer.utils import pad
 
 from ..engines import TransformersRolloutRecorder
 from ..engines.turns import RolloutTurns
-from ..engines.vllm_routes import RoutesUnavailableError, VLLMRouteSource, llm_returning_routes
+from ..engines.route_intake import RouteIntake, RoutesUnavailableError
+from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..engines.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
 from ..routing import RouterReplay
-from ..routing.engine import routes_from_engine
 from ..upstream import (
     assert_trl_compatible,
     engine_logprob_correction,
@@ -132,6 +133,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             self._vllm_routes = VLLMRouteSource(
                 self.vllm_generation, self.accelerator, required=settings.routing_replay == "r3"
             )
+        self._route_intake = self._build_route_intake(args) if settings.generation_routes else None
         if settings.routing_replay != "none" and self.aux_loss_enabled:
             logger.warning(
                 "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
@@ -155,6 +157,18 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = OutputDirLock(self.args.output_dir)
         weakref.finalize(self, self._output_lock.release)
+
+    def _build_route_intake(self, args) -> RouteIntake:
+        """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""
+        required = self.replay_settings.routing_replay == "r3"
+        if args.use_vllm:
+            return RouteIntake(self.accelerator, source="vLLM", required=required,
+                               remedy="Does the server serve the same checkpoint as the trainer?")
+        if self.rollout_func is not None:
+            return RouteIntake(self.accelerator, source="rollout_func", required=required,
+                               remedy="Does the rollout_func's engine serve the same checkpoint as the trainer, and "
+                                      "return vLLM's layout ([p + c - 1 - s, num_layers, top_k] per sample)?")
+        return RouteIntake(self.accelerator, source="transformers generate", required=required)
 
     @property
     def _is_plain_trl(self) -> bool:
@@ -295,10 +309,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 moe_layers=rr.moe_layers,
                 num_experts=rr.num_experts,
             )
-            if self._vllm_routes is not None:  # engine payloads: a bad sample falls back instead of failing the run
-                state.generation_routes = self._vllm_routes.align(state.turns.turns, **layout)
-            else:
-                state.generation_routes = routes_from_engine(state.turns.turns, **layout)
+            state.generation_routes = self._route_intake.align(state.turns.turns, **layout)
         elif state.generation_routes.shape[1] != prompt_width + completion_width:
             raise RuntimeError(
                 f"the generation routes were aligned to {state.generation_routes.shape[1]} positions, but TRL's batch "
