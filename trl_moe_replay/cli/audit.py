@@ -45,7 +45,8 @@ from trl.trainer.utils import pad
 
 from ..engines import TransformersRolloutRecorder
 from ..routing import RouterReplay, has_route
-from ..routing.engine import decode_routed_experts, routes_from_engine
+from ..engines.route_intake import RouteIntake, RoutesUnavailableError
+from ..routing.engine import EngineTurn, decode_routed_experts
 from ..routing.errors import RouteAlignmentError
 from ..trainer.metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
 
@@ -250,6 +251,10 @@ def run_audit(
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
     if num_generations < 1 or max_new_tokens < 1 or temperature <= 0:
         raise ValueError("num_generations and max_new_tokens must be >= 1 and temperature > 0")
+    if vllm_timeout is not None and (isinstance(vllm_timeout, bool) or not isinstance(vllm_timeout, (int, float))
+                                     or not math.isfinite(vllm_timeout) or vllm_timeout < 0):
+        raise ValueError(f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got "
+                         f"{vllm_timeout!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
     trainer_model.to(device).eval()
@@ -276,9 +281,9 @@ def run_audit(
                 vllm_server_url, model, encoded, num_generations=num_generations, max_new_tokens=max_new_tokens,
                 temperature=temperature, seed=seed,
             ),
-            f"the vLLM server at {vllm_server_url} did not answer within {vllm_timeout:g} s (--vllm_timeout): it "
-            f"accepts connections but sent no reply in time. Is it still loading the model, or stuck? Check "
-            f"`curl {vllm_server_url}/health`, or raise --vllm_timeout for long generations.",
+            f"the vLLM server at {vllm_server_url} did not answer within {vllm_timeout:g} s (--vllm_timeout). Is it "
+            f"still loading the model, stuck, or unreachable? Check `curl {vllm_server_url}/health`, or raise "
+            "--vllm_timeout for long generations.",
         )
     else:
         samples = _sample_with_transformers(
@@ -302,20 +307,26 @@ def run_audit(
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     prompt_lengths = [len(r) for r in samples.prompt_ids]
     completion_lengths = [len(r) for r in samples.completion_ids]
+    # the trainer's one entry point for engine routes: a malformed sample falls back (counted), none fitting stops
+    intake = RouteIntake(None, source="the engine", required=routes_available, needed_by="audit",
+                         remedy="Does the engine serve the same checkpoint as --model?")
+    turns = [[EngineTurn(rows, p, c)] for rows, p, c in zip(samples.routes, prompt_lengths, completion_lengths,
+                                                            strict=True)]
     try:
-        engine_routes = routes_from_engine(
-            samples.routes, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+        engine_routes = intake.align(
+            turns, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
             prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
             num_layers=trainer_rr.num_layers, top_k=trainer_rr.top_k, moe_layers=trainer_rr.moe_layers,
             num_experts=trainer_rr.num_experts,
         )
-    except RouteAlignmentError as exc:
+    except RoutesUnavailableError as exc:  # a ValueError for the command line: one line, exit status 2
         raise RouteAlignmentError(
             f"the engine's routes do not fit {model} ({trainer_rr.num_layers} decoder layers, MoE layers "
-            f"{list(trainer_rr.moe_layers)}, top-{trainer_rr.top_k}, {trainer_rr.num_experts} experts): {exc}. "
-            "Does the engine serve the same checkpoint as --model?",
-            sample=exc.sample,
-        ) from exc
+            f"{list(trainer_rr.moe_layers)}, top-{trainer_rr.top_k}, {trainer_rr.num_experts} experts): {exc}"
+        ) from None
+    if intake.fallback_samples > missing:
+        notes.append(f"{intake.fallback_samples - missing} of {len(samples.routes)} completions came with routes "
+                     "that do not fit their tokens: routed by the trainer's own router under r3 (counted in fallback)")
     sampling = torch.full(completion_ids.shape, float("nan"))
     for i, row in enumerate(samples.sampling_logprobs):
         sampling[i, : len(row)] = torch.tensor(row, dtype=torch.float32)

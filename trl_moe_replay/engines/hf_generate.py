@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..routing import RouterReplay, RouteValidationError
+from ..routing import RouterReplay
 
 
 class TransformersRolloutRecorder:
@@ -77,21 +77,26 @@ class TransformersRolloutRecorder:
     # ------------------------------------------------------------------ results
     @property
     def routes(self) -> torch.Tensor:
-        """``[B, prompt_width + generated, num_layers, top_k]``, the generation batch's own layout."""
-        return self._recording.routes
+        """``[B, prompt_width + generated, num_layers, top_k]``, the generation batch's own layout (None when no
+        forward ran)."""
+        return None if self._recording is None else self._recording.routes
 
-    def engine_rows(self, prompt_lengths: list[int], completion_lengths: list[int]) -> list[torch.Tensor]:
-        """Per sample, the routes of positions ``0 .. p + c - 2`` of prompt+completion (vLLM's row layout)."""
+    def engine_rows(self, prompt_lengths: list[int], completion_lengths: list[int]) -> list[torch.Tensor | None]:
+        """Per sample, the routes of positions ``0 .. p + c - 2`` of prompt+completion (vLLM's row layout).
+
+        ``None`` for a sample whose tokens the recorded forwards did not cover: ``generate`` ran no forward at all
+        (a replaced ``model.generate``, e.g. a test stub), or fewer steps than the completion has tokens. The
+        trainer's route intake then routes it by the router's own choice, or stops the run if no sample of its
+        first batch has routes under R3.
+        """
         routes = self.routes
+        if routes is None or len(prompt_lengths) != routes.shape[0]:
+            return [None] * len(prompt_lengths)
         prompt_width = routes.shape[1] - len(self._logprobs)
         rows = []
         for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
-            if p > prompt_width or c > len(self._logprobs):
-                raise RouteValidationError(
-                    f"sample {i}: prompt {p} / completion {c} tokens do not fit the generation batch "
-                    f"(prompt width {prompt_width}, {len(self._logprobs)} generated columns)"
-                )
-            rows.append(routes[i, prompt_width - p : prompt_width + c - 1])
+            fits = p <= prompt_width and c <= len(self._logprobs)
+            rows.append(routes[i, prompt_width - p : prompt_width + c - 1] if fits else None)
         return rows
 
     def sampling_logprobs(self, completion_lengths: list[int]) -> list[list[float]]:

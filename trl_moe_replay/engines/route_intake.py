@@ -37,17 +37,21 @@ class RouteIntake:
     """Aligns one generation batch of engine rows into TRL's padded ``[B, S, L, K]`` layout, sample by sample.
 
     Args:
-        accelerator: the trainer's ``Accelerator``; the first-batch rule gathers across its processes.
+        accelerator: the trainer's ``Accelerator``; the first-batch rule gathers across its processes. ``None``: one
+            process (a tool outside training, e.g. ``trl-moe-replay audit``).
         source: what produced the rows, for messages (``"vLLM"``, ``"rollout_func"``, ...).
         required: whether replay depends on these routes (R3). Routing metrics alone do without them.
         remedy: appended to the first-batch error: what the user should check for this source.
+        needed_by: what needs the routes, at the start of the first-batch error (default ``"routing_replay='r3'"``).
     """
 
-    def __init__(self, accelerator: Any, *, source: str, required: bool, remedy: str = ""):
+    def __init__(self, accelerator: Any, *, source: str, required: bool, remedy: str = "",
+                 needed_by: str = "routing_replay='r3'"):
         self.accelerator = accelerator
         self.source = source
         self.required = required
         self.remedy = remedy
+        self.needed_by = needed_by
         self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
         self._aligned_first_batch = False
 
@@ -58,21 +62,24 @@ class RouteIntake:
         failures: list[RouteAlignmentError] = []
         routes = routes_from_engine(samples, on_error=failures.append, **layout)
         missing = sum(all(turn.rows is None for turn in turns) for turns in samples)
+        malformed = len({error.sample for error in failures})  # a multi-turn sample may fail in several turns
         if self.required and not self._aligned_first_batch:
             self._aligned_first_batch = True
-            usable = torch.tensor([len(samples) - missing - len(failures)], device=self.accelerator.device)
-            if int(self.accelerator.gather(usable).sum()) == 0:  # every rank takes this branch together
-                reason = f"first problem here: {failures[0]}" if failures else "this rank received no routes"
+            usable = len(samples) - missing - malformed
+            if self.accelerator is not None:  # every rank takes the branch below together
+                usable = int(self.accelerator.gather(torch.tensor([usable], device=self.accelerator.device)).sum())
+            if usable == 0:
+                reason = f"first problem here: {failures[0]}" if failures else "no sample here came with routes"
                 raise RoutesUnavailableError(
-                    f"routing_replay='r3': no route {self.source} returned for the first batch fits the trained "
+                    f"{self.needed_by}: no route {self.source} returned for the first batch fits the trained "
                     f"model ({layout['num_layers']} decoder layers, top-{layout['top_k']}); {reason}. {self.remedy}"
                 )
-        if missing or failures:
-            self.fallback_samples += missing + len(failures)
+        if missing or malformed:
+            self.fallback_samples += missing + malformed
             detail = f"; first problem: {failures[0]}" if failures else ""
             logger.warning(
-                f"routing replay: {missing + len(failures)} of {len(samples)} samples on this rank have no usable "
-                f"{self.source} routes ({missing} missing, {len(failures)} malformed) and use the trainer's own "
+                f"routing replay: {missing + malformed} of {len(samples)} samples on this rank have no usable "
+                f"{self.source} routes ({missing} missing, {malformed} malformed) and use the trainer's own "
                 f"routing instead (counted in routing/fallback_frac){detail}"
             )
         return routes

@@ -31,13 +31,15 @@ class RolloutTurns:
     """Per-sample engine turns of one generation batch (this rank's samples, in TRL's completion order)."""
 
     def __init__(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                 rows: Sequence[Any] | None, prompt_start: int | Sequence[int] = 0):
-        """The batch's first turn (``prompt_start``: one value for the request, or one per sample)."""
+                 rows: Sequence[Any] | None, prompt_start: Any = 0):
+        """The batch's first turn (``prompt_start``: one value for the request, or a list, tuple or 1-D array with
+        one per sample). The values are kept as given: alignment checks each sample's (a bad one loses that
+        sample's rows, not the batch)."""
         self.turns: list[list[EngineTurn]] = []
         self._sequences: list[list[int]] = []
         self.unmatched = 0  # later-turn prompts that matched no sample (their routes are dropped)
         rows = rows if rows is not None else [None] * len(prompt_ids)
-        starts = [prompt_start] * len(prompt_ids) if isinstance(prompt_start, int) else list(prompt_start)
+        starts = per_sample(prompt_start, len(prompt_ids), "routed_experts_prompt_start")
         for prompt, completion, sample_rows, start in zip(prompt_ids, completion_ids, rows, starts, strict=True):
             self.turns.append([EngineTurn(sample_rows, len(prompt), len(completion), start)])
             self._sequences.append([*prompt, *completion])
@@ -91,6 +93,17 @@ class RolloutTurns:
                 continue
             self.turns[sample].append(EngineTurn(sample_rows, len(prompt), len(completion), prompt_start))
             self._sequences[sample] = [*prompt, *completion]
+
+
+def per_sample(value: Any, count: int, name: str) -> list[Any]:
+    """``value`` for each of ``count`` samples: a list, tuple or array of ``count`` entries as it is, anything else
+    (an int, a numpy integer, a bad scalar) repeated. A sequence of another length raises ``ValueError``."""
+    if isinstance(value, (list, tuple)) or (hasattr(value, "ndim") and getattr(value, "ndim", 0) > 0):
+        values = value.tolist() if hasattr(value, "tolist") else list(value)
+        if len(values) != count:
+            raise ValueError(f"{name} has {len(values)} entries for {count} samples: pass one value, or one per sample")
+        return values
+    return [value] * count
 
 
 def _is_prefix(prefix: list[int], sequence: list[int]) -> bool:

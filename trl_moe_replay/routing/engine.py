@@ -275,8 +275,9 @@ def routes_from_engine(
     ``on_error`` (optional) turns a bad sample into a fallback instead of an exception: when one
     sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids, repeated or
     never-written routes), that sample gets "no route" everywhere (the router's own choice) and ``on_error`` receives the
-    :class:`RouteAlignmentError` (``.sample`` is its index). Errors in the caller's own arguments
-    (widths, lengths, ``moe_layers``) always raise.
+    :class:`RouteAlignmentError` (``.sample`` is its index); so does a sample or turn whose prompt start lies outside
+    its prompt (or, in an :class:`EngineTurn`, is no int). Errors in the caller's own arguments (widths, lengths,
+    ``moe_layers``, the length or types of ``prompt_starts``) always raise.
     """
     prompt_width = _positive_int("prompt_width", prompt_width, 0)
     completion_width = _positive_int("completion_width", completion_width, 0)
@@ -330,9 +331,13 @@ def routes_from_engine(
             raise RouteAlignmentError(
                 f"sample {i}: completion has {c} tokens but completion_width is {completion_width}", sample=i
             )
-        if s > p:
-            raise RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
         row = rows[i]
+        if s > p and not _is_turn_list(row):
+            error = RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
+            if on_error is None:
+                raise error
+            on_error(error)  # the engine's rows cannot start past the prompt: this sample falls back
+            row = None
         if _is_turn_list(row):
             out_np[i] = no_route
             _place_turns(out_np[i, prompt_width - p :], row, i, p, c, num_layers, top_k, moe, dense, limit, on_error)
@@ -374,7 +379,6 @@ def _place_turns(
             raise RouteAlignmentError(f"sample {i}: turn {t} must be an EngineTurn, got {type(turn).__name__}", sample=i)
         pt = _positive_int(f"sample {i} turn {t} prompt_length", turn.prompt_length, 1)
         ct = _positive_int(f"sample {i} turn {t} completion_length", turn.completion_length, 0)
-        st = _positive_int(f"sample {i} turn {t} prompt_start", turn.prompt_start, 0)
         if (t == 0 and pt != p) or not p <= pt <= p + c:
             raise RouteAlignmentError(
                 f"sample {i}: turn {t} was prompted with {pt} tokens, but the sample's prompt has {p} and its whole "
@@ -384,6 +388,8 @@ def _place_turns(
         if turn.rows is None:
             continue
         try:
+            # the engine's own field (a rollout_func returns it): a bad value loses this turn's rows, not the run
+            st = _prompt_start(turn.prompt_start, i, t, pt)
             rows = _as_numpy(turn.rows, i)
             if st and rows.ndim == 3 and rows.shape[0] == pt + ct - 1:
                 st = 0  # the engine ignored routed_experts_prompt_start and sent every row
@@ -397,6 +403,17 @@ def _place_turns(
         if hi > lo:
             np.copyto(target[lo:hi], rows[lo - st : hi - st], casting="unsafe")
         covered = max(covered, hi)
+
+
+def _prompt_start(value: Any, i: int, t: int, prompt_length: int) -> int:
+    """A turn's ``routed_experts_prompt_start``: an int (Python or numpy) in ``[0, prompt_length]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= prompt_length:
+        raise RouteAlignmentError(
+            f"sample {i}: routed_experts_prompt_start must be an int in [0, prompt length {prompt_length}], "
+            f"got {value!r}",
+            sample=i,
+        )
+    return int(value)
 
 
 @functools.lru_cache(maxsize=None)

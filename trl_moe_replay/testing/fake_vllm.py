@@ -441,10 +441,11 @@ class FakeLLM:
 
     instances: list[FakeLLM] = []
 
-    def __init__(self, model_object: nn.Module, **kwargs: Any):
+    def __init__(self, model_object: nn.Module, *, tamper: Tamper | None = None, **kwargs: Any):
         self.kwargs = kwargs
         self.engine = TransformersEngine(model_object)
         self.return_routes = bool(kwargs.get("enable_return_routed_experts", False))
+        self.tamper = tamper
         self.prefix_cache_resets = 0
         self.outputs: list[list[FakeRequestOutput]] = []
         self.requests: list[dict] = []  # the SamplingParams keyword arguments of every generate
@@ -480,8 +481,23 @@ class FakeLLM:
                 for j, c in enumerate(group)
             ]
             outputs.append(FakeRequestOutput(uuid.uuid4().hex, None, group[0].prompt_ids, completions))
+        if self.tamper is not None:
+            choices = [completion for request in outputs for completion in request.outputs]
+            for choice, completion in enumerate(choices):
+                completion.routed_experts = self._tampered(len(self.outputs), choice, completion.routed_experts)
         self.outputs.append(outputs)
         return outputs
+
+    def _tampered(self, call: int, choice: int, rows: np.ndarray | None) -> Any:
+        """``tamper`` works on wire payloads; in process vLLM hands arrays, so a payload that still decodes as a
+        ``.npy`` comes back as its array (wrong shape, dtype, ids), anything else as the tampered object itself."""
+        tampered = self.tamper(call, choice, None if rows is None else encode_routed_experts(rows))
+        if not isinstance(tampered, str):
+            return tampered
+        try:
+            return np.load(io.BytesIO(base64.b64decode(tampered, validate=True)), allow_pickle=False)
+        except Exception:  # noqa: BLE001 - undecodable: hand the broken payload itself
+            return tampered
 
     def reset_prefix_cache(self) -> bool:
         self.prefix_cache_resets += 1
@@ -495,8 +511,11 @@ class FakeLLM:
 
 
 @contextlib.contextmanager
-def fake_colocated_vllm(model_object: nn.Module) -> Iterator[type[FakeLLM]]:
+def fake_colocated_vllm(model_object: nn.Module, *, tamper: Tamper | None = None) -> Iterator[type[FakeLLM]]:
     """Make TRL's colocate mode build a :class:`FakeLLM` around ``model_object`` (a separate copy of the policy).
+
+    ``tamper(call, choice, payload)`` rewrites completions' routes as :class:`FakeVLLMServer`'s does (``call`` counts
+    ``generate`` calls from 0, ``choice`` the completions of a call).
 
     Patches ``is_vllm_available``, ``LLM`` and ``SamplingParams`` in ``trl.generation.vllm_generation``; yields the
     class, whose ``instances`` list holds the engine TRL built (and the keyword arguments it was built with).
@@ -507,7 +526,7 @@ def fake_colocated_vllm(model_object: nn.Module) -> Iterator[type[FakeLLM]]:
         instances: list[FakeLLM] = []
 
         def __init__(self, model: str | None = None, **kwargs: Any):
-            super().__init__(model_object, model=model, **kwargs)
+            super().__init__(model_object, model=model, tamper=tamper, **kwargs)
 
     patches = [
         (vllm_generation, "is_vllm_available", lambda *args, **kwargs: True),

@@ -168,7 +168,10 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             return RouteIntake(self.accelerator, source="rollout_func", required=required,
                                remedy="Does the rollout_func's engine serve the same checkpoint as the trainer, and "
                                       "return vLLM's layout ([p + c - 1 - s, num_layers, top_k] per sample)?")
-        return RouteIntake(self.accelerator, source="transformers generate", required=required)
+        return RouteIntake(self.accelerator, source="transformers generate", required=required,
+                           remedy="Did generate run the model's forward for these completions? A replaced "
+                                  "model.generate (e.g. a test stub) runs none, so there are no routes to replay: "
+                                  "use routing_replay='r2' with it.")
 
     @property
     def _is_plain_trl(self) -> bool:
@@ -287,11 +290,16 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                     "base64 payload per sample, vLLM's layout), or train with routing_replay='r2'."
                 )
             return
-        if len(rows) != len(prompt_ids):
+        if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__len__") or len(rows) != len(prompt_ids):
+            count = f"{len(rows)} entries" if hasattr(rows, "__len__") else "no list"
             raise RoutesUnavailableError(
-                f"rollout_func returned routed_experts for {len(rows)} samples and {len(prompt_ids)} completions"
+                f"rollout_func returned routed_experts as a {type(rows).__name__} ({count}) for {len(prompt_ids)} "
+                "completions: return a list with one entry per completion (an array, a base64 payload or None)"
             )
-        state.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
+        try:  # a bad value for one sample only loses that sample's routes (RouteIntake); a wrong count is a bug
+            state.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
+        except ValueError as exc:
+            raise RoutesUnavailableError(f"rollout_func returned {exc}") from None
 
     def _rollout_routes(self, state: _ScoringState, prompt_width: int, completion_width: int) -> torch.Tensor | None:
         """The engine's routes in TRL's padded layout (aligned once, at TRL's widths), or None."""
