@@ -8,13 +8,20 @@ prefix (``<prefix>/...``), so the metrics of a loss or a replay mode added later
 Evaluation metrics (``eval_<name>``) share their training metric's panel. A PNG holds at most
 :data:`MAX_PANELS_PER_FIGURE` panels: a larger family is split over ``<family>-2.png``, ``<family>-3.png``, ... up to
 :data:`MAX_FIGURES_PER_FAMILY` PNGs; the family's remaining metrics are not drawn (a warning and the last PNG's title
-say how many), so a run that logs thousands of metrics in one family still plots in seconds.
+say how many), so a run that logs thousands of metrics in one family still plots in seconds. A run draws at most
+:data:`MAX_FIGURES` PNGs in all (the families of :data:`FAMILY_ORDER` first); the families left out are listed in
+``not_drawn.txt`` next to the PNGs and in a warning.
+
+File names are the family's name where it is a plain file name (``routing.png``); any other name (``ρ/...``,
+``a b/...``, a very long one, one that differs from another only in case) gets a short hash of the exact name, so
+every family has its own file, the same in every plot of the run, and none overwrites another.
 
 matplotlib is imported lazily with its non-interactive ``Agg`` backend: nothing here needs a display.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -45,6 +52,12 @@ FAMILY_ORDER = ("reward", "mismatch", "routing", "loss", "completions")
 #: Panels per PNG, and PNGs per family: at most 48 metrics of one family are drawn (a PNG of 24 panels takes seconds).
 MAX_PANELS_PER_FIGURE = 24
 MAX_FIGURES_PER_FAMILY = 2
+#: PNGs per run: a run logging thousands of metric families still plots in about a minute.
+MAX_FIGURES = 40
+#: where plot_run lists the families and metrics it left out (in the output folder)
+NOT_DRAWN_FILE = "not_drawn.txt"
+_MAX_STEM = 80  # characters of a family's name kept in its file name
+_MAX_TITLE = 120  # characters of a metric's name shown above its panel
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +101,11 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
             f"{path} is not valid JSON ({exc}): the file may be truncated (a run stopped while saving it); plot one "
             "of the run's checkpoint-N folders instead"
         ) from None
+    except RecursionError:
+        raise ValueError(
+            f"{path} nests JSON arrays or objects too deeply to read: a Trainer's trainer_state.json is a few levels "
+            "deep; is it one?"
+        ) from None
     if not isinstance(state, dict):
         raise ValueError(
             f"{path} holds a JSON {type(state).__name__}, not a JSON object with a 'log_history' list: is it a "
@@ -100,20 +118,28 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
 
 
 def metric_series(log_history: Iterable[Mapping]) -> dict[str, tuple[list[int], list[float]]]:
-    """``{metric: (steps, values)}`` for every numeric, finite metric logged with a step."""
+    """``{metric: (steps, values)}`` for every numeric, finite metric logged with an integer step. Entries that are
+    not JSON objects and values that are not finite numbers (text, nested objects, NaN, ints beyond float) are
+    skipped."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for entry in log_history:
+        if not isinstance(entry, Mapping):
+            continue
         step = entry.get("step")
-        if not isinstance(step, int):
+        if isinstance(step, bool) or not isinstance(step, int):
             continue
         for name, value in entry.items():
             if name in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
+            try:
+                value = float(value)
+            except OverflowError:  # an int beyond float's range
+                continue
             if not math.isfinite(value):
                 continue
-            steps, values = series.setdefault(name, ([], []))
+            steps, values = series.setdefault(str(name), ([], []))
             steps.append(step)
-            values.append(float(value))
+            values.append(value)
     return series
 
 
@@ -176,8 +202,24 @@ def _grid(count: int, max_columns: int = 3) -> tuple[int, int]:
     return -(-count // columns), columns
 
 
-def _safe_filename(family: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", family) or "metrics"
+def _file_stem(label: str, taken: set[str]) -> str:
+    """A file name (without ``.png``) for ``label``, distinct from those in ``taken`` (compared case-insensitively,
+    as macOS and Windows do), which it joins. ``label`` itself where it is a plain name, else with a hash of it."""
+    plain = re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip(".")[:_MAX_STEM] or "metrics"
+    stem, salt = plain, 0
+    while stem != label or stem.lower() in taken:
+        digest = hashlib.sha1(f"{label}#{salt}".encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        stem, salt = f"{plain}-{digest}", salt + 1
+        if stem.lower() not in taken:
+            break
+    taken.add(stem.lower())
+    return stem
+
+
+def _title(name: str) -> str:
+    """A metric's name as a panel title: shortened, and ``$`` kept literal (matplotlib reads it as math)."""
+    short = name if len(name) <= _MAX_TITLE else name[: _MAX_TITLE - 1] + "…"
+    return short.replace("$", r"\$")
 
 
 class Figure(NamedTuple):
@@ -190,18 +232,32 @@ class Figure(NamedTuple):
 
 
 def plan_figures(
-    series: Mapping[str, object], max_panels: int = MAX_PANELS_PER_FIGURE, max_figures: int = MAX_FIGURES_PER_FAMILY
+    series: Mapping[str, object], max_panels: int = MAX_PANELS_PER_FIGURE, max_figures: int = MAX_FIGURES_PER_FAMILY,
+    max_total: int | None = None,
 ) -> list[Figure]:
     """The PNGs for ``series``: each family of :func:`group_metrics` split into PNGs of at most ``max_panels``
-    panels (``<family>``, ``<family>-2``, ...), at most ``max_figures`` per family; its other metrics are left out."""
-    figures = []
+    panels (``<family>``, ``<family>-2``, ...), at most ``max_figures`` per family (its other metrics are left out),
+    and at most ``max_total`` in all (default :data:`MAX_FIGURES`; the families after that are left out:
+    :func:`left_out`). File names are distinct and stable (see the module docstring)."""
+    max_total = MAX_FIGURES if max_total is None else max_total
+    figures: list[Figure] = []
+    taken: set[str] = set()
     for family, names in group_metrics(series).items():
         chunks = [names[i : i + max_panels] for i in range(0, len(names), max_panels)][:max_figures]
+        if len(figures) + len(chunks) > max_total:
+            break
         left_out = len(names) - sum(len(chunk) for chunk in chunks)
         for k, chunk in enumerate(chunks):
             last = k == len(chunks) - 1
-            figures.append(Figure(family if k == 0 else f"{family}-{k + 1}", family, chunk, left_out if last else 0))
+            stem = _file_stem(family if k == 0 else f"{family}-{k + 1}", taken)
+            figures.append(Figure(stem, family, chunk, left_out if last else 0))
     return figures
+
+
+def left_out(series: Mapping[str, object], figures: Sequence[Figure]) -> dict[str, list[str]]:
+    """``{family: metric names}`` of the families :func:`plan_figures` drew no PNG of (the run-wide cap)."""
+    drawn = {figure.family for figure in figures}
+    return {family: names for family, names in group_metrics(series).items() if family not in drawn}
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: str | None = None) -> list[Path]:
@@ -214,7 +270,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"the output folder {out_dir} is a file: pass a folder (it is created if missing)")
-    series = metric_series(load_log_history(run_dir))
+    history = load_log_history(run_dir)
+    skipped = sum(not isinstance(entry, Mapping) for entry in history)
+    if skipped:
+        logger.warning(f"{skipped} of {len(history)} log_history entries are not JSON objects: skipped")
+    series = metric_series(history)
     if not series:
         raise ValueError(f"the run in {run_dir} logged no metric with a step (is logging_steps > max_steps?)")
     figures = plan_figures(series)
@@ -226,6 +286,21 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
             )
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
+    missing = left_out(series, figures)
+    note = out_dir / NOT_DRAWN_FILE
+    if missing:
+        note.write_text(
+            f"At most {MAX_FIGURES} PNGs per run: these {len(missing)} metric families were not drawn "
+            "(plot_comparison draws chosen metrics).\n"
+            + "".join(f"{family}: {', '.join(names)}\n" for family, names in missing.items()),
+            encoding="utf-8",
+        )
+        logger.warning(
+            f"{len(missing)} metric families ({sum(map(len, missing.values()))} metrics) not drawn: at most "
+            f"{MAX_FIGURES} PNGs per run; they are listed in {note}"
+        )
+    elif note.exists():
+        note.unlink()  # from an earlier plot of this run
     written = []
     for figure in figures:
         names = figure.metrics
@@ -244,19 +319,19 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
                 ax.plot(*series[eval_name], linestyle="--", marker="o", markersize=3, color="C1", label="eval")
             if smooth is not None or (not name.startswith("eval_") and eval_name in series):
                 ax.legend(fontsize=7)
-            ax.set_title(name, fontsize=9)
+            ax.set_title(_title(name), fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.ticklabel_format(axis="y", useOffset=False)  # 1.00001, not "1e-5+1" above the axis
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(names):]:
             ax.set_visible(False)
-        heading = f"{title or run_dir.name}: {figure.name}"
+        heading = f"{title or run_dir.name}: {figure.family}"
         if figure.not_drawn:
             heading += f" ({figure.not_drawn} more {figure.family} metrics not drawn)"
-        fig.suptitle(heading, fontsize=10)
+        fig.suptitle(_title(heading), fontsize=10)
         fig.tight_layout()
-        path = out_dir / f"{_safe_filename(figure.name)}.png"
+        path = out_dir / f"{figure.name}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
@@ -297,7 +372,7 @@ def plot_comparison(
                 ax.set_yscale("log")
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(name, fontsize=9)
+        ax.set_title(_title(name), fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
