@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import broadcast_object_list, is_peft_model
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -61,7 +62,8 @@ from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, r
 from .objectives import MoEObjectivesMixin
 from .output_lock import OutputDirInUseError, OutputDirLock
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
-from .pr2 import PredictiveRoutingReplay
+from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
+from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
 
 logger = logging.get_logger(__name__)
 
@@ -526,7 +528,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         with self._pr2.hidden_from_optimizer():  # not in the Trainer's groups (weight decay, lr) ...
             optimizer = super().create_optimizer(model)
         lr = self.args.learning_rate * getattr(self.args, "pr2_lr_multiplier", 1e3)
-        self._pr2.add_to_optimizer(optimizer, lr)  # ... but in their own
+        # ... but in their own; checked for NaN after each step where every rank holds them whole (DeepSpeed and
+        # FSDP: through the predictor loss and at each checkpoint)
+        self._pr2.add_to_optimizer(optimizer, lr, check_finite=not (self.is_deepspeed_enabled or self.is_fsdp_enabled))
         return optimizer
 
     def _add_pr2_predictor_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -542,7 +546,14 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if result is None:
             return loss
         predictor_loss, sums = result
-        for name, value in self._pr2.metrics(self._global_sums(sums, self.accelerator.device)).items():
+        totals = self._global_sums(sums, self.accelerator.device)
+        if "kl" in totals and not torch.isfinite(totals["kl"]):  # summed over ranks: every rank stops together
+            raise PR2StateError(
+                f"the PR2 predictor loss is {totals['kl'].item()} at step {self.state.global_step}: the predictors' "
+                "weights or their cached inputs are not finite, and every route they predict would be garbage. "
+                "Resume from an earlier checkpoint with a lower pr2_lr_multiplier, or train with routing_replay='r2'."
+            )
+        for name, value in self._pr2.metrics(totals).items():
             self._metrics["train"][name].append(value)
         if predictor_loss is None:
             return loss
@@ -565,20 +576,54 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         return grad_norm
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        # PR2: the predictors first (atomically), then TRL's files, whose trainer_state.json comes last: a checkpoint
+        # that has it has its predictors too, whenever the process is killed
         if self._pr2 is not None:
             state = self._pr2.full_state_dict()  # every rank: a collective under FSDP2 and ZeRO-3
+            self._pr2.check_finite(state, "at a checkpoint")  # every rank holds the same full weights: all stop
             if self.args.should_save:
-                checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() just wrote
+                checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
                 self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        self._check_pr2_checkpoint(resume_from_checkpoint)  # before the model's weights are loaded
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None:  # again: DeepSpeed and FSDP load the model without _load_from_checkpoint
+            self._check_pr2_checkpoint(checkpoint)
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._pr2 is None or checkpoint is None:
             return
         restored_by_engine = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if not self._pr2.load(checkpoint, restored_by_engine=restored_by_engine):
-            logger.warning(f"no PR2 predictors in {checkpoint}; they start from zero (R2 routes)")
+        self._pr2.load(checkpoint, restored_by_engine=restored_by_engine)
+
+    def _check_pr2_checkpoint(self, checkpoint: str) -> None:
+        """Refuse to resume PR2 state from a checkpoint without it, or a PR2 checkpoint without PR2 (before torch's
+        optimizer load fails on the predictors' extra param group with a generic message)."""
+        has_predictors = os.path.isfile(os.path.join(checkpoint, PR2_PREDICTORS_FILE))
+        complete = os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME))  # the Trainer writes it last
+        if self._pr2 is not None and not complete:
+            raise PR2CheckpointError(
+                f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {TRAINER_STATE_NAME}, which the "
+                "Trainer writes last, so the run was stopped while saving it (or it is no checkpoint folder). Resume "
+                "from an earlier checkpoint-N."
+            )
+        if self._pr2 is not None and not has_predictors:
+            raise PR2CheckpointError(
+                f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {PR2_PREDICTORS_FILE}. Either the "
+                "run that saved it did not use PR2 (resume it with its own routing_replay, or start a new PR2 run from "
+                "its weights without resume_from_checkpoint), or it was stopped while saving this checkpoint "
+                "(resume from an earlier checkpoint-N). Restarting the predictors from zero under their restored "
+                "optimizer state would train them wrongly."
+            )
+        if self._pr2 is None and has_predictors:
+            raise PR2CheckpointError(
+                f"{checkpoint} was saved by a routing_replay='pr2' run (it holds {PR2_PREDICTORS_FILE} and the "
+                f"predictors' optimizer state), but this run uses routing_replay={self.routing_replay!r}. Resume it "
+                "with routing_replay='pr2', or start a new run from its weights without resume_from_checkpoint."
+            )
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, state: _ScoringState | None) -> None:

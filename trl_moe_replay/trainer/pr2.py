@@ -18,7 +18,14 @@ The predictors and their loss live in ``routing.predictor``; this module holds t
 
 The predictors are registered in the model (``model.pr2_predictors``), so DDP, FSDP and DeepSpeed hold, shard,
 clip, checkpoint and optimize them like any parameter; they are left out of ``save_pretrained`` (the model's
-``_keys_to_ignore_on_save``) and saved on their own in each checkpoint (``pr2_predictors.safetensors``).
+``_keys_to_ignore_on_save``) and saved on their own in each checkpoint (``pr2_predictors.safetensors``), before
+TRL's files and atomically (a temporary file renamed into place), so a checkpoint with TRL's ``trainer_state.json``
+(written last) always has its predictors; resuming refuses a checkpoint without them (a save cut short, or a run
+without PR2) rather than restarting them from zero under their restored optimizer state.
+
+Non-finite predictor weights stop training with :class:`PR2StateError`: they would steer every later route to
+garbage (top-k of NaN). They are checked when loaded, after every optimizer step on one device or under DDP, and on
+every engine through the predictor loss (NaN KL) and before each checkpoint is written.
 
 No cross-gradients: the predictors only steer no-grad forwards (old-logprob pass, ``generate``), so the policy
 loss never sees them; their loss reads detached cached tensors and detached current logits, so it reaches no
@@ -28,6 +35,7 @@ other model parameter.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 from collections.abc import Iterator
 
@@ -46,6 +54,14 @@ CACHE_KEYS = ("pr2_positions", "pr2_router_inputs", "pr2_old_logits")
 MODULE_NAME = "pr2_predictors"
 #: marks the predictors' optimizer param group (engines that flatten groups keep the group dict, not its params)
 PARAM_GROUP_KEY = "pr2_predictors"
+
+
+class PR2CheckpointError(ValueError):
+    """A checkpoint that cannot resume this run's PR2 state: predictors missing, not finite, or of another mode."""
+
+
+class PR2StateError(RuntimeError):
+    """The PR2 predictors' weights or loss are not finite; the run stops instead of replaying garbage routes."""
 
 
 def cached_positions(attention_mask: torch.Tensor, logits_to_keep: int, max_tokens: int) -> torch.Tensor:
@@ -296,13 +312,15 @@ class PredictiveRoutingReplay:
             for p, flag in zip(params, flags, strict=True):
                 p.requires_grad_(flag)
 
-    def add_to_optimizer(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
+    def add_to_optimizer(self, optimizer: torch.optim.Optimizer, lr: float, *, check_finite: bool = True) -> None:
         """Give the predictors their own param group (``lr``, no weight decay) and skip that group in optimizer
         steps where they did not train.
 
         Without the skip, an engine that flattens each param group (DeepSpeed ZeRO) would hand the optimizer zero
         gradients on the on-policy steps, and Adam's momentum would still move the predictors; with it, every
         engine behaves as a single device does when a parameter has no gradient (Adam leaves it and its state).
+        ``check_finite``: check the predictors after every optimizer step that trained them (where each rank holds
+        them whole: one device, DDP).
         """
         if any(group.get(PARAM_GROUP_KEY) for group in optimizer.param_groups):
             return  # the Trainer returns its optimizer again on a second create_optimizer() call
@@ -315,6 +333,23 @@ class PredictiveRoutingReplay:
             )
         optimizer.add_param_group({"params": params, "lr": lr, "weight_decay": 0.0, PARAM_GROUP_KEY: True})
         optimizer.register_step_pre_hook(self._skip_untrained_group)
+        if check_finite:
+            optimizer.register_step_post_hook(self._check_finite_after_step)
+
+    def _check_finite_after_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
+        if self._trained_in_window:
+            self.check_finite(dict(self.predictors.named_parameters()), "after an optimizer step")
+
+    @staticmethod
+    def check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+        """Raise :class:`PR2StateError` if a predictor weight in ``state`` is NaN or infinite."""
+        bad = sorted(name for name, value in state.items() if not torch.isfinite(value.detach()).all())
+        if bad:
+            raise PR2StateError(
+                f"PR2 predictor weights {bad} are not finite ({where}). They would steer every later route to garbage "
+                "(the top-k of NaN logits), so training stops. Resume from an earlier checkpoint with a lower "
+                "pr2_lr_multiplier or max_grad_norm, or train with routing_replay='r2' (PR2 without predictors)."
+            )
 
     def _skip_untrained_group(self, optimizer: torch.optim.Optimizer, *_) -> None:
         if self._trained_in_window:
@@ -359,15 +394,25 @@ class PredictiveRoutingReplay:
         return full_tensors(dict(self.predictors.named_parameters()))
 
     def save(self, folder: str, state: dict[str, torch.Tensor] | None = None) -> str:
-        """Write ``state`` (default: :meth:`full_state_dict`) to ``folder/pr2_predictors.safetensors``."""
+        """Write ``state`` (default: :meth:`full_state_dict`) to ``folder/pr2_predictors.safetensors``, atomically:
+        a kill at any moment leaves the file whole or absent (never half written), and the previous file whole."""
         path = os.path.join(folder, PREDICTORS_FILE)
         state = self.full_state_dict() if state is None else state
-        save_file({k: v.contiguous() for k, v in state.items()}, path,
+        self.check_finite(state, f"writing {path}")
+        os.makedirs(folder, exist_ok=True)
+        for stale in glob.glob(glob.escape(path) + ".partial-*"):  # left by a save that was killed
+            os.remove(stale)
+        partial = f"{path}.partial-{os.getpid()}"
+        save_file({k: v.contiguous() for k, v in state.items()}, partial,
                   metadata={"format": "pt", "moe_layers": ",".join(map(str, self.moe_layers))})
+        _flush_to_disk(partial)
+        os.replace(partial, path)  # atomic on POSIX and Windows: the name holds the old file or the new one
+        _flush_to_disk(folder)
         return path
 
     def load(self, folder: str, *, restored_by_engine: bool = False) -> bool:
-        """Restore the predictors saved in ``folder`` (False if there are none).
+        """Restore the predictors saved in ``folder`` (False if there are none); non-finite weights raise
+        :class:`PR2CheckpointError`.
 
         Plain or DDP training: loaded in place (the optimizer keeps its references). DeepSpeed and FSDP restore the
         predictors themselves with the rest of the model (``restored_by_engine``; their checkpoints hold every model
@@ -378,9 +423,13 @@ class PredictiveRoutingReplay:
         if not os.path.isfile(path):
             return False
         state = load_file(path)
+        try:
+            self.check_finite(state, f"loaded from {path}")
+        except PR2StateError as exc:
+            raise PR2CheckpointError(f"{exc} The checkpoint {folder} is unusable for PR2.") from None
         expected = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.predictors.named_parameters()}
         if set(state) != set(expected) or any(tuple(state[k].shape) != expected[k] for k in expected):
-            raise ValueError(
+            raise PR2CheckpointError(
                 f"{path} holds predictors {sorted((k, tuple(v.shape)) for k, v in state.items())}, but this model "
                 f"needs {sorted(expected.items())}"
             )
@@ -390,11 +439,25 @@ class PredictiveRoutingReplay:
         current = self.full_state_dict()
         differing = [name for name in state if not torch.equal(current[name], state[name].to(current[name].dtype))]
         if differing:
-            raise ValueError(
+            raise PR2CheckpointError(
                 f"{path} and the engine checkpoint in {folder} hold different PR2 predictors ({differing}); the "
                 "folder mixes files of different runs or steps"
             )
         return True
+
+
+def _flush_to_disk(path: str) -> None:
+    """fsync a file or folder, so a rename that follows survives a machine crash, not only a killed process."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # folders cannot be opened on some systems (Windows): the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _ParametersView:
