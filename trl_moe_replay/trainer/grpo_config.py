@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
@@ -14,6 +15,56 @@ MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
 TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
 _PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
+
+
+class ConfigTypeError(TypeError, ValueError):
+    """A config value of the wrong type (a ``ValueError`` too, like the other config refusals)."""
+
+
+# The Python values each annotation of this package's config fields admits: an int field takes integers only (not
+# 1.5, not "4", not True), a float field integers or floats (not "0.8"); numpy scalars count as what they are.
+_ANNOTATION_TYPES = {
+    "str": (str,), "bool": (bool,), "int": (numbers.Integral,), "float": (numbers.Real,), "None": (type(None),),
+}
+# Fields that admit more than their annotation says: TRL's own spellings.
+_ALSO_ADMITTED = {"scale_rewards": (bool,)}  # True/False, as in TRL
+
+
+def check_field_types(config: GRPOConfig, own_fields: dict[str, str]) -> None:
+    """Refuse, in one line naming the field, the type it expects and the value it got, a value of ``config`` whose
+    type its annotation in ``own_fields`` (``{name: annotation string}``) does not admit. Numpy scalars become the
+    Python int or float they hold."""
+    for name, annotation in own_fields.items():
+        parts = [part.strip() for part in str(annotation).split("|")]
+        if any(part not in _ANNOTATION_TYPES for part in parts):
+            continue  # an annotation this check does not know (none of ours today): its field validates itself
+        admitted = tuple(t for part in parts for t in _ANNOTATION_TYPES[part]) + _ALSO_ADMITTED.get(name, ())
+        value = getattr(config, name)
+        if isinstance(value, bool) and bool not in admitted or not isinstance(value, admitted):
+            expected = " or ".join("None" if part == "None" else f"an {part}" if part == "int" else f"a {part}"
+                                   for part in parts)
+            raise ConfigTypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+        if not isinstance(value, (bool, int, float, str, type(None))):  # a numpy scalar
+            setattr(config, name, int(value) if isinstance(value, numbers.Integral) else float(value))
+
+
+def check_generation_kwargs(args: GRPOConfig) -> None:
+    """The ``generation_kwargs`` that routing replay reads: ``num_beams`` (an int >= 1) and vLLM's
+    ``routed_experts_prompt_start`` (an int >= 0)."""
+    kwargs = args.generation_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ConfigTypeError(f"generation_kwargs must be a dict (or a JSON object string), got "
+                              f"{type(kwargs).__name__} {kwargs!r}")
+    for key, minimum in (("num_beams", 1), ("routed_experts_prompt_start", 0)):
+        value = kwargs.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise ConfigTypeError(
+                f"generation_kwargs['{key}'] must be an int >= {minimum}, got {type(value).__name__} {value!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -71,6 +122,7 @@ def default_transformers_correction(args: GRPOConfig) -> bool:
 
 def check_generation_support(args: GRPOConfig) -> None:
     """Refuse, when the run is configured, generation settings under which the engine's routes cannot be kept."""
+    check_generation_kwargs(args)
     settings = ReplaySettings.from_args(args)
     mode = settings.routing_replay
     if args.use_transformers_continuous_batching:
@@ -299,6 +351,7 @@ class MoEReplayGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        check_field_types(self, MoEReplayGRPOConfig.__annotations__)
         self._refuse_meaningless_values()
         super().__post_init__()
         self._resolve_loss_options()

@@ -58,6 +58,12 @@ class OutputDirLock:
         """Create the lock file, or take over one that is ours or stale; raise ``OutputDirInUseError`` otherwise."""
         if self.held:
             return
+        if self.path.is_dir() or (self.path.exists() and not self.path.is_file()):
+            raise OutputDirInUseError(
+                f"{self.path} is a {'folder' if self.path.is_dir() else 'special file'}, not this package's lock "
+                "file: the trainer keeps its one-run-per-output_dir lock under that name. Remove it (or use another "
+                "output_dir)."
+            )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "token": self.token,
                  "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
