@@ -2,17 +2,24 @@
 built (YAML included), the nested generation_kwargs replay reads, a lock path that is a folder, a negative
 ``audit --vllm_timeout``."""
 
+import asyncio
+import inspect
+import math
+import time
+
 import numpy as np
 import pytest
+from transformers.utils import get_json_schema
 from trl import TrlParser
 
 from trl_moe_replay import MoEReplayGRPOConfig, OutputDirInUseError
 from trl_moe_replay.cli import main
+from trl_moe_replay.engines.tool_timeout import ToolTimeoutError, with_timeout
 from trl_moe_replay.trainer.grpo_config import ConfigTypeError
 from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirLock
-from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
 
-from .test_cli import one_line_error
+from .test_cli import audit_server, one_line_error
 from .test_trainer import make_trainer
 
 
@@ -82,3 +89,61 @@ def test_audit_refuses_a_timeout_that_is_no_duration(capsys, timeout):
     line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", "http://127.0.0.1:9",
                                    "--vllm_timeout", timeout])
     assert "--vllm_timeout) must be a number of seconds >= 0" in line and "accepts connections" not in line
+
+
+# ----------------------------------------------------------------------------- a tool that hangs
+def slow_add(a: int, b: int, delay: float = 0.0) -> int:
+    """Add two integers, slowly.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+        delay: Seconds to wait first.
+    """
+    time.sleep(delay)
+    if a < 0:
+        raise ValueError("negative")
+    return a + b
+
+
+async def slow_add_async(a: int, b: int, delay: float = 0.0) -> int:
+    """Add two integers, slowly.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+        delay: Seconds to wait first.
+    """
+    await asyncio.sleep(delay)
+    return a + b
+
+
+def test_a_tool_with_a_timeout_keeps_its_schema_and_gives_up_in_time():
+    bounded = with_timeout(slow_add, 0.5)
+    assert get_json_schema(bounded) == get_json_schema(slow_add)  # TRL builds the same tool description
+    assert bounded(2, b=3) == 5
+    with pytest.raises(ValueError, match="negative"):  # the tool's own errors pass through
+        bounded(-1, 1)
+    start = time.monotonic()
+    with pytest.raises(ToolTimeoutError, match="tool slow_add did not return within 0.5 s"):
+        bounded(1, 1, delay=30)  # TRL's loop would block 30 s; TRL turns the error into the tool's result
+    assert time.monotonic() - start < 10
+
+    bounded_async = with_timeout(slow_add_async, 0.5)
+    assert inspect.iscoroutinefunction(bounded_async)  # TRL still runs it on its event loop
+    assert get_json_schema(bounded_async) == get_json_schema(slow_add_async)
+    assert asyncio.run(bounded_async(2, 3)) == 5
+    with pytest.raises(ToolTimeoutError):
+        asyncio.run(bounded_async(1, 1, delay=30))
+    for seconds in (0, -1, math.inf, "5"):
+        with pytest.raises(ValueError, match="finite number of seconds > 0"):
+            with_timeout(slow_add, seconds)
+
+
+def test_audit_of_a_server_with_one_malformed_payload_falls_back_for_it_alone():
+    # the audit aligns through the trainer's RouteIntake: a malformed payload is one sample's fallback, not an exit
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=lambda call, choice, p: p[:-5] if choice == 1 else p)
+    report = audit_server(server, num_prompts=1)
+    r3 = report.row("r3")
+    assert 0 < r3.fallback_frac < 1 and r3.route_mismatch_frac == 0.0
+    assert any("1 of 3 completions came with routes that do not fit their tokens" in n for n in report.notes)

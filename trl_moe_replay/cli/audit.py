@@ -487,11 +487,11 @@ def _sample_with_vllm_server(
         [math.nan if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]
     ]
     routes = []
-    for i, payload in enumerate(payloads):
+    for payload in payloads:
         try:
             routes.append(None if payload is None else decode_routed_experts(payload))
-        except RouteAlignmentError as exc:
-            raise RouteAlignmentError(f"completion {i}: {exc}", sample=i) from exc
+        except RouteAlignmentError:
+            routes.append(payload)  # as it came: the route intake reports it and falls back for this completion
     if len(routes) != len(completions):
         raise ValueError(
             f"the vLLM server returned routed_experts for {len(routes)} of {len(completions)} completions"
