@@ -586,12 +586,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
         super()._save_checkpoint(model, trial)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        self._check_pr2_checkpoint(resume_from_checkpoint)  # before the model's weights are loaded
-        return super()._load_from_checkpoint(resume_from_checkpoint, model)
-
     def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is not None:  # again: DeepSpeed and FSDP load the model without _load_from_checkpoint
+        if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
             self._check_pr2_checkpoint(checkpoint)
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._pr2 is None or checkpoint is None:
