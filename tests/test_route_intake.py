@@ -194,7 +194,9 @@ def test_routed_experts_that_are_no_list_stop_with_one_message(tmp_path, rows):
 
 
 # ----------------------------------------------------------------------------- colocate
-def test_fuzzed_colocated_routes_never_end_the_run_and_fallback_frac_is_exact(tmp_path, restored_environ):  # noqa: F811
+def test_fuzzed_colocated_routes_never_end_the_run_and_fallback_frac_is_exact(
+    tmp_path, restored_environ  # noqa: F811 - the fixture
+):
     fuzzer = RouteFuzzer(seed=11, num_experts=8, moe_layers=[1, 2], rate=0.6)
     with fake_colocated_vllm(tiny_moe_model("qwen3_moe", **MODEL), tamper=fuzzer):
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **MODEL), cls=BatchSpy, use_vllm=True,

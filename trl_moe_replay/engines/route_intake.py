@@ -11,8 +11,8 @@ recorder, and any later one -- hands its rows, per sample and turn (:class:`~trl
   ranks) fits, the engine and the trainer disagree about the model or the engine is not set up to return routes:
   :class:`RoutesUnavailableError` is raised instead of silently training without replay.
 
-A new route source plugs in *before* this call, never beside it (``tests/test_fail_safe.py`` checks that nothing else
-in the package calls ``routes_from_engine``).
+A new route source plugs in *before* this call, never beside it (``tests/test_route_intake.py`` checks that nothing
+else in the package calls ``routes_from_engine``).
 """
 
 from __future__ import annotations

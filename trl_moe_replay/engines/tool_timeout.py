@@ -28,7 +28,8 @@ class ToolTimeoutError(TimeoutError):
 
 def with_timeout(tool: Callable[..., Any], seconds: float) -> Callable[..., Any]:
     """``tool``, given at most ``seconds`` per call (see the module docstring)."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds <= 0:
+    is_number = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+    if not is_number or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"a tool timeout must be a finite number of seconds > 0, got {seconds!r}")
     name = getattr(tool, "__name__", repr(tool))
     message = f"tool {name} did not return within {seconds:g} s (with_timeout); its result is this error"

@@ -101,7 +101,9 @@ def per_sample(value: Any, count: int, name: str) -> list[Any]:
     if isinstance(value, (list, tuple)) or (hasattr(value, "ndim") and getattr(value, "ndim", 0) > 0):
         values = value.tolist() if hasattr(value, "tolist") else list(value)
         if len(values) != count:
-            raise ValueError(f"{name} has {len(values)} entries for {count} samples: pass one value, or one per sample")
+            raise ValueError(
+                f"{name} has {len(values)} entries for {count} samples: pass one value, or one per sample"
+            )
         return values
     return [value] * count
 

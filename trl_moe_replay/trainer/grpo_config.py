@@ -50,7 +50,7 @@ def check_field_types(config: GRPOConfig, own_fields: dict[str, str]) -> None:
 
 def check_generation_kwargs(args: GRPOConfig) -> None:
     """The ``generation_kwargs`` that routing replay reads: ``num_beams`` (an int >= 1) and vLLM's
-    ``routed_experts_prompt_start`` (an int >= 0)."""
+    ``routed_experts_prompt_start`` (an int >= 0); numpy integers become Python ints in place."""
     kwargs = args.generation_kwargs
     if kwargs is None:
         return
@@ -65,6 +65,7 @@ def check_generation_kwargs(args: GRPOConfig) -> None:
             raise ConfigTypeError(
                 f"generation_kwargs['{key}'] must be an int >= {minimum}, got {type(value).__name__} {value!r}"
             )
+        kwargs[key] = int(value)  # a numpy integer as the Python int vLLM's request and transformers expect
 
 
 @dataclass(frozen=True)

@@ -609,8 +609,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if self._pr2 is not None and not has_predictors:
             raise PR2CheckpointError(
                 f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {PR2_PREDICTORS_FILE}. Either the "
-                "run that saved it did not use PR2 (resume it with its own routing_replay, or start a new PR2 run from "
-                "its weights without resume_from_checkpoint), or it was stopped while saving this checkpoint "
+                "run that saved it did not use PR2 (resume it with its own routing_replay, or start a new PR2 run "
+                "from its weights without resume_from_checkpoint), or it was stopped while saving this checkpoint "
                 "(resume from an earlier checkpoint-N). Restarting the predictors from zero under their restored "
                 "optimizer state would train them wrongly."
             )
