@@ -292,3 +292,55 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
         assert torch.equal(param, theirs_params[name]), name
     assert any(not torch.equal(p, q) for (_, p), q in zip(ours.model.named_parameters(),
                                                           tiny_moe_model("qwen3_moe").parameters()))
+
+
+# --------------------------------------------------------------------------------------------- sync guard
+class ScriptedEngine:
+    """engine_probe_logprobs answers, in order (a stand-in server for SyncGuard)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def __call__(self, base_url, model_name, probe, timeout=120.0):
+        return torch.tensor(self.answers.pop(0))
+
+
+def guard_with(monkeypatch, engine_answers, trainer_answers):
+    from trl_moe_replay.engines import async_weights
+
+    monkeypatch.setattr(async_weights, "engine_probe_logprobs", ScriptedEngine(engine_answers))
+    trainer = iter(trainer_answers)
+    monkeypatch.setattr(async_weights, "trainer_probe_logprobs", lambda model, probe: torch.tensor(next(trainer)))
+    return async_weights.SyncGuard("http://x", "m", [1, 2, 3], tolerance=0.05)
+
+
+def test_sync_guard_passes_delivered_syncs(monkeypatch):
+    # engine: before/after sync 1, before/after sync 2 (it follows the trainer, with some batch noise)
+    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.001, -2.0], [-1.5, -2.3]],
+                       [[-1.0, -2.0], [-1.5, -2.3]])
+    guard.before_sync(), guard.after_sync(None), guard.before_sync()
+    assert guard.after_sync(None) == pytest.approx(0.0)
+
+
+def test_sync_guard_catches_a_transfer_that_delivers_nothing(monkeypatch):
+    from trl_moe_replay.engines.async_weights import WeightSyncNotDeliveredError
+
+    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.001]],
+                       [[-1.0, -2.0], [-1.5, -2.3]])
+    guard.before_sync(), guard.after_sync(None), guard.before_sync()
+    with pytest.raises(WeightSyncNotDeliveredError, match="did not deliver"):
+        guard.after_sync(None)
+
+
+def test_sync_guard_catches_engine_weights_changed_between_syncs(monkeypatch):
+    from trl_moe_replay.engines.async_weights import EngineWeightsChangedError
+
+    # after sync 1 the engine holds the trainer's weights; before sync 2 it answers like its checkpoint again
+    guard = guard_with(monkeypatch, [[-3.0, -3.0], [-1.0, -2.0], [-3.0, -3.0]], [[-1.0, -2.0]])
+    guard.before_sync(), guard.after_sync(None)
+    with pytest.raises(EngineWeightsChangedError, match="restarted"):
+        guard.before_sync()
+
+
+def test_the_installed_trl_matches_the_async_seam():
+    assert upstream.check_async_trl() == ()
