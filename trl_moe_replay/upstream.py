@@ -315,7 +315,8 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
 #      response JSON, _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows
 #      at index 2, _score_group(group) emits one RolloutSample per row of group.completions_sequences in order,
 #      _retry(coro_factory, *, label, max_attempts), _counters/_rates, model_version); AsyncRolloutWorker._loop_cls,
-#      ._process, ._failed_event; RolloutSample (a slots dataclass, subclassed).
+#      ._process, ._failed_event, ._heartbeat_value, ._model_version_value (mp.Values with their default RLock),
+#      ._loop_kwargs (forwarded to the loop: max_request_attempts); RolloutSample (a slots dataclass, subclassed).
 #    - async_grpo_trainer: the module globals AsyncRolloutWorker (built by __init__), TreeRow (built by the batchers),
 #      get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
 #      FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader); RolloutQueueDataset.__iter__

@@ -151,7 +151,7 @@ class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
 
     _loop_cls = RoutedRolloutLoop
 
-    def check_health(self, stale_after_s: float) -> None:
+    def _raise_if_dead(self) -> None:
         process = self._process
         if process is not None and not process.is_alive() and not self._failed_event.is_set():
             raise RolloutWorkerDiedError(
@@ -159,4 +159,35 @@ class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
                 "reporting an error (killed, or out of memory?). No further samples can come; restart the run "
                 "(resume from the last checkpoint)."
             )
+
+    def _locked(self, value):
+        """Acquire a shared ``mp.Value``'s lock without blocking forever: a child SIGKILLed while holding it (it reads
+        the version on every request and writes its heartbeat in a loop) would leave TRL's blocking accesses hung
+        (seen here: the version update after a sync never returned)."""
+        lock = value.get_lock()
+        while not lock.acquire(timeout=1.0):
+            self._raise_if_dead()
+        return lock
+
+    def check_health(self, stale_after_s: float) -> None:
+        self._raise_if_dead()
+        lock = self._locked(self._heartbeat_value)
+        lock.release()
         super().check_health(stale_after_s)
+
+    def stop(self) -> None:
+        process = self._process
+        if process is not None and process.is_alive() is False and process.exitcode is not None:
+            # TRL's stop() sets the shared stop event, whose notify waits for the child's watcher thread to wake:
+            # with the child dead it would wait forever (seen here after a SIGKILLed worker)
+            self._process = None
+            return
+        super().stop()
+
+    def update_model_version(self, model_version: int) -> None:
+        self._raise_if_dead()
+        lock = self._locked(self._model_version_value)
+        try:  # the lock is re-entrant: TRL's setter takes it again
+            super().update_model_version(model_version)
+        finally:
+            lock.release()

@@ -83,6 +83,9 @@ class _RoutedQueueDataset(RolloutQueueDataset):
 
     def __iter__(self):
         for item in super().__iter__():
+            # TRL checks the worker only when the queue runs dry; a dead worker then leaves the run training on its
+            # last buffered samples for a while before it fails. Checked per sample (a waitpid), it fails at once.
+            self.check_health_fn(self.stale_after_s)
             sample = self.queue.last
             item["replay_routes"] = self._align(sample)
             item["model_version"] = sample.model_version
