@@ -62,7 +62,7 @@ def _post(url: str, what: str, timeout: float, **kwargs) -> requests.Response:
         response = requests.post(url, timeout=timeout, **kwargs)
     except requests.RequestException as exc:
         raise VLLMServerUnavailableError(
-            f"the vLLM server at {url.rsplit('/', 1)[0]} did not answer {what} ({type(exc).__name__}: {exc}). Is it "
+            f"the vLLM server at {'/'.join(url.split('/')[:3])} did not answer {what} ({type(exc).__name__}: {exc}). Is it "
             "still running? Restart it and resume training from the last checkpoint."
         ) from exc
     if response.status_code != 200:
