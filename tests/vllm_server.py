@@ -19,6 +19,12 @@ import requests
 STARTUP_TIMEOUT = 900  # seconds; ~75 s on an idle 2-core machine, several minutes under load
 
 
+class ServerURL(str):
+    """The server's base URL; ``.pid`` is its process (group leader), for tests that kill it."""
+
+    pid: int
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -59,6 +65,8 @@ def vllm_server(checkpoint: str, log: Path, *, routes: bool = True):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the vLLM server did not answer /health in {STARTUP_TIMEOUT} s")
             time.sleep(2)
+        url = ServerURL(url)
+        url.pid = process.pid
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -12,6 +12,8 @@ __version__ = "0.1.0.dev0"
 # `from trl_moe_replay import MoEReplayGRPOTrainer` works exactly as with eager imports.
 _PUBLIC = {
     "LaunchMismatchError": "trl_moe_replay.trainer.launch",
+    "MoEReplayAsyncGRPOConfig": "trl_moe_replay.trainer.async_grpo_config",
+    "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.trainer.async_grpo_trainer",
     "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
     "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
     "OutputDirInUseError": "trl_moe_replay.trainer.output_lock",
@@ -37,11 +39,15 @@ if TYPE_CHECKING:
         routes_from_engine,
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+    from .trainer.async_grpo_config import MoEReplayAsyncGRPOConfig
+    from .trainer.async_grpo_trainer import MoEReplayAsyncGRPOTrainer
     from .trainer.launch import LaunchMismatchError
     from .trainer.output_lock import OutputDirInUseError
 
 __all__ = [
     "LaunchMismatchError",
+    "MoEReplayAsyncGRPOConfig",
+    "MoEReplayAsyncGRPOTrainer",
     "MoEReplayGRPOConfig",
     "MoEReplayGRPOTrainer",
     "OutputDirInUseError",

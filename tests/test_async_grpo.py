@@ -1,0 +1,346 @@
+"""R3 with TRL's AsyncGRPOTrainer, trainer side, without a server: scripted rollout samples (tests/async_checks.py
+checks the routes used token by token). The rollout side against the real vLLM CPU server is tests/test_async_engine.py.
+"""
+
+import math
+
+import numpy as np
+from datasets import Dataset
+import pytest
+import torch
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RoutesUnavailableError, upstream
+from trl_moe_replay.engines.async_rollout import RoutedRolloutSample, turns_for_row, _TurnRoutes
+from trl_moe_replay.routing.engine import EngineTurn
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
+from trl_moe_replay.trainer.async_grpo_trainer import use_cpu_tree_attention
+from trl_moe_replay.trainer.async_packing import RoutedTreeRow, TorchVarlenAttention
+
+from .async_checks import capture_used_experts, check_row, packed_row
+
+STEPS = 2
+DATASET = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]})
+BATCH = 8  # samples per micro-batch (FixedCountBatcher: token_budget=0)
+
+
+def reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    tiny_moe_model("qwen3_moe").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def perturbed(model, seed):
+    """The same model after some updates: other weights, other routes."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model
+
+
+def script(checkpoint, versions, *, routes=True, seed=0, malformed=(), shared_prompt=False):
+    """Groups of 4 samples sharing a prompt; group ``g`` was sampled by version ``versions[g]`` (its routes from
+    those weights); with ``shared_prompt`` groups 0 and 1 have the same prompt. Returns the samples and
+    ``{tokens: [engine rows]}`` for the check."""
+    from transformers import AutoModelForCausalLM
+
+    engines = {}
+    generator = torch.Generator().manual_seed(seed)
+    samples, engine_rows = [], {}
+    for group, version in enumerate(versions):
+        if version not in engines:
+            engine = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+            engines[version] = perturbed(engine, version) if version else engine
+        prompt = torch.randint(10, 60, (5,), generator=generator).tolist()
+        if shared_prompt and group == 1:
+            prompt = samples[0].input_ids[:5].tolist()
+        for _ in range(4):
+            completion = torch.randint(10, 60, (int(torch.randint(3, 7, (1,), generator=generator)),),
+                                       generator=generator).tolist()
+            ids = prompt + completion
+            rows = sampled_routes(engines[version], ids)
+            engine_rows.setdefault(tuple(ids), []).append(rows)
+            fields = dict(
+                prompt=[{"role": "user", "content": "x"}], completion=[{"role": "assistant", "content": "y"}],
+                input_ids=np.array(ids), completion_mask=np.array([0] * len(prompt) + [1] * len(completion)),
+                old_log_probs=(-torch.rand(len(ids), generator=generator) * 3).numpy().astype(np.float32),
+                advantage=float(torch.randn(1, generator=generator)), model_version=version, group_id=group,
+                metrics={"reward": 0.5},
+            )
+            if not routes:
+                samples.append(RolloutSample(**fields))
+                continue
+            turn_rows = "not base64!" if len(samples) in malformed else rows
+            samples.append(RoutedRolloutSample(**fields, route_turns=[EngineTurn(turn_rows, len(prompt),
+                                                                                 len(completion))],
+                                               route_prompt_length=len(prompt), sampled_versions=(version, version)))
+    return samples, engine_rows
+
+
+def settings(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=STEPS, logging_steps=1,
+        per_device_train_batch_size=BATCH, num_generations=4, save_strategy="no", seed=0, token_budget=0,
+        max_staleness=100, learning_rate=1e-2, bf16=False,
+    )
+    values.update(overrides)
+    return values
+
+
+class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
+    """Checks, in every training forward, the experts used against the engine's rows (tests/async_checks.py)."""
+
+    engine_rows: dict = {}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        row = packed_row(inputs)
+        with capture_used_experts(self.accelerator.unwrap_model(model)) as used:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        found, checked, mismatched = check_row(row, used, self.engine_rows, self._route_replay.moe_layers)
+        self.checks = [*getattr(self, "checks", []), (found, checked, mismatched)]
+        return loss
+
+
+def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, checkpoint):
+    # micro-batch 1 mixes versions 0 and 1 (same prompt in groups 0 and 1: a shared prefix routed differently)
+    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 2, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
+    CheckedTrainer.engine_rows = engine_rows
+    trainer = CheckedTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert len(trainer.checks) == STEPS
+    for found, checked, mismatched in trainer.checks:
+        assert found == BATCH and checked > 40 and mismatched == 0
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    assert logs[0]["routing/batch_versions_max"] == 2.0  # the first micro-batch mixed two policy versions
+    # staleness: the trainer is at version 1 after its cold sync, then 2
+    assert logs[0]["routing/version_lag_max"] == 1.0 and logs[1]["routing/version_lag_max"] == 2.0
+    assert logs[0]["routing/mismatch_frac"] > 0  # the trainer's own routing disagrees with version 1's routes
+    assert math.isfinite(logs[0]["mismatch/kl_k3"])
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_without_replay_the_same_check_finds_mismatches(tmp_path, checkpoint):
+    """Negative control: routing_replay='none' with routing_metrics carries the routes but does not replay them."""
+    samples, engine_rows = script(checkpoint, versions=[1] * 6)
+    CheckedTrainer.engine_rows = engine_rows
+    trainer = CheckedTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, routing_replay="none", routing_metrics=True,
+                                                 vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    trainer.train()
+    assert all(found == BATCH for found, _, _ in trainer.checks)
+    assert sum(mismatched for _, _, mismatched in trainer.checks) > 0
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(entry["routing/mismatch_frac"] > 0 for entry in logs)
+
+
+def test_malformed_routes_fall_back_per_sample_and_the_run_goes_on(tmp_path, checkpoint):
+    samples, _ = script(checkpoint, versions=[0] * 6, malformed=(3, 9))
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == STEPS
+    assert 0 < logs[0]["routing/fallback_frac"] < 0.3 and 0 < logs[1]["routing/fallback_frac"] < 0.3
+    assert trainer._route_intake.fallback_samples == 2
+
+
+def test_r3_without_any_routes_in_the_first_sample_stops_with_a_clear_error(tmp_path, checkpoint):
+    samples, _ = script(checkpoint, versions=[0, 0], routes=False)
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    with pytest.raises(RoutesUnavailableError, match="enable-return-routed-experts"):
+        trainer.train()
+
+
+def test_r2_and_pr2_are_refused_with_the_reason(tmp_path):
+    for mode in ("r2", "pr2"):
+        with pytest.raises(ValueError, match="old-policy forward"):
+            MoEReplayAsyncGRPOConfig(output_dir=str(tmp_path), routing_replay=mode, use_cpu=True, bf16=False)
+
+
+# --------------------------------------------------------------------------------------------- packing with routes
+def row_sample(ids, routes, group=0):
+    return {"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0, 0] + [1] * (len(ids) - 2)),
+            "old_log_probs": torch.zeros(len(ids)), "advantage": 1.0, "group_id": group,
+            "replay_routes": routes}
+
+
+def routes_of(values, length):
+    return torch.tensor(values, dtype=torch.uint8).reshape(1, 1, 2).expand(length, 2, 2).clone()
+
+
+def test_a_shared_prefix_is_shared_only_where_the_routes_agree():
+    same, other = routes_of([1, 2], 5), routes_of([3, 4], 5)
+    shared = RoutedTreeRow((2, 2), torch.uint8)
+    shared.add(row_sample([5, 6, 7, 8, 9], same))
+    shared.add(row_sample([5, 6, 7, 11, 12], routes_of([2, 1], 5)))  # same experts, listed in another order
+    assert len(shared.tokens) == 8  # 2 shared (TRL forks one token before the tokens differ) + 3 + 3
+    forked = RoutedTreeRow((2, 2), torch.uint8)
+    forked.add(row_sample([5, 6, 7, 8, 9], same))
+    forked.add(row_sample([5, 6, 7, 11, 12], other))  # sampled by other weights: nothing shared
+    assert len(forked.tokens) == 10
+    packed = forked.pack()
+    assert packed["replay_routes"].shape == (10, 2, 2)
+    # every sample's positions carry its own routes, the last token none (never forwarded by the engine)
+    assert sorted(packed["replay_routes"][packed["route_expected"]][:, 0, 0].tolist()) == [1] * 4 + [3] * 4
+    assert (packed["replay_routes"][~packed["route_expected"]] == 255).all()
+
+
+def test_without_routes_the_row_is_trl_row():
+    trl_row, ours = upstream.async_tree_row_class()(), RoutedTreeRow((2, 2), torch.uint8)
+    for ids in ([5, 6, 7, 8, 9], [5, 6, 7, 11, 12], [5, 6, 1]):
+        trl_row.add(row_sample(ids, None))
+        ours.add(row_sample(ids, None))
+    theirs, mine = trl_row.pack(), ours.pack()
+    for key, value in theirs.items():
+        assert torch.equal(mine[key], value), key
+
+
+def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    use_cpu_tree_attention()
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
+
+    register_tree_attention()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=TREE_ATTENTION).eval()
+    row = upstream.async_tree_row_class()()
+    samples = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 20, 21], [5, 6, 30, 31, 32, 33, 34]]
+    for ids in samples:
+        row.add(row_sample(ids, None))
+    packed = row.pack()
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"][None], position_ids=packed["position_ids"][None],
+                       tree_kv_index=packed["tree_kv_index"], tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
+                       tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
+                       tree_max_seqlen_q=int(packed["tree_max_seqlens"][0]),
+                       tree_max_seqlen_k=int(packed["tree_max_seqlens"][1])).logits[0]
+        model.config._attn_implementation = "sdpa"
+        kv, cu = packed["tree_kv_index"].tolist(), packed["tree_cu_seqlens_k"].tolist()
+        leaves = [kv[a:b] for a, b in zip(cu[:-1], cu[1:])]
+        for ids in samples:
+            path = next(p for p in leaves if packed["input_ids"][p].tolist() == ids)
+            alone = model(input_ids=torch.tensor([ids])).logits[0]
+            assert (logits[path] - alone).abs().max() < 1e-4
+    assert TorchVarlenAttention.flash_attn_varlen_func is not None
+
+
+def test_rows_keep_the_turns_that_made_their_tokens():
+    first = _TurnRoutes([1, 2], [3, 4], "rows0", (0, 0))
+    second = _TurnRoutes([1, 2, 3, 4, 9], [5], "rows1", (0, 1))
+    kept, prompt = turns_for_row([1, 2, 3, 4, 9, 5], [first, second])
+    assert prompt == 2 and [t.rows for t in kept] == ["rows0", "rows1"]
+    assert (kept[1].prompt_length, kept[1].completion_length) == (5, 1)
+    # a fork re-tokenized the first turn's output: that turn is not this row's
+    kept, prompt = turns_for_row([1, 2, 7, 4, 9, 5], [first, _TurnRoutes([1, 2, 7, 4, 9], [5], "r", (1, 1))])
+    assert prompt == 5 and [t.rows for t in kept] == ["r"]
+
+
+# --------------------------------------------------------------------------------------------- golden
+def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
+    """routing_replay='none': the same scripted samples through TRL's AsyncGRPOTrainer and ours, identical logs and
+    parameters (both with the CPU tree attention, and the MFU lookup off as our trainer turns it off on CPU)."""
+    samples, _ = script(checkpoint, versions=[0, 0, 1, 1, 2, 2, 2, 2], routes=False)
+    values = settings(tmp_path, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3)
+    use_cpu_tree_attention()
+    with upstream.async_trainer_globals(get_peak_flops_per_device=lambda *a, **k: None):
+        theirs = AsyncGRPOTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+                                  args=AsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "trl")}),
+                                  rollout_worker=ScriptedRolloutWorker(samples),
+                                  weight_transfer=NoOpWeightTransfer())
+    theirs.train()
+    ours = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+                                     args=MoEReplayAsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "ours")},
+                                                                   routing_replay="none"),
+                                     rollout_worker=ScriptedRolloutWorker(samples),
+                                     weight_transfer=NoOpWeightTransfer())
+    assert ours._route_replay is None and ours._route_intake is None  # nothing built
+    ours.train()
+    wall_clock = ("perf/", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+                  "sample/time_in_queue_s")
+    assert len(ours.state.log_history) == len(theirs.state.log_history) == 4
+    for mine, trl in zip(ours.state.log_history, theirs.state.log_history, strict=True):
+        assert set(mine) == set(trl)
+        for name, value in trl.items():
+            if name.startswith(wall_clock):
+                continue
+            same = mine[name] == value or (isinstance(value, float) and math.isnan(value) and math.isnan(mine[name]))
+            assert same, f"{name}: {mine[name]!r} ours, {value!r} TRL's"
+    theirs_params = dict(theirs.model.named_parameters())
+    for name, param in ours.model.named_parameters():
+        assert torch.equal(param, theirs_params[name]), name
+    assert any(not torch.equal(p, q) for (_, p), q in zip(ours.model.named_parameters(),
+                                                          tiny_moe_model("qwen3_moe").parameters()))
+
+
+# --------------------------------------------------------------------------------------------- sync guard
+class ScriptedEngine:
+    """engine_probe_logprobs answers, in order (a stand-in server for SyncGuard)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def __call__(self, base_url, model_name, probe, timeout=120.0):
+        return torch.tensor(self.answers.pop(0))
+
+
+def guard_with(monkeypatch, engine_answers, trainer_answers):
+    from trl_moe_replay.engines import async_weights
+
+    monkeypatch.setattr(async_weights, "engine_probe_logprobs", ScriptedEngine(engine_answers))
+    trainer = iter(trainer_answers)
+    monkeypatch.setattr(async_weights, "trainer_probe_logprobs", lambda model, probe: torch.tensor(next(trainer)))
+    return async_weights.SyncGuard("http://x", "m", [1, 2, 3], tolerance=0.05)
+
+
+def test_sync_guard_passes_delivered_syncs(monkeypatch):
+    # engine: before/after sync 1, before/after sync 2 (it follows the trainer, with some batch noise)
+    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.001, -2.0], [-1.5, -2.3]],
+                       [[-1.0, -2.0], [-1.5, -2.3]])
+    guard.before_sync(), guard.after_sync(None), guard.before_sync()
+    assert guard.after_sync(None) == pytest.approx(0.0)
+
+
+def test_sync_guard_catches_a_transfer_that_delivers_nothing(monkeypatch):
+    from trl_moe_replay.engines.async_weights import WeightSyncNotDeliveredError
+
+    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.001]],
+                       [[-1.0, -2.0], [-1.5, -2.3]])
+    guard.before_sync(), guard.after_sync(None), guard.before_sync()
+    with pytest.raises(WeightSyncNotDeliveredError, match="did not deliver"):
+        guard.after_sync(None)
+
+
+def test_sync_guard_catches_engine_weights_changed_between_syncs(monkeypatch):
+    from trl_moe_replay.engines.async_weights import EngineWeightsChangedError
+
+    # after sync 1 the engine holds the trainer's weights; before sync 2 it answers like its checkpoint again
+    guard = guard_with(monkeypatch, [[-3.0, -3.0], [-1.0, -2.0], [-3.0, -3.0]], [[-1.0, -2.0]])
+    guard.before_sync(), guard.after_sync(None)
+    with pytest.raises(EngineWeightsChangedError, match="restarted"):
+        guard.before_sync()
+
+
+def test_the_installed_trl_matches_the_async_seam():
+    assert upstream.check_async_trl() == ()

@@ -1,0 +1,153 @@
+"""Packed training rows that carry routes, and a pure-torch attention for TRL's packed tree rows.
+
+TRL's async trainer packs several samples into one row as a prefix trie (``packing.TreeRow``): a token shared by
+samples is forwarded once. Its trie key is (token, next token), so two samples with the same prompt share that
+prompt's positions, and would share one route there even when they were sampled by different weights (a different
+policy version, or a request that spanned a weight sync). :class:`RoutedTreeRow` adds each position's route to the
+key: samples share a position only where their tokens *and* their routes agree, and fork where the routes differ.
+Shared prefixes stay shared whenever the engine routed them alike (the common case: same weights, same prefix);
+nothing is replayed with a route another sample's engine used. ``pack()`` then lays every sample's routes onto its
+packed positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..routing.routes import has_route, no_route_value
+from ..upstream import async_tree_row_class
+
+TreeRow = async_tree_row_class()
+
+
+def route_keys(routes: torch.Tensor | None, length: int) -> list[Any]:
+    """One hashable key per position: the position's expert set per layer (``None`` where nothing is replayed)."""
+    if routes is None:
+        return [None] * length
+    array = np.sort(routes.numpy(), axis=-1)  # a route is a set of experts: the order the engine listed them in is not
+    flat = np.ascontiguousarray(array.reshape(length, -1))
+    routed = has_route(routes).any(dim=-1).tolist()
+    return [row.tobytes() if keep else None for row, keep in zip(flat, routed, strict=True)]
+
+
+class RoutedTreeRow(TreeRow):
+    """``TreeRow`` whose trie is keyed on (token, next token, route): see the module docstring.
+
+    A sample dict may carry ``replay_routes`` (``[len(input_ids), L, K]``, "no route" rows where the router chooses);
+    without it the row behaves exactly like TRL's. ``fits``/``add`` are TRL 1.16's with the longer key
+    (``upstream`` entry 15 checks TRL's still key on (token, next token)).
+    """
+
+    def __init__(self, route_shape: tuple[int, int], route_dtype: torch.dtype):
+        super().__init__()
+        self.route_shape = route_shape
+        self.route_dtype = route_dtype
+
+    @staticmethod
+    def _keys(sample: dict[str, Any]) -> list[tuple]:
+        input_ids = sample["input_ids"].tolist()
+        routes = route_keys(sample.get("replay_routes"), len(input_ids))
+        return list(zip(input_ids, [*input_ids[1:], None], routes, strict=True))
+
+    def fits(self, sample: dict[str, Any], budget: int) -> bool:
+        keys = self._keys(sample)
+        children, shared = self.roots, 0
+        for key in keys:
+            if key not in children:
+                break
+            children = self.children[children[key]]
+            shared += 1
+        novel = len(keys) - shared
+        return len(self.tokens) + novel <= budget and self.trained + int(sample["completion_mask"].sum()) <= budget
+
+    def add(self, sample: dict[str, Any]) -> None:
+        children = self.roots
+        nodes = []
+        for depth, key in enumerate(self._keys(sample)):
+            if key not in children:
+                children[key] = len(self.tokens)
+                self.tokens.append(key[0])
+                self.children.append({})
+                self.load += depth + 1
+            nodes.append(children[key])
+            children = self.children[nodes[-1]]
+        self.samples.append(sample)
+        self.sample_nodes.append(nodes)
+        self.groups.add(sample["group_id"])
+        self.trained += int(sample["completion_mask"].sum())
+
+    def packed_positions(self) -> list[int]:
+        """Node -> packed position, in the DFS pre-order of ``TreeRow.pack``."""
+        packed, position = [0] * len(self.tokens), 0
+        stack = list(reversed(self.roots.values()))
+        while stack:
+            node = stack.pop()
+            while True:
+                packed[node], position = position, position + 1
+                if len(self.children[node]) != 1:
+                    break
+                node = next(iter(self.children[node].values()))
+            stack.extend(reversed(self.children[node].values()))
+        return packed
+
+    def pack(self) -> dict[str, torch.Tensor]:
+        """TRL's packing plus ``replay_routes`` ``[N, L, K]`` (each packed position's route) and ``route_expected``
+        ``[N]`` (positions an engine forwarded: every sample's tokens but its last, which is never fed forward)."""
+        out = super().pack()
+        packed = self.packed_positions()
+        if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
+            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (upstream entry 15)")
+        routes = torch.full((len(self.tokens), *self.route_shape), no_route_value(self.route_dtype),
+                            dtype=self.route_dtype)
+        expected = torch.zeros(len(self.tokens), dtype=torch.bool)
+        for sample, nodes in zip(self.samples, self.sample_nodes, strict=True):
+            positions = torch.tensor([packed[node] for node in nodes[:-1]], dtype=torch.long)
+            expected[positions] = True
+            sample_routes = sample.get("replay_routes")
+            if sample_routes is not None:
+                # a shared node has the same route in every sample sharing it (the key includes it)
+                routes[positions] = sample_routes[: len(nodes) - 1]
+        out["replay_routes"] = routes
+        out["route_expected"] = expected
+        return out
+
+
+class TorchVarlenAttention:
+    """``flash_attn_varlen_func`` in plain torch (SDPA per segment), for TRL's packed tree attention without a GPU.
+
+    TRL gathers each segment's root-to-segment path as the segment's keys, so a segment's queries are the *last*
+    ``len(q)`` of its keys: causal attention is aligned bottom-right, as FlashAttention's varlen kernel aligns it.
+    """
+
+    @staticmethod
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                               softmax_scale=None, causal=True, window_size=(-1, -1), softcap=None, **_):
+        if softcap:
+            raise NotImplementedError("the CPU tree attention has no logit soft-capping; this model needs a GPU")
+        out = torch.empty_like(q)
+        heads_q, heads_k = q.shape[1], k.shape[1]
+        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for segment in range(len(starts_q) - 1):
+            q0, q1, k0, k1 = starts_q[segment], starts_q[segment + 1], starts_k[segment], starts_k[segment + 1]
+            if q1 == q0:
+                continue
+            query, key, value = q[q0:q1], k[k0:k1], v[k0:k1]
+            if heads_q != heads_k:  # grouped-query attention
+                key = key.repeat_interleave(heads_q // heads_k, dim=1)
+                value = value.repeat_interleave(heads_q // heads_k, dim=1)
+            mask = None
+            if causal:
+                i = torch.arange(q1 - q0, device=q.device)[:, None]
+                j = torch.arange(k1 - k0, device=q.device)[None, :]
+                offset = (k1 - k0) - (q1 - q0)
+                mask = j <= i + offset
+                if window_size is not None and window_size[0] >= 0:
+                    mask &= j >= i + offset - window_size[0]
+            result = torch.nn.functional.scaled_dot_product_attention(
+                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=softmax_scale
+            )
+            out[q0:q1] = result.transpose(0, 1)
+        return out
