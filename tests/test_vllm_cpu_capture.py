@@ -130,31 +130,47 @@ def test_subclasses_inherit_or_get_their_own_override_wrapped():
         assert captured[-1] is ids  # the last capture of a step holds the ids the class actually used
 
 
-# ----------------------------------------------------------------------------- the MoE forward under torch.compile
-@pytest.fixture
-def fresh_runner_class():
-    return type("FreshMoERunner", (moe_runner.MoERunner,), {})
+# ----------------------------------------------------------------------------- the capture under torch.compile
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_graph_calls_the_hook_bound_after_compilation(backend):
+    """vLLM compiles the model (trace once, no guards) before it binds the capture hook: the compiled graph must keep
+    the capture, look up the hook at every call, and compute exactly what the uncompiled layer computes."""
+    cls = fresh_experts_class()
+    plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
+    experts = bare_experts(cls)
+    plugin._register_source(experts)  # what the wrapped __init__ does for a real instance
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+
+    def layer(hidden):
+        weights, ids = experts._select_experts(hidden, hidden @ weight.T, None, None, None, None)
+        return hidden * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)  # fullgraph: a graph break would raise
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    before = compiled(hidden)  # traced and compiled with no hook bound, as in vLLM's warm-up
+    captured = []
+    experts.routing_replay_capture_fn = captured.append
+    hidden2 = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))  # same shape: the graph compiled above
+    after = compiled(hidden2)
+    assert len(captured) == 1
+    assert torch.equal(captured[0].long(), torch.topk(hidden2 @ weight.T, TOP_K, dim=-1).indices)
+    experts.routing_replay_capture_fn = None
+    assert torch.equal(compiled(hidden), before)
+    assert len(captured) == 1  # unbound again: no call
+    torch.testing.assert_close(before, layer(hidden))  # Inductor's kernels: equal up to float rounding
+    torch.testing.assert_close(after, layer(hidden2))
 
 
-def current_config(monkeypatch, capture: bool):
-    config = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=capture))
-    import vllm.config
-
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
-
-
-@pytest.mark.parametrize("shared", [False, True])
-def test_moe_forward_is_opaque_only_with_capture_on(monkeypatch, fresh_runner_class, shared):
-    plugin.keep_moe_out_of_compiled_graph(fresh_runner_class)
-    plugin.keep_moe_out_of_compiled_graph(fresh_runner_class)  # idempotent
-    runner = object.__new__(fresh_runner_class)
-    runner._shared_experts = object() if shared else None
-    current_config(monkeypatch, capture=False)
-    assert runner._select_forward() is moe_runner.MoERunner._select_forward(runner)  # vLLM's choice on CPU
-    assert runner._select_forward() in (moe_runner._moe_forward, moe_runner._moe_forward_shared)
-    current_config(monkeypatch, capture=True)
-    expected = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
-    assert runner._select_forward() is expected
+def test_every_new_instance_gets_its_own_key_for_the_compiled_op():
+    # vLLM's constructor needs a whole MoE config: a subclass with a trivial one stands for it
+    cls = type("Constructible", (cpu_moe.CPUUnquantizedExperts,), {"__init__": lambda self: None})
+    plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
+    first, second = cls(), cls()
+    keys = [plugin._source_key(first), plugin._source_key(second)]
+    assert keys[0] != keys[1] and plugin._SOURCES[keys[0]] is first and plugin._SOURCES[keys[1]] is second
+    with pytest.raises(RuntimeError, match="built before trl-moe-replay's capture was installed"):
+        plugin._source_key(object.__new__(cls))
 
 
 # ----------------------------------------------------------------------------- re-packing after a weight update
@@ -226,11 +242,12 @@ def test_register_patches_on_cpu(monkeypatch, fresh_vllm_classes):
     experts, runner, method = fresh_vllm_classes
     fake_platform(monkeypatch, is_cpu=True)
     plugin.register()
-    assert is_patched(experts)
-    assert getattr(runner._select_forward, plugin._WRAPPED, False)
+    assert is_patched(experts) and getattr(experts.__init__, plugin._WRAPPED, False)
+    assert "_select_forward" not in runner.__dict__  # the MoE layer stays in the compiled graph
     assert getattr(method._setup_kernel, plugin._WRAPPED, False)
     plugin.register()  # again: no double wrapping
-    assert not getattr(runner._select_forward.__wrapped__, plugin._WRAPPED, False)
+    assert not getattr(experts._select_experts.__wrapped__, plugin._WRAPPED, False)
+    assert not getattr(experts.__init__.__wrapped__, plugin._WRAPPED, False)
 
 
 def test_register_is_a_noop_off_cpu(monkeypatch, fresh_vllm_classes):
@@ -246,8 +263,7 @@ def test_register_is_a_noop_where_cpu_experts_capture(monkeypatch, fresh_vllm_cl
     monkeypatch.setattr(experts, "supports_routing_replay_capture", lambda self: True)
     fake_platform(monkeypatch, is_cpu=True)
     plugin.register()
-    assert "_select_experts" not in experts.__dict__
-    assert not getattr(runner._select_forward, plugin._WRAPPED, False)
+    assert "_select_experts" not in experts.__dict__ and "__init__" not in experts.__dict__
 
 
 def test_register_survives_a_vllm_without_these_modules(monkeypatch, fresh_vllm_classes):
@@ -259,7 +275,6 @@ def test_register_survives_a_vllm_without_these_modules(monkeypatch, fresh_vllm_
     monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.fused_moe.experts.cpu_moe", None)
     plugin.register()  # ImportError inside: logged at debug level, nothing raised
     assert not is_patched(experts)
-    assert not getattr(runner._select_forward, plugin._WRAPPED, False)
     assert "_setup_kernel" not in method.__dict__
 
 
