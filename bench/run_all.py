@@ -34,7 +34,7 @@ SCRIPTS = {
     "step_overhead": (["--rounds", "3"], []),
     "router_shift_overhead": (["--rounds", "3"], []),
     "pr2_overhead": (["--quick"], []),
-    "vllm_overhead": (["--rounds", "3", "--max-tokens", "32", "--step-rounds", "2"], []),
+    "vllm_overhead": (["--rounds", "3", "--max-tokens", "32", "--step-rounds", "3"], []),
 }
 
 
@@ -68,6 +68,7 @@ def main() -> None:
             value, target, op = float(match["value"]), float(match["target"]), match["op"]
             met = value <= target if op == "<=" else value >= target
             rows.append((script, match["name"], value, f"{op} {target:g}", "met" if met else "**over**"))
+            print(f"  {match['name']}: {value:.3f} (target {op} {target:g})", flush=True)
 
     print()
     print(f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()}, {os.cpu_count()} CPUs"
