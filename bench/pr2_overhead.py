@@ -29,7 +29,7 @@ from trl_moe_replay.trainer.pr2 import PredictiveRoutingReplay
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
 
-from _harness import bench_moe, interleaved_ratio, timer
+from _harness import bench_moe, interleaved_ratio, report, timer
 
 
 def cpu_timer(fn):
@@ -105,9 +105,11 @@ def main() -> None:
     result = interleaved_ratio(cpu_timer(old_pass_r2), cpu_timer(old_pass_pr2), args.repeats)
     print(f"old-logprob pass     R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
           f"ratio PR2/R2 = {result.median:.3f}")
+    report("PR2 old-logprob pass / R2", result.median, 1.10)
     result = interleaved_ratio(cpu_timer(step_r2), cpu_timer(step_pr2), args.repeats)
     print(f"training micro-step  R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
           f"ratio PR2/R2 = {result.median:.3f}")
+    report("PR2 training micro-step / R2", result.median, 1.10)
 
     model.eval()
     prompts = x[:, :64]
@@ -125,6 +127,7 @@ def main() -> None:
     result = interleaved_ratio(cpu_timer(generate_recorded), cpu_timer(generate_steered), args.repeats)
     print(f"generate             recording {result.baseline:.3f}s  steered {result.candidate:.3f}s  "
           f"ratio steered/recording = {result.median:.3f}")
+    report("PR2 steered generate / recording", result.median, 1.10)
 
 
 if __name__ == "__main__":

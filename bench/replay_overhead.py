@@ -17,7 +17,7 @@ import torch
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
 
-from _harness import bench_moe, interleaved_ratio, timer
+from _harness import bench_moe, interleaved_ratio, report, timer
 
 
 def main() -> None:
@@ -57,6 +57,7 @@ def main() -> None:
     result = interleaved_ratio(timer(step_natural), timer(step_replay), args.repeats)
     print(f"forward+backward  natural {result.baseline:.3f}s  replay {result.candidate:.3f}s  "
           f"ratio replay/natural = {result.median:.3f}")
+    report("replay fwd+bwd / natural (tiny model)", result.median, 1.00)
 
     model.eval()
     prompts = x[:, :64]
@@ -74,6 +75,7 @@ def main() -> None:
     result = interleaved_ratio(timer(generate_plain), timer(generate_recorded), args.repeats)
     print(f"generate          plain {result.baseline:.3f}s  recording {result.candidate:.3f}s  "
           f"ratio recording/plain = {result.median:.3f}")
+    report("HF generate recording / plain", result.median, 1.03)
 
 
 if __name__ == "__main__":

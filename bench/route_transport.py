@@ -43,6 +43,8 @@ from trl_moe_replay.routing import engine
 from trl_moe_replay.routing import route_dtype
 from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
 
+from _harness import report
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +196,8 @@ def main() -> None:
         ratio = median[mode, "align"] / median[mode, "copy"]
         verdict = "OK" if ratio <= 3 else "OVER TARGET"
         print(f"{mode} align / copy = {ratio:.2f} (target <= 3): {verdict}")
+    report("route align / memcpy, warm", median["warm", "align"] / median["warm", "copy"], 3)
+    report("route decode+align / memcpy, warm", median["warm", "decode+align"] / median["warm", "copy"], 3)
     for mode in cases:
         seconds = median[mode, "decode+align"]
         print(

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from _harness import build_trainer, interleaved_ratio, one_cycle  # noqa: E402
+from _harness import build_trainer, interleaved_ratio, one_cycle, report  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # one thread: no OpenMP spin-waiting in the CPU-time measurement
@@ -72,6 +72,7 @@ def main():
                               lambda seed: one_cycle(rspo, rspo_batch, seed, time.process_time), args.rounds)
     print(f"full cycle ({args.rounds} rounds): gspo {cycle.baseline:.3f}s  rspo {cycle.candidate:.3f}s  "
           f"ratio rspo/gspo median {cycle.median:.3f} (min {cycle.low:.3f}, max {cycle.high:.3f})")
+    report("RSPO cycle / GSPO cycle (CPU time)", cycle.median, 1.05)
     rounds = 5 * args.rounds  # the micro-steps reuse the batches the cycles buffered
     step = interleaved_ratio(lambda _: one_update(gspo), lambda _: one_update(rspo), rounds)
     print(f"training micro-step ({rounds} rounds): gspo {step.baseline:.4f}s  rspo {step.candidate:.4f}s  "

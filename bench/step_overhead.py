@@ -23,7 +23,7 @@ import transformers  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from _harness import build_trainer, interleaved_ratio, one_cycle  # noqa: E402
+from _harness import build_trainer, interleaved_ratio, one_cycle, report  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -47,6 +47,7 @@ def main():
     print(f"plain GRPOTrainer      median {result.baseline:.3f}s per cycle")
     print(f"MoEReplayGRPOTrainer   median {result.candidate:.3f}s per cycle (r3)")
     print(f"ratio r3 / plain: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})")
+    report("R3 trainer cycle / plain GRPOTrainer (HF generate)", result.median, 1.05)
 
 
 if __name__ == "__main__":

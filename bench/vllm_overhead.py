@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 warnings.filterwarnings("ignore")
 
-from _harness import interleaved_ratio  # noqa: E402
+from _harness import interleaved_ratio, report  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -193,6 +193,11 @@ def bench_generation(args, checkpoint: str) -> None:
         print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds"
               + (", enforce_eager on both engines" if args.eager else ""))
         print_ratio("ratio on/off (target <= 1.05)", records["off"], records["on"], ("off", "on"))
+        report("vLLM generate capture on / off (CPU time)", paired(records["off"], records["on"], 1)[0], 1.05)
+        report("vLLM generate capture on / off (wall)", paired(records["off"], records["on"], 0)[0], 1.05)
+        report("vLLM same tokens with capture on and off (1 = yes)", float(same_tokens), 1, ">=")
+        report("vLLM rows written, capture on (fraction of routes non-zero)",
+               sum(r is not None and bool(np.asarray(r).any()) for r in routes) / len(routes), 1, ">=")
         returned = sum(r is not None for r in routes)
         print(f"    same tokens sampled by both engines: {same_tokens}; routes returned: {returned}/{len(routes)}, "
               f"shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
@@ -290,6 +295,9 @@ def bench_step(args, checkpoint: str) -> None:
         print(f"(b) training step: {args.batch} completions x {args.completion} tokens, colocated engines, "
               f"{args.step_rounds} rounds")
         print_ratio("ratio r3/none (target <= 1.05)", records["none"], records["r3"], ("none", "r3"))
+        report("whole R3 step / none, real vLLM engine (CPU time)", paired(records["none"], records["r3"], 1)[0],
+               1.05)
+        report("whole R3 step / none, real vLLM engine (wall)", paired(records["none"], records["r3"], 0)[0], 1.05)
         medians = {}
         for mode, trainer in trainers.items():
             timed = trainer.parts[1:]  # round 0 is the warm-up

@@ -566,3 +566,51 @@ def test_uint8_routes_with_256_experts_keep_expert_255_and_rows_of_255_mean_no_r
         validate_routes(routes, num_layers=1, top_k=2, num_experts=200)  # 255 is no id of a 200-expert model
     with pytest.raises(RouteValidationError, match="names the same expert twice"):
         validate_routes(torch.tensor([[[[7, 7]]]], dtype=torch.uint8), num_layers=1, top_k=2, num_experts=8)
+
+
+# ----------------------------------------------------------------------------- threads (issue 24)
+def test_threaded_alignment_equals_sequential_with_errors_in_sample_order(monkeypatch):
+    """Large batches are placed by a thread pool: same tensor, same errors, reported in sample order, as one thread."""
+    import threading
+
+    from trl_moe_replay.routing import engine
+    from trl_moe_replay.routing.engine import EngineTurn
+
+    samples = [(12, 30, 0, True)] * 9
+    rows = [engine_rows(12, 30) for _ in samples]
+    rows[1][5, 2, 1] = rows[1][5, 2, 0]  # repeated id
+    rows[4] = None  # no routes
+    rows[5] = rows[5].astype(np.int16)
+    rows[5][40, 0, 0] = 99  # out of range (E = 64)
+    rows[6] = [EngineTurn(engine_rows(12, 30), 12, 30)]  # a multi-turn sample, placed by the calling thread
+    rows[7][10, 3] = 0  # never written
+    rows[8] = encode_routed_experts(rows[8])  # a payload decoded in the worker
+
+    sample_rows = engine._sample_rows
+
+    def run(threaded_bytes):
+        monkeypatch.setattr(engine, "_THREADED_BYTES", threaded_bytes)
+        monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 16)  # many blocks per sample
+        errors, threads = [], set()
+
+        def recording(*args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return sample_rows(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "_sample_rows", recording)
+        out = align(rows, samples, prompt_width=12, completion_width=30, num_experts=E, on_error=errors.append)
+        with pytest.raises(RouteAlignmentError) as first:
+            align(rows, samples, prompt_width=12, completion_width=30, num_experts=E)
+        return out, [(e.sample, str(e)) for e in errors], str(first.value), threads
+
+    seq_out, seq_errors, seq_first, seq_threads = run(1 << 60)
+    thr_out, thr_errors, thr_first, thr_threads = run(0)
+    assert seq_threads == {threading.current_thread().name}
+    assert any(name.startswith("trl_moe_replay-routes") for name in thr_threads)
+    assert torch.equal(thr_out, seq_out)
+    assert [sample for sample, _ in seq_errors] == [1, 5, 7]
+    assert thr_errors == seq_errors and thr_first == seq_first == seq_errors[0][1]
+    assert no_route(seq_out[[1, 4, 5, 7]]).all()
+    expected = reference([samples[0]], 12, 30)[0].long()  # int16, -1 = no route; uint8 out: 255
+    for good in (0, 2, 3, 6, 8):
+        assert torch.equal(seq_out[good].long(), expected.where(expected >= 0, 255))

@@ -130,31 +130,81 @@ def test_subclasses_inherit_or_get_their_own_override_wrapped():
         assert captured[-1] is ids  # the last capture of a step holds the ids the class actually used
 
 
-# ----------------------------------------------------------------------------- the MoE forward under torch.compile
-@pytest.fixture
-def fresh_runner_class():
-    return type("FreshMoERunner", (moe_runner.MoERunner,), {})
+# ----------------------------------------------------------------------------- the capture under torch.compile
+LAYER = "model.layers.0.mlp.experts"
 
 
-def current_config(monkeypatch, capture: bool):
-    config = SimpleNamespace(model_config=SimpleNamespace(enable_return_routed_experts=capture))
-    import vllm.config
+def engine_layer(cls):
+    """CPU experts named as vLLM's kernel setup leaves them (name_cpu_experts), and a forward context whose MoE
+    layer of that name holds them: what the compiled op resolves at run time."""
+    experts = bare_experts(cls)
+    experts.__dict__[plugin._LAYER_NAME] = LAYER
+    layer = SimpleNamespace(layer_name=LAYER)
+    layer.__dict__[plugin._EXPERTS] = experts
+    return experts, SimpleNamespace(no_compile_layers={LAYER: SimpleNamespace(routed_experts=layer)})
 
-    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_graph_calls_the_hook_bound_after_compilation(monkeypatch, backend):
+    """vLLM compiles the model (trace once, no guards) before it binds the capture hook: the compiled graph must keep
+    the capture, look up the hook at every call, in the engine running it, and compute what the layer computes."""
+    import vllm.forward_context
+
+    cls = fresh_experts_class()
+    plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
+    experts, context = engine_layer(cls)
+    other_experts, other_context = engine_layer(cls)  # a second engine in this process, same layer names
+    running = [context]
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: running[0])
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+
+    def layer(hidden):
+        weights, ids = experts._select_experts(hidden, hidden @ weight.T, None, None, None, None)
+        return hidden * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)  # fullgraph: a graph break would raise
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    before = compiled(hidden)  # traced and compiled with no hook bound, as in vLLM's warm-up
+    captured, other_captured = [], []
+    experts.routing_replay_capture_fn = captured.append
+    other_experts.routing_replay_capture_fn = other_captured.append
+    hidden2 = torch.randn(5, 32, generator=torch.Generator().manual_seed(2))  # same shape: the graph compiled above
+    after = compiled(hidden2)
+    assert len(captured) == 1 and not other_captured
+    assert torch.equal(captured[0].long(), torch.topk(hidden2 @ weight.T, TOP_K, dim=-1).indices)
+    running[0] = other_context  # the same graph run by the other engine reports to that engine's hook
+    compiled(hidden2)
+    assert len(captured) == 1 and len(other_captured) == 1
+    experts.routing_replay_capture_fn = other_experts.routing_replay_capture_fn = None
+    running[0] = context
+    assert torch.equal(compiled(hidden), before)
+    assert len(captured) == 1 and len(other_captured) == 1  # unbound again: no call
+    torch.testing.assert_close(before, layer(hidden))  # Inductor's kernels: equal up to float rounding
+    torch.testing.assert_close(after, layer(hidden2))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_moe_forward_is_opaque_only_with_capture_on(monkeypatch, fresh_runner_class, shared):
-    plugin.keep_moe_out_of_compiled_graph(fresh_runner_class)
-    plugin.keep_moe_out_of_compiled_graph(fresh_runner_class)  # idempotent
-    runner = object.__new__(fresh_runner_class)
-    runner._shared_experts = object() if shared else None
-    current_config(monkeypatch, capture=False)
-    assert runner._select_forward() is moe_runner.MoERunner._select_forward(runner)  # vLLM's choice on CPU
-    assert runner._select_forward() in (moe_runner._moe_forward, moe_runner._moe_forward_shared)
-    current_config(monkeypatch, capture=True)
-    expected = torch.ops.vllm.moe_forward_shared if shared else torch.ops.vllm.moe_forward
-    assert runner._select_forward() is expected
+def test_tracing_unnamed_experts_is_a_clear_error():
+    cls = fresh_experts_class()
+    plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
+    experts = bare_experts(cls)  # never went through vLLM's kernel setup
+    with pytest.raises(RuntimeError, match="has no MoE layer name"):
+        torch.compile(lambda h: experts._select_experts(h, h, None, None, None, None)[1], backend="eager",
+                      fullgraph=True)(torch.randn(3, 8))
+
+
+def test_kernel_setup_links_the_layer_and_its_experts():
+    experts_cls = type("Experts", (PackingExperts,), {})
+    method_cls = type("Method", (MoEMethod,), {})
+    assert plugin.name_cpu_experts(method_cls, experts_cls)
+    assert not plugin.name_cpu_experts(method_cls, experts_cls)  # idempotent
+    method, layer = method_cls(experts_cls()), SimpleNamespace(packs=0, layer_name=LAYER)
+    method._setup_kernel(layer, None, None)
+    assert plugin._layer_name(method.experts) == LAYER and layer.__dict__[plugin._EXPERTS] is method.experts
+    other = method_cls(PackingExperts())  # not the CPU experts class: left alone
+    other_layer = SimpleNamespace(packs=0, layer_name="other")
+    other._setup_kernel(other_layer, None, None)
+    assert plugin._EXPERTS not in other_layer.__dict__
 
 
 # ----------------------------------------------------------------------------- re-packing after a weight update
@@ -227,10 +277,11 @@ def test_register_patches_on_cpu(monkeypatch, fresh_vllm_classes):
     fake_platform(monkeypatch, is_cpu=True)
     plugin.register()
     assert is_patched(experts)
-    assert getattr(runner._select_forward, plugin._WRAPPED, False)
-    assert getattr(method._setup_kernel, plugin._WRAPPED, False)
+    assert "_select_forward" not in runner.__dict__  # the MoE layer stays in the compiled graph
+    assert getattr(method._setup_kernel, plugin._WRAPPED, False) and getattr(method._setup_kernel, plugin._NAMED, False)
     plugin.register()  # again: no double wrapping
-    assert not getattr(runner._select_forward.__wrapped__, plugin._WRAPPED, False)
+    assert not getattr(experts._select_experts.__wrapped__, plugin._WRAPPED, False)
+    assert not getattr(method._setup_kernel.__wrapped__.__wrapped__, plugin._NAMED, False)
 
 
 def test_register_is_a_noop_off_cpu(monkeypatch, fresh_vllm_classes):
@@ -247,7 +298,6 @@ def test_register_is_a_noop_where_cpu_experts_capture(monkeypatch, fresh_vllm_cl
     fake_platform(monkeypatch, is_cpu=True)
     plugin.register()
     assert "_select_experts" not in experts.__dict__
-    assert not getattr(runner._select_forward, plugin._WRAPPED, False)
 
 
 def test_register_survives_a_vllm_without_these_modules(monkeypatch, fresh_vllm_classes):
@@ -259,7 +309,6 @@ def test_register_survives_a_vllm_without_these_modules(monkeypatch, fresh_vllm_
     monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.fused_moe.experts.cpu_moe", None)
     plugin.register()  # ImportError inside: logged at debug level, nothing raised
     assert not is_patched(experts)
-    assert not getattr(runner._select_forward, plugin._WRAPPED, False)
     assert "_setup_kernel" not in method.__dict__
 
 

