@@ -141,7 +141,10 @@ def plan(args) -> list[dict]:
         if part == "quick":
             cells += [cell(args, mode=m, off=2, part="quick") for m in ("none", "r3")]
         elif part == "search":
-            cells += [cell(args, mode="none", off=top, lr=lr, init=init, completion=length, part="search")
+            # the search point equal to the grid's settings is the grid's own cell (same key: run once)
+            cells += [cell(args, mode="none", off=top, lr=lr, init=init, completion=length,
+                           part="modes" if (lr, init, length) == (args.learning_rate, args.initializer_range,
+                                                                  args.completion) else "search")
                       for lr, init, length in SEARCH]
         elif part == "depth":
             cells += [cell(args, mode="none", off=1, layers=d, steps=2, part="depth") for d in args.depths]
@@ -408,6 +411,27 @@ def figures(report: dict, path: Path) -> list[Path]:
     return written
 
 
+def markdown_table(report: dict) -> str:
+    """One row per cell (over seeds): what docs/results.md quotes."""
+    def fmt(value, spec):
+        return "–" if value is None else format(value, spec)
+
+    lines = ["| cell | seeds | collapse events (reward/grad/nan) | entropy < Z | kl_k3 mean | kl_k3 max | "
+             "router sets differ | tokens >= 1 layer differ | decisions differ | reward first-peak-final | "
+             "entropy final |", "|" + "---|" * 11]
+    for key, row in report.get("aggregate", {}).items():
+        firsts = [e["summary"]["reward_first"] for k, e in report["cells"].items()
+                  if k.rsplit("|seed=", 1)[0] == key and "summary" in e and e["summary"]["reward_first"] is not None]
+        lines.append(
+            f"| {key.replace('|', ' ')} | {row['seeds']} | {row['collapse_events']} ({row['collapse_reward']}/{row['collapse_grad']}/"
+            f"{row['collapse_nan']}) | {row['collapse_entropy']} | {fmt(row['kl_k3_mean'], '.2e')} | "
+            f"{fmt(row['kl_k3_max'], '.2e')} | {fmt(row['router_mismatch_frac'], '.3f')} | "
+            f"{fmt(row['token_any_mismatch'], '.3f')} | {fmt(row['router_decision_mismatch'], '.4f')} | "
+            f"{fmt(statistics.fmean(firsts) if firsts else None, '.2f')}-{fmt(row['reward_peak'], '.2f')}-"
+            f"{fmt(row['reward_final'], '.2f')} | {fmt(row['entropy_final'], '.2f')} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -424,6 +448,7 @@ def main(argv=None) -> dict:
         report["aggregate"] = aggregate(report)
         save(report, out)
         print("\n".join(str(p) for p in figures(report, out)))
+        print(markdown_table(report))
         return report
 
     cells = plan(args)
