@@ -406,6 +406,24 @@ def figures(report: dict, path: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=80)
         plt.close(fig)
 
+    depth = sorted((int(f["layers"]), v) for f, v in rows.values() if f["part"] == "depth")
+    if depth:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        width = 0.27
+        for i, (name, label) in enumerate((("router_decision_mismatch", "decisions (token x layer x k)"),
+                                           ("router_mismatch_frac", "routers (token x layer): top-k set"),
+                                           ("token_any_mismatch", "tokens with >= 1 differing layer"))):
+            ax.bar([j + (i - 1) * width for j in range(len(depth))], [v[name] or 0 for _, v in depth], width,
+                   label=label)
+        ax.set_xticks(range(len(depth)), [f"{d} layers" for d, _ in depth])
+        ax.set_ylabel("share that differs, engine vs trainer")
+        ax.legend(fontsize=7)
+        ax.set_title("router-decision mismatch, bf16 vLLM CPU vs fp32 trainer (none)", fontsize=9)
+        fig.tight_layout()
+        written.append(path.with_name(path.stem + "_depth.png"))
+        fig.savefig(written[-1], dpi=80)
+        plt.close(fig)
+
     for png in written:
         shrink_png(png)
     return written
