@@ -55,6 +55,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -82,8 +83,12 @@ SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/
 #: the stressed-regime search, plain GRPO at the largest N: (learning_rate, initializer_range, max_completion_length).
 #: At the grid's 1e-2 / 0.3 / 16 plain GRPO reached reward 1.0 at N=1 and N=8 without degrading, so the search goes
 #: up: larger steps, a sharper initial policy (init std 1.0: more tokens in the tails, where bf16 and fp32 differ
-#: most) and longer completions (more tokens to drift over), alone and combined.
-SEARCH = ((1e-2, 0.3, 16), (3e-2, 0.3, 16), (1e-1, 0.3, 16), (1e-2, 1.0, 16), (1e-2, 0.3, 48), (3e-2, 1.0, 48))
+#: most) and longer completions (more tokens to drift over), alone and combined. The digit reward saturates (a
+#: deterministic all-digit policy earns 1.0 and then every advantage is 0, so nothing moves); a reward with Gaussian
+#: noise (4th field, its std) keeps the group-normalised advantages at unit scale after saturation, so the updates
+#: never stop: the regime in which a small mismatch can compound.
+SEARCH = ((3e-2, 0.3, 16, 0.1), (1e-2, 0.3, 16, 0.1), (3e-2, 0.3, 16, 0.0), (1e-1, 0.3, 16, 0.0),
+          (1e-2, 1.0, 16, 0.0), (1e-2, 0.3, 48, 0.0), (3e-2, 1.0, 48, 0.1), (1e-2, 0.3, 16, 0.0))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--initializer-range", type=float, default=0.3)
     parser.add_argument("--completion", type=int, default=16, help="max_completion_length")
+    parser.add_argument("--reward-noise", type=float, default=0.0,
+                        help="std of Gaussian noise added to each completion's digit reward (see SEARCH)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -121,8 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- cells
 def cell(args, *, mode="none", off=1, loss="grpo", is_on=True, seed=0, lr=None, init=None, completion=None,
-         layers=None, steps=None, part="modes") -> dict:
+         layers=None, steps=None, noise=None, part="modes") -> dict:
     return dict(part=part, mode=mode, off=off, loss=loss, is_correction=is_on, seed=seed,
+                reward_noise=args.reward_noise if noise is None else noise,
                 learning_rate=args.learning_rate if lr is None else lr,
                 initializer_range=args.initializer_range if init is None else init,
                 completion=args.completion if completion is None else completion,
@@ -132,7 +140,8 @@ def cell(args, *, mode="none", off=1, loss="grpo", is_on=True, seed=0, lr=None, 
 def cell_key(c: dict) -> str:
     return (f"{c['part']}|mode={c['mode']}|off={c['off']}|loss={c['loss']}|is={'on' if c['is_correction'] else 'off'}"
             f"|lr={c['learning_rate']:g}|init={c['initializer_range']:g}|len={c['completion']}|layers={c['layers']}"
-            f"|steps={c['steps']}|seed={c['seed']}")
+            f"|steps={c['steps']}" + (f"|noise={c['reward_noise']:g}" if c.get("reward_noise") else "")
+            + f"|seed={c['seed']}")
 
 
 def plan(args) -> list[dict]:
@@ -144,11 +153,12 @@ def plan(args) -> list[dict]:
         if part == "quick":
             cells += [cell(args, mode=m, off=2, part="quick") for m in ("none", "r3")]
         elif part == "search":
-            # the search point equal to the grid's settings is the grid's own cell (same key: run once)
-            cells += [cell(args, mode="none", off=top, lr=lr, init=init, completion=length,
-                           part="modes" if (lr, init, length) == (args.learning_rate, args.initializer_range,
-                                                                  args.completion) else "search")
-                      for lr, init, length in SEARCH]
+            # a search point equal to the grid's settings (given or default) is that grid's own cell (same key)
+            defaults = parse_args([])
+            grids = {(a.learning_rate, a.initializer_range, a.completion, a.reward_noise) for a in (args, defaults)}
+            cells += [cell(args, mode="none", off=top, lr=lr, init=init, completion=length, noise=noise,
+                           part="modes" if (lr, init, length, noise) in grids else "search")
+                      for lr, init, length, noise in SEARCH]
         elif part == "depth":
             cells += [cell(args, mode="none", off=1, layers=d, steps=2, part="depth") for d in args.depths]
         else:
@@ -210,7 +220,15 @@ def train_cell(args) -> None:
     config = cell_config(c, str(workdir / "out"))
     data = synthetic_math_dataset(max(64, c["steps"] * c["batch"]), seed=c["seed"] + 1, kinds=("arithmetic",),
                                   instruction=BOXED_INSTRUCTION)
-    trainer = MoEReplayGRPOTrainer(model=checkpoint, reward_funcs=digit_reward, args=config,
+    reward = digit_reward
+    if c.get("reward_noise"):
+        noise = random.Random(c["seed"])
+
+        def noisy_digit_reward(completions, **kwargs) -> list[float]:
+            return [r + noise.gauss(0.0, c["reward_noise"]) for r in digit_reward(completions)]
+
+        reward = noisy_digit_reward
+    trainer = MoEReplayGRPOTrainer(model=checkpoint, reward_funcs=reward, args=config,
                                    processing_class=tiny_tokenizer(), train_dataset=data)
     start = time.perf_counter()
     trainer.train()
