@@ -311,7 +311,7 @@ def summarize_cell(history: dict) -> dict:
              for name in ("mismatch/kl_k3", "routing/mismatch_frac", "routing/token_any_mismatch",
                           "routing/topk_agreement")}
     return dict(
-        kl_k3_mean=mean_of("mismatch/kl_k3"), kl_k3_max=max(_values(history.get("mismatch/kl_k3", [])), default=None),
+        kl_k3_first=first["mismatch/kl_k3"], kl_k3_mean=mean_of("mismatch/kl_k3"), kl_k3_max=max(_values(history.get("mismatch/kl_k3", [])), default=None),
         extreme_frac_mean=mean_of("mismatch/extreme_frac"),
         router_mismatch_frac=mean_of("routing/mismatch_frac"),
         token_any_mismatch=mean_of("routing/token_any_mismatch"),
@@ -350,7 +350,7 @@ def aggregate(report: dict) -> dict:
     for key, runs in sorted(groups.items()):
         row = dict(seeds=len(runs), collapse_events=sum(r["flags"]["any"] for r in runs),
                    **{f"collapse_{k}": sum(r["flags"][k] for r in runs) for k in ("reward", "grad", "entropy", "nan")})
-        for name in ("kl_k3_mean", "kl_k3_max", "extreme_frac_mean", "router_mismatch_frac", "token_any_mismatch",
+        for name in ("kl_k3_first", "kl_k3_mean", "kl_k3_max", "extreme_frac_mean", "router_mismatch_frac", "token_any_mismatch",
                      "router_decision_mismatch", "reward_peak", "reward_final", "entropy_final", "grad_norm_max",
                      "reward_peak_drop"):
             values = [r[name] for r in runs if isinstance(r.get(name), (int, float))]
@@ -455,15 +455,16 @@ def markdown_table(report: dict) -> str:
     def fmt(value, spec):
         return "–" if value is None else format(value, spec)
 
-    lines = ["| cell | seeds | collapse events (reward/grad/nan) | entropy < Z | kl_k3 mean | kl_k3 max | "
+    lines = ["| cell | seeds | collapse events (reward/grad/nan) | entropy < Z | kl_k3 first batch | kl_k3 mean | kl_k3 max | "
              "router sets differ | tokens >= 1 layer differ | decisions differ | reward first-peak-final | "
-             "entropy final |", "|" + "---|" * 11]
+             "entropy final |", "|" + "---|" * 12]
     for key, row in report.get("aggregate", {}).items():
         firsts = [e["summary"]["reward_first"] for k, e in report["cells"].items()
                   if k.rsplit("|seed=", 1)[0] == key and "summary" in e and e["summary"]["reward_first"] is not None]
         lines.append(
             f"| {key.replace('|', ' ')} | {row['seeds']} | {row['collapse_events']} ({row['collapse_reward']}/{row['collapse_grad']}/"
-            f"{row['collapse_nan']}) | {row['collapse_entropy']} | {fmt(row['kl_k3_mean'], '.2e')} | "
+            f"{row['collapse_nan']}) | {row['collapse_entropy']} | {fmt(row['kl_k3_first'], '.2e')} | "
+            f"{fmt(row['kl_k3_mean'], '.2e')} | "
             f"{fmt(row['kl_k3_max'], '.2e')} | {fmt(row['router_mismatch_frac'], '.3f')} | "
             f"{fmt(row['token_any_mismatch'], '.3f')} | {fmt(row['router_decision_mismatch'], '.4f')} | "
             f"{fmt(statistics.fmean(firsts) if firsts else None, '.2f')}-{fmt(row['reward_peak'], '.2f')}-"
