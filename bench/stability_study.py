@@ -27,6 +27,7 @@ Collapse (an *event*, counted per cell over seeds) is any of, on the per-step lo
     reward    the smoothed reward (mean of 3 logged points) ends more than COLLAPSE_REWARD_DROP below its running
               peak, i.e. it fell and did not recover by the last step
     grad      from step GRAD_WARMUP on, a grad norm above COLLAPSE_GRAD_SPIKE x the median of the earlier steps'
+              non-zero grad norms (a zero norm is a step whose advantages were all 0, not a calm step)
     nan       a non-finite loss, grad norm or KL
 
 Token entropy below COLLAPSE_ENTROPY nats is counted too (`entropy`), but is not a collapse by itself: the digit
@@ -280,7 +281,7 @@ def _smooth(values: list[float], window: int = 3) -> list[float]:
 def collapse_flags(history: dict) -> dict:
     """The operational collapse criteria (module docstring) on one run's per-step series (name -> [(step, value)])."""
     reward = _smooth(_values(history.get("reward", [])))
-    grad = _values(history.get("grad_norm", []))
+    grad = [g for g in _values(history.get("grad_norm", [])) if g > 0]
     entropy = _values(history.get("entropy", []))
     peak_drop = 0.0
     if reward:

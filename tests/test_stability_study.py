@@ -31,7 +31,9 @@ def test_reward_collapse_is_a_fall_below_the_running_peak_that_does_not_recover(
 def test_grad_spike_is_judged_against_earlier_steps_after_the_warmup():
     early_large = [50.0, 20.0, 5.0, 2.0, 2.0, 2.0, 2.0, 2.0]  # a fresh model's falling grad norms: no collapse
     late_spike = [2.0] * 6 + [2.0 * study.COLLAPSE_GRAD_SPIKE * 1.5, 2.0]
+    after_idle = [3.0, 2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.5]  # steps with all advantages 0 have norm 0
     assert not study.collapse_flags(run("grad_norm", early_large))["flags"]["grad"]
+    assert not study.collapse_flags(run("grad_norm", after_idle))["flags"]["grad"]
     spiked = study.collapse_flags(run("grad_norm", late_spike))
     assert spiked["flags"]["grad"] and spiked["flags"]["any"]
     assert spiked["grad_spike_ratio"] == pytest.approx(study.COLLAPSE_GRAD_SPIKE * 1.5)
