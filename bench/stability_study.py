@@ -380,22 +380,29 @@ def figures(report: dict, path: Path) -> list[Path]:
     mode_rows = [(f, v) for f, v in rows.values() if f["part"] in ("modes", "quick")]
     if mode_rows:
         fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-        for mode in MODES:
-            points = sorted((int(f["off"]), v) for f, v in mode_rows if f["mode"] == mode)
+        def regime(f):  # one line per mode and training regime (learning rate, init, length, reward noise)
+            return f"lr={f['lr']} init={f['init']} len={f['len']}" + (f" noise={f['noise']}" if "noise" in f else "")
+
+        regimes = sorted({regime(f) for f, _ in mode_rows})
+        for mode, setting in ((m, r) for r in regimes for m in MODES):
+            points = sorted(((int(f["off"]), v) for f, v in mode_rows if f["mode"] == mode and regime(f) == setting),
+                            key=lambda point: point[0])
             if not points:
                 continue
             offs = [n for n, _ in points]
-            for ax, name, label in ((axes[0], "kl_k3_mean", "train-inference KL (k3), mean"),
+            label = mode if len(regimes) == 1 else f"{mode} {setting}"
+            style = "-" if regimes.index(setting) == 0 else "--"
+            for ax, name, title in ((axes[0], "kl_k3_first", "train-inference KL (k3), first batch (same weights)"),
                                     (axes[1], "reward_final", "final reward (last 25% of steps)"),
                                     (axes[2], "entropy_final", "final entropy (nats)"),
                                     (axes[3], "collapse_events", "collapse events / seeds")):
                 values = [v[name] if name != "collapse_events" else v[name] / max(v["seeds"], 1) for _, v in points]
-                ax.plot(offs, [float("nan") if x is None else x for x in values], marker="o", label=mode)
+                ax.plot(offs, [float("nan") if x is None else x for x in values], style, marker="o", label=label)
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("off-policiness N (steps_per_generation)")
-                ax.set_title(label, fontsize=9)
+                ax.set_title(title, fontsize=9)
         axes[0].set_yscale("log")
-        axes[0].legend()
+        axes[0].legend(fontsize=6)
         fig.suptitle("modes x off-policiness (vLLM CPU bf16 sampler, fp32 trainer; mean over seeds)")
         fig.tight_layout()
         written.append(path.with_name(path.stem + "_modes.png"))
@@ -411,7 +418,9 @@ def figures(report: dict, path: Path) -> list[Path]:
             if f["part"] == "search":
                 label, style = f"none lr={f['lr']} init={f['init']} len={f['len']}", "-"
             elif f["off"] in ("1", str(max(int(parse_key(k)["off"]) for k, _ in curves))):
-                label, style = f"{f['mode']} N={f['off']} s{f['seed']}", "--"
+                label, style = f"{f['mode']} N={f['off']} lr={f['lr']} s{f['seed']}", "--"
+                if "noise" in f:
+                    label, style = label + f" noise={f['noise']}", ":"
             else:
                 continue
             for ax, name in zip(axes, ("reward", "entropy", "mismatch/kl_k3")):
