@@ -28,10 +28,12 @@ Collapse (an *event*, counted per cell over seeds) is any of, on the per-step lo
               peak, i.e. it fell and did not recover by the last step
     grad      from step GRAD_WARMUP on, a grad norm above COLLAPSE_GRAD_SPIKE x the median of the earlier steps'
               non-zero grad norms (a zero norm is a step whose advantages were all 0, not a calm step)
+    entropy   token entropy below COLLAPSE_ENTROPY nats while the final reward is below the first batch's: the
+              policy turned deterministic on something worse than where it started (the Qwen paper's entropy crash)
     nan       a non-finite loss, grad norm or KL
 
-Token entropy below COLLAPSE_ENTROPY nats is counted too (`entropy`), but is not a collapse by itself: the digit
-reward is maximised by a deterministic policy, so entropy near 0 with the reward at its peak is convergence.
+Low entropy alone (`low_entropy`, counted too) is not a collapse: the digit reward is maximised by a deterministic
+policy, so entropy near 0 with the reward at its peak is convergence.
 
 Results go to one JSON (`--out`, default runs/stability_study/stability_study.json): settings, versions, load
 average, per cell a summary and the per-step series. A cell already in the JSON is skipped, so an interrupted run
@@ -76,6 +78,10 @@ PARTS = ("search", "depth", "modes", "losses", "is")
 COLLAPSE_REWARD_DROP = 0.25
 COLLAPSE_GRAD_SPIKE = 10.0
 COLLAPSE_ENTROPY = 0.05
+#: PR2's predictor learning rate (the paper: α = 1e4 times a policy lr of 1e-6). `pr2_lr_multiplier` is relative to
+#: the policy's lr, whose 1e3 default made the predictor diverge at this study's lr of 1e-2 (predictor lr 10: in the
+#: second batch every router's set differed from the engine's and the KL was 1.3), so the cells fix the product.
+PR2_PREDICTOR_LR = 1e-2
 GRAD_WARMUP = 5  # the first optimizer steps of a random-init model have large, falling grad norms: no reference yet
 #: logged per step and kept in the JSON
 SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/extreme_frac",
@@ -191,7 +197,7 @@ def cell_config(c: dict, output_dir: str):
         bf16=False, use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=c["seed"],
         disable_tqdm=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5,
         # as in vllm_mismatch_study: one engine sync for every mode, and routing metrics for "none" too
-        vllm_weight_sync="reload", routing_metrics=True,
+        vllm_weight_sync="reload", routing_metrics=True, pr2_lr_multiplier=PR2_PREDICTOR_LR / c["learning_rate"],
     )
 
 
@@ -283,6 +289,7 @@ def collapse_flags(history: dict) -> dict:
     reward = _smooth(_values(history.get("reward", [])))
     grad = [g for g in _values(history.get("grad_norm", [])) if g > 0]
     entropy = _values(history.get("entropy", []))
+    raw_reward = _values(history.get("reward", []))
     peak_drop = 0.0
     if reward:
         peak_drop = max(reward) - reward[-1]  # how far the run ends below its running peak
@@ -290,13 +297,15 @@ def collapse_flags(history: dict) -> dict:
               if statistics.median(grad[:t]) > 0]
     nonfinite = any(v is None for name in ("loss", "grad_norm", "mismatch/kl_k3")
                     for _, v in history.get(name, []))
+    low_entropy = bool(entropy) and min(entropy) < COLLAPSE_ENTROPY
     flags = dict(
         reward=peak_drop > COLLAPSE_REWARD_DROP,
         grad=max(spikes, default=0.0) > COLLAPSE_GRAD_SPIKE,
+        entropy=low_entropy and len(raw_reward) > 1 and raw_reward[-1] < raw_reward[0],
         nan=nonfinite,
     )
     flags["any"] = any(flags.values())
-    flags["entropy"] = bool(entropy) and min(entropy) < COLLAPSE_ENTROPY  # reported, not a collapse by itself
+    flags["low_entropy"] = low_entropy  # reported, not a collapse by itself
     return dict(flags=flags, reward_peak_drop=peak_drop, grad_spike_ratio=max(spikes, default=None),
                 min_entropy=min(entropy) if entropy else None)
 
@@ -350,7 +359,8 @@ def aggregate(report: dict) -> dict:
     out = {}
     for key, runs in sorted(groups.items()):
         row = dict(seeds=len(runs), collapse_events=sum(r["flags"]["any"] for r in runs),
-                   **{f"collapse_{k}": sum(r["flags"][k] for r in runs) for k in ("reward", "grad", "entropy", "nan")})
+                   **{f"collapse_{k}": sum(r["flags"].get(k, False) for r in runs)
+                      for k in ("reward", "grad", "entropy", "nan", "low_entropy")})
         for name in ("kl_k3_first", "kl_k3_mean", "kl_k3_max", "extreme_frac_mean", "router_mismatch_frac", "token_any_mismatch",
                      "router_decision_mismatch", "reward_peak", "reward_final", "entropy_final", "grad_norm_max",
                      "reward_peak_drop"):
@@ -465,7 +475,7 @@ def markdown_table(report: dict) -> str:
     def fmt(value, spec):
         return "–" if value is None else format(value, spec)
 
-    lines = ["| cell | seeds | collapse events (reward/grad/nan) | entropy < Z | kl_k3 first batch | kl_k3 mean | kl_k3 max | "
+    lines = ["| cell | seeds | collapse events (reward/grad/entropy/nan) | entropy < Z | kl_k3 first batch | kl_k3 mean | kl_k3 max | "
              "router sets differ | tokens >= 1 layer differ | decisions differ | reward first-peak-final | "
              "entropy final |", "|" + "---|" * 12]
     for key, row in report.get("aggregate", {}).items():
@@ -473,7 +483,7 @@ def markdown_table(report: dict) -> str:
                   if k.rsplit("|seed=", 1)[0] == key and "summary" in e and e["summary"]["reward_first"] is not None]
         lines.append(
             f"| {key.replace('|', ' ')} | {row['seeds']} | {row['collapse_events']} ({row['collapse_reward']}/{row['collapse_grad']}/"
-            f"{row['collapse_nan']}) | {row['collapse_entropy']} | {fmt(row['kl_k3_first'], '.2e')} | "
+            f"{row['collapse_entropy']}/{row['collapse_nan']}) | {row['collapse_low_entropy']} | {fmt(row['kl_k3_first'], '.2e')} | "
             f"{fmt(row['kl_k3_mean'], '.2e')} | "
             f"{fmt(row['kl_k3_max'], '.2e')} | {fmt(row['router_mismatch_frac'], '.3f')} | "
             f"{fmt(row['token_any_mismatch'], '.3f')} | {fmt(row['router_decision_mismatch'], '.4f')} | "
@@ -502,7 +512,8 @@ def main(argv=None) -> dict:
         return report
 
     cells = plan(args)
-    todo = [c for c in cells if cell_key(c) not in report["cells"]]
+    # a cell that failed is run again (its error stays in the JSON until then)
+    todo = [c for c in cells if "summary" not in report["cells"].get(cell_key(c), {})]
     print(f"{len(cells)} cells planned, {len(cells) - len(todo)} already in {out}, {len(todo)} to run", flush=True)
     report.setdefault("runs", []).append(dict(command="python bench/stability_study.py " + " ".join(argv),
                                               started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

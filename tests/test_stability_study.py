@@ -39,9 +39,11 @@ def test_grad_spike_is_judged_against_earlier_steps_after_the_warmup():
     assert spiked["grad_spike_ratio"] == pytest.approx(study.COLLAPSE_GRAD_SPIKE * 1.5)
 
 
-def test_low_entropy_is_counted_but_a_nan_is_a_collapse():
+def test_low_entropy_is_a_collapse_only_when_the_reward_ended_below_its_start():
     converged = study.collapse_flags({**run("entropy", [2.0, 0.5, 0.01]), **run("reward", [0.2, 0.9, 1.0])})
-    assert converged["flags"]["entropy"] and not converged["flags"]["any"]
+    assert converged["flags"]["low_entropy"] and not converged["flags"]["any"]
+    crashed = study.collapse_flags({**run("entropy", [2.0, 0.5, 0.01]), **run("reward", [0.06, 0.01, 0.0])})
+    assert crashed["flags"]["entropy"] and crashed["flags"]["any"] and not crashed["flags"]["reward"]
     assert study.collapse_flags(run("loss", [0.1, None, 0.2]))["flags"]["nan"]
 
 
@@ -83,7 +85,7 @@ def test_quick_grid_writes_the_schema_and_r3_lowers_the_mismatch(tmp_path):
     for entry in cells.values():
         assert entry["engine_dtype"] == "torch.bfloat16" and entry["trainer_dtype"] == "torch.float32"
         assert len(entry["history"]["mismatch/kl_k3"]) == 4  # 8 steps, a generation every 2
-        assert {"any", "reward", "grad", "nan", "entropy"} == entry["summary"]["flags"].keys()
+        assert {"any", "reward", "grad", "nan", "entropy", "low_entropy"} == entry["summary"]["flags"].keys()
         assert 0 < entry["summary"]["router_mismatch_frac"] < 1
     assert cells["r3"]["summary"]["kl_k3_mean"] < cells["none"]["summary"]["kl_k3_mean"]
     assert len(report["aggregate"]) == 2
