@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trl_moe_replay.cli import main
-from trl_moe_replay.cli.audit import run_audit
+from trl_moe_replay.cli.audit import AuditReport, AuditRow, run_audit
 from trl_moe_replay.cli.plotting import (
     MAX_FIGURES_PER_FAMILY,
     MAX_PANELS_PER_FIGURE,
@@ -187,6 +187,15 @@ def test_audit_same_dtype_is_numerically_tight():
     for row in report.rows:
         assert row.kl_k3 < 1e-8 and row.extreme_frac == 0.0 and row.max_abs_log_ratio < 1e-4
     assert report.row("r3").route_mismatch_frac == 0.0
+
+
+@pytest.mark.parametrize("r3_kl_k3, says", [(6.81e-08, "(10x lower)"), (7.99e-07, "(1.17x higher)"),
+                                             (6.81e-07, "(unchanged)"), (0.0, "(down to 0)")])
+def test_audit_verdict_says_which_way_kl_moved(r3_kl_k3, says):
+    rows = [AuditRow("none", 0.0, 6.81e-07, 0.01, 0.1, 0.05, 0.9, 0.05, 0.0),
+            AuditRow("r3", 0.0, r3_kl_k3, 0.01, 0.1, 0.0, 1.0, 0.05, 0.0)]
+    report = AuditReport("tiny:qwen3_moe", "bfloat16", "float32", 1, 2, 10, 40, rows)
+    assert f"kl_k3 from 6.81e-07 to {r3_kl_k3:.3g} {says}" in report.verdict()
 
 
 def test_audit_cli_prints_table_and_json(capsys):

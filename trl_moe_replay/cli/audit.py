@@ -138,13 +138,21 @@ class AuditReport:
                 "The trainer routes every token like the engine here: routing replay changes nothing on these prompts "
                 "(log-prob mismatch, if any, is numeric). Re-run with the real engine dtype and longer completions."
             )
-        factor = none.kl_k3 / r3.kl_k3 if r3.kl_k3 > 0 else math.inf
         return (
             f"Without replay the trainer routes {100 * none.route_mismatch_frac:.2f}% of (token, layer) pairs to other "
             f"experts than the engine; replaying the engine's routes (R3) changes kl_k3 from {none.kl_k3:.3g} to "
-            f"{r3.kl_k3:.3g} ({factor:.3g}x lower) and extreme tokens from {100 * none.extreme_frac:.2f}% to "
-            f"{100 * r3.extreme_frac:.2f}%."
+            f"{r3.kl_k3:.3g} ({_change(none.kl_k3, r3.kl_k3)}) and extreme tokens from "
+            f"{100 * none.extreme_frac:.2f}% to {100 * r3.extreme_frac:.2f}%."
         )
+
+
+def _change(before: float, after: float) -> str:
+    """How ``after`` compares with ``before``, as a factor >= 1 and a direction: '3.2x lower', '1.17x higher'."""
+    if after == before:
+        return "unchanged"
+    if after < before:
+        return f"{before / after:.3g}x lower" if after > 0 else "down to 0"
+    return f"{after / before:.3g}x higher" if before > 0 else "up from 0"
 
 
 def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_code: bool = False, revision=None):
