@@ -315,11 +315,19 @@ def test_audit_of_a_server_that_never_answers_times_out_with_one_line(capsys):
     assert "did not answer within 1 s" in line and "--vllm_timeout" in line
 
 
-def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys):
+def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys, monkeypatch):
     missing = tmp_path / "checkpoints" / "step-100"
     for model in (str(missing), "./no/such/model"):
         line = one_line_error(capsys, ["audit", "--model", model])
         assert "no model folder" in line and "Repo id" not in line
+    # `runs/typo` could be a Hub id, but runs/ is a folder here: a local path, refused at once (no Hub retries)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    line = one_line_error(capsys, ["audit", "--model", "runs/dmeo"])
+    assert "no model folder at runs/dmeo" in line and "did you mean runs/demo?" in line
+    # a folder without config.json (a run's output_dir before its final save) is named as such, not a tokenizer error
+    line = one_line_error(capsys, ["audit", "--model", "runs/demo"])
+    assert "runs/demo holds no config.json" in line
 
 
 def test_audit_of_an_unreachable_server_is_one_line(capsys):

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -47,6 +46,7 @@ from ..engines import TransformersRolloutRecorder
 from ..routing import RouterReplay, has_route
 from ..routing.engine import decode_routed_experts, routes_from_engine
 from ..routing.errors import RouteAlignmentError
+from ..trainer.launch import check_model_path
 from ..trainer.metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
 
 TINY_PREFIX = "tiny:"
@@ -161,12 +161,7 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         from ..testing import tiny_moe_model, tiny_tokenizer
 
         return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
-    if _is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
-        # transformers would answer with the Hub's "Repo id must be in the form ..." for a path it cannot find
-        raise FileNotFoundError(
-            f"no model folder at {model}: it is a local path (a Hub id looks like 'org/name'); pass the folder that "
-            "holds config.json and the weights"
-        )
+    check_model_path(model)  # a mistyped local path would otherwise reach the Hub
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
@@ -174,11 +169,6 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         model, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision
     )
     return causal_lm.eval(), tokenizer
-
-
-def _is_local_path(model: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything absolute, relative (``./``, ``~``) or deeper is a path."""
-    return os.path.exists(model) or os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
 
 
 def default_prompts(num_prompts: int, seed: int = 0) -> list[str]:
