@@ -13,10 +13,12 @@
   in one line, and (not resuming) removes that run's checkpoints when it starts training, so that a later resume can
   never pick up the older run's checkpoint.
 
-A resumed run continues the interrupted one bit for bit when the checkpoint is at a generation-batch boundary (what
-:class:`SaveOnInterrupt` writes; ``save_steps`` a multiple of the generation period), within the first epoch, on the
-same machine: the Trainer restores model, optimizer, scheduler and the RNG states, and skips the batches already
-seen. In a later epoch TRL's ``RepeatSampler`` restarts its shuffling from the seed, so the data order differs.
+A resumed run trains on the same prompts and samples the same completions as the uninterrupted one when the checkpoint
+is at a generation-batch boundary (what :class:`SaveOnInterrupt` writes; ``save_steps`` a multiple of the generation
+period), within the first epoch, on the same machine: the Trainer restores model, optimizer, scheduler and the RNG
+states, and skips the batches already seen. The trainer's float numbers then agree closely, not bit for bit
+(docs/demo.md, "Stopping and resuming"). In a later epoch TRL's ``RepeatSampler`` restarts its shuffling from the
+seed, so the data order differs.
 """
 
 from __future__ import annotations
