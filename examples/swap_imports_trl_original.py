@@ -3,10 +3,14 @@
 # examples/swap_imports_trl_original.py is the plain-TRL script; examples/swap_imports.py is the same script with
 # routing replay (R3 by default). The two files differ only in the line that imports GRPOConfig and GRPOTrainer.
 #
-#     python examples/swap_imports.py [MODEL]    # MODEL: a Hub id or a local checkpoint (model + tokenizer)
+#     python examples/swap_imports.py MODEL    # MODEL: a Hub id or a local checkpoint (model + tokenizer)
 #
-# The settings are sized for a quick run on a small model (the tests train a tiny offline MoE with them and check
-# that the reward rises); for a billion-parameter model lower learning_rate to TRL's default, 1e-6.
+# Offline, on a tiny random MoE saved first (its reward rises from about -43 to -23 in the 30 steps, ~1 min on a CPU):
+#
+#     python -m trl_moe_replay.testing runs/tiny-moe && python examples/swap_imports.py runs/tiny-moe
+#
+# The settings are sized for a quick run on a small model; for a billion-parameter model lower learning_rate to
+# TRL's default, 1e-6. Checkpoints go to runs/swap_imports/.
 import sys
 
 import torch
@@ -14,7 +18,10 @@ from datasets import Dataset
 
 from trl import GRPOConfig, GRPOTrainer
 
-model = sys.argv[1] if len(sys.argv) > 1 else "ibm-granite/granite-3.1-1b-a400m-instruct"
+if len(sys.argv) != 2:
+    sys.exit(f"usage: python {sys.argv[0]} MODEL, a Hub id (e.g. ibm-granite/granite-3.1-1b-a400m-instruct) or a "
+             "checkpoint folder; offline: python -m trl_moe_replay.testing runs/tiny-moe, then MODEL=runs/tiny-moe")
+model = sys.argv[1]
 
 # A small prompt-only dataset, built in place (TRL's quick start loads trl-lib/tldr from the Hub)
 topics = ["the sea", "a cat", "rain", "the moon", "bread", "a train", "snow", "music"]
@@ -27,7 +34,7 @@ def reward_len(completions, **kwargs):
 
 
 training_args = GRPOConfig(
-    output_dir="GRPO-MoE",
+    output_dir="runs/swap_imports",
     learning_rate=1e-3,
     per_device_train_batch_size=8,
     num_generations=8,

@@ -19,11 +19,21 @@ Real models: name one (and a dataset), on the command line or in a config file; 
         --config recipes/configs/qwen3_30b_a3b_vllm_server_zero3.yaml
     python recipes/grpo_r3.py --model_name_or_path allenai/OLMoE-1B-7B-0924-Instruct --dataset_name openai/gsm8k
 
-The tiny-model defaults (learning rate, batch, lengths, ...) apply only when no model is named.
+The tiny-model defaults (learning rate, batch, lengths, ...) apply only when no model is named; on a machine without
+a GPU every run defaults to float32 on the CPU (`--use_cpu true --bf16 false`).
+
+Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C saves one at the end
+of the step in progress and prints the command that resumes, which is the same command with `--resume_from_checkpoint`
+(no value: the newest checkpoint in `--output_dir`). A run started into an output_dir that holds an earlier run says in
+one line whether it resumes it or overwrites it.
 """
 
+import dataclasses
+import difflib
 import importlib
 import os
+import shlex
+import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -54,6 +64,18 @@ import torch  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
+from trl_moe_replay.trainer.checkpoints import (  # noqa: E402
+    NoCheckpointError,
+    SaveOnInterrupt,
+    StartOver,
+    describe_run,
+    generation_period,
+    resolve_resume,
+)
+
+
+class RecipeArgumentError(ValueError):
+    """An argument of this recipe names something that does not exist (a reward function, a tool, a tiny config)."""
 
 
 @dataclass
@@ -104,6 +126,13 @@ class GRPOR3ScriptArguments(ScriptArguments):
     tiny_num_layers: int = field(default=2, metadata={"help": "Decoder layers of the tiny MoE."})
     tiny_num_experts: int = field(default=8, metadata={"help": "Routed experts per MoE layer."})
     tiny_top_k: int = field(default=2, metadata={"help": "Experts per token."})
+    tiny_num_threads: int = field(
+        default=1,
+        metadata={"help": "torch threads for the tiny model (0: torch's default). Float sums, and so every number "
+                  "the run prints, depend on the thread count; with one, they are the same on every machine and "
+                  "launcher (accelerate launch sets one, torch's default is one per core), and a model this small "
+                  "gains nothing from more."},
+    )
     # ---- cold-start SFT of the tiny model (cached)
     sft_steps: int = field(default=400, metadata={"help": "Cold-start SFT steps before GRPO (0: none)."})
     sft_learning_rate: float = field(default=3e-3, metadata={"help": "Cold-start SFT learning rate."})
@@ -139,28 +168,93 @@ OFFLINE_DEFAULTS = dict(
     temperature=1.0,
     beta=0.0,
     bf16=False,
-    gradient_checkpointing=False,
+    activation_checkpointing=False,  # TRL defaults to gradient checkpointing (transformers now calls it this)
     logging_steps=1,
-    save_strategy="no",
+    save_strategy="steps",
+    save_steps=50,
+    save_total_limit=2,
     report_to="none",
     seed=0,
-    # accelerate treats a torchrun launch on a machine without a GPU as distributed only with use_cpu
-    use_cpu=not torch.cuda.is_available(),
 )
 
+#: GRPOConfig values on a machine without a GPU, whether or not a model is named (config files and flags still
+#: override them): float32 on the CPU. TRL's default bf16 needs a GPU unless use_cpu is set, and accelerate treats a
+#: torchrun launch on such a machine as distributed only with use_cpu.
+CPU_DEFAULTS = dict(use_cpu=True, bf16=False) if not torch.cuda.is_available() else {}
 
-def make_parser() -> TrlParser:
-    return TrlParser((GRPOR3ScriptArguments, MoEReplayGRPOConfig, ModelConfig))
+
+class RecipeParser(TrlParser):
+    """TRL's parser, with one-line errors: argparse's own errors print the whole usage (200+ lines) before the one
+    line that matters; here that line alone, naming the config file when the value came from it."""
+
+    config_path: str | None = None
+    config_keys: frozenset = frozenset()
+
+    def error(self, message: str):
+        if self.config_path:
+            for key in self.config_keys:
+                if f"argument --{key}/" in message or f"argument --{key}:" in message:
+                    message += f" (the value of {key} in {self.config_path})"
+                    break
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the arguments)\n")
+
+
+DATACLASSES = (GRPOR3ScriptArguments, MoEReplayGRPOConfig, ModelConfig)
+
+
+def make_parser() -> RecipeParser:
+    return RecipeParser(DATACLASSES)
 
 
 def parse_args(argv: list[str] | None = None):
     """(script_args, training_args, model_args). Order of precedence: command line > --config file > offline
-    defaults (only when no model is named) > the dataclasses' defaults."""
+    defaults (only when no model is named) > the dataclasses' defaults.
+
+    Mistakes end in one line on stderr and exit status 2: an unknown argument (with the closest known name), a value
+    of the wrong type or not among the choices, a value the config objects refuse."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # a bare --resume_from_checkpoint (no value, or another flag next): resume from the newest checkpoint
+    for i, arg in enumerate(argv):
+        if arg == "--resume_from_checkpoint" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            argv.insert(i + 1, "true")
     parser = make_parser()
+    parser.set_defaults(**CPU_DEFAULTS)
     if not _given(argv, "model_name_or_path"):
         parser.set_defaults(**OFFLINE_DEFAULTS)
-    return parser.parse_args_and_config(argv)
+    if "--config" in argv and argv.index("--config") + 1 < len(argv):
+        import yaml
+
+        parser.config_path = argv[argv.index("--config") + 1]
+        try:
+            with open(parser.config_path) as f:
+                parser.config_keys = frozenset((yaml.safe_load(f) or {}).keys())
+        except (OSError, yaml.YAMLError, AttributeError) as exc:
+            parser.error(f"--config {parser.config_path}: {' '.join(str(exc).split())}")
+    try:
+        *parsed, from_file, from_command_line = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except (ValueError, TypeError) as exc:  # what the config objects refuse (their __post_init__ checks)
+        parser.error(" ".join(str(exc).split()))
+    unknown = [a for a in from_command_line if a.startswith("-")]
+    unknown_in_file = [a[2:] for a in from_file[::2]]  # TRL gives the file's unknown keys as ["--key", "value", ...]
+    if unknown or from_command_line:
+        parser.error(_unknown_message(unknown or from_command_line, "argument"))
+    if unknown_in_file:
+        parser.error(_unknown_message(unknown_in_file, f"key in {parser.config_path}"))
+    return tuple(parsed)
+
+
+def _unknown_message(names: list[str], what: str) -> str:
+    """'unknown argument --routing_replai (did you mean --routing_replay?)'."""
+    known = [f.name for cls in DATACLASSES for f in dataclasses.fields(cls) if f.init]
+    parts = []
+    for name in names:
+        bare = name.lstrip("-").split("=", 1)[0].replace("-", "_")
+        close = difflib.get_close_matches(bare, known, n=1, cutoff=0.7)
+        prefix = "--" if name.startswith("-") else ""
+        parts.append(f"{name}" + (f" (did you mean {prefix}{close[0]}?)" if close else ""))
+    return f"unknown {what}{'s' if len(parts) > 1 else ''}: {', '.join(parts)}"
 
 
 def _by_name(name: str, registry: dict, kind: str):
@@ -170,8 +264,11 @@ def _by_name(name: str, registry: dict, kind: str):
     if "." in name:
         module_path, func_name = name.rsplit(".", 1)
         sys.path.insert(0, os.getcwd())
-        return getattr(importlib.import_module(module_path), func_name)
-    raise ValueError(f"Unknown {kind} {name!r}: one of {sorted(registry)} or a dotted import path.")
+        try:
+            return getattr(importlib.import_module(module_path), func_name)
+        except (ImportError, AttributeError) as exc:
+            raise RecipeArgumentError(f"{kind} {name!r} does not import: {exc}") from exc
+    raise RecipeArgumentError(f"Unknown {kind} {name!r}: one of {sorted(registry)} or a dotted import path.")
 
 
 def reward_functions(names: list[str]) -> list:
@@ -187,7 +284,7 @@ def reward_functions(names: list[str]) -> list:
     }
     funcs = [_by_name(name, registry, "reward function") for name in names]
     if not funcs:
-        raise ValueError("at least one reward function is needed (--reward_funcs)")
+        raise RecipeArgumentError("at least one reward function is needed (--reward_funcs)")
     return funcs
 
 
@@ -203,7 +300,7 @@ def is_conversational(script_args) -> bool:
     """Chat-message prompts: as asked, else for Hub datasets and whenever tools are on (TRL renders them with the
     chat template)."""
     if script_args.tools and script_args.conversational is False:
-        raise ValueError("--tools needs conversational prompts (TRL renders the tools with the chat template); "
+        raise RecipeArgumentError("--tools needs conversational prompts (TRL renders the tools with the chat template); "
                          "drop --conversational false")
     if script_args.conversational is not None:
         return script_args.conversational
@@ -243,7 +340,7 @@ def tiny_overrides(family: str, hidden: int, layers: int, experts: int, top_k: i
     from trl_moe_replay.testing import TINY_CONFIGS
 
     if family not in TINY_CONFIGS:
-        raise ValueError(f"no tiny config for {family!r}; one of {sorted(TINY_CONFIGS)}")
+        raise RecipeArgumentError(f"no tiny config for {family!r}; one of {sorted(TINY_CONFIGS)}")
     base = TINY_CONFIGS[family]
     overrides = {"hidden_size": hidden, "num_hidden_layers": layers}
     sizes = {"intermediate_size": 2 * hidden, "moe_intermediate_size": hidden, "head_dim": max(8, hidden // 4)}
@@ -312,11 +409,24 @@ def demonstration_call(tool_names: list[str]):
     for name in tool_names:
         if name in DEMONSTRATIONS:
             return DEMONSTRATIONS[name]
-    raise ValueError(f"the cold start demonstrates only built-in tools ({sorted(DEMONSTRATIONS)}); with --tools "
+    raise RecipeArgumentError(f"the cold start demonstrates only built-in tools ({sorted(DEMONSTRATIONS)}); with --tools "
                      f"{' '.join(tool_names)} pass --sft_tool_call_fraction 0 (or add a built-in tool)")
 
 
 def main(script_args, training_args, model_args):
+    """Train and report; returns the trainer. The tiny offline model trains on ``--tiny_num_threads`` torch threads
+    (the setting is restored afterwards)."""
+    if model_args.model_name_or_path is not None or not script_args.tiny_num_threads:
+        return train(script_args, training_args, model_args)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(script_args.tiny_num_threads)
+    try:
+        return train(script_args, training_args, model_args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def train(script_args, training_args, model_args):
     launched_ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if launched_ranks > 1 and training_args.world_size != launched_ranks:
         raise RuntimeError(
@@ -325,6 +435,7 @@ def main(script_args, training_args, model_args):
             "--use_cpu true (accelerate needs it to set up CPU data parallelism)."
         )
     import transformers
+    from accelerate import PartialState
     from packaging.version import Version
     from transformers import ProgressCallback
     from trl import get_peft_config, get_quantization_config
@@ -332,6 +443,9 @@ def main(script_args, training_args, model_args):
     from trl_moe_replay import MoEReplayGRPOTrainer
     from trl_moe_replay.cli.progress import KEY_METRICS, CompactProgressCallback
 
+    state = PartialState()
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    announce_output_dir(training_args, resume)
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
     tools = tool_functions(script_args.tools)
     processing_class = None
@@ -368,7 +482,22 @@ def main(script_args, training_args, model_args):
         print_every = max(10, training_args.logging_steps)
         trainer.add_callback(CompactProgressCallback(print_every=print_every, metrics=metrics))
 
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    interrupt = SaveOnInterrupt()
+    trainer.add_callback(interrupt)
+    if resume is None:
+        trainer.add_callback(StartOver())
+    period = generation_period(training_args)
+    if training_args.save_strategy == "steps" and training_args.save_steps % period and training_args.save_steps >= 1:
+        state.print(f"note: save_steps={training_args.save_steps} is not a multiple of the generation period "
+                    f"({period} steps): a run resumed from such a checkpoint regenerates its generation batch")
+
+    trainer.train(resume_from_checkpoint=resume)
+    if interrupt.interrupted:
+        if Version(transformers.__version__) >= Version("5.18.0"):
+            trainer.end()
+        state.print(f"stopped at step {trainer.state.global_step} of {trainer.state.max_steps}; checkpoint saved in "
+                    f"{interrupt.checkpoint}; resume with: {resume_command()}")
+        return trainer
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history the plots read
 
@@ -388,6 +517,51 @@ def main(script_args, training_args, model_args):
     return trainer
 
 
+def announce_output_dir(training_args, resume: str | None) -> None:
+    """One line when output_dir holds an earlier run: what this run does with it."""
+    if not int(os.environ.get("RANK", "0")) == 0:
+        return
+    earlier = describe_run(training_args.output_dir)
+    if resume is not None:
+        print(f"resuming {training_args.output_dir} from {resume}")
+    elif earlier is not None:
+        again = "" if earlier.startswith("a finished") else f"; to continue it instead, stop and run: {resume_command()}"
+        print(f"{training_args.output_dir} holds {earlier}: starting over, its checkpoints are deleted when training "
+              f"starts{again}")
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """The command line that resumes this run: the same launcher, script and arguments, with
+    ``--resume_from_checkpoint`` (and no value: the newest checkpoint in output_dir)."""
+    argv = list(sys.argv if argv is None else argv)
+    args, skip = [], False
+    for i, arg in enumerate(argv[1:], 1):
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        elif not arg.startswith("--resume_from_checkpoint="):
+            args.append(arg)
+    here = os.path.dirname(sys.executable)
+
+    def program(name: str) -> str:
+        """``name`` if it runs this environment's copy, else that copy's path (``.venv/bin/accelerate``)."""
+        path, on_path = os.path.join(here, name), shutil.which(name)
+        if not os.path.exists(path) or (on_path and os.path.samefile(on_path, path)):
+            return name
+        relative = os.path.relpath(path)
+        return path if relative.startswith("..") else relative
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if any(k in os.environ for k in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")):
+        launcher = [program("accelerate"), "launch"] + (["[your launch options]"] if world_size > 1 else [])
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = [program("torchrun"), "--standalone", "--nproc_per_node", str(world_size)]
+    else:
+        launcher = [program("python")]
+    return " ".join(launcher + [shlex.quote(a) for a in [argv[0], *args, "--resume_from_checkpoint"]])
+
+
 def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward", label: str = "mean reward") -> str:
     """'mean reward: first N steps X -> last N steps Y' from the training log (or another logged ``key``)."""
     values = [h[key] for h in log_history if key in h and f"eval_{key}" not in h]
@@ -398,5 +572,27 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
     return f"{label}: first {n} logged steps {first:.3f} -> last {n} logged steps {last:.3f}"
 
 
+def run(argv: list[str] | None = None) -> int:
+    """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
+    from trl_moe_replay.routing import UnsupportedModelError
+    from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
+    from trl_moe_replay.trainer.output_lock import OutputDirInUseError
+
+    user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
+                   OutputDirInUseError, LaunchMismatchError)
+    prog = os.path.basename(sys.argv[0])
+    try:
+        trainer = main(*parse_args(argv))
+    except user_errors as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # before training started, or a second Ctrl-C: nothing new saved
+        print(f"\n{prog}: interrupted; no checkpoint saved by this interruption", file=sys.stderr)
+        return 130
+    return 130 if any(isinstance(cb, SaveOnInterrupt) and cb.interrupted
+                      for cb in trainer.callback_handler.callbacks) else 0
+
+
 if __name__ == "__main__":
-    main(*parse_args())
+    sys.exit(run())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trl_moe_replay.cli import main
-from trl_moe_replay.cli.audit import run_audit
+from trl_moe_replay.cli.audit import AuditReport, AuditRow, run_audit
 from trl_moe_replay.cli.plotting import (
     MAX_FIGURES_PER_FAMILY,
     MAX_PANELS_PER_FIGURE,
@@ -189,6 +189,15 @@ def test_audit_same_dtype_is_numerically_tight():
     assert report.row("r3").route_mismatch_frac == 0.0
 
 
+@pytest.mark.parametrize("r3_kl_k3, says", [(6.81e-08, "(10x lower)"), (7.99e-07, "(1.17x higher)"),
+                                             (6.81e-07, "(unchanged)"), (0.0, "(down to 0)")])
+def test_audit_verdict_says_which_way_kl_moved(r3_kl_k3, says):
+    rows = [AuditRow("none", 0.0, 6.81e-07, 0.01, 0.1, 0.05, 0.9, 0.05, 0.0),
+            AuditRow("r3", 0.0, r3_kl_k3, 0.01, 0.1, 0.0, 1.0, 0.05, 0.0)]
+    report = AuditReport("tiny:qwen3_moe", "bfloat16", "float32", 1, 2, 10, 40, rows)
+    assert f"kl_k3 from 6.81e-07 to {r3_kl_k3:.3g} {says}" in report.verdict()
+
+
 def test_audit_cli_prints_table_and_json(capsys):
     args = ["audit", "--model", "tiny:olmoe", "--num_prompts", "2", "--max_new_tokens", "6"]
     assert main(args) == 0
@@ -306,11 +315,19 @@ def test_audit_of_a_server_that_never_answers_times_out_with_one_line(capsys):
     assert "did not answer within 1 s" in line and "--vllm_timeout" in line
 
 
-def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys):
+def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys, monkeypatch):
     missing = tmp_path / "checkpoints" / "step-100"
     for model in (str(missing), "./no/such/model"):
         line = one_line_error(capsys, ["audit", "--model", model])
         assert "no model folder" in line and "Repo id" not in line
+    # `runs/typo` could be a Hub id, but runs/ is a folder here: a local path, refused at once (no Hub retries)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    line = one_line_error(capsys, ["audit", "--model", "runs/dmeo"])
+    assert "no model folder at runs/dmeo" in line and "did you mean runs/demo?" in line
+    # a folder without config.json (a run's output_dir before its final save) is named as such, not a tokenizer error
+    line = one_line_error(capsys, ["audit", "--model", "runs/demo"])
+    assert "runs/demo holds no config.json" in line
 
 
 def test_audit_of_an_unreachable_server_is_one_line(capsys):

@@ -4,13 +4,12 @@ comparison trains, plots and shows R3 lowest; the rollout_func example replays i
 import difflib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
 from .helpers import load_script
 
@@ -31,15 +30,17 @@ def test_swap_imports_differs_from_the_trl_original_in_import_lines_only():
 
 @pytest.mark.slow
 def test_swap_imports_example_learns_offline(tmp_path):
-    """The swapped TRL quick start trains a tiny MoE checkpoint with R3 and its length reward rises (~25 s)."""
-    checkpoint = tmp_path / "tiny-moe"
-    tiny_moe_model("qwen3_moe").save_pretrained(checkpoint)
-    tiny_tokenizer().save_pretrained(checkpoint)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(EXAMPLES / "swap_imports.py"), str(checkpoint)], cwd=tmp_path,
+    """The documented offline command: save a tiny MoE checkpoint, then the swapped TRL quick start trains it with R3
+    and its length reward rises (~25 s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("HF_HUB_OFFLINE", None)  # a local checkpoint needs no Hub, and must not try it
+    saved = subprocess.run([sys.executable, "-m", "trl_moe_replay.testing", "runs/tiny-moe"], cwd=tmp_path,
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert saved.returncode == 0 and (tmp_path / "runs" / "tiny-moe" / "tokenizer.json").is_file(), saved.stderr
+    result = subprocess.run([sys.executable, str(EXAMPLES / "swap_imports.py"), "runs/tiny-moe"], cwd=tmp_path,
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    state = json.loads((tmp_path / "GRPO-MoE" / "checkpoint-30" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "runs" / "swap_imports" / "checkpoint-30" / "trainer_state.json").read_text())
     logged = [entry for entry in state["log_history"] if "reward" in entry]
     assert len(logged) == 30
     # the replay trainer ran (R3, the default): every step replayed the rollout's routes, none fell back
@@ -48,6 +49,22 @@ def test_swap_imports_example_learns_offline(tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # measured (seed 0): first 5 steps -42.7, last 5 steps -23.2; a step's mean reward varies by ~8 from step to step
     assert last > first + 8, rewards
+
+
+def test_swap_imports_example_without_a_model_says_how_to_run_it_offline(tmp_path):
+    for script in ("swap_imports.py", "swap_imports_trl_original.py"):
+        result = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 1 and "python -m trl_moe_replay.testing runs/tiny-moe" in result.stderr
+        assert not list(tmp_path.iterdir())  # nothing written, nothing downloaded
+
+
+def test_examples_write_under_a_git_ignored_folder():
+    root = EXAMPLES.parent
+    if not (root / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    for folder in ("runs/swap_imports/checkpoint-30", "runs/tiny-moe"):
+        assert subprocess.run(["git", "check-ignore", "-q", folder], cwd=root).returncode == 0, folder
 
 
 def test_compare_replay_modes(tmp_path, capsys):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from trl import get_peft_config
 
@@ -94,9 +95,11 @@ def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
     _, offline, _ = recipe.parse_args([])
     assert offline.learning_rate == recipe.OFFLINE_DEFAULTS["learning_rate"] and offline.bf16 is False
     assert offline.max_steps == recipe.OFFLINE_DEFAULTS["max_steps"] and offline.max_completion_length == 8
-    _, named, model_args = recipe.parse_args(["--model_name_or_path", "some/moe", "--use_cpu", "true"])
+    _, named, model_args = recipe.parse_args(["--model_name_or_path", "some/moe"])
     assert model_args.model_name_or_path == "some/moe"
     assert named.learning_rate == 1e-6 and named.max_steps == -1  # GRPOConfig's own defaults
+    if not torch.cuda.is_available():  # ... but still float32 on the CPU (TRL's bf16 default needs a GPU)
+        assert named.use_cpu and named.bf16 is False
     # command line beats everything
     _, cli, _ = recipe.parse_args(["--max_steps", "7", "--routing_replay", "r2", "--learning_rate", "0.01"])
     assert (cli.max_steps, cli.routing_replay, cli.learning_rate) == (7, "r2", 0.01)
@@ -107,6 +110,22 @@ def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
     assert (from_file.max_steps, from_file.learning_rate, from_file.routing_replay) == (3, 0.5, "none")
     with pytest.raises(SystemExit):
         recipe.parse_args(["--routing_replay", "r9"])
+
+
+def test_model_path_mistakes_are_one_line_before_the_hub(recipe, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo" / "checkpoint-50").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "checkpoint-50" / "config.json").write_text("{}")
+    for model, says in [
+        ("runs/dmeo", "no model folder at runs/dmeo: it reads as a local path (a Hub id looks like 'org/name'); pass "
+                      "the folder that holds config.json and the weights (did you mean runs/demo?)"),
+        ("./nowhere", "no model folder at ./nowhere"),
+        ("runs/demo", "runs/demo holds no config.json, so it is not a transformers checkpoint; its newest checkpoint "
+                      "is runs/demo/checkpoint-50"),
+    ]:
+        assert recipe.run(["--model_name_or_path", model, "--synthetic_samples", "16"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and ": error: " in lines[0] and says in lines[0], lines
 
 
 def test_reward_function_registry(recipe):

@@ -56,8 +56,9 @@ def test_sparse_layer_options_map_to_absolute_layers(model_type, overrides, moe_
 def test_dense_model_is_refused_with_the_supported_families():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(UnsupportedModelError, match="Mixtral.*Qwen3-MoE.*OLMoE"):
+    with pytest.raises(UnsupportedModelError, match="Mixtral.*Qwen3-MoE.*OLMoE") as refused:
         RouterReplay(model)
+    assert 'routing_replay="none"' in str(refused.value)  # what a dense model trains with
 
 
 def test_minus_one_rows_keep_the_routers_own_choice():

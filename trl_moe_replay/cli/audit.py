@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +47,7 @@ from ..routing import RouterReplay, has_route
 from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..routing.errors import RouteAlignmentError
+from ..trainer.launch import check_model_path
 from ..trainer.metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
 
 TINY_PREFIX = "tiny:"
@@ -139,13 +139,21 @@ class AuditReport:
                 "The trainer routes every token like the engine here: routing replay changes nothing on these prompts "
                 "(log-prob mismatch, if any, is numeric). Re-run with the real engine dtype and longer completions."
             )
-        factor = none.kl_k3 / r3.kl_k3 if r3.kl_k3 > 0 else math.inf
         return (
             f"Without replay the trainer routes {100 * none.route_mismatch_frac:.2f}% of (token, layer) pairs to other "
             f"experts than the engine; replaying the engine's routes (R3) changes kl_k3 from {none.kl_k3:.3g} to "
-            f"{r3.kl_k3:.3g} ({factor:.3g}x lower) and extreme tokens from {100 * none.extreme_frac:.2f}% to "
-            f"{100 * r3.extreme_frac:.2f}%."
+            f"{r3.kl_k3:.3g} ({_change(none.kl_k3, r3.kl_k3)}) and extreme tokens from "
+            f"{100 * none.extreme_frac:.2f}% to {100 * r3.extreme_frac:.2f}%."
         )
+
+
+def _change(before: float, after: float) -> str:
+    """How ``after`` compares with ``before``, as a factor >= 1 and a direction: '3.2x lower', '1.17x higher'."""
+    if after == before:
+        return "unchanged"
+    if after < before:
+        return f"{before / after:.3g}x lower" if after > 0 else "down to 0"
+    return f"{after / before:.3g}x higher" if before > 0 else "up from 0"
 
 
 def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_code: bool = False, revision=None):
@@ -154,12 +162,7 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         from ..testing import tiny_moe_model, tiny_tokenizer
 
         return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
-    if _is_local_path(model) and not os.path.isdir(os.path.expanduser(model)):
-        # transformers would answer with the Hub's "Repo id must be in the form ..." for a path it cannot find
-        raise FileNotFoundError(
-            f"no model folder at {model}: it is a local path (a Hub id looks like 'org/name'); pass the folder that "
-            "holds config.json and the weights"
-        )
+    check_model_path(model)  # a mistyped local path would otherwise reach the Hub
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
@@ -167,11 +170,6 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         model, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision
     )
     return causal_lm.eval(), tokenizer
-
-
-def _is_local_path(model: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything absolute, relative (``./``, ``~``) or deeper is a path."""
-    return os.path.exists(model) or os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
 
 
 def default_prompts(num_prompts: int, seed: int = 0) -> list[str]:

@@ -492,8 +492,9 @@ def _discover_routers(model: nn.Module) -> list[_RouterSite]:
             sites[path] = _RouterSite(int(match.group(1)), path, [module], family)
     if not sites:
         raise UnsupportedModelError(
-            f"{type(model).__name__} has no MoE router of a supported family. Supported: "
-            f"{', '.join(supported_family_names())}."
+            f"{type(model).__name__} has no MoE router of a supported family, so there are no routes to record or "
+            "replay. A dense model (no experts): train it with routing_replay=\"none\" (plain TRL GRPO). A MoE "
+            f"model: supported families are {', '.join(supported_family_names())}."
         )
     ordered = sorted(sites.values(), key=lambda site: site.layer)
     layers = [site.layer for site in ordered]

@@ -57,7 +57,7 @@ from ..upstream import (
     vllm_weights_stale,
 )
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
-from .launch import check_launched_engine, check_launched_precision
+from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
 from .output_lock import OutputDirInUseError, OutputDirLock
@@ -106,6 +106,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         assert_trl_compatible()
+        if isinstance(model, str):
+            check_model_path(model)  # a mistyped local path would otherwise reach the Hub
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.

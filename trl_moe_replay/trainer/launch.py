@@ -1,4 +1,5 @@
-"""What the launch asked for against what the trainer got: precision and distributed engine.
+"""What the launch asked for against what the trainer got: precision and distributed engine; and a model path that
+is not a checkpoint (:func:`check_model_path`), refused before transformers mistakes it for a Hub id.
 
 Two silent mismatches of accelerate are turned into errors that say what to change:
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from accelerate.utils import DistributedType
 from transformers.utils import logging
@@ -81,3 +83,52 @@ def check_launched_engine(
         f"CPUs, {requested} configs on GPUs.",
         strict,
     )
+
+
+class ModelPathError(FileNotFoundError):
+    """A model named by a local path that does not hold a transformers checkpoint."""
+
+
+def check_model_path(model: str) -> None:
+    """Raise :class:`ModelPathError` if ``model`` reads as a local path and is not a checkpoint folder.
+
+    transformers treats any name that is not an existing folder as a Hub id: a mistyped path then fails with the
+    Hub's "Repo id must be in the form ..." (or, offline, after a minute of retries), and a folder without
+    ``config.json`` fails later in the tokenizer. A name is a local path if it exists, is absolute, starts with
+    ``.`` or ``~``, has more than one ``/``, or its first part is a folder here (``runs/typo`` with ``runs/``
+    present); ``org/name`` otherwise stays a Hub id.
+    """
+    path = Path(model).expanduser()
+    first = model.split("/", 1)[0]
+    local = (path.exists() or path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
+             or ("/" in model and Path(first).is_dir()))
+    if not local:
+        return
+    if not path.exists():
+        near = _nearest_sibling(path)
+        raise ModelPathError(
+            f"no model folder at {model}: it reads as a local path (a Hub id looks like 'org/name'); pass the folder "
+            "that holds config.json and the weights" + (f" (did you mean {near}?)" if near else "")
+        )
+    if not path.is_dir():
+        raise ModelPathError(f"{model} is a file; pass the folder that holds config.json and the weights")
+    if not (path / "config.json").is_file():
+        inside = sorted((p for p in path.glob("checkpoint-*") if (p / "config.json").is_file()),
+                        key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+        hint = f"; its newest checkpoint is {inside[-1]}" if inside else ""
+        raise ModelPathError(
+            f"{model} holds no config.json, so it is not a transformers checkpoint{hint}: pass the folder that holds "
+            "config.json and the weights (what save_pretrained writes)"
+        )
+
+
+def _nearest_sibling(path: Path) -> str | None:
+    """The existing entry of ``path``'s parent folder whose name is closest to ``path``'s, if any is close."""
+    import difflib
+
+    parent = path.parent
+    if not parent.is_dir():
+        return None
+    names = [p.name for p in parent.iterdir()]
+    match = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return str(parent / match[0]) if match else None

@@ -1,0 +1,189 @@
+"""Runs that survive Ctrl-C: save a checkpoint on SIGINT, resume from the newest one, say what a re-run does.
+
+- :class:`SaveOnInterrupt` (a ``TrainerCallback``): the first Ctrl-C lets the step in progress finish, saves a
+  checkpoint and stops training; a second one, later than :data:`FORCE_AFTER_S`, stops at once without a checkpoint.
+  The stop waits for the end of a generation batch: TRL keeps the rollouts of a generation batch (and with them the
+  routes R2/R3/PR2 replay) in memory only, and a run resumed in the middle of one regenerates it (TRL's
+  ``_buffered_inputs`` is empty after a resume), so only a checkpoint at a boundary resumes exactly.
+- :func:`resolve_resume`: ``--resume_from_checkpoint`` with no path (``true``) names the newest complete
+  checkpoint of ``output_dir``. Everything of ours that a resume needs is inside the checkpoint: PR2's predictors
+  (``pr2_predictors.safetensors``, read by ``MoEReplayGRPOTrainer._load_optimizer_and_scheduler``); routes live only
+  inside a generation batch (see above).
+- :func:`describe_run` / :class:`StartOver`: a run started into an ``output_dir`` that holds an earlier one says so
+  in one line, and (not resuming) removes that run's checkpoints when it starts training, so that a later resume can
+  never pick up the older run's checkpoint.
+
+A resumed run trains on the same prompts and samples the same completions as the uninterrupted one when the checkpoint
+is at a generation-batch boundary (what :class:`SaveOnInterrupt` writes; ``save_steps`` a multiple of the generation
+period), within the first epoch, on the same machine: the Trainer restores model, optimizer, scheduler and the RNG
+states, and skips the batches already seen. The trainer's float numbers then agree closely, not bit for bit
+(docs/demo.md, "Stopping and resuming"). In a later epoch TRL's ``RepeatSampler`` restarts its shuffling from the
+seed, so the data order differs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+#: A second Ctrl-C this long after the first stops at once (a launcher that forwards the first one to the training
+#: processes, as torchrun does, delivers it twice within milliseconds).
+FORCE_AFTER_S = 2.0
+
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+class NoCheckpointError(FileNotFoundError):
+    """Asked to resume, but the output directory holds no complete checkpoint."""
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """``output_dir``'s complete ``checkpoint-N`` folders (``trainer_state.json`` in them, the Trainer writes it
+    last), oldest step first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / TRAINER_STATE).is_file()]
+
+
+def newest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    found = checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(value, output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint ``--resume_from_checkpoint VALUE`` names: none for ``None``/``false``, the newest complete one
+    of ``output_dir`` for ``True``/``"true"``/``""`` (:class:`NoCheckpointError` if there is none), else the path."""
+    if value is None or value is False or (isinstance(value, str) and value.lower() in ("false", "no", "none")):
+        return None
+    if value is True or (isinstance(value, str) and value.lower() in ("", "true", "yes", "latest")):
+        found = newest_checkpoint(output_dir)
+        if found is None:
+            raise NoCheckpointError(
+                f"--resume_from_checkpoint: no checkpoint in {output_dir} to resume from (checkpoint-N folders with "
+                f"{TRAINER_STATE}); pass --output_dir of the run to resume, or a checkpoint path, or drop the flag "
+                "to start a new run"
+            )
+        return str(found)
+    if not os.path.isdir(value):
+        raise NoCheckpointError(f"--resume_from_checkpoint {value}: no such folder (pass a checkpoint-N folder, "
+                                "or no value for the newest checkpoint in --output_dir)")
+    return str(value)
+
+
+def describe_run(output_dir: str | os.PathLike) -> str | None:
+    """What an earlier run left in ``output_dir`` ("a finished run of 200 steps", "an unfinished run, last checkpoint
+    at step 150 of 200"), or ``None`` if it holds none."""
+    folder = Path(output_dir)
+    newest = newest_checkpoint(folder)
+    state_file = newest / TRAINER_STATE if newest else folder / TRAINER_STATE
+    if not state_file.is_file():
+        return None
+    try:
+        state = json.loads(state_file.read_text())
+        step, max_steps = int(state["global_step"]), int(state["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"an earlier run ({state_file} unreadable)"
+    if step >= max_steps:
+        return f"a finished run of {step} steps"
+    return f"an unfinished run (last checkpoint at step {step} of {max_steps})"
+
+
+class StartOver(TrainerCallback):
+    """Remove the ``checkpoint-N`` folders and ``trainer_state.json`` an earlier run left in ``output_dir`` when
+    this (not resumed) run begins training: by then the trainer holds the output-directory lock, so no live run's
+    files go. Other files (the earlier final model, plots) are overwritten when this run ends."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        for checkpoint in Path(args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+            if _CHECKPOINT.match(checkpoint.name) and checkpoint.is_dir():
+                shutil.rmtree(checkpoint)
+        (Path(args.output_dir) / TRAINER_STATE).unlink(missing_ok=True)
+
+
+class SaveOnInterrupt(TrainerCallback):
+    """Ctrl-C (SIGINT) during ``trainer.train()``: save a checkpoint at the end of the generation batch in progress
+    (every step in TRL's default settings) and stop training; ``train()`` then returns normally. A second Ctrl-C,
+    :data:`FORCE_AFTER_S` or more after the first, raises ``KeyboardInterrupt`` at once.
+
+    After ``train()``, :attr:`checkpoint` is the folder saved on the interrupt (``None`` if there was none). With
+    several processes every one must get the signal (a terminal's Ctrl-C reaches them all; launchers forward it); the
+    decision to stop is shared at each boundary, so all stop at the same step.
+    """
+
+    def __init__(self):
+        self.requested_at: float | None = None
+        self.checkpoint: str | None = None
+        self._previous_handler = None
+        self._is_main = True
+
+    @property
+    def interrupted(self) -> bool:
+        return self.checkpoint is not None
+
+    def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self.requested_at is None:
+            self.requested_at = now
+            if self._is_main:
+                print("\nCtrl-C: saving a checkpoint at the end of this step, then stopping "
+                      f"(Ctrl-C again after {FORCE_AFTER_S:.0f} s to stop at once, without one)",
+                      file=sys.stderr, flush=True)
+        elif now - self.requested_at >= FORCE_AFTER_S:
+            raise KeyboardInterrupt
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._is_main = state.is_world_process_zero
+        self.requested_at, self.checkpoint = None, None
+        if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+            self._previous_handler = signal.signal(signal.SIGINT, self._handle)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not _at_generation_boundary(args, state.global_step) or not self._stop_requested(args):
+            return
+        control.should_save = True
+        control.should_training_stop = True
+        self.checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
+
+    def _stop_requested(self, args) -> bool:
+        """Whether any process got Ctrl-C: the same answer on every rank (all must save and stop together)."""
+        requested = self.requested_at is not None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and args.world_size > 1:
+            flag = torch.tensor([int(requested)], device=args.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            requested = bool(flag.item())
+        return requested
+
+
+def generation_period(args) -> int:
+    """Optimizer steps from one generation batch to the next: TRL regenerates every ``steps_per_generation *
+    num_iterations`` micro-batches, and an optimizer step takes ``gradient_accumulation_steps`` of them (1 for
+    arguments without generation batches)."""
+    micro = (getattr(args, "steps_per_generation", None) or 1) * (getattr(args, "num_iterations", None) or 1)
+    accumulation = max(1, args.gradient_accumulation_steps)
+    return micro // math.gcd(micro, accumulation)
+
+
+def _at_generation_boundary(args, global_step: int) -> bool:
+    return global_step % generation_period(args) == 0
