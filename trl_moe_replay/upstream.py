@@ -2,7 +2,8 @@
 
 ``MoEReplayGRPOTrainer`` subclasses ``trl.GRPOTrainer`` and overrides some of its private methods; a few behaviours
 also depend on how TRL's code is written inside them. Each such dependency is one entry below, with the TRL file it
-was read from (TRL 1.16.0 throughout, :data:`TRL_READ`). :func:`check_trl` verifies every entry against the
+was read from (TRL 1.16.0 throughout, :data:`TRL_READ`), and :data:`VERIFIED_ON` lists the TRL versions each entry
+was verified on (``check_trl`` clean and the test suite green). :func:`check_trl` verifies every entry against the
 installed TRL (signatures, and where an entry depends on the order or form of TRL's code, that code) and the
 trainer calls it when it is built: an upstream change fails loudly, naming the entry, instead of training silently
 wrong. ``tests/test_upstream.py`` runs the same checks in CI.
@@ -28,6 +29,15 @@ from trl import GRPOTrainer
 
 TRL_READ = "1.16.0"
 """The TRL version every entry below was read from."""
+
+TRL_RANGE = ">=1.16.0,<1.17"
+"""The TRL versions this package declares (pyproject.toml); a TRL inside it passes :func:`check_trl`."""
+
+_ALL_ENTRIES = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "T1", "T2")
+VERIFIED_ON: dict[str, tuple[str, ...]] = {entry: ("1.16.0",) for entry in _ALL_ENTRIES}
+"""TRL versions each entry was verified on. (TRL 1.15.0 fails entry 15 and its GRPO needs Triton; 1.14.2 fails
+entry 1 as well: see docs/install.md. T1 and T2 concern transformers, verified on 5.16.1 and 5.24.0 under TRL 1.16.0.)
+Run ``python scripts/check_trl_tree.py PATH`` against a TRL checkout before adding a version here."""
 
 
 class UpstreamChangedError(RuntimeError):
@@ -284,6 +294,38 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 15. Public TRL APIs this package calls that a TRL still matching entries 1-14 may lack: public, but not in every
+#    TRL release, so they are checked like the private ones (TRL 1.15.0 has neither).
+#    VLLMClient.get_server_info() (trl/generation/vllm_client.py): `trl-moe-replay audit` and the fake vLLM server
+#    read the server's configuration; parse_response(tokenizer, ids, prefix=..., tools=...)
+#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does.
+# ---------------------------------------------------------------------------------------------------------------
+PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "VLLMClient.get_server_info": ("trl.generation.vllm_client", ("self",)),
+    "parse_response": ("trl.chat_template_utils", ("tokenizer", "ids", "prefix", "tools")),
+}
+
+
+def _check_public_apis() -> list[Finding]:
+    findings = []
+    for qualified, (module_name, params) in PUBLIC_APIS.items():
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            obj = None
+        for part in qualified.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            findings.append(Finding("15", f"{module_name}.{qualified} does not exist"))
+            continue
+        have = tuple(inspect.signature(obj).parameters)
+        missing = [p for p in params if p not in have]
+        if missing:
+            findings.append(Finding("15", f"{module_name}.{qualified}{have} lacks the parameter(s) {missing}"))
+    return findings
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/trainer/pr2.py and
 #    grpo_trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
@@ -294,8 +336,88 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 TRANSFORMERS_READ = "5.23.0"
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# T1. The KV cache keyword of the decoder stack (RouterReplay's stack pre-hook, trl_moe_replay/routing/replay.py).
+#    Before transformers 5.24 `generate` hands the stack (e.g. Qwen3MoeModel.forward) its cache as
+#    `past_key_values=`; from 5.24 as `cache=` (`past_key_values` stays a deprecated alias, renamed inside
+#    forward, so a pre-hook can see either). A pre-hook that misses the cache takes every decode step for a fresh
+#    forward. Verified on transformers 5.16.1 and 5.24.0 (tests at both ends of the declared range).
+# ---------------------------------------------------------------------------------------------------------------
+STACK_CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def check_stack_cache_keyword(stack: Any) -> None:
+    """Raise :class:`UpstreamChangedError` (entry T1) unless ``stack.forward`` takes one of
+    :data:`STACK_CACHE_KEYWORDS`. Called when RouterReplay attaches to a model."""
+    params = inspect.signature(stack.forward).parameters
+    if not any(keyword in params for keyword in STACK_CACHE_KEYWORDS):
+        raise UpstreamChangedError(
+            f"[T1] {type(stack).__name__}.forward takes neither of {STACK_CACHE_KEYWORDS} (it takes "
+            f"{tuple(params)}): transformers {_transformers_version()} renamed the decoder stack's KV cache "
+            "argument, and RouterReplay could not tell generate's decode steps from fresh forwards. Install a "
+            "transformers inside this package's declared range (README, Tested versions)."
+        )
+
+
+def stack_cache(kwargs: dict) -> Any:
+    """The KV cache a decoder-stack forward was called with (entry T1), or ``None``."""
+    for keyword in STACK_CACHE_KEYWORDS:
+        if kwargs.get(keyword) is not None:
+            return kwargs[keyword]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# T2. The order of a router's outputs (RouterReplay's router hook).
+#    Every router in the family table returns (router_logits [N, E], gate_weights [N, K], expert_ids [N, K]), except,
+#    before transformers 5.21, the GraniteMoe(-Shared, -Hybrid) and Aria routers, which return
+#    (expert_ids, gate_weights, router_logits). Read from transformers 5.16.1 through 5.24.0 (every minor release);
+#    verified by tests/test_families.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
+#    through these two functions, which check the dtypes (integer ids, floating logits) so that a router whose
+#    order changed again fails loudly with this entry's name instead of replaying logits as ids.
+# ---------------------------------------------------------------------------------------------------------------
+IDS_FIRST_BEFORE = "5.21.0"
+IDS_FIRST_ROUTERS = frozenset(
+    {"GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter", "GraniteMoeHybridTopKRouter", "AriaTextTopKRouter"}
+)
+
+
+def _transformers_version() -> str:
+    from .routing.routers import transformers_version
+
+    return transformers_version()
+
+
+def router_ids_first(router: Any) -> bool:
+    """Whether ``router`` returns ``(ids, weights, logits)`` in the installed transformers (entry T2)."""
+    from packaging.version import Version
+
+    if Version(_transformers_version()) >= Version(IDS_FIRST_BEFORE):
+        return False
+    return any(cls.__name__ in IDS_FIRST_ROUTERS for cls in type(router).__mro__)
+
+
+def split_router_output(output: tuple, ids_first: bool, router_name: str) -> tuple[Any, Any, Any]:
+    """``(logits, weights, ids)`` of a router's output, whatever its order (entry T2)."""
+    logits, weights, ids = (output[2], output[1], output[0]) if ids_first else (output[0], output[1], output[2])
+    if ids.dtype.is_floating_point or not logits.dtype.is_floating_point:
+        raise UpstreamChangedError(
+            f"[T2] router {router_name} ({_transformers_version()}) returned {tuple(o.dtype for o in output[:3])}; "
+            f"expected {'(ids, weights, logits)' if ids_first else '(logits, weights, ids)'} as "
+            "trl_moe_replay/upstream.py entry T2 records for this transformers. Its output order changed: install "
+            "a transformers inside this package's declared range, or update entry T2."
+        )
+    return logits, weights, ids
+
+
+def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any, ids: Any) -> tuple:
+    """A router output in the router's own order with new ``weights`` and ``ids`` (entry T2)."""
+    head = (ids, weights, logits) if ids_first else (logits, weights, ids)
+    return (*head, *output[3:])
+
+
 def check_transformers_and_torch() -> tuple[Finding, ...]:
-    """Entry 11 against the installed transformers and torch."""
+    """Entries 11 and T1 against the installed transformers and torch (T2 is checked at every router call)."""
     import torch
     from transformers import PreTrainedModel
 
@@ -305,6 +427,11 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
     if not callable(getattr(torch.nn.parallel.DistributedDataParallel,
                             "_set_params_and_buffers_to_ignore_for_model", None)):
         findings.append(Finding("11", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is gone"))
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeModel
+
+    params = inspect.signature(Qwen3MoeModel.forward).parameters
+    if not any(keyword in params for keyword in STACK_CACHE_KEYWORDS):
+        findings.append(Finding("T1", f"Qwen3MoeModel.forward takes none of {STACK_CACHE_KEYWORDS}"))
     return tuple(findings)
 
 
@@ -317,7 +444,7 @@ class Finding:
     problem: str
 
     def __str__(self) -> str:
-        return f"[{self.entry}] {self.problem}"
+        return f"[{self.entry}] {self.problem} (entry verified on TRL {', '.join(VERIFIED_ON.get(self.entry, ()))})"
 
 
 def _source(obj: Any) -> str:
@@ -338,6 +465,24 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
         if not condition:
             findings.append(Finding(entry, problem))
 
+    def code(entry: str, owner: Any, *path: str) -> str:
+        """The source (comments left out) of owner.path, or "" with a finding when a TRL lacks it."""
+        obj = owner
+        for name in path:
+            obj = getattr(obj, name, None)
+        if obj is None:
+            if owner is not None:  # else its module is missing, already reported
+                findings.append(Finding(entry, f"{getattr(owner, '__name__', owner)}.{'.'.join(path)} does not exist"))
+            return ""
+        return _code_only(_source(obj))
+
+    def module(entry: str, name: str) -> Any:
+        try:
+            return importlib.import_module(name)
+        except ImportError as error:
+            findings.append(Finding(entry, f"cannot import {name}: {error}"))
+            return None
+
     for name, params in OVERRIDDEN_METHODS.items():
         method = getattr(trainer_class, name, None)
         if method is None:
@@ -345,15 +490,15 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
             continue
         have = tuple(inspect.signature(method).parameters)
         expect("1", have[: len(params)] == params, f"GRPOTrainer.{name}{params} became {name}{have}")
-    expect("1", isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights"), staticmethod),
+    expect("1", isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod),
            "GRPOTrainer.get_gamma_weights is no longer a static method")
 
-    init = _code_only(_source(trainer_class.__init__))
+    init = code("1", trainer_class, "__init__")
     for attribute in PRIVATE_ATTRIBUTES:
         expect("1", f"self.{attribute} =" in init, f"GRPOTrainer.__init__ no longer sets self.{attribute}")
 
-    scoring = _code_only(_source(trainer_class._generate_and_score_completions))
-    loss = _code_only(_source(trainer_class._compute_loss))
+    scoring = code("2", trainer_class, "_generate_and_score_completions")
+    loss = code("2", trainer_class, "_compute_loss")
     expect("2", scoring.count(_ENGINE_CONDITION) >= 3,
            f"_generate_and_score_completions no longer keys its old-logprob pass, importance-sampling ratio and "
            f"metrics on `{_ENGINE_CONDITION}` (found {scoring.count(_ENGINE_CONDITION)} uses, expected >= 3)")
@@ -361,7 +506,7 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     generated_at, corrected_at = scoring.find("self._generate("), scoring.find(_ENGINE_CONDITION)
     expect("2", 0 <= generated_at < corrected_at,
            "_generate_and_score_completions no longer generates before it applies the engine correction")
-    expect("2", "if self.use_vllm:" in _code_only(_source(trainer_class._generate_single_turn)),
+    expect("2", "if self.use_vllm:" in code("2", trainer_class, "_generate_single_turn"),
            "_generate_single_turn no longer chooses vLLM by self.use_vllm")
 
     ref_calls = re.findall(r"_get_per_token_logps_and_entropies\(\s*self\.(\w+)", scoring)
@@ -389,46 +534,46 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     expect("6", re.search(r'\["cispo", "dapo", "vespo"\]', loss) is not None,
            "vespo is no longer normalised by the loss-token count like dapo")
 
-    from trl.generation import vllm_client
-
-    client_source = _code_only(_source(vllm_client.VLLMClient))
+    vllm_client = module("7", "trl.generation.vllm_client")
+    client_source = code("7", vllm_client, "VLLMClient")
     expect("7", "self.session = requests.Session()" in client_source, "VLLMClient no longer keeps self.session")
-    client_init = _code_only(_source(vllm_client.VLLMClient.__init__))
+    client_init = code("13", vllm_client, "VLLMClient", "__init__")
     expect("13", "if not is_vllm_available():" in client_init and hasattr(vllm_client, "is_vllm_available"),
            "VLLMClient.__init__ no longer checks vLLM through its module's is_vllm_available")
-    expect("7", "self.session.post(" in _code_only(_source(vllm_client.VLLMClient._post)),
+    expect("7", "self.session.post(" in code("7", vllm_client, "VLLMClient", "_post"),
            "VLLMClient._post no longer posts through self.session")
-    expect("7", '"/v1/completions"' in _code_only(_source(vllm_client.VLLMClient.generate)).replace(
+    expect("7", '"/v1/completions"' in code("7", vllm_client, "VLLMClient", "generate").replace(
         "{self.base_url}", ""), "VLLMClient.generate no longer posts to /v1/completions")
 
-    generation = importlib.import_module(_VLLM_GENERATION_MODULE)
-    init_vllm = _code_only(_source(generation.VLLMGeneration._init_vllm))
+    generation = module("8", _VLLM_GENERATION_MODULE)
+    init_vllm = code("8", generation, "VLLMGeneration", "_init_vllm")
     expect("8", "= LLM(" in init_vllm, "VLLMGeneration._init_vllm no longer builds the module-global LLM")
     expect("8", "= VLLMClient(" in init_vllm and "self.vllm_client.init_communicator(" in init_vllm,
            "VLLMGeneration._init_vllm no longer builds the module-global VLLMClient and opens its communicator")
-    for method in (trainer_class._generate_single_turn, trainer_class._generate):
-        body = _code_only(_source(method))
+    for method in ("_generate_single_turn", "_generate"):
+        body = code("12", trainer_class, method)
         expect("12", "self.state.global_step != self._last_loaded_step" in body
                and "self._last_loaded_step = self.state.global_step" in body,
-               f"GRPOTrainer.{method.__name__} no longer syncs vLLM's weights by _last_loaded_step")
-    expect("12", "self._llm_weights_sleeping = False" in _code_only(_source(generation.VLLMGeneration.sync_weights)),
+               f"GRPOTrainer.{method} no longer syncs vLLM's weights by _last_loaded_step")
+    expect("12", "self._llm_weights_sleeping = False" in code("12", generation, "VLLMGeneration", "sync_weights"),
            "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights")
-    vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
+    vllm_generate = code("8", generation, "VLLMGeneration", "generate")
     expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
-    suffix = _code_only(_source(trainer_class._get_tool_suffix_ids))
+    suffix = code("14", trainer_class, "_get_tool_suffix_ids")
     expect("14", "dummy_messages" in suffix and "eos_positions[-1] + 1" in suffix,
            "GRPOTrainer._get_tool_suffix_ids no longer cuts a dummy conversation after its last EOS")
-    expect("14", 'result = {"error": str(e)}' in _code_only(_source(trainer_class._tool_call_loop))
+    expect("14", 'result = {"error": str(e)}' in code("14", trainer_class, "_tool_call_loop")
            and "prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids"
-           in _code_only(_source(trainer_class._tool_call_loop)),
+           in code("14", trainer_class, "_tool_call_loop"),
            "GRPOTrainer._tool_call_loop no longer builds prompt + completion + tool suffix, or reports errors as "
            '{"error": str(e)}')
-    sync = _code_only(_source(generation.VLLMGeneration.sync_weights))
+    sync = code("12", generation, "VLLMGeneration", "sync_weights")
     expect("10", sync.count("self._iter_named_params()") >= 2,
            "VLLMGeneration.sync_weights no longer reads the parameters through self._iter_named_params()")
     expect("9", '"generation_kwargs": self.generation_kwargs' in vllm_generate
            and "generation_kwargs.update(self.generation_kwargs)" in vllm_generate,
            "VLLMGeneration.generate no longer merges self.generation_kwargs into its server and colocate requests")
+    findings += _check_public_apis()
     return tuple(findings) + check_transformers_and_torch()
 
 
@@ -438,7 +583,7 @@ def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:
     if findings:
         lines = "\n".join(f"  - {finding}" for finding in findings)
         raise UpstreamChangedError(
-            f"trl_moe_replay was written against TRL {TRL_READ}; the installed TRL {trl.__version__} no longer "
-            f"matches what it relies on (trl_moe_replay/upstream.py, by entry):\n{lines}\n"
-            f"Install trl=={TRL_READ}, or a trl_moe_replay release that supports TRL {trl.__version__}."
+            f"trl_moe_replay supports TRL {TRL_RANGE} (read from {TRL_READ}); the installed TRL {trl.__version__} no "
+            f"longer matches what it relies on (trl_moe_replay/upstream.py, by entry):\n{lines}\n"
+            f"Install 'trl{TRL_RANGE}', or a trl_moe_replay release that supports TRL {trl.__version__}."
         )

@@ -9,6 +9,10 @@ class UnsupportedModelError(ValueError):
     """The model has no MoE router of a supported family, or its routers cannot be replayed."""
 
 
+class TransformersTooOldError(UnsupportedModelError):
+    """The model's router family needs a newer transformers than the one installed (the message names it)."""
+
+
 class RouteValidationError(ValueError):
     """A routes tensor does not fit the model or the forward pass it is meant for."""
 
