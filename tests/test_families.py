@@ -163,3 +163,13 @@ def test_the_trainer_refuses_such_a_family_when_it_is_built(tmp_path, monkeypatc
     monkeypatch.setattr(routers, "transformers_version", lambda: "5.20.0")  # Jamba's router arrived in 5.21.0
     with pytest.raises(TransformersTooOldError, match=r"Jamba models need transformers >= 5\.21\.0"):
         make_trainer(tmp_path, tiny_moe_model("jamba"), routing_replay="r2")
+
+
+def test_the_docs_family_table_shows_each_family_minimum_transformers():
+    from pathlib import Path
+
+    rows = [line for line in (Path(__file__).parent.parent / "docs" / "families.md").read_text().splitlines()
+            if line.startswith("| ")]
+    for family in routers.ROUTER_FAMILIES:
+        row = next(r for r in rows if family.name in r.split("|")[1])
+        assert family.min_transformers in row.split("|")[-2], (family.name, family.min_transformers)
