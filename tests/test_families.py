@@ -6,9 +6,8 @@ import torch
 import transformers
 from transformers import CONFIG_MAPPING
 
-from trl_moe_replay import upstream
 from trl_moe_replay.routing import RouterReplay, TransformersTooOldError, family_of, has_route
-from trl_moe_replay.routing import routers
+from trl_moe_replay.routing import routers, transformers_seam
 from trl_moe_replay.testing import supported_model_types, tiny_moe_model, unavailable_model_types
 
 from .helpers import experts_module, no_route, random_ids, shifted
@@ -24,7 +23,8 @@ def test_gate_weight_function_reproduces_router_bit_for_bit(model_type, dtype):
     assert routers, "no router found"
     hidden = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     for router in routers:
-        logits, weights, ids = upstream.split_router_output(router(hidden), upstream.router_ids_first(router), "")
+        logits, weights, ids = transformers_seam.split_router_output(
+            router(hidden), transformers_seam.router_ids_first(router), "")
         recomputed = family_of(router).gate_weights(router, logits, ids)
         assert recomputed.dtype == weights.dtype
         assert torch.equal(recomputed, weights)
@@ -134,12 +134,12 @@ def test_families_this_transformers_predates_are_refused_naming_the_version_they
     unavailable = unavailable_model_types()
     cases = [(t, unavailable[t]) for t in unavailable if t in CONFIG_MAPPING]
     if not unavailable:
-        monkeypatch.setattr(routers, "transformers_version", lambda: "5.20.0")
+        monkeypatch.setattr(transformers_seam, "transformers_version", lambda: "5.20.0")
         cases = [("jamba", "5.21.0")]
     assert cases, f"no buildable model type among {unavailable}"
     for model_type, needed in cases:
         model = tiny_moe_model(model_type)
-        with pytest.raises(TransformersTooOldError, match=rf"transformers >= {needed}.*{routers.transformers_version()}"):
+        with pytest.raises(TransformersTooOldError, match=rf"transformers >= {needed}.*{transformers_seam.transformers_version()}"):
             RouterReplay(model)
 
 
@@ -160,7 +160,7 @@ def family_of_type(model_type: str) -> str:
 def test_the_trainer_refuses_such_a_family_when_it_is_built(tmp_path, monkeypatch):
     from .test_trainer import make_trainer
 
-    monkeypatch.setattr(routers, "transformers_version", lambda: "5.20.0")  # Jamba's router arrived in 5.21.0
+    monkeypatch.setattr(transformers_seam, "transformers_version", lambda: "5.20.0")  # Jamba's router arrived in 5.21.0
     with pytest.raises(TransformersTooOldError, match=r"Jamba models need transformers >= 5\.21\.0"):
         make_trainer(tmp_path, tiny_moe_model("jamba"), routing_replay="r2")
 

@@ -7,6 +7,8 @@ from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
+from trl_moe_replay.routing import transformers_seam
+from trl_moe_replay.routing.errors import TransformersChangedError
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
 
@@ -55,19 +57,20 @@ def test_a_decoder_stack_without_a_known_cache_keyword_is_refused_by_name():
         def forward(self, input_ids, kv_state=None):
             return input_ids
 
-    with pytest.raises(upstream.UpstreamChangedError, match=r"\[T1\] Stack.forward takes neither"):
-        upstream.check_stack_cache_keyword(Stack())
-    assert upstream.stack_cache({"cache": "c"}) == "c" and upstream.stack_cache({"past_key_values": "p"}) == "p"
-    assert upstream.stack_cache({"past_key_values": None}) is None
+    with pytest.raises(TransformersChangedError, match=r"\[T1\] Stack.forward takes neither"):
+        transformers_seam.check_stack_cache_keyword(Stack())
+    assert transformers_seam.stack_cache({"cache": "c"}) == "c"
+    assert transformers_seam.stack_cache({"past_key_values": "p"}) == "p"
+    assert transformers_seam.stack_cache({"past_key_values": None}) is None
 
 
 def test_a_router_returning_another_order_fails_by_entry_name():
     logits, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
-    assert upstream.split_router_output((ids, weights, logits), True, "r")[2] is ids
-    assert upstream.split_router_output((logits, weights, ids), False, "r")[0] is logits
-    with pytest.raises(upstream.UpstreamChangedError, match=r"\[T2\] router layers.0.gate"):
-        upstream.split_router_output((ids, weights, logits), False, "layers.0.gate")
-    assert upstream.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
+    assert transformers_seam.split_router_output((ids, weights, logits), True, "r")[2] is ids
+    assert transformers_seam.split_router_output((logits, weights, ids), False, "r")[0] is logits
+    with pytest.raises(TransformersChangedError, match=r"\[T2\] router layers.0.gate"):
+        transformers_seam.split_router_output((ids, weights, logits), False, "layers.0.gate")
+    assert transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
 
 
 def test_every_trl_private_method_we_override_is_an_entry_of_the_seam():

@@ -33,10 +33,11 @@ TRL_READ = "1.16.0"
 TRL_RANGE = ">=1.16.0,<1.17"
 """The TRL versions this package declares (pyproject.toml); a TRL inside it passes :func:`check_trl`."""
 
-_ALL_ENTRIES = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "T1", "T2")
+_ALL_ENTRIES = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15")
 VERIFIED_ON: dict[str, tuple[str, ...]] = {entry: ("1.16.0",) for entry in _ALL_ENTRIES}
 """TRL versions each entry was verified on. (TRL 1.15.0 fails entry 15 and its GRPO needs Triton; 1.14.2 fails
-entry 1 as well: see docs/install.md. T1 and T2 concern transformers, verified on 5.16.1 and 5.24.0 under TRL 1.16.0.)
+entry 1 as well: see docs/install.md. The transformers entries T1 and T2, in routing/transformers_seam.py, list the
+transformers versions they were verified on.)
 Run ``python scripts/check_trl_tree.py PATH`` against a TRL checkout before adding a version here."""
 
 
@@ -337,87 +338,14 @@ TRANSFORMERS_READ = "5.23.0"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# T1. The KV cache keyword of the decoder stack (RouterReplay's stack pre-hook, trl_moe_replay/routing/replay.py).
-#    Before transformers 5.24 `generate` hands the stack (e.g. Qwen3MoeModel.forward) its cache as
-#    `past_key_values=`; from 5.24 as `cache=` (`past_key_values` stays a deprecated alias, renamed inside
-#    forward, so a pre-hook can see either). A pre-hook that misses the cache takes every decode step for a fresh
-#    forward. Verified on transformers 5.16.1 and 5.24.0 (tests at both ends of the declared range).
+# T1, T2. transformers internals RouterReplay relies on (the decoder stack's KV cache keyword, each router's output
+#    order) are entries of the transformers half of this seam, trl_moe_replay/routing/transformers_seam.py (the
+#    routing package may not import TRL, so they live there); they fail by entry name the same way.
 # ---------------------------------------------------------------------------------------------------------------
-STACK_CACHE_KEYWORDS = ("cache", "past_key_values")
-
-
-def check_stack_cache_keyword(stack: Any) -> None:
-    """Raise :class:`UpstreamChangedError` (entry T1) unless ``stack.forward`` takes one of
-    :data:`STACK_CACHE_KEYWORDS`. Called when RouterReplay attaches to a model."""
-    params = inspect.signature(stack.forward).parameters
-    if not any(keyword in params for keyword in STACK_CACHE_KEYWORDS):
-        raise UpstreamChangedError(
-            f"[T1] {type(stack).__name__}.forward takes neither of {STACK_CACHE_KEYWORDS} (it takes "
-            f"{tuple(params)}): transformers {_transformers_version()} renamed the decoder stack's KV cache "
-            "argument, and RouterReplay could not tell generate's decode steps from fresh forwards. Install a "
-            "transformers inside this package's declared range (README, Tested versions)."
-        )
-
-
-def stack_cache(kwargs: dict) -> Any:
-    """The KV cache a decoder-stack forward was called with (entry T1), or ``None``."""
-    for keyword in STACK_CACHE_KEYWORDS:
-        if kwargs.get(keyword) is not None:
-            return kwargs[keyword]
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# T2. The order of a router's outputs (RouterReplay's router hook).
-#    Every router in the family table returns (router_logits [N, E], gate_weights [N, K], expert_ids [N, K]), except,
-#    before transformers 5.21, the GraniteMoe(-Shared, -Hybrid) and Aria routers, which return
-#    (expert_ids, gate_weights, router_logits). Read from transformers 5.16.1 through 5.24.0 (every minor release);
-#    verified by tests/test_families.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
-#    through these two functions, which check the dtypes (integer ids, floating logits) so that a router whose
-#    order changed again fails loudly with this entry's name instead of replaying logits as ids.
-# ---------------------------------------------------------------------------------------------------------------
-IDS_FIRST_BEFORE = "5.21.0"
-IDS_FIRST_ROUTERS = frozenset(
-    {"GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter", "GraniteMoeHybridTopKRouter", "AriaTextTopKRouter"}
-)
-
-
-def _transformers_version() -> str:
-    from .routing.routers import transformers_version
-
-    return transformers_version()
-
-
-def router_ids_first(router: Any) -> bool:
-    """Whether ``router`` returns ``(ids, weights, logits)`` in the installed transformers (entry T2)."""
-    from packaging.version import Version
-
-    if Version(_transformers_version()) >= Version(IDS_FIRST_BEFORE):
-        return False
-    return any(cls.__name__ in IDS_FIRST_ROUTERS for cls in type(router).__mro__)
-
-
-def split_router_output(output: tuple, ids_first: bool, router_name: str) -> tuple[Any, Any, Any]:
-    """``(logits, weights, ids)`` of a router's output, whatever its order (entry T2)."""
-    logits, weights, ids = (output[2], output[1], output[0]) if ids_first else (output[0], output[1], output[2])
-    if ids.dtype.is_floating_point or not logits.dtype.is_floating_point:
-        raise UpstreamChangedError(
-            f"[T2] router {router_name} ({_transformers_version()}) returned {tuple(o.dtype for o in output[:3])}; "
-            f"expected {'(ids, weights, logits)' if ids_first else '(logits, weights, ids)'} as "
-            "trl_moe_replay/upstream.py entry T2 records for this transformers. Its output order changed: install "
-            "a transformers inside this package's declared range, or update entry T2."
-        )
-    return logits, weights, ids
-
-
-def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any, ids: Any) -> tuple:
-    """A router output in the router's own order with new ``weights`` and ``ids`` (entry T2)."""
-    head = (ids, weights, logits) if ids_first else (logits, weights, ids)
-    return (*head, *output[3:])
 
 
 def check_transformers_and_torch() -> tuple[Finding, ...]:
-    """Entries 11 and T1 against the installed transformers and torch (T2 is checked at every router call)."""
+    """Entry 11 against the installed transformers and torch."""
     import torch
     from transformers import PreTrainedModel
 
@@ -427,11 +355,6 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
     if not callable(getattr(torch.nn.parallel.DistributedDataParallel,
                             "_set_params_and_buffers_to_ignore_for_model", None)):
         findings.append(Finding("11", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is gone"))
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeModel
-
-    params = inspect.signature(Qwen3MoeModel.forward).parameters
-    if not any(keyword in params for keyword in STACK_CACHE_KEYWORDS):
-        findings.append(Finding("T1", f"Qwen3MoeModel.forward takes none of {STACK_CACHE_KEYWORDS}"))
     return tuple(findings)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from packaging.version import Version
 from torch import nn
 
+from . import transformers_seam
 from .errors import TransformersTooOldError
 
 GateWeightFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -281,18 +282,11 @@ def supported_family_names() -> list[str]:
     return [family.name for family in ROUTER_FAMILIES]
 
 
-def transformers_version() -> str:
-    """The installed transformers' version (one function, so tests can pretend another)."""
-    import transformers
-
-    return transformers.__version__
-
-
 def refuse_if_transformers_too_old(config, families: set[RouterFamily]) -> None:
     """Raise :class:`TransformersTooOldError` when the installed transformers predates the router class of
     ``config``'s family, or of one of ``families`` (found in the model). Jamba before 5.21 and Aria before 5.18,
     for instance, exist but route inside their MoE block, with nothing to replay."""
-    installed = transformers_version()
+    installed = transformers_seam.transformers_version()
     by_type = _FAMILY_BY_MODEL_TYPE.get(getattr(config, "model_type", None))
     for family in sorted(families | ({by_type} if by_type else set()), key=lambda f: f.name):
         if Version(installed) < Version(family.min_transformers):

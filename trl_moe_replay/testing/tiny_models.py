@@ -304,7 +304,8 @@ def unavailable_model_types() -> dict[str, str]:
     transformers version they need}``. Routing replay refuses them (``TransformersTooOldError``)."""
     from packaging.version import Version
 
-    from ..routing.routers import min_transformers_for, transformers_version
+    from ..routing.routers import min_transformers_for
+    from ..routing.transformers_seam import transformers_version
 
     installed = Version(transformers_version())
     needed = {model_type: min_transformers_for(model_type) for model_type in TINY_CONFIGS}
