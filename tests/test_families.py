@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from trl_moe_replay.routing import RouterReplay, family_of, has_route
-from trl_moe_replay.testing import supported_model_types, tiny_moe_model
+import transformers
+from transformers import CONFIG_MAPPING
+
+from trl_moe_replay.routing import RouterReplay, TransformersTooOldError, family_of, has_route
+from trl_moe_replay.routing import routers, transformers_seam
+from trl_moe_replay.testing import supported_model_types, tiny_moe_model, unavailable_model_types
 
 from .helpers import experts_module, no_route, random_ids, shifted
 
@@ -19,7 +23,8 @@ def test_gate_weight_function_reproduces_router_bit_for_bit(model_type, dtype):
     assert routers, "no router found"
     hidden = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     for router in routers:
-        logits, weights, ids = router(hidden)[:3]
+        logits, weights, ids = transformers_seam.split_router_output(
+            router(hidden), transformers_seam.router_ids_first(router), "")
         recomputed = family_of(router).gate_weights(router, logits, ids)
         assert recomputed.dtype == weights.dtype
         assert torch.equal(recomputed, weights)
@@ -120,3 +125,51 @@ def test_generate_recording_equals_one_full_forward_in_fp32(model_type):
     assert rec.routes.shape[:2] == sequences.shape
     assert no_route(rec.routes[:, -1]).all()  # the final sampled token was never fed forward
     assert torch.equal(rec.routes[:, :-1], full.routes[:, :-1])
+
+
+# ---------------------------------------------------------------------- transformers versions
+def test_families_this_transformers_predates_are_refused_naming_the_version_they_need(monkeypatch):
+    """At the oldest declared transformers (5.16.1) Jamba and Aria exist without a router class: replay refuses
+    them. At the newest every family is available, so the same refusal is shown on Jamba under a pretended 5.20."""
+    unavailable = unavailable_model_types()
+    cases = [(t, unavailable[t]) for t in unavailable if t in CONFIG_MAPPING]
+    if not unavailable:
+        monkeypatch.setattr(transformers_seam, "transformers_version", lambda: "5.20.0")
+        cases = [("jamba", "5.21.0")]
+    assert cases, f"no buildable model type among {unavailable}"
+    for model_type, needed in cases:
+        model = tiny_moe_model(model_type)
+        with pytest.raises(TransformersTooOldError, match=rf"transformers >= {needed}.*{transformers_seam.transformers_version()}"):
+            RouterReplay(model)
+
+
+def test_unavailable_families_are_exactly_those_newer_than_the_installed_transformers():
+    from packaging.version import Version
+
+    installed = Version(transformers.__version__)
+    newer = {f.name for f in routers.ROUTER_FAMILIES if Version(f.min_transformers) > installed}
+    listed = {family_of_type(t) for t in unavailable_model_types()}
+    assert listed == newer
+    assert not set(unavailable_model_types()) & set(FAMILIES)
+
+
+def family_of_type(model_type: str) -> str:
+    return next(f.name for f in routers.ROUTER_FAMILIES if model_type in f.model_types)
+
+
+def test_the_trainer_refuses_such_a_family_when_it_is_built(tmp_path, monkeypatch):
+    from .test_trainer import make_trainer
+
+    monkeypatch.setattr(transformers_seam, "transformers_version", lambda: "5.20.0")  # Jamba's router arrived in 5.21.0
+    with pytest.raises(TransformersTooOldError, match=r"Jamba models need transformers >= 5\.21\.0"):
+        make_trainer(tmp_path, tiny_moe_model("jamba"), routing_replay="r2")
+
+
+def test_the_docs_family_table_shows_each_family_minimum_transformers():
+    from pathlib import Path
+
+    rows = [line for line in (Path(__file__).parent.parent / "docs" / "families.md").read_text().splitlines()
+            if line.startswith("| ")]
+    for family in routers.ROUTER_FAMILIES:
+        row = next(r for r in rows if family.name in r.split("|")[1])
+        assert family.min_transformers in row.split("|")[-2], (family.name, family.min_transformers)

@@ -217,7 +217,7 @@ def test_a_plain_grpo_config_with_continuous_batching_is_refused_when_the_traine
 
 
 # transformers' default continuous-batching cache is sized for a GPU: on CPU a small one is ~20x faster
-SMALL_CB_CACHE = {"num_blocks": 16, "max_batch_tokens": 256, "page_size": 16}
+from .test_golden_trl import SMALL_CB_CACHE  # noqa: E402 - page_size was block_size before transformers 5.18
 
 
 class ReplaySpy(MoEReplayGRPOTrainer):

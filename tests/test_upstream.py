@@ -7,15 +7,70 @@ from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
+from trl_moe_replay.routing import transformers_seam
+from trl_moe_replay.routing.errors import TransformersChangedError
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
 
 from .test_trainer import make_trainer
 
 
-def test_the_installed_trl_is_the_one_read_and_matches_every_entry():
-    assert trl.__version__ == upstream.TRL_READ
+def test_the_installed_trl_is_inside_the_declared_range_and_matches_every_entry():
+    from packaging.specifiers import SpecifierSet
+
+    assert trl.__version__ in SpecifierSet(upstream.TRL_RANGE)
+    assert all(trl.__version__ in versions for versions in upstream.VERIFIED_ON.values())
     assert upstream.check_trl() == ()
+
+
+def test_the_declared_trl_range_is_the_one_in_pyproject():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert f"trl{upstream.TRL_RANGE}" in project["dependencies"]
+
+
+def test_a_trl_lacking_a_public_api_we_call_is_reported(monkeypatch):
+    """TRL 1.15.0 passes entries 1-14 but has no VLLMClient.get_server_info and no parse_response(tools=)."""
+    from trl import chat_template_utils
+    from trl.generation.vllm_client import VLLMClient
+
+    monkeypatch.delattr(VLLMClient, "get_server_info")
+    monkeypatch.setattr(chat_template_utils, "parse_response", lambda tokenizer, ids, prefix=None: None)
+    findings = upstream.check_trl.__wrapped__(GRPOTrainer)
+    assert entries(findings) == {"15"}
+    assert {"get_server_info" in str(f) for f in findings} == {True, False}
+    assert all("verified on TRL 1.16.0" in str(f) for f in findings)
+
+
+def test_a_missing_method_is_a_finding_not_a_crash():
+    class Changed(GRPOTrainer):
+        _tool_call_loop = None  # as if TRL had removed it
+
+    findings = upstream.check_trl.__wrapped__(Changed)
+    assert any(f.entry == "14" and "_tool_call_loop does not exist" in f.problem for f in findings)
+
+
+def test_a_decoder_stack_without_a_known_cache_keyword_is_refused_by_name():
+    class Stack(torch.nn.Module):
+        def forward(self, input_ids, kv_state=None):
+            return input_ids
+
+    with pytest.raises(TransformersChangedError, match=r"\[T1\] Stack.forward takes neither"):
+        transformers_seam.check_stack_cache_keyword(Stack())
+    assert transformers_seam.stack_cache({"cache": "c"}) == "c"
+    assert transformers_seam.stack_cache({"past_key_values": "p"}) == "p"
+    assert transformers_seam.stack_cache({"past_key_values": None}) is None
+
+
+def test_a_router_returning_another_order_fails_by_entry_name():
+    logits, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
+    assert transformers_seam.split_router_output((ids, weights, logits), True, "r")[2] is ids
+    assert transformers_seam.split_router_output((logits, weights, ids), False, "r")[0] is logits
+    with pytest.raises(TransformersChangedError, match=r"\[T2\] router layers.0.gate"):
+        transformers_seam.split_router_output((ids, weights, logits), False, "layers.0.gate")
+    assert transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
 
 
 def test_every_trl_private_method_we_override_is_an_entry_of_the_seam():

@@ -2,7 +2,8 @@
 
 ``MoEReplayGRPOTrainer`` subclasses ``trl.GRPOTrainer`` and overrides some of its private methods; a few behaviours
 also depend on how TRL's code is written inside them. Each such dependency is one entry below, with the TRL file it
-was read from (TRL 1.16.0 throughout, :data:`TRL_READ`). :func:`check_trl` verifies every entry against the
+was read from (TRL 1.16.0 throughout, :data:`TRL_READ`), and :data:`VERIFIED_ON` lists the TRL versions each entry
+was verified on (``check_trl`` clean and the test suite green). :func:`check_trl` verifies every entry against the
 installed TRL (signatures, and where an entry depends on the order or form of TRL's code, that code) and the
 trainer calls it when it is built: an upstream change fails loudly, naming the entry, instead of training silently
 wrong. ``tests/test_upstream.py`` runs the same checks in CI.
@@ -28,6 +29,16 @@ from trl import GRPOTrainer
 
 TRL_READ = "1.16.0"
 """The TRL version every entry below was read from."""
+
+TRL_RANGE = ">=1.16.0,<1.17"
+"""The TRL versions this package declares (pyproject.toml); a TRL inside it passes :func:`check_trl`."""
+
+_ALL_ENTRIES = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16")
+VERIFIED_ON: dict[str, tuple[str, ...]] = {entry: ("1.16.0",) for entry in _ALL_ENTRIES}
+"""TRL versions each entry was verified on. (TRL 1.15.0 fails entry 15 and its GRPO needs Triton; 1.14.2 fails
+entry 1 as well: see docs/install.md. The transformers entries T1 and T2, in routing/transformers_seam.py, list the
+transformers versions they were verified on.)
+Run ``python scripts/check_trl_tree.py PATH`` against a TRL checkout before adding a version here."""
 
 
 class UpstreamChangedError(RuntimeError):
@@ -284,6 +295,38 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 15. Public TRL APIs this package calls that a TRL still matching entries 1-14 may lack: public, but not in every
+#    TRL release, so they are checked like the private ones (TRL 1.15.0 has neither).
+#    VLLMClient.get_server_info() (trl/generation/vllm_client.py): `trl-moe-replay audit` and the fake vLLM server
+#    read the server's configuration; parse_response(tokenizer, ids, prefix=..., tools=...)
+#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does.
+# ---------------------------------------------------------------------------------------------------------------
+PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "VLLMClient.get_server_info": ("trl.generation.vllm_client", ("self",)),
+    "parse_response": ("trl.chat_template_utils", ("tokenizer", "ids", "prefix", "tools")),
+}
+
+
+def _check_public_apis() -> list[Finding]:
+    findings = []
+    for qualified, (module_name, params) in PUBLIC_APIS.items():
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError:
+            obj = None
+        for part in qualified.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            findings.append(Finding("15", f"{module_name}.{qualified} does not exist"))
+            continue
+        have = tuple(inspect.signature(obj).parameters)
+        missing = [p for p in params if p not in have]
+        if missing:
+            findings.append(Finding("15", f"{module_name}.{qualified}{have} lacks the parameter(s) {missing}"))
+    return findings
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 11. transformers and torch private names (PR2's predictors as model parameters; trl_moe_replay/trainer/pr2.py and
 #    grpo_trainer.py)
 #    (Trainer._clip_grad_norm, overridden, is checked with entry 1's methods)
@@ -292,6 +335,13 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 #    (the trainer averages their gradients itself). Read from transformers 5.23.0 and torch 2.13.0.
 # ---------------------------------------------------------------------------------------------------------------
 TRANSFORMERS_READ = "5.23.0"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# T1, T2. transformers internals RouterReplay relies on (the decoder stack's KV cache keyword, each router's output
+#    order) are entries of the transformers half of this seam, trl_moe_replay/routing/transformers_seam.py (the
+#    routing package may not import TRL, so they live there); they fail by entry name the same way.
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def check_transformers_and_torch() -> tuple[Finding, ...]:
@@ -309,7 +359,7 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 15. TRL's experimental AsyncGRPOTrainer (trl/experimental/async_grpo/, read from TRL 1.16.0: TRL_READ), used by
+# 16. TRL's experimental AsyncGRPOTrainer (trl/experimental/async_grpo/, read from TRL 1.16.0: TRL_READ), used by
 #    MoEReplayAsyncGRPOTrainer (trl_moe_replay/trainer/async_grpo_trainer.py) and engines/async_rollout.py:
 #    - async_rollout_worker: _AsyncRolloutLoop (subclassed: _post(path, payload, timeout, max_retries) returns the whole
 #      response JSON, _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows
@@ -369,7 +419,7 @@ def check_async_trl() -> tuple[Finding, ...]:
 
     def expect(condition: bool, problem: str) -> None:
         if not condition:
-            findings.append(Finding("15", problem))
+            findings.append(Finding("16", problem))
 
     worker = _async_module("async_rollout_worker")
     trainer = _async_module("async_grpo_trainer")
@@ -426,7 +476,7 @@ def assert_async_trl_compatible() -> None:
         lines = "\n".join(f"  - {finding}" for finding in findings)
         raise UpstreamChangedError(
             f"trl_moe_replay's async trainer was written against TRL {TRL_READ}'s trl.experimental.async_grpo; the "
-            f"installed TRL {trl.__version__} no longer matches it (trl_moe_replay/upstream.py, entry 15):\n{lines}"
+            f"installed TRL {trl.__version__} no longer matches it (trl_moe_replay/upstream.py, entry 16):\n{lines}"
         )
 
 
@@ -439,7 +489,7 @@ class Finding:
     problem: str
 
     def __str__(self) -> str:
-        return f"[{self.entry}] {self.problem}"
+        return f"[{self.entry}] {self.problem} (entry verified on TRL {', '.join(VERIFIED_ON.get(self.entry, ()))})"
 
 
 def _source(obj: Any) -> str:
@@ -460,6 +510,24 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
         if not condition:
             findings.append(Finding(entry, problem))
 
+    def code(entry: str, owner: Any, *path: str) -> str:
+        """The source (comments left out) of owner.path, or "" with a finding when a TRL lacks it."""
+        obj = owner
+        for name in path:
+            obj = getattr(obj, name, None)
+        if obj is None:
+            if owner is not None:  # else its module is missing, already reported
+                findings.append(Finding(entry, f"{getattr(owner, '__name__', owner)}.{'.'.join(path)} does not exist"))
+            return ""
+        return _code_only(_source(obj))
+
+    def module(entry: str, name: str) -> Any:
+        try:
+            return importlib.import_module(name)
+        except ImportError as error:
+            findings.append(Finding(entry, f"cannot import {name}: {error}"))
+            return None
+
     for name, params in OVERRIDDEN_METHODS.items():
         method = getattr(trainer_class, name, None)
         if method is None:
@@ -467,15 +535,15 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
             continue
         have = tuple(inspect.signature(method).parameters)
         expect("1", have[: len(params)] == params, f"GRPOTrainer.{name}{params} became {name}{have}")
-    expect("1", isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights"), staticmethod),
+    expect("1", isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod),
            "GRPOTrainer.get_gamma_weights is no longer a static method")
 
-    init = _code_only(_source(trainer_class.__init__))
+    init = code("1", trainer_class, "__init__")
     for attribute in PRIVATE_ATTRIBUTES:
         expect("1", f"self.{attribute} =" in init, f"GRPOTrainer.__init__ no longer sets self.{attribute}")
 
-    scoring = _code_only(_source(trainer_class._generate_and_score_completions))
-    loss = _code_only(_source(trainer_class._compute_loss))
+    scoring = code("2", trainer_class, "_generate_and_score_completions")
+    loss = code("2", trainer_class, "_compute_loss")
     expect("2", scoring.count(_ENGINE_CONDITION) >= 3,
            f"_generate_and_score_completions no longer keys its old-logprob pass, importance-sampling ratio and "
            f"metrics on `{_ENGINE_CONDITION}` (found {scoring.count(_ENGINE_CONDITION)} uses, expected >= 3)")
@@ -483,7 +551,7 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     generated_at, corrected_at = scoring.find("self._generate("), scoring.find(_ENGINE_CONDITION)
     expect("2", 0 <= generated_at < corrected_at,
            "_generate_and_score_completions no longer generates before it applies the engine correction")
-    expect("2", "if self.use_vllm:" in _code_only(_source(trainer_class._generate_single_turn)),
+    expect("2", "if self.use_vllm:" in code("2", trainer_class, "_generate_single_turn"),
            "_generate_single_turn no longer chooses vLLM by self.use_vllm")
 
     ref_calls = re.findall(r"_get_per_token_logps_and_entropies\(\s*self\.(\w+)", scoring)
@@ -511,46 +579,46 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     expect("6", re.search(r'\["cispo", "dapo", "vespo"\]', loss) is not None,
            "vespo is no longer normalised by the loss-token count like dapo")
 
-    from trl.generation import vllm_client
-
-    client_source = _code_only(_source(vllm_client.VLLMClient))
+    vllm_client = module("7", "trl.generation.vllm_client")
+    client_source = code("7", vllm_client, "VLLMClient")
     expect("7", "self.session = requests.Session()" in client_source, "VLLMClient no longer keeps self.session")
-    client_init = _code_only(_source(vllm_client.VLLMClient.__init__))
+    client_init = code("13", vllm_client, "VLLMClient", "__init__")
     expect("13", "if not is_vllm_available():" in client_init and hasattr(vllm_client, "is_vllm_available"),
            "VLLMClient.__init__ no longer checks vLLM through its module's is_vllm_available")
-    expect("7", "self.session.post(" in _code_only(_source(vllm_client.VLLMClient._post)),
+    expect("7", "self.session.post(" in code("7", vllm_client, "VLLMClient", "_post"),
            "VLLMClient._post no longer posts through self.session")
-    expect("7", '"/v1/completions"' in _code_only(_source(vllm_client.VLLMClient.generate)).replace(
+    expect("7", '"/v1/completions"' in code("7", vllm_client, "VLLMClient", "generate").replace(
         "{self.base_url}", ""), "VLLMClient.generate no longer posts to /v1/completions")
 
-    generation = importlib.import_module(_VLLM_GENERATION_MODULE)
-    init_vllm = _code_only(_source(generation.VLLMGeneration._init_vllm))
+    generation = module("8", _VLLM_GENERATION_MODULE)
+    init_vllm = code("8", generation, "VLLMGeneration", "_init_vllm")
     expect("8", "= LLM(" in init_vllm, "VLLMGeneration._init_vllm no longer builds the module-global LLM")
     expect("8", "= VLLMClient(" in init_vllm and "self.vllm_client.init_communicator(" in init_vllm,
            "VLLMGeneration._init_vllm no longer builds the module-global VLLMClient and opens its communicator")
-    for method in (trainer_class._generate_single_turn, trainer_class._generate):
-        body = _code_only(_source(method))
+    for method in ("_generate_single_turn", "_generate"):
+        body = code("12", trainer_class, method)
         expect("12", "self.state.global_step != self._last_loaded_step" in body
                and "self._last_loaded_step = self.state.global_step" in body,
-               f"GRPOTrainer.{method.__name__} no longer syncs vLLM's weights by _last_loaded_step")
-    expect("12", "self._llm_weights_sleeping = False" in _code_only(_source(generation.VLLMGeneration.sync_weights)),
+               f"GRPOTrainer.{method} no longer syncs vLLM's weights by _last_loaded_step")
+    expect("12", "self._llm_weights_sleeping = False" in code("12", generation, "VLLMGeneration", "sync_weights"),
            "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights")
-    vllm_generate = _code_only(_source(generation.VLLMGeneration.generate))
+    vllm_generate = code("8", generation, "VLLMGeneration", "generate")
     expect("8", "self.llm.generate(" in vllm_generate, "VLLMGeneration.generate no longer calls self.llm.generate")
-    suffix = _code_only(_source(trainer_class._get_tool_suffix_ids))
+    suffix = code("14", trainer_class, "_get_tool_suffix_ids")
     expect("14", "dummy_messages" in suffix and "eos_positions[-1] + 1" in suffix,
            "GRPOTrainer._get_tool_suffix_ids no longer cuts a dummy conversation after its last EOS")
-    expect("14", 'result = {"error": str(e)}' in _code_only(_source(trainer_class._tool_call_loop))
+    expect("14", 'result = {"error": str(e)}' in code("14", trainer_class, "_tool_call_loop")
            and "prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids"
-           in _code_only(_source(trainer_class._tool_call_loop)),
+           in code("14", trainer_class, "_tool_call_loop"),
            "GRPOTrainer._tool_call_loop no longer builds prompt + completion + tool suffix, or reports errors as "
            '{"error": str(e)}')
-    sync = _code_only(_source(generation.VLLMGeneration.sync_weights))
+    sync = code("12", generation, "VLLMGeneration", "sync_weights")
     expect("10", sync.count("self._iter_named_params()") >= 2,
            "VLLMGeneration.sync_weights no longer reads the parameters through self._iter_named_params()")
     expect("9", '"generation_kwargs": self.generation_kwargs' in vllm_generate
            and "generation_kwargs.update(self.generation_kwargs)" in vllm_generate,
            "VLLMGeneration.generate no longer merges self.generation_kwargs into its server and colocate requests")
+    findings += _check_public_apis()
     return tuple(findings) + check_transformers_and_torch()
 
 
@@ -560,7 +628,7 @@ def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:
     if findings:
         lines = "\n".join(f"  - {finding}" for finding in findings)
         raise UpstreamChangedError(
-            f"trl_moe_replay was written against TRL {TRL_READ}; the installed TRL {trl.__version__} no longer "
-            f"matches what it relies on (trl_moe_replay/upstream.py, by entry):\n{lines}\n"
-            f"Install trl=={TRL_READ}, or a trl_moe_replay release that supports TRL {trl.__version__}."
+            f"trl_moe_replay supports TRL {TRL_RANGE} (read from {TRL_READ}); the installed TRL {trl.__version__} no "
+            f"longer matches what it relies on (trl_moe_replay/upstream.py, by entry):\n{lines}\n"
+            f"Install 'trl{TRL_RANGE}', or a trl_moe_replay release that supports TRL {trl.__version__}."
         )

@@ -188,8 +188,17 @@ def moving_average(values: Sequence[float], min_points: int = 20) -> list[float]
     return out
 
 
+class MatplotlibMissingError(ImportError):
+    """``plot`` needs matplotlib, an optional dependency (the ``plot`` extra)."""
+
+
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise MatplotlibMissingError(
+            "plotting needs matplotlib, which is not installed: pip install 'trl-moe-replay[plot]'"
+        ) from exc
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -42,6 +42,18 @@ logger = logging.get_logger(__name__)
 SERVER_FLAG = "--enable-return-routed-experts"
 
 
+# What a vLLM needs to return routes, by version (docs/vllm.md, "vLLM versions").
+CAPTURE_CONDITIONS = (
+    "vLLM captures routes only with prefix caching on (the default: do not pass --no-enable-prefix-caching) and "
+    "Model Runner V2 (the default: do not set VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without "
+    "pipeline or context parallelism. vLLM >= 0.31 refuses to start when one of these is missing, so a server that "
+    "started and still returns no routes is older than 0.31 or was started without "
+    f"{SERVER_FLAG} (or --aux-output-config '{{\"enable_return_routed_experts\": true, \"max_bytes\": N}}', which "
+    "also caps the memory kept for routes). On vLLM 0.31 and 0.32 an evicted prefix-cache block ends the engine "
+    "with BlockObjectStoreError: upgrade to 0.33."
+)
+
+
 def server_command(model: str) -> str:
     """The command that starts a vLLM server returning routes for ``model`` (TRL forwards the flag to vLLM)."""
     return f"trl vllm-serve --model {model} {SERVER_FLAG}"
@@ -213,10 +225,8 @@ class VLLMRouteSource:
             return (
                 f"routing_replay='r3' needs the experts vLLM routed each token to, but the server at "
                 f"{self.client.base_url} returned none for the first batch ({expected} completions). Start it "
-                f"with:\n\n    {server_command(model)}\n\nvLLM captures routes only with prefix caching on "
-                "(the default: do not pass --no-enable-prefix-caching) and Model Runner V2 (the default: do not "
-                "set VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without pipeline or context "
-                "parallelism. Or train with routing_replay='r2' (no engine routes needed)."
+                f"with:\n\n    {server_command(model)}\n\n{CAPTURE_CONDITIONS} Or train with routing_replay='r2' (no engine routes "
+                "needed)."
             )
         return None
 
@@ -236,10 +246,8 @@ class VLLMRouteSource:
             raise RoutesUnavailableError(
                 "routing_replay='r3' needs the experts vLLM routed each token to, but the colocated engine "
                 f"returned no routed_experts for the first batch ({num_local} completions on this rank), although "
-                "it was built with LLM(..., enable_return_routed_experts=True). vLLM captures routes only with "
-                "prefix caching on (the default) and Model Runner V2 (the default: do not set "
-                "VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without pipeline or context "
-                "parallelism. Or train with routing_replay='r2' (no engine routes needed)."
+                "it was built with LLM(..., enable_return_routed_experts=True). {CAPTURE_CONDITIONS} Or train with "
+                "routing_replay='r2' (no engine routes needed)."
             )
         if any(row is not None for row in rows):
             self.received_routes = True

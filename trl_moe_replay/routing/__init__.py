@@ -5,7 +5,7 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 """
 
 from .engine import EngineTurn, decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
-from .errors import RouteAlignmentError, RouteValidationError, UnsupportedModelError
+from .errors import RouteAlignmentError, RouteValidationError, TransformersTooOldError, UnsupportedModelError
 from .replay import RouteRecording, RouterCall, RouterReplay
 from .router_probs import RouterProbes
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
@@ -23,6 +23,7 @@ __all__ = [
     "RouterFamily",
     "RouterProbes",
     "RouterReplay",
+    "TransformersTooOldError",
     "UnsupportedModelError",
     "decode_routed_experts",
     "encode_routed_experts",

@@ -9,6 +9,15 @@ class UnsupportedModelError(ValueError):
     """The model has no MoE router of a supported family, or its routers cannot be replayed."""
 
 
+class TransformersTooOldError(UnsupportedModelError):
+    """The model's router family needs a newer transformers than the one installed (the message names it)."""
+
+
+class TransformersChangedError(RuntimeError):
+    """The installed transformers no longer matches an entry of ``routing/transformers_seam.py`` (named in the
+    message)."""
+
+
 class RouteValidationError(ValueError):
     """A routes tensor does not fit the model or the forward pass it is meant for."""
 

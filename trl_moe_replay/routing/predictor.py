@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import transformers_seam
+
 
 class RoutePredictor(nn.Module):
     """One router's predictor ``W_p`` (``[num_experts, hidden]``, fp32, zero-initialised).
@@ -48,7 +50,10 @@ class RoutePredictor(nn.Module):
             shifted = weight + self.weight.to(device=weight.device, dtype=weight.dtype)
             with _weight_replaced(router, shifted):
                 # `forward`, not `__call__`: no hook (ours or anyone's) sees this second evaluation of the router
-                return router.forward(router_input)[2]
+                output = router.forward(router_input)
+                return transformers_seam.split_router_output(
+                    output, transformers_seam.router_ids_first(router), type(router).__name__
+                )[2]
 
 
 class RoutePredictors(nn.Module):

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import transformers_seam
 from .errors import RouteValidationError, UnsupportedModelError
-from .routers import RouterFamily, family_of, supported_family_names
+from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
 from .routes import has_route, no_route_value, route_dtype, validate_routes
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -267,6 +268,7 @@ class RouterReplay:
             self._handles.append(block.register_forward_pre_hook(_SharedHook(self, self._make_block_pre_hook(site))))
             self._handles.append(block.register_forward_hook(_SharedHook(self, self._make_block_hook(site))))
         stack = model.get_submodule(_stack_path(sites[0].name))
+        transformers_seam.check_stack_cache_keyword(stack)
         self._handles.append(stack.register_forward_pre_hook(_SharedHook(self, self._stack_pre_hook), with_kwargs=True))
 
     # ------------------------------------------------------------------ public API
@@ -365,7 +367,7 @@ class RouterReplay:
         if inputs is None and args:
             inputs = args[0]
         batch, length = int(inputs.shape[0]), int(inputs.shape[1])
-        cache = kwargs.get("past_key_values")
+        cache = transformers_seam.stack_cache(kwargs)  # `cache=` from transformers 5.24, `past_key_values=` before
         cache_position = kwargs.get("cache_position")
         # A decode step continues the sequence. Some caches report length 0 while decoding (linear attention in
         # layer 0), so the cache position is asked too.
@@ -403,13 +405,14 @@ class RouterReplay:
 
     def _make_router_hook(self, site: _RouterSite):
         layer, gate_weights = site.layer, site.family.gate_weights
+        ids_first = transformers_seam.router_ids_first(site.modules[0])  # GraniteMoe and Aria before transformers 5.21
 
         def hook(module, args, output):
             if not self._active():
                 return None
             if not torch.compiler.is_compiling():
                 self._router_fired[layer] = True
-            logits, _, natural = output[0], output[1], output[2]
+            logits, _, natural = transformers_seam.split_router_output(output, ids_first, site.name)
             wants_input = self._steer is not None or bool(self._observers)
             router_input = args[0].reshape(-1, args[0].shape[-1]) if wants_input else None
             choice = natural
@@ -430,7 +433,7 @@ class RouterReplay:
                     observer(call)
             if used is natural:
                 return None
-            return (logits, gate_weights(module, logits, used), used, *output[3:])
+            return transformers_seam.join_router_output(output, ids_first, logits, gate_weights(module, logits, used), used)
 
         return hook
 
@@ -490,6 +493,7 @@ def _discover_routers(model: nn.Module) -> list[_RouterSite]:
             sites[path].modules.append(module)  # PEFT's second copy of the same router
         else:
             sites[path] = _RouterSite(int(match.group(1)), path, [module], family)
+    refuse_if_transformers_too_old(_text_config(model), {site.family for site in sites.values()})
     if not sites:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no MoE router of a supported family, so there are no routes to record or "

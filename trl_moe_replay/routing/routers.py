@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 from torch import nn
+
+from . import transformers_seam
+from .errors import TransformersTooOldError
 
 GateWeightFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -32,6 +36,11 @@ class RouterFamily:
     """Router class names (matched along the MRO, so FSDP2's ``FSDP<Class>`` subclasses match too)."""
     gate_weights: GateWeightFn
     """``(router, logits, ids) -> weights``: the router's own normalisation at the given ids."""
+    model_types: tuple[str, ...] = ()
+    """transformers ``model_type`` strings of the family's models (text config), for the version refusal."""
+    min_transformers: str = "5.16.1"
+    """The first transformers with this family's router class (the declared floor for the older families). On an
+    older transformers the model trains without a replayable router, so the trainer refuses it, naming this."""
     hub_kernel: str | None = None
     """Name of a hub kernel that replaces the whole MoE block (and so bypasses the router) or the router's own
     forward (whose weights then need not match the gate-weight function) when the model runs with
@@ -206,9 +215,11 @@ ROUTER_FAMILIES: tuple[RouterFamily, ...] = (
     RouterFamily("FlexOlmo", ("FlexOlmoTopKRouter",), softmax_optional_renormalise),
     RouterFamily("Mellum", ("MellumTopKRouter",), softmax_optional_renormalise),
     RouterFamily("Qwen4-Exp", ("Qwen4ExpTextTopKRouter",), softmax_optional_renormalise),
-    RouterFamily("Aria", ("AriaTextTopKRouter",), softmax_over_selected_logits),
+    RouterFamily("Aria", ("AriaTextTopKRouter",), softmax_over_selected_logits,
+        model_types=("aria_text",), min_transformers="5.18.0"),
     RouterFamily("dots.llm1", ("Dots1TopkRouter",), sigmoid_scaled),
-    RouterFamily("dots3-note", ("Dots3NoteTextTopkRouter",), sigmoid_scaled),
+    RouterFamily("dots3-note", ("Dots3NoteTextTopkRouter",), sigmoid_scaled,
+        model_types=("dots3_note_text",), min_transformers="5.23.0"),
     RouterFamily("GLM-4-MoE", ("Glm4MoeTopkRouter",), sigmoid_scaled),
     RouterFamily("GLM-4-MoE-Lite", ("Glm4MoeLiteTopkRouter",), sigmoid_scaled),
     RouterFamily("GLM-MoE-DSA", ("GlmMoeDsaTopkRouter",), sigmoid_scaled),
@@ -218,14 +229,17 @@ ROUTER_FAMILIES: tuple[RouterFamily, ...] = (
     RouterFamily("Nemotron-H", ("NemotronHTopkRouter",), sigmoid_scaled),
     RouterFamily("A.X-K1", ("AXK1TopkRouter",), sigmoid_scaled),
     RouterFamily("A.X-K2", ("AXK2TopkRouter",), sigmoid_scaled),
-    RouterFamily("Bailing-Hybrid", ("BailingHybridTopkRouter",), sigmoid_scaled),
-    RouterFamily("HY-V4", ("HYV4TopkRouter",), sigmoid_scaled),
-    RouterFamily("Kimi-Linear", ("KimiLinearTopkRouter",), sigmoid_scaled),
+    RouterFamily("Bailing-Hybrid", ("BailingHybridTopkRouter",), sigmoid_scaled,
+        model_types=("bailing_hybrid",), min_transformers="5.20.0"),
+    RouterFamily("HY-V4", ("HYV4TopkRouter",), sigmoid_scaled, model_types=("hy_v4",), min_transformers="5.17.0"),
+    RouterFamily("Kimi-Linear", ("KimiLinearTopkRouter",), sigmoid_scaled,
+        model_types=("kimi_linear",), min_transformers="5.17.0"),
     RouterFamily("Solar-Open", ("SolarOpenTopkRouter",), sigmoid_scaled),
     # Own gate-weight function.
     RouterFamily("DeepSeek-V2", ("DeepseekV2TopkRouter",), softmax_scaled),
     RouterFamily("Qwen3.5-MoE", ("Qwen3_5MoeTopKRouter",), softmax_renormalise_cast, hub_kernel="SoftmaxTopKRouter"),
-    RouterFamily("Jamba", ("JambaTopKRouter",), softmax_then_cast_to_input),
+    RouterFamily("Jamba", ("JambaTopKRouter",), softmax_then_cast_to_input,
+        model_types=("jamba",), min_transformers="5.21.0"),
     RouterFamily(
         "GraniteMoe",
         ("GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter", "GraniteMoeHybridTopKRouter", "GraniteMoeSWATopKRouter"),
@@ -235,12 +249,16 @@ ROUTER_FAMILIES: tuple[RouterFamily, ...] = (
     RouterFamily("LFM2-MoE", ("Lfm2MoeTopKRouter",), lfm2_moe_sigmoid),
     RouterFamily("MiniMax-M3-VL", ("MiniMaxM3VLTopKRouter",), sigmoid_renormalise),
     RouterFamily("Laguna", ("LagunaTopKRouter",), sigmoid_renormalise_cast_to_input, hub_kernel="SoftmaxTopKRouter"),
-    RouterFamily("Flint", ("FlintTopKRouter",), sigmoid_optional_renormalise),
-    RouterFamily("Kolibri1", ("Kolibri1TopKRouter",), sigmoid_of_selected_logits_optional_renormalise),
-    RouterFamily("Beam", ("BeamTopKRouter",), sigmoid_optional_renormalise_eps),
+    RouterFamily("Flint", ("FlintTopKRouter",), sigmoid_optional_renormalise,
+        model_types=("flint",), min_transformers="5.21.0"),
+    RouterFamily("Kolibri1", ("Kolibri1TopKRouter",), sigmoid_of_selected_logits_optional_renormalise,
+        model_types=("kolibri1",), min_transformers="5.20.0"),
+    RouterFamily("Beam", ("BeamTopKRouter",), sigmoid_optional_renormalise_eps,
+        model_types=("beam",), min_transformers="5.21.0"),
     RouterFamily("DeepSeek-V4", ("DeepseekV4TopKRouter",), scored_renormalise_scaled),
 )
 
+_FAMILY_BY_MODEL_TYPE = {model_type: family for family in ROUTER_FAMILIES for model_type in family.model_types}
 _FAMILY_BY_CLASS = {cls: family for family in ROUTER_FAMILIES for cls in family.router_classes}
 
 
@@ -253,5 +271,28 @@ def family_of(module: nn.Module) -> RouterFamily | None:
     return None
 
 
+def min_transformers_for(model_type: str) -> str | None:
+    """The first transformers whose ``model_type`` models have a replayable router, for the families that arrived
+    after the declared floor; ``None`` for the others."""
+    family = _FAMILY_BY_MODEL_TYPE.get(model_type)
+    return family.min_transformers if family is not None else None
+
+
 def supported_family_names() -> list[str]:
     return [family.name for family in ROUTER_FAMILIES]
+
+
+def refuse_if_transformers_too_old(config, families: set[RouterFamily]) -> None:
+    """Raise :class:`TransformersTooOldError` when the installed transformers predates the router class of
+    ``config``'s family, or of one of ``families`` (found in the model). Jamba before 5.21 and Aria before 5.18,
+    for instance, exist but route inside their MoE block, with nothing to replay."""
+    installed = transformers_seam.transformers_version()
+    by_type = _FAMILY_BY_MODEL_TYPE.get(getattr(config, "model_type", None))
+    for family in sorted(families | ({by_type} if by_type else set()), key=lambda f: f.name):
+        if Version(installed) < Version(family.min_transformers):
+            raise TransformersTooOldError(
+                f"{family.name} models need transformers >= {family.min_transformers} for routing replay (its "
+                f"router class {family.router_classes[0]} arrived there); transformers {installed} "
+                f"is installed. Upgrade transformers (pip install 'transformers>={family.min_transformers}'), or "
+                'train with routing_replay="none".'
+            )

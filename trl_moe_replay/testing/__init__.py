@@ -29,6 +29,7 @@ from .tiny_models import (
     tiny_dense_model,
     tiny_moe_model,
     tiny_tokenizer,
+    unavailable_model_types,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "tiny_moe_model",
     "tiny_tokenizer",
     "trl_vllm_transport_stub",
+    "unavailable_model_types",
 ]

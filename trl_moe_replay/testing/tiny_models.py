@@ -294,7 +294,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def supported_model_types() -> list[str]:
-    return sorted(TINY_CONFIGS)
+    """The model types with a tiny config that the installed transformers can replay (see
+    :func:`unavailable_model_types` for the others)."""
+    return sorted(set(TINY_CONFIGS) - set(unavailable_model_types()))
+
+
+def unavailable_model_types() -> dict[str, str]:
+    """Tiny-config model types whose router class the installed transformers predates: ``{model_type: the
+    transformers version they need}``. Routing replay refuses them (``TransformersTooOldError``)."""
+    from packaging.version import Version
+
+    from ..routing.routers import min_transformers_for
+    from ..routing.transformers_seam import transformers_version
+
+    installed = Version(transformers_version())
+    needed = {model_type: min_transformers_for(model_type) for model_type in TINY_CONFIGS}
+    return {t: v for t, v in sorted(needed.items()) if v is not None and installed < Version(v)}
 
 
 def tiny_moe_model(
@@ -307,6 +322,14 @@ def tiny_moe_model(
     """
     if model_type not in TINY_CONFIGS:
         raise ValueError(f"no tiny config for model_type {model_type!r}; available: {supported_model_types()}")
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:  # a family newer than the installed transformers
+        raise ValueError(
+            f"transformers {transformers.__version__} does not know model_type {model_type!r}; it needs transformers "
+            f">= {unavailable_model_types().get(model_type, '(a newer release)')}"
+        )
     settings = {**_COMMON, **TINY_CONFIGS[model_type], **config_overrides}
     config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(seed)

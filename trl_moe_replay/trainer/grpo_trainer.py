@@ -495,7 +495,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()
             time.sleep(0.2)
-        super().end()
+        # what Trainer.end does (transformers >= 5.18); called directly, as transformers 5.16-5.17 have no end()
+        self.accelerator.end_training()
 
     # ------------------------------------------------------------------ routes and PR2
     def _replays_rollout_routes(self) -> bool:
