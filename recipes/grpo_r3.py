@@ -168,7 +168,6 @@ OFFLINE_DEFAULTS = dict(
     temperature=1.0,
     beta=0.0,
     bf16=False,
-    activation_checkpointing=False,  # TRL defaults to gradient checkpointing (transformers now calls it this)
     logging_steps=1,
     save_strategy="steps",
     save_steps=50,
@@ -176,6 +175,13 @@ OFFLINE_DEFAULTS = dict(
     report_to="none",
     seed=0,
 )
+
+# TRL turns gradient checkpointing on by default; transformers calls the field activation_checkpointing in newer
+# releases (gradient_checkpointing in older ones, 5.16 among them). A default for a field the installed version
+# lacks would reach no dataclass.
+_CHECKPOINTING = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                      if name in {f.name for f in dataclasses.fields(MoEReplayGRPOConfig)})
+OFFLINE_DEFAULTS[_CHECKPOINTING] = False
 
 #: GRPOConfig values on a machine without a GPU, whether or not a model is named (config files and flags still
 #: override them): float32 on the CPU. TRL's default bf16 needs a GPU unless use_cpu is set, and accelerate treats a
