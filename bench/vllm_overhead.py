@@ -219,8 +219,9 @@ def bench_generation(args, checkpoint: str) -> None:
               f"{args.engines} engines"
               + (", enforce_eager on both engines" if args.eager else ""))
         print_ratio("ratio on/off (target <= 1.05)", records["off"], records["on"], ("off", "on"))
-        report(f"vLLM generate capture on / off, {args.engines} (CPU time)", paired(records["off"], records["on"], 1)[0], 1.05)
-        report(f"vLLM generate capture on / off, {args.engines} (wall)", paired(records["off"], records["on"], 0)[0], 1.05)
+        for index, clock in ((1, "CPU time"), (0, "wall")):
+            report(f"vLLM generate capture on / off, {args.engines} ({clock})",
+                   paired(records["off"], records["on"], index)[0], 1.05)
         report("vLLM same tokens with capture on and off (1 = yes)", float(same_tokens), 1, ">=")
         report("vLLM rows written, capture on (fraction of routes non-zero)",
                sum(r is not None and bool(np.asarray(r).any()) for r in routes) / len(routes), 1, ">=")
