@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .errors import RouteValidationError
@@ -71,9 +72,53 @@ def validate_routes(
     if routes.numel() == 0:
         return
     moe = routes if layers is None else routes[:, :, list(layers)]
+    if _every_row_valid(moe, top_k=top_k, num_experts=num_experts):
+        return
+    _raise_first_problem(moe, top_k=top_k, num_experts=num_experts)
+
+
+def _every_row_valid(moe: torch.Tensor, *, top_k: int, num_experts: int) -> bool:
+    """True only when every row of ``moe`` (``[..., top_k]``) is "no route" or ``top_k`` distinct ids in
+    ``[0, num_experts)``: the check of a valid batch, without a sort.
+
+    Sound, not complete: False means "look closer" (:func:`_raise_first_problem` decides and names the row). "No
+    route" rows are overwritten, in a copy, with the distinct ids ``0 .. top_k - 1``, so that every row left is
+    judged by the same three flat passes: the minimum, the maximum and the repeated-id search the engine alignment
+    uses (``engine._first_repeated_row``: shifted comparisons, no sort).
+    """
+    from .engine import _first_repeated_row  # engine imports this module
+
+    if num_experts < top_k:  # no row can hold top_k distinct ids: only the exact check can tell
+        return False
+    rows = moe.detach().cpu().contiguous().numpy().reshape(-1, top_k)  # [N, K], shares memory with ``moe``
+    if rows.size == 0:
+        return True
+    none = _rows_all(rows, no_route_value(moe.dtype))
+    if none.any():
+        rows = rows.copy()
+        rows[none] = np.arange(top_k, dtype=rows.dtype)
+    if rows.dtype.kind == "i" and rows.min() < 0:
+        return False
+    if rows.max() >= num_experts:
+        return False
+    return top_k == 1 or _first_repeated_row(rows.reshape(-1, 1, top_k), [0]) is None
+
+
+def _rows_all(rows: np.ndarray, value: int) -> np.ndarray:
+    """``[N, K] -> [N]``: rows whose every entry is ``value``; one word comparison per row where a row fits a
+    machine word (one byte ids up to top-8, two byte ids up to top-4)."""
+    width = rows.shape[1] * rows.itemsize
+    if width in (1, 2, 4, 8) and rows.flags.c_contiguous:
+        word = np.dtype(f"u{width}")
+        return rows.view(word)[:, 0] == np.full(rows.shape[1], value, rows.dtype).view(word)[0]
+    return (rows == value).all(axis=1)
+
+
+def _raise_first_problem(moe: torch.Tensor, *, top_k: int, num_experts: int) -> None:
+    """The exact check, row by row (a sort per route): raise ``RouteValidationError`` naming the first bad row."""
     routed = has_route(moe)  # [B, S, L]
-    sentinel = no_route_value(routes.dtype)
-    if routes.dtype != torch.uint8:
+    sentinel = no_route_value(moe.dtype)
+    if moe.dtype != torch.uint8:
         partial = (moe < 0).any(dim=-1) & (moe >= 0).any(dim=-1)
         if bool(partial.any()):
             b, s, layer = (int(i) for i in partial.nonzero()[0])
