@@ -62,6 +62,8 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    # transformers.Trainer's: resume loads the weights through from_pretrained's conversion (transformers#48805)
+    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer/grpo_trainer.py)
     "_clip_grad_norm": ("self", "model"),
 }

@@ -56,6 +56,7 @@ from ..upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
+from .checkpoints import restore_checkpoint_weights
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
 from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
@@ -588,6 +589,15 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
                 self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
         super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers' Trainer reads a checkpoint's weights with a plain load_state_dict, which skips the per-expert
+        # weights save_pretrained wrote for fused MoE experts: they kept their initial values (transformers#48805).
+        # FSDP and PEFT checkpoints hold the model's own names (or adapters): the Trainer's load is right for them.
+        target = self.model if model is None else model
+        if self.is_fsdp_enabled or is_peft_model(target) or not restore_checkpoint_weights(target,
+                                                                                           resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
