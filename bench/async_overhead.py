@@ -13,9 +13,14 @@ Each run also spawns TRL's rollout worker, so a run takes a minute or two on a s
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
+
+# Waiting OpenMP threads sleep instead of spinning (as in tests/conftest.py): the trainer shares the cores with the
+# vLLM server and the rollout worker, and spinning threads would time the contention, not the step.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
