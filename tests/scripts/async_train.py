@@ -169,7 +169,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     if with_tools:  # two turns: the call, then the answer after the tool result
         settings.update(max_completion_length=64, max_tool_calling_iterations=1)
     for key, value in options.items():
-        if value == "none":
+        if value == "none" and isinstance(settings.get(key), int):  # e.g. vllm_request_attempts=none: TRL's count
             settings[key] = None
         elif value in ("true", "false"):
             settings[key] = value == "true"
