@@ -7,27 +7,34 @@ then trains ABBA-interleaved runs (none, r3, r3, none, ...), each from the check
 Reports, per mode, the median of the runs' median step times (`perf/step_s`, first step excluded: it waits for the
 rollout worker's start) and of the forward+backward time (`perf/fwd_bwd_s`), their R3/none ratios, and the route bytes
 one sample carries through TRL's queue (`routes/bytes_per_sample`: decoded uint8 rows, [tokens - 1, layers, top_k]).
+Under "none" TRL computes the router load-balancing aux loss (the tiny MoE declares a coefficient); R3 turns it off, so
+by default the ratio compares R3 with TRL's default; `--router_aux_loss_coef 0` turns it off in both (replay alone).
 Each run also spawns TRL's rollout worker, so a run takes a minute or two on a small machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
+
+# Waiting OpenMP threads sleep instead of spinning (as in tests/conftest.py): the trainer shares the cores with the
+# vLLM server and the rollout worker, and spinning threads would time the contention, not the step.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def run_once(checkpoint: str, url: str, mode: str, steps: int, output_dir: str) -> dict:
+def run_once(checkpoint: str, url: str, mode: str, steps: int, output_dir: str, **overrides) -> dict:
     from async_r3_cpu import train
     from vllm_server import reload_weights
 
     reload_weights(url, checkpoint)
-    trainer = train(checkpoint, url, routing_replay=mode, max_steps=steps, output_dir=output_dir)
+    trainer = train(checkpoint, url, routing_replay=mode, max_steps=steps, output_dir=output_dir, **overrides)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     step_s = [entry["perf/step_s"] for entry in logs if entry.get("perf/step_s") is not None]
     fwd_bwd = [entry["perf/fwd_bwd_s"] for entry in logs[1:]]
@@ -43,7 +50,11 @@ def main() -> None:
     parser.add_argument("--server_url", default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--output_dir", default="runs/bench_async")
+    parser.add_argument("--router_aux_loss_coef", type=float, default=None,
+                        help="0 turns TRL's router aux loss off in both modes (R3 always turns it off: it would "
+                             "balance the natural top-k, not the replayed experts); default: TRL's, on under none")
     cli = parser.parse_args()
+    overrides = {} if cli.router_aux_loss_coef is None else {"router_aux_loss_coef": cli.router_aux_loss_coef}
     from async_r3_cpu import server_for, tiny_checkpoint
 
     Path(cli.output_dir).mkdir(parents=True, exist_ok=True)
@@ -53,7 +64,8 @@ def main() -> None:
         for round_ in range(cli.rounds):
             order = ("none", "r3", "r3", "none") if round_ % 2 == 0 else ("r3", "none", "none", "r3")
             for index, mode in enumerate(order):
-                result = run_once(checkpoint, url, mode, cli.max_steps, f"{cli.output_dir}/{mode}_{round_}_{index}")
+                result = run_once(checkpoint, url, mode, cli.max_steps, f"{cli.output_dir}/{mode}_{round_}_{index}",
+                                  **overrides)
                 results[mode].append(result)
                 print(f"round {round_} {mode}: {result}", flush=True)
     summary = {mode: {key: statistics.median(r[key] for r in runs) for key in ("step_s", "fwd_bwd_s")}

@@ -21,6 +21,9 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Waiting OpenMP threads sleep instead of spinning: the trainer shares the CPU with the vLLM server and the rollout
+# worker (read when torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,3 +12,31 @@ import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+# ----------------------------------------------------------------------------- a real vLLM CPU server
+# One pair for the real-engine modules (tests/test_vllm_engine.py, tests/test_async_engine.py). Module-scoped: each
+# module starts its own server, as before (the async faults kill and restart theirs); a module with its own
+# ``checkpoint`` fixture (tests/test_async_grpo.py) overrides these.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny Qwen3-MoE (and tokenizer) the real-engine tests serve: tests/scripts/vllm_train.py's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from vllm_train import checkpoint as save_checkpoint
+
+    return save_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("vllm_ckpt")))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """A real vLLM CPU server on ``checkpoint`` (tests/vllm_server.py); its URL, ``.pid``, ``.server.restart()``."""
+    from .vllm_server import vllm_server
+
+    with vllm_server(checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
+        yield url

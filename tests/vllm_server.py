@@ -20,9 +20,17 @@ STARTUP_TIMEOUT = 900  # seconds; ~75 s on an idle 2-core machine, several minut
 
 
 class ServerURL(str):
-    """The server's base URL; ``.pid`` is its process (group leader), for tests that kill it."""
+    """The server's base URL; ``.pid`` is its current process (group leader), ``.server`` the :class:`VLLMServer`
+    behind it (for tests that kill or restart it)."""
 
-    pid: int
+    server: "VLLMServer"
+
+    @property
+    def pid(self) -> int:
+        return self.server.process.pid
+
+    def __reduce__(self):
+        return str, (str(self),)  # pickles (e.g. into TRL's spawned rollout worker) as the plain URL
 
 
 def free_port() -> int:
@@ -43,39 +51,66 @@ def server_command(checkpoint: str, port: int, *, routes: bool = True) -> list[s
     return command + (["--enable-return-routed-experts"] if routes else [])
 
 
-@contextlib.contextmanager
-def vllm_server(checkpoint: str, log: Path, *, routes: bool = True):
-    """Start a server on a free port, wait for /health, yield its URL; stop it (and its engine) on exit."""
-    port = free_port()
-    # VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker runs inside the engine-core process (one Python start less)
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
-           "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(server_command(checkpoint, port, routes=routes), env=env, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+class VLLMServer:
+    """One vLLM CPU OpenAI server process on a fixed port (a free one by default), started as a CPU user starts it.
+
+    ``restart()`` kills it and starts a fresh one from the checkpoint on the same port (what a supervisor restarting a
+    crashed server does); the log is appended to."""
+
+    def __init__(self, checkpoint: str, log: Path, *, routes: bool = True, port: int | None = None):
+        self.checkpoint, self.log, self.routes = checkpoint, Path(log), routes
+        self.port = port or free_port()
+        self.url = ServerURL(f"http://127.0.0.1:{self.port}")
+        self.url.server = self
+        self.process: subprocess.Popen | None = None
+        self.log.write_text("")
+
+    def start(self) -> ServerURL:
+        """Start the process and wait for /health."""
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker runs inside the engine-core process (one Python start less)
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
+               "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        with open(self.log, "a") as out:
+            self.process = subprocess.Popen(server_command(self.checkpoint, self.port, routes=self.routes), env=env,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with {process.returncode}: {log.read_text()[-3000:]}")
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.process.returncode}: "
+                                   f"{self.log.read_text()[-3000:]}")
             with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self.url
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the vLLM server did not answer /health in {STARTUP_TIMEOUT} s")
             time.sleep(2)
-        url = ServerURL(url)
-        url.pid = process.pid
-        yield url
-    finally:
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the process group (the API server and its engine); SIGKILL if it does not exit within 60 s."""
+        if self.process is None:
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+            os.killpg(self.process.pid, sig)
         try:
-            process.wait(timeout=60)
+            self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def restart(self) -> ServerURL:
+        """Kill the server (SIGKILL, as a crash) and start a fresh one from the checkpoint on the same port."""
+        self.stop(signal.SIGKILL)
+        return self.start()
+
+
+@contextlib.contextmanager
+def vllm_server(checkpoint: str, log: Path, *, routes: bool = True):
+    """Start a server on a free port, wait for /health, yield its URL; stop it (and its engine) on exit."""
+    server = VLLMServer(checkpoint, log, routes=routes)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
 
 
 def reload_weights(url: str, checkpoint: str) -> None:

@@ -1,12 +1,18 @@
 """Async R3 against a real vLLM CPU server (tests/test_async_engine.py runs this in a subprocess).
 
     python tests/scripts/async_train.py OUT.json URL CHECKPOINT [routing_replay=r3|none] [max_steps=N]
-        [fault=none|kill_worker|kill_server|noop_transfer] [server_pid=PID]
+        [fault=none|kill_worker|kill_server|restart_server|noop_transfer] [server_pid=PID] [tools=true]
 
 Trains MoEReplayAsyncGRPOTrainer with TRL's rollout worker (a spawned child) against the server, and checks in every
 training forward, token by token, that the experts used at each packed position equal the rows the engine returned
-for that sample (tests/async_checks.py). Writes a JSON report. The `__main__` guard matters: the rollout worker is a
-spawned child that re-imports this file (the reward function is pickled by reference).
+for that sample (tests/async_checks.py); for a multi-turn row, each position's row of the first turn that forwarded
+it. Writes a JSON report. The `__main__` guard matters: the rollout worker is a spawned child that re-imports this
+file (the reward function and the tool loop are pickled by reference).
+
+``fault=restart_server``: when step 3 begins (after the second sync) the run writes ``OUT.json.paused`` and waits for
+``OUT.json.resume``; the test restarts the server in between.
+``tools=true``: TRL's tool loop with the calculator; vLLM's structured outputs make every first turn a calculator call
+and every later turn an answer (the engine picks the tokens, a regex keeps the format).
 """
 
 from __future__ import annotations
@@ -25,10 +31,57 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from trl_moe_replay.engines.async_rollout import RoutedRolloutLoop  # noqa: E402
+
+RESTART_WAIT = 900  # seconds the run waits for the test to restart the server
+
 
 def even_tokens(completions, completion_ids, **kwargs):
     """Toy reward a tiny random model can learn: the share of even token ids."""
     return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+TOOL_CALL = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": "[0-9]\+[0-9]"\}\}\n'
+             r'</tool_call>')
+ANSWER = r"\\boxed\{[0-9]{1,2}\}"
+
+
+class ToolCallingLoop(RoutedRolloutLoop):
+    """Our rollout loop; every request asks vLLM for a calculator call (first turn) or an answer (after a tool
+    result), by regex. The tool markup's word tokens get a logit bias, so the engine writes the markup as the chat
+    template renders it and TRL chains the turns into one row (a clean append) instead of re-aligning them."""
+
+    async def _post(self, path, payload, timeout, max_retries=3):
+        if path == "/v1/completions":
+            markup = self.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", '"name": ', '"arguments": '])
+            after_tool = self.tokenizer.convert_tokens_to_ids("<tool_response>") in payload["prompt"]
+            payload = {**payload, "structured_outputs": {"regex": ANSWER if after_tool else TOOL_CALL},
+                       "logit_bias": {str(token): 30.0 for token in markup}}
+        return await super()._post(path, payload, timeout, max_retries)
+
+
+def first_forward_rows(turns, length: int, disagreements: list | None = None):
+    """A row's expected engine routes, ``[length - 1, L, K]``: each position's row from the first turn that forwarded
+    it (what the synchronous trainer replays for multi-turn rows); -1 where no turn did (counted as a mismatch).
+    Appends to ``disagreements`` how many positions a later turn re-forwarded with other experts (where the rule
+    matters)."""
+    import numpy as np
+
+    expected, filled = None, np.zeros(length - 1, dtype=bool)
+    for turn in turns:
+        if not isinstance(turn.rows, np.ndarray):
+            return None
+        if expected is None:
+            expected = np.full((length - 1, *turn.rows.shape[1:]), -1, dtype=np.int64)
+        forwarded = min(turn.prompt_length + turn.completion_length - 1, len(turn.rows), length - 1)
+        new = ~filled[:forwarded]
+        if disagreements is not None and not new.all():
+            again = ~new
+            other = np.sort(turn.rows[:forwarded][again], -1) != np.sort(expected[:forwarded][again], -1)
+            disagreements.append(int(other.any(axis=(-2, -1)).sum()))
+        expected[:forwarded][new] = turn.rows[:forwarded][new]
+        filled[:forwarded] = True
+    return expected
 
 
 def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
@@ -44,8 +97,11 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     options = dict(item.split("=", 1) for item in overrides)
     fault = options.pop("fault", "none")
     server_pid = int(options.pop("server_pid", 0))
+    with_tools = options.pop("tools", "false") == "true"
     engine_rows: dict[tuple, list] = {}
     consumed: list[int] = []
+    turn_counts: list[int] = []
+    disagreements: list[int] = []  # per later turn: re-forwarded positions routed unlike their first forward
 
     class RecordingQueue:
         """TRL's rollout queue: keeps each sample's engine rows (decoded in the worker, not aligned) for the check."""
@@ -57,8 +113,10 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
             sample = self.inner.get(*args, **kwargs)
             consumed.append(sample.model_version)
             turns = getattr(sample, "route_turns", [])
-            if len(turns) == 1 and turns[0].rows is not None:
-                engine_rows.setdefault(tuple(sample.input_ids.tolist()), []).append(turns[0].rows)
+            turn_counts.append(len(turns))
+            expected = first_forward_rows(turns, len(sample.input_ids), disagreements) if turns else None
+            if expected is not None:
+                engine_rows.setdefault(tuple(sample.input_ids.tolist()), []).append(expected)
             return sample
 
         def __getattr__(self, name):
@@ -75,6 +133,15 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
             return loss
 
     class Faults(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if fault != "restart_server" or state.global_step != 2:
+                return
+            # step 3 begins (its batch is taken): the second sync is done; the test restarts the server now
+            Path(out + ".paused").touch()
+            deadline = time.monotonic() + RESTART_WAIT
+            while not Path(out + ".resume").exists() and time.monotonic() < deadline:
+                time.sleep(0.5)
+
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step != 2:
                 return
@@ -83,8 +150,14 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
             elif fault == "kill_server":
                 os.killpg(server_pid, signal.SIGKILL)
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    tokenizer.response_template = qwen3_template  # TRL's add_response_schema does not know the tiny ChatML template
+    if with_tools:
+        from trl_moe_replay.extras.math.tools import calculator
+        from trl_moe_replay.testing import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer(tools=True)  # the tool template, TRL's Qwen3 parser, one token per markup word
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        tokenizer.response_template = qwen3_template  # TRL's add_response_schema does not know the ChatML template
     prompts = [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]
     settings = dict(
         output_dir=str(Path(out).parent / f"run_{Path(out).stem}"), use_cpu=True, bf16=False, report_to="none",
@@ -93,8 +166,12 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         max_inflight_tasks=4, queue_maxsize=2, token_budget=0, gradient_checkpointing=True, vllm_server_timeout=60,
         request_timeout=120, vllm_request_attempts=2, heartbeat_stale_after_s=120,
     )
+    if with_tools:  # two turns: the call, then the answer after the tool result
+        settings.update(max_completion_length=64, max_tool_calling_iterations=1)
     for key, value in options.items():
-        if value in ("true", "false"):
+        if value == "none" and isinstance(settings.get(key), int):  # e.g. vllm_request_attempts=none: TRL's count
+            settings[key] = None
+        elif value in ("true", "false"):
             settings[key] = value == "true"
         elif key in settings and not isinstance(settings[key], str):
             settings[key] = type(settings[key])(value)
@@ -104,7 +181,9 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     transfer = NoOpWeightTransfer() if fault == "noop_transfer" else None
     trainer = CheckedTrainer(model=checkpoint, reward_funcs=even_tokens, args=args, processing_class=tokenizer,
                              train_dataset=Dataset.from_dict({"prompt": prompts}), weight_transfer=transfer,
-                             callbacks=[Faults()])
+                             callbacks=[Faults()], tools=[calculator] if with_tools else None)
+    if with_tools:
+        trainer.rollout_worker._loop_cls = ToolCallingLoop
     trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
     # small buffers (one group in flight, one being scored, two samples queued), and 1.5 groups per micro-batch:
     # micro-batches then hold samples of the versions before and after a sync
@@ -120,6 +199,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     report = {
         "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
         "checks": checks, "consumed_versions": consumed, "model_version": trainer.model_version,
+        "route_turns_per_sample": turn_counts, "reforwarded_positions_routed_otherwise": disagreements,
         "max_param_change": max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()),
         "weight_transfer": type(trainer.weight_transfer).__name__,
         "delivered": getattr(trainer.weight_transfer, "delivered", None),
