@@ -31,7 +31,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(checkpoint: str, port: int, *, routes: bool = True) -> list[str]:
+def server_command(checkpoint: str, port: int, *, routes: bool = True, extra_args: tuple[str, ...] = ()) -> list[str]:
     """TRL's `trl vllm-serve` flags (build_command), for the CPU build's OpenAI server. ``--enforce-eager`` only
     shortens the tests' start-up (no torch.compile warm-up); the compiled engine's capture is tested in
     tests/test_vllm_cpu_capture.py and by the colocated runs."""
@@ -40,18 +40,18 @@ def server_command(checkpoint: str, port: int, *, routes: bool = True) -> list[s
         "--port", str(port), "--max-model-len", "512", "--logprobs-mode", "processed_logprobs", "--max-logprobs",
         "-1", "--weight-transfer-config", '{"backend": "nccl"}', "--enforce-eager",
     ]
-    return command + (["--enable-return-routed-experts"] if routes else [])
+    return command + (["--enable-return-routed-experts"] if routes else []) + list(extra_args)
 
 
 @contextlib.contextmanager
-def vllm_server(checkpoint: str, log: Path, *, routes: bool = True):
+def vllm_server(checkpoint: str, log: Path, *, routes: bool = True, extra_args: tuple[str, ...] = ()):
     """Start a server on a free port, wait for /health, yield its URL; stop it (and its engine) on exit."""
     port = free_port()
     # VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker runs inside the engine-core process (one Python start less)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
            "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "w") as out:
-        process = subprocess.Popen(server_command(checkpoint, port, routes=routes), env=env, stdout=out,
+        process = subprocess.Popen(server_command(checkpoint, port, routes=routes, extra_args=extra_args), env=env, stdout=out,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
