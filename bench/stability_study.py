@@ -481,8 +481,9 @@ def figures(report: dict, path: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=80)
         plt.close(fig)
 
+    # seed 0 only: one line per setting keeps the legend readable (every seed's numbers are in the JSON and table)
     curves = [(k, e) for k, e in report["cells"].items() if k.startswith(("search|", "modes|", "quick|"))
-              and "history" in e]
+              and "history" in e and k.endswith("|seed=0")]
     if curves:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         for key, entry in curves:
