@@ -231,6 +231,7 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
         if state.global_step == ctrl_c_in_step - 1:
             signal.raise_signal(signal.SIGINT)
 
+    handler_before = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs in a background job
     with monkeypatch.context() as patch:
         patch.setattr(recipe.SaveOnInterrupt, "on_step_begin", ctrl_c, raising=False)
         patch.setattr(sys, "argv", ["recipes/grpo_r3.py", *small_args(tmp_path / "cut", cache, *extra)])
@@ -242,7 +243,7 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
     assert "recipes/grpo_r3.py --output_dir" in out
     assert out.rstrip().endswith(" --resume_from_checkpoint") and "mean reward" not in out  # no final save, no summary
     assert not (tmp_path / "cut" / "model.safetensors").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C behaves as usual again
+    assert signal.getsignal(signal.SIGINT) is handler_before  # Ctrl-C behaves as it did before the run
     if mode == "pr2":
         assert (checkpoint / "pr2_predictors.safetensors").is_file()
 
