@@ -21,6 +21,8 @@ Parts (`--parts`, run in this order, each resumable):
     modes     none/r2/r3/pr2 x N in --offs, loss grpo, IS on
     losses    grpo/gspo/rspo x --loss-modes at the largest N, IS on
     is        IS on vs off x --is-modes at N=1 and the largest N, loss grpo
+    clip      PPO clipping off (epsilon = CLIP_OFF_EPSILON, so the ratio is never clamped) x --is-modes at the largest
+              N, loss grpo, IS on: the Qwen paper's "clipping restrains policy staleness"
     async     TRL's AsyncGRPOTrainer (MoEReplayAsyncGRPOTrainer) against a real vLLM CPU *server* in bf16, none vs
               r3 x --stalenesses (max_staleness: how many weight versions a sample may lag); the lag actually
               reached is logged (routing/version_lag_mean/max). Conversational prompts (TRL's async worker applies
@@ -75,7 +77,7 @@ from vllm_mismatch_study import ENGINE_ENV, digit_reward, finite, free_port, shr
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "r2", "r3", "pr2")
 LOSSES = ("grpo", "gspo", "rspo")
-PARTS = ("search", "depth", "modes", "losses", "is", "async")
+PARTS = ("search", "depth", "modes", "losses", "is", "async", "clip")
 
 #: collapse thresholds (documented in docs/results.md; reward is the digit fraction, in [0, 1])
 COLLAPSE_REWARD_DROP = 0.25
@@ -85,6 +87,7 @@ COLLAPSE_ENTROPY = 0.05
 #: the policy's lr, whose 1e3 default made the predictor diverge at this study's lr of 1e-2 (predictor lr 10: in the
 #: second batch every router's set differed from the engine's and the KL was 1.3), so the cells fix the product.
 PR2_PREDICTOR_LR = 1e-2
+CLIP_OFF_EPSILON = 1e9  # TRL clamps the ratio to [1 - epsilon, 1 + epsilon]: this wide, it never clamps
 GRAD_WARMUP = 5  # the first optimizer steps of a random-init model have large, falling grad norms: no reference yet
 #: logged per step and kept in the JSON
 SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/extreme_frac",
@@ -143,8 +146,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- cells
 def cell(args, *, mode="none", off=1, loss="grpo", is_on=True, seed=0, lr=None, init=None, completion=None,
-         layers=None, steps=None, noise=None, part="modes", staleness=None) -> dict:
+         layers=None, steps=None, noise=None, part="modes", staleness=None, clip=True) -> dict:
     extra = {} if staleness is None else dict(staleness=staleness)
+    if not clip:  # only recorded when off, so the keys of the cells run before this axis existed stay the same
+        extra["clipping"] = False
     return dict(part=part, mode=mode, off=off, loss=loss, is_correction=is_on, seed=seed, **extra,
                 reward_noise=args.reward_noise if noise is None else noise,
                 learning_rate=args.learning_rate if lr is None else lr,
@@ -158,6 +163,7 @@ def cell_key(c: dict) -> str:
             f"|lr={c['learning_rate']:g}|init={c['initializer_range']:g}|len={c['completion']}|layers={c['layers']}"
             f"|steps={c['steps']}" + (f"|noise={c['reward_noise']:g}" if c.get("reward_noise") else "")
             + (f"|stale={c['staleness']}" if "staleness" in c else "")
+            + ("|clip=off" if c.get("clipping") is False else "")
             + f"|seed={c['seed']}")
 
 
@@ -191,6 +197,8 @@ def plan(args) -> list[dict]:
                 elif part == "is":
                     cells += [cell(args, mode=m, off=n, is_on=False, seed=seed, part="is")
                               for n in (1, top) for m in args.is_modes]
+                elif part == "clip":
+                    cells += [cell(args, mode=m, off=top, clip=False, seed=seed, part="clip") for m in args.is_modes]
                 elif part == "async":
                     # off=1: one optimizer step per sampled batch; the off-policiness is the sampler's version lag
                     cells += [cell(args, mode=m, off=1, seed=seed, staleness=k, part="async")
@@ -210,6 +218,7 @@ def cell_config(c: dict, output_dir: str):
         disable_tqdm=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5,
         # as in vllm_mismatch_study: one engine sync for every mode, and routing metrics for "none" too
         vllm_weight_sync="reload", routing_metrics=True, pr2_lr_multiplier=PR2_PREDICTOR_LR / c["learning_rate"],
+        **({"epsilon": CLIP_OFF_EPSILON} if c.get("clipping") is False else {}),
     )
 
 

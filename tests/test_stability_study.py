@@ -111,3 +111,16 @@ def test_async_reward_reads_conversational_completions_like_the_sync_reward():
     texts = ["12ab", "none", ""]
     messages = [[{"role": "assistant", "content": t}] for t in texts]
     assert study.message_digit_reward(messages) == study.digit_reward(texts) == [0.5, 0.0, 0.0]
+
+
+def test_clip_part_turns_clipping_off_only_in_its_cells():
+    args = study.parse_args(["--parts", "clip", "--offs", "1", "8", "--seeds", "1"])
+    cells = study.plan(args)
+    assert [(c["mode"], c["off"], c.get("clipping")) for c in cells] == [("none", 8, False), ("r3", 8, False)]
+    assert all(study.cell_key(c).endswith("|clip=off|seed=0") for c in cells)
+    off = study.cell_config(dict(cells[0], batch=8, num_generations=8), "/tmp/unused")
+    on = study.cell_config(dict(study.plan(study.parse_args(["--parts", "modes", "--offs", "8", "--seeds", "1"]))[0],
+                                batch=8, num_generations=8), "/tmp/unused")
+    assert off.epsilon == study.CLIP_OFF_EPSILON and on.epsilon == 0.2
+    # the keys of cells run before the axis existed are unchanged (no "clip" field when clipping is on)
+    assert "clip" not in study.cell_key(study.cell(args, mode="r3", off=8))
