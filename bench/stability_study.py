@@ -458,6 +458,17 @@ def figures(report: dict, path: Path) -> list[Path]:
     rows = {k: (parse_key(k), v) for k, v in report.get("aggregate", {}).items()}
     written = []
 
+    def save(fig, suffix: str) -> None:
+        fig.tight_layout()
+        written.append(path.with_name(f"{path.stem}_{suffix}.png"))
+        fig.savefig(written[-1], dpi=80)
+        plt.close(fig)
+
+    def plotted(points, name: str) -> list[float]:
+        """One aggregate number per (x, row) point; collapse events per seed; NaN (a gap) where none was measured."""
+        values = [v[name] / max(v["seeds"], 1) if name == "collapse_events" else v[name] for _, v in points]
+        return [float("nan") if x is None else x for x in values]
+
     mode_rows = [(f, v) for f, v in rows.values() if f["part"] in ("modes", "quick")]
     if mode_rows:
         fig, axes = plt.subplots(1, 4, figsize=(18, 4))
@@ -477,18 +488,14 @@ def figures(report: dict, path: Path) -> list[Path]:
                                     (axes[1], "reward_final", "final reward (last 25% of steps)"),
                                     (axes[2], "entropy_final", "final entropy (nats)"),
                                     (axes[3], "collapse_events", "collapse events / seeds")):
-                values = [v[name] if name != "collapse_events" else v[name] / max(v["seeds"], 1) for _, v in points]
-                ax.plot(offs, [float("nan") if x is None else x for x in values], style, marker="o", label=label)
+                ax.plot(offs, plotted(points, name), style, marker="o", label=label)
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("off-policiness N (steps_per_generation)")
                 ax.set_title(title, fontsize=9)
         axes[0].set_yscale("log")
         axes[0].legend(fontsize=6)
         fig.suptitle("modes x off-policiness (vLLM CPU bf16 sampler, fp32 trainer; mean over seeds)")
-        fig.tight_layout()
-        written.append(path.with_name(path.stem + "_modes.png"))
-        fig.savefig(written[-1], dpi=80)
-        plt.close(fig)
+        save(fig, "modes")
 
     # seed 0 only: one line per setting keeps the legend readable (every seed's numbers are in the JSON and table)
     curves = [(k, e) for k, e in report["cells"].items() if k.startswith(("search|", "modes|", "quick|"))
@@ -514,10 +521,7 @@ def figures(report: dict, path: Path) -> list[Path]:
         axes[2].set_yscale("log")
         axes[0].legend(fontsize=6)
         fig.suptitle("per-step curves: stressed-regime search and the extreme off-policiness cells")
-        fig.tight_layout()
-        written.append(path.with_name(path.stem + "_curves.png"))
-        fig.savefig(written[-1], dpi=80)
-        plt.close(fig)
+        save(fig, "curves")
 
     async_rows = [(f, v) for f, v in rows.values() if f["part"] == "async"]
     if async_rows:
@@ -527,18 +531,13 @@ def figures(report: dict, path: Path) -> list[Path]:
             for ax, name, title in ((axes[0], "kl_k3_mean", "train-inference KL (k3), mean over steps"),
                                     (axes[1], "reward_final", "final reward (last 25% of steps)"),
                                     (axes[2], "collapse_events", "collapse events / seeds")):
-                values = [v[name] if name != "collapse_events" else v[name] / max(v["seeds"], 1) for _, v in points]
-                ax.plot([k for k, _ in points], [float("nan") if x is None else x for x in values], marker="o",
-                        label=mode)
+                ax.plot([k for k, _ in points], plotted(points, name), marker="o", label=mode)
                 ax.set_xlabel("max_staleness (weight versions)")
                 ax.set_title(title, fontsize=9)
         axes[0].set_yscale("log")
         axes[0].legend(fontsize=7)
         fig.suptitle("async GRPO (TRL's AsyncGRPOTrainer, vLLM CPU bf16 server, fp32 trainer): none vs r3 by staleness")
-        fig.tight_layout()
-        written.append(path.with_name(path.stem + "_async.png"))
-        fig.savefig(written[-1], dpi=80)
-        plt.close(fig)
+        save(fig, "async")
 
     depth = sorted((int(f["layers"]), v) for f, v in rows.values() if f["part"] == "depth")
     if depth:
@@ -553,10 +552,7 @@ def figures(report: dict, path: Path) -> list[Path]:
         ax.set_ylabel("share that differs, engine vs trainer")
         ax.legend(fontsize=7)
         ax.set_title("router-decision mismatch, bf16 vLLM CPU vs fp32 trainer (none)", fontsize=9)
-        fig.tight_layout()
-        written.append(path.with_name(path.stem + "_depth.png"))
-        fig.savefig(written[-1], dpi=80)
-        plt.close(fig)
+        save(fig, "depth")
 
     for png in written:
         shrink_png(png)
