@@ -10,6 +10,10 @@ completion lengths in [7/8, 1] of 4096 instead). Each repeat times, side by side
   align          routes_from_engine on decoded arrays, as the trainer calls it (num_experts given) -> the compact
                  routes [B, S, L, K]: uint8 up to 256 experts (one byte per entry, like the payload)
   align/int16    the same without num_experts -> int16 (the pre-uint8 layout, for reference)
+  align/1 thread the same as align with the thread pool off (samples placed one after another): what the checks
+                 cost on one core. The pool's gain depends on the machine: on a 2-vCPU VM it shrinks to nothing
+                 when the pool's threads have been idle for ~50 ms (the second vCPU is slow to come back), which
+                 the gc.collect() before every case makes the usual state here
   decode+align   routes_from_engine on the payload strings (decoded one sample at a time)
 
 "warm" writes into destinations allocated once (copy buffer / ``out=``); "cold" allocates fresh
@@ -130,6 +134,14 @@ def main() -> None:
         for x in payloads:
             decode_routed_experts(x)
 
+    def align_one_thread():
+        threaded_bytes = engine._THREADED_BYTES
+        engine._THREADED_BYTES = float("inf")
+        try:
+            return routes_from_engine(rows, **layout, out=out_dst)
+        finally:
+            engine._THREADED_BYTES = threaded_bytes
+
     def decode_npload():
         for x in payloads:
             np.load(io.BytesIO(base64.b64decode(x)), allow_pickle=False)
@@ -141,6 +153,7 @@ def main() -> None:
             "decode/np.load": decode_npload,
             "align": lambda: routes_from_engine(rows, **layout, out=out_dst),
             "align/int16": lambda: routes_from_engine(rows, **without_experts, out=out_int16),
+            "align/1 thread": align_one_thread,
             "decode+align": lambda: routes_from_engine(payloads, **layout, out=out_dst),
         },
         "cold": {
