@@ -31,7 +31,7 @@ import torch
 from trl_moe_replay.routing import engine
 from trl_moe_replay.routing.engine import routes_from_engine
 
-from route_transport import distinct_routes
+from route_transport import engine_batch, pool_off
 
 LAYERS, TOP_K, EXPERTS = 48, 8, 128
 
@@ -102,9 +102,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = rng.integers(192, 257, args.batch).tolist()
     counts = [p + args.completion - 1 for p in prompts]
-    flat = distinct_routes(rng, sum(counts) * LAYERS, TOP_K, EXPERTS, np.uint8).reshape(-1)
-    offsets = np.cumsum([0, *counts]) * LAYERS * TOP_K
-    rows = [flat[a:b].reshape(n, LAYERS, TOP_K) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
+    flat, offsets, rows = engine_batch(rng, counts, LAYERS, TOP_K, EXPERTS)
     layout = dict(prompt_lengths=prompts, completion_lengths=[args.completion] * args.batch, prompt_width=256,
                   completion_width=args.completion, num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS)
     out = torch.empty((args.batch, 256 + args.completion, LAYERS, TOP_K), dtype=torch.uint8)
@@ -118,17 +116,14 @@ def main() -> None:
         for r, o in zip(rows, offsets[:-1]):
             copy_dst[o : o + r.size] = r.reshape(-1)
 
-    def align(threads: bool):
-        def run():
-            saved = engine._THREADED_BYTES
-            engine._THREADED_BYTES = saved if threads else float("inf")
-            try:
-                routes_from_engine(rows, **layout, out=out)
-            finally:
-                engine._THREADED_BYTES = saved
-        return run
+    def align():
+        routes_from_engine(rows, **layout, out=out)
 
-    cases = {"copy": copy_batch, "align, thread pool": align(True), "align, one thread": align(False)}
+    def align_one_thread():
+        with pool_off():
+            align()
+
+    cases = {"copy": copy_batch, "align, thread pool": align, "align, one thread": align_one_thread}
     idle = medians(cases, args.repeats, before=lambda: time.sleep(args.idle))
     show(f"idle: each call after {args.idle * 1e3:.0f} ms idle", idle, idle["copy"])
     busy = medians(cases, args.repeats)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import gc
 import io
 import os
@@ -80,22 +81,36 @@ def distinct_routes(rng: np.random.Generator, rows: int, top_k: int, experts: in
     return out
 
 
+def engine_batch(rng: np.random.Generator, counts: list[int], layers: int, top_k: int, experts: int):
+    """``(flat, offsets, rows)``: one flat buffer of random logical ids, distinct within each route as a real top-k;
+    each sample's ``[count, layers, top_k]`` engine rows are a view of it, starting at ``offsets[i]`` ids."""
+    flat = distinct_routes(rng, sum(counts) * layers, top_k, experts, engine_dtype(experts)).reshape(-1)
+    offsets = np.cumsum([0, *counts]) * layers * top_k
+    rows = [flat[a:b].reshape(n, layers, top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
+    return flat, offsets, rows
+
+
+@contextlib.contextmanager
+def pool_off():
+    """``routes_from_engine`` with its thread pool off: samples placed one after another, on one core."""
+    threaded_bytes = engine._THREADED_BYTES
+    engine._THREADED_BYTES = float("inf")
+    try:
+        yield
+    finally:
+        engine._THREADED_BYTES = threaded_bytes
+
+
 def main() -> None:
     args = parse_args()
     rng = np.random.default_rng(args.seed)
-    dtype = engine_dtype(args.experts)
     prompt_lengths = rng.integers(args.prompt * 3 // 4, args.prompt + 1, args.batch).tolist()
     if args.ragged:
         completion_lengths = rng.integers(args.completion * 7 // 8, args.completion + 1, args.batch).tolist()
     else:
         completion_lengths = [args.completion] * args.batch
     counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
-    per_token = args.layers * args.top_k
-
-    # One flat buffer of random logical ids, distinct within each route as a real top-k; each sample's rows are a view.
-    flat = distinct_routes(rng, sum(counts) * args.layers, args.top_k, args.experts, dtype).reshape(-1)
-    offsets = np.cumsum([0, *counts]) * per_token
-    rows = [flat[a:b].reshape(n, args.layers, args.top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
+    flat, offsets, rows = engine_batch(rng, counts, args.layers, args.top_k, args.experts)
     payloads = [encode_routed_experts(r) for r in rows]
 
     layout = dict(
@@ -135,12 +150,8 @@ def main() -> None:
             decode_routed_experts(x)
 
     def align_one_thread():
-        threaded_bytes = engine._THREADED_BYTES
-        engine._THREADED_BYTES = float("inf")
-        try:
+        with pool_off():
             return routes_from_engine(rows, **layout, out=out_dst)
-        finally:
-            engine._THREADED_BYTES = threaded_bytes
 
     def decode_npload():
         for x in payloads:
@@ -183,7 +194,7 @@ def main() -> None:
 
     print(
         f"routes: B={args.batch} prompt<={args.prompt} completion<={args.completion} L={args.layers} "
-        f"K={args.top_k} E={args.experts} ({dtype.name}); {tokens:,} routed tokens, "
+        f"K={args.top_k} E={args.experts} ({flat.dtype.name}); {tokens:,} routed tokens, "
         f"{raw_bytes / 2**20:,.0f} MiB engine rows, {wire_bytes / 2**20:,.0f} MiB base64, "
         f"{out_bytes / 2**20:,.0f} MiB {str(out_dst.dtype).removeprefix('torch.')} out "
         f"({out_dst.element_size()} B per entry)"
