@@ -25,6 +25,8 @@ import typing
 from dataclasses import MISSING, fields, is_dataclass
 from typing import Any, Literal, Union
 
+import numpy as np
+
 
 class ConfigTypeError(TypeError, ValueError):
     """A config value of the wrong type (a ``ValueError`` too, like the other config refusals)."""
@@ -41,8 +43,11 @@ INFINITY_MEANS_NO_LIMIT = frozenset({
     "vllm_importance_sampling_cap", "off_policy_mask_threshold", "delta",
 })
 
-# Values a field admits beyond its annotation: TRL's own documented spellings.
-ALSO_ADMITTED = {"scale_rewards": (bool,)}  # True/False, as TRL's GRPOConfig documents
+# Values a field admits beyond its annotation: what TRL and transformers themselves give or document.
+ALSO_ADMITTED = {
+    "scale_rewards": (bool,),  # True/False, as TRL's GRPOConfig documents
+    "debug": (type(None),),  # HfArgumentParser's value when unset; transformers reads it as []
+}
 
 
 def _at_least(low):
@@ -143,7 +148,7 @@ def describe(annotation) -> str:
 
 
 def _is_bool(value) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's bool
+    return isinstance(value, (bool, np.bool_))
 
 
 def _shown(value) -> str:
