@@ -174,8 +174,10 @@ def check_config(config) -> None:
     ``VALUE_RULES``; the first mistake raises, in one line naming the field, what it takes and what came."""
     specs = {spec.name: spec for spec in fields(config)}
     for name, annotation in field_types(type(config)).items():
-        value = check_value(name, annotation, getattr(config, name))
-        setattr(config, name, value)
+        given = getattr(config, name)
+        value = check_value(name, annotation, given)
+        if value is not given:  # a numpy scalar, as the Python number it holds
+            setattr(config, name, value)
         if value is None or _is_bool(value):
             continue
         if isinstance(value, float) and not math.isfinite(value):
