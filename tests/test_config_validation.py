@@ -89,6 +89,9 @@ CASES = [
     Case("weight_sync_steps", 0, ConfigValueError, configs=(ASYNC,), cli="0"),
     Case("sync_check_tolerance", -0.01, ConfigValueError, configs=(ASYNC,), cli="-0.01"),
     Case("vllm_request_attempts", 0, ConfigValueError, configs=(ASYNC,), cli="0"),
+    Case("num_generations", 0, ConfigValueError, cli="0"),
+    Case("vllm_server_timeout", 0.0, ConfigValueError, cli="0"),
+    Case("weight_sync_timeout", -5, ConfigValueError, configs=(ASYNC,), cli="-5"),
     Case("extreme_token_threshold", 1.0, ConfigValueError, cli="1.0"),
     Case("router_shift_gamma_min", 0.0, ConfigValueError, configs=(SYNC,), cli="0"),
     # choices

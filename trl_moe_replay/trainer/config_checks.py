@@ -66,6 +66,11 @@ VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "per_device_train_batch_size": _at_least(1),
     "gradient_accumulation_steps": _at_least(1),
     "max_completion_length": _at_least(1),
+    "num_generations": _at_least(1),  # TRL's sync config asks for 2 itself; 0 divides by zero in the group mean
+    "vllm_server_timeout": _above(0),
+    "request_timeout": _above(0),
+    "weight_sync_timeout": _above(0),
+    "heartbeat_stale_after_s": _above(0),
     "learning_rate": _at_least(0),
     "temperature": _above(0),  # TRL divides the logits by it
     "top_p": (lambda value: 0 < value <= 1, "in (0, 1]"),
