@@ -72,6 +72,7 @@ from trl_moe_replay.trainer.checkpoints import (  # noqa: E402
     generation_period,
     resolve_resume,
 )
+from trl_moe_replay.trainer.config_checks import ConfigTypeError, ConfigValueError, check_config_file  # noqa: E402
 
 
 class RecipeArgumentError(ValueError):
@@ -233,10 +234,13 @@ def parse_args(argv: list[str] | None = None):
         parser.config_path = argv[argv.index("--config") + 1]
         try:
             with open(parser.config_path) as f:
-                parser.config_keys = frozenset((yaml.safe_load(f) or {}).keys())
+                file_values = yaml.safe_load(f) or {}
+            parser.config_keys = frozenset(file_values.keys())
         except (OSError, yaml.YAMLError, AttributeError) as exc:
             parser.error(f"--config {parser.config_path}: {' '.join(str(exc).split())}")
     try:
+        if parser.config_path:  # the file's values as YAML typed them, before TrlParser reads text like the CLI's
+            check_config_file(DATACLASSES, file_values, parser.config_path)
         *parsed, from_file, from_command_line = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
@@ -585,7 +589,7 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
 
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
-                   OutputDirInUseError, LaunchMismatchError)
+                   OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

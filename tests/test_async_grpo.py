@@ -342,5 +342,20 @@ def test_sync_guard_catches_engine_weights_changed_between_syncs(monkeypatch):
         guard.before_sync()
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_sync_guard_refuses_an_engine_answering_non_finite_log_probs(monkeypatch, bad):
+    from trl_moe_replay.engines.async_weights import EngineProbeNotFiniteError
+
+    # NaN compares false with any tolerance: without a finite check both checks pass, at the default tolerance too
+    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, bad]], [[-1.0, -2.0]])
+    guard.before_sync()
+    message = f"after a weight sync, 1 of the vLLM server's 2 log-probs .* not finite \\({bad} at token 2\\)"
+    with pytest.raises(EngineProbeNotFiniteError, match=message):
+        guard.after_sync(None)
+    guard = guard_with(monkeypatch, [[bad, -2.0]], [])
+    with pytest.raises(EngineProbeNotFiniteError, match="before a weight sync"):
+        guard.before_sync()
+
+
 def test_the_installed_trl_matches_the_async_seam():
     assert upstream.check_async_trl() == ()

@@ -187,7 +187,7 @@ def test_command_line_mistakes_are_one_line(recipe, capsys, argv, says):
 
 
 @pytest.mark.parametrize("yaml, says", [
-    ("max_steps: five\n", "invalid int value: 'five' (the value of max_steps in "),
+    ("max_steps: five\n", "max_steps must be an int, got str 'five' (in "),
     ("routing_replai: r3\n", "unknown key in "),
     ("routing_replay: r4\n", "routing_replay must be one of"),
 ])

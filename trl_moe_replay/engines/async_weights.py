@@ -53,6 +53,10 @@ class WeightSyncNotDeliveredError(RuntimeError):
     """A weight sync returned, but the engine still scores like before it: the weights did not reach it."""
 
 
+class EngineProbeNotFiniteError(RuntimeError):
+    """The engine answered the sync probe with a NaN or infinite log-prob: no tolerance can compare it."""
+
+
 class EngineWeightsChangedError(RuntimeError):
     """Between two syncs the engine's weights changed without the trainer (a restarted or shared server)."""
 
@@ -160,8 +164,21 @@ class SyncGuard:
         self._engine_before: torch.Tensor | None = None
         self.last_diff: float | None = None  # max |engine - trainer| after the last sync
 
-    def before_sync(self) -> None:
+    def _engine_answer(self, when: str) -> torch.Tensor:
+        """The engine's probe log-probs, refused unless finite: NaN compares false with every tolerance, so a NaN
+        answer would pass both checks."""
         engine = engine_probe_logprobs(self.base_url, self.model_name, self.probe)
+        bad = (~torch.isfinite(engine)).nonzero().flatten().tolist()
+        if bad:
+            raise EngineProbeNotFiniteError(
+                f"{when}, {len(bad)} of the vLLM server's {engine.numel()} log-probs of the sync probe are not finite "
+                f"({float(engine[bad[0]])} at token {bad[0] + 1}): its weights hold NaN or inf, or the reload failed. "
+                "Check the server's log; resume training from the last checkpoint against a fresh server."
+            )
+        return engine
+
+    def before_sync(self) -> None:
+        engine = self._engine_answer("before a weight sync")
         if self._engine_after is not None:
             drift = float((engine - self._engine_after).abs().max())
             if drift > self.tolerance:
@@ -174,7 +191,7 @@ class SyncGuard:
         self._engine_before = engine
 
     def after_sync(self, model: torch.nn.Module) -> float:
-        engine = engine_probe_logprobs(self.base_url, self.model_name, self.probe)
+        engine = self._engine_answer("after a weight sync")
         trainer = trainer_probe_logprobs(model, self.probe)
         if self._trainer_at_sync is not None and self._engine_before is not None:
             # scale-free: a delivered sync moves the engine about as far as the trainer moved since the previous one;

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
+from .config_checks import check_config
+
 ASYNC_ROUTING_REPLAY_MODES = ("r3", "none")
 ASYNC_WEIGHT_SYNC_METHODS = ("auto", "trl", "reload")
 
@@ -54,7 +56,7 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
     vllm_request_attempts: int | None = field(default=None, metadata={"help": "Cap on attempts per request."})
 
     def __post_init__(self):
-        super().__post_init__()
+        check_config(self)  # every field's type and range, TRL's included, before TRL's own __post_init__ reads them
         if self.routing_replay in ("r2", "pr2"):
             raise ValueError(
                 f"routing_replay={self.routing_replay!r} replays the routes of an old-policy forward, and TRL's "
@@ -67,14 +69,11 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
             raise ValueError(
                 f"vllm_weight_sync must be one of {ASYNC_WEIGHT_SYNC_METHODS}, got {self.vllm_weight_sync!r}"
             )
-        if self.extreme_token_threshold <= 1.0:
-            raise ValueError(f"extreme_token_threshold must be > 1, got {self.extreme_token_threshold}")
+        super().__post_init__()
         if self.routing_metrics is None:
             self.routing_metrics = self.routing_replay != "none"
         if self.vllm_sync_check is None:
             self.vllm_sync_check = self.carries_routes
-        if self.vllm_request_attempts is not None and self.vllm_request_attempts < 1:
-            raise ValueError(f"vllm_request_attempts must be >= 1, got {self.vllm_request_attempts}")
 
     @property
     def carries_routes(self) -> bool:

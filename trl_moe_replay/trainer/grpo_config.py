@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from trl import GRPOConfig
+
+from .config_checks import ConfigTypeError, check_clipping_bounds, check_config
 
 ROUTING_REPLAY_MODES = ("none", "r2", "r3", "pr2")
 # Loss types this package adds to TRL's.
@@ -15,37 +16,6 @@ MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
 TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
 _PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
-
-
-class ConfigTypeError(TypeError, ValueError):
-    """A config value of the wrong type (a ``ValueError`` too, like the other config refusals)."""
-
-
-# The Python values each annotation of this package's config fields admits: an int field takes integers only (not
-# 1.5, not "4", not True), a float field integers or floats (not "0.8"); numpy scalars count as what they are.
-_ANNOTATION_TYPES = {
-    "str": (str,), "bool": (bool,), "int": (numbers.Integral,), "float": (numbers.Real,), "None": (type(None),),
-}
-# Fields that admit more than their annotation says: TRL's own spellings.
-_ALSO_ADMITTED = {"scale_rewards": (bool,)}  # True/False, as in TRL
-
-
-def check_field_types(config: GRPOConfig, own_fields: dict[str, str]) -> None:
-    """Refuse, in one line naming the field, the type it expects and the value it got, a value of ``config`` whose
-    type its annotation in ``own_fields`` (``{name: annotation string}``) does not admit. Numpy scalars become the
-    Python int or float they hold."""
-    for name, annotation in own_fields.items():
-        parts = [part.strip() for part in str(annotation).split("|")]
-        if any(part not in _ANNOTATION_TYPES for part in parts):
-            continue  # an annotation this check does not know (none of ours today): its field validates itself
-        admitted = tuple(t for part in parts for t in _ANNOTATION_TYPES[part]) + _ALSO_ADMITTED.get(name, ())
-        value = getattr(config, name)
-        if isinstance(value, bool) and bool not in admitted or not isinstance(value, admitted):
-            expected = " or ".join("None" if part == "None" else f"an {part}" if part == "int" else f"a {part}"
-                                   for part in parts)
-            raise ConfigTypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
-        if not isinstance(value, (bool, int, float, str, type(None))):  # a numpy scalar
-            setattr(config, name, int(value) if isinstance(value, numbers.Integral) else float(value))
 
 
 def check_generation_kwargs(args: GRPOConfig) -> None:
@@ -392,22 +362,14 @@ class MoEReplayGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        check_field_types(self, MoEReplayGRPOConfig.__annotations__)
-        self._refuse_meaningless_values()
+        check_config(self)  # every field's type and range, TRL's included, before TRL's own __post_init__ reads them
+        if self.loss_type not in TRL_LOSS_TYPES + MOE_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type must be one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}, got "
+                f"{self.loss_type!r}"
+            )
         super().__post_init__()
         self._resolve_loss_options()
-        if self.routing_replay not in ROUTING_REPLAY_MODES:
-            raise ValueError(
-                f"routing_replay must be one of {ROUTING_REPLAY_MODES}, got {self.routing_replay!r}"
-            )
-        if self.vllm_weight_sync not in ("auto", "trl", "reload"):
-            raise ValueError(f"vllm_weight_sync must be 'auto', 'trl' or 'reload', got {self.vllm_weight_sync!r}")
-        if self.extreme_token_threshold <= 1.0:
-            raise ValueError(f"extreme_token_threshold must be > 1, got {self.extreme_token_threshold}")
-        if self.pr2_lr_multiplier < 0:
-            raise ValueError(f"pr2_lr_multiplier must be >= 0, got {self.pr2_lr_multiplier}")
-        if self.pr2_cached_tokens_per_sequence < 1:
-            raise ValueError(f"pr2_cached_tokens_per_sequence must be >= 1, got {self.pr2_cached_tokens_per_sequence}")
         if self.pr2_rollout_prediction and self.routing_replay != "pr2":
             raise ValueError(f"pr2_rollout_prediction needs routing_replay='pr2', got {self.routing_replay!r}")
         self._resolve_generation_options()
@@ -447,9 +409,9 @@ class MoEReplayGRPOConfig(GRPOConfig):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.router_shift_weighting is None:
             self.router_shift_weighting = loss == "rspo"
+        # again with the defaults filled: a user's epsilon_high below the loss type's epsilon
+        check_clipping_bounds(self, f" (loss_type={loss!r}'s default)" if epsilon_unset else "")
 
-        if not 0.0 < self.router_shift_gamma_min <= 1.0:
-            raise ValueError(f"router_shift_gamma_min must be in (0, 1], got {self.router_shift_gamma_min}")
         if loss in ("gspo", "rspo") and self.importance_sampling_level != "sequence":
             raise ValueError(
                 f"loss_type={loss!r} uses GSPO's sequence-level ratio, but importance_sampling_level="
@@ -508,24 +470,4 @@ class MoEReplayGRPOConfig(GRPOConfig):
             refuse(
                 "needs the rollout log-probs that transformers_importance_sampling_correction records, and it is off",
                 "Leave transformers_importance_sampling_correction unset (or True).",
-            )
-
-    def _refuse_meaningless_values(self) -> None:
-        """NaN in any float field, inf in this class's own float fields, and an unknown ``loss_type``.
-
-        Inherited fields may be inf on purpose (``max_grad_norm=inf`` logs the gradient norm without clipping).
-        """
-        own = MoEReplayGRPOConfig.__annotations__
-        for spec in fields(self):
-            value = getattr(self, spec.name)
-            if isinstance(value, bool) or not isinstance(value, float):
-                continue
-            if spec.name in own and not math.isfinite(value):
-                raise ValueError(f"{spec.name} must be a finite number, got {value}")
-            if math.isnan(value):
-                raise ValueError(f"{spec.name} is NaN; set a number (its default: {spec.default})")
-        if self.loss_type not in TRL_LOSS_TYPES + MOE_LOSS_TYPES:
-            raise ValueError(
-                f"loss_type must be one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}, got "
-                f"{self.loss_type!r}"
             )
