@@ -25,6 +25,7 @@ import copy
 import json
 import os
 import pickle
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -229,7 +230,8 @@ def _tensors(files: list[Path], aliases: dict[str, str], refuse) -> Iterator[tup
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
     """A ``.bin`` weights file, safely: tensors only (``weights_only``), never code."""
-    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    # mapped, not read, where torch.save wrote its zip format (the legacy format cannot be mapped)
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"holds a {type(state).__name__}, not a dict of tensors")
     return state
