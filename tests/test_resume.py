@@ -297,3 +297,44 @@ def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
     assert step >= 10 and (tmp_path / "run" / f"checkpoint-{step}" / "trainer_state.json").is_file()
     assert stopped[0].rstrip().endswith(f"{RECIPE} {' '.join(command[2:])} --resume_from_checkpoint")
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def saved_tiny_model(tmp_path_factory):
+    from trl_moe_replay.testing import tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_moe_model("qwen3_moe").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:1000])
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda f: save_file({}, f / "model.safetensors"), "'model.embed_tokens.weight' is missing from it"),
+    (lambda f: truncate(f / "model.safetensors"), "model.safetensors cannot be read (SafetensorError: "),
+    (lambda f: (torch.save(load_file(f / "model.safetensors"), f / "pytorch_model.bin"),
+                (f / "model.safetensors").unlink(), truncate(f / "pytorch_model.bin")), "pytorch_model.bin cannot be read"),
+    (lambda f: ((f / "model.safetensors").unlink(), (f / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n.")),
+     "pytorch_model.bin cannot be read (UnpicklingError: "),
+])
+def test_a_refused_resume_is_one_line_on_the_recipe(recipe, saved_tiny_model, tmp_path, capsys, damage, says):
+    """docs/failure_behaviour.md: an empty, truncated or hostile weights file ends the recipe with exit status 2 and
+    one line naming the checkpoint, no traceback, and no training at initial weights."""
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    tiny_moe_model("qwen3_moe", seed=3).save_pretrained(checkpoint)
+    damage(checkpoint)
+    argv = ["--model_name_or_path", str(saved_tiny_model), "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
+            "--per_device_train_batch_size", "8", "--synthetic_samples", "16", "--plot", "false",
+            "--resume_from_checkpoint", str(checkpoint)]
+    capsys.readouterr()
+    assert recipe.run(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().split("\n")  # as a terminal shows them: progress bars redraw their line with \r
+    assert "Traceback" not in err and len(lines) <= 3, err
+    assert f": error: checkpoint {checkpoint} refused: " in lines[-1], err
+    assert says in lines[-1], lines[-1]
+    assert not (tmp_path / "run" / "checkpoint-4").exists()
