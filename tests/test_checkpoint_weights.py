@@ -291,3 +291,19 @@ def test_the_async_trainer_refuses_the_same_way(async_trainer, tmp_path):
     rewrite(tmp_path / "checkpoint", without("layers.1.mlp.experts.3.down_proj"))
     with pytest.raises(CheckpointWeightsError, match="'model.layers.1.mlp.experts.3.down_proj.weight' is missing"):
         async_trainer._load_from_checkpoint(str(tmp_path / "checkpoint"))
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin"])
+def test_tied_embeddings_are_one_weight_not_a_missing_one(tmp_path, layout):
+    """save_pretrained writes a tied lm_head once (under the embeddings' name): no false refusal, and both names
+    hold the file's embeddings afterwards."""
+    model = tiny_moe_model("qwen3_moe", seed=1, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    params = unique_weights(dict(model.state_dict(keep_vars=True)))
+    positions = where_in_file(model, params, tmp_path / "probe", lambda folder: save_layout(model, folder, layout))
+    randomize(params, seed=0)
+    save_layout(model, tmp_path / "checkpoint", layout)
+    randomize(params, seed=1)
+    checkpoint_weights.restore_checkpoint_weights(model, tmp_path / "checkpoint")
+    assert_restored(params, positions, tmp_path / "checkpoint")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
