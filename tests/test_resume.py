@@ -320,7 +320,7 @@ def truncate(file: Path) -> None:
                 (f / "model.safetensors").unlink(), truncate(f / "pytorch_model.bin")), "pytorch_model.bin cannot be read"),
     (lambda f: ((f / "model.safetensors").unlink(), (f / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n.")),
      "pytorch_model.bin cannot be read (UnpicklingError: "),
-])
+], ids=["empty safetensors", "truncated safetensors", "truncated bin", "pickle that runs code"])
 def test_a_refused_resume_is_one_line_on_the_recipe(recipe, saved_tiny_model, tmp_path, capsys, damage, says):
     """docs/failure_behaviour.md: an empty, truncated or hostile weights file ends the recipe with exit status 2 and
     one line naming the checkpoint, no traceback, and no training at initial weights."""
