@@ -199,12 +199,21 @@ def rewrite(folder: Path, change) -> None:
     save_file(change(tensors), folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def nan_in(name):
+def non_finite(name, value=float("nan")):
     def change(tensors):
         tensors[name] = tensors[name].clone()
-        tensors[name].view(-1)[3] = float("nan")
+        tensors[name].view(-1)[3] = value
         return tensors
     return change
+
+
+def fused_without(*fragments):
+    """The model's own (fused) names, some left out."""
+    def write(folder: Path):
+        state = tiny_moe_model("qwen3_moe", seed=0).state_dict()
+        save_file({n: t.contiguous() for n, t in without(*fragments)(state).items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    return write
 
 
 def without(*fragments):
@@ -248,13 +257,16 @@ REFUSALS = {
     "empty file": (lambda f: rewrite(f, lambda t: {}), r"'model.embed_tokens.weight' is missing from it \(25 of the 25"),
     "experts and q_proj missing": (lambda f: rewrite(f, without(".mlp.experts.", Q)),
                                    "'model.layers.0.mlp.experts.gate_up_proj' is missing from it"),
+    "fused names without the experts and q_proj": (fused_without(".mlp.experts.", Q),
+                                                   "'model.layers.0.mlp.experts.gate_up_proj' is missing from it "
+                                                   r"\(5 of the 25"),
     "q_proj missing": (lambda f: rewrite(f, without(Q)), f"'{Q}' is missing from it \\(1 of the 69"),
     "one expert missing": (lambda f: rewrite(f, without("layers.1.mlp.experts.3.down_proj")),
                            "'model.layers.1.mlp.experts.3.down_proj.weight' is missing"),
     "an extra name": (lambda f: rewrite(f, lambda t: {**t, "model.layers.9.mlp.gate.weight": t[Q].clone()}),
                       "it holds 'model.layers.9.mlp.gate.weight', which is no weight of " + QWEN),
-    "NaN": (lambda f: rewrite(f, nan_in(Q)), f"'{Q}' holds NaN or infinite values"),
-    "inf in an expert": (lambda f: rewrite(f, nan_in("model.layers.0.mlp.experts.5.up_proj.weight")),
+    "NaN": (lambda f: rewrite(f, non_finite(Q)), f"'{Q}' holds NaN or infinite values"),
+    "inf in an expert": (lambda f: rewrite(f, non_finite("model.layers.0.mlp.experts.5.up_proj.weight", float("inf"))),
                          "'model.layers.0.mlp.experts.5.up_proj.weight' holds NaN or infinite values"),
     "wrong shape": (lambda f: rewrite(f, lambda t: {**t, Q: t[Q][:-1].contiguous()}),
                     f"'{Q}' has shape \\[63, 64\\] where {QWEN} has \\[64, 64\\]"),
