@@ -10,7 +10,6 @@ element of each parameter lands in the files; after the resume every parameter m
 import json
 import pickle
 import re
-import shutil
 from pathlib import Path
 
 import pytest

@@ -8,7 +8,7 @@ every resume and ``load_best_model_at_end`` of our trainers (sync and async) goe
 :func:`restore_trainer_weights`.
 
 It checks the whole checkpoint before it changes the model: every weight present, none extra, each of the model's
-shape and dtype, and finite. The layouts are what transformers writes: ``model.safetensors``, sharded safetensors with
+shape and dtype, and finite (each file is read twice, once to check and once to load, one file in memory at a time). The layouts are what transformers writes: ``model.safetensors``, sharded safetensors with
 their index, ``pytorch_model.bin`` (read with ``weights_only=True``) and sharded ``.bin``, each under the model's own
 names or under the names ``save_pretrained`` writes (what :func:`~trl_moe_replay.upstream.saved_weight_layout` says,
 transformers' reverse conversion); a PEFT model's checkpoint holds only the adapter (``adapter_model.safetensors``,
