@@ -585,11 +585,14 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
 def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
     from trl_moe_replay.routing import UnsupportedModelError
+    from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
+    from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
 
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
-                   OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError)
+                   OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
+                   CheckpointWeightsError, PR2CheckpointError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

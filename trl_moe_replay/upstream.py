@@ -64,6 +64,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     # transformers.Trainer's: resume loads the weights through from_pretrained's conversion (transformers#48805)
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+    "_load_best_model": ("self",),
     # transformers.Trainer's: PR2 clips its predictors by their own norm (trl_moe_replay/trainer/grpo_trainer.py)
     "_clip_grad_norm": ("self", "model"),
 }
@@ -335,6 +336,9 @@ def _check_public_apis() -> list[Finding]:
 #    PreTrainedModel._keys_to_ignore_on_save: save_model() leaves the predictors out;
 #    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names): DDP leaves them alone
 #    (the trainer averages their gradients itself). Read from transformers 5.23.0 and torch 2.13.0.
+#    Resume integrity (trl_moe_replay/trainer/checkpoint_weights.py): core_model_loading.revert_weight_conversion(
+#    model, state_dict), what save_pretrained applies to name the weights it writes (saved_weight_layout below), read
+#    from transformers 5.24.0; Trainer._load_best_model (overridden, checked with entry 1's methods).
 # ---------------------------------------------------------------------------------------------------------------
 TRANSFORMERS_READ = "5.23.0"
 
@@ -357,7 +361,22 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
     if not callable(getattr(torch.nn.parallel.DistributedDataParallel,
                             "_set_params_and_buffers_to_ignore_for_model", None)):
         findings.append(Finding("11", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is gone"))
+    from transformers import core_model_loading
+
+    have = tuple(inspect.signature(core_model_loading.revert_weight_conversion).parameters)
+    if have != ("model", "state_dict"):
+        findings.append(Finding("11", f"core_model_loading.revert_weight_conversion(model, state_dict) became {have}"))
     return tuple(findings)
+
+
+def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Entry 11: the names, shapes and dtypes ``save_pretrained`` writes for ``state_dict`` of ``model`` (its
+    weights without tied duplicates), as meta tensors: transformers' own reverse of its weight conversion (fused MoE
+    experts become per-expert weights), which ``save_pretrained`` applies. Resume integrity checks a checkpoint
+    against it (trl_moe_replay/trainer/checkpoint_weights.py)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, {name: tensor.to("meta") for name, tensor in state_dict.items()})
 
 
 # ---------------------------------------------------------------------------------------------------------------

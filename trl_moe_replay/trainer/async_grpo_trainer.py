@@ -42,6 +42,7 @@ from ..routing.routes import has_route, route_dtype
 from ..upstream import assert_async_trl_compatible, async_trainer_globals, set_tree_attention_kernel
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
+from .checkpoint_weights import restore_trainer_weights
 from .metrics import logprob_mismatch_sums, routing_agreement_sums
 
 logger = logging.get_logger(__name__)
@@ -307,6 +308,16 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
             for name in ("kl_k1", "kl_k3"):
                 metrics[f"mismatch/{name}"].append((total[f"mismatch.{name}"], total["mismatch.tokens"]))
             metrics["mismatch/extreme_frac"].append((total["mismatch.extreme"], total["mismatch.tokens"]))
+
+    # ------------------------------------------------------------------ resume
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # every weight from the checkpoint, or a refusal, as MoEReplayGRPOTrainer (trainer/checkpoint_weights.py)
+        if not restore_trainer_weights(self, resume_from_checkpoint, model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
+            super()._load_best_model()
 
     # ------------------------------------------------------------------ weight sync
     def _sync_weight(self):

@@ -13,23 +13,19 @@
   in one line, and (not resuming) removes that run's checkpoints when it starts training, so that a later resume can
   never pick up the older run's checkpoint.
 
-- :func:`restore_checkpoint_weights`: the model weights of a checkpoint, converted back to the model's own layout.
-  transformers writes a checkpoint in the Hub layout (``save_pretrained`` splits fused MoE experts into per-expert
-  weights), but its Trainer reads it back with a plain ``load_state_dict`` that skips what it does not recognise, so
-  on resume every fused expert weight silently kept its initial value (transformers#48805, still so in 5.24).
-  ``MoEReplayGRPOTrainer._load_from_checkpoint`` loads through this function instead.
+The model weights of a checkpoint come back through :func:`~.checkpoint_weights.restore_checkpoint_weights`
+(every weight of the model, or a one-line refusal; trainer/checkpoint_weights.py).
 
 A resumed run continues the uninterrupted one bit for bit (loss, grad norm, samples, rewards, every logged number but
 the timings) when the checkpoint is at a generation-batch boundary (what :class:`SaveOnInterrupt` writes;
 ``save_steps`` a multiple of the generation period), within the first epoch, on the same machine and thread count:
 the Trainer restores optimizer, scheduler and the RNG states and skips the batches already seen, and the weights come
-back whole through :func:`restore_checkpoint_weights` (docs/demo.md, "Stopping and resuming"). In a later epoch TRL's
+back whole through ``restore_checkpoint_weights`` (docs/demo.md, "Stopping and resuming"). In a later epoch TRL's
 ``RepeatSampler`` restarts its shuffling from the seed, so the data order differs.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -42,9 +38,11 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, logging
+
+from .checkpoint_weights import CheckpointWeightsError, restore_checkpoint_weights  # noqa: F401 (re-exported)
+from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
@@ -58,10 +56,6 @@ TRAINER_STATE = "trainer_state.json"
 
 class NoCheckpointError(FileNotFoundError):
     """Asked to resume, but the output directory holds no complete checkpoint."""
-
-
-class CheckpointWeightsError(ValueError):
-    """A checkpoint's model weights do not fit the model being resumed."""
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -201,57 +195,3 @@ def generation_period(args) -> int:
 
 def _at_generation_boundary(args, global_step: int) -> bool:
     return global_step % generation_period(args) == 0
-
-
-def checkpoint_weight_names(folder: str | os.PathLike) -> set[str] | None:
-    """The weight names a checkpoint folder holds (``model.safetensors`` or its shard index); ``None`` without either
-    (weights in another format, or adapters only)."""
-    folder = Path(folder)
-    if (folder / SAFE_WEIGHTS_NAME).is_file():
-        from safetensors import safe_open
-
-        with safe_open(folder / SAFE_WEIGHTS_NAME, framework="pt") as weights:
-            return set(weights.keys())
-    if (folder / SAFE_WEIGHTS_INDEX_NAME).is_file():
-        return set(json.loads((folder / SAFE_WEIGHTS_INDEX_NAME).read_text())["weight_map"])
-    return None
-
-
-def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike) -> bool:
-    """Load the model weights of checkpoint ``folder`` into ``model`` when they are stored under other names than the
-    model's own (the Hub layout ``save_pretrained`` writes: per-expert MoE weights for a model that holds them
-    fused); returns whether it did. ``False``: the names match (or the folder or model is of another kind), and a
-    plain ``load_state_dict`` restores every weight, as the Trainer does.
-
-    The conversion is transformers' own: ``from_pretrained`` builds a copy of the model from the checkpoint on the
-    CPU (in the model's dtype), whose weights are then copied in, unchanged to the last bit. That copy holds one
-    more set of weights in CPU memory while it lasts. Raises :class:`CheckpointWeightsError` when the checkpoint
-    lacks weights of the model, rather than resuming with them at their initial values.
-    """
-    names = checkpoint_weight_names(folder)
-    if names is None or not isinstance(model, PreTrainedModel) or names <= set(model.state_dict()):
-        return False
-    logger.info(f"{folder}: weights in the Hub layout; loading them through from_pretrained's conversion")
-    refusal = (f"resuming from {folder}: its weights do not fit the model ({type(model).__name__}); {{}}. Resume "
-               "with the model that wrote the checkpoint, or start a new run from its weights without "
-               "resume_from_checkpoint.")
-    try:
-        converted, info = type(model).from_pretrained(
-            folder, config=copy.deepcopy(model.config), dtype=model.dtype, output_loading_info=True
-        )
-    except (RuntimeError, ValueError) as exc:  # e.g. an expert missing: the fused weight cannot be assembled
-        raise CheckpointWeightsError(refusal.format(f"transformers could not convert them: {exc}")) from exc
-    lacking = sorted([*info.get("missing_keys", ()), *(str(k) for k in info.get("mismatched_keys", ()))])
-    if lacking:
-        raise CheckpointWeightsError(
-            refusal.format(f"missing or of another shape: {lacking[:8]}{' ...' if len(lacking) > 8 else ''}")
-        )
-    # Keys the model has and the copy lacks are modules added to this instance (PR2's predictors), which the
-    # checkpoint never holds: their owners restore them.
-    result = model.load_state_dict(converted.state_dict(), strict=False)
-    if result.unexpected_keys:
-        raise CheckpointWeightsError(
-            f"resuming from {folder}: the converted weights name parameters {type(model).__name__} lacks: "
-            f"{sorted(result.unexpected_keys)[:8]}. Resume with the model that wrote the checkpoint."
-        )
-    return True

@@ -56,7 +56,7 @@ from ..upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
-from .checkpoints import restore_checkpoint_weights
+from .checkpoint_weights import restore_trainer_weights
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
 from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
@@ -591,13 +591,14 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         super()._save_checkpoint(model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # transformers' Trainer reads a checkpoint's weights with a plain load_state_dict, which skips the per-expert
-        # weights save_pretrained wrote for fused MoE experts: they kept their initial values (transformers#48805).
-        # FSDP and PEFT checkpoints hold the model's own names (or adapters): the Trainer's load is right for them.
-        target = self.model if model is None else model
-        if self.is_fsdp_enabled or is_peft_model(target) or not restore_checkpoint_weights(target,
-                                                                                           resume_from_checkpoint):
+        # every weight from the checkpoint, or a refusal (transformers' load_state_dict(strict=False) leaves what it
+        # does not find at its initial value: transformers#48805, empty or partial files)
+        if not restore_trainer_weights(self, resume_from_checkpoint, model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
+            super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
