@@ -144,21 +144,32 @@ def read_run_file(path: str | Path, max_bytes: int | None = None) -> bytes:
     """
     max_bytes = MAX_STATE_BYTES if max_bytes is None else max_bytes
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
+    try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode)
-                    or stat.S_ISBLK(info.st_mode) else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a file")
+        mode = info.st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
             raise RunFileRefusedError(f"{path} is {kind}, not a regular file: refusing to read it (a Trainer writes "
                                       "trainer_state.json as a file; is the run folder what it should be?)")
         # + 1: a file that grew past the limit since fstat (or reports no size, as /proc's do) is refused too
-        data = b"" if info.st_size > max_bytes else f.read(max_bytes + 1)
+        data = b"" if info.st_size > max_bytes else _read_up_to(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
     if info.st_size > max_bytes or len(data) > max_bytes:
         raise RunFileRefusedError(
             f"{path} holds more than {max_bytes / 2**20:g} MiB: refusing to read it (a Trainer's trainer_state.json "
             "is a few MiB); plot one of the run's checkpoint-N folders"
         )
     return data
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit and (chunk := os.read(fd, min(limit - size, 1 << 20))):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def metric_series(log_history: Iterable[Mapping], skipped: dict[str, int] | None = None,
