@@ -5,10 +5,16 @@ built (YAML included), the nested generation_kwargs replay reads, a lock path th
 import asyncio
 import inspect
 import math
+import os
+import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
+import safetensors.torch
+import torch
 from transformers.utils import get_json_schema
 from trl import TrlParser
 
@@ -17,7 +23,7 @@ from trl_moe_replay.cli import main
 from trl_moe_replay.engines.tool_timeout import ToolTimeoutError, with_timeout
 from trl_moe_replay.trainer.grpo_config import ConfigTypeError
 from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirLock
-from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
+from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer
 
 from .test_cli import audit_server, one_line_error
 from .test_trainer import make_trainer
@@ -148,3 +154,76 @@ def test_audit_of_a_server_with_one_malformed_payload_falls_back_for_it_alone():
     r3 = report.row("r3")
     assert 0 < r3.fallback_frac < 1 and r3.route_mismatch_frac == 0.0
     assert any("1 of 3 completions came with routes that do not fit their tokens" in n for n in report.notes)
+
+
+# ----------------------------------------------------------------------------- audit arguments (issue 33)
+@pytest.mark.parametrize("args, says", [
+    (["--device", "meta"], "--device meta holds shapes, not numbers"),
+    (["--device", "gar_bage"], "--device 'gar_bage' is not a torch device: pass cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "--device cuda:99: this machine has "),  # no cuda here; too few GPUs on a GPU machine
+    (["--prompt", "fine", "--prompt", "ab\udcffc"], "prompt 2 (--prompt) is not UTF-8 text: byte 0xff at character 3"),
+    (["--prompt", "lone \ud800"], "prompt 1 (--prompt) is not UTF-8 text: lone surrogate U+D800 at character 6"),
+    (["--extreme_threshold", "nan"], "extreme_threshold (--extreme_threshold) must be a finite probability ratio > 1"),
+    (["--extreme_threshold", "0.5"], "must be a finite probability ratio > 1 (2: a token is extreme when"),
+    (["--extreme_threshold", "1"], "must be a finite probability ratio > 1"),
+    (["--extreme_threshold", "inf"], "must be a finite probability ratio > 1"),
+    (["--temperature", "inf"], "temperature (--temperature) must be a finite number > 0"),
+    (["--temperature", "nan"], "temperature (--temperature) must be a finite number > 0"),
+    (["--temperature", "0"], "temperature (--temperature) must be a finite number > 0"),
+    (["--temperature", "-1"], "temperature (--temperature) must be a finite number > 0"),
+    (["--num_prompts", "-1"], "num_prompts (--num_prompts) must be an int >= 1, got -1"),
+    (["--num_generations", "0"], "num_generations (--num_generations) must be an int >= 1, got 0"),
+], ids=lambda value: " ".join(value).encode("ascii", "backslashreplace").decode() if isinstance(value, list) else "")
+def test_audit_argument_mistakes_are_one_line(capsys, monkeypatch, args, says):
+    import trl_moe_replay.cli.audit as audit
+
+    loaded = []
+    monkeypatch.setattr(audit, "load_model_and_tokenizer", lambda *a, **kw: loaded.append(a) or 1 / 0)
+    if "cuda:99" in args:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", *args])
+    assert says in line
+    assert not loaded  # refused before a model is loaded
+
+
+def test_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--device", "cuda"])
+    assert "--device cuda: this machine has no cuda device" in line and line.endswith("pass cpu")
+
+
+@pytest.fixture(scope="module")
+def saved_tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny") / "checkpoint"
+    tiny_moe_model("qwen3_moe").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["half", "header", "empty", "bin"])
+def test_audit_of_a_truncated_weight_file_is_one_line(capsys, tmp_path, saved_tiny_model, damage):
+    model = tmp_path / "model"
+    shutil.copytree(saved_tiny_model, model)
+    weights = model / "model.safetensors"
+    if damage == "bin":  # transformers 4.x with save_safetensors=False
+        state = safetensors.torch.load_file(weights)
+        weights.unlink()
+        weights = model / "pytorch_model.bin"
+        torch.save(state, weights)
+    size = {"header": 4, "empty": 0}.get(damage, weights.stat().st_size // 2)
+    os.truncate(weights, size)
+    line = one_line_error(capsys, ["audit", "--model", str(model), "--num_prompts", "1", "--max_new_tokens", "2"])
+    assert f"the weights of {model} cannot be read (" in line
+    assert "the file is damaged, probably truncated" in line
+
+
+@pytest.mark.slow  # the command in a subprocess: the bytes reach Python through argv, as from a shell
+def test_audit_of_a_prompt_that_is_not_utf8_from_the_shell_is_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_moe_replay.cli", "audit", "--model", "tiny:qwen3_moe", "--prompt", b"2+2=\xff?"],
+        capture_output=True, timeout=600, env={**os.environ, "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"},
+    )
+    output = (result.stdout + result.stderr).decode("utf-8", "replace")
+    assert result.returncode == 2 and "Traceback" not in output, output
+    assert "prompt 1 (--prompt) is not UTF-8 text: byte 0xff at character 5" in output
+    assert len(result.stderr.decode().strip().splitlines()) <= 3

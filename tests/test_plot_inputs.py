@@ -2,11 +2,12 @@
 what was left out, and one line for every malformed input."""
 
 import json
+import os
 
 import pytest
 
 from trl_moe_replay.cli import main, plotting
-from trl_moe_replay.cli.plotting import MAX_FIGURES, NOT_DRAWN_FILE, metric_series, plan_figures
+from trl_moe_replay.cli.plotting import MAX_FIGURES, NOT_DRAWN_FILE, load_log_history, metric_series, plan_figures
 
 from .test_cli import fake_history, one_line_error, png_size, write_state
 
@@ -79,3 +80,85 @@ def test_malformed_files_are_one_line(tmp_path, capsys):
     not_list.mkdir()
     (not_list / "trainer_state.json").write_text(json.dumps({"log_history": {"step": 1}}))
     assert "no 'log_history' list" in one_line_error(capsys, ["plot", str(not_list)])
+
+
+# ----------------------------------------------------------------------------- hostile run folders (issue 33)
+def test_plot_replaces_planted_links_and_never_writes_through_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plotting, "MAX_FIGURES", 1)  # one PNG and a not_drawn.txt note
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    write_state(run, fake_history())
+    victims = {name: outside / f"victim-{name}" for name in ("reward.png", NOT_DRAWN_FILE)}
+    (run / "plots").mkdir()
+    for name, victim in victims.items():
+        victim.write_text("precious")
+        (run / "plots" / name).symlink_to(victim)
+    assert main(["plot", str(run)]) == 0
+    assert all(victim.read_text() == "precious" for victim in victims.values())  # nothing written through a link
+    png_size(run / "plots" / "reward.png")
+    assert not any(p.is_symlink() for p in (run / "plots").iterdir())  # the links were replaced by new files
+    assert "mismatch" in (run / "plots" / NOT_DRAWN_FILE).read_text(encoding="utf-8")
+    assert not list((run / "plots").glob(".*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize("plant", ["symlink", "file"])
+def test_a_plots_path_that_is_not_a_folder_of_the_run_is_refused_in_one_line(tmp_path, capsys, plant):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write_state(run, fake_history())
+    if plant == "symlink":
+        (run / "plots").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (run / "plots").write_text("a file")
+    line = one_line_error(capsys, ["plot", str(run)])
+    assert "refusing to write the PNGs through it" in line and "--out" in line
+    assert ("is a symlink" if plant == "symlink" else "is not a folder") in line
+    assert not list(elsewhere.iterdir())
+    assert main(["plot", str(run), "--out", str(elsewhere)]) == 0 and (elsewhere / "reward.png").is_file()
+
+
+def test_special_and_oversized_state_files_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    device = tmp_path / "device"
+    (device / "checkpoint-1").mkdir(parents=True)
+    (device / "checkpoint-1" / "trainer_state.json").symlink_to("/dev/zero")  # was a MemoryError after minutes
+    line = one_line_error(capsys, ["plot", str(device)])
+    assert "is a device, not a regular file: refusing to read it" in line
+
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "trainer_state.json")  # opening it for reading would wait for a writer forever
+    assert "is a FIFO, not a regular file" in one_line_error(capsys, ["plot", str(fifo)])
+
+    folder = tmp_path / "folder"
+    (folder / "trainer_state.json").mkdir(parents=True)
+    assert "is a folder, not a regular file" in one_line_error(capsys, ["plot", str(folder)])
+
+    big = tmp_path / "big"
+    write_state(big, fake_history())
+    size = (big / "trainer_state.json").stat().st_size
+    monkeypatch.setattr(plotting, "MAX_STATE_BYTES", size - 1)
+    assert f"holds more than {(size - 1) / 2**20:g} MiB: refusing to read it" in one_line_error(capsys,
+                                                                                                 ["plot", str(big)])
+    monkeypatch.setattr(plotting, "MAX_STATE_BYTES", size)
+    assert main(["plot", str(big)]) == 0
+
+
+def test_extreme_values_and_unencodable_names_are_skipped_or_escaped_with_a_note(tmp_path, caplog):
+    history = [{"step": step, "reward": 0.1 * step, "loss": 0.5 / step, "grad_norm": value, "kl": float("nan"),
+                "\ud800/x": 1.0, "ctl\udcff\n\x00": 2.0} for step, value in
+               enumerate([1.0, 1e308, -1e308, float("inf"), float("-inf"), 10 ** 400, 1e300, -1e300, 2.0], start=1)]
+    history.append({"step": 10 ** 400, "reward": 1.0})  # a step beyond float: the entry is skipped
+    run = tmp_path / "run"
+    run.mkdir()
+    # json.dumps writes NaN/Infinity (as Python does) and escapes the lone surrogates ("\ud800"), as a JSON
+    # file from another writer may hold them
+    (run / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert main(["plot", str(run)]) == 0
+    series = metric_series(load_log_history(run))
+    assert series["grad_norm"] == ([1, 7, 8, 9], [1.0, 1e300, -1e300, 2.0])  # what could be drawn, was
+    assert "kl" not in series and max(series["reward"][0]) == 9
+    assert "14 values of 2 metrics are NaN, ±inf or beyond ±1e+300: not drawn (kl: 9, grad_norm: 5)" in caplog.text
+    for path in (run / "plots").iterdir():
+        png_size(path)
+    assert {f.family for f in plan_figures(series)} == {"reward", "loss", "other", "\ud800"}
+    assert plotting.printable("ctl\udcff\n\x00") == "ctl\\udcff\\n\\x00"

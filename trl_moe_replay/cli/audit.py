@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import pickle
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -48,7 +49,12 @@ from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..routing.errors import RouteAlignmentError
 from ..trainer.launch import check_model_path
-from ..trainer.metrics import logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from ..trainer.metrics import (
+    check_extreme_threshold,
+    logprob_mismatch_sums,
+    routable_positions,
+    routing_agreement_sums,
+)
 
 TINY_PREFIX = "tiny:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,10 +172,88 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)
-    causal_lm = AutoModelForCausalLM.from_pretrained(
-        model, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision
-    )
+    with _unreadable_weights_refused(model):
+        causal_lm = AutoModelForCausalLM.from_pretrained(
+            model, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision
+        )
     return causal_lm.eval(), tokenizer
+
+
+class ModelWeightsError(ValueError):
+    """A checkpoint's weight file cannot be read (truncated by an interrupted save or copy, or not a weight file)."""
+
+
+@contextlib.contextmanager
+def _unreadable_weights_refused(model: str):
+    """Turn the readers' errors for a damaged weight file into one :class:`ModelWeightsError` line."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, pickle.UnpicklingError, EOFError) as exc:
+        problem = exc
+    except RuntimeError as exc:  # torch.load of a damaged .bin: its zip reader's error, the only RuntimeError kept
+        if "PytorchStreamReader" not in str(exc):
+            raise
+        problem = exc
+    else:
+        return
+    first_line = (str(problem).strip().splitlines() or [type(problem).__name__])[0]
+    raise ModelWeightsError(
+        f"the weights of {model} cannot be read ({type(problem).__name__}: {first_line}): the file is damaged, "
+        "probably truncated by an interrupted save or copy; save or download the checkpoint again"
+    ) from None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The torch device the audit runs on: ``device`` (``cpu``, ``cuda``, ``cuda:N``, ...) if this machine has it,
+    else ``cuda`` when available, else ``cpu``. A device that holds no data (``meta``), is not a torch device, or is
+    not on this machine raises ``ValueError`` before anything is loaded."""
+    if not device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(
+            f"--device {device!r} is not a torch device: pass cpu, cuda or cuda:N (or leave it out: cuda if "
+            "available, else cpu)"
+        ) from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type == "meta":
+        raise ValueError("--device meta holds shapes, not numbers, and the audit measures numbers: pass cpu or cuda")
+    backend = getattr(torch, parsed.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not callable(is_available) or not is_available():
+        raise ValueError(
+            f"--device {device}: this machine has no {parsed.type} device (torch {torch.__version__} finds none): "
+            f"pass cpu{', or cuda' if torch.cuda.is_available() else ''}"
+        )
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else None
+    if parsed.index is not None and count is not None and parsed.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), numbered 0 to "
+                         f"{count - 1}: pass {parsed.type}:0 .. {parsed.type}:{count - 1}")
+    return parsed
+
+
+def check_prompts(prompts: list) -> None:
+    """Each prompt is text a tokenizer can encode (UTF-8), else ``ValueError`` naming the first that is not.
+
+    A prompt from the command line with bytes that are not UTF-8 reaches Python as lone surrogates
+    (``surrogateescape``); tokenizers then fail with a ``TypeError`` that does not say which prompt or why.
+    """
+    for i, prompt in enumerate(prompts, start=1):
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt {i} must be text, got {type(prompt).__name__} {prompt!r:.60}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(prompt[exc.start])
+            what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}")
+            raise ValueError(
+                f"prompt {i} (--prompt) is not UTF-8 text: {what} at character {exc.start + 1}; pass prompts as "
+                "UTF-8 (is the terminal's encoding, LANG / LC_ALL, UTF-8?)"
+            ) from None
 
 
 def default_prompts(num_prompts: int, seed: int = 0) -> list[str]:
@@ -247,13 +331,22 @@ def run_audit(
     for name in (engine_dtype, trainer_dtype):
         if name not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    if num_generations < 1 or max_new_tokens < 1 or temperature <= 0:
-        raise ValueError("num_generations and max_new_tokens must be >= 1 and temperature > 0")
+    for name, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
+                        ("num_prompts", num_prompts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} (--{name}) must be an int >= 1, got {value!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
+            or temperature <= 0):
+        raise ValueError(f"temperature (--temperature) must be a finite number > 0 (1.0 samples the model as it is), "
+                         f"got {temperature!r}")
+    check_extreme_threshold(extreme_threshold, "extreme_threshold (--extreme_threshold)")
+    if prompts is not None:
+        check_prompts(prompts)
     if vllm_timeout is not None and (isinstance(vllm_timeout, bool) or not isinstance(vllm_timeout, (int, float))
                                      or not math.isfinite(vllm_timeout) or vllm_timeout < 0):
         raise ValueError(f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got "
                          f"{vllm_timeout!r}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
     trainer_model.to(device).eval()
     if prompts is None:

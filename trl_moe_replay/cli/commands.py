@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--num_prompts", type=int, default=8, help="number of default prompts (default 8)")
     audit.add_argument("--num_generations", type=int, default=2, help="completions per prompt (default 2)")
     audit.add_argument("--max_new_tokens", type=int, default=64)
-    audit.add_argument("--temperature", type=float, default=1.0)
+    audit.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1)")
     audit.add_argument("--engine_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the generating copy (inference engines run bf16)")
     audit.add_argument("--trainer_dtype", default="float32", choices=["bfloat16", "float16", "float32"],
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--chat_template", default="auto", choices=["auto", "yes", "no"],
                        help="wrap prompts as a user message with the tokenizer's chat template (auto: if it has one)")
     audit.add_argument("--extreme_threshold", type=float, default=2.0,
-                       help="a token is extreme when its probability ratio exceeds this either way (default 2)")
+                       help="a token is extreme when its probability ratio exceeds this either way; > 1 (default 2)")
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     audit.add_argument("--trust_remote_code", action="store_true")

@@ -16,6 +16,12 @@ File names are the family's name where it is a plain file name (``routing.png``)
 ``a b/...``, a very long one, one that differs from another only in case) gets a short hash of the exact name, so
 every family has its own file, the same in every plot of the run, and none overwrites another.
 
+A run folder may hold things it should not: files we write never follow a link out of it (each PNG is written as a
+new file and renamed into place, so a planted symlink is replaced, not written through; a symlinked ``plots/`` is
+refused), a ``trainer_state.json`` is read only if it is a regular file of at most :data:`MAX_STATE_BYTES`, values
+that matplotlib cannot draw (NaN, ±inf, beyond ±:data:`MAX_DRAWN_MAGNITUDE`) are left out with a warning, and names
+that cannot be printed (lone surrogates, control characters) are shown escaped.
+
 matplotlib is imported lazily with its non-interactive ``Agg`` backend: nothing here needs a display.
 """
 
@@ -25,10 +31,13 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import secrets
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 #: Log-history keys that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(
@@ -58,8 +67,17 @@ MAX_FIGURES = 40
 NOT_DRAWN_FILE = "not_drawn.txt"
 _MAX_STEM = 80  # characters of a family's name kept in its file name
 _MAX_TITLE = 120  # characters of a metric's name shown above its panel
+#: Largest trainer_state.json read (bytes): a long run logging every step stays far below it; /dev/zero does not.
+MAX_STATE_BYTES = 256 * 2**20
+#: Values beyond ± this are not drawn: matplotlib's axis arithmetic overflows near float's limit (1e308).
+MAX_DRAWN_MAGNITUDE = 1e300
 
 logger = logging.getLogger(__name__)
+
+
+class RunFileRefusedError(OSError):
+    """A run folder's file or folder that ``plot`` will not read or write through: a symlinked ``plots/``, a
+    ``trainer_state.json`` that is not a regular file or is too large."""
 
 
 def find_trainer_state(run_dir: str | Path) -> Path:
@@ -72,7 +90,7 @@ def find_trainer_state(run_dir: str | Path) -> Path:
             "folders)"
         )
     direct = run_dir / "trainer_state.json"
-    if direct.is_file():
+    if direct.exists():  # a FIFO or a link to a device too: read_run_file refuses them in one line
         return direct
     checkpoints = sorted(
         (p for p in run_dir.glob("checkpoint-*/trainer_state.json") if p.parent.name.split("-")[-1].isdigit()),
@@ -93,9 +111,9 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
         path = find_trainer_state(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: pass a training output_dir or its trainer_state.json")
+    data = read_run_file(path)
     try:
-        with open(path) as f:
-            state = json.load(f)
+        state = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(
             f"{path} is not valid JSON ({exc}): the file may be truncated (a run stopped while saving it); plot one "
@@ -117,16 +135,55 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
     return history
 
 
-def metric_series(log_history: Iterable[Mapping]) -> dict[str, tuple[list[int], list[float]]]:
-    """``{metric: (steps, values)}`` for every numeric, finite metric logged with an integer step. Entries that are
-    not JSON objects and values that are not finite numbers (text, nested objects, NaN, ints beyond float) are
-    skipped."""
+def read_run_file(path: str | Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of a run's file, if it is a regular file of at most ``max_bytes`` (default :data:`MAX_STATE_BYTES`);
+    :class:`RunFileRefusedError` otherwise (a FIFO, a device such as a link to /dev/zero, a folder, a huge file).
+
+    The checks are made on the opened file (``fstat``), so the file cannot be swapped between check and read;
+    ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a writer.
+    """
+    max_bytes = MAX_STATE_BYTES if max_bytes is None else max_bytes
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        mode = info.st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
+            raise RunFileRefusedError(f"{path} is {kind}, not a regular file: refusing to read it (a Trainer writes "
+                                      "trainer_state.json as a file; is the run folder what it should be?)")
+        # + 1: a file that grew past the limit since fstat (or reports no size, as /proc's do) is refused too
+        data = b"" if info.st_size > max_bytes else _read_up_to(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if info.st_size > max_bytes or len(data) > max_bytes:
+        raise RunFileRefusedError(
+            f"{path} holds more than {max_bytes / 2**20:g} MiB: refusing to read it (a Trainer's trainer_state.json "
+            "is a few MiB); plot one of the run's checkpoint-N folders"
+        )
+    return data
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit and (chunk := os.read(fd, min(limit - size, 1 << 20))):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def metric_series(log_history: Iterable[Mapping], skipped: dict[str, int] | None = None,
+                  ) -> dict[str, tuple[list[int], list[float]]]:
+    """``{metric: (steps, values)}`` for every numeric metric logged with an integer step. Entries that are not JSON
+    objects, steps beyond ±2**53, and values that are not numbers (text, nested objects, ``true``) are skipped, and
+    so are numbers matplotlib cannot draw (NaN, ±inf, ints beyond float, beyond ±:data:`MAX_DRAWN_MAGNITUDE`):
+    those are counted per metric in ``skipped`` when given."""
     series: dict[str, tuple[list[int], list[float]]] = {}
     for entry in log_history:
         if not isinstance(entry, Mapping):
             continue
         step = entry.get("step")
-        if isinstance(step, bool) or not isinstance(step, int):
+        if isinstance(step, bool) or not isinstance(step, int) or abs(step) > 2**53:
             continue
         for name, value in entry.items():
             if name in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -134,8 +191,10 @@ def metric_series(log_history: Iterable[Mapping]) -> dict[str, tuple[list[int], 
             try:
                 value = float(value)
             except OverflowError:  # an int beyond float's range
-                continue
-            if not math.isfinite(value):
+                value = math.inf
+            if not abs(value) <= MAX_DRAWN_MAGNITUDE:  # NaN too
+                if skipped is not None:
+                    skipped[str(name)] = skipped.get(str(name), 0) + 1
                 continue
             steps, values = series.setdefault(str(name), ([], []))
             steps.append(step)
@@ -225,10 +284,54 @@ def _file_stem(label: str, taken: set[str]) -> str:
     return stem
 
 
+def printable(text: str) -> str:
+    """``text`` with what cannot be drawn or encoded escaped: lone surrogates (JSON's ``"\\ud800"``, a non-UTF-8
+    folder name) and control characters become ``\\ud800``, ``\\n``."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _title(name: str) -> str:
-    """A metric's name as a panel title: shortened, and ``$`` kept literal (matplotlib reads it as math)."""
+    """A metric's name as a panel title: printable, shortened, and ``$`` kept literal (matplotlib reads it as
+    math)."""
+    name = printable(name)
     short = name if len(name) <= _MAX_TITLE else name[: _MAX_TITLE - 1] + "…"
     return short.replace("$", r"\$")
+
+
+def write_new_file(path: str | Path, write: Callable[[IO[bytes]], object]) -> Path:
+    """Write ``path`` as a new file: ``write(f)`` fills a temporary file created in the same folder (``O_EXCL``,
+    ``O_NOFOLLOW``), which then replaces ``path``. A symlink (or hard link) at ``path`` is replaced, never written
+    through, and a reader never sees half a file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(temporary, flags, 0o666)  # less the umask, as open() creates files
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _safe_out_dir(run_dir: Path, out_dir: Path | None) -> Path:
+    """The folder for the PNGs, created: ``out_dir`` as given, or ``RUN_DIR/plots``, which must be a real folder
+    inside the run folder (a symlink planted there would send the PNGs elsewhere)."""
+    if out_dir is not None:  # the user's choice, links and all (each file is still written new)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return out_dir
+    out_dir = run_dir / "plots"
+    refusal = (f"{out_dir} is a symlink" if out_dir.is_symlink() else
+               f"{out_dir} is not a folder" if out_dir.exists() and not out_dir.is_dir() else None)
+    if refusal is None:
+        out_dir.mkdir(exist_ok=True)
+        if not out_dir.resolve().is_relative_to(run_dir.resolve()):
+            refusal = f"{out_dir} resolves to {out_dir.resolve()}, outside the run folder"
+    if refusal:
+        raise RunFileRefusedError(f"{refusal}: refusing to write the PNGs through it; remove it, or pass --out DIR")
+    return out_dir
 
 
 class Figure(NamedTuple):
@@ -276,14 +379,22 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
     Returns the written paths, in :data:`FAMILY_ORDER` first. Raises if the run logged no metric at all.
     """
     run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
-    if out_dir.exists() and not out_dir.is_dir():
+    out_dir = Path(out_dir) if out_dir is not None else None
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"the output folder {out_dir} is a file: pass a folder (it is created if missing)")
     history = load_log_history(run_dir)
     skipped = sum(not isinstance(entry, Mapping) for entry in history)
     if skipped:
         logger.warning(f"{skipped} of {len(history)} log_history entries are not JSON objects: skipped")
-    series = metric_series(history)
+    undrawable: dict[str, int] = {}
+    series = metric_series(history, undrawable)
+    if undrawable:
+        logger.warning(
+            f"{sum(undrawable.values())} values of {len(undrawable)} metrics are NaN, ±inf or beyond "
+            f"±{MAX_DRAWN_MAGNITUDE:g}: not drawn (" + ", ".join(f"{printable(name)}: {count}" for name, count in
+                                                          list(undrawable.items())[:5])
+            + (", ..." if len(undrawable) > 5 else "") + ")"
+        )
     if not series:
         raise ValueError(f"the run in {run_dir} logged no metric with a step (is logging_steps > max_steps?)")
     figures = plan_figures(series)
@@ -294,16 +405,15 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
                 f"{MAX_PANELS_PER_FIGURE} panels per family (plot_comparison draws chosen metrics)"
             )
     plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _safe_out_dir(run_dir, out_dir)
     missing = left_out(series, figures)
     note = out_dir / NOT_DRAWN_FILE
     if missing:
-        note.write_text(
-            f"At most {MAX_FIGURES} PNGs per run: these {len(missing)} metric families were not drawn "
-            "(plot_comparison draws chosen metrics).\n"
-            + "".join(f"{family}: {', '.join(names)}\n" for family, names in missing.items()),
-            encoding="utf-8",
-        )
+        text = (f"At most {MAX_FIGURES} PNGs per run: these {len(missing)} metric families were not drawn "
+                "(plot_comparison draws chosen metrics).\n"
+                + "".join(f"{printable(family)}: {', '.join(map(printable, names))}\n"
+                          for family, names in missing.items()))
+        write_new_file(note, lambda f: f.write(text.encode("utf-8")))
         logger.warning(
             f"{len(missing)} metric families ({sum(map(len, missing.values()))} metrics) not drawn: at most "
             f"{MAX_FIGURES} PNGs per run; they are listed in {note}"
@@ -340,8 +450,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
             heading += f" ({figure.not_drawn} more {figure.family} metrics not drawn)"
         fig.suptitle(_title(heading), fontsize=10)
         fig.tight_layout()
-        path = out_dir / f"{figure.name}.png"
-        fig.savefig(path, dpi=100)
+        path = write_new_file(out_dir / f"{figure.name}.png", lambda f: fig.savefig(f, format="png", dpi=100))
         plt.close(fig)
         written.append(path)
     return written
@@ -372,7 +481,7 @@ def plot_comparison(
         for label, series in per_run.items():
             if name in series:
                 steps, values = series[name]
-                ax.plot(steps, values, label=label, marker="." if len(steps) <= 40 else None)
+                ax.plot(steps, values, label=printable(label), marker="." if len(steps) <= 40 else None)
                 drawn = True
         if drawn:
             ax.legend(fontsize=7)
@@ -388,10 +497,10 @@ def plot_comparison(
     for ax in list(axes.flat)[len(metrics):]:
         ax.set_visible(False)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(printable(title), fontsize=10)
     fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=100)
+    write_new_file(out_path, lambda f: fig.savefig(f, format=out_path.suffix.lstrip(".").lower() or "png", dpi=100))
     plt.close(fig)
     return out_path

@@ -13,6 +13,21 @@ import torch
 from ..routing.routes import has_route
 
 
+def check_extreme_threshold(threshold: float, name: str = "extreme_token_threshold") -> float:
+    """``threshold`` if it is a usable extreme-token ratio threshold (a finite number > 1), else ``ValueError``.
+
+    A token is extreme when its probability ratio exceeds the threshold either way, so a threshold <= 1 makes every
+    token extreme, and NaN none (every comparison with NaN is false).
+    """
+    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
+            or threshold <= 1):
+        raise ValueError(
+            f"{name} must be a finite probability ratio > 1 (2: a token is extreme when the trainer's and the "
+            f"sampler's probabilities differ more than 2x), got {threshold!r}"
+        )
+    return threshold
+
+
 def logprob_mismatch_sums(
     sampling_logps: torch.Tensor, trainer_logps: torch.Tensor, mask: torch.Tensor, extreme_threshold: float
 ) -> dict[str, torch.Tensor]:
@@ -24,6 +39,7 @@ def logprob_mismatch_sums(
     threshold either way: ``|log_ratio| > log(threshold)``. NaN sampling log-probs (vLLM sends None for some) are
     excluded.
     """
+    check_extreme_threshold(extreme_threshold)
     valid = mask.bool() & ~torch.isnan(sampling_logps)
     log_ratio = torch.where(valid, trainer_logps.float() - sampling_logps.float(), 0.0)
     return {
