@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import platform
 import statistics
 import sys
@@ -53,7 +52,7 @@ from _harness import bench_moe, interleaved_ratio, timer  # noqa: E402
 from real_shapes import MODELS  # noqa: E402
 
 from trl_moe_replay.routing import RouterReplay  # noqa: E402
-from trl_moe_replay.routing.routes import has_route, no_route_value  # noqa: E402
+from trl_moe_replay.routing.routes import has_route  # noqa: E402
 from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model, tiny_tokenizer  # noqa: E402
 from trl_moe_replay.trainer.metrics import logprob_mismatch_sums, routing_agreement_sums  # noqa: E402
 
@@ -182,6 +181,15 @@ def width_model(key: str, sizes: Sizes, device):
     return name, model
 
 
+def generation_model(sizes: Sizes, layers: int, device, **overrides):
+    """The generate / sampler / GRPO model: at full size a 430M-parameter Qwen3-MoE at 8 layers (hidden 1,024,
+    64 experts top-8, experts 256 wide, 8 attention heads), as in the first GPU run."""
+    hidden, _layers, experts, top_k = sizes.gen_model
+    with torch.device(device):
+        return bench_moe(hidden, layers, experts, top_k, moe_intermediate_size=hidden // 4, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=hidden // 8, **overrides)
+
+
 def tokens(batch: int, length: int, device, seed: int = 0) -> torch.Tensor:
     ids = torch.randint(6, TINY_VOCAB_SIZE, (batch, length), generator=torch.Generator().manual_seed(seed))
     return ids.to(device)
@@ -248,8 +256,8 @@ def replay_costs(name: str, model, rr: RouterReplay, x: torch.Tensor, device, ro
     if not clocks["syncs"].spent():
         with clocks["syncs"].charge():
             fwd_bwd(False)()  # warm: the first call allocates, and may sync for reasons of its own
-            out["syncs"] = {"width": name, "experts_impl": DEFAULT_EXPERTS,
-                            "natural": count_syncs(fwd_bwd(False), device), "replay": count_syncs(fwd_bwd(True), device)}
+            natural, replayed = count_syncs(fwd_bwd(False), device), count_syncs(fwd_bwd(True), device)
+            out["syncs"] = {"width": name, "experts_impl": DEFAULT_EXPERTS, "natural": natural, "replay": replayed}
     if not clocks["timing"].spent():
         with clocks["timing"].charge():
             fb = interleaved_ratio(zeroed(fwd_bwd(False)), zeroed(fwd_bwd(True)), rounds)
@@ -286,8 +294,7 @@ def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
 
 def part_generate(sizes: Sizes, device, budget: Budget) -> dict:
     hidden, layers, experts, top_k = sizes.gen_model
-    with torch.device(device):
-        model = bench_moe(hidden, layers, experts, top_k, dtype=sizes.dtype)
+    model = generation_model(sizes, layers, device, dtype=sizes.dtype)
     rr = RouterReplay(model)
     prompts = tokens(sizes.gen_prompts, sizes.gen_prompt_len, device)
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=sizes.gen_new_tokens,
@@ -348,8 +355,8 @@ def part_sampler(sizes: Sizes, device, budget: Budget) -> dict:
     for depth in sizes.sampler_depths:
         if budget.spent():
             break
-        with budget.charge(), torch.device(device):
-            model = bench_moe(hidden, depth, experts, top_k, dtype=sizes.dtype)
+        with budget.charge():
+            model = generation_model(sizes, depth, device, dtype=sizes.dtype)
             rr = RouterReplay(model)
             torch.manual_seed(depth)
             row = sampler_vs_trainer(model, rr, tokens(sizes.gen_prompts, sizes.gen_prompt_len, device, seed=depth),
@@ -359,6 +366,11 @@ def part_sampler(sizes: Sizes, device, budget: Budget) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"model": dict(hidden=hidden, experts=experts, top_k=top_k), "rows": rows, "timed_out": budget.ran_out}
+
+
+def completion_length(completions, **kwargs) -> list[float]:
+    """A reward that needs no answer key: the GRPO part times steps, it does not teach anything."""
+    return [float(len(completion)) for completion in completions]
 
 
 def grpo_run(sizes: Sizes, device, mode: str) -> list[float]:
@@ -381,20 +393,18 @@ def grpo_run(sizes: Sizes, device, mode: str) -> list[float]:
             sync(device)
             self.ends.append(time.perf_counter())
 
-    hidden, layers, experts, top_k = sizes.gen_model
-    with torch.device(device):
-        model = bench_moe(hidden, layers, experts, top_k, router_aux_loss_coef=0.0)
+    model = generation_model(sizes, sizes.gen_model[1], device, router_aux_loss_coef=0.0)
     config = MoEReplayGRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=device.type == "cpu", bf16=sizes.dtype == torch.bfloat16, report_to="none",
-        routing_replay=mode, max_steps=sizes.grpo_steps, per_device_train_batch_size=sizes.grpo_batch,
+        output_dir=tempfile.mkdtemp(), use_cpu=device.type == "cpu", bf16=sizes.dtype == torch.bfloat16,
+        report_to="none", routing_replay=mode, max_steps=sizes.grpo_steps,
+        per_device_train_batch_size=sizes.grpo_batch,
         num_generations=sizes.grpo_generations, max_completion_length=sizes.grpo_completion, logging_steps=1,
         save_strategy="no", disable_tqdm=True, seed=0,
     )
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
     clock = StepClock()
-    trainer = MoEReplayGRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in
-                                                                                     completions],
-                                   args=config, train_dataset=Dataset.from_dict({"prompt": prompts}),
+    trainer = MoEReplayGRPOTrainer(model=model, reward_funcs=completion_length, args=config,
+                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
                                    processing_class=tiny_tokenizer(), callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # the check prints one table, not the training log
     trainer.train()
@@ -431,7 +441,7 @@ def environment(device) -> dict:
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "trl": trl.__version__, "accelerate": accelerate.__version__, "trl_moe_replay": trl_moe_replay.__version__,
         "python": platform.python_version(), "command": " ".join(sys.argv),
@@ -445,7 +455,8 @@ def table(results: dict) -> list[tuple[str, str, str]]:
                                             f"{fmt(row['other_routes_max_diff'])}")
         rows.append(("exactness", f"{row['width']} {row['experts_impl']}", result))
     for row in results.get("syncs", {}).get("rows", []):
-        rows.append(("syncs", f"{row['width']} fwd+bwd", f"natural {fmt(row['natural'])}, replay {fmt(row['replay'])}"))
+        rows.append(("syncs", f"{row['width']} fwd+bwd",
+                     f"natural {fmt(row['natural'])}, replay {fmt(row['replay'])}"))
     for row in results.get("timing", {}).get("rows", []):
         for kind, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
             r = row[kind]
@@ -459,7 +470,8 @@ def table(results: dict) -> list[tuple[str, str, str]]:
                                                     f"{fmt(gen['syncs_plain'])} -> {fmt(gen['syncs_recorded'])}"))
     for row in results.get("sampler", {}).get("rows", []):
         rows.append(("sampler", f"{row['layers']} layers",
-                     f"routers differ {row['router_decisions_differ']:.2%}, tokens {row['tokens_any_layer_differs']:.1%}"
+                     f"routers differ {row['router_decisions_differ']:.2%}, "
+                     f"tokens {row['tokens_any_layer_differs']:.1%}"
                      f"; KL k3 {row['none']['kl_k3']:.3g} -> {row['r3']['kl_k3']:.3g}; max abs(dlogp) "
                      f"{row['none']['max_abs_dlogp']:.3f} -> {row['r3']['max_abs_dlogp']:.3f}"))
     grpo = results.get("grpo", {})
@@ -487,7 +499,11 @@ def print_table(results: dict, env: dict) -> None:
 def failures(results: dict) -> list[str]:
     problems = [f"{part}: {value['error']}" for part, value in results.items()
                 if isinstance(value, dict) and value.get("error")]
-    for row in results.get("exactness", {}).get("rows", []):
+    rows = results.get("exactness", {}).get("rows", [])
+    for width in sorted({row["width"] for row in rows}):
+        if all("unavailable" in row for row in rows if row["width"] == width):
+            problems.append(f"no experts implementation could run {width}")
+    for row in rows:
         if "unavailable" in row:
             continue
         if row["own_routes_max_diff"] != 0:
