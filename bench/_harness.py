@@ -64,10 +64,12 @@ def report(name: str, value: float, target: float, op: str = "<=") -> None:
 
 
 def bench_moe(hidden: int, layers: int, experts: int, top_k: int, **overrides):
-    """The benchmark model: a tiny-family qwen3_moe scaled to ``hidden``/``layers``/``experts``/``top_k``."""
+    """The benchmark model: a tiny-family qwen3_moe scaled to ``hidden``/``layers``/``experts``/``top_k`` (experts
+    ``hidden // 2`` wide unless ``overrides`` say otherwise)."""
+    widths = dict(moe_intermediate_size=hidden // 2, intermediate_size=hidden * 2)
     return tiny_moe_model(
         "qwen3_moe", hidden_size=hidden, num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=top_k,
-        moe_intermediate_size=hidden // 2, intermediate_size=hidden * 2, **overrides,
+        **{**widths, **overrides},
     )
 
 

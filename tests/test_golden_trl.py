@@ -152,16 +152,27 @@ def test_none_is_trl_with_a_vllm_server(tmp_path):
     assert any("mismatch/kl_k3" in entry for entry in ours.state.log_history)  # from TRL's own tensors
 
 
-def test_routing_metrics_under_none_change_no_trl_number(tmp_path):
-    # the hooks and the rollout recorder only watch: TRL's losses, metrics and parameters stay its own
-    overrides = dict(learning_rate=1e-3, gradient_accumulation_steps=2, num_iterations=2)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # on-policy (TRL's defaults): TRL runs no old-logprob pass, so the metrics run a no-grad forward of their own
+        pytest.param(dict(learning_rate=1e-3), id="on-policy"),
+        pytest.param(dict(learning_rate=1e-3, gradient_accumulation_steps=2, num_iterations=2), id="off-policy"),
+    ],
+)
+def test_routing_metrics_under_none_change_no_trl_number(tmp_path, overrides):
+    # the hooks, the rollout recorder and the metrics' forward only watch: TRL's losses, metrics and parameters (and
+    # the sampled tokens: no random number is drawn) stay its own
     theirs = train(tmp_path, GRPOTrainer, GRPOConfig, tiny_moe_model("qwen3_moe"), **overrides)
     ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, tiny_moe_model("qwen3_moe"),
                  routing_metrics=True, **overrides)
     assert not ours._is_plain_trl and ours._route_replay is not None  # private: the counterpart of both()'s check
     assert_identical_runs(ours, theirs)
-    logged = {name for entry in ours.state.log_history for name in entry}
-    assert {"routing/mismatch_frac", "mismatch/kl_k3"} <= logged
+    generations = [entry for entry in ours.state.log_history[:-1] if "completions/mean_length" in entry]
+    for name in ("routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement", "mismatch/kl_k1",
+                 "mismatch/kl_k3", "mismatch/extreme_frac"):
+        values = [entry[name] for entry in generations if name in entry]
+        assert len(values) == len(generations) and all(math.isfinite(v) for v in values), (name, values)
 
 
 def test_a_plain_grpo_config_gets_r3(tmp_path):

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE
 
+from .helpers import CPU_ONLY_ENV
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +30,8 @@ STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3}  # optimizer steps per mode in s
 
 def launch(engine: str, out: Path, **env) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file recipes/accelerate/<engine>.yaml --num_processes 2 sharded_run.py out``."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **CPU_ONLY_ENV, **env}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[engine]),
                "--num_processes", "2", str(SCRIPT), str(out)]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)

@@ -70,6 +70,21 @@ def test_a_few_steps_log_finite_metrics_and_update_the_model(tmp_path, model_typ
         assert logged(trainer, "routing/fallback_frac") == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("mode", ["none", "r3"])
+def test_routing_metrics_are_logged_on_policy_without_the_engine_correction(tmp_path, mode):
+    # on-policy without the IS correction TRL runs no old-logprob pass; routing_metrics still logs the comparison
+    # (a no-grad forward of its own, replaying the rollout's routes under R3) and TRL's sampling/* stays off
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay=mode, routing_metrics=True,
+                           transformers_importance_sampling_correction=False)
+    trainer.train()
+    for name in METRICS:
+        values = logged(trainer, name)
+        assert len(values) == 2 and all(math.isfinite(v) for v in values), (name, values)
+    assert logged(trainer, "sampling/importance_sampling_ratio/mean") == []
+    if mode == "r3":  # fp32: replaying the rollout's routes reproduces the sampler's log-probs
+        assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6
+
+
 class RouteAlignmentSpy(MoEReplayGRPOTrainer):
     """Checks, for every training micro-batch, that its replayed routes are the natural routes of its own tokens."""
 

@@ -355,7 +355,9 @@ def tiny_dense_model(model_type: str = "qwen3", *, seed: int = 0, **config_overr
 
 
 def _make_routing_nontrivial(model: PreTrainedModel, seed: int) -> None:
-    """Some routers start at zero (all experts tie): give them small random weights so routing means something."""
+    """Some routers start at zero (all experts tie): give them small random weights so routing means something.
+
+    Drawn on the CPU (the same weights wherever the model is built, also under ``with torch.device("cuda")``)."""
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for module in model.modules():
@@ -364,11 +366,11 @@ def _make_routing_nontrivial(model: PreTrainedModel, seed: int) -> None:
                 continue
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.Tensor) and weight.abs().max() == 0:
-                weight.copy_(torch.randn(weight.shape, generator=generator) * 0.1)
+                weight.copy_(torch.randn(weight.shape, generator=generator, device="cpu") * 0.1)
             for buffer_name in ("bias", "e_score_correction_bias"):
                 extra = getattr(module, buffer_name, None)
                 if isinstance(extra, torch.Tensor) and extra.abs().max() == 0:
-                    extra.copy_(torch.randn(extra.shape, generator=generator) * 0.05)
+                    extra.copy_(torch.randn(extra.shape, generator=generator, device="cpu") * 0.05)
 
 
 # ----------------------------------------------------------------------------- scripted generation

@@ -38,6 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad
 
 from ..engines import TransformersRolloutRecorder
@@ -356,8 +357,46 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             output["old_router_ids"], output["old_router_probs"] = state.old_router_ids, state.old_router_probs
         if self._pr2 is not None:
             output.update(self._pr2.take_old_pass_cache(self.state.global_step))
-        self._log_mismatch_metrics(output, state)
+        trainer_logps = None
+        if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
+            trainer_logps = self._metrics_pass(output, state)
+        self._log_mismatch_metrics(output, state, trainer_logps)
         return output
+
+    def _metrics_pass(self, output: dict, state: _ScoringState) -> torch.Tensor | None:
+        """The trainer's side of the comparison for a batch TRL ran no old-logprob pass on, or None.
+
+        An on-policy batch (no engine IS correction, ``num_iterations=1``, aligned steps) gets no old-logprob pass
+        from TRL: its loss uses the training forward's own detached log-probs. ``routing_metrics`` then needs one
+        no-grad forward of its own, routed like the old pass would be (the rollout's routes under R3) while it
+        records the natural top-k. It is TRL's forward (``GRPOTrainer._get_per_token_logps_and_entropies``), it draws
+        no random numbers and nothing of it reaches TRL's output, so loss and parameters stay TRL's.
+        """
+        has_sampler = state.sampling_logprobs is not None or output.get("sampling_per_token_logps") is not None
+        if not has_sampler and state.generation_routes is None:
+            return None  # nothing to compare against
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logits_to_keep = output["completion_ids"].size(1)
+        args = self.args
+        batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
+        rr = self._route_replay
+        routes = state.generation_routes if self._replays_rollout_routes() else None
+        logps, natural = [], []
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+            for start in range(0, input_ids.size(0), batch_size):
+                end = min(start + batch_size, input_ids.size(0))
+                with contextlib.ExitStack() as stack:
+                    if routes is not None:
+                        stack.enter_context(rr.replay(routes[start:end]))
+                    recording = stack.enter_context(rr.record())
+                    chunk_logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+                        self, self.model, input_ids[start:end], attention_mask[start:end], logits_to_keep
+                    )
+                logps.append(chunk_logps)
+                natural.append(recording.routes)
+        state.old_natural_routes = torch.cat(natural, dim=0)
+        return torch.cat(logps, dim=0)
 
     # ------------------------------------------------------------------ forwards
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -636,9 +675,11 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             )
 
     # ------------------------------------------------------------------ metrics
-    def _log_mismatch_metrics(self, output: dict, state: _ScoringState | None) -> None:
+    def _log_mismatch_metrics(self, output: dict, state: _ScoringState | None,
+                              trainer_logps: torch.Tensor | None = None) -> None:
         """``mismatch/*`` wherever the batch has both the sampler's and the trainer's old log-probs (TRL's own, or
-        recorded for the metrics), ``routing/*`` wherever the engine's routes and the trainer's natural ones exist.
+        recorded for the metrics: ``trainer_logps`` from ``_metrics_pass``), ``routing/*`` wherever the engine's routes
+        and the trainer's natural ones exist.
 
         A ratio with nothing to measure (no valid completion token, no routed pair) is logged as NaN, not 0.0 (which
         reads as a perfect score): TRL's ``log`` drops NaN before averaging a logging window, so other steps'
@@ -647,7 +688,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         device = self.accelerator.device
-        old = output.get("old_per_token_logps")
+        old = output.get("old_per_token_logps", trainer_logps)
         sampling = output.get("sampling_per_token_logps")
         if sampling is None and state is not None and state.sampling_logprobs is not None:
             sampling = pad(
