@@ -19,6 +19,7 @@ setup: $(VENV)/.installed
 # (PyPI's Linux torch is the CUDA build, ~15 nvidia-* packages). Then the package, refused in one line if pip would
 # bring any CUDA package (tools/cpu_install.py). A CUDA machine: docs/install.md, without make.
 $(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV): first run only, about 2 minutes of quiet pip installs, one line per step"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python tools/cpu_install.py torch 2.13.0
