@@ -63,7 +63,8 @@ test-fast: setup
 # `test-torch-newest` the newest torch on PyPI (what a plain `pip install -e .` brings), `test-torch-vllm` the torch
 # that `.[vllm]` brings (vLLM 0.33.0 requires torch==2.14.0 and transformers<5.21; constraints/vllm-0.33.txt). Each
 # builds .venv-torch-<version> with PyPI's torch (on Linux the CUDA build, with its nvidia-* packages; it runs on a
-# CPU) and `-e .[test]`, then runs the fast subset. Last results and dates: docs/install.md, "Tested versions".
+# CPU) and `-e .[test]`, then runs the fast subset. Last results and dates: docs/install.md, "Tested versions". A newer
+# torch: raise pyproject's cap, then `make test-torch-newest TORCH_NEWEST=<version>`, and record the result there.
 TORCH_NEWEST ?= 2.15.0
 TORCH_VLLM ?= 2.14.0
 test-torch-newest: .venv-torch-$(TORCH_NEWEST)/.installed
