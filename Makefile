@@ -71,7 +71,7 @@ test-torch-newest: .venv-torch-$(TORCH_NEWEST)/.installed
 	.venv-torch-$(TORCH_NEWEST)/bin/python -m pytest -q -m "not slow" tests
 test-torch-vllm: .venv-torch-$(TORCH_VLLM)/.installed
 	.venv-torch-$(TORCH_VLLM)/bin/python -m pytest -q -m "not slow" tests
-.venv-torch-%/.installed: pyproject.toml
+.venv-torch-%/.installed: pyproject.toml constraints/vllm-0.33.txt
 	$(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/pip install --quiet --upgrade pip
 	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)

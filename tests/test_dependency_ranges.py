@@ -167,7 +167,7 @@ def test_the_tested_matrix_is_pyprojects_ranges_and_ci_oldest_end():
         cap = [s.version for s in ours if s.operator == "<"]
         if cap:  # tested at the top of the range: the release series just below the cap
             major, minor = Version(cap[0]).release[:2]
-            assert Version(high).release[:2] == (major, minor - 1), f"{name}: capped at <{cap[0]}, newest tested {high}"
+            assert Version(high).release[:2] == (major, minor - 1), f"{name}: capped <{cap[0]}, newest tested {high}"
 
 
 def test_the_torch_targets_test_the_matrix_newest_and_vllms_torch():
@@ -177,10 +177,10 @@ def test_the_torch_targets_test_the_matrix_newest_and_vllms_torch():
     assert newest == first_version(readme_matrix()["newest, tested"]["torch"])
     newest_vllm = max(VLLM_PUBLISHED, key=Version)
     theirs_tf, theirs_torch = VLLM_PUBLISHED[newest_vllm]
-    pins = [Requirement(line) for line in (ROOT / "constraints" / f"vllm-{newest_vllm[:-2]}.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
-    assert {r.name: r.specifier for r in pins} == {"torch": SpecifierSet(theirs_torch),
-                                                   "transformers": SpecifierSet(theirs_tf)}
+    constraints = (ROOT / "constraints" / f"vllm-{newest_vllm.removesuffix('.0')}.txt").read_text()
+    pins = [Requirement(line) for line in constraints.splitlines() if line.strip() and not line.startswith("#")]
+    pinned = {r.name: r.specifier for r in pins}
+    assert pinned["torch"] == SpecifierSet(theirs_torch) and pinned["transformers"] == SpecifierSet(theirs_tf)
     assert vllm_torch == theirs_torch.removeprefix("==")
     results = (ROOT / "docs" / "install.md").read_text()
     for target, torch_version in (("test-torch-newest", newest), ("test-torch-vllm", vllm_torch)):
@@ -200,7 +200,8 @@ def test_the_docs_version_sentences_agree_with_the_matrix():
     assert (match.group(3), match.group(4)) == (low["transformers"], high["transformers"])
     assert SpecifierSet(match.group(5)) == declared_range("transformers")
     install = (ROOT / "docs" / "install.md").read_text()
-    match = re.search(r"pip install -e \.\s+# trl (\S+)\.x, transformers (\S+)-(\S+)\.x, torch (\S+)-(\S+)\.x", install)
+    match = re.search(r"pip install -e \.\s+# trl (\S+)\.x, transformers (\S+)-(\S+)\.x, torch (\S+)-(\S+)\.x",
+                      install)
     assert match, "docs/install.md: the `pip install -e .` comment changed form"
     assert Version(match.group(1)).release[:2] == Version(high["trl"]).release[:2]
     assert match.group(2) == low["transformers"] and Version(match.group(3)).release[:2] == Version(
