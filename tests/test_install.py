@@ -32,6 +32,7 @@ def test_an_install_that_would_bring_cuda_is_refused_before_pip_runs(monkeypatch
     with pytest.raises(SystemExit) as refused:
         cpu_install.install_refusing_cuda("-e", ".[test]")
     message = str(refused.value.code)
+    assert capsys.readouterr().out == "installing -e .[test] and its dependencies (first run only)...\n"
     assert "\n" not in message and message.startswith("refused: `pip install -e .[test]` would bring CUDA packages")
     assert "nvidia-cublas-cu12==12.8.4.1" in message and cpu_install.CPU_INDEX in message and installed == []
     monkeypatch.setattr(cpu_install, "plan", lambda *args: CPU_PLAN)
@@ -45,6 +46,8 @@ def test_torch_comes_from_the_cpu_index_when_pips_sources_give_the_cuda_build(mo
     monkeypatch.setattr(cpu_install, "plan", lambda *args: CUDA_PLAN)
     cpu_install.install_torch("2.13.0")
     assert installed == [("torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu")]
+    # pip runs quietly: one progress line first
+    assert capsys.readouterr().out.startswith("installing torch 2.13.0, the CPU build (first run only)...\n")
     monkeypatch.setattr(cpu_install, "plan", lambda *args: CPU_PLAN)  # a local CPU wheel: pip's own sources
     cpu_install.install_torch("2.13.0")
     assert installed[-1] == ("torch==2.13.0",)

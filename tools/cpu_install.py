@@ -8,7 +8,8 @@ from PyTorch's own index (:data:`CPU_INDEX`). Each install is first resolved wit
 torch comes from pip's configured sources when they offer a CPU build (a local wheel, as on the machines this project
 was built on), else from :data:`CPU_INDEX`; any other install that would bring a CUDA package (an ``nvidia-*``
 distribution, a ``+cuXXX`` torch, a torch that requires ``nvidia-*``) is refused with one line before pip installs
-anything. Exit status 1 on a refusal.
+anything. Exit status 1 on a refusal. pip runs with ``--quiet``; one line before each step says what is being
+installed, since together they take about two minutes on a first run (nothing on later ones).
 """
 
 from __future__ import annotations
@@ -43,11 +44,17 @@ def cuda_packages(items: list[dict]) -> list[str]:
     return found
 
 
+def announce(what: str) -> None:
+    """One progress line before a step: pip's own output is quiet."""
+    print(f"installing {what} (first run only)...", flush=True)
+
+
 def pip_install(*pip_args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *pip_args], check=True)
 
 
 def install_torch(version: str) -> None:
+    announce(f"torch {version}, the CPU build")
     if not cuda_packages(plan(f"torch=={version}")):
         pip_install(f"torch=={version}")  # a CPU build from pip's own sources (or torch is already in place)
         return
@@ -56,6 +63,7 @@ def install_torch(version: str) -> None:
 
 
 def install_refusing_cuda(*pip_args: str) -> None:
+    announce(f"{' '.join(pip_args)} and its dependencies")
     cuda = cuda_packages(plan(*pip_args))
     if cuda:
         sys.exit(f"refused: `pip install {' '.join(pip_args)}` would bring CUDA packages into this CPU environment "

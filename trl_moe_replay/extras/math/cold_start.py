@@ -19,8 +19,10 @@ through its end-of-turn token, the tool result suffix made as ``GRPOTrainer._get
 learn to call it where that pays.
 
 Plain PyTorch on purpose: a few hundred tiny steps, no Trainer start-up cost. The result is saved (model, tokenizer,
-``cold_start.json`` with the settings and the measured accuracy) under a folder named by a hash of every setting, so
-a second run with the same settings loads it instead of training again.
+``cold_start.json`` with the settings and the measured accuracy) under a folder named by a hash of every setting and
+of everything else that changes the result (:func:`cold_start_environment`: the torch thread count, the CPU, the
+torch, transformers and math-verify versions), so a second run with the same settings on the same machine loads it
+instead of training again, and a run on another CPU or thread count trains its own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import random
 import shutil
 import time
@@ -341,19 +344,61 @@ def settings_key(settings: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else :func:`platform.processor`), plus its architecture."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name or platform.processor() or 'unknown'} ({platform.machine()})"
+
+
+def cold_start_environment() -> dict[str, Any]:
+    """What changes a cold start's result besides its settings: float sums run in another order on another thread
+    count, CPU (its kernels: ``torch.backends.cpu.get_cpu_capability()``, and the vendor's code paths) or torch
+    build, which changes an early sample and from there every weight; transformers builds the model and the
+    tokenizer; math-verify scores the measured accuracy; this module's training and sampling and the reward it
+    scores with (a hash of their source; how the caller builds the model is the caller's ``settings``). The cold
+    start runs where the model is built, on the CPU."""
+    from importlib.metadata import version
+
+    import transformers
+
+    from . import rewards
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "math_verify": version("math-verify"),
+        "code": settings_key({path.name: path.read_text() for path in (Path(__file__), Path(rewards.__file__))}),
+    }
+
+
+def cache_folder(cache_dir: str | Path, settings: dict[str, Any], environment: dict[str, Any]) -> Path:
+    """Where the cold start for ``settings`` in ``environment`` is cached: a hash of both."""
+    return Path(cache_dir) / settings_key({"settings": settings, "environment": environment})
+
+
 def cached_cold_start(
     cache_dir: str | Path,
     settings: dict[str, Any],
     build: Callable[[], tuple[Any, Any, dict]],
     log: Callable[[str], None] = print,
 ) -> tuple[Path, dict]:
-    """The folder holding the cold-started model for ``settings``, building it with ``build()`` if absent.
+    """The folder holding the cold-started model for ``settings`` in this environment (:func:`cold_start_environment`),
+    building it with ``build()`` if absent.
 
     ``build`` returns ``(model, tokenizer, report)``; both are saved with ``save_pretrained`` next to
-    ``cold_start.json`` (``settings`` + ``report``). The folder is written under a temporary name and renamed, so
-    an interrupted build never leaves a half-written cache entry. Returns ``(folder, record)``.
+    ``cold_start.json`` (``settings``, ``environment`` and ``report``). The folder is written under a temporary name
+    and renamed, so an interrupted build never leaves a half-written cache entry. Returns ``(folder, record)``.
     """
-    folder = Path(cache_dir) / settings_key(settings)
+    environment = cold_start_environment()
+    folder = cache_folder(cache_dir, settings, environment)
     record_path = folder / COLD_START_FILE
     if record_path.is_file():
         record = json.loads(record_path.read_text())
@@ -363,7 +408,7 @@ def cached_cold_start(
     partial = folder.with_name(folder.name + f".partial-{random.getrandbits(32):08x}")
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    record = {"settings": settings, "report": report}
+    record = {"settings": settings, "environment": environment, "report": report}
     (partial / COLD_START_FILE).write_text(json.dumps(record, indent=2, default=str))
     try:
         partial.rename(folder)
