@@ -81,6 +81,22 @@ def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, ch
     assert sum(mismatched for _, _, mismatched in report["checks"][1:]) > 50  # the stale engines routed otherwise
 
 
+def test_lora_async_r3_replays_the_engine_routes_after_merged_reloads(tmp_path, server, checkpoint):
+    """A PEFT LoRA policy (attention, the router, the fused experts): TRL merges the adapter for each sync and
+    ReloadWeightTransfer writes the merged weights under the base checkpoint's names for the server to reload; every
+    trained position still routes as the engine did."""
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint, "lora=true", "max_steps=3")
+    assert report["error"] is None, report["error"]
+    logs = steps(report)
+    assert len(logs) == 3 and report["peft"] == "PeftModel" and report["delivered"] >= 3
+    assert [found for found, _, _ in report["checks"]] == [6] * 3
+    assert all(checked > 100 and mismatched == 0 for _, checked, mismatched in report["checks"])
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    assert all(entry["vllm/sync_max_logprob_diff"] < 0.05 for entry in logs)  # the merged weights arrived
+    assert report["lora_b_change"] > 1e-3  # lora_B starts at zero: later reloads carried W + BA
+
+
 def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
     reload_weights(server, checkpoint)
     report = train(tmp_path, server, checkpoint, "fault=kill_worker", "max_steps=20")

@@ -104,8 +104,13 @@ def test_none_is_trl_with_a_reference_model(tmp_path):
     assert_identical_runs(*both(tmp_path, lambda: str(tmp_path / "model"), beta=0.04, learning_rate=1e-3))
 
 
-def test_none_is_trl_with_peft_lora(tmp_path):
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+@pytest.mark.parametrize("targets", [
+    pytest.param(dict(target_modules=["q_proj", "v_proj"]), id="attention"),
+    pytest.param(dict(target_modules=["q_proj", "gate"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), id="router-experts"),
+])
+def test_none_is_trl_with_peft_lora(tmp_path, targets):
+    lora = LoraConfig(r=4, lora_alpha=8, **targets)
     ours, theirs = both(tmp_path, lambda: tiny_moe_model("qwen3_moe"), dict(peft_config=lora), learning_rate=1e-3,
                         beta=0.04)
     assert_identical_runs(ours, theirs)

@@ -361,6 +361,46 @@ def test_peft_lora_with_router_in_modules_to_save_and_a_reference_model(tmp_path
     assert set(load_file(tmp_path / "checkpoint-2" / PREDICTORS_FILE)) == {"layers.0.weight", "layers.1.weight"}
 
 
+@pytest.mark.parametrize("mode", ["r2", "pr2"])
+def test_r2_and_pr2_with_lora_on_the_router_and_experts_train_checkpoint_and_resume(tmp_path, mode):
+    """LoRA wraps each router's weight (PEFT's ParamWrapper) and the fused experts: the replayed routes are the adapted
+    router's own (R2), PR2's predictors steer that router and train, and a resume restores adapter and predictors."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "gate"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    out = tmp_path / "run"
+    pr2 = dict(pr2_lr_multiplier=10.0) if mode == "pr2" else {}
+    trainer = make_trainer(out, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=lora), max_steps=2,
+                           save_strategy="steps", save_steps=1, routing_replay=mode, seed=42, **pr2, **OFF_POLICY)
+    trainer.train()
+    assert logged(trainer, "routing/fallback_frac") and all(v == 0 for v in logged(trainer, "routing/fallback_frac"))
+    folder = out / "checkpoint-2"
+    adapter = load_file(folder / "adapter_model.safetensors")
+    assert any("mlp.gate" in key for key in adapter) and any("experts" in key for key in adapter)
+    if mode == "pr2":
+        assert len(logged(trainer, "pr2/loss")) == 1  # step 2 is the off-policy update of the first batch
+        assert any((p != 0).any() for p in predictor_state(trainer).values())
+        assert set(load_file(folder / PREDICTORS_FILE)) == {"layers.0.weight", "layers.1.weight"}
+    restored = {}
+
+    class ResumeSpy(MoEReplayGRPOTrainer):
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            restored["params"] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            restored["predictors"] = predictor_state(self)
+
+    resumed = make_trainer(out, tiny_moe_model("qwen3_moe"), cls=ResumeSpy, trainer_kwargs=dict(peft_config=lora),
+                           max_steps=3, routing_replay=mode, seed=42, **pr2, **OFF_POLICY)
+    resumed.train(resume_from_checkpoint=str(folder))
+    adapted = {n.replace(".default", ""): p for n, p in restored["params"].items() if "lora_" in n}
+    assert len(adapted) == len(adapter) and all(torch.equal(adapted[n], adapter[n]) for n in adapter)
+    if mode == "pr2":
+        saved = load_file(folder / PREDICTORS_FILE)
+        assert all(torch.equal(restored["predictors"][n], saved[n]) for n in saved)
+    assert resumed.state.global_step == 3
+
+
 def test_pr2_config_errors():
     with pytest.raises(ValueError, match="pr2_rollout_prediction needs routing_replay='pr2'"):
         MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, routing_replay="r2", pr2_rollout_prediction=True)

@@ -140,3 +140,34 @@ def test_a_server_without_the_flag_stops_r3_with_the_command_and_r2_trains(tmp_p
                       "num_iterations=2", "beta=0.0")
     logs = steps(report)
     assert len(logs) == 2 and not any(name.startswith("routing/") for entry in logs for name in entry)
+
+
+# ------------------------------------------------------------------ a PEFT LoRA policy (docs/vllm.md, "LoRA")
+# TRL syncs the merged weights W + BA to the engine (ReloadWeightSync, through the base model's checkpoint names); the
+# trainer replays the engine's routes into W plus the adapter. The adapter targets attention, the router (PEFT wraps
+# its weight) and transformers' fused 3-D expert weights (target_parameters).
+def assert_lora_trained(report):
+    assert report["peft"] == "PeftModel"
+    assert report["lora_b_change"] > 1e-3  # lora_B starts at zero: the adapter moved, so later syncs sent W + BA
+
+
+def test_lora_colocate_r3_replays_the_engine_routes_after_merged_syncs(tmp_path):
+    report, _ = train(tmp_path, "colocate", "qwen3_moe", "lora=true")
+    assert report["weight_sync"] == "ReloadWeightSync"
+    assert_r3_verified(report)  # token by token in every forward; two syncs, each arrived (probe before/after)
+    assert_lora_trained(report)
+
+
+def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, server, checkpoint):
+    reload_weights(server, checkpoint)
+    report, _ = train(tmp_path, "server", server, checkpoint, "lora=true")
+    assert_r3_verified(report)
+    assert_lora_trained(report)
+    # the negative control: the same run under "none" (routes kept for the metrics only) scores some positions with
+    # experts other than the engine's, which the hook check counts instead of failing on
+    reload_weights(server, checkpoint)
+    control, _ = train(tmp_path, "server", server, checkpoint, "lora=true", "routing_replay=none",
+                       "routing_metrics=true", "vllm_weight_sync=reload", "count_mismatches=true", "max_steps=2")
+    assert_lora_trained(control)
+    assert control["checked_positions"] > 50 * 2 and control["mismatched_positions"] > 0
+    assert any(entry["routing/mismatch_frac"] > 0 for entry in steps(control))

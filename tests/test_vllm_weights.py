@@ -32,3 +32,22 @@ def test_converts_the_tensors_it_is_given():
     intermediate = fused.shape[1] // 2
     assert torch.equal(ours["model.layers.1.mlp.experts.3.gate_proj.weight"], 2 * fused[3, :intermediate])
     assert torch.equal(ours["model.layers.1.mlp.experts.3.up_proj.weight"], 2 * fused[3, intermediate:])
+
+
+def test_a_peft_models_merged_weights_get_the_base_checkpoints_names(tmp_path):
+    """What TRL's iterator yields for a LoRA model (merged weights under the base names, fused experts) converts with
+    the base model's conversions: the names and values a checkpoint of the merged model holds on disk."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_moe_model("qwen3_moe"), LoraConfig(
+        r=4, target_modules=["q_proj", "gate"], target_parameters=["mlp.experts.gate_up_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        model.merge_adapter()
+        named = [(name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().clone())
+                 for name, param in model.named_parameters() if "lora_" not in name]
+        ours = dict(checkpoint_named_tensors(model, named))
+        merged = model.merge_and_unload()
+    merged.save_pretrained(tmp_path)
+    on_disk = load_file(tmp_path / "model.safetensors")
+    assert sorted(ours) == sorted(on_disk) and "model.layers.1.mlp.experts.3.up_proj.weight" in ours
+    assert all(torch.equal(ours[name], on_disk[name]) for name in on_disk)

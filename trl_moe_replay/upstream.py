@@ -393,6 +393,8 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
 #      FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader); RolloutQueueDataset.__iter__
 #      yields right after its last `self.queue.get(`; compute_loss strips the collator's padding with
 #      inputs["attention_mask"]; _sync_weight publishes the weights and bumps model_version.
+#      AsyncGRPOTrainer._lora_sync: whether __init__ chose adapter-only vLLM sync (a PEFT model and a server started
+#      with --enable-lora) instead of merged weights.
 #    - packing: TreeRow.fits/add key the trie on (token, next token) (our RoutedTreeRow adds the route), pack() lays
 #      nodes out in DFS pre-order; tree_attention looks the module global _flash_attn up at call time (FA3 through
 #      kernels.get_kernel; replaced on CPU).
@@ -427,6 +429,11 @@ def async_trainer_globals(**values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def async_adapter_only_sync(trainer: Any) -> bool:
+    """Whether TRL's async trainer syncs a LoRA adapter to vLLM as an adapter (``--enable-lora``), not merged."""
+    return bool(getattr(trainer, "_lora_sync", False))
 
 
 def set_tree_attention_kernel(kernel: Any) -> None:
@@ -481,6 +488,9 @@ def check_async_trl() -> tuple[Finding, ...]:
     loss = _code_only(_source(trainer.AsyncGRPOTrainer.compute_loss))
     expect('mask_bool = inputs["attention_mask"].bool()' in loss and 'inputs["input_ids"][mask_bool]' in loss,
            "compute_loss no longer strips the padding with inputs['attention_mask']")
+    expect("self._lora_sync = lora_sync" in init and "if self._lora_sync:" in _code_only(
+        _source(trainer.AsyncGRPOTrainer._sync_weight)), "AsyncGRPOTrainer no longer decides adapter-only sync in "
+           "self._lora_sync")
     expect("self.model_version += 1" in _code_only(_source(trainer.AsyncGRPOTrainer._sync_weight_merged)),
            "_sync_weight_merged no longer bumps model_version")
     for name in ("fits", "add"):

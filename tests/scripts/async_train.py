@@ -98,6 +98,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     fault = options.pop("fault", "none")
     server_pid = int(options.pop("server_pid", 0))
     with_tools = options.pop("tools", "false") == "true"
+    with_lora = options.pop("lora", "false") == "true"  # a PEFT LoRA policy: attention, router, fused experts
     engine_rows: dict[tuple, list] = {}
     consumed: list[int] = []
     turn_counts: list[int] = []
@@ -179,9 +180,16 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
             settings[key] = value
     args = MoEReplayAsyncGRPOConfig(**settings)
     transfer = NoOpWeightTransfer() if fault == "noop_transfer" else None
+    peft_config = None
+    if with_lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate"],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     trainer = CheckedTrainer(model=checkpoint, reward_funcs=even_tokens, args=args, processing_class=tokenizer,
                              train_dataset=Dataset.from_dict({"prompt": prompts}), weight_transfer=transfer,
-                             callbacks=[Faults()], tools=[calculator] if with_tools else None)
+                             callbacks=[Faults()], tools=[calculator] if with_tools else None,
+                             peft_config=peft_config)
     if with_tools:
         trainer.rollout_worker._loop_cls = ToolCallingLoop
     trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
@@ -203,6 +211,9 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         "max_param_change": max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()),
         "weight_transfer": type(trainer.weight_transfer).__name__,
         "delivered": getattr(trainer.weight_transfer, "delivered", None),
+        "peft": type(trainer.model).__name__,
+        "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
+                              if "lora_B" in n), default=None),
     }
     Path(out).write_text(json.dumps(report, indent=1, default=str))
     if trainer.rollout_worker is not None:

@@ -62,6 +62,8 @@ def main():
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
     fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
     with_tools = overrides.pop("tools", False)  # tool-calling rollouts (TRL's tool loop), forced by a regex
+    with_lora = overrides.pop("lora", False)  # a PEFT LoRA policy on attention, the router and the fused experts
+    count_only = overrides.pop("count_mismatches", False)  # count positions off the engine's routes, don't assert
     if mode == "colocate":
         model_path = checkpoint(sys.argv[3], tempfile.mkdtemp(), tools=bool(with_tools))
         engine = dict(vllm_mode="colocate")
@@ -123,7 +125,17 @@ def main():
             r'"[0-9]\+[0-9]"\}\}\n</tool_call>|\\boxed\{[0-9]{1,2}\})',
             max_completion_length=96, max_tool_calling_iterations=2,
         )
+    if with_lora:
+        from peft import LoraConfig
+
+        # attention, the router (PEFT wraps its weight parameter) and transformers' fused 3-D expert weights;
+        # lora_B starts at zero, so the first sync sends the base weights and the later ones W + BA
+        tool_kwargs["peft_config"] = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
     args = MoEReplayGRPOConfig(**settings)
+    EngineChecked.count_mismatches = bool(count_only)
     trainer = EngineChecked(
         model=model_path, args=args, processing_class=tiny_tokenizer(tools=bool(with_tools)),
         reward_funcs=lambda completions, **kw: [float(len(str(c))) for c in completions],
@@ -158,6 +170,10 @@ def main():
         "batches": trainer.batches,
         "corrupted": [[call, choice, kind] for (call, choice), kind in fuzzer.corrupted.items()] if fuzzer else [],
         "later_turns": trainer.later_turns,
+        "mismatched_positions": trainer.mismatched_positions,
+        "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
+                              if "lora_B" in n), default=None),
+        "peft": type(trainer.model).__name__,
     }
     Path(out).write_text(json.dumps(report))
     trainer.end()

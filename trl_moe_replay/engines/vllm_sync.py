@@ -72,8 +72,10 @@ class ReloadWeightSync:
             generation.llm.reset_prefix_cache()
         elif self.accelerator.is_main_process:
             os.makedirs(self.sync_dir, exist_ok=True)
-            # gathered one parameter at a time by TRL's iterator; held on the host until written
-            save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors},
+            # gathered one parameter at a time by TRL's iterator; held on the host until written. Copied, not
+            # referenced: on a CPU `.cpu()` is the parameter itself, and under PEFT TRL's iterator unmerges the
+            # adapter in place when it is exhausted, before the file is written (the engine would get W, not W + BA)
+            save_file({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors},
                       os.path.join(self.sync_dir, "model.safetensors"))
             client = generation.vllm_client
             response = client.session.post(

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
@@ -31,7 +32,13 @@ def checkpoint_named_tensors(
     stripped of wrapper prefixes) to convert what it would send. Tensors are grouped by decoder layer before the
     reversion (a conversion never spans layers), so at most one layer's tensors are held at a time; reverted tensors
     are views of the given ones where the reversion is a split.
+
+    A PEFT model's conversions are its base model's: TRL's iterator sends the merged weights under the base model's
+    names, and the ``PeftModel`` wrapper itself declares no conversion, so reverting with it would send fused expert
+    names that vLLM's loaders do not read (the engine would keep its old experts).
     """
+    if is_peft_model(model):
+        model = model.get_base_model()
     if named_tensors is None:
         named_tensors = ((name, param.detach()) for name, param in model.named_parameters())
     group: dict[str, torch.Tensor] = {}

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import transformers_seam
 
@@ -45,15 +46,12 @@ class RoutePredictor(nn.Module):
     def forward(self, router_input: torch.Tensor, router: nn.Module | None = None) -> torch.Tensor:
         if router is None:
             return F.linear(router_input.to(device=self.weight.device, dtype=torch.float32), self.weight)
-        with torch.no_grad():
-            weight = router.weight
-            shifted = weight + self.weight.to(device=weight.device, dtype=weight.dtype)
-            with _weight_replaced(router, shifted):
-                # `forward`, not `__call__`: no hook (ours or anyone's) sees this second evaluation of the router
-                output = router.forward(router_input)
-                return transformers_seam.split_router_output(
-                    output, transformers_seam.router_ids_first(router), type(router).__name__
-                )[2]
+        with torch.no_grad(), _weight_shifted(router, self.weight):
+            # `forward`, not `__call__`: no hook (ours or anyone's) sees this second evaluation of the router
+            output = router.forward(router_input)
+            return transformers_seam.split_router_output(
+                output, transformers_seam.router_ids_first(router), type(router).__name__
+            )[2]
 
 
 class RoutePredictors(nn.Module):
@@ -88,13 +86,20 @@ class RoutePredictors(nn.Module):
 
 
 @contextlib.contextmanager
-def _weight_replaced(router: nn.Module, weight: torch.Tensor) -> Iterator[None]:
-    original = router._parameters["weight"]
-    router._parameters["weight"] = weight
+def _weight_shifted(router: nn.Module, shift: torch.Tensor) -> Iterator[None]:
+    """Within the context the router's stored weight is ``W + shift``. Under a LoRA on the router (PEFT's
+    ``ParamWrapper``), the weight is a parametrization ``W + BA`` while the router runs: the shift goes into the
+    stored ``W``, so the router evaluates ``W + shift + BA`` (the adapted router, shifted)."""
+    if parametrize.is_parametrized(router, "weight"):
+        owner, name = router.parametrizations.weight, "original"
+    else:
+        owner, name = router, "weight"
+    original = owner._parameters[name]
+    owner._parameters[name] = original + shift.to(device=original.device, dtype=original.dtype)
     try:
         yield
     finally:
-        router._parameters["weight"] = original
+        owner._parameters[name] = original
 
 
 def predictor_kl(old_logits: torch.Tensor, shift: torch.Tensor, current_logits: torch.Tensor) -> torch.Tensor:

@@ -39,11 +39,17 @@ from ..engines.async_weights import ReloadWeightTransfer, SyncGuard
 from ..engines.route_intake import RouteIntake
 from ..routing import RouterReplay
 from ..routing.routes import has_route, route_dtype
-from ..upstream import assert_async_trl_compatible, async_trainer_globals, set_tree_attention_kernel
+from ..upstream import (
+    assert_async_trl_compatible,
+    async_adapter_only_sync,
+    async_trainer_globals,
+    set_tree_attention_kernel,
+)
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
 from .checkpoint_weights import restore_trainer_weights
 from .metrics import logprob_mismatch_sums, routing_agreement_sums
+from .peft_replay import check_peft_replay
 
 logger = logging.get_logger(__name__)
 
@@ -187,6 +193,7 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
                              peft_config, tools, environment_factory, rollout_worker, weight_transfer)
 
         unwrapped = self.accelerator.unwrap_model(self.model)
+        check_peft_replay(unwrapped, self.routing_replay, adapter_only_sync=async_adapter_only_sync(self))
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         if isinstance(self.weight_transfer, ReloadWeightTransfer) and self.weight_transfer.model is None:
             self.weight_transfer.model = base  # names the checkpoint layout vLLM loads

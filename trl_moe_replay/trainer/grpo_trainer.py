@@ -59,6 +59,7 @@ from ..upstream import (
 )
 from .checkpoint_weights import restore_trainer_weights
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
+from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
@@ -125,6 +126,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             vllm_classes["VLLMClient"] = client_without_communicator
         with vllm_generation_classes(**vllm_classes):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        check_peft_replay(self.accelerator.unwrap_model(self.model), settings.routing_replay)
         check_launched_engine(args, self.accelerator.state.distributed_type, strict=settings.routing_replay != "none")
 
         uses_routes = settings.routing_replay != "none" or settings.routing_metrics
