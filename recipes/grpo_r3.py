@@ -3,7 +3,7 @@
 
 Offline default (no arguments): a tiny MoE from `trl_moe_replay.testing` gets a short cached cold-start SFT on a
 synthetic arithmetic set, then GRPO with R3 and the math-verify reward raises its accuracy; plots land in
-`OUTPUT_DIR/plots/`. Runs on 2 CPU cores in about a minute and never touches the network:
+`OUTPUT_DIR/plots/`. Runs in a few minutes on 2 CPU cores (docs/demo.md has the timings) and never touches the network:
 
     accelerate launch recipes/grpo_r3.py
     accelerate launch recipes/grpo_r3.py --max_steps 30 --routing_replay none --output_dir runs/none
