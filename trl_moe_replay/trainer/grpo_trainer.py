@@ -102,6 +102,11 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     _name = "MoE Replay GRPO"
     _pr2: PredictiveRoutingReplay | None = None  # set in __init__ when routing_replay="pr2"
     _pr2_averages_gradients = False  # PR2 under plain data parallelism (DDP ignores the predictors)
+    # set in __init__; class defaults keep the generation overrides usable on a trainer built without it (TRL's own
+    # unit tests build one with object.__new__ and set only what TRL's methods read)
+    _weight_sync = None
+    _sync_check = None
+    _scoring: _ScoringState | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
@@ -198,12 +203,12 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         state = self._scoring
         if self._sync_check is not None:
             self._sync_check.set_probe(prompt_ids[0])  # kept from the first call on
-        if state is None or (self.args.use_vllm and self._vllm_routes is None):
+        if state is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = state.generated_turns > 0
         state.generated_turns += 1
         samples = state.turns.match(prompt_ids) if later_turn and state.turns is not None else None
-        if self.args.use_vllm:
+        if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start = source.prompt_start
             if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
@@ -249,7 +254,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         state.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
     def _generate(self, prompts):
-        if self.args.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
+        if self.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
             self._sync_vllm_weights()
         state = self._scoring
         if state is None:
@@ -561,7 +566,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
         engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
         self._pr2_averages_gradients = self.accelerator.num_processes > 1 and not engine_reduces
-        if self.args.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
+        if self.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
             exclude_from_weight_sync(self.vllm_generation, lambda name: name.split(".")[0] == PR2_MODULE_NAME)
         return pr2
 
