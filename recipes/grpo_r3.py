@@ -28,6 +28,7 @@ of the step in progress and prints the command that resumes, which is the same c
 one line whether it resumes it or overwrites it.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -444,16 +445,37 @@ def train(script_args, training_args, model_args):
             "each process would train alone and overwrite the same output_dir. On a machine without a GPU pass "
             "--use_cpu true (accelerate needs it to set up CPU data parallelism)."
         )
-    import transformers
     from accelerate import PartialState
+
+    from trl_moe_replay.trainer.output_lock import OutputDirLock, claim_output_dir
+
+    state = PartialState()
+    # First, before anything is printed or run: a live run's output_dir is refused. The trainer takes this lock over
+    # (same process) when it starts training; a run that stops before then releases it.
+    created = not os.path.exists(training_args.output_dir)
+    lock = OutputDirLock(training_args.output_dir)
+    claim_output_dir(lock, state, strict=training_args.routing_replay != "none")
+    try:
+        return _train(script_args, training_args, model_args, state)
+    finally:
+        lock.release()
+        if created and state.is_main_process:  # a run that stopped at once leaves no empty output_dir behind
+            with contextlib.suppress(OSError):
+                os.rmdir(training_args.output_dir)
+
+
+def _train(script_args, training_args, model_args, state):
+    import transformers
     from packaging.version import Version
     from transformers import ProgressCallback
     from trl import get_peft_config, get_quantization_config
 
     from trl_moe_replay import MoEReplayGRPOTrainer
     from trl_moe_replay.cli.progress import KEY_METRICS, CompactProgressCallback
+    from trl_moe_replay.trainer.launch import check_model_path
 
-    state = PartialState()
+    if model_args.model_name_or_path is not None:  # a mistyped path or an unreachable Hub id: one line, now
+        check_model_path(model_args.model_name_or_path, model_args.model_revision)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     announce_output_dir(training_args, resume)
     train_dataset, eval_dataset = load_datasets(script_args, training_args)

@@ -117,15 +117,52 @@ def test_model_path_mistakes_are_one_line_before_the_hub(recipe, tmp_path, capsy
     (tmp_path / "runs" / "demo" / "checkpoint-50").mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "checkpoint-50" / "config.json").write_text("{}")
     for model, says in [
-        ("runs/dmeo", "no model folder at runs/dmeo: it reads as a local path (a Hub id looks like 'org/name'); pass "
-                      "the folder that holds config.json and the weights (did you mean runs/demo?)"),
+        ("runs/dmeo", "runs/dmeo is not a local folder, and offline mode (HF_HUB_OFFLINE=1) reads only the Hub "
+                      "cache, which holds no copy of it (no folder runs/dmeo here either; did you mean runs/demo?)"),
         ("./nowhere", "no model folder at ./nowhere"),
+        ("runs/demo/checkpoint-9", "no model folder at runs/demo/checkpoint-9"),
         ("runs/demo", "runs/demo holds no config.json, so it is not a transformers checkpoint; its newest checkpoint "
                       "is runs/demo/checkpoint-50"),
     ]:
         assert recipe.run(["--model_name_or_path", model, "--synthetic_samples", "16"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and ": error: " in lines[0] and says in lines[0], lines
+
+
+def test_a_hub_id_without_network_is_one_line_at_once(recipe, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    from .test_launch import closed_port_endpoint
+
+    monkeypatch.chdir(tmp_path)
+    endpoint = closed_port_endpoint()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # what a fresh shell has, with nothing answering
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    assert recipe.run(["--model_name_or_path", "someorg/no-such-moe", "--output_dir", "run"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "someorg/no-such-moe is not a local folder and the Hub" in lines[0], lines
+    assert "HF_HUB_OFFLINE=1" in lines[0] and captured.out == "" and not (tmp_path / "run").exists()
+
+
+def test_a_live_runs_output_dir_is_refused_first_and_nothing_else_runs(recipe, tmp_path, capsys):
+    import socket
+
+    from trl_moe_replay.trainer.output_lock import LOCK_NAME
+
+    output_dir = tmp_path / "run"
+    checkpoint = output_dir / "checkpoint-1"
+    checkpoint.mkdir(parents=True)  # an unfinished run, whose owner is still alive (this test's parent process)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1, "max_steps": 2}))
+    (output_dir / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                                    "token": "live", "started": "earlier"}))
+    assert recipe.run(small_run_args(output_dir, tmp_path / "cache")) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"output_dir {output_dir} is in use by another trainer: pid {os.getppid()}" in lines[0]
+    assert captured.out == ""  # no "holds an unfinished run ...: starting over", no cold start
+    assert not (tmp_path / "cache").exists() and checkpoint.is_dir()
+    assert json.loads((output_dir / LOCK_NAME).read_text())["token"] == "live"
 
 
 def test_reward_function_registry(recipe):

@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import broadcast_object_list, is_peft_model
+from accelerate.utils import is_peft_model
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -62,7 +62,7 @@ from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_s
 from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
-from .output_lock import OutputDirInUseError, OutputDirLock
+from .output_lock import OutputDirLock, claim_output_dir
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
 from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
@@ -114,7 +114,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         assert_trl_compatible()
         if isinstance(model, str):
-            check_model_path(model)  # a mistyped local path would otherwise reach the Hub
+            # a mistyped path, or a Hub id without network: one line, not retries and a traceback
+            check_model_path(model, (args.model_init_kwargs or {}).get("revision"))
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
@@ -516,18 +517,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         return super().train(*args, **kwargs)
 
     def _claim_output_dir(self) -> None:
-        problem = None
-        if self.accelerator.is_main_process:  # one lock per run
-            try:
-                self._output_lock.acquire()
-            except OutputDirInUseError as exc:
-                problem = str(exc)
-        if self.accelerator.num_processes > 1:  # every rank stops, not only the main one (the others would hang)
-            problem = broadcast_object_list([problem])[0]
-        if problem is not None and self.routing_replay == "none":  # plain GRPOTrainer runs where TRL would
-            logger.warning(f"OUTPUT DIR IN USE (not stopping: routing_replay='none' trains as TRL would): {problem}")
-        elif problem is not None:
-            raise OutputDirInUseError(problem)
+        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay != "none")
 
     def end(self):
         """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
