@@ -211,7 +211,48 @@ DATACLASSES = (GRPOR3ScriptArguments, MoEReplayGRPOConfig, ModelConfig)
 
 
 def make_parser() -> RecipeParser:
-    return RecipeParser(DATACLASSES)
+    parser = RecipeParser(
+        DATACLASSES,
+        usage="%(prog)s [--config FILE.yaml] [--ARGUMENT VALUE ...]",
+        description="GRPO with routing replay for MoE models. Every argument below can also be set in a --config "
+        "YAML file (the command line wins). Without --model_name_or_path: the tiny offline demo.",
+    )
+    group_help(parser)
+    return parser
+
+
+def group_help(parser: RecipeParser) -> None:
+    """--help in groups, ours first: this recipe's arguments, then the routing-replay ones (MoEReplayGRPOConfig's
+    own), then TRL's and transformers' (over a thousand lines of them otherwise come first), each cut to its first
+    sentence. Only the help changes: the arguments and their parsing stay TrlParser's."""
+    from trl import GRPOConfig
+
+    own = lambda cls, base: {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(base)}  # noqa: E731
+    groups = [
+        ("this recipe", "recipes/grpo_r3.py: data, reward functions, tools, the tiny offline model and its cold start",
+         own(GRPOR3ScriptArguments, ScriptArguments)),
+        ("routing replay and MoE objectives", "MoEReplayGRPOConfig's own arguments (docs/usage.md)",
+         own(MoEReplayGRPOConfig, GRPOConfig)),
+        ("dataset (TRL's ScriptArguments)", None, {f.name for f in dataclasses.fields(ScriptArguments)}),
+        ("model (TRL's ModelConfig)", None, {f.name for f in dataclasses.fields(ModelConfig)}),
+        ("training (TRL's GRPOConfig, transformers' TrainingArguments)",
+         "first sentences only; the full descriptions are in TRL's and transformers' documentation", None),
+    ]
+    upstream_first = len(groups) - 3
+    everything = [action for action in parser._actions if action.dest != "help"]
+    for index, (title, description, names) in enumerate(groups):
+        group = parser.add_argument_group(title, description)
+        for action in everything:
+            if names is None or action.dest in names:
+                for holder in parser._action_groups:  # argparse keeps each action in one group's list
+                    if action in holder._group_actions and holder is not group:
+                        holder._group_actions.remove(action)
+                group._group_actions.append(action)
+                if index >= upstream_first and action.help:
+                    action.help = action.help.split(". ")[0].split("\n\n")[0].rstrip(".") + "."
+        everything = [action for action in everything if action not in group._group_actions]
+    # argparse's own "options" group (-h) last, after ours and TRL's
+    parser._action_groups.append(parser._action_groups.pop(1))
 
 
 def parse_args(argv: list[str] | None = None):
@@ -612,6 +653,9 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
 
+    from trl_moe_replay.upstream import quiet_upstream_notices
+
+    quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
                    CheckpointWeightsError, PR2CheckpointError)

@@ -62,6 +62,23 @@ def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     assert record["settings"]["sft"]["steps"] == 30 and 0.0 <= record["report"]["sampled_accuracy"] <= 1.0
 
 
+# printed on every run, and nothing a user could do about them (issue 31)
+UPSTREAM_NOISE = ("is_gradient_checkpointing is deprecated", "Setting accelerator to CPU", "FutureWarning",
+                  "as a TOML table is deprecated")
+
+
+@pytest.mark.slow  # runs the recipe as `make demo` does, in a process of its own (the warnings of a fresh one)
+def test_a_demo_run_prints_no_upstream_noise(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(RECIPE), *small_run_args(tmp_path / "run", tmp_path / "cache",
+                                                                          "--plot", "false")],
+                            capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cold start: saved" in result.stdout  # a fresh cold start: DeepSpeed is first imported there
+    printed = result.stdout + result.stderr
+    assert not [noise for noise in UPSTREAM_NOISE if noise in printed], printed[-3000:]
+
+
 @pytest.mark.slow  # accelerate launch subprocess
 def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     # first run builds the cache (in this process, fast); the launched one must find and reuse it
@@ -163,6 +180,19 @@ def test_a_live_runs_output_dir_is_refused_first_and_nothing_else_runs(recipe, t
     assert captured.out == ""  # no "holds an unfinished run ...: starting over", no cold start
     assert not (tmp_path / "cache").exists() and checkpoint.is_dir()
     assert json.loads((output_dir / LOCK_NAME).read_text())["token"] == "live"
+
+
+def test_help_shows_our_arguments_first_in_groups(recipe):
+    text = recipe.make_parser().format_help()
+    titles = [line for line in text.splitlines() if line[:1].isalpha() and line.endswith(":") and "--" not in line]
+    assert titles[:2] == ["this recipe:", "routing replay and MoE objectives:"]
+    assert titles[-1] == "options:" and len(titles) == 6
+    assert text.splitlines()[0].endswith(" [--config FILE.yaml] [--ARGUMENT VALUE ...]")  # not 238 lines of usage
+    where = {name: text.index(f"  --{name} ") for name in ("tiny_model_type", "routing_replay", "model_name_or_path",
+                                                           "learning_rate")}
+    assert where["tiny_model_type"] < where["routing_replay"] < where["model_name_or_path"] < where["learning_rate"]
+    # TRL's and transformers' descriptions are cut to their first sentence (1,459 lines in all before)
+    assert len(text.splitlines()) < 1000
 
 
 def test_reward_function_registry(recipe):

@@ -53,6 +53,7 @@ from ..upstream import (
     exclude_from_weight_sync,
     is_reference_forward,
     mark_vllm_weights_synced,
+    quiet_upstream_notices,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
@@ -113,6 +114,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         assert_trl_compatible()
+        quiet_upstream_notices()
         if isinstance(model, str):
             # a mistyped path, or a Hub id without network: one line, not retries and a traceback
             check_model_path(model, (args.model_init_kwargs or {}).get("revision"))
