@@ -24,8 +24,11 @@ a GPU every run defaults to float32 on the CPU (`--use_cpu true --bf16 false`).
 
 Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C saves one at the end
 of the step in progress and prints the command that resumes, which is the same command with `--resume_from_checkpoint`
-(no value: the newest checkpoint in `--output_dir`). A run started into an output_dir that holds an earlier run says in
-one line whether it resumes it or overwrites it.
+(no value: the newest checkpoint in `--output_dir`). Under `accelerate launch` the run saves and prints the same, but
+the launcher prints a traceback of its own (one process: it also returns before the run has saved, and the run's lines
+follow the prompt); `python recipes/grpo_r3.py` runs one process without a launcher. A run started into an output_dir
+that holds an earlier run says in one line whether it resumes it or overwrites it; one that a live run holds is refused
+before anything else.
 """
 
 import contextlib
