@@ -117,7 +117,8 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         quiet_upstream_notices()
         if isinstance(model, str):
             # a mistyped path, or a Hub id without network: one line, not retries and a traceback
-            check_model_path(model, (args.model_init_kwargs or {}).get("revision"))
+            loading = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+            check_model_path(model, loading.get("revision"), loading.get("token"))
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.

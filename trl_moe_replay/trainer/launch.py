@@ -95,7 +95,7 @@ class HubModelError(ModelPathError):
     repository, revision or ``config.json``."""
 
 
-def check_model_path(model: str, revision: str | None = None) -> None:
+def check_model_path(model: str, revision: str | None = None, token: str | bool | None = None) -> None:
     """Raise :class:`ModelPathError` if ``model`` names no checkpoint that can be loaded; one line, before any work.
 
     A name is a local path if it exists, is absolute, starts with ``.`` or ``~``, or has more than one ``/``:
@@ -106,7 +106,7 @@ def check_model_path(model: str, revision: str | None = None) -> None:
     path = Path(model).expanduser()
     local = path.exists() or path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
     if not local:
-        check_hub_model(model, revision)
+        check_hub_model(model, revision, token)
         return
     if not path.exists():
         near = _nearest_sibling(path)
@@ -126,12 +126,12 @@ def check_model_path(model: str, revision: str | None = None) -> None:
         )
 
 
-def check_hub_model(model: str, revision: str | None = None) -> None:
+def check_hub_model(model: str, revision: str | None = None, token: str | bool | None = None) -> None:
     """Raise :class:`HubModelError` if the Hub id ``model`` cannot be fetched; return at once if it is cached.
 
     One metadata request for its ``config.json`` without retries, instead of transformers' retries and traceback:
     where the network is absent the connection fails within seconds (``HF_HUB_ETAG_TIMEOUT`` at most). Errors of
-    the Hub itself (5xx) are left to transformers.
+    the Hub itself (5xx) are left to transformers. ``token``: as for ``from_pretrained`` (default: the login's).
     """
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import (
@@ -157,7 +157,7 @@ def check_hub_model(model: str, revision: str | None = None) -> None:
             "HF_HUB_OFFLINE on a machine that reaches the Hub to download it"
         )
     try:
-        get_hf_file_metadata(hf_hub_url(model, "config.json", revision=revision), retry_on_errors=False)
+        get_hf_file_metadata(hf_hub_url(model, "config.json", revision=revision), token=token, retry_on_errors=False)
     except (*_network_errors(), OfflineModeIsEnabled) as exc:
         raise HubModelError(
             f"{model} is not a local folder and the Hub ({constants.ENDPOINT}) cannot be reached "
