@@ -655,7 +655,6 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
-
     from trl_moe_replay.upstream import quiet_upstream_notices
 
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
