@@ -24,10 +24,14 @@ a GPU every run defaults to float32 on the CPU (`--use_cpu true --bf16 false`).
 
 Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C saves one at the end
 of the step in progress and prints the command that resumes, which is the same command with `--resume_from_checkpoint`
-(no value: the newest checkpoint in `--output_dir`). A run started into an output_dir that holds an earlier run says in
-one line whether it resumes it or overwrites it.
+(no value: the newest checkpoint in `--output_dir`). Under `accelerate launch` the run saves and prints the same, but
+the launcher prints a traceback of its own (one process: it also returns before the run has saved, and the run's lines
+follow the prompt); `python recipes/grpo_r3.py` runs one process without a launcher. A run started into an output_dir
+that holds an earlier run says in one line whether it resumes it or overwrites it; one that a live run holds is refused
+before anything else.
 """
 
+import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -214,7 +218,48 @@ DATACLASSES = (GRPOR3ScriptArguments, MoEReplayGRPOConfig, ModelConfig)
 
 
 def make_parser() -> RecipeParser:
-    return RecipeParser(DATACLASSES)
+    parser = RecipeParser(
+        DATACLASSES,
+        usage="%(prog)s [--config FILE.yaml] [--ARGUMENT VALUE ...]",
+        description="GRPO with routing replay for MoE models. Every argument below can also be set in a --config "
+        "YAML file (the command line wins). Without --model_name_or_path: the tiny offline demo.",
+    )
+    group_help(parser)
+    return parser
+
+
+def group_help(parser: RecipeParser) -> None:
+    """--help in groups, ours first: this recipe's arguments, then the routing-replay ones (MoEReplayGRPOConfig's
+    own), then TRL's and transformers' (over a thousand lines of them otherwise come first), each cut to its first
+    sentence. Only the help changes: the arguments and their parsing stay TrlParser's."""
+    from trl import GRPOConfig
+
+    own = lambda cls, base: {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(base)}  # noqa: E731
+    groups = [
+        ("this recipe", "recipes/grpo_r3.py: data, reward functions, tools, the tiny offline model and its cold start",
+         own(GRPOR3ScriptArguments, ScriptArguments)),
+        ("routing replay and MoE objectives", "MoEReplayGRPOConfig's own arguments (docs/usage.md)",
+         own(MoEReplayGRPOConfig, GRPOConfig)),
+        ("dataset (TRL's ScriptArguments)", None, {f.name for f in dataclasses.fields(ScriptArguments)}),
+        ("model (TRL's ModelConfig)", None, {f.name for f in dataclasses.fields(ModelConfig)}),
+        ("training (TRL's GRPOConfig, transformers' TrainingArguments)",
+         "first sentences only; the full descriptions are in TRL's and transformers' documentation", None),
+    ]
+    upstream_first = len(groups) - 3
+    everything = [action for action in parser._actions if action.dest != "help"]
+    for index, (title, description, names) in enumerate(groups):
+        group = parser.add_argument_group(title, description)
+        for action in everything:
+            if names is None or action.dest in names:
+                for holder in parser._action_groups:  # argparse keeps each action in one group's list
+                    if action in holder._group_actions and holder is not group:
+                        holder._group_actions.remove(action)
+                group._group_actions.append(action)
+                if index >= upstream_first and action.help:
+                    action.help = action.help.split(". ")[0].split("\n\n")[0].rstrip(".") + "."
+        everything = [action for action in everything if action not in group._group_actions]
+    # argparse's own "options" group (-h) last, after ours and TRL's
+    parser._action_groups.append(parser._action_groups.pop(1))
 
 
 def parse_args(argv: list[str] | None = None):
@@ -448,16 +493,37 @@ def train(script_args, training_args, model_args):
             "each process would train alone and overwrite the same output_dir. On a machine without a GPU pass "
             "--use_cpu true (accelerate needs it to set up CPU data parallelism)."
         )
-    import transformers
     from accelerate import PartialState
+
+    from trl_moe_replay.trainer.output_lock import OutputDirLock, claim_output_dir
+
+    state = PartialState()
+    # First, before anything is printed or run: a live run's output_dir is refused. The trainer takes this lock over
+    # (same process) when it starts training; a run that stops before then releases it.
+    created = not os.path.exists(training_args.output_dir)
+    lock = OutputDirLock(training_args.output_dir)
+    claim_output_dir(lock, state, strict=training_args.routing_replay != "none")
+    try:
+        return _train(script_args, training_args, model_args, state)
+    finally:
+        lock.release()
+        if created and state.is_main_process:  # a run that stopped at once leaves no empty output_dir behind
+            with contextlib.suppress(OSError):
+                os.rmdir(training_args.output_dir)
+
+
+def _train(script_args, training_args, model_args, state):
+    import transformers
     from packaging.version import Version
     from transformers import ProgressCallback
     from trl import get_peft_config, get_quantization_config
 
     from trl_moe_replay import MoEReplayGRPOTrainer
     from trl_moe_replay.cli.progress import KEY_METRICS, CompactProgressCallback
+    from trl_moe_replay.trainer.launch import check_model_path
 
-    state = PartialState()
+    if model_args.model_name_or_path is not None:  # a mistyped path or an unreachable Hub id: one line, now
+        check_model_path(model_args.model_name_or_path, model_args.model_revision)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     announce_output_dir(training_args, resume)
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
@@ -593,7 +659,9 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
+    from trl_moe_replay.upstream import quiet_upstream_notices
 
+    quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
                    CheckpointWeightsError, PR2CheckpointError)

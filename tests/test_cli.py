@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import numpy as np
@@ -330,11 +331,12 @@ def test_audit_of_a_local_model_path_that_does_not_exist(tmp_path, capsys, monke
     for model in (str(missing), "./no/such/model"):
         line = one_line_error(capsys, ["audit", "--model", model])
         assert "no model folder" in line and "Repo id" not in line
-    # `runs/typo` could be a Hub id, but runs/ is a folder here: a local path, refused at once (no Hub retries)
+    # `runs/dmeo` is a Hub id (no such folder), refused at once offline, pointing at the folder probably meant
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "demo").mkdir(parents=True)
     line = one_line_error(capsys, ["audit", "--model", "runs/dmeo"])
-    assert "no model folder at runs/dmeo" in line and "did you mean runs/demo?" in line
+    assert "runs/dmeo is not a local folder, and offline mode (HF_HUB_OFFLINE=1)" in line
+    assert "did you mean runs/demo?" in line
     # a folder without config.json (a run's output_dir before its final save) is named as such, not a tokenizer error
     line = one_line_error(capsys, ["audit", "--model", "runs/demo"])
     assert "runs/demo holds no config.json" in line
@@ -347,3 +349,26 @@ def test_audit_of_an_unreachable_server_is_one_line(capsys):
     with WITHOUT_LOCAL_VLLM:
         line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url])
     assert "can't be reached" in line and url in line
+
+
+@pytest.mark.slow  # processes with the Hub settings of a fresh shell: HF_HUB_OFFLINE unset
+def test_audit_of_a_hub_id_without_network_answers_at_once(tmp_path):
+    from .test_launch import closed_port_endpoint
+
+    def audit(**hub_settings) -> tuple[float, subprocess.CompletedProcess]:
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+        env.update(HF_HOME=str(tmp_path / "hf"), PYTHONPATH=os.getcwd(), **hub_settings)
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "trl_moe_replay.cli", "audit", "--model", "runs/typo"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return time.monotonic() - start, result
+
+    offline_s, offline = audit(HF_HUB_OFFLINE="1")  # the baseline: imports, then the cache alone
+    elapsed_s, result = audit(HF_ENDPOINT=closed_port_endpoint())  # online, but nothing answers
+    for outcome in (offline, result):
+        lines = outcome.stderr.strip().splitlines()
+        assert outcome.returncode == 2 and len(lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert "runs/typo is not a local folder and the Hub" in result.stderr and "HF_HUB_OFFLINE=1" in result.stderr
+    # one refused connection, no retries (transformers' took 50-55 s); measured against the same imports offline,
+    # as the imports alone take from seconds to a minute on a busy machine
+    assert elapsed_s - offline_s < 15, (elapsed_s, offline_s)

@@ -185,3 +185,21 @@ def test_a_plain_grpo_config_gets_r3(tmp_path):
     trainer = train(tmp_path, MoEReplayGRPOTrainer, GRPOConfig, tiny_moe_model("qwen3_moe"), max_steps=1, bf16=False)
     assert trainer.routing_replay == "r3" and trainer.replay_settings.transformers_importance_sampling_correction
     assert trainer.state.log_history[0]["routing/fallback_frac"] == 0.0
+
+
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_generation_overrides_read_use_vllm_as_trl_does(monkeypatch, use_vllm):
+    """TRL's unit tests of ``_generate`` build a trainer with ``object.__new__`` and a ``SimpleNamespace`` args that
+    lacks ``use_vllm`` (TRL reads ``self.use_vllm``, set in ``__init__``): the swap must hand over the same way."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, prompts: calls.append(("generate", prompts)) or "out")
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn",
+                        lambda self, *args: calls.append(("turn", args[0])) or "turn out")
+    trainer = object.__new__(MoEReplayGRPOTrainer)
+    trainer.args = SimpleNamespace(max_completion_length=8)
+    trainer.use_vllm = use_vllm
+    assert trainer._generate(["1+1="]) == "out"
+    assert trainer._generate_single_turn([[1, 2]], None, {}, 2) == "turn out"
+    assert calls == [("generate", ["1+1="]), ("turn", [[1, 2]])]

@@ -51,3 +51,20 @@ def test_torch_comes_from_the_cpu_index_when_pips_sources_give_the_cuda_build(mo
     monkeypatch.setattr(cpu_install, "plan", lambda *args: CPU_PLAN)  # a local CPU wheel: pip's own sources
     cpu_install.install_torch("2.13.0")
     assert installed[-1] == ("torch==2.13.0",)
+
+
+def test_the_package_builds_without_setuptools_warnings(monkeypatch):
+    """What pip's build step reads (pyproject.toml, through setuptools) warns about nothing a user could act on: the
+    license is an SPDX string (a TOML table printed a deprecation notice at every build, 4 per `make demo`)."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distribution = apply_configuration(Distribution(), root / "pyproject.toml")
+    ours = [str(w.message).splitlines()[0] for w in caught if "project" in str(w.message)]
+    assert ours == [] and distribution.metadata.license_expression == "Apache-2.0"

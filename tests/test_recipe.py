@@ -62,6 +62,23 @@ def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     assert record["settings"]["sft"]["steps"] == 30 and 0.0 <= record["report"]["sampled_accuracy"] <= 1.0
 
 
+# printed on every run, and nothing a user could do about them (issue 31)
+UPSTREAM_NOISE = ("is_gradient_checkpointing is deprecated", "Setting accelerator to CPU", "FutureWarning",
+                  "as a TOML table is deprecated")
+
+
+@pytest.mark.slow  # runs the recipe as `make demo` does, in a process of its own (the warnings of a fresh one)
+def test_a_demo_run_prints_no_upstream_noise(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(RECIPE), *small_run_args(tmp_path / "run", tmp_path / "cache",
+                                                                          "--plot", "false")],
+                            capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cold start: saved" in result.stdout  # a fresh cold start: DeepSpeed is first imported there
+    printed = result.stdout + result.stderr
+    assert not [noise for noise in UPSTREAM_NOISE if noise in printed], printed[-3000:]
+
+
 @pytest.mark.slow  # accelerate launch subprocess
 def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     # first run builds the cache (in this process, fast); the launched one must find and reuse it
@@ -117,15 +134,65 @@ def test_model_path_mistakes_are_one_line_before_the_hub(recipe, tmp_path, capsy
     (tmp_path / "runs" / "demo" / "checkpoint-50").mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "checkpoint-50" / "config.json").write_text("{}")
     for model, says in [
-        ("runs/dmeo", "no model folder at runs/dmeo: it reads as a local path (a Hub id looks like 'org/name'); pass "
-                      "the folder that holds config.json and the weights (did you mean runs/demo?)"),
+        ("runs/dmeo", "runs/dmeo is not a local folder, and offline mode (HF_HUB_OFFLINE=1) reads only the Hub "
+                      "cache, which holds no copy of it (no folder runs/dmeo here either; did you mean runs/demo?)"),
         ("./nowhere", "no model folder at ./nowhere"),
+        ("runs/demo/checkpoint-9", "no model folder at runs/demo/checkpoint-9"),
         ("runs/demo", "runs/demo holds no config.json, so it is not a transformers checkpoint; its newest checkpoint "
                       "is runs/demo/checkpoint-50"),
     ]:
         assert recipe.run(["--model_name_or_path", model, "--synthetic_samples", "16"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and ": error: " in lines[0] and says in lines[0], lines
+
+
+def test_a_hub_id_without_network_is_one_line_at_once(recipe, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    from .test_launch import closed_port_endpoint
+
+    monkeypatch.chdir(tmp_path)
+    endpoint = closed_port_endpoint()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # what a fresh shell has, with nothing answering
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    assert recipe.run(["--model_name_or_path", "someorg/no-such-moe", "--output_dir", "run"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "someorg/no-such-moe is not a local folder and the Hub" in lines[0], lines
+    assert "HF_HUB_OFFLINE=1" in lines[0] and captured.out == "" and not (tmp_path / "run").exists()
+
+
+def test_a_live_runs_output_dir_is_refused_first_and_nothing_else_runs(recipe, tmp_path, capsys):
+    import socket
+
+    from trl_moe_replay.trainer.output_lock import LOCK_NAME
+
+    output_dir = tmp_path / "run"
+    checkpoint = output_dir / "checkpoint-1"
+    checkpoint.mkdir(parents=True)  # an unfinished run, whose owner is still alive (this test's parent process)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1, "max_steps": 2}))
+    (output_dir / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                                    "token": "live", "started": "earlier"}))
+    assert recipe.run(small_run_args(output_dir, tmp_path / "cache")) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"output_dir {output_dir} is in use by another trainer: pid {os.getppid()}" in lines[0]
+    assert captured.out == ""  # no "holds an unfinished run ...: starting over", no cold start
+    assert not (tmp_path / "cache").exists() and checkpoint.is_dir()
+    assert json.loads((output_dir / LOCK_NAME).read_text())["token"] == "live"
+
+
+def test_help_shows_our_arguments_first_in_groups(recipe):
+    text = recipe.make_parser().format_help()
+    titles = [line for line in text.splitlines() if line[:1].isalpha() and line.endswith(":") and "--" not in line]
+    assert titles[:2] == ["this recipe:", "routing replay and MoE objectives:"]
+    assert titles[-1] == "options:" and len(titles) == 6
+    assert text.splitlines()[0].endswith(" [--config FILE.yaml] [--ARGUMENT VALUE ...]")  # not 238 lines of usage
+    where = {name: text.index(f"  --{name} ") for name in ("tiny_model_type", "routing_replay", "model_name_or_path",
+                                                           "learning_rate")}
+    assert where["tiny_model_type"] < where["routing_replay"] < where["model_name_or_path"] < where["learning_rate"]
+    # TRL's and transformers' descriptions are cut to their first sentence (1,459 lines in all before)
+    assert len(text.splitlines()) < 1000
 
 
 def test_reward_function_registry(recipe):

@@ -338,3 +338,51 @@ def test_a_refused_resume_is_one_line_on_the_recipe(recipe, saved_tiny_model, tm
     assert f": error: checkpoint {checkpoint} refused: " in lines[-1], err
     assert says in lines[-1], lines[-1]
     assert not (tmp_path / "run" / "checkpoint-4").exists()
+
+
+# accelerate's launchers: one process (its simple launcher, a Popen), several (torchrun's agent, which forwards the
+# signal to every rank; with --multi_gpu on a CPU machine the ranks train on the CPU, as the recipe's use_cpu default)
+ACCELERATE_LAUNCHES = {"one process": ["--num_processes", "1", "--cpu"],
+                       "two processes": ["--num_processes", "2", "--multi_gpu"]}
+
+
+@pytest.mark.slow  # the recipe under `accelerate launch`, stopped with a real Ctrl-C (~1-2 min)
+@pytest.mark.parametrize("launch", ACCELERATE_LAUNCHES.values(), ids=ACCELERATE_LAUNCHES.keys())
+def test_ctrl_c_under_accelerate_launch_saves_and_prints_the_resume_command(tmp_path, launch):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(RECIPE),
+               *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               cwd=tmp_path, start_new_session=True)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("step 10:"):
+                os.killpg(process.pid, signal.SIGINT)  # one Ctrl-C, to the whole group, as a terminal sends it
+                break
+        lines += process.stdout.readlines()  # until every process of the run has closed its output
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines)
+    # the launcher's forwarded signal did not count as a second Ctrl-C: every rank saved, then the resume line
+    stopped = [line for line in lines if line.startswith("stopped at step")]
+    assert len(stopped) == 1, output[-3000:]
+    step = int(stopped[0].split()[3])
+    assert step >= 10 and (tmp_path / "run" / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    assert stopped[0].rstrip().endswith(" --resume_from_checkpoint") and " launch " in stopped[0]
+    assert "interrupted; no checkpoint saved" not in output
+    # The launchers print a traceback of their own on SIGINT (accelerate's simple launcher: KeyboardInterrupt in
+    # Popen.wait, returning before the run has saved; torchrun's agent: SignalException): no script can stop those.
+    # None comes from the training processes.
+    for block in output.split("Traceback (most recent call last):")[1:]:
+        frames = []
+        for line in block.splitlines()[1:]:
+            if not line.startswith(" "):  # the exception line ends the traceback
+                break
+            frames.append(line)
+        frames = "\n".join(frames)
+        assert "accelerate/commands/launch.py" in block and "grpo_r3.py" not in frames, output[-3000:]

@@ -653,6 +653,32 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     return tuple(findings) + check_transformers_and_torch()
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Notices from upstream code that a user cannot act on, silenced by their exact text (nothing else is filtered):
+# - TRL (trl/models/utils.py: unwrap_model_for_generation, disable_gradient_checkpointing) reads
+#   `model.is_gradient_checkpointing`, which transformers deprecates (5.24: a FutureWarning at every generation).
+# - accelerate's is_peft_model imports DeepSpeed where it is installed (TRL calls it in GRPOTrainer.__init__), and
+#   DeepSpeed then logs "Setting accelerator to CPU" on a machine without a GPU, where the CPU is what trains.
+# ---------------------------------------------------------------------------------------------------------------
+_DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+
+def _not_deepspeed_cpu_notice(record: Any) -> bool:
+    return not str(record.msg).startswith(_DEEPSPEED_CPU_NOTICE)
+
+
+def quiet_upstream_notices() -> None:
+    """Silence the notices listed above, and only them (idempotent)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module="transformers.modeling_utils")
+    deepspeed_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logging's; created here if not yet
+    if _not_deepspeed_cpu_notice not in deepspeed_logger.filters:
+        deepspeed_logger.addFilter(_not_deepspeed_cpu_notice)
+
+
 def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:
     """Raise :class:`UpstreamChangedError` listing every entry the installed TRL breaks."""
     findings = check_trl(trainer_class)

@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import broadcast_object_list, is_peft_model
+from accelerate.utils import is_peft_model
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -53,6 +53,7 @@ from ..upstream import (
     exclude_from_weight_sync,
     is_reference_forward,
     mark_vllm_weights_synced,
+    quiet_upstream_notices,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
@@ -63,7 +64,7 @@ from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
-from .output_lock import OutputDirInUseError, OutputDirLock
+from .output_lock import OutputDirLock, claim_output_dir
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
 from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
@@ -103,14 +104,22 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
     _name = "MoE Replay GRPO"
     _pr2: PredictiveRoutingReplay | None = None  # set in __init__ when routing_replay="pr2"
     _pr2_averages_gradients = False  # PR2 under plain data parallelism (DDP ignores the predictors)
+    # set in __init__; class defaults keep the generation overrides usable on a trainer built without it (TRL's own
+    # unit tests build one with object.__new__ and set only what TRL's methods read)
+    _weight_sync = None
+    _sync_check = None
+    _scoring: _ScoringState | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         assert_trl_compatible()
+        quiet_upstream_notices()
         if isinstance(model, str):
-            check_model_path(model)  # a mistyped local path would otherwise reach the Hub
+            # a mistyped path, or a Hub id without network: one line, not retries and a traceback
+            loading = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+            check_model_path(model, loading.get("revision"), loading.get("token"))
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
@@ -200,12 +209,12 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         state = self._scoring
         if self._sync_check is not None:
             self._sync_check.set_probe(prompt_ids[0])  # kept from the first call on
-        if state is None or (self.args.use_vllm and self._vllm_routes is None):
+        if state is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = state.generated_turns > 0
         state.generated_turns += 1
         samples = state.turns.match(prompt_ids) if later_turn and state.turns is not None else None
-        if self.args.use_vllm:
+        if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start = source.prompt_start
             if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
@@ -251,7 +260,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         state.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
     def _generate(self, prompts):
-        if self.args.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
+        if self.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
             self._sync_vllm_weights()
         state = self._scoring
         if state is None:
@@ -513,18 +522,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         return super().train(*args, **kwargs)
 
     def _claim_output_dir(self) -> None:
-        problem = None
-        if self.accelerator.is_main_process:  # one lock per run
-            try:
-                self._output_lock.acquire()
-            except OutputDirInUseError as exc:
-                problem = str(exc)
-        if self.accelerator.num_processes > 1:  # every rank stops, not only the main one (the others would hang)
-            problem = broadcast_object_list([problem])[0]
-        if problem is not None and self.routing_replay == "none":  # plain GRPOTrainer runs where TRL would
-            logger.warning(f"OUTPUT DIR IN USE (not stopping: routing_replay='none' trains as TRL would): {problem}")
-        elif problem is not None:
-            raise OutputDirInUseError(problem)
+        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay != "none")
 
     def end(self):
         """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
@@ -563,7 +561,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
         engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
         self._pr2_averages_gradients = self.accelerator.num_processes > 1 and not engine_reduces
-        if self.args.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
+        if self.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
             exclude_from_weight_sync(self.vllm_generation, lambda name: name.split(".")[0] == PR2_MODULE_NAME)
         return pr2
 

@@ -1,5 +1,6 @@
-"""What the launch asked for against what the trainer got: precision and distributed engine; and a model path that
-is not a checkpoint (:func:`check_model_path`), refused before transformers mistakes it for a Hub id.
+"""What the launch asked for against what the trainer got: precision and distributed engine; and a model name that
+names no loadable checkpoint (:func:`check_model_path`: a local path without one, a Hub id that cannot be fetched),
+refused in one line before any work.
 
 Two silent mismatches of accelerate are turned into errors that say what to change:
 
@@ -89,20 +90,23 @@ class ModelPathError(FileNotFoundError):
     """A model named by a local path that does not hold a transformers checkpoint."""
 
 
-def check_model_path(model: str) -> None:
-    """Raise :class:`ModelPathError` if ``model`` reads as a local path and is not a checkpoint folder.
+class HubModelError(ModelPathError):
+    """A model named by a Hub id that cannot be fetched: no network (or offline mode without a cached copy), no such
+    repository, revision or ``config.json``."""
 
-    transformers treats any name that is not an existing folder as a Hub id: a mistyped path then fails with the
-    Hub's "Repo id must be in the form ..." (or, offline, after a minute of retries), and a folder without
-    ``config.json`` fails later in the tokenizer. A name is a local path if it exists, is absolute, starts with
-    ``.`` or ``~``, has more than one ``/``, or its first part is a folder here (``runs/typo`` with ``runs/``
-    present); ``org/name`` otherwise stays a Hub id.
+
+def check_model_path(model: str, revision: str | None = None, token: str | bool | None = None) -> None:
+    """Raise :class:`ModelPathError` if ``model`` names no checkpoint that can be loaded; one line, before any work.
+
+    A name is a local path if it exists, is absolute, starts with ``.`` or ``~``, or has more than one ``/``:
+    such a path must be a folder with ``config.json`` (transformers would otherwise take a mistyped path for a Hub
+    id, and a folder without ``config.json`` fails later in the tokenizer). Anything else (``org/name``, even with a
+    folder ``./org/`` here) is a Hub id, checked by :func:`check_hub_model`.
     """
     path = Path(model).expanduser()
-    first = model.split("/", 1)[0]
-    local = (path.exists() or path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
-             or ("/" in model and Path(first).is_dir()))
+    local = path.exists() or path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
     if not local:
+        check_hub_model(model, revision, token)
         return
     if not path.exists():
         near = _nearest_sibling(path)
@@ -120,6 +124,81 @@ def check_model_path(model: str) -> None:
             f"{model} holds no config.json, so it is not a transformers checkpoint{hint}: pass the folder that holds "
             "config.json and the weights (what save_pretrained writes)"
         )
+
+
+def check_hub_model(model: str, revision: str | None = None, token: str | bool | None = None) -> None:
+    """Raise :class:`HubModelError` if the Hub id ``model`` cannot be fetched; return at once if it is cached.
+
+    One metadata request for its ``config.json`` without retries, instead of transformers' retries and traceback:
+    where the network is absent the connection fails within seconds (``HF_HUB_ETAG_TIMEOUT`` at most). Errors of
+    the Hub itself (5xx) are left to transformers. ``token``: as for ``from_pretrained`` (default: the login's).
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    local_hint = _local_hint(model)
+    try:
+        cached = isinstance(try_to_load_from_cache(model, "config.json", revision=revision), str)
+    except HFValidationError as exc:
+        raise HubModelError(f"{model} is neither a local folder nor a Hub id ({exc}){local_hint}") from exc
+    if cached:
+        return
+    if constants.is_offline_mode():
+        raise HubModelError(
+            f"{model} is not a local folder, and offline mode (HF_HUB_OFFLINE=1) reads only the Hub cache, which holds "
+            f"no copy of it{local_hint}: pass the local folder that holds config.json and the weights, or unset "
+            "HF_HUB_OFFLINE on a machine that reaches the Hub to download it"
+        )
+    try:
+        get_hf_file_metadata(hf_hub_url(model, "config.json", revision=revision), token=token, retry_on_errors=False)
+    except (*_network_errors(), OfflineModeIsEnabled) as exc:
+        raise HubModelError(
+            f"{model} is not a local folder and the Hub ({constants.ENDPOINT}) cannot be reached "
+            f"({type(exc).__name__}: {' '.join(str(exc).split()) or 'no answer'}){local_hint}: pass the local folder "
+            "that holds config.json and the weights, or, if the model was downloaded before, set HF_HUB_OFFLINE=1 "
+            "(offline mode) to load it from the Hub cache"
+        ) from exc
+    except GatedRepoError as exc:
+        raise HubModelError(f"{model} is a gated Hub repository: accept its terms on the Hub and log in "
+                            "(hf auth login), or pass a local folder") from exc
+    except RepositoryNotFoundError as exc:
+        raise HubModelError(f"no model {model} on the Hub (or it is private: log in with hf auth login){local_hint}: "
+                            "pass a Hub id 'org/name' or a local folder that holds config.json") from exc
+    except RevisionNotFoundError as exc:
+        raise HubModelError(f"the Hub repository {model} has no revision {revision!r}") from exc
+    except RemoteEntryNotFoundError as exc:
+        raise HubModelError(f"the Hub repository {model} holds no config.json, so it is not a transformers "
+                            "checkpoint") from exc
+
+
+def _network_errors() -> tuple[type[Exception], ...]:
+    """The "could not connect / no answer" errors of the HTTP library huggingface_hub uses (httpx2 from
+    huggingface_hub 2, httpx before), and the standard library's."""
+    import importlib
+
+    errors: list[type[Exception]] = [ConnectionError, TimeoutError]
+    for library in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(library).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _local_hint(model: str) -> str:
+    """' (no folder runs/typo here either; did you mean runs/type?)' when the id's first part is a folder here."""
+    first = model.split("/", 1)[0]
+    if "/" not in model or not Path(first).is_dir():
+        return ""
+    near = _nearest_sibling(Path(model))
+    return f" (no folder {model} here either" + (f"; did you mean {near}?)" if near else ")")
 
 
 def _nearest_sibling(path: Path) -> str | None:

@@ -118,6 +118,26 @@ class OutputDirLock:
                 os.utime(self.path)
 
 
+def claim_output_dir(lock: OutputDirLock, state, *, strict: bool = True) -> None:
+    """Acquire ``lock`` on the main process of ``state`` (an ``Accelerator`` or ``PartialState``) and share the
+    outcome: with ``strict``, :class:`OutputDirInUseError` on every rank (the others would otherwise hang), else a
+    loud warning. The one check both the trainer's ``train()`` and the recipe (before any other work) go through."""
+    problem = None
+    if state.is_main_process:  # one lock per run
+        try:
+            lock.acquire()
+        except OutputDirInUseError as exc:
+            problem = str(exc)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problem = broadcast_object_list([problem])[0]
+    if problem is not None and not strict:
+        logger.warning(f"OUTPUT DIR IN USE (not stopping: routing_replay='none' trains as TRL would): {problem}")
+    elif problem is not None:
+        raise OutputDirInUseError(problem)
+
+
 def _create_with(path: Path, text: str) -> bool:
     """Create ``path`` holding ``text`` in one atomic step (a hard link of a written temporary file); False if it
     exists. Readers never see it half written. Without hard links (some filesystems), an exclusive create."""
