@@ -367,7 +367,8 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
 #      response JSON, _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows
 #      at index 2, _score_group(group) emits one RolloutSample per row of group.completions_sequences in order,
 #      _retry(coro_factory, *, label, max_attempts), _counters/_rates, model_version); AsyncRolloutWorker._loop_cls,
-#      ._process, ._failed_event, ._heartbeat_value, ._model_version_value (mp.Values with their default RLock),
+#      ._process, ._failed_event, ._stop_event_mp (our stop() sets it itself), ._heartbeat_value,
+#      ._model_version_value (mp.Values with their default RLock),
 #      ._loop_kwargs (forwarded to the loop: max_request_attempts); RolloutSample (a slots dataclass, subclassed).
 #    - async_grpo_trainer: the module globals AsyncRolloutWorker (built by __init__), TreeRow (built by the batchers),
 #      get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
@@ -410,9 +411,17 @@ def async_trainer_globals(**values: Any) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def set_tree_attention_kernel(kernel: Any) -> None:
-    """Make TRL's packed tree attention call ``kernel.flash_attn_varlen_func`` instead of FlashAttention-3."""
-    _async_module("packing")._flash_attn = lambda: kernel
+@contextlib.contextmanager
+def tree_attention_kernel(kernel: Any) -> Iterator[None]:
+    """Within the context, TRL's packed tree attention calls ``kernel.flash_attn_varlen_func`` instead of
+    FlashAttention-3; TRL's kernel lookup is restored on exit."""
+    packing = _async_module("packing")
+    saved = packing._flash_attn
+    packing._flash_attn = lambda: kernel
+    try:
+        yield
+    finally:
+        packing._flash_attn = saved
 
 
 def check_async_trl() -> tuple[Finding, ...]:
@@ -445,6 +454,8 @@ def check_async_trl() -> tuple[Finding, ...]:
            "_AsyncRolloutLoop._generate_one no longer returns the conversation's training rows")
     expect(getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop, "AsyncRolloutWorker._loop_cls is gone")
     expect("__slots__" in vars(worker.RolloutSample), "RolloutSample is no longer a slots dataclass")
+    expect("self._stop_event_mp = ctx.Event()" in _code_only(_source(worker.AsyncRolloutWorker.__init__)),
+           "AsyncRolloutWorker no longer keeps its stop event in _stop_event_mp")
     for name in ("AsyncRolloutWorker", "TreeRow", "get_peak_flops_per_device", "RolloutQueueDataset",
                  "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"):
         expect(hasattr(trainer, name), f"async_grpo_trainer no longer has the module global {name}")
