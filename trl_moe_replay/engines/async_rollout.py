@@ -199,7 +199,8 @@ class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
         for end in (process.terminate, process.kill):
             if not process.is_alive():
                 break
-            logger.warning(f"rollout worker child (pid {process.pid}) still running after the stop request; {end.__name__}")
+            logger.warning(f"rollout worker child (pid {process.pid}) still running after the stop request: "
+                           f"{end.__name__}")
             end()
             process.join(timeout=self.stop_grace_s)
 
