@@ -373,7 +373,8 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
 #    - async_grpo_trainer: the module globals AsyncRolloutWorker (built by __init__), TreeRow (built by the batchers),
 #      get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
 #      FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader); RolloutQueueDataset.__iter__
-#      yields right after its last `self.queue.get(`; compute_loss strips the collator's padding with
+#      yields right after its last `self.queue.get(`, and the dataset keeps .model_version_fn and .metrics (the
+#      trainer's metric sink); compute_loss strips the collator's padding with
 #      inputs["attention_mask"]; _sync_weight publishes the weights and bumps model_version.
 #    - packing: TreeRow.fits/add key the trie on (token, next token) (our RoutedTreeRow adds the route), pack() lays
 #      nodes out in DFS pre-order; tree_attention looks the module global _flash_attn up at call time (FA3 through
@@ -467,6 +468,9 @@ def check_async_trl() -> tuple[Finding, ...]:
            "AsyncGRPOTrainer.__init__ no longer builds AsyncRolloutWorker / calls get_peak_flops_per_device")
     for batcher in (trainer.FixedCountBatcher, trainer.TokenBudgetBatcher):
         expect("TreeRow()" in _code_only(_source(batcher.__iter__)), f"{batcher.__name__} no longer builds TreeRow()")
+    dataset_init = _code_only(_source(trainer.RolloutQueueDataset.__init__))
+    expect("self.model_version_fn = model_version_fn" in dataset_init and "self.metrics = metrics" in dataset_init,
+           "RolloutQueueDataset no longer keeps model_version_fn and metrics")
     iterate = _code_only(_source(trainer.RolloutQueueDataset.__iter__))
     expect(iterate.count("self.queue.get(") == 1 and "yield {" in iterate,
            "RolloutQueueDataset.__iter__ no longer yields the sample it last took with self.queue.get()")

@@ -50,6 +50,7 @@ class RouteIntake:
         batch_samples: samples of this rank that make one batch (one optimizer step). ``None``: each ``align`` call is
             one batch (the sync trainer aligns a whole generation batch at once).
         max_fallback_batches: raise when every sample of this many batches in a row fell back. ``None``: never.
+            Judged per process, without a gather: only for a trainer that aligns on one process (the async one).
         warn_fallback_batches: warn (once per such run of batches) when every sample of this many batches in a row
             fell back.
     """
