@@ -231,8 +231,8 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._route_shape = (rr.num_layers, rr.top_k)
         self._route_dtype = route_dtype(rr.num_experts, rr.top_k)
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
-        samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * \
-            self.accelerator.num_processes
+        samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                            * self.accelerator.num_processes)
         self._route_intake = RouteIntake(
             _MainProcessOnly(self.accelerator), source="vLLM", required=self.routing_replay == "r3",
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
