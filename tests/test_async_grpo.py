@@ -113,8 +113,10 @@ class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
 
 
 def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, checkpoint):
-    # micro-batch 1 mixes versions 0 and 1 (same prompt in groups 0 and 1: a shared prefix routed differently)
-    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 2, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
+    # micro-batch 1 mixes versions 0 and 1 (same prompt in groups 0 and 1: a shared prefix routed differently); every
+    # version is one the trainer has published when the sample is taken (version 1 after the cold sync: the batches
+    # are taken ahead of the step that syncs version 2, and a version the trainer never published is dropped)
+    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 1, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
     CheckedTrainer.engine_rows = engine_rows
     trainer = CheckedTrainer(
         model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
