@@ -263,7 +263,7 @@ def test_route_intake_warns_once_when_routes_stop_arriving_and_again_after_they_
 
 
 def test_max_route_fallback_steps_is_checked(tmp_path):
-    with pytest.raises(ValueError, match="max_route_fallback_steps must be >= 1"):
+    with pytest.raises(ValueError, match="max_route_fallback_steps must be >= 1, got 0"):
         MoEReplayAsyncGRPOConfig(output_dir=str(tmp_path), max_route_fallback_steps=0, use_cpu=True, bf16=False)
 
 

@@ -82,7 +82,7 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
         if self.vllm_request_attempts is not None and self.vllm_request_attempts < 1:
             raise ValueError(f"vllm_request_attempts must be >= 1, got {self.vllm_request_attempts}")
         if self.max_route_fallback_steps is not None and self.max_route_fallback_steps < 1:
-            raise ValueError(f"max_route_fallback_steps must be >= 1 (or unset), got {self.max_route_fallback_steps}")
+            raise ValueError(f"max_route_fallback_steps must be >= 1, got {self.max_route_fallback_steps}")
 
     @property
     def carries_routes(self) -> bool:
