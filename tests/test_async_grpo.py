@@ -9,6 +9,7 @@ from datasets import Dataset
 import pytest
 import torch
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo import packing as trl_packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RoutesUnavailableError, upstream
@@ -16,7 +17,7 @@ from trl_moe_replay.engines.async_rollout import RoutedRolloutSample, turns_for_
 from trl_moe_replay.routing.engine import EngineTurn
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
-from trl_moe_replay.trainer.async_grpo_trainer import use_cpu_tree_attention
+from trl_moe_replay.trainer.async_grpo_trainer import cpu_tree_attention
 from trl_moe_replay.trainer.async_packing import RoutedTreeRow, TorchVarlenAttention
 
 from .async_checks import capture_used_experts, check_row, packed_row
@@ -24,6 +25,7 @@ from .async_checks import capture_used_experts, check_row, packed_row
 STEPS = 2
 DATASET = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]})
 BATCH = 8  # samples per micro-batch (FixedCountBatcher: token_budget=0)
+TRL_FLASH_ATTN = trl_packing._flash_attn  # TRL's FlashAttention-3 lookup, as imported
 
 
 def reward(completions, **kwargs):
@@ -111,8 +113,10 @@ class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
 
 
 def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, checkpoint):
-    # micro-batch 1 mixes versions 0 and 1 (same prompt in groups 0 and 1: a shared prefix routed differently)
-    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 2, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
+    # micro-batch 1 mixes versions 0 and 1 (same prompt in groups 0 and 1: a shared prefix routed differently); every
+    # version is one the trainer has published when the sample is taken (version 1 after the cold sync: the batches
+    # are taken ahead of the step that syncs version 2, and a version the trainer never published is dropped)
+    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 1, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
     CheckedTrainer.engine_rows = engine_rows
     trainer = CheckedTrainer(
         model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
@@ -173,6 +177,117 @@ def test_r3_without_any_routes_in_the_first_sample_stops_with_a_clear_error(tmp_
         trainer.train()
 
 
+def test_one_bad_sample_arriving_first_falls_back_and_the_run_goes_on(tmp_path, checkpoint):
+    """The first-batch rule waits for a whole batch: the first dequeued sample without routes, and the second one row
+    short, fall back like any other sample (they ended the run when the rule judged the first sample alone)."""
+    samples, _ = script(checkpoint, versions=[0] * 6)
+    samples[0].route_turns = []
+    turn = samples[1].route_turns[0]
+    samples[1].route_turns = [EngineTurn(turn.rows[:-1], turn.prompt_length, turn.completion_length)]
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == STEPS and 0 < logs[0]["routing/fallback_frac"] < 0.4 and logs[1]["routing/fallback_frac"] == 0
+    assert trainer._route_intake.fallback_samples == 2
+    # the trainer held the CPU tree attention only while it trained: TRL's kernel lookup is back in place
+    assert trl_packing._flash_attn is TRL_FLASH_ATTN
+
+
+def test_routes_that_stop_arriving_end_the_run_when_configured(tmp_path, checkpoint):
+    good, _ = script(checkpoint, versions=[0, 0])
+    bare, _ = script(checkpoint, versions=[0] * 6, routes=False, seed=1)
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, max_steps=4, vllm_sync_check=False,
+                                                 max_route_fallback_steps=2)),
+        rollout_worker=ScriptedRolloutWorker(good + bare), weight_transfer=NoOpWeightTransfer(),
+    )
+    with pytest.raises(RoutesUnavailableError, match="vLLM routes stopped arriving: every sample of the last 2 "
+                                                     "batches .* max_route_fallback_steps is 2"):
+        trainer.train()
+    # step 1 replayed; the samples of steps 2 and 3 all fell back: the error comes as accelerate fetches step 3's
+    # batch, ahead, before step 2's optimizer step
+    assert trainer.state.global_step == 1
+
+
+def test_samples_with_versions_the_trainer_never_published_are_dropped_and_counted(tmp_path, checkpoint):
+    samples, _ = script(checkpoint, versions=[0] * 7)
+    samples[2].model_version = 10**9  # newer than the trainer: not this run's policy
+    samples[9].model_version = "1"  # not an integer (TRL's staleness check would raise on it)
+    samples[12].model_version = -1
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == STEPS
+    assert sum(entry.get("sample/dropped_bad_version_total", 0) for entry in logs) == 3
+    assert all(0 <= entry["routing/version_lag_mean"] <= entry["routing/version_lag_max"] <= 2 for entry in logs)
+
+
+def test_route_intake_warns_once_when_routes_stop_arriving_and_again_after_they_come_back(caplog):
+    from trl_moe_replay.engines.route_intake import RouteIntake
+
+    layout = dict(num_layers=2, top_k=1, num_experts=4, moe_layers=[0, 1])
+    good = [EngineTurn(np.zeros((3, 2, 1), dtype=np.uint8), 2, 2)]
+    bad = [EngineTurn(None, 4, 0)]
+
+    def align(intake, turns):
+        intake.align([turns], prompt_lengths=[turns[0].prompt_length], completion_lengths=[2 if turns is good else 0],
+                     prompt_width=turns[0].prompt_length, completion_width=2 if turns is good else 0, **layout)
+
+    intake = RouteIntake(None, source="vLLM", required=True, batch_samples=2)
+    align(intake, bad)  # first sample bad, second good: the first batch fits, no error
+    align(intake, good)
+    with caplog.at_level("WARNING"):
+        for _ in range(2 * 3):  # three batches in a row fall back
+            align(intake, bad)
+        assert sum("routes stopped arriving" in r.message for r in caplog.records) == 1
+        for _ in range(2 * 3):  # still falling back: no second warning for the same run of batches
+            align(intake, bad)
+        assert sum("routes stopped arriving" in r.message for r in caplog.records) == 1
+        align(intake, good)  # routes are back, then stop again
+        for _ in range(2 * 3):
+            align(intake, bad)
+        assert sum("routes stopped arriving" in r.message for r in caplog.records) == 2
+    with pytest.raises(RoutesUnavailableError, match="first batch fits .*2 samples here"):
+        whole_first_batch_bad = RouteIntake(None, source="vLLM", required=True, batch_samples=2)
+        align(whole_first_batch_bad, bad)
+        align(whole_first_batch_bad, bad)
+
+
+def test_max_route_fallback_steps_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="max_route_fallback_steps must be >= 1, got 0"):
+        MoEReplayAsyncGRPOConfig(output_dir=str(tmp_path), max_route_fallback_steps=0, use_cpu=True, bf16=False)
+
+
+def test_use_cpu_builds_on_a_machine_with_cuda(tmp_path, checkpoint, monkeypatch):
+    """TRL's MFU lookup asks CUDA for the name of the trainer's device; with use_cpu on a CUDA machine that device is
+    the CPU, and CUDA refuses (issue 30: 5 tests failed on a GPU machine). Simulated: CUDA 'available', and
+    get_device_name refusing a CPU device as CUDA does."""
+    def device_name(device=None):
+        if torch.device(device if device is not None else "cuda").type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        return "NVIDIA H200"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", device_name)
+    samples, _ = script(checkpoint, versions=[0, 0])
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path)),
+        rollout_worker=ScriptedRolloutWorker(samples),
+    )
+    assert trainer.accelerator.device.type == "cpu" and trainer._on_cpu
+    assert type(trainer.weight_transfer).__name__ == "ReloadWeightTransfer"  # "auto" off CUDA: no NCCL
+
+
 def test_r2_and_pr2_are_refused_with_the_reason(tmp_path):
     for mode in ("r2", "pr2"):
         with pytest.raises(ValueError, match="old-policy forward"):
@@ -220,7 +335,6 @@ def test_without_routes_the_row_is_trl_row():
 def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
     from transformers import AutoModelForCausalLM
 
-    use_cpu_tree_attention()
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
 
     register_tree_attention()
@@ -230,7 +344,7 @@ def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
     for ids in samples:
         row.add(row_sample(ids, None))
     packed = row.pack()
-    with torch.no_grad():
+    with torch.no_grad(), cpu_tree_attention():
         logits = model(input_ids=packed["input_ids"][None], position_ids=packed["position_ids"][None],
                        tree_kv_index=packed["tree_kv_index"], tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
                        tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
@@ -263,13 +377,13 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
     parameters (both with the CPU tree attention, and the MFU lookup off as our trainer turns it off on CPU)."""
     samples, _ = script(checkpoint, versions=[0, 0, 1, 1, 2, 2, 2, 2], routes=False)
     values = settings(tmp_path, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3)
-    use_cpu_tree_attention()
     with upstream.async_trainer_globals(get_peak_flops_per_device=lambda *a, **k: None):
         theirs = AsyncGRPOTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
                                   args=AsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "trl")}),
                                   rollout_worker=ScriptedRolloutWorker(samples),
                                   weight_transfer=NoOpWeightTransfer())
-    theirs.train()
+    with cpu_tree_attention():
+        theirs.train()
     ours = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
                                      args=MoEReplayAsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "ours")},
                                                                    routing_replay="none"),

@@ -386,12 +386,14 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
 #      response JSON, _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows
 #      at index 2, _score_group(group) emits one RolloutSample per row of group.completions_sequences in order,
 #      _retry(coro_factory, *, label, max_attempts), _counters/_rates, model_version); AsyncRolloutWorker._loop_cls,
-#      ._process, ._failed_event, ._heartbeat_value, ._model_version_value (mp.Values with their default RLock),
+#      ._process, ._failed_event, ._stop_event_mp (our stop() sets it itself), ._heartbeat_value,
+#      ._model_version_value (mp.Values with their default RLock),
 #      ._loop_kwargs (forwarded to the loop: max_request_attempts); RolloutSample (a slots dataclass, subclassed).
 #    - async_grpo_trainer: the module globals AsyncRolloutWorker (built by __init__), TreeRow (built by the batchers),
 #      get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
 #      FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader); RolloutQueueDataset.__iter__
-#      yields right after its last `self.queue.get(`; compute_loss strips the collator's padding with
+#      yields right after its last `self.queue.get(`, and the dataset keeps .model_version_fn and .metrics (the
+#      trainer's metric sink); compute_loss strips the collator's padding with
 #      inputs["attention_mask"]; _sync_weight publishes the weights and bumps model_version.
 #      AsyncGRPOTrainer._lora_sync: whether __init__ chose adapter-only vLLM sync (a PEFT model and a server started
 #      with --enable-lora) instead of merged weights.
@@ -436,9 +438,17 @@ def async_adapter_only_sync(trainer: Any) -> bool:
     return bool(getattr(trainer, "_lora_sync", False))
 
 
-def set_tree_attention_kernel(kernel: Any) -> None:
-    """Make TRL's packed tree attention call ``kernel.flash_attn_varlen_func`` instead of FlashAttention-3."""
-    _async_module("packing")._flash_attn = lambda: kernel
+@contextlib.contextmanager
+def tree_attention_kernel(kernel: Any) -> Iterator[None]:
+    """Within the context, TRL's packed tree attention calls ``kernel.flash_attn_varlen_func`` instead of
+    FlashAttention-3; TRL's kernel lookup is restored on exit."""
+    packing = _async_module("packing")
+    saved = packing._flash_attn
+    packing._flash_attn = lambda: kernel
+    try:
+        yield
+    finally:
+        packing._flash_attn = saved
 
 
 def check_async_trl() -> tuple[Finding, ...]:
@@ -471,6 +481,8 @@ def check_async_trl() -> tuple[Finding, ...]:
            "_AsyncRolloutLoop._generate_one no longer returns the conversation's training rows")
     expect(getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop, "AsyncRolloutWorker._loop_cls is gone")
     expect("__slots__" in vars(worker.RolloutSample), "RolloutSample is no longer a slots dataclass")
+    expect("self._stop_event_mp = ctx.Event()" in _code_only(_source(worker.AsyncRolloutWorker.__init__)),
+           "AsyncRolloutWorker no longer keeps its stop event in _stop_event_mp")
     for name in ("AsyncRolloutWorker", "TreeRow", "get_peak_flops_per_device", "RolloutQueueDataset",
                  "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"):
         expect(hasattr(trainer, name), f"async_grpo_trainer no longer has the module global {name}")
@@ -482,6 +494,9 @@ def check_async_trl() -> tuple[Finding, ...]:
            "AsyncGRPOTrainer.__init__ no longer builds AsyncRolloutWorker / calls get_peak_flops_per_device")
     for batcher in (trainer.FixedCountBatcher, trainer.TokenBudgetBatcher):
         expect("TreeRow()" in _code_only(_source(batcher.__iter__)), f"{batcher.__name__} no longer builds TreeRow()")
+    dataset_init = _code_only(_source(trainer.RolloutQueueDataset.__init__))
+    expect("self.model_version_fn = model_version_fn" in dataset_init and "self.metrics = metrics" in dataset_init,
+           "RolloutQueueDataset no longer keeps model_version_fn and metrics")
     iterate = _code_only(_source(trainer.RolloutQueueDataset.__iter__))
     expect(iterate.count("self.queue.get(") == 1 and "yield {" in iterate,
            "RolloutQueueDataset.__iter__ no longer yields the sample it last took with self.queue.get()")

@@ -22,15 +22,19 @@ This module must stay importable by name: the spawned child unpickles the loop c
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
+from transformers.utils import logging
+
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..upstream import async_worker_classes
 
 _AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample = async_worker_classes()
+logger = logging.get_logger(__name__)
 
 __all__ = ["RolloutWorkerDiedError", "RoutedAsyncRolloutWorker", "RoutedRolloutLoop", "RoutedRolloutSample"]
 
@@ -175,14 +179,30 @@ class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
         lock.release()
         super().check_health(stale_after_s)
 
+    #: Seconds a live child gets to leave its loops after the stop request, before SIGTERM, then as long before SIGKILL.
+    stop_grace_s: float = 15.0
+
     def stop(self) -> None:
-        process = self._process
-        if process is not None and process.is_alive() is False and process.exitcode is not None:
-            # TRL's stop() sets the shared stop event, whose notify waits for the child's watcher thread to wake:
-            # with the child dead it would wait forever (seen here after a SIGKILLed worker)
-            self._process = None
+        """Stop the child within a bounded time (at most about ``3 * stop_grace_s``), whatever state it is in.
+
+        TRL's ``stop()`` sets the shared stop event in the calling thread. ``multiprocessing.Event.set`` waits, with no
+        timeout, until every thread sleeping on the event (the child's stop watcher) has woken; a child that exits or
+        dies in between (a failed rollout loop exits at once) never wakes, and ``set`` waits forever (seen: 8 of 8
+        failing runs under CPU load). Here the event is set from a daemon thread nobody waits for, and the child is
+        joined with timeouts, then terminated, then killed."""
+        process, self._process = self._process, None
+        if process is None or process.pid is None:  # never started (start() failed before the spawn)
             return
-        super().stop()
+        if process.is_alive():
+            threading.Thread(target=self._stop_event_mp.set, name="grpo-rollout-stop-request", daemon=True).start()
+            process.join(timeout=self.stop_grace_s)
+        for end in (process.terminate, process.kill):
+            if not process.is_alive():
+                break
+            logger.warning(f"rollout worker child (pid {process.pid}) still running after the stop request: "
+                           f"{end.__name__}")
+            end()
+            process.join(timeout=self.stop_grace_s)
 
     def update_model_version(self, model_version: int) -> None:
         self._raise_if_dead()

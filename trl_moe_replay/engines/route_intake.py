@@ -9,7 +9,11 @@ recorder, and any later one -- hands its rows, per sample and turn (:class:`~trl
   ``routing/fallback_frac`` and a warning names the first problem.
 * **First-batch rule.** When replay needs engine routes (``required``) and no sample of the whole first batch (all
   ranks) fits, the engine and the trainer disagree about the model or the engine is not set up to return routes:
-  :class:`RoutesUnavailableError` is raised instead of silently training without replay.
+  :class:`RoutesUnavailableError` is raised instead of silently training without replay. A trainer that aligns
+  sample by sample (the async one) says how many samples make its first batch; the rule waits for all of them, so one
+  bad sample that happens to arrive first never ends the run.
+* **Routes that stop arriving.** When every sample of ``warn_fallback_batches`` batches in a row fell back, a warning
+  says so; with ``max_fallback_batches`` set, that many such batches in a row raise :class:`RoutesUnavailableError`.
 
 A new route source plugs in *before* this call, never beside it (``tests/test_route_intake.py`` checks that nothing
 else in the package calls ``routes_from_engine``).
@@ -43,17 +47,29 @@ class RouteIntake:
         required: whether replay depends on these routes (R3). Routing metrics alone do without them.
         remedy: appended to the first-batch error: what the user should check for this source.
         needed_by: what needs the routes, at the start of the first-batch error (default ``"routing_replay='r3'"``).
+        batch_samples: samples of this rank that make one batch (one optimizer step). ``None``: each ``align`` call is
+            one batch (the sync trainer aligns a whole generation batch at once).
+        max_fallback_batches: raise when every sample of this many batches in a row fell back. ``None``: never.
+            Judged per process, without a gather: only for a trainer that aligns on one process (the async one).
+        warn_fallback_batches: warn (once per such run of batches) when every sample of this many batches in a row
+            fell back.
     """
 
     def __init__(self, accelerator: Any, *, source: str, required: bool, remedy: str = "",
-                 needed_by: str = "routing_replay='r3'"):
+                 needed_by: str = "routing_replay='r3'", batch_samples: int | None = None,
+                 max_fallback_batches: int | None = None, warn_fallback_batches: int = 3):
         self.accelerator = accelerator
         self.source = source
         self.required = required
         self.remedy = remedy
         self.needed_by = needed_by
+        self.batch_samples = batch_samples
+        self.max_fallback_batches = max_fallback_batches
+        self.warn_fallback_batches = warn_fallback_batches
         self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
-        self._aligned_first_batch = False
+        self._first_batch = {"pending": required, "seen": 0, "usable": 0, "problem": None}
+        self._fallback_streak = 0  # samples in a row, up to now, that all fell back
+        self._warned_streak = False
 
     def align(self, samples: Sequence[Sequence[EngineTurn]], **layout: Any) -> torch.Tensor:
         """``routes_from_engine`` over this rank's samples (each a list of :class:`EngineTurn`, one per generation
@@ -63,17 +79,9 @@ class RouteIntake:
         routes = routes_from_engine(samples, on_error=failures.append, **layout)
         missing = sum(all(turn.rows is None for turn in turns) for turns in samples)
         malformed = len({error.sample for error in failures})  # a multi-turn sample may fail in several turns
-        if self.required and not self._aligned_first_batch:
-            self._aligned_first_batch = True
-            usable = len(samples) - missing - malformed
-            if self.accelerator is not None:  # every rank takes the branch below together
-                usable = int(self.accelerator.gather(torch.tensor([usable], device=self.accelerator.device)).sum())
-            if usable == 0:
-                reason = f"first problem here: {failures[0]}" if failures else "no sample here came with routes"
-                raise RoutesUnavailableError(
-                    f"{self.needed_by}: no route {self.source} returned for the first batch fits the trained "
-                    f"model ({layout['num_layers']} decoder layers, top-{layout['top_k']}); {reason}. {self.remedy}"
-                )
+        usable = len(samples) - missing - malformed
+        self._first_batch_rule(usable, len(samples), failures, layout)
+        self._fallback_streak_rule(usable, len(samples), failures)
         if missing or malformed:
             self.fallback_samples += missing + malformed
             detail = f"; first problem: {failures[0]}" if failures else ""
@@ -83,3 +91,49 @@ class RouteIntake:
                 f"routing instead (counted in routing/fallback_frac){detail}"
             )
         return routes
+
+    def _first_batch_rule(self, usable: int, count: int, failures: list[RouteAlignmentError], layout: dict) -> None:
+        """Raise when no sample of the whole first batch (``batch_samples`` of them, all ranks) fits."""
+        first = self._first_batch
+        if not first["pending"]:
+            return
+        first["seen"] += count
+        first["usable"] += usable
+        if first["problem"] is None and failures:
+            first["problem"] = failures[0]
+        if self.batch_samples is not None and first["seen"] < self.batch_samples:
+            return  # the first batch is not complete yet: a sample that falls back now is not the verdict
+        first["pending"] = False
+        usable = first["usable"]
+        if self.accelerator is not None:  # every rank takes the branch below together
+            usable = int(self.accelerator.gather(torch.tensor([usable], device=self.accelerator.device)).sum())
+        if usable == 0:
+            problem = first["problem"]
+            reason = f"first problem here: {problem}" if problem else "no sample here came with routes"
+            raise RoutesUnavailableError(
+                f"{self.needed_by}: no route {self.source} returned for the first batch fits the trained model "
+                f"({layout['num_layers']} decoder layers, top-{layout['top_k']}; {first['seen']} samples here); "
+                f"{reason}. {self.remedy}"
+            )
+
+    def _fallback_streak_rule(self, usable: int, count: int, failures: list[RouteAlignmentError]) -> None:
+        """Warn, or raise when configured, once every sample of several batches in a row fell back."""
+        if usable > 0 or count == 0:
+            self._fallback_streak, self._warned_streak = 0, False
+            return
+        self._fallback_streak += count
+        batches = self._fallback_streak // (self.batch_samples or count)
+        detail = f" (last problem: {failures[-1]})" if failures else ""
+        if self.max_fallback_batches is not None and batches >= self.max_fallback_batches:
+            raise RoutesUnavailableError(
+                f"{self.source} routes stopped arriving: every sample of the last {batches} batches "
+                f"({self._fallback_streak} samples) fell back to the trainer's own routing{detail}, and "
+                f"max_route_fallback_steps is {self.max_fallback_batches}. {self.remedy} Raise the limit, or leave it "
+                "unset to only warn."
+            )
+        if batches >= self.warn_fallback_batches and not self._warned_streak:
+            self._warned_streak = True
+            logger.warning(
+                f"routing replay: every sample of the last {batches} batches fell back to the trainer's own routing "
+                f"(routing/fallback_frac 1.0): {self.source} routes stopped arriving{detail}. {self.remedy}"
+            )

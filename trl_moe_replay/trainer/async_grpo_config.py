@@ -31,8 +31,8 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
         vllm_weight_sync (`str`, *optional*, defaults to `"auto"`):
             `"reload"`: write the weights as a checkpoint and have the server reload them
             (`trl_moe_replay.engines.async_weights.ReloadWeightTransfer`; works on vLLM's CPU build). `"trl"`: TRL's
-            NCCL transfer (GPU). `"auto"`: reload when CUDA is not available. A `weight_transfer=` passed to the
-            trainer wins.
+            NCCL transfer (GPU). `"auto"`: reload when the trainer is not on CUDA (no CUDA, or `use_cpu`). A
+            `weight_transfer=` passed to the trainer wins.
         vllm_sync_dir (`str`, *optional*):
             Directory for the reload sync (default `output_dir/vllm_sync`); the server must be able to read it.
         vllm_sync_check (`bool`, *optional*):
@@ -44,6 +44,10 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
         vllm_request_attempts (`int`, *optional*):
             Caps the attempts of each generation request to the server (TRL retries a completion up to 30 x 3 times
             with back-off, ~20 minutes against a dead server). Only with routes carried (our rollout loop).
+        max_route_fallback_steps (`int`, *optional*):
+            Stop the run (`RoutesUnavailableError`) when every sample of this many steps in a row fell back to the
+            trainer's own routing (`routing/fallback_frac` 1.0: the engine's routes stopped arriving). Unset: only a
+            warning, after 3 such steps.
     """
 
     routing_replay: str = field(default="r3", metadata={"help": "'r3' or 'none'."})
@@ -54,6 +58,8 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
     vllm_sync_check: bool | None = field(default=None, metadata={"help": "Check every sync reached the engine."})
     sync_check_tolerance: float = field(default=0.05, metadata={"help": "Engine probe noise tolerance, in nats."})
     vllm_request_attempts: int | None = field(default=None, metadata={"help": "Cap on attempts per request."})
+    max_route_fallback_steps: int | None = field(
+        default=None, metadata={"help": "Stop after this many steps in a row without a usable engine route."})
 
     def __post_init__(self):
         check_config(self)  # every field's type and range, TRL's included, before TRL's own __post_init__ reads them

@@ -20,6 +20,7 @@ With ``routing_replay="none"`` (and no ``routing_metrics``) nothing of this is b
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,8 @@ from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
-    set_tree_attention_kernel,
+    quiet_upstream_notices,
+    tree_attention_kernel,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
@@ -53,29 +55,55 @@ from .peft_replay import check_peft_replay
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["MoEReplayAsyncGRPOTrainer", "use_cpu_tree_attention"]
+__all__ = ["MoEReplayAsyncGRPOTrainer", "cpu_tree_attention"]
 
 
-def use_cpu_tree_attention() -> None:
-    """Let TRL's packed tree attention run without a GPU (pure torch, per segment) in this process."""
-    set_tree_attention_kernel(TorchVarlenAttention)
+def cpu_tree_attention() -> contextlib.AbstractContextManager:
+    """Within the context, TRL's packed tree attention runs without a GPU (pure torch, per segment); TRL's
+    FlashAttention-3 lookup is back in place on exit (the trainer holds it only while it trains)."""
+    return tree_attention_kernel(TorchVarlenAttention)
 
 
 def _no_peak_flops(*args, **kwargs) -> None:
-    return None  # TRL's lookup asks CUDA for the device name; without CUDA there is no MFU to report
+    return None  # TRL's lookup asks CUDA for the device name; off CUDA there is no MFU to report
+
+
+def _version_problem(version: Any, current: int) -> str | None:
+    """Why a sample's ``model_version`` cannot be the policy version that sampled it, or ``None``."""
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral):
+        return f"model_version {version!r} is not an integer"
+    if not 0 <= version <= current:
+        return f"model_version {version} is outside 0..{current}, the versions this trainer has published"
+    return None
 
 
 class _LastTakenQueue:
     """TRL's queue, remembering the sample last taken: ``RolloutQueueDataset.__iter__`` yields right after it
-    (``upstream`` entry 16), so it is the sample behind the dict just yielded."""
+    (``upstream`` entry 16), so it is the sample behind the dict just yielded.
+
+    It also drops, before TRL sees them, samples whose ``model_version`` the trainer never published (not an integer,
+    negative, or newer than its current version): their lag and staleness would be nonsense (a version 10**9 gave a
+    lag of -62,499,999) and whatever sampled them is not this run's policy. Each is counted in
+    ``sample/dropped_bad_version_total``, with a warning; the run goes on."""
 
     def __init__(self, inner):
         self.inner = inner
         self.last = None
+        self.version_fn: Callable[[], int] | None = None  # set by the dataset: the trainer's current version
+        self.metrics = None
+        self.dropped_bad_version = 0
 
     def get(self, *args, **kwargs):
-        self.last = self.inner.get(*args, **kwargs)
-        return self.last
+        while True:
+            sample = self.inner.get(*args, **kwargs)
+            problem = None if self.version_fn is None else _version_problem(sample.model_version, self.version_fn())
+            if problem is None:
+                self.last = sample
+                return sample
+            self.dropped_bad_version += 1
+            if self.metrics is not None:
+                self.metrics["sample/dropped_bad_version_total"].append(1.0)
+            logger.warning(f"dropping a rollout sample: its {problem} (a confused or foreign rollout worker?)")
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -87,6 +115,7 @@ class _RoutedQueueDataset(RolloutQueueDataset):
     def __init__(self, rollout_queue, *args, align: Callable[[Any], torch.Tensor | None], **kwargs):
         super().__init__(_LastTakenQueue(rollout_queue), *args, **kwargs)
         self._align = align
+        self.queue.version_fn, self.queue.metrics = self.model_version_fn, self.metrics
 
     def __iter__(self):
         for item in super().__iter__():
@@ -161,8 +190,8 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         from trl_moe_replay import MoEReplayAsyncGRPOTrainer as AsyncGRPOTrainer
         from trl_moe_replay import MoEReplayAsyncGRPOConfig as AsyncGRPOConfig
 
-    Without CUDA it also runs on CPU: the packed tree attention in plain torch, no MFU lookup, and (``vllm_weight_sync``
-    "auto") weights synced by vLLM's reload instead of NCCL.
+    Off CUDA (no CUDA, or ``use_cpu=True``) it also runs on CPU: the packed tree attention in plain torch (only while
+    ``train()`` runs), no MFU lookup, and (``vllm_weight_sync`` "auto") weights synced by vLLM's reload instead of NCCL.
     """
 
     _tag_names = ["trl", "async-grpo", "moe-routing-replay"]
@@ -173,11 +202,12 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         if args is None:
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         assert_async_trl_compatible()
+        quiet_upstream_notices()
         self.routing_replay = getattr(args, "routing_replay", "r3")
         carries_routes = getattr(args, "carries_routes", self.routing_replay != "none")
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            use_cpu_tree_attention()
+        # the device the trainer will train on, not whether the machine has CUDA: use_cpu on a CUDA machine is CPU
+        on_cpu = args.device.type != "cuda"
+        self._on_cpu = on_cpu
         sync = getattr(args, "vllm_weight_sync", "auto")
         if weight_transfer is None and (sync == "reload" or (sync == "auto" and on_cpu)):
             sync_dir = getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync")
@@ -185,7 +215,7 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
                                                    timeout=args.vllm_server_timeout)
         swaps: dict[str, Any] = {}
         if on_cpu:
-            swaps["get_peak_flops_per_device"] = _no_peak_flops
+            swaps["get_peak_flops_per_device"] = _no_peak_flops  # TRL asks CUDA for the name of the trainer's device
         if carries_routes:
             swaps["AsyncRolloutWorker"] = RoutedAsyncRolloutWorker  # TRL builds it when no rollout_worker is given
         with async_trainer_globals(**swaps):
@@ -210,9 +240,13 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         rr = self._route_replay
         self._route_shape = (rr.num_layers, rr.top_k)
         self._route_dtype = route_dtype(rr.num_experts, rr.top_k)
+        # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
+        samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                            * self.accelerator.num_processes)
         self._route_intake = RouteIntake(
             _MainProcessOnly(self.accelerator), source="vLLM", required=self.routing_replay == "r3",
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
+            batch_samples=samples_per_step, max_fallback_batches=getattr(args, "max_route_fallback_steps", None),
         )
         if self.routing_replay == "r3" and self.aux_loss_enabled:
             logger.warning(
@@ -229,6 +263,10 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         worker = self.rollout_worker
         kwargs = getattr(worker, "_loop_kwargs", None) or {}
         return kwargs.get("model_name") or self.model.config._name_or_path
+
+    def train(self, *args, **kwargs):
+        with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
+            return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ rollout samples -> rows
     def _align_sample(self, sample) -> torch.Tensor | None:

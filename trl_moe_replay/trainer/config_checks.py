@@ -82,6 +82,7 @@ VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "max_staleness": _at_least(0),
     "sync_check_tolerance": _at_least(0),
     "vllm_request_attempts": _at_least(1),
+    "max_route_fallback_steps": _at_least(1),
     # ours
     "extreme_token_threshold": _above(1),
     "pr2_lr_multiplier": _at_least(0),
