@@ -357,6 +357,11 @@ def test_uint16_ids_beyond_int16_are_rejected():
         ({"completion_lengths": [4, 2.0]}, r"sample 1: completion_lengths\[1\] must be an int"),
         ({"moe_layers": [0, 4]}, r"moe_layers must be distinct decoder-layer indices in \[0, 4\)"),
         ({"moe_layers": [1, 1, 2]}, "moe_layers must be distinct"),
+        # a non-integral index is refused, never truncated to a neighbouring layer (1.7 -> 1)
+        ({"moe_layers": [0, 1.7]}, r"\(ints\), got \[0, 1.7\]"),
+        ({"moe_layers": [0, 1.0]}, r"\(ints\), got \[0, 1.0\]"),
+        ({"moe_layers": [True, 2]}, r"\(ints\), got \[True, 2\]"),
+        ({"moe_layers": np.array([0.0, 2.5])}, r"\(ints\), got \[0.0, 2.5\]"),
         ({"num_experts": 40000}, "does not fit int16"),
         ({"top_k": 0}, "top_k must be an int >= 1"),
         ({"prompt_width": -1}, "prompt_width must be an int >= 0"),
