@@ -405,6 +405,10 @@ def test_bad_steer_functions_raise():
         with pytest.raises(RuntimeError, match="outside"):
             with rr.steer(lambda layer, router, h, logits, ids: ids + rr.num_experts):
                 model(x)
+        # record() trusts the steered ids it records: a repeated expert must fail on the device, not be recorded
+        with pytest.raises(RuntimeError, match="same expert twice"):
+            with rr.steer(lambda layer, router, h, logits, ids: ids[:, :1].expand_as(ids)), rr.record():
+                model(x)
         with pytest.raises(RuntimeError, match="already active"):
             with rr.steer(lambda *a: a[-1]), rr.steer(lambda *a: a[-1]):
                 pass

@@ -10,6 +10,9 @@ and one on the decoder stack). Nothing is patched and nothing runs while no cont
   ``[B, S]`` (``generate``'s KV-cached steps take the next columns). The router's logits
   are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
   logits at those ids, so gradients still reach the router.
+  Routes are checked once, where they enter (``record()``, ``routes_from_engine``, or here, for a tensor
+  never checked): a forward then costs an O(1) look-up, and routes changed in place since are checked again
+  (``routing.routes.is_checked``).
 * ``with rr.steer(choose):`` lets ``choose(layer, router, router_input, logits, natural_ids) -> ids`` pick each
   router's experts (PR2's predicted routes); gate weights are recomputed exactly as under replay, and
   ``record()`` records the steered ids. Replay, when also active, still wins where it has a route.
