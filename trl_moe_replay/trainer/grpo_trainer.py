@@ -361,23 +361,6 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self._log_mismatch_metrics(output, state)
         return output
 
-    def _prepare_inputs(self, generation_batch):
-        """TRL's buffering, then the routes' "checked" mark carried over TRL's shuffle (``upstream`` entry 1).
-
-        The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
-        shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the
-        micro-batches' views; the copy holds rows of the checked routes only, so it is marked checked too, and every
-        training forward's ``replay()`` costs an O(1) look-up instead of a host pass over its routes."""
-        self._fresh_routes = None
-        inputs = super()._prepare_inputs(generation_batch)
-        fresh, self._fresh_routes = self._fresh_routes, None
-        routes = inputs.get("replay_routes") if fresh is not None and isinstance(inputs, dict) else None
-        if routes is not None:
-            shuffled = routes._base if routes._base is not None else routes  # the micro-batch is a view of it
-            if shuffled.shape[0] == fresh.shape[0]:
-                carry_check(shuffled, fresh)
-        return inputs
-
     # ------------------------------------------------------------------ forwards
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
@@ -452,6 +435,23 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             torch.cat(entropies, dim=0) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's buffering, then the routes' "checked" mark carried over TRL's shuffle (``upstream`` entry 1).
+
+        The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
+        shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the
+        micro-batches' views; the copy holds rows of the checked routes only, so it is marked checked too, and every
+        training forward's ``replay()`` costs an O(1) look-up instead of a host pass over its routes."""
+        self._fresh_routes = None
+        inputs = super()._prepare_inputs(generation_batch)
+        fresh, self._fresh_routes = self._fresh_routes, None
+        routes = inputs.get("replay_routes") if fresh is not None and isinstance(inputs, dict) else None
+        if routes is not None:
+            shuffled = routes._base if routes._base is not None else routes  # the micro-batch is a view of it
+            if shuffled.shape[0] == fresh.shape[0]:
+                carry_check(shuffled, fresh)
+        return inputs
 
     def _compute_loss(self, model, inputs):
         self._batch_routes = inputs.get("replay_routes")
