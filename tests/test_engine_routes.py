@@ -357,6 +357,11 @@ def test_uint16_ids_beyond_int16_are_rejected():
         ({"completion_lengths": [4, 2.0]}, r"sample 1: completion_lengths\[1\] must be an int"),
         ({"moe_layers": [0, 4]}, r"moe_layers must be distinct decoder-layer indices in \[0, 4\)"),
         ({"moe_layers": [1, 1, 2]}, "moe_layers must be distinct"),
+        # a non-integral index is refused, never truncated to a neighbouring layer (1.7 -> 1)
+        ({"moe_layers": [0, 1.7]}, r"\(ints\), got \[0, 1.7\]"),
+        ({"moe_layers": [0, 1.0]}, r"\(ints\), got \[0, 1.0\]"),
+        ({"moe_layers": [True, 2]}, r"\(ints\), got \[True, 2\]"),
+        ({"moe_layers": np.array([0.0, 2.5])}, r"\(ints\), got \[0.0, 2.5\]"),
         ({"num_experts": 40000}, "does not fit int16"),
         ({"top_k": 0}, "top_k must be an int >= 1"),
         ({"prompt_width": -1}, "prompt_width must be an int >= 0"),
@@ -708,3 +713,23 @@ def test_validate_routes_accepts_a_batch_whose_every_row_is_no_route_and_empty_l
     validate_routes(torch.full((2, 3, 2, 2), 7, dtype=torch.uint8), num_layers=2, top_k=2, num_experts=8, layers=[])
     with pytest.raises(RouteValidationError, match="names the same expert twice"):
         validate_routes(torch.full((2, 3, 2, 2), 7, dtype=torch.uint8), num_layers=2, top_k=2, num_experts=8)
+
+
+def test_aligned_routes_are_marked_checked_and_a_reused_out_loses_the_mark_when_rewritten():
+    """routes_from_engine checks every row, so its result is marked (RouterReplay.replay then skips its host pass).
+    A reused ``out`` is rewritten through NumPy, which torch's version counter does not see: its old mark goes first,
+    so a call that fails halfway leaves no mark on half-written routes."""
+    from trl_moe_replay.routing.routes import is_checked
+
+    layout = dict(prompt_lengths=[3, 3], completion_lengths=[4, 4], prompt_width=4, completion_width=5,
+                  num_layers=L, top_k=K, num_experts=E, moe_layers=[0, 1, 3])
+    out = routes_from_engine([engine_rows(3, 4, dense=[2]), engine_rows(3, 4, dense=[2])], **layout)
+    assert is_checked(out, num_layers=L, top_k=K, num_experts=E, layers=[1, 3])
+    assert is_checked(out[1:, 2:], num_layers=L, top_k=K, num_experts=E, layers=[0, 1, 3])
+    assert not is_checked(out, num_layers=L, top_k=K, num_experts=E - 1, layers=[1, 3])  # ids < E were checked
+    assert not is_checked(out, num_layers=L, top_k=K, num_experts=E, layers=None)  # layer 2 was not
+    repeated = engine_rows(3, 4, dense=[2]).copy()
+    repeated[2, 1] = repeated[2, 1, 0]
+    with pytest.raises(RouteAlignmentError, match="twice"):
+        routes_from_engine([engine_rows(3, 4, dense=[2]), repeated], out=out, **layout)
+    assert not is_checked(out, num_layers=L, top_k=K, num_experts=E, layers=[1, 3])

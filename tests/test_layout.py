@@ -82,3 +82,22 @@ def test_entry_points_and_public_names_resolve():
     testing = importlib.import_module("trl_moe_replay.testing")
     for name in testing.__all__:
         assert getattr(testing, name) is not None, name
+
+
+def test_no_two_modules_import_each_other():
+    """No import circle between two modules (lazy imports inside functions count too): one module of the pair
+    should hold what both need (``routing/repeated_ids.py`` for ``routes.py`` and ``engine.py``)."""
+    imports = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":  # a package's __init__ re-exports its modules
+            continue
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        package = module.rsplit(".", 1)[0]
+        found = set(imported_modules(path))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level and not node.module:  # from . import name
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+        imports[module] = found
+    circles = sorted(f"{a} <-> {b}" for a in imports for b in imports[a] if a < b and a in imports.get(b, ()))
+    assert not circles, circles

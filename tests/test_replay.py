@@ -405,8 +405,99 @@ def test_bad_steer_functions_raise():
         with pytest.raises(RuntimeError, match="outside"):
             with rr.steer(lambda layer, router, h, logits, ids: ids + rr.num_experts):
                 model(x)
+        # record() trusts the steered ids it records: a repeated expert must fail on the device, not be recorded
+        with pytest.raises(RuntimeError, match="same expert twice"):
+            with rr.steer(lambda layer, router, h, logits, ids: ids[:, :1].expand_as(ids)), rr.record():
+                model(x)
         with pytest.raises(RuntimeError, match="already active"):
             with rr.steer(lambda *a: a[-1]), rr.steer(lambda *a: a[-1]):
                 pass
         with rr.steer(lambda *a: a[-1]):  # every failed steer() above gave its slot back
             model(x)
+
+
+@pytest.fixture
+def host_passes(monkeypatch):
+    """Counts the full host passes of ``validate_routes`` (its flat check of every row)."""
+    from trl_moe_replay.routing import routes as routes_module
+
+    calls = []
+    full_pass = routes_module._every_row_valid
+    monkeypatch.setattr(routes_module, "_every_row_valid", lambda *a, **kw: (calls.append(1), full_pass(*a, **kw))[1])
+    return calls
+
+
+def test_routes_checked_where_they_entered_replay_without_a_host_pass_until_changed_in_place(host_passes):
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    x = random_ids(4, 6)
+    with torch.no_grad():
+        with rr.record() as rec:
+            reference = model(x).logits
+        routes = rec.routes
+        for rows in (slice(None), slice(1, 3), slice(2, 4)):  # micro-batch slices replay their own samples' routes
+            with rr.replay(routes[rows]):
+                assert torch.allclose(model(x[rows]).logits, reference[rows], atol=1e-5)
+        with rr.replay(routes[2:4, 1:5]):  # a slice along positions too
+            model(x[2:4, 1:5])
+        assert host_passes == []  # record() checked them by construction: no pass at any forward
+        # a view that does not select whole rows of what was checked is checked again
+        misaligned = routes.flatten()[1 : 1 + routes[:2].numel()].view(2, *routes.shape[1:])
+        try:
+            with rr.replay(misaligned):
+                pass
+        except RouteValidationError:
+            pass
+        assert host_passes == [1]
+        # changed in place after the check: caught by torch's version counter, checked in full, refused
+        routes[0, 1, 0, 1] = routes[0, 1, 0, 0]  # a duplicate id
+        with pytest.raises(RouteValidationError, match=r"routes\[0, 1, layer 0\] names the same expert twice"):
+            with rr.replay(routes[:2]):
+                pass
+        routes[0, 1, 0] = torch.tensor([0, 1], dtype=routes.dtype)
+        assert len(host_passes) == 2
+        with rr.replay(routes):  # valid again: checked once more, then marked
+            model(x)
+        with rr.replay(routes):
+            model(x)
+        assert len(host_passes) == 3
+        routes[3, 5, 1, 0] = rr.num_experts  # an id out of range: refused in one line, not an index error
+        with pytest.raises(RouteValidationError, match=r"expert ids must lie in \[0, 8\)"):
+            with rr.replay(routes):
+                pass
+
+
+def test_routes_changed_in_place_while_replayed_are_refused_not_used(host_passes):
+    model = tiny_moe_model("mixtral")
+    rr = RouterReplay(model)
+    x = random_ids(2, 5)
+    with torch.no_grad():
+        with rr.record() as rec:
+            model(x)
+        routes = rec.routes
+        with rr.replay(routes):
+            model(x)
+            routes[1, 2, 0, 1] = routes[1, 2, 0, 0]
+            with pytest.raises(RouteValidationError, match="changed in place after replay"):
+                model(x)
+        raw = torch.full((2, 5, rr.num_layers, rr.top_k), -1, dtype=torch.int64)  # a user's own tensor
+        with rr.replay(raw):
+            raw[0, 0, 0] = torch.tensor([3, 3])  # through any view: the version counter is shared
+            with pytest.raises(RouteValidationError, match="changed in place after replay"):
+                model(x)
+    assert host_passes == [1]  # the raw tensor, once; the recorded routes never
+
+
+def test_a_users_raw_tensor_is_checked_in_full(host_passes):
+    model = tiny_moe_model("olmoe")
+    rr = RouterReplay(model)
+    raw = torch.full((1, 4, rr.num_layers, rr.top_k), -1, dtype=torch.int32)
+    raw[0, 2, 0, :] = 0  # expert 0 twice
+    with pytest.raises(RouteValidationError, match="names the same expert twice"):
+        with rr.replay(raw):
+            pass
+    strided = torch.full((1, 8, rr.num_layers, rr.top_k), -1, dtype=torch.int16)[:, ::2]  # not contiguous: never marked
+    for _ in range(2):
+        with rr.replay(strided):
+            pass
+    assert len(host_passes) == 3

@@ -260,3 +260,25 @@ def test_r2_trains_with_continuous_batching_and_beam_search_when_nothing_is_reco
     assert not trainer.replay_settings.records_generation
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.replayed == 4
+
+
+def test_r3_checks_routes_once_per_generation_batch_not_at_every_forward(tmp_path, monkeypatch):
+    """The routes are checked where they enter (``RouteIntake.align``, once per generation batch) and that fact
+    travels through TRL's buffer, shuffle and micro-batch split: no forward runs ``validate_routes``' host pass."""
+    from trl_moe_replay.engines.route_intake import RouteIntake
+    from trl_moe_replay.routing import routes as routes_module
+
+    aligned, host_passes, replayed = [], [], []
+    align, full_pass, replay = RouteIntake.align, routes_module._every_row_valid, RouterReplay.replay
+    monkeypatch.setattr(RouteIntake, "align", lambda self, *a, **kw: (aligned.append(1), align(self, *a, **kw))[1])
+    monkeypatch.setattr(routes_module, "_every_row_valid",
+                        lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1])
+    monkeypatch.setattr(RouterReplay, "replay", lambda self, routes: (replayed.append(1), replay(self, routes))[1])
+    # generate every steps_per_generation x num_iterations = 8 micro-batches = 4 optimizer steps: 2 generation batches
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", steps_per_generation=4,
+                           num_iterations=2, max_steps=8)
+    trainer.train()
+    assert len(aligned) == 2
+    assert len(replayed) >= 16  # every training micro-batch replayed its routes (plus the old-logprob passes)
+    assert host_passes == []
+    assert logged(trainer, "routing/mismatch_frac") and max(logged(trainer, "routing/mismatch_frac")) == 0.0

@@ -58,6 +58,9 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                            "batch_size", "compute_entropy", "compute_aux_loss"),
     "_compute_loss": ("self", "model", "inputs"),
+    # TRL shuffles (a copy along the first axis) and splits (views) what _generate_and_score_completions returned;
+    # the override carries the routes' "checked" mark over the shuffle (routing.routes.carry_check)
+    "_prepare_inputs": ("self", "generation_batch"),
     "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
@@ -583,6 +586,10 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
         expect("1", have[: len(params)] == params, f"GRPOTrainer.{name}{params} became {name}{have}")
     expect("1", isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod),
            "GRPOTrainer.get_gamma_weights is no longer a static method")
+    prepare = _code_only(_source(trainer_class._prepare_inputs))
+    shuffle = prepare.find("generation_batch = shuffle_sequence_dict(generation_batch)")
+    expect("1", 0 <= shuffle < prepare.find("split_tensor_dict(generation_batch,"),
+           "GRPOTrainer._prepare_inputs no longer shuffles the generation batch, then splits it")
 
     init = code("1", trainer_class, "__init__")
     for attribute in PRIVATE_ATTRIBUTES:

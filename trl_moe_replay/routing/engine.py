@@ -27,7 +27,6 @@ import binascii
 import concurrent.futures
 import functools
 import io
-import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -38,7 +37,8 @@ import numpy as np
 import torch
 
 from .errors import RouteAlignmentError
-from .routes import NO_ROUTE, no_route_value, route_dtype
+from .repeated_ids import first_repeated_row
+from .routes import NO_ROUTE, forget_checked, mark_checked, no_route_value, route_dtype
 
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
@@ -62,6 +62,11 @@ _INT16_LIMIT = 1 << 15  # int16 holds expert ids 0..32767
 _CHECK_CHUNK_ROWS = 1 << 16
 # Outputs at least this large are placed by a thread pool (below it, threads cost more than they save).
 _THREADED_BYTES = 1 << 22
+
+
+def _is_index(value: Any) -> bool:
+    """An int (Python or NumPy), not a bool: ``1.7`` or ``True`` is no layer index."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _holds_ids(dtype: np.dtype) -> bool:
@@ -279,7 +284,9 @@ def routes_from_engine(
     a dense layer missing from ``moe_layers`` looks like) is rejected; with ``top_k == 1`` expert 0
     is a real route. Ids must be >= 0 and fit int16, and be ``< num_experts`` when that is given;
     the dtype must be a signed or unsigned integer. Any mismatch raises
-    :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently.
+    :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently. ``moe_layers`` must be
+    distinct ints (a float such as ``1.7`` is refused, not truncated). The result is marked checked
+    (``routes.mark_checked``), so ``RouterReplay.replay`` does not pass over it again.
 
     ``out`` (optional) is a contiguous CPU tensor of the result's shape and dtype to write into, e.g. a
     reused or pinned buffer; every element is overwritten, so it needs no clearing.
@@ -312,10 +319,12 @@ def routes_from_engine(
     if moe_layers is None:
         moe = list(range(num_layers))
     else:
-        moe = sorted({int(layer) for layer in moe_layers})
-        if len(moe) != len(list(moe_layers)) or any(not 0 <= layer < num_layers for layer in moe):
+        given = moe_layers.tolist() if isinstance(moe_layers, (torch.Tensor, np.ndarray)) else list(moe_layers)
+        moe = sorted({int(layer) for layer in given if _is_index(layer)})
+        if len(moe) != len(given) or any(not 0 <= layer < num_layers for layer in moe):
             raise RouteAlignmentError(
-                f"moe_layers must be distinct decoder-layer indices in [0, {num_layers}), got {list(moe_layers)}"
+                f"moe_layers must be distinct decoder-layer indices in [0, {num_layers}) (ints), got {given}; "
+                "pass RouterReplay(model).moe_layers"
             )
     moe_set = set(moe)
     dense = [layer for layer in range(num_layers) if layer not in moe_set]
@@ -331,6 +340,7 @@ def routes_from_engine(
         got = (tuple(out.shape), out.dtype, out.device.type) if isinstance(out, torch.Tensor) else type(out).__name__
         name = str(dtype).removeprefix("torch.")
         raise RouteAlignmentError(f"out must be a contiguous {name} CPU tensor of shape {shape}, got {got}")
+    forget_checked(out)  # rewritten below through NumPy, which torch's version counter does not see
     out_np = out.numpy()
     no_route = no_route_value(dtype)
     for i in range(batch):  # the caller's own numbers: always an exception, before any row is read
@@ -389,6 +399,8 @@ def routes_from_engine(
         concurrent.futures.wait(futures)
     if dense and batch:
         out.index_fill_(2, torch.tensor(dense), no_route)
+    # every row was checked above (or is "no route"): replay() needs no second pass over them
+    mark_checked(out, num_layers=num_layers, top_k=top_k, num_experts=limit, layers=moe)
     return out
 
 
@@ -521,66 +533,8 @@ def _check_block(
 def _first_repeated_row(
     rows: np.ndarray, layers: list[int], start: int = 0, stop: int | None = None
 ) -> tuple[int, int] | None:
-    """``(row, layer)`` of the first route ``rows[row, layer]`` (``row`` in ``[start, stop)``, ``layer`` in
-    ``layers``) naming an expert twice.
-
-    None if there is none. An all-zero route (vLLM's never-written rows) names expert 0 ``K`` times, so it is found
-    too. Vectorised without a sort: over a block of routes laid flat, every id is compared with the ids 1 .. K-1
-    places later (K - 1 contiguous, SIMD comparisons), then an OR over the block keeps only the comparisons that stay
-    inside a route. The block's first offending route is located (by a sort) only when there is one.
-    """
-    num_tokens, num_layers, k = rows.shape
-    stop = num_tokens if stop is None else stop
-    width = len(layers)
-    period = math.lcm(k, 8)  # comparison bytes per OR-reduction word group: whole routes and whole uint64 words
-    masks = _same_route_masks(k)
-    in_place = width == num_layers and rows.flags.c_contiguous
-    if in_place:
-        flat_rows = rows.reshape(-1)
-    else:  # copy each block's MoE routes into a contiguous buffer (dense layers, non-contiguous arrays)
-        select = layers if width != num_layers else slice(None)
-        if width != num_layers and layers == list(range(layers[0], layers[-1] + 1)):
-            select = slice(layers[0], layers[-1] + 1)
-    tokens_per_block = max(1, _CHECK_CHUNK_ROWS // width)
-    block_size = min(tokens_per_block, stop - start) * width * k
-    buffer = None if in_place else _scratch("ids", block_size + k - 1, rows.dtype)
-    equal = _scratch("equal", (k - 1) * (-(-block_size // period) * period), np.bool_).reshape(k - 1, -1)
-    for lo in range(start, stop, tokens_per_block):
-        hi = min(lo + tokens_per_block, stop)
-        n = (hi - lo) * width * k
-        if in_place:
-            flat = flat_rows[lo * width * k :]
-            # the comparisons read up to k - 1 ids past the block: past the array's end for its last route, which is
-            # then checked on its own
-            compared = n if flat.size >= n + k - 1 else n - k
-        else:
-            flat = buffer
-            np.copyto(buffer[:n].reshape(hi - lo, width, k), rows[lo:hi, select])
-            compared = n
-        same = equal[:, : -(-n // period) * period]
-        for shift in range(1, k):  # one contiguous (SIMD) comparison per distance between slots
-            np.equal(flat[:compared], flat[shift : compared + shift], out=same[shift - 1, :compared])
-        same[:, compared:] = False
-        words = np.bitwise_or.reduce(same.view(np.uint64).reshape(k - 1, -1, period // 8), axis=1)
-        last_route = flat[n - k : n]
-        if (words & masks).any() or (compared < n and np.unique(last_route).size < k):
-            ordered = np.sort(flat[:n].reshape(-1, k), axis=1)
-            first = int(np.argmax((ordered[:, 1:] == ordered[:, :-1]).any(axis=1)))
-            return lo + first // width, layers[first % width]
-    return None
-
-
-_SCRATCH = threading.local()  # per thread: reusable work buffers of the checks, by name
-
-
-def _scratch(name: str, size: int, dtype) -> np.ndarray:
-    """A work buffer of ``size`` elements of ``dtype`` for this thread, reused across calls (uninitialised)."""
-    dtype = np.dtype(dtype)
-    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(name)
-    if buffer is None or buffer.nbytes < size * dtype.itemsize:
-        buffer = buffers[name] = np.empty(size * dtype.itemsize, np.uint8)
-    return buffer[: size * dtype.itemsize].view(dtype)
+    """:func:`~trl_moe_replay.routing.repeated_ids.first_repeated_row` in blocks of ``_CHECK_CHUNK_ROWS`` routes."""
+    return first_repeated_row(rows, layers, start, stop, block_routes=_CHECK_CHUNK_ROWS)
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -606,13 +560,3 @@ def _forget_pool() -> None:  # a forked child has none of its parent's threads
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
-
-
-@functools.lru_cache(maxsize=None)
-def _same_route_masks(k: int) -> np.ndarray:
-    """``[k - 1, lcm(k, 8) / 8]`` uint64: byte ``b`` of row ``s - 1`` is 1 where comparing flat id ``b`` with the id
-    ``s`` places later stays inside one route (``b % k + s < k``)."""
-    period = math.lcm(k, 8)
-    slot = np.arange(period) % k
-    inside = np.stack([(slot + s < k) for s in range(1, k)]).astype(np.uint8)
-    return inside.view(np.uint64)

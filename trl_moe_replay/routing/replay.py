@@ -10,6 +10,9 @@ and one on the decoder stack). Nothing is patched and nothing runs while no cont
   ``[B, S]`` (``generate``'s KV-cached steps take the next columns). The router's logits
   are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
   logits at those ids, so gradients still reach the router.
+  Routes are checked once, where they enter (``record()``, ``routes_from_engine``, or here, for a tensor
+  never checked): a forward then costs an O(1) look-up, and routes changed in place since are checked again
+  (``routing.routes.is_checked``).
 * ``with rr.steer(choose):`` lets ``choose(layer, router, router_input, logits, natural_ids) -> ids`` pick each
   router's experts (PR2's predicted routes); gate weights are recomputed exactly as under replay, and
   ``record()`` records the steered ids. Replay, when also active, still wins where it has a route.
@@ -33,7 +36,7 @@ from torch import nn
 from . import transformers_seam
 from .errors import RouteValidationError, UnsupportedModelError
 from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
-from .routes import has_route, no_route_value, route_dtype, validate_routes
+from .routes import has_route, is_checked, mark_checked, no_route_value, route_dtype, validate_routes
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
@@ -124,6 +127,9 @@ class RouteRecording:
                 "context (generation without a KV cache re-feeds the whole sequence and is not supported)"
             )
         self.routes = torch.cat(blocks, dim=0)
+        # valid by construction: the ids the routers chose (or a steer function chose, checked on the device in
+        # ``_steered_ids``) and "no route" elsewhere, so replaying them needs no host pass
+        mark_checked(self.routes, num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts)
 
 
 @dataclass(frozen=True)
@@ -141,10 +147,11 @@ class RouterCall:
 SteerFn = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _canonical_ids(rows: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
+def _canonical_ids(rows: torch.Tensor, natural: torch.Tensor, rows_sorted: torch.Tensor | None = None) -> torch.Tensor:
     """The k ids are a set. A row equal (as a set) to the natural choice keeps the router's own order, which makes
     natural replay bit-exact; any other set is put in ascending order so that its order never matters."""
-    rows_sorted = rows.sort(dim=-1).values
+    if rows_sorted is None:
+        rows_sorted = rows.sort(dim=-1).values
     same_set = (rows_sorted == natural.sort(dim=-1).values).all(dim=-1, keepdim=True)
     return torch.where(same_set, natural, rows_sorted)
 
@@ -159,7 +166,10 @@ class _Window:
 
 
 class _ActiveReplay:
-    """Routes being replayed, validated once, moved to each device once.
+    """Routes being replayed, checked once, moved to each device once.
+
+    The routes' version (torch's in-place counter) is taken when the context opens; every router call compares it,
+    O(1), so that routes changed in place afterwards are refused rather than replayed unchecked.
 
     The decoder-stack pre-hook announces each forward (:meth:`begin_forward`): a fresh forward covers positions
     ``0 .. length - 1`` and must be fed exactly ``routes.shape[:2]`` (unless it opens a KV cache, as ``generate``'s
@@ -169,6 +179,7 @@ class _ActiveReplay:
 
     def __init__(self, routes: torch.Tensor):
         self.routes = routes
+        self.version = routes._version
         self.window: _Window | None = None
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
@@ -196,6 +207,11 @@ class _ActiveReplay:
         self.window = _Window(batch, start, length)
 
     def forced_ids(self, layer: int, natural: torch.Tensor) -> torch.Tensor:
+        if self.routes._version != self.version:
+            raise RouteValidationError(
+                "the routes given to replay() were changed in place after replay() checked them; replay() replays "
+                "the routes it checked: change them before entering replay(), or pass a new tensor"
+            )
         routes = self._on_device.get(natural.device)
         if routes is None:
             routes = self._on_device[natural.device] = self.routes.to(natural.device, non_blocking=True)
@@ -293,11 +309,19 @@ class RouterReplay:
         takes the first columns and each decode step the next ones, the layout ``record()`` gives a generate.
         Keep the backward inside the context when gradient checkpointing is on: the recompute in backward
         runs the routers again and must see the same routes.
+
+        The routes are checked once, on entry, unless they already were: routes from ``record()``,
+        ``routes_from_engine`` (``RouteIntake.align``) or an earlier ``replay``/``validate_routes``, and slices of them
+        along the batch and position axes, unchanged since, cost an O(1) look-up (``routes.is_checked``); any other
+        tensor, or one changed in place since (torch's version counter), gets the full host pass of
+        ``validate_routes``. Inside the context every forward compares the version again: routes changed in place
+        while replayed raise ``RouteValidationError`` instead of being used unchecked. Writes that bypass torch's
+        counter (through ``.numpy()`` or ``.data``) are not seen: do not change routes that way.
         """
         self._check_attached()
-        validate_routes(
-            routes, num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts, layers=self.moe_layers
-        )
+        layout = dict(num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts, layers=self.moe_layers)
+        if not is_checked(routes, **layout):
+            validate_routes(routes, **layout)
         previous, self._replay = self._replay, _ActiveReplay(routes)
         try:
             yield
@@ -447,12 +471,17 @@ class RouterReplay:
             )
         ids = ids.to(device=natural.device, dtype=natural.dtype)
         # checked without a host sync (this runs at every decode step of generate): raises on CPU at once, on CUDA
-        # at the next synchronisation
+        # at the next synchronisation; record() relies on these checks for the steered routes it records
         torch._assert_async(
             ((ids >= 0) & (ids < self.num_experts)).all(),
             f"steer() function chose expert ids outside [0, {self.num_experts}) for layer {layer}",
         )
-        return _canonical_ids(ids, natural)
+        ordered = ids.sort(dim=-1).values
+        torch._assert_async(
+            (ordered[:, 1:] != ordered[:, :-1]).all(),
+            f"steer() function chose the same expert twice for a token of layer {layer}",
+        )
+        return _canonical_ids(ids, natural, ordered)
 
 
 # ---------------------------------------------------------------------- discovery

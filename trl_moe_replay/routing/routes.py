@@ -15,12 +15,16 @@ layer on the device. Signed routes of any integer dtype are accepted as input (`
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .errors import RouteValidationError
+from .repeated_ids import first_repeated_row
 
 NO_ROUTE = -1
 """"No route" in signed routes: every id of the row is -1."""
@@ -59,7 +63,9 @@ def validate_routes(
     """Raise ``RouteValidationError`` unless ``routes`` is a well-formed ``[B, S, num_layers, top_k]`` tensor.
 
     Checked at the MoE ``layers`` (all when ``None``): an integer dtype (``uint8`` or signed), every row either "no
-    route" (all ``-1``; all 255 in ``uint8``) or ``top_k`` distinct ids in ``[0, num_experts)``.
+    route" (all ``-1``; all 255 in ``uint8``) or ``top_k`` distinct ids in ``[0, num_experts)``. Always the full pass
+    on the host; routes that pass are marked checked (:func:`mark_checked`), so that ``RouterReplay.replay`` need not
+    check them again.
     """
     if not isinstance(routes, torch.Tensor):
         raise RouteValidationError(f"routes must be a torch.Tensor, got {type(routes).__name__}")
@@ -72,9 +78,9 @@ def validate_routes(
     if routes.numel() == 0:
         return
     moe = routes if layers is None else routes[:, :, list(layers)]
-    if _every_row_valid(moe, top_k=top_k, num_experts=num_experts):
-        return
-    _raise_first_problem(moe, top_k=top_k, num_experts=num_experts)
+    if not _every_row_valid(moe, top_k=top_k, num_experts=num_experts):
+        _raise_first_problem(moe, top_k=top_k, num_experts=num_experts)
+    mark_checked(routes, num_layers=num_layers, top_k=top_k, num_experts=num_experts, layers=layers)
 
 
 def _every_row_valid(moe: torch.Tensor, *, top_k: int, num_experts: int) -> bool:
@@ -84,10 +90,8 @@ def _every_row_valid(moe: torch.Tensor, *, top_k: int, num_experts: int) -> bool
     Sound, not complete: False means "look closer" (:func:`_raise_first_problem` decides and names the row). "No
     route" rows are overwritten, in a copy, with the distinct ids ``0 .. top_k - 1``, so that every row left is
     judged by the same three flat passes: the minimum, the maximum and the repeated-id search the engine alignment
-    uses (``engine._first_repeated_row``: shifted comparisons, no sort).
+    uses (:func:`~trl_moe_replay.routing.repeated_ids.first_repeated_row`: shifted comparisons, no sort).
     """
-    from .engine import _first_repeated_row  # engine imports this module
-
     if num_experts < top_k:  # no row can hold top_k distinct ids: only the exact check can tell
         return False
     rows = moe.detach().cpu().contiguous().numpy().reshape(-1, top_k)  # [N, K], shares memory with ``moe``
@@ -101,7 +105,7 @@ def _every_row_valid(moe: torch.Tensor, *, top_k: int, num_experts: int) -> bool
         return False
     if rows.max() >= num_experts:
         return False
-    return top_k == 1 or _first_repeated_row(rows.reshape(-1, 1, top_k), [0]) is None
+    return top_k == 1 or first_repeated_row(rows.reshape(-1, 1, top_k), [0]) is None
 
 
 def _rows_all(rows: np.ndarray, value: int) -> np.ndarray:
@@ -143,3 +147,112 @@ def _raise_first_problem(moe: torch.Tensor, *, top_k: int, num_experts: int) -> 
         if bool(repeated.any()):
             b, s, layer = (int(i) for i in repeated.nonzero()[0])
             raise RouteValidationError(f"routes[{b}, {s}, layer {layer}] names the same expert twice")
+
+
+# ---------------------------------------------------------------------- routes checked once, where they enter
+# The full check above is a host pass over every route. Routes are checked where they enter (``routes_from_engine``,
+# ``RouterReplay.record()``, ``validate_routes`` itself, which ``RouterReplay.replay`` runs on anything else), and the
+# fact travels with the tensor: a mark per storage, valid for the version of the tensor's content it was made at
+# (torch's version counter, which every in-place torch operation on the tensor or any view of it increments). A
+# forward then asks :func:`is_checked`, O(1): same storage, same version, and a view that selects whole rows of the
+# tensor that was checked (a slice along the batch and position axes). Writes that bypass torch's counter (through a
+# NumPy view from ``.numpy()`` or through ``.data``) are not seen: the docs say not to change routes that way.
+
+
+@dataclass(frozen=True)
+class _Mark:
+    checked: weakref.ref  # the tensor that was checked: while it lives, its storage (and address) is its own
+    version: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    num_experts: int
+    layers: frozenset[int] | None  # MoE layers checked (None: all)
+
+
+_MARKS: dict[int, list[_Mark]] = {}  # by storage address
+_MARKS_LOCK = threading.RLock()  # re-entrant: a dying tensor's callback may run inside a locked section
+
+
+def mark_checked(
+    routes: torch.Tensor, *, num_layers: int, top_k: int, num_experts: int, layers: Sequence[int] | None = None
+) -> None:
+    """Record that ``routes`` (as it is now) passed the checks of :func:`validate_routes` with these arguments.
+
+    Only for routes that did pass them, by the full pass or by construction. A non-contiguous or empty tensor is not
+    marked (it will simply be checked again)."""
+    if not isinstance(routes, torch.Tensor) or routes.numel() == 0 or not routes.is_contiguous():
+        return
+    if routes.dim() != 4 or routes.shape[2] != num_layers or routes.shape[3] != top_k:
+        return
+    address = routes.untyped_storage().data_ptr()
+    mark = _Mark(weakref.ref(routes, lambda _: _forget_dead(address)), routes._version, routes.storage_offset(),
+                 tuple(routes.shape), routes.stride(), routes.dtype, int(num_experts),
+                 None if layers is None else frozenset(int(layer) for layer in layers))
+    with _MARKS_LOCK:
+        _MARKS.setdefault(address, []).append(mark)
+
+
+def forget_checked(routes: torch.Tensor) -> None:
+    """Drop every mark on the storage of ``routes`` (before it is rewritten behind torch's back, e.g. through NumPy)."""
+    with _MARKS_LOCK:
+        _MARKS.pop(routes.untyped_storage().data_ptr(), None)
+
+
+def _forget_dead(address: int) -> None:
+    with _MARKS_LOCK:
+        marks = [mark for mark in _MARKS.get(address, ()) if mark.checked() is not None]
+        if marks:
+            _MARKS[address] = marks
+        else:
+            _MARKS.pop(address, None)
+
+
+def is_checked(
+    routes: torch.Tensor, *, num_layers: int, top_k: int, num_experts: int, layers: Sequence[int] | None = None
+) -> bool:
+    """O(1): True when ``routes`` is, unchanged since, a batch/position slice of routes that passed the checks of
+    :func:`validate_routes` for these arguments (or stricter ones: fewer experts, more MoE layers)."""
+    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.numel() == 0:
+        return False
+    marks = _MARKS.get(routes.untyped_storage().data_ptr())
+    if not marks:
+        return False
+    shape, stride, version = tuple(routes.shape), routes.stride(), routes._version
+    for mark in list(marks):
+        checked = mark.checked()
+        if (
+            checked is None or version != mark.version or checked._version != mark.version
+            or checked.untyped_storage().data_ptr() != routes.untyped_storage().data_ptr()
+            or routes.dtype != mark.dtype or stride != mark.stride or shape[2:] != mark.shape[2:]
+            or shape[2:] != (num_layers, top_k) or mark.num_experts > num_experts
+        ):
+            continue
+        if mark.layers is not None and not mark.layers.issuperset(range(num_layers) if layers is None else layers):
+            continue
+        # the view starts at (b, s) of the checked tensor, whole rows, and stays inside it
+        b, rest = divmod(routes.storage_offset() - mark.offset, mark.stride[0])
+        s, partial = divmod(rest, mark.stride[1])
+        if b >= 0 and partial == 0 and b + shape[0] <= mark.shape[0] and s + shape[1] <= mark.shape[1]:
+            return True
+    return False
+
+
+def carry_check(derived: torch.Tensor, source: torch.Tensor) -> bool:
+    """Mark ``derived`` checked like ``source``, when it holds rows of ``source`` only, e.g. ``source[permutation]``.
+
+    The caller vouches for how ``derived`` was made (TRL's shuffle of a generation batch); here only its shape and
+    dtype are compared, and ``source`` must still be checked. Returns whether ``derived`` was marked."""
+    if not isinstance(derived, torch.Tensor) or derived.dtype != source.dtype or derived.shape[1:] != source.shape[1:]:
+        return False
+    with _MARKS_LOCK:
+        marks = list(_MARKS.get(source.untyped_storage().data_ptr(), ()))
+    num_layers, top_k = source.shape[2], source.shape[3]
+    for mark in marks:
+        if is_checked(source, num_layers=num_layers, top_k=top_k, num_experts=mark.num_experts,
+                      layers=None if mark.layers is None else sorted(mark.layers)):
+            mark_checked(derived, num_layers=num_layers, top_k=top_k, num_experts=mark.num_experts,
+                         layers=None if mark.layers is None else sorted(mark.layers))
+            return True
+    return False

@@ -47,6 +47,7 @@ from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..engines.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
 from ..routing import RouterReplay
+from ..routing.routes import carry_check
 from ..upstream import (
     assert_trl_compatible,
     engine_logprob_correction,
@@ -169,6 +170,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self._scoring: _ScoringState | None = None
         self._warned_on_policy = False
         self._batch_routes: torch.Tensor | None = None
+        self._fresh_routes: torch.Tensor | None = None  # the routes _generate_and_score_completions just returned
         self._train_replay = contextlib.ExitStack()
         self._setup_objectives(self.args)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
@@ -363,7 +365,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             )
         replay_routes = self._routes_to_replay(state)
         if replay_routes is not None:
-            output["replay_routes"] = replay_routes
+            output["replay_routes"] = self._fresh_routes = replay_routes
         if state.old_router_ids is not None:  # ride through TRL's buffer, shuffle and split like the routes
             output["old_router_ids"], output["old_router_probs"] = state.old_router_ids, state.old_router_probs
         if self._pr2 is not None:
@@ -483,6 +485,23 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             torch.cat(entropies, dim=0) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
+
+    def _prepare_inputs(self, generation_batch):
+        """TRL's buffering, then the routes' "checked" mark carried over TRL's shuffle (``upstream`` entry 1).
+
+        The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
+        shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the
+        micro-batches' views; the copy holds rows of the checked routes only, so it is marked checked too, and every
+        training forward's ``replay()`` costs an O(1) look-up instead of a host pass over its routes."""
+        self._fresh_routes = None
+        inputs = super()._prepare_inputs(generation_batch)
+        fresh, self._fresh_routes = self._fresh_routes, None
+        routes = inputs.get("replay_routes") if fresh is not None and isinstance(inputs, dict) else None
+        if routes is not None:
+            shuffled = routes._base if routes._base is not None else routes  # the micro-batch is a view of it
+            if shuffled.shape[0] == fresh.shape[0]:
+                carry_check(shuffled, fresh)
+        return inputs
 
     def _compute_loss(self, model, inputs):
         self._batch_routes = inputs.get("replay_routes")
