@@ -249,8 +249,10 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         if self.replay_settings.transformers_importance_sampling_correction:
             return completion_ids, logprobs
         # for the mismatch metrics only (TRL's numbers stay its own); single-turn batches only: TRL assembles
-        # multi-turn log-probs only when it receives them
-        state.sampling_logprobs = None if later_turn else logprobs
+        # multi-turn log-probs only when it receives them. A replaced generate (a test stub) runs no forward, so its
+        # rows fall short of the completions: there is no sampler to compare with then.
+        covered = all(len(row) == length for row, length in zip(logprobs, completion_lengths, strict=True))
+        state.sampling_logprobs = logprobs if covered and not later_turn else None
         return completion_ids, None
 
     @staticmethod
