@@ -305,11 +305,14 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 #    TRL release, so they are checked like the private ones (TRL 1.15.0 has neither).
 #    VLLMClient.get_server_info() (trl/generation/vllm_client.py): `trl-moe-replay audit` and the fake vLLM server
 #    read the server's configuration; parse_response(tokenizer, ids, prefix=..., tools=...)
-#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does.
+#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does;
+#    disable_gradient_checkpointing(model, gradient_checkpointing_kwargs) (trl/models/utils.py): the routing metrics'
+#    own no-grad forward (MoEReplayGRPOTrainer._metrics_pass) runs like TRL's old-logprob pass.
 # ---------------------------------------------------------------------------------------------------------------
 PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
     "VLLMClient.get_server_info": ("trl.generation.vllm_client", ("self",)),
     "parse_response": ("trl.chat_template_utils", ("tokenizer", "ids", "prefix", "tools")),
+    "disable_gradient_checkpointing": ("trl.models.utils", ("model", "gradient_checkpointing_kwargs")),
 }
 
 
