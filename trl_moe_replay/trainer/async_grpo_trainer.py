@@ -49,7 +49,7 @@ from ..upstream import (
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
-from .checkpoint_weights import restore_trainer_weights
+from .checkpoint_weights import RestoresEveryWeight
 from .metrics import logprob_mismatch_sums, routing_agreement_sums
 from .peft_replay import check_peft_replay
 
@@ -181,7 +181,7 @@ class _RoutedCollator(DataCollatorForRollout):
         return batch
 
 
-class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
+class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` with R3 for Mixture-of-Experts models (see the module docstring).
 
     Same constructor as ``trl.experimental.async_grpo.AsyncGRPOTrainer``; configure it with
@@ -355,15 +355,6 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
             metrics["mismatch/extreme_frac"].append((total["mismatch.extreme"], total["mismatch.tokens"]))
 
     # ------------------------------------------------------------------ resume
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # every weight from the checkpoint, or a refusal, as MoEReplayGRPOTrainer (trainer/checkpoint_weights.py)
-        if not restore_trainer_weights(self, resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
-            super()._load_best_model()
-
     # ------------------------------------------------------------------ weight sync
     def _sync_weight(self):
         guard = self._sync_guard

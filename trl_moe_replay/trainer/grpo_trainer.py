@@ -60,7 +60,7 @@ from ..upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
-from .checkpoint_weights import restore_trainer_weights
+from .checkpoint_weights import RestoresEveryWeight
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
 from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, check_model_path
@@ -95,7 +95,7 @@ def _carry_route_check(shuffled: dict, original: dict) -> None:
         carry_check(shuffled["replay_routes"], routes)
 
 
-class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
+class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -656,16 +656,6 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
                 self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
         super()._save_checkpoint(model, trial)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # every weight from the checkpoint, or a refusal (transformers' load_state_dict(strict=False) leaves what it
-        # does not find at its initial value: transformers#48805, empty or partial files)
-        if not restore_trainer_weights(self, resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
-            super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
