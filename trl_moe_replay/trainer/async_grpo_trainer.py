@@ -11,10 +11,9 @@ How the routes travel (docs/async.md has the picture):
 3. Packing (``RoutedTreeRow``): samples share a prefix position only where their tokens and their routes agree, so
    every packed position has exactly one route: its samples' own. ``pack()`` lays the routes onto packed positions
    and flags a row built only from routes the intake checked (``replay_routes_checked``).
-4. ``compute_loss``: the row's routes are replayed in the training forward (a flagged row is not checked again: the
-   fact travels, as on the sync trainer) and stay in force until its backward has
-   returned (gradient checkpointing recomputes the routers there); the natural top-k is recorded in the same forward
-   for ``routing/*``, the log-probs for ``mismatch/*``.
+4. ``compute_loss``: the row's routes are replayed in the training forward (a flagged row is not checked again)
+   and stay in force until its backward has returned (gradient checkpointing recomputes the routers there); the
+   natural top-k is recorded in the same forward for ``routing/*``, the log-probs for ``mismatch/*``.
 
 With ``routing_replay="none"`` (and no ``routing_metrics``) nothing of this is built: it is TRL's trainer.
 """
@@ -314,8 +313,8 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         routes, expected = routes[mask][None], expected[mask][None]  # [1, N, L, K], [1, N]: the packed row
         if checked is not None and bool(checked.all()):
             # RoutedTreeRow.pack built the row from routes checked where they entered and said so; the collator's
-            # padding, accelerate's dispatch (a concatenation, a copy to the device) and the mask above copy its
-            # rows unchanged, so the copy is marked checked too: replay() costs an O(1) look-up, no host pass.
+            # padding, accelerate's dispatch (a concatenation, a copy to the device) and the mask above copy the
+            # row unchanged, so the copy is marked checked too: replay() costs an O(1) look-up, no host pass.
             mark_checked(routes, **self._route_layout)
         rr = self._route_replay
         if self.routing_replay == "r3":  # in force through the backward: training_step closes it (no grad: below)

@@ -7,7 +7,7 @@ policy version, or a request that spanned a weight sync). :class:`RoutedTreeRow`
 key: samples share a position only where their tokens *and* their routes agree, and fork where the routes differ.
 Shared prefixes stay shared whenever the engine routed them alike (the common case: same weights, same prefix);
 nothing is replayed with a route another sample's engine used. ``pack()`` then lays every sample's routes onto its
-packed positions, and says whether they were all checked where they entered (so the forward need not check them again).
+packed positions, and says whether they were all checked where they entered (then the forward does not check them).
 """
 
 from __future__ import annotations
