@@ -12,9 +12,11 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import packing as trl_packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RoutesUnavailableError, upstream
+from trl_moe_replay import (MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RouterReplay, RoutesUnavailableError,
+                            RouteValidationError, upstream)
 from trl_moe_replay.engines.async_rollout import RoutedRolloutSample, turns_for_row, _TurnRoutes
 from trl_moe_replay.routing.engine import EngineTurn
+from trl_moe_replay.routing.routes import validate_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
 from trl_moe_replay.trainer.async_grpo_trainer import cpu_tree_attention
@@ -135,6 +137,60 @@ def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, 
     assert logs[0]["routing/mismatch_frac"] > 0  # the trainer's own routing disagrees with version 1's routes
     assert math.isfinite(logs[0]["mismatch/kl_k3"])
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+@pytest.fixture
+def route_checks(monkeypatch):
+    """Counts the full host passes of ``validate_routes`` (its flat check of every row) and the replayed forwards."""
+    from trl_moe_replay.routing import routes as routes_module
+
+    counts = {"host_passes": 0, "replays": 0}
+    full_pass, replay = routes_module._every_row_valid, RouterReplay.replay
+
+    def counted_pass(*args, **kwargs):
+        counts["host_passes"] += 1
+        return full_pass(*args, **kwargs)
+
+    def counted_replay(self, routes):
+        counts["replays"] += 1
+        return replay(self, routes)
+
+    monkeypatch.setattr(routes_module, "_every_row_valid", counted_pass)
+    monkeypatch.setattr(RouterReplay, "replay", counted_replay)
+    return counts
+
+
+def run_checked(tmp_path, checkpoint, versions):
+    samples, engine_rows = script(checkpoint, versions=versions)
+    CheckedTrainer.engine_rows = engine_rows
+    trainer = CheckedTrainer(
+        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
+        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
+    )
+    trainer.train()
+    assert len(trainer.checks) == STEPS
+    for found, checked, mismatched in trainer.checks:  # every sample's routes used, token by token
+        assert found == BATCH and checked > 40 and mismatched == 0
+    return trainer
+
+
+def test_r3_checks_routes_where_they_enter_not_at_every_training_forward(tmp_path, checkpoint, route_checks):
+    """Routes are checked where they enter (``RouteIntake.align``, by construction) and that fact travels through
+    packing, the collator's padding, accelerate's dispatch and compute_loss's mask: no forward runs the host pass."""
+    run_checked(tmp_path, checkpoint, versions=[0, 1, 0, 1, 0, 0])
+    assert route_checks["replays"] == STEPS
+    assert route_checks["host_passes"] == 0
+
+
+def test_r3_routes_from_an_unchecked_source_are_checked_in_full_at_the_forward(tmp_path, checkpoint, route_checks,
+                                                                                 monkeypatch):
+    align = MoEReplayAsyncGRPOTrainer._align_sample
+    monkeypatch.setattr(MoEReplayAsyncGRPOTrainer, "_align_sample",
+                        lambda self, sample: align(self, sample).clone())  # a copy: not what the intake checked
+    run_checked(tmp_path, checkpoint, versions=[0, 1, 0, 1, 0, 0])
+    assert route_checks["replays"] == STEPS
+    assert route_checks["host_passes"] == STEPS
 
 
 def test_without_replay_the_same_check_finds_mismatches(tmp_path, checkpoint):
@@ -330,6 +386,51 @@ def test_without_routes_the_row_is_trl_row():
     theirs, mine = trl_row.pack(), ours.pack()
     for key, value in theirs.items():
         assert torch.equal(mine[key], value), key
+
+
+def test_a_packed_row_is_marked_checked_only_when_every_route_it_holds_was(route_checks):
+    """pack() carries the intake's "checked" mark to the packed routes only when every sample's routes bear it: a
+    row built from any other tensor (a raw copy, routes changed in place since their check) gets the full check."""
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)  # 2 layers, top-2 of 8 experts: (2, 2) uint8 routes, as routes_of makes them
+    layout = dict(num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts, layers=rr.moe_layers)
+
+    def entered(values, length):  # as RouteIntake.align hands a sample's routes over: row 0 of a checked batch
+        batch = routes_of(values, length)[None].clone()
+        validate_routes(batch, **layout)
+        return batch[0]
+
+    def packed(*routes):
+        row = RoutedTreeRow((2, 2), torch.uint8, layout)
+        for index, sample_routes in enumerate(routes):
+            row.add(row_sample([5, 6, 7, 8 + index, 9], sample_routes))
+        return row.pack()
+
+    row = packed(entered([1, 2], 5), entered([3, 4], 5), None)  # None: a sample without routes (router's choice)
+    assert row["replay_routes_checked"].tolist() == [True]
+    passes = route_checks["host_passes"]  # the two checks where the routes entered
+    with torch.no_grad(), rr.replay(row["replay_routes"][None]):
+        model(row["input_ids"][None])
+    assert route_checks["host_passes"] == passes  # no host pass at the forward
+
+    changed = entered([1, 2], 5)
+    changed[2, 0] = torch.tensor([6, 6], dtype=torch.uint8)  # in place after its check: a duplicate id
+    sources = (routes_of([1, 2], 5), changed)  # a raw tensor never checked; checked routes changed since
+    rows = [packed(entered([3, 4], 5), unchecked) for unchecked in sources]
+    passes = route_checks["host_passes"]
+    for unchecked, row in zip(sources, rows, strict=True):
+        assert row["replay_routes_checked"].tolist() == [False]
+        try:
+            with rr.replay(row["replay_routes"][None]):
+                pass
+        except RouteValidationError as error:
+            assert unchecked is changed and "names the same expert twice" in str(error)
+        else:
+            assert unchecked is not changed
+    assert route_checks["host_passes"] == passes + 2  # each checked in full
+    no_layout = RoutedTreeRow((2, 2), torch.uint8)  # checked for what? Not said: the forward checks
+    no_layout.add(row_sample([5, 6, 7, 8, 9], entered([1, 2], 5)))
+    assert no_layout.pack()["replay_routes_checked"].tolist() == [False]
 
 
 def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # spawns rollout workers (each re-imports torch, 
 RUNS = int(os.environ.get("TRL_MOE_REPLAY_FAILING_WORKER_RUNS", "5"))
 START_DEADLINE_S = 600  # spawn + imports of every child on a loaded 2-core machine: slow, but not the thing tested
 GRACE_S = 5.0  # the workers' stop_grace_s here
-STOP_BOUND_S = 3 * GRACE_S + 10  # stop request, SIGTERM, SIGKILL, each joined for GRACE_S; plus slack for the load
+STOP_BOUND_S = 3 * GRACE_S + 20  # stop request, SIGTERM, SIGKILL, each joined for GRACE_S; plus slack for the load
 
 
 def reward(completions, **kwargs):  # module level: the spawned child unpickles it by reference
@@ -180,7 +180,7 @@ def test_stop_returns_when_the_child_cannot_answer_the_stop_event():
         thread.join(timeout=60)
         assert not thread.is_alive(), "stop() waited on a child that cannot answer"
         assert not process.is_alive() and process.exitcode == -signal.SIGKILL
-        assert outcome["stop_s"] < 3 * worker.stop_grace_s + 5
+        assert outcome["stop_s"] < 3 * worker.stop_grace_s + 20  # three joins of the grace period, plus load slack
     finally:
         kill_leftovers([worker])
 

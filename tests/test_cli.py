@@ -371,4 +371,4 @@ def test_audit_of_a_hub_id_without_network_answers_at_once(tmp_path):
     assert "runs/typo is not a local folder and the Hub" in result.stderr and "HF_HUB_OFFLINE=1" in result.stderr
     # one refused connection, no retries (transformers' took 50-55 s); measured against the same imports offline,
     # as the imports alone take from seconds to a minute on a busy machine
-    assert elapsed_s - offline_s < 15, (elapsed_s, offline_s)
+    assert elapsed_s - offline_s < 25, (elapsed_s, offline_s)

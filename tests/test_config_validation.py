@@ -172,6 +172,14 @@ def test_the_recipe_takes_a_float_that_yaml_reads_as_text(recipe, tmp_path):
     assert (args.learning_rate, args.max_steps, args.routing_metrics) == (1e-5, 3, False)
 
 
+def test_the_recipe_takes_one_text_for_a_list_field_as_trl_does(recipe, tmp_path):
+    # TRL's ModelConfig takes `lora_target_modules: all-linear` (PEFT's keyword) as well as a list
+    path = tmp_path / "config.yaml"
+    path.write_text("use_peft: true\nlora_target_modules: all-linear\n")
+    _, _, model_args = recipe.parse_args(["--config", str(path)])
+    assert model_args.lora_target_modules == "all-linear"
+
+
 def test_every_shipped_config_file_meets_the_standard(recipe):
     paths = sorted((ROOT / "recipes" / "configs").glob("*.yaml"))
     assert any("async" in path.stem for path in paths) and len(paths) > 4

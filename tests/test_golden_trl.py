@@ -165,12 +165,16 @@ def test_none_is_trl_with_a_vllm_server(tmp_path):
         pytest.param(dict(learning_rate=1e-3, gradient_accumulation_steps=2, num_iterations=2), id="off-policy"),
     ],
 )
-def test_routing_metrics_under_none_change_no_trl_number(tmp_path, overrides):
+@pytest.mark.parametrize("model", [
+    pytest.param(lambda: tiny_moe_model("qwen3_moe"), id="qwen3_moe"),
+    # Mixtral's router jitter draws from the global RNG in every training-mode forward, the metrics' one included
+    pytest.param(lambda: tiny_moe_model("mixtral", router_jitter_noise=0.1), id="mixtral-jitter"),
+])
+def test_routing_metrics_under_none_change_no_trl_number(tmp_path, overrides, model):
     # the hooks, the rollout recorder and the metrics' forward only watch: TRL's losses, metrics and parameters (and
-    # the sampled tokens: no random number is drawn) stay its own
-    theirs = train(tmp_path, GRPOTrainer, GRPOConfig, tiny_moe_model("qwen3_moe"), **overrides)
-    ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, tiny_moe_model("qwen3_moe"),
-                 routing_metrics=True, **overrides)
+    # the sampled tokens: the random numbers the metrics' forward draws come from a forked RNG) stay its own
+    theirs = train(tmp_path, GRPOTrainer, GRPOConfig, model(), **overrides)
+    ours = train(tmp_path, MoEReplayGRPOTrainer, MoEReplayGRPOConfig, model(), routing_metrics=True, **overrides)
     assert not ours._is_plain_trl and ours._route_replay is not None  # private: the counterpart of both()'s check
     assert_identical_runs(ours, theirs)
     generations = [entry for entry in ours.state.log_history[:-1] if "completions/mean_length" in entry]

@@ -501,3 +501,23 @@ def test_a_users_raw_tensor_is_checked_in_full(host_passes):
         with rr.replay(strided):
             pass
     assert len(host_passes) == 3
+
+
+def test_record_and_replay_under_inference_mode():
+    """Routes made under torch.inference_mode have no version counter: they are recorded, checked in full (never
+    marked) and replayed from a copy, bit for bit."""
+    from trl_moe_replay.routing.routes import is_checked
+
+    model = tiny_moe_model("qwen3_moe").eval()
+    rr = RouterReplay(model)
+    x = random_ids(2, 8)
+    with torch.inference_mode():
+        reference = model(input_ids=x).logits
+        with rr.record() as rec:
+            model(input_ids=x)
+        with rr.replay(rec.routes):
+            assert torch.equal(model(input_ids=x).logits, reference)
+    assert rec.routes.is_inference()
+    assert not is_checked(rec.routes, num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts)
+    with torch.no_grad(), rr.replay(rec.routes):
+        assert torch.equal(model(input_ids=x).logits, reference)

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from trl import GRPOTrainer
 
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
 from trl_moe_replay.trainer.checkpoints import (
-    CheckpointWeightsError,
     NoCheckpointError,
     describe_run,
     generation_period,

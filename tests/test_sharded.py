@@ -113,7 +113,10 @@ def test_losses_and_predictors_equal_ddp(runs, engine):
             assert len(rank[mode]["loss"]) == STEPS[mode] and close(rank[mode]["loss"], ref[mode]["loss"]), mode
         assert close(rank["pr2"]["pr2_loss"], ref["pr2"]["pr2_loss"]) and len(ref["pr2"]["pr2_loss"]) == 1
         steps, ref_steps = rank["pr2"]["predictors_after_step"], ref["pr2"]["predictors_after_step"]
-        assert len(steps) == STEPS["pr2"] and all(close(a, b) for a, b in zip(steps, ref_steps, strict=True))
+        # ZeRO-3 reduce-scatters the gradients in another order than DDP's all-reduce, and Adam's step for a gradient
+        # near its eps amplifies that fp32 rounding: up to 4.4e-6 of a 6.4e-3 step, measured on an AMD EPYC (where a
+        # relative 1e-5 failed, on main as it was too); 1e-5 absolute is 0.15% of the largest step
+        assert len(steps) == STEPS["pr2"] and all(close(a, b, tol=1e-5) for a, b in zip(steps, ref_steps, strict=True))
         # step 1 on-policy: untouched; step 2 off-policy: trained; step 3 (new generation batch, on-policy): the
         # optimizer left them alone, also where DeepSpeed hands it a zero gradient
         assert not any(steps[0]) and any(steps[1]) and steps[2] == steps[1]

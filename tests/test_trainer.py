@@ -282,3 +282,41 @@ def test_r3_checks_routes_once_per_generation_batch_not_at_every_forward(tmp_pat
     assert len(replayed) >= 16  # every training micro-batch replayed its routes (plus the old-logprob passes)
     assert host_passes == []
     assert logged(trainer, "routing/mismatch_frac") and max(logged(trainer, "routing/mismatch_frac")) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["r2", "pr2"])
+def test_r2_and_pr2_replay_recorded_routes_without_a_host_pass(tmp_path, monkeypatch, mode):
+    """The old pass's recorded routes (checked by construction) keep their mark through the batch's concatenation,
+    TRL's shuffle and split: the off-policy updates replay them without ``validate_routes``' host pass."""
+    from trl_moe_replay.routing import routes as routes_module
+
+    host_passes, replayed = [], []
+    full_pass, replay = routes_module._every_row_valid, RouterReplay.replay
+    monkeypatch.setattr(routes_module, "_every_row_valid",
+                        lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1])
+    monkeypatch.setattr(RouterReplay, "replay", lambda self, routes: (replayed.append(1), replay(self, routes))[1])
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay=mode, steps_per_generation=4,
+                           num_iterations=2, max_steps=8)
+    trainer.train()
+    assert len(replayed) >= 16 and host_passes == []
+
+
+def test_routes_replaced_after_the_check_are_checked_in_full(tmp_path, monkeypatch):
+    """The mark is carried from the routes TRL actually shuffles: a subclass that replaces them after they were
+    checked (here by a copy that was never checked) gets the full check in every forward, not a borrowed mark."""
+    from trl_moe_replay.routing import routes as routes_module
+
+    host_passes = []
+    full_pass = routes_module._every_row_valid
+    monkeypatch.setattr(routes_module, "_every_row_valid",
+                        lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1])
+
+    class Replacing(MoEReplayGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            output["replay_routes"] = output["replay_routes"].clone()
+            return output
+
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Replacing, routing_replay="r3", max_steps=2)
+    trainer.train()
+    assert len(host_passes) >= 2  # one per training micro-batch at least

@@ -58,8 +58,9 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                            "batch_size", "compute_entropy", "compute_aux_loss"),
     "_compute_loss": ("self", "model", "inputs"),
-    # TRL shuffles (a copy along the first axis) and splits (views) what _generate_and_score_completions returned;
-    # the override carries the routes' "checked" mark over the shuffle (routing.routes.carry_check)
+    # TRL shuffles (a copy along the first axis, with the module global shuffle_sequence_dict) and splits (views)
+    # what _generate_and_score_completions returned; the override carries the routes' "checked" mark over the
+    # shuffle (shuffled_generation_batches, routing.routes.carry_check)
     "_prepare_inputs": ("self", "generation_batch"),
     "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
     # PR2 checkpoints its predictors next to the Trainer's own files
@@ -77,6 +78,25 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
 #   _tokenizer: the tokenizer behind processing_class (pad token id); pad_to_multiple_of: TRL's padding multiple;
 #   vllm_generation: TRL's VLLMGeneration (use_vllm=True).
 PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer")
+
+
+@contextlib.contextmanager
+def shuffled_generation_batches(observe: Callable[[dict, dict], None]) -> Iterator[None]:
+    """Within the context, each generation batch ``GRPOTrainer._prepare_inputs`` shuffles (TRL's module-global
+    ``shuffle_sequence_dict``) is handed to ``observe(shuffled, original)`` right after the shuffle."""
+    module = importlib.import_module("trl.trainer.grpo_trainer")
+    shuffle = module.shuffle_sequence_dict
+
+    def observed(batch):
+        shuffled = shuffle(batch)
+        observe(shuffled, batch)
+        return shuffled
+
+    module.shuffle_sequence_dict = observed
+    try:
+        yield
+    finally:
+        module.shuffle_sequence_dict = shuffle
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -305,11 +325,14 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 #    TRL release, so they are checked like the private ones (TRL 1.15.0 has neither).
 #    VLLMClient.get_server_info() (trl/generation/vllm_client.py): `trl-moe-replay audit` and the fake vLLM server
 #    read the server's configuration; parse_response(tokenizer, ids, prefix=..., tools=...)
-#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does.
+#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does;
+#    disable_gradient_checkpointing(model, gradient_checkpointing_kwargs) (trl/models/utils.py): the routing metrics'
+#    own no-grad forward (MoEReplayGRPOTrainer._metrics_pass) runs like TRL's old-logprob pass.
 # ---------------------------------------------------------------------------------------------------------------
 PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
     "VLLMClient.get_server_info": ("trl.generation.vllm_client", ("self",)),
     "parse_response": ("trl.chat_template_utils", ("tokenizer", "ids", "prefix", "tools")),
+    "disable_gradient_checkpointing": ("trl.models.utils", ("model", "gradient_checkpointing_kwargs")),
 }
 
 

@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from safetensors.torch import save_file
 from transformers.utils import logging
 
@@ -72,10 +73,11 @@ class ReloadWeightSync:
             generation.llm.reset_prefix_cache()
         elif self.accelerator.is_main_process:
             os.makedirs(self.sync_dir, exist_ok=True)
-            # gathered one parameter at a time by TRL's iterator; held on the host until written. Copied, not
-            # referenced: on a CPU `.cpu()` is the parameter itself, and under PEFT TRL's iterator unmerges the
-            # adapter in place when it is exhausted, before the file is written (the engine would get W, not W + BA)
-            save_file({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors},
+            # gathered one parameter at a time by TRL's iterator; held on the host until written. Under PEFT copied,
+            # not referenced: on a CPU `.cpu()` is the parameter itself, and TRL's iterator unmerges the adapter in
+            # place when it is exhausted, before the file is written (the engine would get W, not W + BA)
+            copy = is_peft_model(self.model)
+            save_file({name: tensor.detach().to("cpu", copy=copy).contiguous() for name, tensor in tensors},
                       os.path.join(self.sync_dir, "model.safetensors"))
             client = generation.vllm_client
             response = client.session.post(

@@ -178,6 +178,9 @@ class _ActiveReplay:
     """
 
     def __init__(self, routes: torch.Tensor):
+        if routes.is_inference():  # made under torch.inference_mode: no version counter, so replay a normal copy
+            with torch.inference_mode(False):
+                routes = routes.clone()
         self.routes = routes
         self.version = routes._version
         self.window: _Window | None = None

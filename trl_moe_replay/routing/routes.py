@@ -184,6 +184,8 @@ def mark_checked(
     marked (it will simply be checked again)."""
     if not isinstance(routes, torch.Tensor) or routes.numel() == 0 or not routes.is_contiguous():
         return
+    if routes.is_inference():  # made under torch.inference_mode: no version counter to see a later change
+        return
     if routes.dim() != 4 or routes.shape[2] != num_layers or routes.shape[3] != top_k:
         return
     address = routes.untyped_storage().data_ptr()
@@ -214,7 +216,7 @@ def is_checked(
 ) -> bool:
     """O(1): True when ``routes`` is, unchanged since, a batch/position slice of routes that passed the checks of
     :func:`validate_routes` for these arguments (or stricter ones: fewer experts, more MoE layers)."""
-    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.numel() == 0:
+    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.numel() == 0 or routes.is_inference():
         return False
     marks = _MARKS.get(routes.untyped_storage().data_ptr())
     if not marks:
@@ -256,3 +258,13 @@ def carry_check(derived: torch.Tensor, source: torch.Tensor) -> bool:
                          layers=None if mark.layers is None else sorted(mark.layers))
             return True
     return False
+
+
+def cat_checked(parts: Sequence[torch.Tensor], *, num_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
+    """``torch.cat(parts)`` along the batch axis, marked checked when every part was checked for this layout (the
+    concatenation holds their rows only)."""
+    routes = torch.cat(list(parts), dim=0)
+    layout = dict(num_layers=num_layers, top_k=top_k, num_experts=num_experts)
+    if parts and all(is_checked(part, **layout) for part in parts):
+        mark_checked(routes, **layout)
+    return routes

@@ -9,10 +9,11 @@ How the routes travel (docs/async.md has the picture):
    point, ``RouteIntake.align`` (per-sample fallback, first-batch rule), as a batch of one with the row's own widths:
    ``replay_routes`` ``[len(input_ids), L, K]``.
 3. Packing (``RoutedTreeRow``): samples share a prefix position only where their tokens and their routes agree, so
-   every packed position has exactly one route: its samples' own. ``pack()`` lays the routes onto packed positions.
-4. ``compute_loss``: the row's routes are replayed in the training forward and stay in force until its backward has
-   returned (gradient checkpointing recomputes the routers there); the natural top-k is recorded in the same forward
-   for ``routing/*``, the log-probs for ``mismatch/*``.
+   every packed position has exactly one route: its samples' own. ``pack()`` lays the routes onto packed positions
+   and flags a row built only from routes the intake checked (``replay_routes_checked``).
+4. ``compute_loss``: the row's routes are replayed in the training forward (a flagged row is not checked again)
+   and stay in force until its backward has returned (gradient checkpointing recomputes the routers there); the
+   natural top-k is recorded in the same forward for ``routing/*``, the log-probs for ``mismatch/*``.
 
 With ``routing_replay="none"`` (and no ``routing_metrics``) nothing of this is built: it is TRL's trainer.
 """
@@ -39,7 +40,7 @@ from ..engines.async_rollout import RoutedAsyncRolloutWorker
 from ..engines.async_weights import ReloadWeightTransfer, SyncGuard
 from ..engines.route_intake import RouteIntake
 from ..routing import RouterReplay
-from ..routing.routes import has_route, route_dtype
+from ..routing.routes import has_route, mark_checked, route_dtype
 from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
@@ -49,7 +50,7 @@ from ..upstream import (
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
-from .checkpoint_weights import restore_trainer_weights
+from .checkpoint_weights import RestoresEveryWeight
 from .metrics import logprob_mismatch_sums, routing_agreement_sums
 from .peft_replay import check_peft_replay
 
@@ -181,7 +182,7 @@ class _RoutedCollator(DataCollatorForRollout):
         return batch
 
 
-class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
+class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` with R3 for Mixture-of-Experts models (see the module docstring).
 
     Same constructor as ``trl.experimental.async_grpo.AsyncGRPOTrainer``; configure it with
@@ -240,6 +241,8 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
         rr = self._route_replay
         self._route_shape = (rr.num_layers, rr.top_k)
         self._route_dtype = route_dtype(rr.num_experts, rr.top_k)
+        self._route_layout = dict(num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts,
+                                  layers=rr.moe_layers)  # what RouterReplay.replay checks routes for
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
         samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                             * self.accelerator.num_processes)
@@ -297,16 +300,22 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
             return super().get_train_dataloader()
 
     def _new_row(self) -> RoutedTreeRow:
-        return RoutedTreeRow(self._route_shape, self._route_dtype)
+        return RoutedTreeRow(self._route_shape, self._route_dtype, self._route_layout)
 
     # ------------------------------------------------------------------ training forward
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         routes = inputs.pop("replay_routes", None)
         expected = inputs.pop("route_expected", None)
+        checked = inputs.pop("replay_routes_checked", None)
         if self._route_replay is None or routes is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mask = inputs["attention_mask"].bool()
         routes, expected = routes[mask][None], expected[mask][None]  # [1, N, L, K], [1, N]: the packed row
+        if checked is not None and bool(checked.all()):
+            # RoutedTreeRow.pack built the row from routes checked where they entered and said so; the collator's
+            # padding, accelerate's dispatch (a concatenation, a copy to the device) and the mask above copy the
+            # row unchanged, so the copy is marked checked too: replay() costs an O(1) look-up, no host pass.
+            mark_checked(routes, **self._route_layout)
         rr = self._route_replay
         if self.routing_replay == "r3":  # in force through the backward: training_step closes it (no grad: below)
             self._train_replay.enter_context(rr.replay(routes))
@@ -355,15 +364,6 @@ class MoEReplayAsyncGRPOTrainer(AsyncGRPOTrainer):
             metrics["mismatch/extreme_frac"].append((total["mismatch.extreme"], total["mismatch.tokens"]))
 
     # ------------------------------------------------------------------ resume
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # every weight from the checkpoint, or a refusal, as MoEReplayGRPOTrainer (trainer/checkpoint_weights.py)
-        if not restore_trainer_weights(self, resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
-            super()._load_best_model()
-
     # ------------------------------------------------------------------ weight sync
     def _sync_weight(self):
         guard = self._sync_guard

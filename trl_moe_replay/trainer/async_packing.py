@@ -7,17 +7,18 @@ policy version, or a request that spanned a weight sync). :class:`RoutedTreeRow`
 key: samples share a position only where their tokens *and* their routes agree, and fork where the routes differ.
 Shared prefixes stay shared whenever the engine routed them alike (the common case: same weights, same prefix);
 nothing is replayed with a route another sample's engine used. ``pack()`` then lays every sample's routes onto its
-packed positions.
+packed positions, and says whether they were all checked where they entered (then the forward does not check them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..routing.routes import has_route, no_route_value
+from ..routing.routes import has_route, is_checked, mark_checked, no_route_value
 from ..upstream import async_tree_row_class
 
 TreeRow = async_tree_row_class()
@@ -38,13 +39,16 @@ class RoutedTreeRow(TreeRow):
 
     A sample dict may carry ``replay_routes`` (``[len(input_ids), L, K]``, "no route" rows where the router chooses);
     without it the row behaves exactly like TRL's. ``fits``/``add`` are TRL 1.16's with the longer key
-    (``upstream`` entry 16 checks TRL's still key on (token, next token)).
+    (``upstream`` entry 16 checks TRL's still key on (token, next token)). ``layout`` is the replaying
+    ``RouterReplay``'s (``num_layers``, ``top_k``, ``num_experts``, ``layers``): what "checked" means in ``pack()``.
     """
 
-    def __init__(self, route_shape: tuple[int, int], route_dtype: torch.dtype):
+    def __init__(self, route_shape: tuple[int, int], route_dtype: torch.dtype,
+                 layout: Mapping[str, Any] | None = None):
         super().__init__()
         self.route_shape = route_shape
         self.route_dtype = route_dtype
+        self.layout = dict(layout) if layout is not None else None
 
     @staticmethod
     def _keys(sample: dict[str, Any]) -> list[tuple]:
@@ -94,14 +98,21 @@ class RoutedTreeRow(TreeRow):
         return packed
 
     def pack(self) -> dict[str, torch.Tensor]:
-        """TRL's packing plus ``replay_routes`` ``[N, L, K]`` (each packed position's route) and ``route_expected``
-        ``[N]`` (positions an engine forwarded: every sample's tokens but its last, which is never fed forward)."""
+        """TRL's packing plus ``replay_routes`` ``[N, L, K]`` (each packed position's route), ``route_expected``
+        ``[N]`` (positions an engine forwarded: every sample's tokens but its last, which is never fed forward) and
+        ``replay_routes_checked`` ``[1]``: True when every sample's routes were, unchanged since, checked for
+        ``layout`` where they entered (``RouteIntake.align``); the packed routes (their other rows "no route") are
+        then marked checked too (``routes.mark_checked``), else the forward checks them in full."""
         out = super().pack()
         packed = self.packed_positions()
         if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
             raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (upstream entry 16)")
-        routes = torch.full((len(self.tokens), *self.route_shape), no_route_value(self.route_dtype),
-                            dtype=self.route_dtype)
+        sources = [sample["replay_routes"] for sample in self.samples if sample.get("replay_routes") is not None]
+        checked = self.layout is not None and all(is_checked(source[None], **self.layout) for source in sources)
+        # [1, N, L, K]: a mark is made on a [batch, seq, L, K] tensor; the [N, L, K] view returned keeps it alive
+        batched = torch.full((1, len(self.tokens), *self.route_shape), no_route_value(self.route_dtype),
+                             dtype=self.route_dtype)
+        routes = batched[0]
         expected = torch.zeros(len(self.tokens), dtype=torch.bool)
         for sample, nodes in zip(self.samples, self.sample_nodes, strict=True):
             positions = torch.tensor([packed[node] for node in nodes[:-1]], dtype=torch.long)
@@ -110,8 +121,11 @@ class RoutedTreeRow(TreeRow):
             if sample_routes is not None:
                 # a shared node has the same route in every sample sharing it (the key includes it)
                 routes[positions] = sample_routes[: len(nodes) - 1]
+        if checked:  # rows of checked routes and "no route" rows: valid by construction
+            mark_checked(batched, **self.layout)
         out["replay_routes"] = routes
         out["route_expected"] = expected
+        out["replay_routes_checked"] = torch.tensor([checked])
         return out
 
 

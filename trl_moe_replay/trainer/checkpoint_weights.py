@@ -59,6 +59,21 @@ class CheckpointWeightsError(ValueError):
     """A checkpoint's model weights cannot restore every weight of the model being resumed."""
 
 
+class RestoresEveryWeight:
+    """Trainer mixin (before the Trainer in the bases): a resume (``_load_from_checkpoint``) and
+    ``_load_best_model`` restore every weight through :func:`restore_trainer_weights`, or refuse; transformers'
+    own load (``load_state_dict(strict=False)``) leaves what it does not find at its initial value
+    (transformers#48805, empty or partial files)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not restore_trainer_weights(self, resume_from_checkpoint, model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
+            super()._load_best_model()
+
+
 def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.Module | None = None) -> bool:
     """A trainer's resume (``_load_from_checkpoint``) and ``_load_best_model``: restore ``model`` (the trainer's
     model by default) from checkpoint ``folder`` through :func:`restore_checkpoint_weights`. Returns ``False``, and

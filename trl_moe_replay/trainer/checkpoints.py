@@ -41,7 +41,6 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint_weights import CheckpointWeightsError, restore_checkpoint_weights  # noqa: F401 (re-exported)
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)

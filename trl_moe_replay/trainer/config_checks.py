@@ -227,8 +227,18 @@ def check_config_file(config_classes, values: dict, path: str) -> None:
                 continue  # values that are no text reach the config's own check as they are
             if admits(annotations[name], 1.5) and _is_number_text(value):
                 continue
+            if _admits_as_list_item(annotations[name], value):
+                continue  # one text for a list field (`lora_target_modules: all-linear`), which TRL's parser takes
             check_value(name, annotations[name], value, where=f" (in {path}; YAML numbers and booleans are written "
                                                               "unquoted)")
+
+
+def _admits_as_list_item(annotation, value) -> bool:
+    """Whether ``annotation`` has a ``list[X]`` part whose item type admits ``value``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return any(_admits_as_list_item(arg, value) for arg in args)
+    return origin is list and bool(args) and admits(args[0], value)
 
 
 def _is_number_text(text: str) -> bool:

@@ -47,7 +47,7 @@ from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..engines.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
 from ..routing import RouterReplay
-from ..routing.routes import carry_check
+from ..routing.routes import carry_check, cat_checked
 from ..upstream import (
     assert_trl_compatible,
     engine_logprob_correction,
@@ -55,11 +55,12 @@ from ..upstream import (
     is_reference_forward,
     mark_vllm_weights_synced,
     quiet_upstream_notices,
+    shuffled_generation_batches,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
 )
-from .checkpoint_weights import restore_trainer_weights
+from .checkpoint_weights import RestoresEveryWeight
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
 from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, check_model_path
@@ -88,7 +89,13 @@ class _ScoringState:
     old_router_probs: torch.Tensor | None = None  # ... and the old router's probabilities there
 
 
-class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
+def _carry_route_check(shuffled: dict, original: dict) -> None:
+    routes = original.get("replay_routes")
+    if isinstance(routes, torch.Tensor) and isinstance(shuffled.get("replay_routes"), torch.Tensor):
+        carry_check(shuffled["replay_routes"], routes)
+
+
+class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -170,7 +177,6 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         self._scoring: _ScoringState | None = None
         self._warned_on_policy = False
         self._batch_routes: torch.Tensor | None = None
-        self._fresh_routes: torch.Tensor | None = None  # the routes _generate_and_score_completions just returned
         self._train_replay = contextlib.ExitStack()
         self._setup_objectives(self.args)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
@@ -367,7 +373,7 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             )
         replay_routes = self._routes_to_replay(state)
         if replay_routes is not None:
-            output["replay_routes"] = self._fresh_routes = replay_routes
+            output["replay_routes"] = replay_routes
         if state.old_router_ids is not None:  # ride through TRL's buffer, shuffle and split like the routes
             output["old_router_ids"], output["old_router_probs"] = state.old_router_ids, state.old_router_probs
         if self._pr2 is not None:
@@ -384,8 +390,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         An on-policy batch (no engine IS correction, ``num_iterations=1``, aligned steps) gets no old-logprob pass
         from TRL: its loss uses the training forward's own detached log-probs. ``routing_metrics`` then needs one
         no-grad forward of its own, routed like the old pass would be (the rollout's routes under R3) while it
-        records the natural top-k. It is TRL's forward (``GRPOTrainer._get_per_token_logps_and_entropies``), it draws
-        no random numbers and nothing of it reaches TRL's output, so loss and parameters stay TRL's.
+        records the natural top-k. It is TRL's forward (``GRPOTrainer._get_per_token_logps_and_entropies``), the random
+        numbers it may draw (router jitter, dropout) come from a forked RNG and nothing of it reaches TRL's output, so
+        loss and parameters stay TRL's.
         """
         has_sampler = state.sampling_logprobs is not None or output.get("sampling_per_token_logps") is not None
         if not has_sampler and state.generation_routes is None:
@@ -398,7 +405,11 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         rr = self._route_replay
         routes = state.generation_routes if self._replays_rollout_routes() else None
         logps, natural = [], []
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+        device = self.accelerator.device
+        # router jitter and dropout draw from the global RNG in a training-mode forward: fork it, so that the sampling
+        # and training after this extra forward draw what they would without it (under "none": TRL's numbers)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
+                disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
             for start in range(0, input_ids.size(0), batch_size):
                 end = min(start + batch_size, input_ids.size(0))
                 with contextlib.ExitStack() as stack:
@@ -478,7 +489,9 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
             if capture is not None:
                 old_router.append((capture.ids, capture.probs))
         if record:
-            state.old_natural_routes = torch.cat(natural, dim=0)
+            # recorded, so checked: the mark survives the concatenation (R2/PR2 replay it in every micro-batch)
+            state.old_natural_routes = cat_checked(natural, num_layers=rr.num_layers, top_k=rr.top_k,
+                                                   num_experts=rr.num_experts)
         if old_router:
             state.old_router_ids = torch.cat([ids for ids, _ in old_router], dim=0)
             state.old_router_probs = torch.cat([probs for _, probs in old_router], dim=0)
@@ -489,21 +502,15 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
         )
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's buffering, then the routes' "checked" mark carried over TRL's shuffle (``upstream`` entry 1).
+        """TRL's buffering, with the routes' "checked" mark carried over TRL's shuffle (``upstream`` entry 1).
 
         The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
         shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the
-        micro-batches' views; the copy holds rows of the checked routes only, so it is marked checked too, and every
-        training forward's ``replay()`` costs an O(1) look-up instead of a host pass over its routes."""
-        self._fresh_routes = None
-        inputs = super()._prepare_inputs(generation_batch)
-        fresh, self._fresh_routes = self._fresh_routes, None
-        routes = inputs.get("replay_routes") if fresh is not None and isinstance(inputs, dict) else None
-        if routes is not None:
-            shuffled = routes._base if routes._base is not None else routes  # the micro-batch is a view of it
-            if shuffled.shape[0] == fresh.shape[0]:
-                carry_check(shuffled, fresh)
-        return inputs
+        micro-batches' views; the copy holds rows of the routes it was made from only, so it is marked like them,
+        and every training forward's ``replay()`` costs an O(1) look-up instead of a host pass over its routes.
+        Whatever routes the batch holds when TRL shuffles it are the ones whose mark is carried (or not)."""
+        with shuffled_generation_batches(_carry_route_check):
+            return super()._prepare_inputs(generation_batch)
 
     def _compute_loss(self, model, inputs):
         self._batch_routes = inputs.get("replay_routes")
@@ -649,16 +656,6 @@ class MoEReplayGRPOTrainer(MoEObjectivesMixin, GRPOTrainer):
                 checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
                 self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
         super()._save_checkpoint(model, trial)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # every weight from the checkpoint, or a refusal (transformers' load_state_dict(strict=False) leaves what it
-        # does not find at its initial value: transformers#48805, empty or partial files)
-        if not restore_trainer_weights(self, resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
-            super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)

@@ -39,7 +39,6 @@ def logprob_mismatch_sums(
     threshold either way: ``|log_ratio| > log(threshold)``. NaN sampling log-probs (vLLM sends None for some) are
     excluded.
     """
-    check_extreme_threshold(extreme_threshold)
     valid = mask.bool() & ~torch.isnan(sampling_logps)
     log_ratio = torch.where(valid, trainer_logps.float() - sampling_logps.float(), 0.0)
     return {
