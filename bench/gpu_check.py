@@ -207,20 +207,23 @@ def exactness_rows(name: str, model, rr: RouterReplay, x: torch.Tensor) -> list[
     model.eval()
     for impl in experts_implementations():
         row = {"width": name, "experts_impl": impl}
-        try:
+        try:  # only the implementation's own natural forward decides whether this machine can run it
             model.set_experts_implementation(impl)
-            with torch.no_grad():
-                with rr.record() as rec:
-                    natural = model(x).logits
-                with rr.replay(rec.routes):
-                    own = model(x).logits
-                with rr.replay(shifted(rec.routes, rr.num_experts)):
-                    other = model(x).logits
-            row.update(own_routes_max_diff=(own - natural).abs().max().item(),
-                       other_routes_max_diff=(other - natural).abs().max().item())
-            del natural, own, other
-        except Exception as exc:  # an implementation this machine cannot run (a missing kernel)
+            with torch.no_grad(), rr.record() as rec:
+                natural = model(x).logits
+        except Exception as exc:  # an implementation this machine cannot run (a missing kernel, a dtype it lacks)
             row["unavailable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            rows.append(row)
+            continue
+        # what fails from here on is replay under an implementation that runs: the check's error, not "unavailable"
+        with torch.no_grad():
+            with rr.replay(rec.routes):
+                own = model(x).logits
+            with rr.replay(shifted(rec.routes, rr.num_experts)):
+                other = model(x).logits
+        row.update(own_routes_max_diff=(own - natural).abs().max().item(),
+                   other_routes_max_diff=(other - natural).abs().max().item())
+        del natural, own, other
         rows.append(row)
     model.set_experts_implementation(DEFAULT_EXPERTS)
     return rows
@@ -395,8 +398,9 @@ def grpo_run(sizes: Sizes, device, mode: str) -> list[float]:
             self.ends.append(time.perf_counter())
 
     model = generation_model(sizes, sizes.gen_model[1], device, router_aux_loss_coef=0.0)
+    output_dir = tempfile.TemporaryDirectory()  # save_strategy "no": the folder holds the run's lock only
     config = MoEReplayGRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=device.type == "cpu", bf16=sizes.dtype == torch.bfloat16,
+        output_dir=output_dir.name, use_cpu=device.type == "cpu", bf16=sizes.dtype == torch.bfloat16,
         report_to="none", routing_replay=mode, max_steps=sizes.grpo_steps,
         per_device_train_batch_size=sizes.grpo_batch,
         num_generations=sizes.grpo_generations, max_completion_length=sizes.grpo_completion, logging_steps=1,
@@ -409,6 +413,8 @@ def grpo_run(sizes: Sizes, device, mode: str) -> list[float]:
                                    processing_class=tiny_tokenizer(), callbacks=[clock])
     trainer.remove_callback(PrinterCallback)  # the check prints one table, not the training log
     trainer.train()
+    trainer.end()  # releases the output_dir lock before the folder goes
+    output_dir.cleanup()
     steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
     del trainer, model
     if device.type == "cuda":
@@ -423,7 +429,8 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
             break
         with budget.charge():
             steps = grpo_run(sizes, device, mode)
-        runs[mode].append(statistics.median(steps[1:]) if len(steps) > 1 else steps[0])
+        if steps:  # the first step (warm-up) is left out when there are others
+            runs[mode].append(statistics.median(steps[1:]) if len(steps) > 1 else steps[0])
     medians = {mode: statistics.median(times) for mode, times in runs.items() if times}
     ratio = medians["r3"] / medians["none"] if len(medians) == 2 else None
     hidden, layers, experts, top_k = sizes.gen_model

@@ -164,10 +164,11 @@ def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, se
     assert_r3_verified(report)
     assert_lora_trained(report)
     # the negative control: the same run under "none" (routes kept for the metrics only) scores some positions with
-    # experts other than the engine's, which the hook check counts instead of failing on
+    # experts other than the engine's, which the hook check counts instead of failing on. Most are in the reference
+    # forward (the adapter disabled: the base router, where the engine routed with W + BA); the old-logprob pass
+    # differs only at bf16/fp32 near-ties, which a 2-step run may not hit (routing/mismatch_frac can read 0)
     reload_weights(server, checkpoint)
     control, _ = train(tmp_path, "server", server, checkpoint, "lora=true", "routing_replay=none",
                        "routing_metrics=true", "vllm_weight_sync=reload", "count_mismatches=true", "max_steps=2")
     assert_lora_trained(control)
     assert control["checked_positions"] > 50 * 2 and control["mismatched_positions"] > 0
-    assert any(entry["routing/mismatch_frac"] > 0 for entry in steps(control))
