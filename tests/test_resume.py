@@ -270,14 +270,12 @@ def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoi
     assert f"{run} holds a finished run of 2 steps: starting over" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # the recipe as `make demo` runs it, stopped with a real Ctrl-C (~1 min)
-def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, str(RECIPE),
-               *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
-    # a session of its own: the Ctrl-C goes to the launcher and the training process, as a terminal's does
+def ctrl_c_at_step_10(command: list[str], env: dict, cwd) -> tuple[list[str], int]:
+    """Run ``command`` in a session of its own and, when it prints "step 10:", send one Ctrl-C to the whole process
+    group, as a terminal does (the launcher and the training processes get it). Returns its output lines, read until
+    every process has closed its output, and its exit status."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               cwd=tmp_path, start_new_session=True)
+                               cwd=cwd, start_new_session=True)
     lines = []
     try:
         for line in process.stdout:
@@ -286,16 +284,31 @@ def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
                 os.killpg(process.pid, signal.SIGINT)
                 break
         lines += process.stdout.readlines()
-        assert process.wait(timeout=300) == 130
+        return lines, process.wait(timeout=300)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    output = "".join(lines)
+
+
+def saved_once(lines: list[str], run) -> str:
+    """The one "stopped at step N ..." line; checkpoint-N, at step 10 or later, holds its trainer state."""
     stopped = [line for line in lines if line.startswith("stopped at step")]
-    assert len(stopped) == 1, output[-3000:]
+    assert len(stopped) == 1, "".join(lines)[-3000:]
     step = int(stopped[0].split()[3])
-    assert step >= 10 and (tmp_path / "run" / f"checkpoint-{step}" / "trainer_state.json").is_file()
-    assert stopped[0].rstrip().endswith(f"{RECIPE} {' '.join(command[2:])} --resume_from_checkpoint")
+    assert step >= 10 and (run / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    return stopped[0]
+
+
+@pytest.mark.slow  # the recipe as `make demo` runs it, stopped with a real Ctrl-C (~1 min)
+def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, str(RECIPE),
+               *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    lines, returncode = ctrl_c_at_step_10(command, env, tmp_path)
+    assert returncode == 130
+    output = "".join(lines)
+    stopped = saved_once(lines, tmp_path / "run")
+    assert stopped.rstrip().endswith(f"{RECIPE} {' '.join(command[2:])} --resume_from_checkpoint")
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
 
 
@@ -353,27 +366,11 @@ def test_ctrl_c_under_accelerate_launch_saves_and_prints_the_resume_command(tmp_
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", str(RECIPE),
                *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               cwd=tmp_path, start_new_session=True)
-    lines = []
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("step 10:"):
-                os.killpg(process.pid, signal.SIGINT)  # one Ctrl-C, to the whole group, as a terminal sends it
-                break
-        lines += process.stdout.readlines()  # until every process of the run has closed its output
-        process.wait(timeout=300)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    lines, _ = ctrl_c_at_step_10(command, env, tmp_path)
     output = "".join(lines)
     # the launcher's forwarded signal did not count as a second Ctrl-C: every rank saved, then the resume line
-    stopped = [line for line in lines if line.startswith("stopped at step")]
-    assert len(stopped) == 1, output[-3000:]
-    step = int(stopped[0].split()[3])
-    assert step >= 10 and (tmp_path / "run" / f"checkpoint-{step}" / "trainer_state.json").is_file()
-    assert stopped[0].rstrip().endswith(" --resume_from_checkpoint") and " launch " in stopped[0]
+    stopped = saved_once(lines, tmp_path / "run")
+    assert stopped.rstrip().endswith(" --resume_from_checkpoint") and " launch " in stopped
     assert "interrupted; no checkpoint saved" not in output
     # The launchers print a traceback of their own on SIGINT (accelerate's simple launcher: KeyboardInterrupt in
     # Popen.wait, returning before the run has saved; torchrun's agent: SignalException): no script can stop those.
