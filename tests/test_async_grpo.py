@@ -100,6 +100,15 @@ def settings(tmp_path, **overrides):
     return values
 
 
+def scripted_trainer(tmp_path, checkpoint, samples, cls=None, **overrides):
+    """A trainer (``cls``, default ours) fed ``samples`` by the scripted worker, with no weight transfer and no sync
+    check (no engine to probe); ``overrides`` go to the config."""
+    cls = cls or MoEReplayAsyncGRPOTrainer
+    args = MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False, **overrides))
+    return cls(model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=args,
+               rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer())
+
+
 class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
     """Checks, in every training forward, the experts used against the engine's rows (tests/async_checks.py)."""
 
@@ -120,10 +129,7 @@ def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, 
     # are taken ahead of the step that syncs version 2, and a version the trainer never published is dropped)
     samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 1, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
     CheckedTrainer.engine_rows = engine_rows
-    trainer = CheckedTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples, cls=CheckedTrainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert len(trainer.checks) == STEPS
@@ -163,11 +169,7 @@ def route_checks(monkeypatch):
 def run_checked(tmp_path, checkpoint, versions):
     samples, engine_rows = script(checkpoint, versions=versions)
     CheckedTrainer.engine_rows = engine_rows
-    trainer = CheckedTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples, cls=CheckedTrainer)
     trainer.train()
     assert len(trainer.checks) == STEPS
     for found, checked, mismatched in trainer.checks:  # every sample's routes used, token by token
@@ -197,12 +199,8 @@ def test_without_replay_the_same_check_finds_mismatches(tmp_path, checkpoint):
     """Negative control: routing_replay='none' with routing_metrics carries the routes but does not replay them."""
     samples, engine_rows = script(checkpoint, versions=[1] * 6)
     CheckedTrainer.engine_rows = engine_rows
-    trainer = CheckedTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, routing_replay="none", routing_metrics=True,
-                                                 vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples, cls=CheckedTrainer, routing_replay="none",
+                               routing_metrics=True)
     trainer.train()
     assert all(found == BATCH for found, _, _ in trainer.checks)
     assert sum(mismatched for _, _, mismatched in trainer.checks) > 0
@@ -212,10 +210,7 @@ def test_without_replay_the_same_check_finds_mismatches(tmp_path, checkpoint):
 
 def test_malformed_routes_fall_back_per_sample_and_the_run_goes_on(tmp_path, checkpoint):
     samples, _ = script(checkpoint, versions=[0] * 6, malformed=(3, 9))
-    trainer = MoEReplayAsyncGRPOTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS
@@ -225,10 +220,7 @@ def test_malformed_routes_fall_back_per_sample_and_the_run_goes_on(tmp_path, che
 
 def test_r3_without_any_routes_in_the_first_sample_stops_with_a_clear_error(tmp_path, checkpoint):
     samples, _ = script(checkpoint, versions=[0, 0], routes=False)
-    trainer = MoEReplayAsyncGRPOTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples)
     with pytest.raises(RoutesUnavailableError, match="enable-return-routed-experts"):
         trainer.train()
 
@@ -240,11 +232,7 @@ def test_one_bad_sample_arriving_first_falls_back_and_the_run_goes_on(tmp_path, 
     samples[0].route_turns = []
     turn = samples[1].route_turns[0]
     samples[1].route_turns = [EngineTurn(turn.rows[:-1], turn.prompt_length, turn.completion_length)]
-    trainer = MoEReplayAsyncGRPOTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS and 0 < logs[0]["routing/fallback_frac"] < 0.4 and logs[1]["routing/fallback_frac"] == 0
@@ -256,12 +244,7 @@ def test_one_bad_sample_arriving_first_falls_back_and_the_run_goes_on(tmp_path, 
 def test_routes_that_stop_arriving_end_the_run_when_configured(tmp_path, checkpoint):
     good, _ = script(checkpoint, versions=[0, 0])
     bare, _ = script(checkpoint, versions=[0] * 6, routes=False, seed=1)
-    trainer = MoEReplayAsyncGRPOTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, max_steps=4, vllm_sync_check=False,
-                                                 max_route_fallback_steps=2)),
-        rollout_worker=ScriptedRolloutWorker(good + bare), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, good + bare, max_steps=4, max_route_fallback_steps=2)
     with pytest.raises(RoutesUnavailableError, match="vLLM routes stopped arriving: every sample of the last 2 "
                                                      "batches .* max_route_fallback_steps is 2"):
         trainer.train()
@@ -275,11 +258,7 @@ def test_samples_with_versions_the_trainer_never_published_are_dropped_and_count
     samples[2].model_version = 10**9  # newer than the trainer: not this run's policy
     samples[9].model_version = "1"  # not an integer (TRL's staleness check would raise on it)
     samples[12].model_version = -1
-    trainer = MoEReplayAsyncGRPOTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-        args=MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False)),
-        rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer(),
-    )
+    trainer = scripted_trainer(tmp_path, checkpoint, samples)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS
