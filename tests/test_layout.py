@@ -205,9 +205,9 @@ def private_upstream_uses(extra: tuple[str, str] | None = None) -> list[tuple[st
                 upstream = _upstream_private_names(cls) if isinstance(cls, type) else set()
                 for inner in ast.walk(node):
                     classes[id(inner)] = upstream
-                for method in node.body:
-                    if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef) and method.name in upstream - declared:
-                        found.append((where, method.name, method.lineno))
+                found += [(where, method.name, method.lineno) for method in node.body
+                          if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef)
+                          and method.name in upstream - declared]
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 parts = node.module.split(".")
@@ -216,7 +216,8 @@ def private_upstream_uses(extra: tuple[str, str] | None = None) -> list[tuple[st
                               if _private(name)]
             elif isinstance(node, ast.Import):
                 found += [(where, alias.name, node.lineno) for alias in node.names
-                          if alias.name.split(".")[0] in UPSTREAM_LIBRARIES and any(map(_private, alias.name.split(".")))]
+                          if alias.name.split(".")[0] in UPSTREAM_LIBRARIES
+                          and any(map(_private, alias.name.split(".")))]
             elif isinstance(node, ast.Attribute) and _private(node.attr):
                 owner = ast.unparse(node.value)
                 if owner in ("self", "cls", "super()"):

@@ -4,8 +4,8 @@ transformers 5 loads many MoE checkpoints through weight conversions (e.g. Qwen3
 ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` become fused ``mlp.experts.gate_up_proj``
 ``[E, 2I, H]`` and ``mlp.experts.down_proj``), and ``save_pretrained`` reverts them when it writes the checkpoint.
 vLLM's model loaders are written for the checkpoint on disk. :func:`checkpoint_named_tensors` applies the same
-reversion as ``save_pretrained`` (seam entry ``saved_weight_layout``: transformers' ``revert_weight_conversion``), one decoder layer at a
-time, so a weight sync sends exactly what a fresh engine would read from a saved checkpoint.
+reversion as ``save_pretrained`` (seam entry ``saved_weight_layout``: transformers' ``revert_weight_conversion``),
+one decoder layer at a time, so a weight sync sends exactly what a fresh engine would read from a saved checkpoint.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ class RoutedTreeRow(TreeRow):
         out = super().pack()
         packed = self.packed_positions()
         if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
-            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (seam entry async_packing)")
+            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (seam entry "
+                               "async_packing)")
         sources = [sample["replay_routes"] for sample in self.samples if sample.get("replay_routes") is not None]
         checked = self.layout is not None and all(is_checked(source[None], **self.layout) for source in sources)
         # [1, N, L, K]: a mark is made on a [batch, seq, L, K] tensor; the [N, L, K] view returned keeps it alive

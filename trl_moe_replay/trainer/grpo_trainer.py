@@ -205,7 +205,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return self._route_replay is None and not self.replay_settings.records_generation and self._vllm_routes is None
 
     def _engine_correction(self, enabled: bool = True):
-        """TRL's engine log-prob correction on the transformers path, when configured (seam entry ``engine_logprob_correction``)."""
+        """TRL's engine log-prob correction on the transformers path, when configured (seam entry
+        ``engine_logprob_correction``)."""
         if not self.replay_settings.transformers_importance_sampling_correction:
             return contextlib.nullcontext()
         return engine_logprob_correction(self, enabled)
@@ -286,8 +287,9 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return output
 
     def _sync_vllm_weights(self) -> None:
-        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own sync,
-        then, with ``vllm_sync_check``, measure how far the engine's log-probs of the probe are from the trainer's."""
+        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's
+        own sync, then, with ``vllm_sync_check``, measure how far the engine's log-probs of the probe are from the
+        trainer's."""
         with profiling_context(self, "sync_weights"):
             if self._weight_sync is not None:
                 self._weight_sync.sync()
@@ -503,7 +505,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         )
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's buffering, with the routes' "checked" mark carried over TRL's shuffle (seam entry ``generation_batch_shuffle``).
+        """TRL's buffering, with the routes' "checked" mark carried over TRL's shuffle (seam entry
+        ``generation_batch_shuffle``).
 
         The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
         shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the

@@ -1,4 +1,4 @@
-"""What a seam entry is, the registry of every entry by name, and the errors the seam raises.
+"""What an entry of the seam is, the registry of every entry by name, and the errors the seam raises.
 
 An entry is one reliance on an upstream library beyond its public API: a private name, or the order or form of
 upstream code the package depends on. Each part of the seam (``torch_seam``, ``transformers_seam``, ``trl_seam``,

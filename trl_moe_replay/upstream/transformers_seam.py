@@ -37,7 +37,8 @@ def check_stack_cache_keyword(stack: Any) -> None:
     params = inspect.signature(stack.forward).parameters
     if not any(keyword in params for keyword in STACK_CACHE_KEYWORDS):
         raise TransformersChangedError(
-            f"[{STACK_CACHE_KEYWORD.name}] {type(stack).__name__}.forward takes neither of {STACK_CACHE_KEYWORDS} (it takes "
+            f"[{STACK_CACHE_KEYWORD.name}] {type(stack).__name__}.forward takes neither of {STACK_CACHE_KEYWORDS} "
+            f"(it takes "
             f"{tuple(params)}): transformers {transformers_version()} renamed the decoder stack's KV cache "
             "argument, and RouterReplay could not tell generate's decode steps from fresh forwards. Install a "
             "transformers inside this package's declared range (README, Tested versions)."
@@ -76,7 +77,8 @@ def transformers_version() -> str:
 
 
 def router_ids_first(router: Any) -> bool:
-    """Whether ``router`` returns ``(ids, weights, logits)`` in the installed transformers (entry ``router_output_order``)."""
+    """Whether ``router`` returns ``(ids, weights, logits)`` in the installed transformers (entry
+    ``router_output_order``)."""
     if Version(transformers_version()) >= Version(IDS_FIRST_BEFORE):
         return False
     return any(cls.__name__ in IDS_FIRST_ROUTERS for cls in type(router).__mro__)
@@ -87,10 +89,12 @@ def split_router_output(output: tuple, ids_first: bool, router_name: str) -> tup
     logits, weights, ids = (output[2], output[1], output[0]) if ids_first else (output[0], output[1], output[2])
     if ids.dtype.is_floating_point or not logits.dtype.is_floating_point:
         raise TransformersChangedError(
-            f"[{ROUTER_OUTPUT_ORDER.name}] router {router_name} ({transformers_version()}) returned {tuple(o.dtype for o in output[:3])}; "
+            f"[{ROUTER_OUTPUT_ORDER.name}] router {router_name} ({transformers_version()}) returned "
+            f"{tuple(o.dtype for o in output[:3])}; "
             f"expected {'(ids, weights, logits)' if ids_first else '(logits, weights, ids)'} as "
-            f"trl_moe_replay/upstream/transformers_seam.py entry {ROUTER_OUTPUT_ORDER.name} records for this transformers. "
-            "Its output order changed: install a transformers inside this package's declared range, or update the entry."
+            f"trl_moe_replay/upstream/transformers_seam.py entry {ROUTER_OUTPUT_ORDER.name} records for this "
+            "transformers. Its output order changed: install a transformers inside this package's declared range, or "
+            "update the entry."
         )
     return logits, weights, ids
 

@@ -149,9 +149,11 @@ def check_async_trl() -> tuple[Finding, ...]:
         expect(ASYNC_ROLLOUT_WORKER, have == params, f"_AsyncRolloutLoop.{name}{params} became {have}")
     expect(ASYNC_ROLLOUT_WORKER, getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop,
            "AsyncRolloutWorker._loop_cls is no longer _AsyncRolloutLoop")
-    expect(ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample), "RolloutSample is no longer a slots dataclass")
+    expect(ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample),
+           "RolloutSample is no longer a slots dataclass")
     for name in TRAINER_GLOBALS:
-        expect(ASYNC_TRAINER_GLOBALS, hasattr(trainer, name), f"async_grpo_trainer no longer has the module global {name}")
+        expect(ASYNC_TRAINER_GLOBALS, hasattr(trainer, name),
+               f"async_grpo_trainer no longer has the module global {name}")
     dataset_params = tuple(inspect.signature(trainer.RolloutQueueDataset.__init__).parameters)
     expect(ASYNC_TRAINER_GLOBALS, {"model_version_fn", "metrics"} <= set(dataset_params),
            f"RolloutQueueDataset{dataset_params} no longer takes model_version_fn and metrics")
@@ -178,7 +180,8 @@ def _probe_tree_row_keys(packing: Any) -> str | None:
             return "TreeRow.fits refuses a sample well within its budget"
         row.add(sample)
     if len(row.tokens) != 5:
-        return f"TreeRow no longer keys its trie on (token, next token): two forking samples made {len(row.tokens)} nodes"
+        return (f"TreeRow no longer keys its trie on (token, next token): two forking samples made "
+                f"{len(row.tokens)} nodes, expected 5")
     return None
 
 

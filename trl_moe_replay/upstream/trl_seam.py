@@ -72,8 +72,8 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
 }
 PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer")
-GRPO_PRIVATE_METHODS = _trl_entry("grpo_private_methods",
-                                  inherited=(*[n for n in OVERRIDDEN_METHODS if n.startswith("_")], *PRIVATE_ATTRIBUTES))
+GRPO_PRIVATE_METHODS = _trl_entry(
+    "grpo_private_methods", inherited=(*[n for n in OVERRIDDEN_METHODS if n.startswith("_")], *PRIVATE_ATTRIBUTES))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -560,8 +560,8 @@ def _probe_minirl_on_vespo(trainer_class: type) -> str | None:
         seen.update(kwargs)
         return torch.full((1, 1), 0.5)
 
-    loss, _ = _run_loss(trainer_class, -2.0, loss_type=MINIRL_TRL_BRANCH, use_vllm=True, get_gamma_weights=gamma_weights,
-                        inputs={"old_per_token_logps": torch.full((1, 2), -2.0),
+    loss, _ = _run_loss(trainer_class, -2.0, loss_type=MINIRL_TRL_BRANCH, use_vllm=True,
+                        get_gamma_weights=gamma_weights, inputs={"old_per_token_logps": torch.full((1, 2), -2.0),
                                 "importance_sampling_ratio": torch.full((1, 2), 3.0)})
     # -phi * A * logps = -0.5 * 1 * -2 = 1 per token; 2 tokens over num_items_in_batch 4; no engine factor
     expected = 0.5
@@ -648,12 +648,12 @@ def _probe_reference_forward(trainer_class: type) -> str | None:
             adapters.append("enabled")
 
     model = PeftModel(training=True, is_gradient_checkpointing=False, peft_config={"default": None})
-    forwards = []
     events, _, _ = _score(trainer_class, use_vllm=True, beta=0.1, peft_model=model)
     forwards = [event is model for event in events[1:]]
     if forwards != [True, True] or adapters != ["disabled", "enabled"]:
-        return ("the PEFT reference forward no longer runs self.model inside use_adapter(model, None) (all adapters "
-                f"disabled) after the old-policy forward (adapter calls {adapters}, forwards of self.model {forwards})")
+        return ("the PEFT reference forward no longer runs self.model inside use_adapter(model, None) (all "
+                f"adapters disabled) after the old-policy forward (adapter calls {adapters}, forwards of self.model "
+                f"{forwards})")
     return None
 
 
@@ -688,14 +688,15 @@ def _probe_weight_sync_params(trainer_class: type) -> str | None:
     client = SimpleNamespace(update_named_params=lambda metadata, params: sent.extend(name for name, _ in params),
                              reset_prefix_cache=lambda: None)
     for mode in ("colocate", "server"):
+        params = [("kept", torch.ones(1)), ("left", torch.ones(1))]
         generation = SimpleNamespace(mode=mode, enable_sleep_mode=True, llm=llm, vllm_client=client,
                                      accelerator=_Accelerator(), _weight_metadata=None, _llm_weights_sleeping=True,
-                                     _iter_named_params=lambda: iter([("kept", torch.ones(1)), ("left", torch.ones(1))]))
+                                     _iter_named_params=lambda params=params: iter(params))
         exclude_from_weight_sync(generation, lambda name: name == "left")
         VLLMGeneration.sync_weights(generation)
     if loaded != ["kept"] or sent != ["kept"]:
-        return ("VLLMGeneration.sync_weights no longer reads the parameters it sends through self._iter_named_params() "
-                f"in both modes (colocate loaded {loaded}, server sent {sent})")
+        return ("VLLMGeneration.sync_weights no longer reads the parameters it sends through "
+                f"self._iter_named_params() in both modes (colocate loaded {loaded}, server sent {sent})")
     if not woken or "_llm_weights_sleeping" not in vars(generation):
         return "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights (_llm_weights_sleeping)"
     return None
