@@ -22,6 +22,8 @@ import torch
 import trl
 
 from .entries import Entry, Finding, UpstreamChangedError, entry
+from .torch_seam import check_torch
+from .transformers_seam import check_transformers
 from .trl_seam import TRL_READ, TRL_VERIFIED
 
 ASYNC_PACKAGE = "trl.experimental.async_grpo"
@@ -208,11 +210,12 @@ def _probe_tree_attention_kernel(packing: Any) -> str | None:
 
 
 def assert_async_trl_compatible() -> None:
-    findings = check_async_trl()
+    """Raise :class:`UpstreamChangedError` listing every entry the installed TRL (or torch, transformers) breaks."""
+    findings = check_async_trl() + check_transformers() + check_torch()
     if findings:
         lines = "\n".join(f"  - {finding}" for finding in findings)
         raise UpstreamChangedError(
             f"trl_moe_replay's async trainer was written against TRL {TRL_READ}'s trl.experimental.async_grpo; the "
-            f"installed TRL {trl.__version__} no longer matches it (trl_moe_replay/upstream/trl_async_seam.py, by "
-            f"entry):\n{lines}"
+            f"installed TRL {trl.__version__} (or torch, transformers) no longer matches it (trl_moe_replay/upstream/, "
+            f"by entry):\n{lines}"
         )
