@@ -6,8 +6,9 @@ also depend on how TRL's code behaves inside them. :func:`check_trl` verifies ev
 by signature (``inspect.signature``) and, where an entry depends on the order or form of TRL's code, by a small
 behavioural probe: TRL's own function run on a tiny input and a stand-in ``self``, and the effect the package relies
 on observed. The trainer calls it when it is built, so an upstream change fails loudly, naming the entry, instead of
-training silently wrong; ``tests/test_upstream.py`` runs the same checks in CI, and probes there on a real trainer
-what a stand-in cannot (the PEFT reference forward, the tool loop).
+training silently wrong. ``tests/test_upstream.py`` runs the same checks in CI, and shows each probe failing on a TRL
+whose code behaves otherwise; what needs a real run (the tool loop's rendering, the vLLM client and request fields)
+is checked here by signature and by the tests each entry names.
 
 TRL's experimental async trainer has its own part, ``trl_async_seam.py``. vLLM's private names live in
 ``trl_moe_replay_vllm_plugin`` (the CPU capture plugin, a separate package that vLLM loads in its own processes);
