@@ -4,7 +4,7 @@
 
 PATH is a TRL source tree (a directory holding the ``trl`` package: a git checkout or an unpacked wheel) or a bare
 git repository (its HEAD is exported first). The installed TRL is left alone: the tree is put first on PYTHONPATH
-for two child processes, one running ``trl_moe_replay.upstream.check_trl()`` (every entry, with the TRL versions it
+for two child processes, one running ``trl_moe_replay.upstream.check_upstream()`` (every entry, with the versions it
 was verified on) and one running the golden drop-in tests (tests/test_golden_trl.py) and tests/test_upstream.py.
 Exit status 0 only if both pass. A TRL whose dependencies moved beyond this environment's can fail at import: that
 is reported as it comes.
@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 CHECK = (
     "import trl; from trl_moe_replay import upstream\n"
     "print(f'TRL from {trl.__file__} (its __version__ says {trl.__version__}; a source tree may report the installed one)')\n"
-    "findings = upstream.check_trl()\n"
-    "print('\\n'.join(map(str, findings)) or 'check_trl: no findings')\n"
+    "findings = upstream.check_upstream()\n"
+    "print('\\n'.join(map(str, findings)) or 'check_upstream: no findings')\n"
     "raise SystemExit(1 if findings else 0)\n"
 )
 

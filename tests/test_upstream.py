@@ -1,26 +1,55 @@
-"""The versioned seam: every reliance on TRL beyond its public API is checked against the installed TRL."""
+"""The versioned seam: every reliance on a private upstream name or on the form of upstream code is a named entry,
+checked against the installed libraries by signature and by behaviour."""
+
+import re
 
 import pytest
 import torch
 import trl
 from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
-from trl_moe_replay.routing import transformers_seam
 from trl_moe_replay.routing.errors import TransformersChangedError
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
+from trl_moe_replay.upstream import torch_seam, transformers_seam, trl_async_seam, trl_seam
 
 from .test_trainer import make_trainer
 
 
-def test_the_installed_trl_is_inside_the_declared_range_and_matches_every_entry():
+def entries(findings) -> set[str]:
+    return {finding.entry.name for finding in findings}
+
+
+def test_the_installed_libraries_match_every_entry():
     from packaging.specifiers import SpecifierSet
 
     assert trl.__version__ in SpecifierSet(upstream.TRL_RANGE)
-    assert all(trl.__version__ in versions for versions in upstream.VERIFIED_ON.values())
-    assert upstream.check_trl() == ()
+    declared = upstream.all_entries()
+    assert all(trl.__version__ in e.verified_on for e in declared.values() if e.library == "trl")
+    assert upstream.check_upstream() == ()
+
+
+def test_entries_are_named_and_versioned_and_cited_by_name():
+    declared = upstream.all_entries()
+    assert len(declared) >= 25
+    for name, entry in declared.items():
+        assert re.fullmatch(r"[a-z][a-z0-9_]+[a-z0-9]", name) and entry.name == name, name
+        assert entry.library in ("torch", "transformers", "trl") and re.fullmatch(r"\d+\.\d+\.\d+", entry.read_from)
+        assert entry.verified_on and entry.read_from in entry.verified_on
+    # every entry a comment, docstring or message of the package cites exists; no citation by number is left
+    from pathlib import Path
+
+    package = Path(upstream.__file__).parent.parent
+    cited, numbered = set(), []
+    for path in [*package.rglob("*.py"), *(package.parent / "docs").glob("*.md")]:
+        text = path.read_text()
+        cited |= set(re.findall(r"seam entry `{0,2}([a-z_]+)", text))
+        numbered += [f"{path.name}: {m}" for m in re.findall(r"\bentr(?:y|ies) (?:[0-9]+|T[0-9])\b", text)]
+    assert cited and cited <= set(declared), cited - set(declared)
+    assert not numbered, numbered
 
 
 def test_the_declared_trl_range_is_the_one_in_pyproject():
@@ -31,25 +60,33 @@ def test_the_declared_trl_range_is_the_one_in_pyproject():
     assert f"trl{upstream.TRL_RANGE}" in project["dependencies"]
 
 
+def test_the_index_names_every_entry_and_loads_trl_parts_lazily():
+    for name, entry in upstream.all_entries().items():
+        assert f"``{name}``" in upstream.__doc__, name
+    for name in upstream._LAZY:
+        assert getattr(upstream, name) is getattr(getattr(upstream, upstream._LAZY[name]), name)
+
+
 def test_a_trl_lacking_a_public_api_we_call_is_reported(monkeypatch):
-    """TRL 1.15.0 passes entries 1-14 but has no VLLMClient.get_server_info and no parse_response(tools=)."""
+    """TRL 1.15.0 matches the other entries but has no VLLMClient.get_server_info and no parse_response(tools=)."""
     from trl import chat_template_utils
     from trl.generation.vllm_client import VLLMClient
 
     monkeypatch.delattr(VLLMClient, "get_server_info")
     monkeypatch.setattr(chat_template_utils, "parse_response", lambda tokenizer, ids, prefix=None: None)
-    findings = upstream.check_trl.__wrapped__(GRPOTrainer)
-    assert entries(findings) == {"15"}
+    findings = trl_seam.check_trl.__wrapped__(GRPOTrainer)
+    assert entries(findings) == {"trl_public_apis"}
     assert {"get_server_info" in str(f) for f in findings} == {True, False}
-    assert all("verified on TRL 1.16.0" in str(f) for f in findings)
+    assert all("verified on 1.16.0" in str(f) for f in findings)
 
 
 def test_a_missing_method_is_a_finding_not_a_crash():
     class Changed(GRPOTrainer):
         _tool_call_loop = None  # as if TRL had removed it
 
-    findings = upstream.check_trl.__wrapped__(Changed)
-    assert any(f.entry == "14" and "_tool_call_loop does not exist" in f.problem for f in findings)
+    findings = trl_seam.check_trl.__wrapped__(Changed)
+    assert any(f.entry.name == "tool_turn_rendering" and "_tool_call_loop does not exist" in f.problem
+               for f in findings)
 
 
 def test_a_decoder_stack_without_a_known_cache_keyword_is_refused_by_name():
@@ -57,7 +94,7 @@ def test_a_decoder_stack_without_a_known_cache_keyword_is_refused_by_name():
         def forward(self, input_ids, kv_state=None):
             return input_ids
 
-    with pytest.raises(TransformersChangedError, match=r"\[T1\] Stack.forward takes neither"):
+    with pytest.raises(TransformersChangedError, match=r"\[stack_cache_keyword\] Stack.forward takes neither"):
         transformers_seam.check_stack_cache_keyword(Stack())
     assert transformers_seam.stack_cache({"cache": "c"}) == "c"
     assert transformers_seam.stack_cache({"past_key_values": "p"}) == "p"
@@ -68,22 +105,19 @@ def test_a_router_returning_another_order_fails_by_entry_name():
     logits, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
     assert transformers_seam.split_router_output((ids, weights, logits), True, "r")[2] is ids
     assert transformers_seam.split_router_output((logits, weights, ids), False, "r")[0] is logits
-    with pytest.raises(TransformersChangedError, match=r"\[T2\] router layers.0.gate"):
+    with pytest.raises(TransformersChangedError, match=r"\[router_output_order\] router layers.0.gate"):
         transformers_seam.split_router_output((ids, weights, logits), False, "layers.0.gate")
     assert transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
 
 
-def test_every_trl_private_method_we_override_is_an_entry_of_the_seam():
+def test_every_private_method_we_override_is_declared_by_an_entry():
+    declared = {name for entry in upstream.all_entries().values() for name in entry.inherited}
     ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin) for name in cls.__dict__}
     overridden_private = {
         name for name in ours
         if name.startswith("_") and not name.startswith("__") and callable(getattr(GRPOTrainer, name, None))
     }
-    assert overridden_private <= set(upstream.OVERRIDDEN_METHODS), overridden_private - set(upstream.OVERRIDDEN_METHODS)
-
-
-def entries(findings) -> set[str]:
-    return {finding.entry for finding in findings}
+    assert overridden_private <= declared, overridden_private - declared
 
 
 def test_a_changed_signature_is_reported():
@@ -91,38 +125,91 @@ def test_a_changed_signature_is_reported():
         def _generate_single_turn(self, prompt_ids, num_generations, images=None):  # parameters reordered
             raise AssertionError
 
-    findings = [finding for finding in upstream.check_trl(Changed) if finding.entry == "1"]
+    findings = [f for f in trl_seam.check_trl(Changed) if f.entry.name == "grpo_private_methods"]
     assert len(findings) == 1 and "_generate_single_turn" in str(findings[0])
 
 
-def test_reading_the_old_logprobs_before_the_forward_is_reported():
-    class Changed(GRPOTrainer):  # a TRL whose loss reads the old log-probs first: γ placed in the forward is lost
-        def _compute_loss(self, model, inputs):
-            old_per_token_logps = inputs.get("old_per_token_logps")
-            per_token_logps, _, _ = self._get_per_token_logps_and_entropies(model, inputs["input_ids"], None, 1)
-            log_ratio = per_token_logps - old_per_token_logps
-            return log_ratio
-
-    findings = upstream.check_trl(Changed)
-    assert any(finding.entry == "5" and "after the training forward" in finding.problem for finding in findings)
-    assert upstream.check_trl(GRPOTrainer) == ()
+# Each a TRL whose code behaves differently in the way an entry relies on; the probe of that entry reports it.
+class OldLogpsReadFromACopy(GRPOTrainer):
+    def _compute_loss(self, model, inputs):  # reads the micro-batch as it was before the forward: γ put in it is lost
+        return super()._compute_loss(model, dict(inputs))
 
 
-def test_an_engine_correction_keyed_on_another_flag_is_reported():
-    class Changed(GRPOTrainer):
-        def _generate_and_score_completions(self, inputs):
-            self._generate(inputs)
-            if self.use_sampler_logprobs and self.vllm_importance_sampling_correction:
-                raise AssertionError
+class CorrectionKeyedOnAnotherFlag(GRPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        use_vllm, self.use_vllm = self.use_vllm, False
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.use_vllm = use_vllm
 
-    findings = upstream.check_trl(Changed)
-    assert any(finding.entry == "2" and "old-logprob pass" in finding.problem for finding in findings)
+
+class LossBranchOnArgs(GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        self.loss_type = self.args.loss_type
+        return super()._compute_loss(model, inputs)
+
+
+class VespoWithTheEngineFactor(GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        return loss * inputs["importance_sampling_ratio"].mean() if self.loss_type == "vespo" else loss
+
+
+class SplitWithoutShuffle(GRPOTrainer):
+    def _prepare_inputs(self, generation_batch):
+        batch = self._generate_and_score_completions(generation_batch)
+        return split_tensor_dict(batch, self.args.steps_per_generation)[0]
+
+
+class NoReferenceForward(GRPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        self.beta = 0.0
+        return super()._generate_and_score_completions(inputs)
+
+
+class SyncsBeforeEveryGeneration(GRPOTrainer):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        self._last_loaded_step = -1
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+
+@pytest.mark.parametrize("changed, entry", [
+    (OldLogpsReadFromACopy, "old_logps_after_forward"),
+    (CorrectionKeyedOnAnotherFlag, "engine_logprob_correction"),
+    (LossBranchOnArgs, "loss_branch"),
+    (VespoWithTheEngineFactor, "minirl_on_vespo"),
+    (SplitWithoutShuffle, "generation_batch_shuffle"),
+    (NoReferenceForward, "reference_forward"),
+    (SyncsBeforeEveryGeneration, "vllm_sync_trigger"),
+])
+def test_a_trl_whose_code_behaves_otherwise_is_reported_by_the_entry(changed, entry):
+    findings = trl_seam.check_trl(changed)
+    assert entry in entries(findings), [str(f) for f in findings]
+    assert trl_seam.check_trl(GRPOTrainer) == ()
+
+
+def test_a_weight_sync_that_bypasses_the_parameter_iterator_is_reported(monkeypatch):
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    monkeypatch.setattr(VLLMGeneration, "sync_weights", lambda self: None)
+    assert entries(trl_seam.check_trl.__wrapped__(GRPOTrainer)) == {"weight_sync_params"}
+
+
+def test_torch_and_async_probes_report_a_changed_upstream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: -1)
+    assert entries(torch_seam.check_torch()) == {"autograd_graph_task"}
+    monkeypatch.undo()
+    from trl.experimental.async_grpo import packing
+
+    monkeypatch.setattr(packing.TreeRow, "fits", lambda self, sample, budget: False)
+    assert entries(trl_async_seam.check_async_trl.__wrapped__()) == {"async_packing"}
 
 
 def test_the_trainer_refuses_to_build_on_a_trl_that_changed(tmp_path, monkeypatch):
-    finding = upstream.Finding("5", "_compute_loss no longer reads inputs['old_per_token_logps'] after the forward")
-    monkeypatch.setattr(upstream, "check_trl", lambda trainer_class=GRPOTrainer: (finding,))
-    with pytest.raises(upstream.UpstreamChangedError, match=r"\[5\] _compute_loss no longer reads"):
+    finding = upstream.Finding(trl_seam.OLD_LOGPS_AFTER_FORWARD, "_compute_loss no longer reads the old log-probs")
+    monkeypatch.setattr(trl_seam, "check_trl", lambda trainer_class=GRPOTrainer: (finding,))
+    with pytest.raises(upstream.UpstreamChangedError, match=r"\[old_logps_after_forward\] _compute_loss no longer"):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"))
 
 

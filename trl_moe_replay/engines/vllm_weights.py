@@ -4,8 +4,8 @@ transformers 5 loads many MoE checkpoints through weight conversions (e.g. Qwen3
 ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` become fused ``mlp.experts.gate_up_proj``
 ``[E, 2I, H]`` and ``mlp.experts.down_proj``), and ``save_pretrained`` reverts them when it writes the checkpoint.
 vLLM's model loaders are written for the checkpoint on disk. :func:`checkpoint_named_tensors` applies the same
-reversion as ``save_pretrained`` (``transformers.core_model_loading.revert_weight_conversion``), one decoder layer at a
-time, so a weight sync sends exactly what a fresh engine would read from a saved checkpoint.
+reversion as ``save_pretrained`` (seam entry ``saved_weight_layout``: transformers' ``revert_weight_conversion``),
+one decoder layer at a time, so a weight sync sends exactly what a fresh engine would read from a saved checkpoint.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
+
+from ..upstream.transformers_seam import save_pretrained_weights
 
 __all__ = ["checkpoint_named_tensors"]
 
@@ -47,9 +48,9 @@ def checkpoint_named_tensors(
         match = _LAYER_PREFIX.match(name)
         layer = match.group(1) if match else None
         if group and layer != group_layer:
-            yield from revert_weight_conversion(model, group).items()
+            yield from save_pretrained_weights(model, group).items()
             group = {}
         group_layer = layer
         group[name] = tensor
     if group:
-        yield from revert_weight_conversion(model, group).items()
+        yield from save_pretrained_weights(model, group).items()

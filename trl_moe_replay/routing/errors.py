@@ -1,8 +1,15 @@
 """Exceptions raised by the routing package.
 
 Every error says what was expected, what came, and what to do; all route problems are
-``ValueError`` subclasses so callers can catch bad input uniformly.
+``ValueError`` subclasses so callers can catch bad input uniformly. ``TransformersChangedError`` (the installed
+transformers no longer matches an entry of the seam) is the seam's, re-exported here with the others RouterReplay
+raises.
 """
+
+from ..upstream.entries import TransformersChangedError
+
+__all__ = ["RouteAlignmentError", "RouteValidationError", "TransformersChangedError", "TransformersTooOldError",
+           "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError):
@@ -11,11 +18,6 @@ class UnsupportedModelError(ValueError):
 
 class TransformersTooOldError(UnsupportedModelError):
     """The model's router family needs a newer transformers than the one installed (the message names it)."""
-
-
-class TransformersChangedError(RuntimeError):
-    """The installed transformers no longer matches an entry of ``routing/transformers_seam.py`` (named in the
-    message)."""
 
 
 class RouteValidationError(ValueError):

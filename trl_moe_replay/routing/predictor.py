@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import transformers_seam
+from ..upstream import transformers_seam
+from ..upstream.torch_seam import parameter_replaced
 
 
 class RoutePredictor(nn.Module):
@@ -94,12 +95,9 @@ def _weight_shifted(router: nn.Module, shift: torch.Tensor) -> Iterator[None]:
         owner, name = router.parametrizations.weight, "original"
     else:
         owner, name = router, "weight"
-    original = owner._parameters[name]
-    owner._parameters[name] = original + shift.to(device=original.device, dtype=original.dtype)
-    try:
+    original = getattr(owner, name)
+    with parameter_replaced(owner, name, original + shift.to(device=original.device, dtype=original.dtype)):
         yield
-    finally:
-        owner._parameters[name] = original
 
 
 def predictor_kl(old_logits: torch.Tensor, shift: torch.Tensor, current_logits: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import transformers_seam
+from ..upstream import transformers_seam
+from ..upstream.torch_seam import assert_without_sync, in_backward
 from .errors import RouteValidationError, UnsupportedModelError
 from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
 from .routes import has_route, is_checked, mark_checked, no_route_value, route_dtype, validate_routes
@@ -41,13 +42,6 @@ from .routes import has_route, is_checked, mark_checked, no_route_value, route_d
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
 _PEFT_COPIES = (".original_module", ".modules_to_save.")
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass, i.e. during an activation-checkpoint recompute."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
 
 
 class _SharedHook:
@@ -219,7 +213,7 @@ class _ActiveReplay:
         if routes is None:
             routes = self._on_device[natural.device] = self.routes.to(natural.device, non_blocking=True)
         window = self.window
-        if window is not None and not _in_backward():
+        if window is not None and not in_backward():
             routes = routes[:, window.start : window.start + window.length]
         # in a backward recompute (gradient checkpointing) the whole routes tensor, as the forward it recomputes used
         batch, seq, _, k = routes.shape
@@ -386,7 +380,7 @@ class RouterReplay:
             raise RuntimeError("this RouterReplay was removed; create a new one")
 
     def _stack_pre_hook(self, module, args, kwargs):
-        if (not self._recordings and self._replay is None) or _in_backward():
+        if (not self._recordings and self._replay is None) or in_backward():
             return None
         inputs = kwargs.get("input_ids")
         if inputs is None:
@@ -445,7 +439,7 @@ class RouterReplay:
             choice = natural
             if self._steer is not None:
                 choice = self._steered_ids(layer, module, router_input, logits, natural)
-            if self._recordings and not _in_backward():
+            if self._recordings and not in_backward():
                 ids = choice.detach().to(route_dtype(self.num_experts, self.top_k))
                 for recording in self._recordings:
                     if not recording._segments:
@@ -454,7 +448,7 @@ class RouterReplay:
                         )
                     recording._segments[-1].ids.setdefault(layer, []).append(ids)
             used = choice if self._replay is None else self._replay.forced_ids(layer, choice)
-            if self._observers and not _in_backward():
+            if self._observers and not in_backward():
                 call = RouterCall(layer, module, router_input, logits, natural, used)
                 for observer in list(self._observers):
                     observer(call)
@@ -475,12 +469,12 @@ class RouterReplay:
         ids = ids.to(device=natural.device, dtype=natural.dtype)
         # checked without a host sync (this runs at every decode step of generate): raises on CPU at once, on CUDA
         # at the next synchronisation; record() relies on these checks for the steered routes it records
-        torch._assert_async(
+        assert_without_sync(
             ((ids >= 0) & (ids < self.num_experts)).all(),
             f"steer() function chose expert ids outside [0, {self.num_experts}) for layer {layer}",
         )
         ordered = ids.sort(dim=-1).values
-        torch._assert_async(
+        assert_without_sync(
             (ordered[:, 1:] != ordered[:, :-1]).all(),
             f"steer() function chose the same expert twice for a token of layer {layer}",
         )

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from packaging.version import Version
 from torch import nn
 
-from . import transformers_seam
+from ..upstream import transformers_seam
 from .errors import TransformersTooOldError
 
 GateWeightFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]

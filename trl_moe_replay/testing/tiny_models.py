@@ -305,7 +305,7 @@ def unavailable_model_types() -> dict[str, str]:
     from packaging.version import Version
 
     from ..routing.routers import min_transformers_for
-    from ..routing.transformers_seam import transformers_version
+    from ..upstream.transformers_seam import transformers_version
 
     installed = Version(transformers_version())
     needed = {model_type: min_transformers_for(model_type) for model_type in TINY_CONFIGS}

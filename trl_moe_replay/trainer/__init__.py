@@ -1,7 +1,7 @@
 """The trainer side: ``MoEReplayGRPOTrainer`` (a ``trl.GRPOTrainer`` subclass), its config, losses, PR2 and metrics.
 
 Depends on :mod:`trl_moe_replay.routing` (replay, route layout), :mod:`trl_moe_replay.engines` (where rollouts and
-their routes come from) and :mod:`trl_moe_replay.upstream` (every private TRL name); nothing below depends on it.
+their routes come from) and :mod:`trl_moe_replay.upstream` (every private upstream name); nothing below depends on it.
 """
 
 from .grpo_config import MoEReplayGRPOConfig

@@ -47,6 +47,7 @@ from ..upstream import (
     async_trainer_globals,
     quiet_upstream_notices,
     tree_attention_kernel,
+    worker_loop_kwargs,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
@@ -80,7 +81,7 @@ def _version_problem(version: Any, current: int) -> str | None:
 
 class _LastTakenQueue:
     """TRL's queue, remembering the sample last taken: ``RolloutQueueDataset.__iter__`` yields right after it
-    (``upstream`` entry 16), so it is the sample behind the dict just yielded.
+    (seam entry ``async_trainer_globals``), so it is the sample behind the dict just yielded.
 
     It also drops, before TRL sees them, samples whose ``model_version`` the trainer never published (not an integer,
     negative, or newer than its current version): their lag and staleness would be nonsense (a version 10**9 gave a
@@ -237,7 +238,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             return
         attempts = getattr(args, "vllm_request_attempts", None)
         if isinstance(self.rollout_worker, RoutedAsyncRolloutWorker) and attempts is not None:
-            self.rollout_worker._loop_kwargs["max_request_attempts"] = attempts
+            worker_loop_kwargs(self.rollout_worker)["max_request_attempts"] = attempts
         rr = self._route_replay
         self._route_shape = (rr.num_layers, rr.top_k)
         self._route_dtype = route_dtype(rr.num_experts, rr.top_k)
@@ -264,8 +265,8 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
 
     def _served_model_name(self) -> str:
         worker = self.rollout_worker
-        kwargs = getattr(worker, "_loop_kwargs", None) or {}
-        return kwargs.get("model_name") or self.model.config._name_or_path
+        kwargs = worker_loop_kwargs(worker)
+        return kwargs.get("model_name") or self.model.config.name_or_path
 
     def train(self, *args, **kwargs):
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():

@@ -39,7 +39,7 @@ class RoutedTreeRow(TreeRow):
 
     A sample dict may carry ``replay_routes`` (``[len(input_ids), L, K]``, "no route" rows where the router chooses);
     without it the row behaves exactly like TRL's. ``fits``/``add`` are TRL 1.16's with the longer key
-    (``upstream`` entry 16 checks TRL's still key on (token, next token)). ``layout`` is the replaying
+    (seam entry ``async_packing`` checks TRL's still key on (token, next token)). ``layout`` is the replaying
     ``RouterReplay``'s (``num_layers``, ``top_k``, ``num_experts``, ``layers``): what "checked" means in ``pack()``.
     """
 
@@ -106,7 +106,8 @@ class RoutedTreeRow(TreeRow):
         out = super().pack()
         packed = self.packed_positions()
         if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
-            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (upstream entry 16)")
+            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (seam entry "
+                               "async_packing)")
         sources = [sample["replay_routes"] for sample in self.samples if sample.get("replay_routes") is not None]
         checked = self.layout is not None and all(is_checked(source[None], **self.layout) for source in sources)
         # [1, N, L, K]: a mark is made on a [batch, seq, L, K] tensor; the [N, L, K] view returned keeps it alive

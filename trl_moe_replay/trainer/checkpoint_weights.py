@@ -7,14 +7,15 @@ NaN weights loaded and failed later, inside ``generate``. :func:`restore_checkpo
 every resume and ``load_best_model_at_end`` of our trainers (sync and async) goes through, via
 :func:`restore_trainer_weights`.
 
-It checks the whole checkpoint before it changes the model: every weight present, none extra, each of the model's
-shape and dtype, and finite (each file is read twice, once to check and once to load, one file in memory at a time). The layouts are what transformers writes: ``model.safetensors``, sharded safetensors with
-their index, ``pytorch_model.bin`` (read with ``weights_only=True``) and sharded ``.bin``, each under the model's own
-names or under the names ``save_pretrained`` writes (what :func:`~trl_moe_replay.upstream.saved_weight_layout` says,
-transformers' reverse conversion); a PEFT model's checkpoint holds only the adapter (``adapter_model.safetensors``,
-adapter and ``modules_to_save`` weights, PEFT's own state dict), and the base weights stay as they are. Weights tied to
-another (``lm_head`` to the embeddings) are one weight; names the model keeps out of its checkpoints
-(``_keys_to_ignore_on_save``: PR2's predictors, restored from their own file) are not expected.
+It checks the whole checkpoint before it changes the model: every weight present, none extra, each of the model's shape
+and dtype, and finite (each file is read twice, once to check and once to load, one file in memory at a time). The
+layouts are what transformers writes: ``model.safetensors``, sharded safetensors with their index,
+``pytorch_model.bin`` (read with ``weights_only=True``) and sharded ``.bin``, each under the model's own names or under
+the names ``save_pretrained`` writes (seam entry ``saved_weight_layout``: transformers' reverse conversion); a PEFT
+model's checkpoint holds only the adapter (``adapter_model.safetensors``, adapter and ``modules_to_save`` weights,
+PEFT's own state dict), and the base weights stay as they are. Weights tied to another (``lm_head`` to the embeddings)
+are one weight; names the model keeps out of its checkpoints (seam entry ``keys_ignored_on_save``: PR2's predictors,
+restored from their own file) are not expected.
 
 FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code).
 """
@@ -44,7 +45,7 @@ from transformers.utils import (
     logging,
 )
 
-from ..upstream import saved_weight_layout
+from ..upstream.transformers_seam import keys_ignored_on_save, saved_weight_layout
 
 logger = logging.get_logger(__name__)
 
@@ -157,7 +158,7 @@ def _expected_layouts(model) -> tuple[dict[str, dict], dict[str, str], set[str]]
         from peft.utils import get_peft_model_state_dict
 
         return {"adapter": _table(get_peft_model_state_dict(model))}, {}, set()
-    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    ignored = keys_ignored_on_save(model)
     first_name: dict[int, str] = {}
     aliases: dict[str, str] = {}
     own: dict[str, torch.Tensor] = {}

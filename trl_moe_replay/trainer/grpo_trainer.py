@@ -4,7 +4,7 @@ The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Da
 
 1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
    which records the routes and the sampling log-probs, like an inference engine would return them. With vLLM
-   (server or colocate), ``generation/vllm.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
+   (server or colocate), ``engines/vllm_routes.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
 2. ``_generate``: engine rows -> routes in TRL's padded layout, through the one entry point
    (``trl_moe_replay.engines.route_intake.RouteIntake``: per-sample fallback, warning, first-batch rule).
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
@@ -50,6 +50,7 @@ from ..routing import RouterReplay
 from ..routing.routes import carry_check, cat_checked
 from ..upstream import (
     assert_trl_compatible,
+    checkpoint_run_dir,
     engine_logprob_correction,
     exclude_from_weight_sync,
     is_reference_forward,
@@ -120,7 +121,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
+            name = model if isinstance(model, str) else model.config.name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         assert_trl_compatible()
         quiet_upstream_notices()
@@ -136,7 +137,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         self.replay_reference_model = settings.replay_reference_model
         self.extreme_token_threshold = settings.extreme_token_threshold
         sync_method = vllm_weight_sync(args)
-        vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (upstream entry 8)
+        vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
         if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
             vllm_classes["LLM"] = llm_returning_routes
         if args.use_vllm and args.vllm_mode == "server" and sync_method == "reload":
@@ -152,7 +153,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         self._ref_route_replay = (
             RouterReplay(self.ref_model) if self.ref_model is not None and settings.routing_replay != "none" else None
         )
-        # R3 with vLLM (or routing metrics): keep the routes vLLM returns (generation/vllm.py), this rank's only
+        # R3 with vLLM (or routing metrics): keep the routes vLLM returns (engines/vllm_routes.py), this rank's only
         self._vllm_routes = None
         if args.use_vllm and settings.generation_routes:
             self._vllm_routes = VLLMRouteSource(
@@ -204,7 +205,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return self._route_replay is None and not self.replay_settings.records_generation and self._vllm_routes is None
 
     def _engine_correction(self, enabled: bool = True):
-        """TRL's engine log-prob correction on the transformers path, when configured (``upstream`` entry 2)."""
+        """TRL's engine log-prob correction on the transformers path, when configured (seam entry
+        ``engine_logprob_correction``)."""
         if not self.replay_settings.transformers_importance_sampling_correction:
             return contextlib.nullcontext()
         return engine_logprob_correction(self, enabled)
@@ -285,8 +287,9 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return output
 
     def _sync_vllm_weights(self) -> None:
-        """Sync the weights into vLLM before TRL would (``upstream`` entry 12), by vLLM's reload or TRL's own sync,
-        then, with ``vllm_sync_check``, measure how far the engine's log-probs of the probe are from the trainer's."""
+        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's
+        own sync, then, with ``vllm_sync_check``, measure how far the engine's log-probs of the probe are from the
+        trainer's."""
         with profiling_context(self, "sync_weights"):
             if self._weight_sync is not None:
                 self._weight_sync.sync()
@@ -502,7 +505,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         )
 
     def _prepare_inputs(self, generation_batch):
-        """TRL's buffering, with the routes' "checked" mark carried over TRL's shuffle (``upstream`` entry 1).
+        """TRL's buffering, with the routes' "checked" mark carried over TRL's shuffle (seam entry
+        ``generation_batch_shuffle``).
 
         The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
         shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the
@@ -654,7 +658,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             self._pr2.check_finite(state, "at a checkpoint")  # every rank holds the same full weights: all stop
             if self.args.should_save:
                 checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
-                self._pr2.save(os.path.join(self._get_output_dir(trial=trial), checkpoint), state)
+                self._pr2.save(os.path.join(checkpoint_run_dir(self, trial), checkpoint), state)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

@@ -3,15 +3,15 @@ loss, and ``minirl`` on TRL's loss code. The math lives in ``trl_moe_replay.trai
 ``MoEReplayGRPOTrainer`` mixes this in. Every reliance on how TRL's ``_compute_loss`` is written is an entry of
 ``trl_moe_replay.upstream``.
 
-* γ (``upstream`` entry 5): TRL builds every importance weight from ``per_token_logps - old_per_token_logps``, read
-  right after the training forward. ``_compute_loss`` hands TRL a shallow copy of the micro-batch, the training
-  forward measures the current router at the old experts (``_measuring_router_shift``), and before TRL reads it the
-  copy's ``old_per_token_logps`` becomes ``old - log γ`` (``losses.shift_old_logps``): every TRL loss type then
-  clips ``γ · ratio`` with its own code, and γ = 1 leaves TRL's computation bit for bit unchanged. The buffered
-  batch itself is never modified.
-* MiniRL (``upstream`` entry 6): its per-token loss ``-sg[M_t · min(π_θ/μ, C)] · Â · log π_θ`` is the form of TRL's
-  ``vespo`` branch, whose weight TRL asks ``get_gamma_weights`` for. This mixin answers with MiniRL's weight, and
-  TRL's code does the rest (forward, masks, KL term, aggregation, aux loss, entropy bonus, metrics).
+* γ (seam entry ``old_logps_after_forward``): TRL builds every importance weight from
+  ``per_token_logps - old_per_token_logps``, read right after the training forward. ``_compute_loss`` hands TRL a
+  shallow copy of the micro-batch, the training forward measures the current router at the old experts
+  (``_measuring_router_shift``), and before TRL reads it the copy's ``old_per_token_logps`` becomes ``old - log γ``
+  (``losses.shift_old_logps``): every TRL loss type then clips ``γ · ratio`` with its own code, and γ = 1 leaves TRL's
+  computation bit for bit unchanged. The buffered batch itself is never modified.
+* MiniRL (seam entry ``minirl_on_vespo``): its per-token loss ``-sg[M_t · min(π_θ/μ, C)] · Â · log π_θ`` is the
+  form of TRL's ``vespo`` branch, whose weight TRL asks ``get_gamma_weights`` for. This mixin answers with MiniRL's
+  weight, and TRL's code does the rest (forward, masks, KL term, aggregation, aux loss, entropy bonus, metrics).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class MoEObjectivesMixin:
     # ------------------------------------------------------------------ minirl
     def get_gamma_weights(self, advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, **vespo):
         """TRL's VESPO weight, or under ``loss_type="minirl"`` MiniRL's detached token weight ``M_t · min(π_θ/μ, C)``
-        (TRL's vespo branch then forms ``-weight · Â · log π_θ``; ``upstream`` entry 6)."""
+        (TRL's vespo branch then forms ``-weight · Â · log π_θ``; seam entry ``minirl_on_vespo``)."""
         if self.moe_loss_type != "minirl":
             return super().get_gamma_weights(
                 advantages=advantages, log_ratio_per_token=log_ratio_per_token, mask=mask,

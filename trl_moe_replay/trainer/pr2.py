@@ -17,8 +17,8 @@ The predictors and their loss live in ``routing.predictor``; this module holds t
    adds to the policy loss's graph, so one backward and one optimizer step serve both.
 
 The predictors are registered in the model (``model.pr2_predictors``), so DDP, FSDP and DeepSpeed hold, shard,
-clip, checkpoint and optimize them like any parameter; they are left out of ``save_pretrained`` (the model's
-``_keys_to_ignore_on_save``) and saved on their own in each checkpoint (``pr2_predictors.safetensors``), before
+clip, checkpoint and optimize them like any parameter; they are left out of ``save_pretrained`` (seam entry
+``keys_ignored_on_save``) and saved on their own in each checkpoint (``pr2_predictors.safetensors``), before
 TRL's files and atomically (a temporary file renamed into place), so a checkpoint with TRL's ``trainer_state.json``
 (written last) always has its predictors; resuming refuses a checkpoint without them (a save cut short, or a run
 without PR2) rather than restarting them from zero under their restored optimizer state.
@@ -46,6 +46,8 @@ from torch import nn
 
 from ..routing import RouterCall, RouterReplay, RouteValidationError
 from ..routing.predictor import RoutePredictors, predictor_kl
+from ..upstream.torch_seam import ignore_in_ddp
+from ..upstream.transformers_seam import ignore_on_save
 from .sharded import full_tensors, is_dtensor
 
 PREDICTORS_FILE = "pr2_predictors.safetensors"
@@ -482,12 +484,7 @@ def _register_in_model(model: nn.Module, predictors: RoutePredictors) -> None:
     if hasattr(base, MODULE_NAME):
         raise ValueError(f"the model already has a `{MODULE_NAME}` attribute; one PR2 trainer per model")
     base.add_module(MODULE_NAME, predictors)
-    ignore_on_save = set(getattr(base, "_keys_to_ignore_on_save", None) or ())
-    base._keys_to_ignore_on_save = ignore_on_save | {f"{MODULE_NAME}.{k}" for k in predictors.state_dict()}
+    ignore_on_save(base, {f"{MODULE_NAME}.{k}" for k in predictors.state_dict()})
     own = {id(p) for p in predictors.parameters()}
     names = [name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in own]
-    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    # torch's own setter for DistributedDataParallel's ignore list (a private static method, stable since torch 1.8)
-    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, sorted(ignored | set(names))
-    )
+    ignore_in_ddp(model, names)

@@ -1,0 +1,123 @@
+"""The one versioned seam: every private name of torch, transformers and TRL the package uses, and every reliance on
+the order or form of their code, as named entries, each with the version it was read from.
+
+One part per library, each a module of entries: a comment saying what is relied on and where, an
+``entry(name, library, read_from, verified_on)`` declaration, the functions the rest of the package calls instead of
+touching the private name, and the part's check.
+
+==========================  ==========================================================================================
+``torch_seam``              ``autograd_graph_task``, ``assert_async``, ``module_parameter_slot``,
+                            ``ddp_ignored_parameters``
+``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
+                            ``keys_ignored_on_save``, ``saved_weight_layout``
+``trl_seam``                ``grpo_private_methods``, ``generation_batch_shuffle``, ``engine_logprob_correction``,
+                            ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
+                            ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
+                            ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
+                            ``tool_turn_rendering``, ``trl_public_apis``
+``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_packing``
+==========================  ==========================================================================================
+
+``torch_seam`` and ``transformers_seam`` import no TRL (the routing package uses them), and neither does this index:
+the TRL parts load on first use of one of their names (PEP 562), so ``from trl_moe_replay.upstream import
+engine_logprob_correction`` works as an eager import would. :func:`check_upstream` runs every part's check.
+``tests/test_layout.py`` fails if a private upstream name is used outside this package. vLLM's private names live in
+``trl_moe_replay_vllm_plugin`` (loaded by vLLM in its own processes; it imports nothing of ours).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .entries import ENTRIES, Entry, Finding, TransformersChangedError, UpstreamChangedError
+
+PARTS = ("torch_seam", "transformers_seam", "trl_seam", "trl_async_seam")
+
+# name -> the part that defines it, for the names the rest of the package imports from the seam
+_LAZY = {
+    **dict.fromkeys(("check_trl", "assert_trl_compatible", "quiet_upstream_notices", "TRL_READ", "TRL_RANGE",
+                     "shuffled_generation_batches", "engine_logprob_correction", "is_reference_forward",
+                     "run_loss_on_trl_branch", "set_old_logps_for_loss", "MINIRL_TRL_BRANCH", "client_session",
+                     "http_vllm_client", "vllm_generation_classes", "vllm_request_fields", "exclude_from_weight_sync",
+                     "trl_named_params", "vllm_weights_stale", "mark_vllm_weights_synced", "wake_colocated_weights"),
+                    "trl_seam"),
+    **dict.fromkeys(("check_async_trl", "assert_async_trl_compatible", "async_worker_classes", "worker_loop_kwargs",
+                     "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
+                     "tree_attention_kernel"), "trl_async_seam"),
+    **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
+                     "save_pretrained_weights"), "transformers_seam"),
+    **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp"), "torch_seam"),
+}
+
+if TYPE_CHECKING:
+    from .torch_seam import assert_without_sync, ignore_in_ddp, in_backward, parameter_replaced
+    from .transformers_seam import (
+        checkpoint_run_dir,
+        ignore_on_save,
+        keys_ignored_on_save,
+        save_pretrained_weights,
+        saved_weight_layout,
+    )
+    from .trl_async_seam import (
+        assert_async_trl_compatible,
+        async_adapter_only_sync,
+        async_trainer_globals,
+        async_tree_row_class,
+        async_worker_classes,
+        check_async_trl,
+        tree_attention_kernel,
+        worker_loop_kwargs,
+    )
+    from .trl_seam import (
+        MINIRL_TRL_BRANCH,
+        TRL_RANGE,
+        TRL_READ,
+        assert_trl_compatible,
+        check_trl,
+        client_session,
+        engine_logprob_correction,
+        exclude_from_weight_sync,
+        http_vllm_client,
+        is_reference_forward,
+        mark_vllm_weights_synced,
+        quiet_upstream_notices,
+        run_loss_on_trl_branch,
+        set_old_logps_for_loss,
+        shuffled_generation_batches,
+        trl_named_params,
+        vllm_generation_classes,
+        vllm_request_fields,
+        vllm_weights_stale,
+        wake_colocated_weights,
+    )
+
+__all__ = ["ENTRIES", "PARTS", "Entry", "Finding", "TransformersChangedError", "UpstreamChangedError", "all_entries",
+           "check_upstream", *_LAZY]
+
+
+def all_entries() -> dict[str, Entry]:
+    """Every entry of every part, by name (imports the TRL parts)."""
+    for part in PARTS:
+        importlib.import_module(f"{__name__}.{part}")
+    return dict(ENTRIES)
+
+
+def check_upstream() -> tuple[Finding, ...]:
+    """Every part's check against the installed libraries (TRL's includes torch's and transformers')."""
+    from .trl_async_seam import check_async_trl
+    from .trl_seam import check_trl
+
+    return check_trl() + check_async_trl()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,0 +1,198 @@
+"""The transformers part of the seam: transformers internals the package relies on, each one named entry.
+
+RouterReplay relies on two internals that changed between releases inside the declared range
+(``stack_cache_keyword``, ``router_output_order``), read and rebuilt only through these functions, which fail with
+:class:`TransformersChangedError` naming the entry. The trainers rely on ``Trainer``'s private methods and on how
+``save_pretrained`` names and leaves out weights. TRL-free: the routing package imports this part.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from packaging.version import Version
+
+from .entries import Finding, TransformersChangedError, entry
+
+TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
+"""transformers versions the routing entries were verified on (the whole family and replay suites ran there)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stack_cache_keyword: the KV cache keyword of the decoder stack (RouterReplay's stack pre-hook,
+#    trl_moe_replay/routing/replay.py).
+#    Before transformers 5.24 `generate` hands the stack (e.g. Qwen3MoeModel.forward) its cache as
+#    `past_key_values=`; from 5.24 as `cache=` (`past_key_values` stays a deprecated alias, renamed inside
+#    forward, so a pre-hook can see either). A pre-hook that misses the cache takes every decode step for a fresh
+#    forward. Verified on transformers 5.16.1 and 5.24.0 (TRANSFORMERS_VERIFIED; CI runs both ends).
+# ---------------------------------------------------------------------------------------------------------------
+STACK_CACHE_KEYWORD = entry("stack_cache_keyword", "transformers", "5.24.0", TRANSFORMERS_VERIFIED)
+STACK_CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def check_stack_cache_keyword(stack: Any) -> None:
+    """Raise :class:`TransformersChangedError` (entry ``stack_cache_keyword``) unless ``stack.forward`` takes one of
+    :data:`STACK_CACHE_KEYWORDS`. Called when RouterReplay attaches to a model."""
+    params = inspect.signature(stack.forward).parameters
+    if not any(keyword in params for keyword in STACK_CACHE_KEYWORDS):
+        raise TransformersChangedError(
+            f"[{STACK_CACHE_KEYWORD.name}] {type(stack).__name__}.forward takes neither of {STACK_CACHE_KEYWORDS} "
+            f"(it takes "
+            f"{tuple(params)}): transformers {transformers_version()} renamed the decoder stack's KV cache "
+            "argument, and RouterReplay could not tell generate's decode steps from fresh forwards. Install a "
+            "transformers inside this package's declared range (README, Tested versions)."
+        )
+
+
+def stack_cache(kwargs: dict) -> Any:
+    """The KV cache a decoder-stack forward was called with (entry ``stack_cache_keyword``), or ``None``."""
+    for keyword in STACK_CACHE_KEYWORDS:
+        if kwargs.get(keyword) is not None:
+            return kwargs[keyword]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# router_output_order: the order of a router's outputs (RouterReplay's router hook).
+#    Every router in the family table returns (router_logits [N, E], gate_weights [N, K], expert_ids [N, K]), except,
+#    before transformers 5.21, the GraniteMoe(-Shared, -Hybrid) and Aria routers, which return
+#    (expert_ids, gate_weights, router_logits). Read from transformers 5.16.1 through 5.24.0 (every minor release);
+#    verified by tests/test_families.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
+#    through these two functions, which check the dtypes (integer ids, floating logits) so that a router whose
+#    order changed again fails loudly with this entry's name instead of replaying logits as ids.
+# ---------------------------------------------------------------------------------------------------------------
+ROUTER_OUTPUT_ORDER = entry("router_output_order", "transformers", "5.24.0", TRANSFORMERS_VERIFIED)
+IDS_FIRST_BEFORE = "5.21.0"
+IDS_FIRST_ROUTERS = frozenset(
+    {"GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter", "GraniteMoeHybridTopKRouter", "AriaTextTopKRouter"}
+)
+
+
+def transformers_version() -> str:
+    """The installed transformers' version (one function, so tests can pretend another)."""
+    import transformers
+
+    return transformers.__version__
+
+
+def router_ids_first(router: Any) -> bool:
+    """Whether ``router`` returns ``(ids, weights, logits)`` in the installed transformers (entry
+    ``router_output_order``)."""
+    if Version(transformers_version()) >= Version(IDS_FIRST_BEFORE):
+        return False
+    return any(cls.__name__ in IDS_FIRST_ROUTERS for cls in type(router).__mro__)
+
+
+def split_router_output(output: tuple, ids_first: bool, router_name: str) -> tuple[Any, Any, Any]:
+    """``(logits, weights, ids)`` of a router's output, whatever its order (entry ``router_output_order``)."""
+    logits, weights, ids = (output[2], output[1], output[0]) if ids_first else (output[0], output[1], output[2])
+    if ids.dtype.is_floating_point or not logits.dtype.is_floating_point:
+        raise TransformersChangedError(
+            f"[{ROUTER_OUTPUT_ORDER.name}] router {router_name} ({transformers_version()}) returned "
+            f"{tuple(o.dtype for o in output[:3])}; "
+            f"expected {'(ids, weights, logits)' if ids_first else '(logits, weights, ids)'} as "
+            f"trl_moe_replay/upstream/transformers_seam.py entry {ROUTER_OUTPUT_ORDER.name} records for this "
+            "transformers. Its output order changed: install a transformers inside this package's declared range, or "
+            "update the entry."
+        )
+    return logits, weights, ids
+
+
+def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any, ids: Any) -> tuple:
+    """A router output in the router's own order with new ``weights`` and ``ids`` (entry ``router_output_order``)."""
+    head = (ids, weights, logits) if ids_first else (logits, weights, ids)
+    return (*head, *output[3:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainer_private_methods: transformers.Trainer's private methods both trainers override or call
+#    (trl_moe_replay/trainer/grpo_trainer.py, checkpoint_weights.py). An override forwards these by name, so a
+#    renamed or reordered parameter must fail here rather than shift arguments:
+#    _save_checkpoint / _load_optimizer_and_scheduler (PR2 checkpoints its predictors next to the Trainer's files,
+#    in the directory _get_output_dir(trial) names); _load_from_checkpoint / _load_best_model (resume loads the weights
+#    through from_pretrained's conversion, transformers#48805); _clip_grad_norm (PR2 clips its predictors by their own
+#    norm).
+# ---------------------------------------------------------------------------------------------------------------
+TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+    "_load_best_model": ("self",),
+    "_clip_grad_norm": ("self", "model"),
+    "_get_output_dir": ("self", "trial"),
+}
+TRAINER_METHODS = entry("trainer_private_methods", "transformers", "5.24.0",
+                        inherited=tuple(name for name in TRAINER_PRIVATE_METHODS if name != "_get_output_dir"))
+
+
+def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
+    """The directory ``Trainer._save_checkpoint`` writes this run's checkpoints into (entry
+    ``trainer_private_methods``)."""
+    return trainer._get_output_dir(trial=trial)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# keys_ignored_on_save: PreTrainedModel._keys_to_ignore_on_save (a class attribute, None or a set of state-dict
+#    names) is what save_pretrained leaves out of the weights it writes. PR2 adds its predictors to it on the model
+#    instance (trl_moe_replay/trainer/pr2.py); resume integrity expects no checkpoint to hold them
+#    (trl_moe_replay/trainer/checkpoint_weights.py). Read from transformers 5.23.0.
+# ---------------------------------------------------------------------------------------------------------------
+KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0"))
+
+
+def keys_ignored_on_save(model: Any) -> set[str]:
+    """The state-dict names ``model.save_pretrained`` leaves out (entry ``keys_ignored_on_save``)."""
+    return set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+
+
+def ignore_on_save(model: Any, names: set[str]) -> None:
+    """Make ``model.save_pretrained`` leave ``names`` out too (entry ``keys_ignored_on_save``)."""
+    model._keys_to_ignore_on_save = keys_ignored_on_save(model) | set(names)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# saved_weight_layout: core_model_loading.revert_weight_conversion(model, state_dict), which save_pretrained applies
+#    to name the weights it writes (fused MoE experts become per-expert weights). Resume integrity checks a
+#    checkpoint against it (trl_moe_replay/trainer/checkpoint_weights.py); the reload weight sync names vLLM's
+#    checkpoint with it. Read from transformers 5.24.0.
+# ---------------------------------------------------------------------------------------------------------------
+SAVED_WEIGHT_LAYOUT = entry("saved_weight_layout", "transformers", "5.24.0")
+
+
+def save_pretrained_weights(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` of ``model`` (or a part of it) under the names and layout ``save_pretrained`` writes (entry
+    ``saved_weight_layout``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, state_dict)
+
+
+def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The names, shapes and dtypes ``save_pretrained`` writes for ``state_dict`` of ``model`` (its weights without
+    tied duplicates), as meta tensors (entry ``saved_weight_layout``)."""
+    return save_pretrained_weights(model, {name: tensor.to("meta") for name, tensor in state_dict.items()})
+
+
+def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]:
+    """The entries above against the installed transformers: the signatures of the private methods
+    ``trainer_class`` (default ``transformers.Trainer``) inherits, and the names that must exist."""
+    from transformers import PreTrainedModel, Trainer, core_model_loading
+
+    findings = []
+    for name, params in TRAINER_PRIVATE_METHODS.items():
+        method = getattr(trainer_class or Trainer, name, None)
+        if not callable(method):
+            findings.append(Finding(TRAINER_METHODS, f"Trainer.{name} no longer exists"))
+            continue
+        have = tuple(inspect.signature(method).parameters)
+        if have[: len(params)] != params:
+            findings.append(Finding(TRAINER_METHODS, f"Trainer.{name}{params} became {name}{have}"))
+    if "_keys_to_ignore_on_save" not in vars(PreTrainedModel):
+        findings.append(Finding(KEYS_IGNORED_ON_SAVE, "PreTrainedModel._keys_to_ignore_on_save no longer exists"))
+    revert = getattr(core_model_loading, "revert_weight_conversion", None)
+    have = tuple(inspect.signature(revert).parameters) if callable(revert) else None
+    if have != ("model", "state_dict"):
+        findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
+                                                     f"became {have}"))
+    return tuple(findings)

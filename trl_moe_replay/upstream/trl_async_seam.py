@@ -1,0 +1,221 @@
+"""The TRL async part of the seam: what ``MoEReplayAsyncGRPOTrainer`` (trl_moe_replay/trainer/async_grpo_trainer.py)
+and its rollout worker (trl_moe_replay/engines/async_rollout.py) rely on in TRL's experimental
+``trl/experimental/async_grpo/`` beyond its public API, each one named entry (read from TRL 1.16.0).
+
+:func:`check_async_trl` verifies the entries by signature, by the names that must exist, and by behavioural probes
+where a stand-in suffices (the packing trie, the attention kernel lookup); the trainer calls it when it is built.
+What needs a running worker and trainer (the dataset yielding the sample it last took, the padding stripped in
+``compute_loss``, the version bump in ``_sync_weight``) is probed by the scripted-worker tests of
+``tests/test_async_grpo.py``, among them the bit-for-bit comparison with TRL's own trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import trl
+
+from .entries import Entry, Finding, UpstreamChangedError, entry
+from .torch_seam import check_torch
+from .transformers_seam import check_transformers
+from .trl_seam import TRL_READ, TRL_VERIFIED
+
+ASYNC_PACKAGE = "trl.experimental.async_grpo"
+
+
+def _async_module(name: str) -> Any:
+    return importlib.import_module(f"{ASYNC_PACKAGE}.{name}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# async_rollout_worker: trl/experimental/async_grpo/async_rollout_worker.py.
+#    _AsyncRolloutLoop is subclassed: _post(path, payload, timeout, max_retries) returns the whole response JSON,
+#    _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows at index 2,
+#    _score_group(group) emits one RolloutSample per row of group.completions_sequences in order,
+#    _retry(coro_factory, *, label, max_attempts), _counters/_rates (the loop's metric sinks). AsyncRolloutWorker:
+#    _loop_cls, _process, _failed_event, _stop_event_mp (our stop() sets it itself), _heartbeat_value,
+#    _model_version_value (mp.Values with their default RLock), _loop_kwargs (forwarded to the loop:
+#    max_request_attempts, model_name). RolloutSample: a slots dataclass, subclassed.
+# ---------------------------------------------------------------------------------------------------------------
+LOOP_METHODS: dict[str, tuple[str, ...]] = {
+    "_post": ("self", "path", "payload", "timeout", "max_retries"),
+    "_generate_one": ("self", "prompt", "tool_dict", "tools", "group_id"),
+    "_score_group": ("self", "group"),
+    "_retry": ("self", "coro_factory", "label", "max_attempts"),
+}
+WORKER_ATTRIBUTES = ("_counters", "_rates", "_process", "_failed_event", "_stop_event_mp", "_heartbeat_value",
+                     "_model_version_value", "_loop_kwargs")
+ASYNC_ROLLOUT_WORKER = entry("async_rollout_worker", "trl", TRL_READ, TRL_VERIFIED,
+                             inherited=(*LOOP_METHODS, *WORKER_ATTRIBUTES))
+
+
+def async_worker_classes() -> tuple[type, type, type]:
+    """``(_AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample)`` of TRL's async rollout worker."""
+    worker = _async_module("async_rollout_worker")
+    return worker._AsyncRolloutLoop, worker.AsyncRolloutWorker, worker.RolloutSample
+
+
+def worker_loop_kwargs(worker: Any) -> dict:
+    """The keyword arguments ``AsyncRolloutWorker`` builds its rollout loop with (a live dict: entries set here
+    reach the loop; empty for a worker that is not TRL's)."""
+    return getattr(worker, "_loop_kwargs", None) or {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# async_trainer_globals: trl/experimental/async_grpo/async_grpo_trainer.py.
+#    The module globals AsyncRolloutWorker (built by AsyncGRPOTrainer.__init__), TreeRow (built by the batchers),
+#    get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
+#    FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader) are replaced
+#    while the trainer builds them. RolloutQueueDataset.__iter__ yields right after its last `self.queue.get(`, and
+#    the dataset keeps .model_version_fn and .metrics (the trainer's metric sink); compute_loss strips the collator's
+#    padding with inputs["attention_mask"]; _sync_weight publishes the weights and bumps model_version;
+#    AsyncGRPOTrainer._lora_sync says whether __init__ chose adapter-only vLLM sync (a PEFT model and a server
+#    started with --enable-lora) instead of merged weights; _metrics is the metric sink log() averages.
+# ---------------------------------------------------------------------------------------------------------------
+TRAINER_GLOBALS = ("AsyncRolloutWorker", "TreeRow", "get_peak_flops_per_device", "RolloutQueueDataset",
+                   "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout")
+ASYNC_TRAINER_GLOBALS = entry("async_trainer_globals", "trl", TRL_READ, TRL_VERIFIED,
+                              inherited=("_sync_weight", "_metrics"))
+
+
+@contextlib.contextmanager
+def async_trainer_globals(**values: Any) -> Iterator[None]:
+    """Within the context, the async trainer module's globals ``values`` (``AsyncRolloutWorker``, ``TreeRow``,
+    ``get_peak_flops_per_device``) are replaced; restored on exit."""
+    module = _async_module("async_grpo_trainer")
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def async_adapter_only_sync(trainer: Any) -> bool:
+    """Whether TRL's async trainer syncs a LoRA adapter to vLLM as an adapter (``--enable-lora``), not merged."""
+    return bool(getattr(trainer, "_lora_sync", False))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# async_packing: trl/experimental/async_grpo/packing.py.
+#    TreeRow.fits/add key the trie on (token, next token) (our RoutedTreeRow adds the route), pack() lays nodes out
+#    in DFS pre-order; tree_attention looks the module global _flash_attn up at call time (FA3 through
+#    kernels.get_kernel; replaced on CPU).
+# ---------------------------------------------------------------------------------------------------------------
+ASYNC_PACKING = entry("async_packing", "trl", TRL_READ, TRL_VERIFIED)
+
+
+def async_tree_row_class() -> type:
+    return _async_module("packing").TreeRow
+
+
+@contextlib.contextmanager
+def tree_attention_kernel(kernel: Any) -> Iterator[None]:
+    """Within the context, TRL's packed tree attention calls ``kernel.flash_attn_varlen_func`` instead of
+    FlashAttention-3; TRL's kernel lookup is restored on exit."""
+    packing = _async_module("packing")
+    saved = packing._flash_attn
+    packing._flash_attn = lambda: kernel
+    try:
+        yield
+    finally:
+        packing._flash_attn = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def check_async_trl() -> tuple[Finding, ...]:
+    """The entries above against the installed TRL; returns what no longer holds (empty: all good)."""
+    findings: list[Finding] = []
+
+    def expect(declared: Entry, condition: bool, problem: str) -> None:
+        if not condition:
+            findings.append(Finding(declared, problem))
+
+    worker = _async_module("async_rollout_worker")
+    trainer = _async_module("async_grpo_trainer")
+    packing = _async_module("packing")
+    loop = getattr(worker, "_AsyncRolloutLoop", None)
+    for name, params in LOOP_METHODS.items():
+        have = tuple(inspect.signature(getattr(loop, name)).parameters) if hasattr(loop, name) else None
+        expect(ASYNC_ROLLOUT_WORKER, have == params, f"_AsyncRolloutLoop.{name}{params} became {have}")
+    expect(ASYNC_ROLLOUT_WORKER, getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop,
+           "AsyncRolloutWorker._loop_cls is no longer _AsyncRolloutLoop")
+    expect(ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample),
+           "RolloutSample is no longer a slots dataclass")
+    for name in TRAINER_GLOBALS:
+        expect(ASYNC_TRAINER_GLOBALS, hasattr(trainer, name),
+               f"async_grpo_trainer no longer has the module global {name}")
+    dataset_params = tuple(inspect.signature(trainer.RolloutQueueDataset.__init__).parameters)
+    expect(ASYNC_TRAINER_GLOBALS, {"model_version_fn", "metrics"} <= set(dataset_params),
+           f"RolloutQueueDataset{dataset_params} no longer takes model_version_fn and metrics")
+    for name, params in {"compute_loss": ("self", "model", "inputs"), "_sync_weight": ("self",)}.items():
+        method = getattr(trainer.AsyncGRPOTrainer, name, None)
+        have = tuple(inspect.signature(method).parameters)[: len(params)] if callable(method) else None
+        expect(ASYNC_TRAINER_GLOBALS, have == params, f"AsyncGRPOTrainer.{name}{params} became {have}")
+    expect(ASYNC_PACKING, callable(getattr(packing, "_flash_attn", None)), "packing._flash_attn no longer exists")
+    for name, probe in (("the trie keys", _probe_tree_row_keys), ("the kernel lookup", _probe_tree_attention_kernel)):
+        try:
+            problem = probe(packing)
+        except Exception as error:  # TRL's code now reads or does something the probe's stand-in lacks
+            problem = f"the probe of {name} failed ({type(error).__name__}: {error}); re-read the entry"
+        expect(ASYNC_PACKING, problem is None, problem or "")
+    return tuple(findings)
+
+
+def _probe_tree_row_keys(packing: Any) -> str | None:
+    """Two samples agreeing on tokens 1, 2 but not on the token after 2 share only the node of token 1."""
+    row = packing.TreeRow()
+    for ids in ([1, 2, 3], [1, 2, 4]):
+        sample = {"input_ids": torch.tensor(ids), "completion_mask": torch.ones(3), "group_id": 0}
+        if not row.fits(sample, budget=16):
+            return "TreeRow.fits refuses a sample well within its budget"
+        row.add(sample)
+    if len(row.tokens) != 5:
+        return (f"TreeRow no longer keys its trie on (token, next token): two forking samples made "
+                f"{len(row.tokens)} nodes, expected 5")
+    return None
+
+
+def _probe_tree_attention_kernel(packing: Any) -> str | None:
+    """tree_attention calls the kernel the module global _flash_attn returns at call time."""
+
+    class _Called(Exception):
+        pass
+
+    class Kernel:
+        @staticmethod
+        def flash_attn_varlen_func(*args, **kwargs):
+            raise _Called
+
+    x = torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)  # [batch, heads, tokens, head_dim]; not float32: no dtype search
+    with tree_attention_kernel(Kernel):
+        try:
+            packing.tree_attention(torch.nn.Module(), x, x, x, None, tree_kv_index=torch.arange(2),
+                                   tree_cu_seqlens_q=torch.tensor([0, 2]), tree_cu_seqlens_k=torch.tensor([0, 2]),
+                                   tree_max_seqlen_q=2, tree_max_seqlen_k=2)
+        except _Called:
+            return None
+    return "tree_attention no longer calls the kernel the module global _flash_attn returns at call time"
+
+
+def assert_async_trl_compatible() -> None:
+    """Raise :class:`UpstreamChangedError` listing every entry the installed TRL (or torch, transformers) breaks."""
+    findings = check_async_trl() + check_transformers() + check_torch()
+    if findings:
+        lines = "\n".join(f"  - {finding}" for finding in findings)
+        raise UpstreamChangedError(
+            f"trl_moe_replay's async trainer was written against TRL {TRL_READ}'s trl.experimental.async_grpo; the "
+            f"installed TRL {trl.__version__} (or torch, transformers) no longer matches it (trl_moe_replay/upstream/, "
+            f"by entry):\n{lines}"
+        )

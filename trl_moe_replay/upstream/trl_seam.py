@@ -1,0 +1,754 @@
+"""The TRL part of the seam: what ``MoEReplayGRPOTrainer`` relies on in ``trl.GRPOTrainer`` and TRL's vLLM classes
+beyond their public API, each one named entry (TRL 1.16.0 throughout, :data:`TRL_READ`).
+
+``MoEReplayGRPOTrainer`` subclasses ``trl.GRPOTrainer`` and overrides some of its private methods; a few behaviours
+also depend on how TRL's code behaves inside them. :func:`check_trl` verifies every entry against the installed TRL,
+by signature (``inspect.signature``) and, where an entry depends on the order or form of TRL's code, by a small
+behavioural probe: TRL's own function run on a tiny input and a stand-in ``self``, and the effect the package relies
+on observed. The trainer calls it when it is built, so an upstream change fails loudly, naming the entry, instead of
+training silently wrong. ``tests/test_upstream.py`` runs the same checks in CI, and shows each probe failing on a TRL
+whose code behaves otherwise; what needs a real run (the tool loop's rendering, the vLLM client and request fields)
+is checked here by signature and by the tests each entry names.
+
+TRL's experimental async trainer has its own part, ``trl_async_seam.py``. vLLM's private names live in
+``trl_moe_replay_vllm_plugin`` (the CPU capture plugin, a separate package that vLLM loads in its own processes);
+every other use of vLLM goes through TRL or vLLM's public API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import trl
+from trl import GRPOTrainer
+
+from .entries import Entry, Finding, UpstreamChangedError, entry
+from .torch_seam import check_torch
+from .transformers_seam import check_transformers
+
+TRL_READ = "1.16.0"
+"""The TRL version every entry below was read from."""
+
+TRL_RANGE = ">=1.16.0,<1.17"
+"""The TRL versions this package declares (pyproject.toml); a TRL inside it passes :func:`check_trl`."""
+
+TRL_VERIFIED = ("1.16.0",)
+"""TRL versions every entry was verified on. (TRL 1.15.0 fails ``trl_public_apis`` and its GRPO needs Triton;
+1.14.2 fails ``grpo_private_methods`` as well: see docs/install.md.) Run ``python scripts/check_trl_tree.py PATH``
+against a TRL checkout before adding a version here."""
+
+
+def _trl_entry(name: str, inherited: tuple[str, ...] = ()) -> Entry:
+    return entry(name, "trl", TRL_READ, TRL_VERIFIED, inherited)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# grpo_private_methods: private GRPOTrainer methods the trainer overrides, with the parameters it relies on
+#    (trl/trainer/grpo_trainer.py). An override forwards these by name, so a renamed or reordered parameter must fail
+#    here rather than shift arguments. (transformers.Trainer's own private methods, overridden too, are the
+#    transformers part's entry `trainer_private_methods`.)
+#    Private attributes of GRPOTrainer the trainers read (set in GRPOTrainer.__init__): _metrics[mode][name], TRL's
+#    metric lists averaged by GRPOTrainer.log (the way TRL trainers log); _tokenizer, the tokenizer behind
+#    processing_class (pad token id).
+# ---------------------------------------------------------------------------------------------------------------
+OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
+                              "has_tool_images"),
+    "_generate": ("self", "prompts"),
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "batch_size", "compute_entropy", "compute_aux_loss"),
+    "_compute_loss": ("self", "model", "inputs"),
+    "_prepare_inputs": ("self", "generation_batch"),
+    "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
+}
+PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer")
+GRPO_PRIVATE_METHODS = _trl_entry(
+    "grpo_private_methods", inherited=(*[n for n in OVERRIDDEN_METHODS if n.startswith("_")], *PRIVATE_ATTRIBUTES))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation_batch_shuffle: GRPOTrainer._prepare_inputs shuffles what _generate_and_score_completions returned (a
+#    copy along the first axis, with the module global shuffle_sequence_dict), then splits it (views) into
+#    steps_per_generation micro-batches and hands out the first. The override carries the routes' "checked" mark
+#    over the shuffle (routing.routes.carry_check).
+# ---------------------------------------------------------------------------------------------------------------
+GENERATION_BATCH_SHUFFLE = _trl_entry("generation_batch_shuffle")
+
+
+@contextlib.contextmanager
+def shuffled_generation_batches(observe: Callable[[dict, dict], None]) -> Iterator[None]:
+    """Within the context, each generation batch ``GRPOTrainer._prepare_inputs`` shuffles (TRL's module-global
+    ``shuffle_sequence_dict``) is handed to ``observe(shuffled, original)`` right after the shuffle."""
+    module = importlib.import_module("trl.trainer.grpo_trainer")
+    shuffle = module.shuffle_sequence_dict
+
+    def observed(batch):
+        shuffled = shuffle(batch)
+        observe(shuffled, batch)
+        return shuffled
+
+    module.shuffle_sequence_dict = observed
+    try:
+        yield
+    finally:
+        module.shuffle_sequence_dict = shuffle
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# engine_logprob_correction: TRL's engine log-prob correction is keyed on `use_vllm`.
+#    GRPOTrainer._generate_and_score_completions runs its old-logprob pass, computes the importance-sampling ratio
+#    against the sampler's log-probs and logs sampling/* when `self.use_vllm and
+#    self.vllm_importance_sampling_correction`, after it generated; _compute_loss multiplies the loss by that ratio
+#    under the same condition; _generate_single_turn takes the vLLM path when `self.use_vllm`. On the transformers
+#    generation path our recorder supplies the sampler's log-probs exactly as vLLM does, so
+#    `transformers_importance_sampling_correction` makes TRL apply the same correction by answering True there:
+#    during scoring (after generation) and in the loss, never while generating.
+# ---------------------------------------------------------------------------------------------------------------
+ENGINE_LOGPROB_CORRECTION = _trl_entry("engine_logprob_correction")
+
+
+@contextlib.contextmanager
+def engine_logprob_correction(trainer: GRPOTrainer, enabled: bool) -> Iterator[None]:
+    """Within the context, TRL applies (``enabled``) or skips its engine log-prob correction on ``trainer``.
+
+    Only the trainer's own ``_generate_and_score_completions`` and ``_compute_loss`` enter it; generation itself is
+    run with ``enabled=False`` so TRL's ``_generate_single_turn`` takes the transformers path.
+    """
+    saved = trainer.use_vllm
+    trainer.use_vllm = enabled
+    try:
+        yield
+    finally:
+        trainer.use_vllm = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reference_forward: telling TRL's two scoring forwards apart.
+#    _generate_and_score_completions calls _get_per_token_logps_and_entropies for the old policy with `self.model`,
+#    then for the reference policy (beta != 0) with `self.ref_model`, or, for a PEFT model, with `self.model` inside
+#    trl.trainer.utils.use_adapter(model, "ref" or None): the adapter named "ref" active, or all adapters disabled.
+# ---------------------------------------------------------------------------------------------------------------
+REFERENCE_FORWARD = _trl_entry("reference_forward")
+
+
+def is_reference_forward(trainer: GRPOTrainer, model: Any) -> bool:
+    """Whether a scoring forward of ``model`` computes the reference policy's log-probs (else the old policy's)."""
+    if trainer.ref_model is not None:
+        return model is trainer.ref_model
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if not hasattr(unwrapped, "peft_config"):
+        return False  # no PEFT, no ref model: beta == 0, there is no reference pass
+    if "ref" in unwrapped.peft_config and unwrapped.active_adapter == "ref":
+        return True
+    return _adapters_disabled(unwrapped)
+
+
+def _adapters_disabled(peft_model: Any) -> bool:
+    """PEFT's ``disable_adapter()`` context: every tuner layer reports ``disable_adapters`` (a public property)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in peft_model.modules() if isinstance(module, BaseTunerLayer)]
+    return bool(layers) and all(layer.disable_adapters for layer in layers)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loss_branch: GRPOTrainer.__init__ copies args.loss_type to self.loss_type, and _compute_loss branches on
+#    self.loss_type. Our loss names run on a TRL branch: gspo/rspo on "grpo" (with sequence-level ratios, as TRL's docs
+#    reproduce GSPO), minirl on "vespo" (entry `minirl_on_vespo`).
+# ---------------------------------------------------------------------------------------------------------------
+LOSS_BRANCH = _trl_entry("loss_branch")
+
+
+def run_loss_on_trl_branch(trainer: GRPOTrainer, trl_loss_type: str) -> None:
+    """Make ``_compute_loss`` take TRL's ``trl_loss_type`` branch (``args.loss_type`` keeps the user's name)."""
+    trainer.loss_type = trl_loss_type
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# old_logps_after_forward: the router-shift weight γ reaches TRL's ratio through the old log-probs.
+#    _compute_loss runs the training forward (_get_per_token_logps_and_entropies) *before* it reads
+#    inputs["old_per_token_logps"], and forms every ratio from per_token_logps - old_per_token_logps. So old
+#    log-probs shifted by -log γ, placed in the micro-batch during the forward, give γ·ratio to every loss type.
+# ---------------------------------------------------------------------------------------------------------------
+OLD_LOGPS_AFTER_FORWARD = _trl_entry("old_logps_after_forward")
+
+
+def set_old_logps_for_loss(inputs: dict, old_per_token_logps: Any) -> None:
+    """Place the old log-probs TRL's ``_compute_loss`` will read after the training forward (entry
+    ``old_logps_after_forward``)."""
+    inputs["old_per_token_logps"] = old_per_token_logps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# minirl_on_vespo: MiniRL on TRL's "vespo" branch.
+#    _compute_loss's vespo branch is `per_token_loss = -phi_seq * advantages * per_token_logps` with
+#    `phi_seq = self.get_gamma_weights(advantages=..., log_ratio_per_token=log_ratio, mask=...,
+#    importance_sampling_ratio=..., ...)`, skips the engine importance-sampling factor, and normalises by the batch's
+#    loss-token count like dapo. MiniRL's per-token loss is exactly that form with phi = sg[M_t · min(π_θ/μ, C)], so
+#    the trainer overrides get_gamma_weights (a static method called through self) and TRL's code does the rest:
+#    forward, masks, KL, aggregation, aux loss, metrics.
+# ---------------------------------------------------------------------------------------------------------------
+MINIRL_ON_VESPO = _trl_entry("minirl_on_vespo")
+MINIRL_TRL_BRANCH = "vespo"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vllm_client_session: vLLM server mode, the routes in TRL's client responses (trl/generation/vllm_client.py).
+#    VLLMClient keeps its HTTP session in the public attribute `session` (a requests.Session) and posts every
+#    request through it; VLLMClient.generate sends one POST /v1/completions and reads "choices" in completion
+#    order. A requests response hook (a supported requests mechanism) sees each response. (Behaviour tested with the
+#    stand-in server: tests/test_vllm_generation.py.)
+# ---------------------------------------------------------------------------------------------------------------
+VLLM_CLIENT_SESSION = _trl_entry("vllm_client_session")
+
+
+def client_session(vllm_client: Any) -> Any:
+    """The ``requests.Session`` TRL's ``VLLMClient`` sends its requests through."""
+    return vllm_client.session
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# http_vllm_client: TRL's VLLMClient as a plain HTTP client (trl/generation/vllm_client.py).
+#    VLLMClient.__init__ refuses to build unless `is_vllm_available()` (its module-global name) answers True,
+#    although generation through it is only HTTP (the weight-transfer communicator, which needs vLLM, is opened
+#    separately). `trl-moe-replay audit --vllm_server_url` samples through it from a machine without vLLM.
+# ---------------------------------------------------------------------------------------------------------------
+HTTP_VLLM_CLIENT = _trl_entry("http_vllm_client")
+
+
+def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
+    """TRL's ``VLLMClient`` for ``base_url``, built whether or not vLLM is installed on this machine."""
+    from trl.generation import vllm_client
+
+    saved = vllm_client.is_vllm_available
+    vllm_client.is_vllm_available = lambda *args, **kw: True
+    try:
+        return vllm_client.VLLMClient(base_url=base_url, **kwargs)
+    finally:
+        vllm_client.is_vllm_available = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vllm_generation_classes: the vLLM classes TRL builds (trl/generation/vllm_generation.py).
+#    VLLMGeneration._init_vllm builds, from module-global names, `VLLMClient(...)` then `init_communicator(...)`
+#    (server mode, main process), or `LLM(...)` with a fixed argument list (no pass-through) and
+#    distributed_executor_backend="external_launcher" (colocate); VLLMGeneration.generate calls
+#    `self.llm.generate(...)` and keeps only token ids and log-probs from the returned RequestOutputs. To get
+#    `enable_return_routed_experts=True` and the outputs (colocate), or a client without TRL's NCCL communicator
+#    (server mode, weight sync by vLLM's reload), the classes are chosen at construction: the trainer builds TRL's
+#    VLLMGeneration while those names refer to subclasses. (Behaviour tested: tests/test_vllm_generation.py.)
+# ---------------------------------------------------------------------------------------------------------------
+VLLM_GENERATION_CLASSES = _trl_entry("vllm_generation_classes")
+_VLLM_GENERATION_MODULE = "trl.generation.vllm_generation"
+
+
+@contextlib.contextmanager
+def vllm_generation_classes(**make_subclass: Callable[[type], type]) -> Iterator[None]:
+    """While the trainer builds TRL's ``VLLMGeneration``, each module-global name given (``LLM``, ``VLLMClient``)
+    is ``make_subclass(original)``. Without vLLM installed ``LLM`` does not exist; TRL then raises its own error."""
+    module = importlib.import_module(_VLLM_GENERATION_MODULE)
+    saved = {name: getattr(module, name, None) for name in make_subclass}
+    for name, make in make_subclass.items():
+        if saved[name] is not None:
+            setattr(module, name, make(saved[name]))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            if original is not None:
+                setattr(module, name, original)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vllm_request_fields: per-request fields of TRL's vLLM requests (trl/generation/vllm_generation.py).
+#    VLLMGeneration.generate merges its `generation_kwargs` attribute (GRPOConfig.generation_kwargs) into every
+#    request: the /v1/completions body (server mode, through VLLMClient.generate) or SamplingParams (colocate).
+#    A later tool turn asks vLLM (`routed_experts_prompt_start`) not to resend the routes of the prefix it holds.
+#    (Behaviour tested: tests/test_tools.py and tests/test_turns.py.)
+# ---------------------------------------------------------------------------------------------------------------
+VLLM_REQUEST_FIELDS = _trl_entry("vllm_request_fields")
+
+
+@contextlib.contextmanager
+def vllm_request_fields(vllm_generation: Any, **fields: Any) -> Iterator[None]:
+    """Within the context, TRL's vLLM requests also carry ``fields``."""
+    saved = vllm_generation.generation_kwargs
+    vllm_generation.generation_kwargs = {**saved, **fields}
+    try:
+        yield
+    finally:
+        vllm_generation.generation_kwargs = saved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weight_sync_params: parameters vLLM's model does not have (PR2's predictors, registered in the trained model).
+#    Both VLLMGeneration.sync_weights paths (server metadata and transfer, colocate load_weights) read the
+#    parameters through the one iterator VLLMGeneration._iter_named_params (gathering each under DeepSpeed/FSDP,
+#    mapping names to vLLM's); vLLM's load_weights rejects unknown names. The iterator is filtered on this
+#    instance; every parameter is still walked, so the gathers stay collective.
+# ---------------------------------------------------------------------------------------------------------------
+WEIGHT_SYNC_PARAMS = _trl_entry("weight_sync_params")
+
+
+def exclude_from_weight_sync(vllm_generation: Any, skip: Callable[[str], bool]) -> None:
+    """Leave the parameters whose vLLM name satisfies ``skip`` out of TRL's weight sync to vLLM."""
+    iterate = vllm_generation._iter_named_params
+
+    def without_skipped():
+        for name, param in iterate():
+            if not skip(name):
+                yield name, param
+
+    vllm_generation._iter_named_params = without_skipped
+
+
+def trl_named_params(vllm_generation: Any) -> Iterator[tuple[str, Any]]:
+    """The parameters TRL's sync would send, one at a time, gathered and named as it names them."""
+    return vllm_generation._iter_named_params()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vllm_sync_trigger: when TRL syncs vLLM's weights, and how it wakes them.
+#    GRPOTrainer._generate_single_turn (vLLM) and _generate (rollout_func) call self.vllm_generation.sync_weights()
+#    when `self.state.global_step != self._last_loaded_step`, then set _last_loaded_step: a sync the trainer does
+#    first (vLLM's reload, `vllm_weight_sync="reload"`) and records there replaces TRL's. It reads the parameters as
+#    TRL's sync would (entry `weight_sync_params`), and wakes sleeping colocated weights first as TRL does
+#    (`_llm_weights_sleeping`).
+# ---------------------------------------------------------------------------------------------------------------
+VLLM_SYNC_TRIGGER = _trl_entry("vllm_sync_trigger")
+
+
+def vllm_weights_stale(trainer: GRPOTrainer) -> bool:
+    """Whether TRL would sync vLLM's weights before the next generation."""
+    return trainer.state.global_step != trainer._last_loaded_step
+
+
+def mark_vllm_weights_synced(trainer: GRPOTrainer) -> None:
+    """Record that vLLM holds the weights of the current step (TRL then skips its own sync)."""
+    trainer._last_loaded_step = trainer.state.global_step
+
+
+def wake_colocated_weights(vllm_generation: Any) -> None:
+    """Before loading into a sleeping colocated engine (``vllm_enable_sleep_mode``), as TRL's sync does."""
+    if vllm_generation.mode == "colocate" and vllm_generation.enable_sleep_mode:
+        vllm_generation.llm.wake_up(tags=["weights"])
+        vllm_generation._llm_weights_sleeping = False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tool_turn_rendering: how TRL's tool loop renders a tool turn (trl/trainer/grpo_trainer.py), mirrored by the
+#    offline cold start. trl_moe_replay.extras.math.cold_start teaches the tiny demo model tool calls with sequences
+#    built as TRL 1.16's _tool_call_loop builds them at train time: `prompt + completion +
+#    _get_tool_suffix_ids(tool_messages)`, the suffix cut from a dummy conversation after its last EOS, and a failing
+#    tool's result `{"error": str(e)}`. Checked here by signature; tests/test_tool_recipe.py checks a real trainer run
+#    against the cold start's sequences token for token (the behavioural probe).
+# ---------------------------------------------------------------------------------------------------------------
+TOOL_TURN_RENDERING = _trl_entry("tool_turn_rendering")
+TOOL_LOOP_METHODS: dict[str, tuple[str, ...]] = {
+    "_get_tool_suffix_ids": ("self", "tool_messages"),
+    "_tool_call_loop": ("self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images",
+                        "multimodal_fields"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trl_public_apis: public TRL APIs this package calls that a TRL still matching every other entry may lack: public,
+#    but not in every TRL release, so they are checked like the private ones (TRL 1.15.0 has neither of the first two).
+#    VLLMClient.get_server_info() (trl/generation/vllm_client.py): `trl-moe-replay audit` and the fake vLLM server
+#    read the server's configuration; parse_response(tokenizer, ids, prefix=..., tools=...)
+#    (trl/chat_template_utils.py): the math cold start parses tool calls as TRL's tool loop does;
+#    disable_gradient_checkpointing(model, gradient_checkpointing_kwargs) (trl/models/utils.py): the routing metrics'
+#    own no-grad forward (MoEReplayGRPOTrainer._metrics_pass) runs like TRL's old-logprob pass.
+# ---------------------------------------------------------------------------------------------------------------
+TRL_PUBLIC_APIS = _trl_entry("trl_public_apis")
+PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "VLLMClient.get_server_info": ("trl.generation.vllm_client", ("self",)),
+    "parse_response": ("trl.chat_template_utils", ("tokenizer", "ids", "prefix", "tools")),
+    "disable_gradient_checkpointing": ("trl.models.utils", ("model", "gradient_checkpointing_kwargs")),
+}
+
+# Module globals of TRL the seam reads or replaces, by entry (checked to exist; their behaviour is probed below).
+MODULE_GLOBALS: dict[Entry, tuple[str, tuple[str, ...]]] = {
+    GENERATION_BATCH_SHUFFLE: ("trl.trainer.grpo_trainer", ("shuffle_sequence_dict", "split_tensor_dict")),
+    HTTP_VLLM_CLIENT: ("trl.generation.vllm_client", ("is_vllm_available", "VLLMClient")),
+    VLLM_GENERATION_CLASSES: (_VLLM_GENERATION_MODULE, ("VLLMClient", "VLLMGeneration")),
+}
+# Signatures of the TRL functions the seam calls or whose behaviour it relies on, by entry.
+SIGNATURES: dict[Entry, dict[str, tuple[str, tuple[str, ...]]]] = {
+    VLLM_CLIENT_SESSION: {
+        "VLLMClient._post": ("trl.generation.vllm_client", ("self", "url")),
+        "VLLMClient.generate": ("trl.generation.vllm_client", ("self", "prompts", "features", "n")),
+    },
+    HTTP_VLLM_CLIENT: {"VLLMClient.__init__": ("trl.generation.vllm_client", ("self", "base_url"))},
+    VLLM_GENERATION_CLASSES: {
+        "VLLMGeneration._init_vllm": (_VLLM_GENERATION_MODULE, ("self",)),
+        "VLLMGeneration.generate": (_VLLM_GENERATION_MODULE, ("self", "prompts", "images", "num_generations")),
+    },
+    VLLM_REQUEST_FIELDS: {"VLLMGeneration.generate": (_VLLM_GENERATION_MODULE, ("self", "prompts"))},
+    WEIGHT_SYNC_PARAMS: {
+        "VLLMGeneration.sync_weights": (_VLLM_GENERATION_MODULE, ("self",)),
+        "VLLMGeneration._iter_named_params": (_VLLM_GENERATION_MODULE, ("self",)),
+    },
+    REFERENCE_FORWARD: {"use_adapter": ("trl.trainer.utils", ("model", "adapter_name"))},
+    TRL_PUBLIC_APIS: PUBLIC_APIS,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
+    """Verify every entry against the installed TRL (and the torch and transformers parts); returns what no longer
+    holds (empty: all good). ``trainer_class`` is the GRPOTrainer whose methods are checked (tests pass a changed
+    one)."""
+    findings: list[Finding] = []
+    for name, params in {**OVERRIDDEN_METHODS, **TOOL_LOOP_METHODS}.items():
+        declared = GRPO_PRIVATE_METHODS if name in OVERRIDDEN_METHODS else TOOL_TURN_RENDERING
+        method = getattr(trainer_class, name, None)
+        if not callable(method):
+            findings.append(Finding(declared, f"GRPOTrainer.{name} does not exist"))
+            continue
+        have = tuple(inspect.signature(method).parameters)
+        if have[: len(params)] != params:
+            findings.append(Finding(declared, f"GRPOTrainer.{name}{params} became {name}{have}"))
+    if not isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod):
+        findings.append(Finding(MINIRL_ON_VESPO, "GRPOTrainer.get_gamma_weights is no longer a static method"))
+    for declared, (module_name, names) in MODULE_GLOBALS.items():
+        module = _import(module_name)
+        for name in names:
+            if getattr(module, name, None) is None:
+                findings.append(Finding(declared, f"{module_name}.{name} does not exist"))
+    for declared, signatures in SIGNATURES.items():
+        for qualified, (module_name, params) in signatures.items():
+            obj: Any = _import(module_name)
+            for part in qualified.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                findings.append(Finding(declared, f"{module_name}.{qualified} does not exist"))
+                continue
+            have = tuple(inspect.signature(obj).parameters)
+            missing = [p for p in params if p not in have]
+            if missing:
+                findings.append(Finding(declared, f"{module_name}.{qualified}{have} lacks the parameter(s) {missing}"))
+    if not findings:  # the probes call TRL's methods: only once they exist with the parameters they are called with
+        for declared, probe in _PROBES:
+            try:
+                problem = probe(trainer_class)
+            except Exception as error:  # TRL's code now reads or does something the probe's stand-in lacks
+                problem = f"the probe of TRL's code failed ({type(error).__name__}: {error}); re-read the entry"
+            if problem:
+                findings.append(Finding(declared, problem))
+    return tuple(findings) + check_transformers(trainer_class) + check_torch()
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Behavioural probes: each runs TRL's own function on a tiny input with a stand-in `self` and returns what no longer
+# holds (None: the behaviour the entry relies on is there).
+# ---------------------------------------------------------------------------------------------------------------
+class _ProbeStop(Exception):
+    """Raised by a probe's stand-in once it has seen what it looks for."""
+
+
+class _Accelerator:
+    """One process on the CPU, as TRL's code calls accelerate."""
+
+    device = torch.device("cpu")
+    num_processes, process_index, is_main_process, sync_gradients = 1, 0, True, True
+
+    def gather(self, tensor):
+        return tensor
+
+    gather_for_metrics = gather
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def unwrap_model(self, model):
+        return model
+
+
+def _stand_in_trainer(**attributes: Any) -> SimpleNamespace:
+    """A GRPOTrainer's state as TRL's methods read it, with GRPOConfig's defaults as ``args``."""
+    config = trl.GRPOConfig
+    args = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    args.update(steps_per_generation=1, gradient_accumulation_steps=1, report_to=[], delta=None)
+    base = dict(
+        args=SimpleNamespace(**args), accelerator=_Accelerator(), state=SimpleNamespace(global_step=0),
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False), _metrics=defaultdict(
+            lambda: defaultdict(list)), loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
+        importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
+        vllm_importance_sampling_correction=True, aux_loss_enabled=False, _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1, num_iterations=1, max_completion_length=2,
+    )
+    base.update(attributes)
+    return SimpleNamespace(**base)
+
+
+def _run_loss(trainer_class: type, forward_logps: float, on_forward: Callable[[dict], None] | None = None,
+              **attributes: Any) -> tuple[float, SimpleNamespace]:
+    """TRL's ``_compute_loss`` on one sequence of two completion tokens with advantage 1, whose training forward
+    returns ``forward_logps`` everywhere (and runs ``on_forward(inputs)``)."""
+    inputs = {
+        "prompt_ids": torch.ones(1, 1, dtype=torch.long), "prompt_mask": torch.ones(1, 1, dtype=torch.long),
+        "completion_ids": torch.ones(1, 2, dtype=torch.long), "completion_mask": torch.ones(1, 2, dtype=torch.long),
+        "advantages": torch.ones(1), "num_items_in_batch": torch.tensor(4.0),
+        **attributes.pop("inputs", {}),
+    }
+
+    def forward(model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        if on_forward is not None:
+            on_forward(inputs)
+        return torch.full((1, logits_to_keep), forward_logps), torch.zeros(1, logits_to_keep), None
+
+    trainer = _stand_in_trainer(_get_per_token_logps_and_entropies=forward, **attributes)
+    return float(trainer_class._compute_loss(trainer, trainer.model, inputs)), trainer
+
+
+def _probe_old_logps_after_forward(trainer_class: type) -> str | None:
+    gamma = 1.1
+    shift = torch.full((1, 2), -math.log(gamma))
+    loss, _ = _run_loss(trainer_class, 0.0, on_forward=lambda inputs: set_old_logps_for_loss(inputs, shift))
+    if not math.isclose(loss, -gamma, rel_tol=1e-5):
+        return (f"_compute_loss no longer forms its ratio from the old log-probs placed in the micro-batch during the "
+                f"training forward (per_token_logps - old_per_token_logps, read after the forward): a ratio of "
+                f"{gamma} gave the grpo loss {loss:.4f}, expected {-gamma}")
+    return None
+
+
+def _probe_loss_branch(trainer_class: type) -> str | None:
+    args_loss = "a-loss-trl-does-not-know"
+    trainer = _stand_in_trainer()
+    trainer.args.loss_type = args_loss
+    loss, _ = _run_loss(trainer_class, 0.0, loss_type="grpo", args=trainer.args)
+    if not math.isclose(loss, -1.0, rel_tol=1e-6):
+        return f"_compute_loss no longer takes the branch self.loss_type names ('grpo' gave {loss}, expected -1.0)"
+    return None
+
+
+def _probe_engine_correction_in_loss(trainer_class: type) -> str | None:
+    ratio = {"importance_sampling_ratio": torch.full((1, 2), 2.0)}
+    corrected, _ = _run_loss(trainer_class, 0.0, use_vllm=True, inputs=dict(ratio))
+    skipped, _ = _run_loss(trainer_class, 0.0, use_vllm=False, inputs=dict(ratio))
+    if not (math.isclose(corrected, -2.0, rel_tol=1e-6) and math.isclose(skipped, -1.0, rel_tol=1e-6)):
+        return (f"_compute_loss no longer applies the engine importance-sampling ratio exactly when self.use_vllm "
+                f"(ratio 2: loss {corrected} with use_vllm, {skipped} without; expected -2.0 and -1.0)")
+    return None
+
+
+def _probe_minirl_on_vespo(trainer_class: type) -> str | None:
+    seen = {}
+
+    def gamma_weights(**kwargs):
+        seen.update(kwargs)
+        return torch.full((1, 1), 0.5)
+
+    loss, _ = _run_loss(trainer_class, -2.0, loss_type=MINIRL_TRL_BRANCH, use_vllm=True,
+                        get_gamma_weights=gamma_weights, inputs={"old_per_token_logps": torch.full((1, 2), -2.0),
+                                "importance_sampling_ratio": torch.full((1, 2), 3.0)})
+    # -phi * A * logps = -0.5 * 1 * -2 = 1 per token; 2 tokens over num_items_in_batch 4; no engine factor
+    expected = 0.5
+    wanted = {"advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"}
+    if not math.isclose(loss, expected, rel_tol=1e-6) or not wanted <= set(seen):
+        return (f"the vespo branch is no longer -get_gamma_weights(advantages=, log_ratio_per_token=, mask=, "
+                f"importance_sampling_ratio=) * advantages * per_token_logps, summed over the batch's loss tokens "
+                f"without the engine factor (loss {loss}, expected {expected}; get_gamma_weights got {sorted(seen)})")
+    return None
+
+
+def _probe_generation_batch_shuffle(trainer_class: type) -> str | None:
+    batch = {"x": torch.arange(4)}
+    observed = []
+    trainer = _stand_in_trainer(_step=0, _buffered_inputs=None,
+                                _generate_and_score_completions=lambda generation_batch: batch)
+    trainer.args.steps_per_generation = 2
+    with shuffled_generation_batches(lambda shuffled, original: observed.append((shuffled, original))):
+        first = trainer_class._prepare_inputs(trainer, [{}])
+    if len(observed) != 1 or observed[0][1] is not batch:
+        return "GRPOTrainer._prepare_inputs no longer shuffles the generation batch with shuffle_sequence_dict"
+    if not torch.equal(first["x"], observed[0][0]["x"][:2]):
+        return "GRPOTrainer._prepare_inputs no longer splits the shuffled batch and hands out its first part"
+    return None
+
+
+def _score(trainer_class: type, *, use_vllm: bool, ref_model: Any = None, beta: float = 0.0,
+           peft_model: Any = None) -> tuple[list, dict, SimpleNamespace]:
+    """TRL's ``_generate_and_score_completions`` on two one-token completions; returns the events (generation and
+    each scoring forward's model, in order), the output and the stand-in trainer."""
+    events = []
+
+    def generate(prompts):
+        events.append("generate")
+        return [[1], [1]], [[2], [2]], None, ["a", "b"], [[-1.0], [-1.0]], {}, None, [None, None]
+
+    def forward(model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        events.append(model)
+        return torch.full((input_ids.shape[0], logits_to_keep), -1.0), None, None
+
+    model = peft_model or SimpleNamespace(training=True, is_gradient_checkpointing=False)
+    trainer = _stand_in_trainer(
+        model=model, use_vllm=use_vllm, ref_model=ref_model, beta=beta, environment_factories=None, tools=None,
+        environments=None, _generate=generate, _get_per_token_logps_and_entropies=forward,
+        _tokenizer=SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None, mask_truncated_completions=False,
+        _is_vlm=False, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=10.0, _calculate_rewards=lambda *a: torch.tensor([[1.0], [0.0]]),
+        num_generations=2, multi_objective_aggregation="sum_then_normalize", reward_weights=torch.ones(1),
+        scale_rewards="group", reward_func_names=["probe"], log_multimodal=False, _pending_extra_logs={},
+        _pending_metrics={}, _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
+                                    "extra": defaultdict(list), "images": []},
+    )
+    trainer.args.per_device_train_batch_size = 2
+    output = trainer_class._generate_and_score_completions(trainer, [{"prompt": "p"}, {"prompt": "q"}])
+    return events, output, trainer
+
+
+def _probe_engine_correction_in_scoring(trainer_class: type) -> str | None:
+    events, output, trainer = _score(trainer_class, use_vllm=True)
+    if events != ["generate", trainer.model] or "importance_sampling_ratio" not in output or not any(
+            name.startswith("sampling/") for name in trainer._metrics["train"]):
+        return ("_generate_and_score_completions no longer generates, then runs its old-logprob pass, computes the "
+                "importance-sampling ratio and logs sampling/* when use_vllm and vllm_importance_sampling_correction")
+    events, output, trainer = _score(trainer_class, use_vllm=False)
+    if events != ["generate"] or "importance_sampling_ratio" in output or any(
+            name.startswith("sampling/") for name in trainer._metrics["train"]):
+        return "_generate_and_score_completions now applies the engine correction without use_vllm"
+    return None
+
+
+def _probe_reference_forward(trainer_class: type) -> str | None:
+    ref_model = SimpleNamespace(training=False)
+    events, _, trainer = _score(trainer_class, use_vllm=True, ref_model=ref_model, beta=0.1)
+    if events != ["generate", trainer.model, ref_model]:
+        return ("the scoring forwards are no longer the old policy with self.model, then the reference policy with "
+                f"self.ref_model (saw {events})")
+    adapters = []
+
+    class PeftModel(SimpleNamespace):
+        @contextlib.contextmanager
+        def disable_adapter(self):
+            adapters.append("disabled")
+            yield
+            adapters.append("enabled")
+
+    model = PeftModel(training=True, is_gradient_checkpointing=False, peft_config={"default": None})
+    events, _, _ = _score(trainer_class, use_vllm=True, beta=0.1, peft_model=model)
+    forwards = [event is model for event in events[1:]]
+    if forwards != [True, True] or adapters != ["disabled", "enabled"]:
+        return ("the PEFT reference forward no longer runs self.model inside use_adapter(model, None) (all "
+                f"adapters disabled) after the old-policy forward (adapter calls {adapters}, forwards of self.model "
+                f"{forwards})")
+    return None
+
+
+def _probe_vllm_sync_trigger(trainer_class: type) -> str | None:
+    synced = []
+
+    def generate(**kwargs):
+        raise _ProbeStop
+
+    generation = SimpleNamespace(sync_weights=lambda: synced.append(True), generate=generate)
+    for last_loaded, expected in ((0, [True]), (1, [])):
+        synced.clear()
+        trainer = _stand_in_trainer(use_vllm=True, vllm_generation=generation, _last_loaded_step=last_loaded,
+                                    state=SimpleNamespace(global_step=1))
+        with contextlib.suppress(_ProbeStop):
+            trainer_class._generate_single_turn(trainer, [[1]], None, None, 1)
+        if synced != expected or trainer._last_loaded_step != 1 or vllm_weights_stale(trainer):
+            return ("GRPOTrainer._generate_single_turn no longer takes the vLLM path under use_vllm and syncs the "
+                    "weights exactly when state.global_step != _last_loaded_step, then records the step")
+    return None
+
+
+def _probe_weight_sync_params(trainer_class: type) -> str | None:
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    loaded, sent, woken = [], [], []
+    model = SimpleNamespace(load_weights=lambda weights: loaded.extend(name for name, _ in weights))
+    llm = SimpleNamespace(
+        wake_up=lambda tags: woken.append(tags), reset_prefix_cache=lambda: None,
+        llm_engine=SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(model=model)))))
+    client = SimpleNamespace(update_named_params=lambda metadata, params: sent.extend(name for name, _ in params),
+                             reset_prefix_cache=lambda: None)
+    for mode in ("colocate", "server"):
+        params = [("kept", torch.ones(1)), ("left", torch.ones(1))]
+        generation = SimpleNamespace(mode=mode, enable_sleep_mode=True, llm=llm, vllm_client=client,
+                                     accelerator=_Accelerator(), _weight_metadata=None, _llm_weights_sleeping=True,
+                                     _iter_named_params=lambda params=params: iter(params))
+        exclude_from_weight_sync(generation, lambda name: name == "left")
+        VLLMGeneration.sync_weights(generation)
+    if loaded != ["kept"] or sent != ["kept"]:
+        return ("VLLMGeneration.sync_weights no longer reads the parameters it sends through "
+                f"self._iter_named_params() in both modes (colocate loaded {loaded}, server sent {sent})")
+    if not woken or "_llm_weights_sleeping" not in vars(generation):
+        return "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights (_llm_weights_sleeping)"
+    return None
+
+
+_PROBES: tuple[tuple[Entry, Callable[[type], str | None]], ...] = (
+    (OLD_LOGPS_AFTER_FORWARD, _probe_old_logps_after_forward),
+    (LOSS_BRANCH, _probe_loss_branch),
+    (ENGINE_LOGPROB_CORRECTION, _probe_engine_correction_in_loss),
+    (ENGINE_LOGPROB_CORRECTION, _probe_engine_correction_in_scoring),
+    (MINIRL_ON_VESPO, _probe_minirl_on_vespo),
+    (GENERATION_BATCH_SHUFFLE, _probe_generation_batch_shuffle),
+    (REFERENCE_FORWARD, _probe_reference_forward),
+    (VLLM_SYNC_TRIGGER, _probe_vllm_sync_trigger),
+    (WEIGHT_SYNC_PARAMS, _probe_weight_sync_params),
+)
+
+
+def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:
+    """Raise :class:`UpstreamChangedError` listing every entry the installed TRL breaks."""
+    findings = check_trl(trainer_class)
+    if findings:
+        lines = "\n".join(f"  - {finding}" for finding in findings)
+        raise UpstreamChangedError(
+            f"trl_moe_replay supports TRL {TRL_RANGE} (read from {TRL_READ}); the installed TRL {trl.__version__} no "
+            f"longer matches what it relies on (trl_moe_replay/upstream/, by entry):\n{lines}\n"
+            f"Install 'trl{TRL_RANGE}', or a trl_moe_replay release that supports TRL {trl.__version__}."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Notices from upstream code that a user cannot act on, silenced by their exact text (nothing else is filtered):
+# - TRL (trl/models/utils.py: unwrap_model_for_generation, disable_gradient_checkpointing) reads
+#   `model.is_gradient_checkpointing`, which transformers deprecates (5.24: a FutureWarning at every generation).
+# - accelerate's is_peft_model imports DeepSpeed where it is installed (TRL calls it in GRPOTrainer.__init__), and
+#   DeepSpeed then logs "Setting accelerator to CPU" on a machine without a GPU, where the CPU is what trains.
+# ---------------------------------------------------------------------------------------------------------------
+_DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+
+def _not_deepspeed_cpu_notice(record: Any) -> bool:
+    return not str(record.msg).startswith(_DEEPSPEED_CPU_NOTICE)
+
+
+def quiet_upstream_notices() -> None:
+    """Silence the notices listed above, and only them (idempotent)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module="transformers.modeling_utils")
+    deepspeed_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logging's; created here if not yet
+    if _not_deepspeed_cpu_notice not in deepspeed_logger.filters:
+        deepspeed_logger.addFilter(_not_deepspeed_cpu_notice)
