@@ -82,7 +82,7 @@ def resolve_weight_sync(args: Any, *, asynchronous: bool) -> str | None:
     (in-process ``load_weights``, NCCL to a server) fails on vLLM's CPU build, the async trainer's (NCCL only) off
     CUDA. One more difference: the sync trainer without routes (``routing_replay="none"``, no ``routing_metrics``) is
     TRL's ``GRPOTrainer`` bit for bit, its own sync included, while TRL's async trainer does not run off CUDA at all,
-    so there is no TRL behaviour to keep (docs/async.md, "How the async trainer differs").
+    so there is no TRL behaviour to keep (docs/async.md, "How the async trainer's weight sync differs").
     """
     if not asynchronous and not args.use_vllm:
         return None
