@@ -488,64 +488,66 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
                                                           tiny_moe_model("qwen3_moe").parameters()))
 
 
-# --------------------------------------------------------------------------------------------- sync guard
+# --------------------------------------------------------------------------------------------- sync check
 class ScriptedEngine:
-    """engine_probe_logprobs answers, in order (a stand-in server for SyncGuard)."""
+    """The engine's answers to the sync probe, in order (a stand-in server for the sync check)."""
 
     def __init__(self, answers):
         self.answers = list(answers)
 
-    def __call__(self, base_url, model_name, probe, timeout=120.0):
+    def __call__(self, probe):
         return torch.tensor(self.answers.pop(0))
 
 
-def guard_with(monkeypatch, engine_answers, trainer_answers):
-    from trl_moe_replay.engines import async_weights
+SCORED_MODEL = torch.nn.Linear(1, 1)  # the scripted trainer answers stand for its forward
 
-    monkeypatch.setattr(async_weights, "engine_probe_logprobs", ScriptedEngine(engine_answers))
+
+def guard_with(monkeypatch, engine_answers, trainer_answers):
+    from trl_moe_replay.engines.sync_check import SyncCheck
+
     trainer = iter(trainer_answers)
-    monkeypatch.setattr(async_weights, "trainer_probe_logprobs", lambda model, probe: torch.tensor(next(trainer)))
-    return async_weights.SyncGuard("http://x", "m", [1, 2, 3], tolerance=0.05)
+    return SyncCheck(ScriptedEngine(engine_answers), lambda model, probe: torch.tensor(next(trainer)), [1, 2, 3],
+                     tolerance=0.05)
 
 
 def test_sync_guard_passes_delivered_syncs(monkeypatch):
     # engine: before/after sync 1, before/after sync 2 (it follows the trainer, with some batch noise)
     guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.001, -2.0], [-1.5, -2.3]],
                        [[-1.0, -2.0], [-1.5, -2.3]])
-    guard.before_sync(), guard.after_sync(None), guard.before_sync()
-    assert guard.after_sync(None) == pytest.approx(0.0)
+    guard.before_sync(), guard.after_sync(SCORED_MODEL), guard.before_sync()
+    assert guard.after_sync(SCORED_MODEL) == pytest.approx(0.0)
 
 
 def test_sync_guard_catches_a_transfer_that_delivers_nothing(monkeypatch):
-    from trl_moe_replay.engines.async_weights import WeightSyncNotDeliveredError
+    from trl_moe_replay.engines.sync_check import WeightSyncNotDeliveredError
 
     guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.001]],
                        [[-1.0, -2.0], [-1.5, -2.3]])
-    guard.before_sync(), guard.after_sync(None), guard.before_sync()
+    guard.before_sync(), guard.after_sync(SCORED_MODEL), guard.before_sync()
     with pytest.raises(WeightSyncNotDeliveredError, match="did not deliver"):
-        guard.after_sync(None)
+        guard.after_sync(SCORED_MODEL)
 
 
 def test_sync_guard_catches_engine_weights_changed_between_syncs(monkeypatch):
-    from trl_moe_replay.engines.async_weights import EngineWeightsChangedError
+    from trl_moe_replay.engines.sync_check import EngineWeightsChangedError
 
     # after sync 1 the engine holds the trainer's weights; before sync 2 it answers like its checkpoint again
     guard = guard_with(monkeypatch, [[-3.0, -3.0], [-1.0, -2.0], [-3.0, -3.0]], [[-1.0, -2.0]])
-    guard.before_sync(), guard.after_sync(None)
+    guard.before_sync(), guard.after_sync(SCORED_MODEL)
     with pytest.raises(EngineWeightsChangedError, match="restarted"):
         guard.before_sync()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
 def test_sync_guard_refuses_an_engine_answering_non_finite_log_probs(monkeypatch, bad):
-    from trl_moe_replay.engines.async_weights import EngineProbeNotFiniteError
+    from trl_moe_replay.engines.sync_check import EngineProbeNotFiniteError
 
     # NaN compares false with any tolerance: without a finite check both checks pass, at the default tolerance too
     guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, bad]], [[-1.0, -2.0]])
     guard.before_sync()
     message = f"after a weight sync, 1 of the vLLM server's 2 log-probs .* not finite \\({bad} at token 2\\)"
     with pytest.raises(EngineProbeNotFiniteError, match=message):
-        guard.after_sync(None)
+        guard.after_sync(SCORED_MODEL)
     guard = guard_with(monkeypatch, [[bad, -2.0]], [])
     with pytest.raises(EngineProbeNotFiniteError, match="before a weight sync"):
         guard.before_sync()

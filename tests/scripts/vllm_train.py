@@ -101,9 +101,10 @@ def main():
 
         def _sync_vllm_weights(self):
             model = self.accelerator.unwrap_model(self.model)
-            before = self._sync_check.measure(model) if self._sync_check.probe is not None else None
+            # the first sync sends the weights the engine started from: nothing to compare before it
+            before = self._sync_check.measure(model) if self.syncs else None
             super()._sync_vllm_weights()
-            after = self._sync_check.measure(model) if self._sync_check.probe is not None else None
+            after = self._sync_check.measure(model)
             self.syncs.append({"step": self.state.global_step, "before": before, "after": after})
 
     settings = dict(

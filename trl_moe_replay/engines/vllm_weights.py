@@ -6,6 +6,8 @@ transformers 5 loads many MoE checkpoints through weight conversions (e.g. Qwen3
 vLLM's model loaders are written for the checkpoint on disk. :func:`checkpoint_named_tensors` applies the same
 reversion as ``save_pretrained`` (seam entry ``saved_weight_layout``: transformers' ``revert_weight_conversion``),
 one decoder layer at a time, so a weight sync sends exactly what a fresh engine would read from a saved checkpoint.
+
+:func:`engine_weights` is the one place where both trainers' weight syncs collect what they send.
 """
 
 from __future__ import annotations
@@ -19,9 +21,24 @@ from transformers import PreTrainedModel
 
 from ..upstream.transformers_seam import save_pretrained_weights
 
-__all__ = ["checkpoint_named_tensors"]
+__all__ = ["checkpoint_named_tensors", "engine_weights"]
 
 _LAYER_PREFIX = re.compile(r"^(.*?(?:^|\.)layers\.\d+\.)")
+
+
+def engine_weights(
+    model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights a vLLM engine is sent at a weight sync: ``named_tensors`` under the checkpoint's names and layout.
+
+    The one place where the weights are collected for the engine: the reload sync of both trainers
+    (``engines/weight_reload.py``) streams or writes exactly what this yields. ``named_tensors`` is what TRL's own
+    sync would send, one parameter at a time (``VLLMGeneration._iter_named_params``, or the async trainer's
+    ``_streaming_iter``: gathered under DeepSpeed ZeRO-3 and FSDP, a PEFT adapter merged, vLLM's names). Parameters
+    sharded in a way TRL does not gather (expert parallelism) are to be gathered into full tensors here, before the
+    checkpoint reversion, so that no path sends a shard.
+    """
+    return checkpoint_named_tensors(model, named_tensors)
 
 
 def checkpoint_named_tensors(

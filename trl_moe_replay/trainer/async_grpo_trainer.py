@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,8 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 
 from ..engines.async_rollout import RoutedAsyncRolloutWorker
-from ..engines.async_weights import ReloadWeightTransfer, SyncGuard
+from ..engines.sync_check import build_sync_check, checked_weight_sync
+from ..engines.weight_reload import ReloadWeightTransfer, build_weight_sync
 from ..engines.route_intake import RouteIntake
 from ..routing import RouterReplay
 from ..routing.routes import has_route, mark_checked, route_dtype
@@ -210,11 +210,8 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         # the device the trainer will train on, not whether the machine has CUDA: use_cpu on a CUDA machine is CPU
         on_cpu = args.device.type != "cuda"
         self._on_cpu = on_cpu
-        sync = getattr(args, "vllm_weight_sync", "auto")
-        if weight_transfer is None and (sync == "reload" or (sync == "auto" and on_cpu)):
-            sync_dir = getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync")
-            weight_transfer = ReloadWeightTransfer(args.vllm_server_base_url, sync_dir,
-                                                   timeout=args.vllm_server_timeout)
+        if weight_transfer is None:
+            weight_transfer = build_weight_sync(args, asynchronous=True)
         swaps: dict[str, Any] = {}
         if on_cpu:
             swaps["get_peak_flops_per_device"] = _no_peak_flops  # TRL asks CUDA for the name of the trainer's device
@@ -233,7 +230,10 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._route_replay = RouterReplay(unwrapped) if carries_routes else None
         self._route_intake = None
         self._train_replay = contextlib.ExitStack()
-        self._sync_guard = None
+        self._sync_check = None
+        if weight_transfer is not None or not async_adapter_only_sync(self):  # the main process has a transfer
+            self._sync_check = build_sync_check(args, asynchronous=True, accelerator=self.accelerator,
+                                                base_url=args.vllm_server_base_url)
         if not carries_routes:
             return
         attempts = getattr(args, "vllm_request_attempts", None)
@@ -258,15 +258,6 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
                 "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
             )
             self.aux_loss_enabled = False
-        if getattr(args, "vllm_sync_check", True) and self.accelerator.is_main_process and self.weight_transfer is not None:
-            probe = list(range(10, 10 + 16))  # any fixed token ids: only their log-probs are compared
-            self._sync_guard = SyncGuard(args.vllm_server_base_url, self._served_model_name(), probe,
-                                         tolerance=getattr(args, "sync_check_tolerance", 0.05))
-
-    def _served_model_name(self) -> str:
-        worker = self.rollout_worker
-        kwargs = worker_loop_kwargs(worker)
-        return kwargs.get("model_name") or self.model.config.name_or_path
 
     def train(self, *args, **kwargs):
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
@@ -367,19 +358,8 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     # ------------------------------------------------------------------ resume
     # ------------------------------------------------------------------ weight sync
     def _sync_weight(self):
-        guard = self._sync_guard
-        if guard is not None and self.accelerator.is_main_process:
-            guard.before_sync()
-        super()._sync_weight()
-        if guard is not None and self.accelerator.is_main_process:
-            model = self.accelerator.unwrap_model(self.model)
-            was_training = model.training
-            model.eval()
-            try:
-                diff = guard.after_sync(model)
-            finally:
-                model.train(was_training)
-            self._metrics["train"]["vllm/sync_max_logprob_diff"].append(diff)
+        checked_weight_sync(self._sync_check, super()._sync_weight, self.accelerator.unwrap_model(self.model),
+                            self.accelerator, self._metrics["train"])
 
 
 def _no_rows(length: int):

@@ -45,7 +45,8 @@ from ..engines import TransformersRolloutRecorder
 from ..engines.turns import RolloutTurns
 from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
-from ..engines.vllm_sync import ReloadWeightSync, SyncCheck, client_without_communicator
+from ..engines.sync_check import build_sync_check, checked_weight_sync
+from ..engines.weight_reload import build_weight_sync, client_without_communicator, resolve_weight_sync
 from ..routing import RouterReplay
 from ..routing.routes import carry_check, cat_checked
 from ..upstream import (
@@ -62,7 +63,7 @@ from ..upstream import (
     vllm_weights_stale,
 )
 from .checkpoint_weights import RestoresEveryWeight
-from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support, vllm_weight_sync
+from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
 from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, check_model_path
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
@@ -136,7 +137,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         self.routing_replay = settings.routing_replay
         self.replay_reference_model = settings.replay_reference_model
         self.extreme_token_threshold = settings.extreme_token_threshold
-        sync_method = vllm_weight_sync(args)
+        sync_method = resolve_weight_sync(args, asynchronous=False)
         vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
         if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
             vllm_classes["LLM"] = llm_returning_routes
@@ -167,14 +168,11 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             )
             self.aux_loss_enabled = False
         self._pr2 = self._build_pr2(args) if settings.routing_replay == "pr2" else None
-        self._weight_sync = self._sync_check = None
-        if sync_method == "reload":
-            sync_dir = getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync")
-            self._weight_sync = ReloadWeightSync(
-                self.vllm_generation, self.accelerator, self.accelerator.unwrap_model(self.model), sync_dir
-            )
-        if args.use_vllm and getattr(args, "vllm_sync_check", False):
-            self._sync_check = SyncCheck(self.vllm_generation, self.accelerator)
+        vllm_generation = self.vllm_generation if args.use_vllm else None
+        self._weight_sync = build_weight_sync(args, asynchronous=False, vllm_generation=vllm_generation,
+                                              model=self.accelerator.unwrap_model(self.model))
+        self._sync_check = build_sync_check(args, asynchronous=False, accelerator=self.accelerator,
+                                            vllm_generation=vllm_generation)
         self._scoring: _ScoringState | None = None
         self._warned_on_policy = False
         self._batch_routes: torch.Tensor | None = None
@@ -217,8 +215,6 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         samples, prompted with their whole sequence so far. The engine's rows are kept per sample and turn."""
         parent = super()._generate_single_turn
         state = self._scoring
-        if self._sync_check is not None:
-            self._sync_check.set_probe(prompt_ids[0])  # kept from the first call on
         if state is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = state.generated_turns > 0
@@ -287,22 +283,19 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return output
 
     def _sync_vllm_weights(self) -> None:
-        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's
-        own sync, then, with ``vllm_sync_check``, measure how far the engine's log-probs of the probe are from the
-        trainer's."""
-        with profiling_context(self, "sync_weights"):
-            if self._weight_sync is not None:
-                self._weight_sync.sync()
-            else:
-                self.vllm_generation.sync_weights()
-        mark_vllm_weights_synced(self)
-        if self._sync_check is not None:
-            diff = self._sync_check.measure(self.accelerator.unwrap_model(self.model))
-            value = torch.tensor([float("nan") if diff is None else diff], device=self.accelerator.device)
-            worst = self.accelerator.gather(value)
-            if not worst.isnan().all():
-                mode = "train" if self.model.training else "eval"
-                self._metrics[mode]["vllm/sync_max_logprob_diff"].append(float(worst.nan_to_num(-1.0).max()))
+        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own sync,
+        inside the engine sync check (``vllm_sync_check``, ``engines/sync_check.py``)."""
+        def sync():
+            with profiling_context(self, "sync_weights"):
+                if self._weight_sync is not None:
+                    self._weight_sync.sync()
+                else:
+                    self.vllm_generation.sync_weights()
+            mark_vllm_weights_synced(self)
+
+        mode = "train" if self.model.training else "eval"
+        checked_weight_sync(self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator,
+                            self._metrics[mode])
 
     def _take_rollout_func_routes(self, state: _ScoringState, prompt_ids, completion_ids, extra_fields: dict) -> None:
         """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
