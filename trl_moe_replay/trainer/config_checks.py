@@ -41,11 +41,11 @@ class ConfigValueError(ValueError):
 
 class UpstreamValueError(ConfigValueError):
     """A value of a TRL or transformers field that plain TRL takes but fails on later or runs silently wrong with;
-    ``refusal`` is the ``UPSTREAM_REFUSALS`` entry (with its reason) that refused it."""
+    ``refusal`` is the ``UPSTREAM_REFUSALS`` entry (with its reason) that refused the value of ``field``."""
 
-    def __init__(self, message: str, refusal: UpstreamRefusal):
-        super().__init__(message)
-        self.refusal = refusal
+    def __init__(self, field: str, value, refusal: UpstreamRefusal):
+        super().__init__(refusal.message(field, value))
+        self.field, self.value, self.refusal = field, value, refusal
 
 
 # ------------------------------------------------------------------------------------- TRL's and transformers' fields
@@ -329,7 +329,7 @@ def check_config(config, own_class: type) -> None:
         value = getattr(config, name)
         refusal = upstream_refusal(upstream, name, value)
         if refusal is not None:
-            raise UpstreamValueError(refusal.message(name, value), refusal)
+            raise UpstreamValueError(name, value, refusal)
     sync_dir = getattr(config, "vllm_sync_dir", None)
     if sync_dir is not None and os.path.exists(sync_dir) and not os.path.isdir(sync_dir):
         raise ConfigValueError(f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a "

@@ -89,7 +89,13 @@ def default_transformers_correction(args: GRPOConfig) -> bool:
     )
 
 
-class UnprovenEngineSetupError(ValueError):
+class UnrecordableGenerationError(ValueError):
+    """Generation settings under which the routes or sampling log-probs that replay, its metrics or the
+    transformers-path correction need cannot be kept. Refused only with one of those on: ``routing_replay="none"``
+    (with metrics and the correction left unset) is plain TRL and takes them."""
+
+
+class UnprovenEngineSetupError(UnrecordableGenerationError):
     """A vLLM setup whose route capture is known (from vLLM's source) not to work, refused until proven on GPUs."""
 
 
@@ -169,20 +175,20 @@ def check_generation_support(args: GRPOConfig) -> None:
     check_correction_can_learn(args, settings)
     if args.use_transformers_continuous_batching:
         if mode == "r3" or getattr(args, "pr2_rollout_prediction", False):
-            raise ValueError(
+            raise UnrecordableGenerationError(
                 f"routing_replay={mode!r} replays the routes generation used, but use_transformers_continuous_batching"
                 "=True generates with transformers' generate_batch, whose per-request routes are not recorded. Set "
                 "use_transformers_continuous_batching=False (plain generate records them), use vLLM, or use "
                 "routing_replay='r2' (routes recorded by the trainer itself)."
             )
         if getattr(args, "transformers_importance_sampling_correction", None):
-            raise ValueError(
+            raise UnrecordableGenerationError(
                 "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
                 "use_transformers_continuous_batching=True does not return them. Turn one of them off."
             )
     beams = (args.generation_kwargs or {}).get("num_beams", 1)
     if settings.records_generation and beams and beams > 1:
-        raise ValueError(
+        raise UnrecordableGenerationError(
             f"generation_kwargs num_beams={beams}: beam search reorders and prunes the sequences between decode "
             "steps, so the routes and sampling log-probs recorded during generate would not belong to the returned "
             "completions. Use sampling (num_beams=1), or routing_replay='none'/'r2' with routing_metrics=False and "
