@@ -168,8 +168,9 @@ def check_correction_can_learn(args: GRPOConfig, settings: ReplaySettings) -> No
 
 def check_generation_support(args: GRPOConfig) -> None:
     """Refuse, when the run is configured, generation settings under which the engine's routes cannot be kept."""
-    check_generation_kwargs(args)
     settings = ReplaySettings.from_args(args)
+    if settings.records_generation or settings.generation_routes:  # replay reads them; else they are TRL's alone
+        check_generation_kwargs(args)
     mode = settings.routing_replay
     check_colocate_tensor_parallel(args, settings.generation_routes)
     check_correction_can_learn(args, settings)
@@ -186,8 +187,8 @@ def check_generation_support(args: GRPOConfig) -> None:
                 "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
                 "use_transformers_continuous_batching=True does not return them. Turn one of them off."
             )
-    beams = (args.generation_kwargs or {}).get("num_beams", 1)
-    if settings.records_generation and beams and beams > 1:
+    beams = (args.generation_kwargs or {}).get("num_beams", 1) if settings.records_generation else 1
+    if beams and beams > 1:
         raise UnrecordableGenerationError(
             f"generation_kwargs num_beams={beams}: beam search reorders and prunes the sequences between decode "
             "steps, so the routes and sampling log-probs recorded during generate would not belong to the returned "
