@@ -293,3 +293,28 @@ def test_trl_loss_types_are_the_ones_trl_documents():
     documented = help_text.split("Supported values are ", 1)[1].split(". ", 1)[0]
     names = [part.strip().removeprefix("and ").strip("'") for part in documented.split(",")]
     assert sorted(names) == sorted(TRL_LOSS_TYPES)
+
+
+# ------------------------------------------------------------------------------------------- the recipe's ModelConfig
+@pytest.mark.parametrize("text, name", [
+    ("use_peft: true\nlora_r: 4.5\n", "lora_r"),
+    ("use_peft: true\nlora_r: 0\n", "lora_r"),
+    ("use_peft: true\nlora_dropout: 1.5\n", "lora_dropout"),
+    ("model_name_or_path: some/model\ndtype: float8\n", "dtype"),
+])
+def test_the_recipe_refuses_model_values_trl_would_fail_on_in_one_line(recipe, text, name, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        recipe.parse_args(["--config", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and f"{name} must be" in lines[0], lines
+
+
+def test_the_recipe_takes_model_values_trl_takes(recipe, tmp_path):
+    # a float alpha scales the adapter; LoRA fields without use_peft and dtype without a model are unused, as in TRL
+    path = tmp_path / "config.yaml"
+    path.write_text("use_peft: true\nlora_alpha: 8.5\nlora_dropout: 0\n")
+    assert recipe.parse_args(["--config", str(path)])[2].lora_alpha == 8.5
+    path.write_text("lora_r: 4.5\n")
+    assert recipe.parse_args(["--config", str(path)])[2].lora_r == 4.5
