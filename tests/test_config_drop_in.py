@@ -47,7 +47,7 @@ REPLAY_REFUSED = {"use_transformers_continuous_batching", "generation_kwargs"}  
 DOCUMENTED = {
     ("temperature", "0.0"), ("learning_rate", "nan"), ("learning_rate", "-1e-05"), ("max_steps", "2.5"),
     ("log_completions", "'no'"), ("num_iterations", "0"), ("reward_weights", "[nan]"), ("loss_type", "'bogus'"),
-    ("top_p", "1.5"), ("max_staleness", "-1"),
+    ("top_p", "-0.5"), ("max_staleness", "-1"),
 }
 
 
@@ -83,6 +83,7 @@ EDGES = [
     ({"warmup_steps": 0.1}, ["--warmup_steps", "0.1"]),
     ({"logging_steps": 0.5, "save_steps": 0.5}, ["--logging_steps", "0.5", "--save_steps", "0.5"]),
     ({"top_p": 0.0}, ["--top_p", "0"]),
+    ({"top_p": 1.5}, ["--top_p", "1.5"]),  # transformers applies no top-p above 1
     ({"top_k": 0}, ["--top_k", "0"]),
     ({"beta": -0.1}, ["--beta", "-0.1"]),
     ({"vllm_importance_sampling_clip_max": None}, None),
@@ -102,7 +103,7 @@ EDGES = [
     ({"num_iterations": 0}, ["--num_iterations", "0"]),
     ({"reward_weights": [math.nan]}, ["--reward_weights", "nan"]),
     ({"loss_type": "bogus"}, ["--loss_type", "bogus"]),
-    ({"top_p": 1.5}, ["--top_p", "1.5"]),
+    ({"top_p": -0.5}, ["--top_p", "-0.5"]),
     ({"max_staleness": -1}, ["--max_staleness", "-1"]),
 ]
 

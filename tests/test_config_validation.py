@@ -89,7 +89,7 @@ CASES = [
     Case("learning_rate", -1e-5, UpstreamValueError, cli="-1e-5"),
     Case("temperature", -math.inf, UpstreamValueError, cli="-inf"),
     Case("temperature", 0.0, UpstreamValueError, cli="0"),
-    Case("top_p", 1.5, UpstreamValueError, cli="1.5"),
+    Case("top_p", -0.5, UpstreamValueError, cli="-0.5"),
     Case("num_generations", 0, ValueError, cli="0"),
     Case("num_iterations", 0, UpstreamValueError, configs=(SYNC,), cli="0"),
     Case("reward_weights", [1.0, math.inf], UpstreamValueError, configs=(SYNC,)),

@@ -131,20 +131,21 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
         "TRL crashes later: it divides the logits by it (0 fails in its fused log-prob at the first step), and "
         "transformers' and vLLM's samplers raise on a value <= 0"),
     UpstreamRefusal(
-        "top_p", _named("top_p"), lambda value: isinstance(value, numbers.Real) and not 0 <= value <= 1,
-        "in [0, 1]", "TRL crashes later: transformers' TopPLogitsWarper and vLLM's SamplingParams raise on it"),
+        "top_p", _named("top_p"), _below(0), ">= 0",
+        "TRL crashes later: transformers' TopPLogitsWarper and vLLM's SamplingParams raise on a negative top_p (above "
+        "1 transformers applies no top-p at all, so that is taken)"),
     UpstreamRefusal(
         "learning_rate", _named("learning_rate"),
         lambda value: isinstance(value, numbers.Real) and (value < 0 or value == math.inf), "a finite number >= 0",
-        "silently wrong: a negative rate ascends the loss, an infinite one turns every weight to NaN at the first "
-        "step"),
+        "TRL crashes later or runs silently wrong: torch's optimizers raise on a negative rate when the trainer "
+        "builds them; an infinite one turns every weight to NaN at the first step"),
     UpstreamRefusal(
         "reward_weights", _named("reward_weights"),
         lambda value: isinstance(value, (list, tuple)) and any(
             isinstance(item, numbers.Real) and not math.isfinite(item) for item in value),
         "a list of finite numbers",
-        "silently wrong: a NaN or infinite weight makes every advantage NaN, which TRL zeroes: grad_norm 0 at every "
-        "step"),
+        "silently wrong: TRL sums the weighted rewards with nansum, so a NaN weight drops that reward function (the "
+        "run learns nothing from it) and an infinite one makes the advantages NaN"),
     UpstreamRefusal(
         "loss_type", _named("loss_type"), lambda value: value not in TRL_LOSS_TYPES + MOE_LOSS_TYPES,
         f"one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}",
