@@ -121,8 +121,8 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
         _named("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
                "max_completion_length"),
         _below(1), "an int >= 1",
-        "TRL crashes later or trains on nothing: a batch of 0 (the DataLoader raises), an accumulation of 0 "
-        "(division by zero), 0 generations per prompt (the group mean divides by zero), 0 completion tokens"),
+        "TRL crashes later: a batch or an accumulation of 0 gives a DataLoader batch of 0, which it refuses; "
+        "generate refuses 0 new tokens; 0 generations per prompt divides the group mean by zero"),
     UpstreamRefusal(
         "num_iterations", _named("num_iterations"), _below(1), ">= 1",
         "silently wrong: 0 (or fewer) updates per generation batch trains 0 steps and exits with status 0"),
