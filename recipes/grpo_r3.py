@@ -293,6 +293,7 @@ def parse_args(argv: list[str] | None = None):
         *parsed, from_file, from_command_line = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
+        check_model_args(parsed[2])
     except (ValueError, TypeError) as exc:  # what the config objects refuse (their __post_init__ checks)
         parser.error(" ".join(str(exc).split()))
     unknown = [a for a in from_command_line if a.startswith("-")]
@@ -302,6 +303,36 @@ def parse_args(argv: list[str] | None = None):
     if unknown_in_file:
         parser.error(_unknown_message(unknown_in_file, f"key in {parser.config_path}"))
     return tuple(parsed)
+
+
+# The dtype names TRL's model loading takes (trl.trainer.utils.create_model_from_path raises on any other).
+MODEL_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def check_model_args(model_args: ModelConfig) -> None:
+    """Refuse, in one line, the ``ModelConfig`` values TRL's model loading or PEFT would fail on later: a YAML file's
+    values reach ``ModelConfig`` as YAML typed them, unchecked (``lora_r: 4.5``, ``dtype: float8``). A value that is
+    not used (``dtype`` for the tiny offline model, the LoRA fields without ``use_peft``) is left alone, as TRL leaves
+    it; every value TRL takes is taken."""
+    def refuse(name: str, expected: str, why: str) -> None:
+        value = getattr(model_args, name)
+        raise ConfigValueError(f"{name} must be {expected}, got {type(value).__name__} {value!r}: {why}")
+
+    def is_number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if model_args.model_name_or_path is not None and model_args.dtype is not None \
+            and model_args.dtype not in MODEL_DTYPES:
+        refuse("dtype", f"one of {list(MODEL_DTYPES)}", "TRL's model loading accepts no other")
+    if model_args.load_in_4bit and model_args.bnb_4bit_quant_type not in ("fp4", "nf4"):
+        refuse("bnb_4bit_quant_type", "'fp4' or 'nf4'", "bitsandbytes' 4-bit quantization knows no other")
+    if model_args.use_peft:
+        if isinstance(model_args.lora_r, bool) or not isinstance(model_args.lora_r, int) or model_args.lora_r < 1:
+            refuse("lora_r", "an int >= 1 (the LoRA rank)", "PEFT builds rank-sized layers from it")
+        if not is_number(model_args.lora_alpha):
+            refuse("lora_alpha", "a number", "PEFT scales the adapter by lora_alpha / lora_r")
+        if not is_number(model_args.lora_dropout) or not 0 <= model_args.lora_dropout <= 1:
+            refuse("lora_dropout", "a number in [0, 1]", "torch's Dropout raises on any other")
 
 
 def _unknown_message(names: list[str], what: str) -> str:

@@ -1,6 +1,7 @@
-"""One config standard (trainer/config_checks.py) for both configs and every way they are built: a table of fields x
-bad values x entry paths (Python, YAML through TrlParser and the recipe, command line), a check that no field of
-either config goes around the standard, and the refusals the configs add themselves (unknown loss types)."""
+"""The config checks (trainer/config_checks.py) for both configs and every way they are built: a table of fields x bad
+values x entry paths (Python, YAML through TrlParser and the recipe, command line) -- our own fields held to their
+type and range, TRL's only by UPSTREAM_REFUSALS -- a check that none of our own fields goes around the standard, and
+the "learns nothing" refusals. tests/test_config_drop_in.py shows everything else TRL takes is taken."""
 
 import dataclasses
 import math
@@ -15,8 +16,10 @@ from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig
 from trl_moe_replay.trainer.config_checks import (
     ConfigTypeError,
     ConfigValueError,
+    UpstreamValueError,
     check_config_file,
     field_types,
+    own_field_types,
     understood,
 )
 from trl_moe_replay.trainer.grpo_config import MOE_LOSS_TYPES, TRL_LOSS_TYPES
@@ -37,66 +40,62 @@ def recipe():
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A bad value for ``name`` in each of ``configs``; ``cli``: how the command line spells the same mistake (None:
-    the command line's text cannot carry it, e.g. ``"yes"`` is a bool there, as HfArgumentParser reads it)."""
+    the command line's text cannot carry it, e.g. ``"yes"`` is a bool there, as HfArgumentParser reads it);
+    ``in_file``: whether a YAML file can carry it (text for TRL's fields is typed by TrlParser, as plain TRL types it).
+    """
 
     name: str
     value: object
     error: type
     configs: tuple = BOTH
     cli: str | None = None
+    in_file: bool = True
 
     def __str__(self):
         return f"{self.name}={self.value!r}"
 
 
 CASES = [
-    # ints stay ints: no float, no bool, no numeric text
-    Case("max_steps", 2.5, ConfigTypeError, cli="2.5"),
-    Case("max_steps", "3", ConfigTypeError),
-    Case("per_device_train_batch_size", True, ConfigTypeError, cli="True"),
+    # our ints stay ints: no float, no bool, no numeric text
     Case("pr2_cached_tokens_per_sequence", 1.5, ConfigTypeError, configs=(SYNC,), cli="1.5"),
+    Case("pr2_cached_tokens_per_sequence", "16", ConfigTypeError, configs=(SYNC,)),
     Case("vllm_request_attempts", 1.5, ConfigTypeError, configs=(ASYNC,), cli="1.5"),
     Case("vllm_request_attempts", True, ConfigTypeError, configs=(ASYNC,), cli="True"),
-    Case("max_staleness", "3", ConfigTypeError, configs=(ASYNC,)),
-    Case("weight_sync_steps", "2", ConfigTypeError, configs=(ASYNC,)),
-    # bools stay bools: "no" would be truthy
+    # our bools stay bools: "no" would be truthy
     Case("routing_metrics", "yes", ConfigTypeError, cli="maybe"),
     Case("vllm_sync_check", "no", ConfigTypeError, cli="maybe"),
     Case("replay_reference_model", "no", ConfigTypeError, configs=(SYNC,)),
-    Case("log_completions", "no", ConfigTypeError),  # TRL's field
     Case("routing_metrics", 1, ConfigTypeError),
     # None only where optional; text only where a str is meant
     Case("extreme_token_threshold", None, ConfigTypeError),
     Case("vllm_sync_dir", 5, ConfigTypeError),
-    Case("learning_rate", "fast", ConfigTypeError, cli="fast"),
-    # finite floats
-    Case("learning_rate", math.nan, ConfigValueError, cli="nan"),
-    Case("learning_rate", math.inf, ConfigValueError, cli="inf"),
-    Case("temperature", -math.inf, ConfigValueError, cli="-inf"),
+    # our floats are finite
     Case("extreme_token_threshold", math.nan, ConfigValueError, cli="nan"),
-    Case("epsilon_high", math.inf, ConfigValueError, cli="inf"),
     Case("sync_check_tolerance", math.nan, ConfigValueError, configs=(ASYNC,), cli="nan"),
     Case("sync_check_tolerance", math.inf, ConfigValueError, configs=(ASYNC,), cli="inf"),
     Case("minirl_is_cap", math.inf, ConfigValueError, configs=(SYNC,), cli="inf"),
-    # ranges where zero or a negative breaks the run or switches a check off
-    Case("max_steps", 0, ConfigValueError, cli="0"),
-    Case("max_steps", -2, ConfigValueError, cli="-2"),
-    Case("learning_rate", -1e-5, ConfigValueError, cli="-1e-5"),
-    Case("temperature", 0.0, ConfigValueError, cli="0"),
-    Case("epsilon", -0.1, ConfigValueError, cli="-0.1"),
-    Case("epsilon_high", -0.1, ConfigValueError, cli="-0.1"),
-    Case("max_staleness", -1, ConfigValueError, configs=(ASYNC,), cli="-1"),
-    Case("weight_sync_steps", 0, ConfigValueError, configs=(ASYNC,), cli="0"),
+    # our ranges
     Case("sync_check_tolerance", -0.01, ConfigValueError, configs=(ASYNC,), cli="-0.01"),
     Case("vllm_request_attempts", 0, ConfigValueError, configs=(ASYNC,), cli="0"),
-    Case("num_generations", 0, ConfigValueError, cli="0"),
-    Case("vllm_server_timeout", 0.0, ConfigValueError, cli="0"),
-    Case("weight_sync_timeout", -5, ConfigValueError, configs=(ASYNC,), cli="-5"),
     Case("extreme_token_threshold", 1.0, ConfigValueError, cli="1.0"),
     Case("router_shift_gamma_min", 0.0, ConfigValueError, configs=(SYNC,), cli="0"),
-    # choices
     Case("routing_replay", "r9", ValueError, cli="r9"),
-    Case("dtype", "float64", ConfigValueError, configs=(ASYNC,)),  # HfArgumentParser's choices refuse it on the CLI
+    # TRL's and transformers' fields: only UPSTREAM_REFUSALS (plain TRL fails on these later, or runs silently wrong)
+    Case("max_steps", 2.5, UpstreamValueError, cli="2.5"),
+    Case("max_steps", "3", UpstreamValueError, in_file=False),  # a file's "3" is typed as the command line's 3
+    Case("log_completions", "no", UpstreamValueError, in_file=False),  # a file's 'no' is False, as on the CLI
+    Case("learning_rate", math.nan, UpstreamValueError, cli="nan"),
+    Case("learning_rate", math.inf, UpstreamValueError, cli="inf"),
+    Case("learning_rate", -1e-5, UpstreamValueError, cli="-1e-5"),
+    Case("temperature", -math.inf, UpstreamValueError, cli="-inf"),
+    Case("temperature", 0.0, UpstreamValueError, cli="0"),
+    Case("top_p", -0.5, UpstreamValueError, cli="-0.5"),
+    Case("num_generations", 0, ValueError, cli="0"),
+    Case("num_iterations", 0, UpstreamValueError, configs=(SYNC,), cli="0"),
+    Case("reward_weights", [1.0, math.inf], UpstreamValueError, configs=(SYNC,)),
+    Case("loss_type", "bogus", UpstreamValueError, configs=(SYNC,), cli="bogus"),
+    Case("max_staleness", -1, UpstreamValueError, configs=(ASYNC,), cli="-1"),
+    Case("weight_sync_steps", 0, UpstreamValueError, configs=(ASYNC,), cli="0"),
 ]
 TABLE = [pytest.param(config, case, id=f"{config.__name__}-{case}") for case in CASES for config in case.configs]
 
@@ -146,7 +145,8 @@ def test_the_recipe_refuses_yaml_and_command_line_in_one_line_before_any_work(re
     monkeypatch.setattr(recipe, "main", lambda *args: pytest.fail("the recipe went past parsing"))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({case.name: case.value}))
-    for argv in (["--config", str(path)], None if case.cli is None else [f"--{case.name}", case.cli]):
+    for argv in (["--config", str(path)] if case.in_file else None,
+                 None if case.cli is None else [f"--{case.name}", case.cli]):
         if argv is None:
             continue
         with pytest.raises(SystemExit) as exit_:
@@ -193,7 +193,7 @@ def test_every_shipped_config_file_meets_the_standard(recipe):
             assert args.max_steps == values.get("max_steps", args.max_steps)
 
 
-# ------------------------------------------------------------------------------------------- no field goes around
+# ------------------------------------------------------------------------------------------- no own field goes around
 class NotAValue:
     """A value no annotation admits."""
 
@@ -202,31 +202,31 @@ class NotAValue:
 
 
 @pytest.mark.parametrize("config", BOTH, ids=lambda c: c.__name__)
-def test_every_field_of_both_configs_is_checked(config):
-    annotations = field_types(config)
-    names = [spec.name for spec in dataclasses.fields(config) if spec.init]
-    assert set(annotations) == set(names) and len(names) > 140  # ours and TRL's/transformers' inherited ones
+def test_every_own_field_of_both_configs_is_checked(config):
+    annotations = own_field_types(config)
+    assert "routing_replay" in annotations and "max_steps" not in annotations and "loss_type" not in annotations
+    assert set(annotations) < set(field_types(config)) and len(annotations) >= 9
     not_understood = {name: annotation for name, annotation in annotations.items() if not understood(annotation)}
     assert not not_understood  # an annotation the check cannot read would let its field through unchecked
-    for name in names:
+    for name in annotations:
         with pytest.raises(ConfigTypeError, match=f"^{name} must be .*, got NotAValue NotAValue()"):
             build(config, **{name: NotAValue()})
 
 
 @pytest.mark.parametrize("config", BOTH, ids=lambda c: c.__name__)
-def test_defaults_and_numpy_scalars_are_accepted(config):
+def test_numpy_scalars_become_python_numbers_in_our_fields_and_stay_as_given_in_trls(config):
     built = build(config, max_steps=np.int64(3), learning_rate=np.float32(0.5), max_grad_norm=math.inf,
-                  routing_metrics=np.bool_(True))
-    assert type(built.max_steps) is int and type(built.learning_rate) is float and built.routing_metrics is True
+                  routing_metrics=np.bool_(True), extreme_token_threshold=np.float32(3.0))
+    assert built.routing_metrics is True and type(built.extreme_token_threshold) is float
+    assert built.max_steps == 3 and isinstance(built.max_steps, np.int64)  # as plain TRL stores it
     assert built.max_grad_norm == math.inf  # transformers logs the gradient norm without clipping it
 
 
-def test_epsilon_high_below_the_loss_types_default_epsilon_is_refused():
-    with pytest.raises(ConfigValueError, match=r"epsilon_high must be >= epsilon .* epsilon=0.0003 \(loss_type='gspo'"):
-        build(SYNC, loss_type="gspo", epsilon_high=1e-4)
-    assert build(SYNC, epsilon=0.2, epsilon_high=0.28).epsilon_high == 0.28
-    with pytest.raises(ConfigValueError, match="epsilon_high must be >= epsilon"):
-        build(ASYNC, epsilon=0.3, epsilon_high=0.2)
+def test_an_asymmetric_or_unbounded_clip_range_is_taken_as_trl_takes_it():
+    assert build(SYNC, epsilon=0.3, epsilon_high=0.2).epsilon_high == 0.2  # [0.7, 1.2]
+    assert build(ASYNC, epsilon=0.3, epsilon_high=0.2).epsilon_high == 0.2
+    assert build(SYNC, loss_type="gspo", epsilon_high=1e-4).epsilon == 3e-4  # the loss type's default ε, user's ε_high
+    assert build(SYNC, epsilon_high=math.inf).epsilon_high == math.inf  # no upper clip
 
 
 @pytest.mark.parametrize("config", BOTH, ids=lambda c: c.__name__)
@@ -235,11 +235,49 @@ def test_vllm_sync_dir_must_be_a_folder(config, tmp_path):
     with pytest.raises(ConfigValueError, match="vllm_sync_dir must be a folder .* which is a file"):
         build(config, vllm_sync_dir=str(tmp_path / "file"))
     assert build(config, vllm_sync_dir=str(tmp_path / "new")).vllm_sync_dir == str(tmp_path / "new")
+    assert build(config, vllm_sync_dir=tmp_path / "new").vllm_sync_dir == str(tmp_path / "new")  # a Path, as text
+
+
+# ------------------------------------------------------------------------------------------- learns nothing
+@pytest.mark.parametrize("mode, bound", [
+    ("sequence_mask", {"vllm_importance_sampling_clip_max": -1.0}),  # every ratio above it: every token masked
+    ("token_mask", {"vllm_importance_sampling_clip_max": 0.0}),
+    ("token_truncate", {"vllm_importance_sampling_clip_max": 0.0}),  # every ratio clamped to 0
+    ("sequence_truncate", {"vllm_importance_sampling_clip_max": -1.0}),  # every ratio -1: the gradient reversed
+    ("sequence_mask", {"vllm_importance_sampling_clip_min": math.inf, "vllm_importance_sampling_clip_max": None}),
+])
+def test_a_correction_bound_that_leaves_no_gradient_is_refused_only_with_our_correction_on(mode, bound):
+    kwargs = dict(vllm_importance_sampling_mode=mode, **bound)
+    name = next(iter(bound))
+    with pytest.raises(ConfigValueError, match=f"^{name} must be .* transformers_importance_sampling_correction is on"):
+        build(SYNC, **kwargs)  # R3 on transformers generate: our correction is on by default
+    with pytest.raises(ConfigValueError, match=name):
+        build(SYNC, loss_type="grpo", transformers_importance_sampling_correction=True, routing_replay="none", **kwargs)
+    # plain TRL trains with these bounds there (its correction is off on the transformers path): so does ours when off
+    for off in (dict(routing_replay="none"), dict(transformers_importance_sampling_correction=False),
+                dict(loss_type="minirl", epsilon_high=None), dict(loss_type="vespo")):
+        if off.get("loss_type") == "minirl" and "truncate" in mode:
+            continue
+        assert getattr(build(SYNC, **kwargs, **off), name) == bound[name]
+    assert build(SYNC, vllm_importance_sampling_clip_max=0.5).vllm_importance_sampling_clip_max == 0.5  # > 0 trains
+
+
+def test_the_trainer_refuses_a_zero_gradient_bound_in_a_plain_trl_config_too(tmp_path):
+    # the same check on the trainer's path: a plain GRPOConfig (our defaults: R3, correction on) reaches it there
+    from trl import GRPOConfig
+
+    from trl_moe_replay import MoEReplayGRPOTrainer
+    from trl_moe_replay.testing import tiny_moe_model
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                      vllm_importance_sampling_clip_max=-1.0)
+    with pytest.raises(ConfigValueError, match="vllm_importance_sampling_clip_max must be > 0"):
+        MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=lambda completions, **kw: [0.0], args=args)
 
 
 # ------------------------------------------------------------------------------------------- loss types
 def test_unknown_loss_type_is_refused_with_the_valid_names():
-    with pytest.raises(ValueError, match="loss_type must be one of") as error:
+    with pytest.raises(UpstreamValueError, match="loss_type must be one of .*'Unknown loss type'") as error:
         build(SYNC, loss_type="bogus")
     for name in (*TRL_LOSS_TYPES, *MOE_LOSS_TYPES):
         assert repr(name) in str(error.value)
@@ -255,3 +293,28 @@ def test_trl_loss_types_are_the_ones_trl_documents():
     documented = help_text.split("Supported values are ", 1)[1].split(". ", 1)[0]
     names = [part.strip().removeprefix("and ").strip("'") for part in documented.split(",")]
     assert sorted(names) == sorted(TRL_LOSS_TYPES)
+
+
+# ------------------------------------------------------------------------------------------- the recipe's ModelConfig
+@pytest.mark.parametrize("text, name", [
+    ("use_peft: true\nlora_r: 4.5\n", "lora_r"),
+    ("use_peft: true\nlora_r: 0\n", "lora_r"),
+    ("use_peft: true\nlora_dropout: 1.5\n", "lora_dropout"),
+    ("model_name_or_path: some/model\ndtype: float8\n", "dtype"),
+])
+def test_the_recipe_refuses_model_values_trl_would_fail_on_in_one_line(recipe, text, name, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        recipe.parse_args(["--config", str(path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and f"{name} must be" in lines[0], lines
+
+
+def test_the_recipe_takes_model_values_trl_takes(recipe, tmp_path):
+    # a float alpha scales the adapter; LoRA fields without use_peft and dtype without a model are unused, as in TRL
+    path = tmp_path / "config.yaml"
+    path.write_text("use_peft: true\nlora_alpha: 8.5\nlora_dropout: 0\n")
+    assert recipe.parse_args(["--config", str(path)])[2].lora_alpha == 8.5
+    path.write_text("lora_r: 4.5\n")
+    assert recipe.parse_args(["--config", str(path)])[2].lora_r == 4.5

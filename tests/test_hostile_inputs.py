@@ -38,7 +38,7 @@ def config(**kwargs):
     ("pr2_cached_tokens_per_sequence", "2048", "must be an int, got str '2048'"),
     ("pr2_cached_tokens_per_sequence", True, "must be an int, got bool True"),
     ("router_shift_gamma_min", "0.8", "router_shift_gamma_min must be a float, got str '0.8'"),
-    ("epsilon", "0.2", "epsilon must be a float or None, got str '0.2'"),
+    ("minirl_is_cap", "5", "minirl_is_cap must be a float, got str '5'"),  # ours; TRL's fields: test_config_drop_in
     ("extreme_token_threshold", None, "extreme_token_threshold must be a float, got NoneType None"),
     ("routing_metrics", "yes", "routing_metrics must be a bool or None, got str 'yes'"),
     ("replay_reference_model", 1, "replay_reference_model must be a bool, got int 1"),

@@ -62,7 +62,7 @@ class MoEReplayAsyncGRPOConfig(AsyncGRPOConfig):
         default=None, metadata={"help": "Stop after this many steps in a row without a usable engine route."})
 
     def __post_init__(self):
-        check_config(self)  # every field's type and range, TRL's included, before TRL's own __post_init__ reads them
+        check_config(self, MoEReplayAsyncGRPOConfig)  # our fields strictly, TRL's as TRL takes them (config_checks)
         if self.routing_replay in ("r2", "pr2"):
             raise ValueError(
                 f"routing_replay={self.routing_replay!r} replays the routes of an old-policy forward, and TRL's "

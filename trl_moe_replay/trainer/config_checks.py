@@ -1,17 +1,20 @@
-"""One type and value standard for every field of a training config, ours and TRL's/transformers' inherited ones.
+"""What the two configs check, for every way they are built (Python, ``TrlParser`` YAML and command line, the recipe).
 
-``check_config`` is what ``MoEReplayGRPOConfig`` and ``MoEReplayAsyncGRPOConfig`` run first in ``__post_init__``, so
-every way a config is built reaches it: Python, ``TrlParser`` (YAML and command line) and the recipe. It runs before
-TRL's and transformers' own ``__post_init__``, which would otherwise fail later and raw on a wrong type (``max_steps``
-2.5 ends in a ``TypeError`` deep inside the training loop).
+Two rules, one per owner of a field:
 
-The standard, from each field's type annotation: an int field takes integers (not 1.5, not ``"3"``, not ``True``); a
-float field takes integers or floats, finite unless the field is one where infinity means "no limit"; a bool field
-takes ``True``/``False`` (not ``"no"``, which would be truthy); ``None`` only where the annotation is optional; a
-field with ``choices`` takes one of them. Numpy scalars count as the numbers they hold and become Python numbers. The
-command line's text is typed by ``HfArgumentParser`` before the config is built (strictly: ``int("1.5")`` fails); a
-YAML file's values are typed by YAML, and ``check_config_file`` holds them to this standard before the parser turns
-their text into numbers (the one allowance: a float written ``1e-5``, which YAML 1.1 reads as text).
+- **Our own fields** (declared by ``MoEReplayGRPOConfig`` / ``MoEReplayAsyncGRPOConfig``, not by TRL's class) are held
+  to their annotation: an int field takes integers (not 1.5, not ``"3"``, not ``True``); a float field takes integers
+  or finite floats; a bool field takes ``True``/``False`` (not ``"no"``, which would be truthy); ``None`` only where
+  the annotation is optional; a field with ``choices`` takes one of them; a path field takes ``os.PathLike`` too.
+  Numpy scalars count as the numbers they hold and become Python numbers. ``OWN_VALUE_RULES`` holds the ranges.
+- **TRL's and transformers' fields** take whatever plain TRL takes, stored as TRL stores it (a ``Path`` output_dir,
+  ``fsdp=True``, an ``AcceleratorConfig``, ``max_steps=0``, an int ``run_name`` from YAML ...).
+  ``UPSTREAM_REFUSALS`` is the one list of their values refused early, each because plain TRL would fail on it later
+  or would run silently wrong, with the reason. Their annotations are read from TRL's class, never from a user's
+  subclass (whose own annotations may name types imported only under ``TYPE_CHECKING``).
+
+``check_config`` runs first in both configs' ``__post_init__``; ``check_config_file`` holds a YAML file's values for
+our own fields to the same rule before ``TrlParser`` types their text as it types the command line's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numbers
 import os
 import types
 import typing
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal, Union
 
 import numpy as np
@@ -36,20 +39,138 @@ class ConfigValueError(ValueError):
     """A config value of the right type outside the range its field can mean (NaN, a negative count, ...)."""
 
 
-# Float fields where +inf means "no limit" and is kept: a gradient norm logged but not clipped, a timeout that never
-# fires, an importance-weight clip or cap that never bites. Every other float must be finite.
-INFINITY_MEANS_NO_LIMIT = frozenset({
-    "max_grad_norm", "vllm_server_timeout", "heartbeat_stale_after_s", "vllm_importance_sampling_clip_max",
-    "vllm_importance_sampling_cap", "off_policy_mask_threshold", "delta",
-})
+class UpstreamValueError(ConfigValueError):
+    """A value of a TRL or transformers field that plain TRL takes but fails on later or runs silently wrong with;
+    ``refusal`` is the ``UPSTREAM_REFUSALS`` entry (with its reason) that refused the value of ``field``."""
 
-# Values a field admits beyond its annotation: what TRL and transformers themselves give or document.
-ALSO_ADMITTED = {
-    "scale_rewards": (bool,),  # True/False, as TRL's GRPOConfig documents
-    "debug": (type(None),),  # HfArgumentParser's value when unset; transformers reads it as []
-}
+    def __init__(self, field: str, value, refusal: UpstreamRefusal):
+        super().__init__(refusal.message(field, value))
+        self.field, self.value, self.refusal = field, value, refusal
 
 
+# ------------------------------------------------------------------------------------- TRL's and transformers' fields
+@dataclass(frozen=True)
+class UpstreamRefusal:
+    """Values of TRL's or transformers' fields refused early: ``refuses(value)`` for a field that ``covers``, and why.
+
+    ``reason`` says what plain TRL does with the value: "TRL crashes later at ..." or "silently wrong: ...".
+    """
+
+    fields: str  # the field names, or a kind of field ("every float field")
+    covers: typing.Callable[[str, Any], bool]  # (name, TRL's annotation) -> whether this entry is about that field
+    refuses: typing.Callable[[Any], bool]
+    expected: str
+    reason: str
+
+    def message(self, name: str, value) -> str:
+        return f"{name} must be {self.expected}, got {_shown(value)}: {self.reason}"
+
+
+def _named(*names: str):
+    return lambda name, annotation: name in names
+
+
+def _annotated(kind: type):
+    """Fields whose annotation is ``kind`` or ``kind | None`` (TRL's reading of the field matches it there)."""
+    return lambda name, annotation: _plain(annotation) is kind
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, numbers.Real) and not _is_bool(value) and math.isnan(value)
+
+
+def _text_not_true(value) -> bool:
+    """Text whose truth in Python (non-empty: True) is not what transformers' own reading of it says."""
+    if not isinstance(value, str):
+        return False
+    return value.strip().lower() not in ("yes", "true", "t", "y", "1", "on")  # transformers' string_to_bool
+
+
+def _not_an_int(value) -> bool:
+    return value is not None and not isinstance(value, numbers.Integral)
+
+
+def _below(low):
+    return lambda value: isinstance(value, numbers.Real) and value < low
+
+
+# TRL 1.16's own loss types (named in GRPOConfig.loss_type's help; TRL exposes no list of them), and this package's.
+TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
+
+COUNT_FIELDS = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                "max_completion_length")
+
+# The one list of TRL/transformers values this package refuses although plain TRL's config takes them. Everything not
+# here is theirs to take or refuse. Each entry: plain TRL would fail on the value later, or run silently wrong with it.
+UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
+    UpstreamRefusal(
+        "every float field", _annotated(float), _is_nan, "a number, not NaN",
+        "silently wrong: NaN compares false with every bound, so the rate, limit or weight it sets is skipped or "
+        "turns the loss into NaN"),
+    UpstreamRefusal(
+        "every bool field", _annotated(bool), _text_not_true, "True or False",
+        "silently wrong: TRL tests the value's truth, and any non-empty text is true, so 'no' or 'false' switches "
+        "the option on"),
+    UpstreamRefusal(
+        ", ".join(COUNT_FIELDS), _named(*COUNT_FIELDS), _not_an_int, "an int",
+        "TRL crashes later: transformers and TRL size loops, batches and tensors with it (range(), DataLoader, "
+        "repeat_interleave), which take no float or text"),
+    UpstreamRefusal(
+        "per_device_train_batch_size, gradient_accumulation_steps, num_generations, max_completion_length",
+        _named("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+               "max_completion_length"),
+        _below(1), "an int >= 1",
+        "TRL crashes later: a batch or an accumulation of 0 gives a DataLoader batch of 0, which it refuses; "
+        "generate refuses 0 new tokens; 0 generations per prompt divides the group mean by zero"),
+    UpstreamRefusal(
+        "num_iterations", _named("num_iterations"), _below(1), ">= 1",
+        "silently wrong: 0 (or fewer) updates per generation batch trains 0 steps and exits with status 0"),
+    UpstreamRefusal(
+        "temperature", _named("temperature"), lambda value: isinstance(value, numbers.Real) and value <= 0, "> 0",
+        "TRL crashes later: it divides the logits by it (0 fails in its fused log-prob at the first step), and "
+        "transformers' and vLLM's samplers raise on a value <= 0"),
+    UpstreamRefusal(
+        "top_p", _named("top_p"), _below(0), ">= 0",
+        "TRL crashes later: transformers' TopPLogitsWarper and vLLM's SamplingParams raise on a negative top_p (above "
+        "1 transformers applies no top-p at all, so that is taken)"),
+    UpstreamRefusal(
+        "learning_rate", _named("learning_rate"),
+        lambda value: isinstance(value, numbers.Real) and (value < 0 or value == math.inf), "a finite number >= 0",
+        "TRL crashes later or runs silently wrong: torch's optimizers raise on a negative rate when the trainer "
+        "builds them; an infinite one turns every weight to NaN at the first step"),
+    UpstreamRefusal(
+        "reward_weights", _named("reward_weights"),
+        lambda value: isinstance(value, (list, tuple)) and any(
+            isinstance(item, numbers.Real) and not math.isfinite(item) for item in value),
+        "a list of finite numbers",
+        "silently wrong: TRL sums the weighted rewards with nansum, so a NaN weight drops that reward function (the "
+        "run learns nothing from it) and an infinite one makes the advantages NaN"),
+    UpstreamRefusal(
+        "loss_type", _named("loss_type"), lambda value: value not in TRL_LOSS_TYPES + MOE_LOSS_TYPES,
+        f"one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}",
+        "TRL crashes later: its loss raises 'Unknown loss type' at the first training step"),
+    UpstreamRefusal(
+        "weight_sync_steps (async)", _named("weight_sync_steps"), _below(1), ">= 1",
+        "TRL crashes later: a sync every 0 steps divides by zero after the first step"),
+    UpstreamRefusal(
+        "max_staleness (async)", _named("max_staleness"), _below(0), ">= 0",
+        "silently wrong: a negative staleness drops every sample, and the run waits for samples that never come"),
+)
+
+
+def upstream_refusal(upstream_class: type, name: str, value) -> UpstreamRefusal | None:
+    """The ``UPSTREAM_REFUSALS`` entry that refuses ``value`` for the field ``name`` of TRL's ``upstream_class``."""
+    annotation = field_types(upstream_class).get(name)
+    for refusal in UPSTREAM_REFUSALS:
+        if refusal.covers(name, annotation) and refusal.refuses(value):
+            return refusal
+    return None
+
+
+# ------------------------------------------------------------------------------------- our own fields
+# Ranges of our own fields, where a value of the right type outside them breaks a run or switches a check off. A
+# field missing from a config (the async config has no PR2 fields) is skipped; None (unset) is never checked here.
 def _at_least(low):
     return lambda value: value >= low, f">= {low}"
 
@@ -58,37 +179,18 @@ def _above(low):
     return lambda value: value > low, f"> {low}"
 
 
-# Ranges, where a value of the right type outside them breaks a run (or silently switches a check off). A field
-# missing from a config (the async config has no PR2 fields) is skipped; None (unset) is never checked here.
-VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    # transformers: max_steps <= 0 trains num_train_epochs instead; -1 is its "unset"
-    "max_steps": (lambda value: value == -1 or value >= 1, "-1 (unset: num_train_epochs decides) or >= 1"),
-    "per_device_train_batch_size": _at_least(1),
-    "gradient_accumulation_steps": _at_least(1),
-    "max_completion_length": _at_least(1),
-    "num_generations": _at_least(1),  # TRL's sync config asks for 2 itself; 0 divides by zero in the group mean
-    "vllm_server_timeout": _above(0),
-    "request_timeout": _above(0),
-    "weight_sync_timeout": _above(0),
-    "heartbeat_stale_after_s": _above(0),
-    "learning_rate": _at_least(0),
-    "temperature": _above(0),  # TRL divides the logits by it
-    "top_p": (lambda value: 0 < value <= 1, "in (0, 1]"),
-    "beta": _at_least(0),
-    "epsilon": _at_least(0),
-    "epsilon_high": _at_least(0),
-    # async: a sync every 0 steps divides by zero after step 1; a negative staleness drops every sample
-    "weight_sync_steps": _at_least(1),
-    "max_staleness": _at_least(0),
+OWN_VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "extreme_token_threshold": _above(1),
     "sync_check_tolerance": _at_least(0),
     "vllm_request_attempts": _at_least(1),
     "max_route_fallback_steps": _at_least(1),
-    # ours
-    "extreme_token_threshold": _above(1),
     "pr2_lr_multiplier": _at_least(0),
     "pr2_cached_tokens_per_sequence": _at_least(1),
     "router_shift_gamma_min": (lambda value: 0 < value <= 1, "in (0, 1]"),
 }
+# Our fields that name a folder or file: ``os.PathLike`` is taken too and kept as the ``str`` it names.
+PATH_FIELDS = frozenset({"vllm_sync_dir"})
+_UPSTREAM_PACKAGES = ("trl", "transformers")
 
 
 @functools.cache
@@ -98,8 +200,24 @@ def field_types(config_class: type) -> dict[str, Any]:
     return {spec.name: hints[spec.name] for spec in fields(config_class) if spec.init}
 
 
+def upstream_class(config_class: type) -> type | None:
+    """The nearest TRL or transformers dataclass ``config_class`` derives from (itself, if it is one), or None."""
+    for klass in config_class.__mro__:
+        if is_dataclass(klass) and klass.__module__.split(".")[0] in _UPSTREAM_PACKAGES:
+            return klass
+    return None
+
+
+@functools.cache
+def own_field_types(config_class: type) -> dict[str, Any]:
+    """``{name: annotation}`` of the init fields ``config_class`` declares beyond its TRL/transformers base."""
+    upstream = upstream_class(config_class)
+    theirs = {spec.name for spec in fields(upstream)} if upstream is not None else set()
+    return {name: annotation for name, annotation in field_types(config_class).items() if name not in theirs}
+
+
 def understood(annotation) -> bool:
-    """Whether ``admits`` knows every part of ``annotation`` (the test that no field goes unchecked asks this)."""
+    """Whether ``admits`` knows every part of ``annotation`` (the test that no own field goes unchecked asks this)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (Union, types.UnionType):
         return all(understood(arg) for arg in args)
@@ -153,6 +271,14 @@ def describe(annotation) -> str:
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 
+def _plain(annotation):
+    """``X`` for an annotation ``X`` or ``X | None``; else the annotation itself."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
 def _is_bool(value) -> bool:
     return isinstance(value, (bool, np.bool_))
 
@@ -162,10 +288,13 @@ def _shown(value) -> str:
 
 
 def check_value(name: str, annotation, value, where: str = "") -> Any:
-    """``value`` as the field ``name`` keeps it (numpy scalars as Python numbers), or a ``ConfigTypeError`` naming
-    the field, what it takes and what came."""
-    if not (admits(annotation, value) or isinstance(value, ALSO_ADMITTED.get(name, ()))):
-        raise ConfigTypeError(f"{name} must be {describe(annotation)}, got {_shown(value)}{where}")
+    """``value`` as our own field ``name`` keeps it (numpy scalars as Python numbers, a path as its text), or a
+    ``ConfigTypeError`` naming the field, what it takes and what came."""
+    if name in PATH_FIELDS and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not admits(annotation, value):
+        paths = " or an os.PathLike" if name in PATH_FIELDS else ""
+        raise ConfigTypeError(f"{name} must be {describe(annotation)}{paths}, got {_shown(value)}{where}")
     if _is_bool(value):
         return bool(value)
     if isinstance(value, numbers.Integral) and type(value) is not int:
@@ -175,60 +304,56 @@ def check_value(name: str, annotation, value, where: str = "") -> Any:
     return value
 
 
-def check_config(config) -> None:
-    """Hold every init field of the dataclass ``config`` to the standard in this module's docstring, then to
-    ``VALUE_RULES``; the first mistake raises, in one line naming the field, what it takes and what came."""
-    specs = {spec.name: spec for spec in fields(config)}
-    for name, annotation in field_types(type(config)).items():
+def check_config(config, own_class: type) -> None:
+    """Hold the built dataclass ``config`` (an instance of ``own_class``, or of a user's subclass of it) to this
+    module's two rules: ``own_class``'s own fields by their annotation and ``OWN_VALUE_RULES``, TRL's and
+    transformers' fields by ``UPSTREAM_REFUSALS`` only. The first mistake raises, in one line naming the field."""
+    specs = {spec.name: spec for spec in fields(own_class)}
+    for name, annotation in own_field_types(own_class).items():
         given = getattr(config, name)
         value = check_value(name, annotation, given)
-        if value is not given:  # a numpy scalar, as the Python number it holds
+        if value is not given:  # a numpy scalar as the Python number it holds, a path as its text
             setattr(config, name, value)
         if value is None or _is_bool(value):
             continue
         if isinstance(value, float) and not math.isfinite(value):
-            if not (value == math.inf and name in INFINITY_MEANS_NO_LIMIT):
-                default = specs[name].default
-                hint = f" (its default: {default})" if default is not MISSING else ""
-                raise ConfigValueError(f"{name} must be a finite number, got {value}{hint}")
+            raise ConfigValueError(f"{name} must be a finite number, got {value} (its default: {specs[name].default})")
         choices = specs[name].metadata.get("choices")
         if choices is not None and isinstance(value, (str, int)) and value not in choices:
             raise ConfigValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-        if name in VALUE_RULES:
-            holds, expected = VALUE_RULES[name]
+        if name in OWN_VALUE_RULES:
+            holds, expected = OWN_VALUE_RULES[name]
             if isinstance(value, numbers.Real) and not holds(value):
                 raise ConfigValueError(f"{name} must be {expected}, got {value}")
-    check_clipping_bounds(config)
+    upstream = upstream_class(own_class)
+    for name in field_types(upstream):
+        value = getattr(config, name)
+        refusal = upstream_refusal(upstream, name, value)
+        if refusal is not None:
+            raise UpstreamValueError(name, value, refusal)
     sync_dir = getattr(config, "vllm_sync_dir", None)
     if sync_dir is not None and os.path.exists(sync_dir) and not os.path.isdir(sync_dir):
         raise ConfigValueError(f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a "
                                "file; name a folder")
 
 
-def check_clipping_bounds(config, note: str = "") -> None:
-    """``epsilon_high`` (the upper clipping bound) is not below ``epsilon`` when both are set."""
-    low, high = getattr(config, "epsilon", None), getattr(config, "epsilon_high", None)
-    if low is not None and high is not None and high < low:
-        raise ConfigValueError(f"epsilon_high must be >= epsilon (the clipping range is [1 - epsilon, 1 + "
-                               f"epsilon_high]), got epsilon={low}{note}, epsilon_high={high}")
-
-
 def check_config_file(config_classes, values: dict, path: str) -> None:
-    """Hold a config file's values (``{key: value}`` as ``yaml.safe_load`` gives them) to the standard before
-    ``TrlParser`` turns their text into numbers and bools the way it reads the command line's: YAML has numbers and
-    booleans, so ``max_steps: "3"`` or ``routing_metrics: "yes"`` is a mistake, as it is from Python. The one
-    allowance: a float field takes number text, since YAML 1.1 reads ``1e-5`` (no dot) as text."""
+    """Hold a config file's values for the classes' own fields (``{key: value}`` as ``yaml.safe_load`` gives them)
+    to the standard before ``TrlParser`` turns their text into numbers and bools the way it reads the command
+    line's: YAML has numbers and booleans, so ``routing_metrics: "yes"`` is a mistake, as it is from Python. The one
+    allowance: a float field takes number text, since YAML 1.1 reads ``1e-5`` (no dot) as text. TRL's and
+    transformers' fields are left to ``TrlParser``, as plain TRL leaves them."""
     for config_class in config_classes:
         if not is_dataclass(config_class):
             continue
-        annotations = field_types(config_class)
+        annotations = own_field_types(config_class)
         for name, value in values.items():
             if name not in annotations or not isinstance(value, str):
                 continue  # values that are no text reach the config's own check as they are
             if admits(annotations[name], 1.5) and _is_number_text(value):
                 continue
             if _admits_as_list_item(annotations[name], value):
-                continue  # one text for a list field (`lora_target_modules: all-linear`), which TRL's parser takes
+                continue  # one text for a list field (`reward_funcs: accuracy_reward`), which TRL's parser takes
             check_value(name, annotations[name], value, where=f" (in {path}; YAML numbers and booleans are written "
                                                               "unquoted)")
 
@@ -247,4 +372,3 @@ def _is_number_text(text: str) -> bool:
     except ValueError:
         return False
     return True
-

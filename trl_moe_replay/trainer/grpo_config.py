@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .config_checks import ConfigTypeError, check_clipping_bounds, check_config
+from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES  # noqa: F401  (kept importable from here)
+from .config_checks import ConfigTypeError, ConfigValueError, check_config
 
 ROUTING_REPLAY_MODES = ("none", "r2", "r3", "pr2")
-# Loss types this package adds to TRL's.
-MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
-# TRL 1.16's own loss types (named in GRPOConfig.loss_type's help; TRL exposes no list of them).
-TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
 _PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
 
@@ -91,7 +89,13 @@ def default_transformers_correction(args: GRPOConfig) -> bool:
     )
 
 
-class UnprovenEngineSetupError(ValueError):
+class UnrecordableGenerationError(ValueError):
+    """Generation settings under which the routes or sampling log-probs that replay, its metrics or the
+    transformers-path correction need cannot be kept. Refused only with one of those on: ``routing_replay="none"``
+    (with metrics and the correction left unset) is plain TRL and takes them."""
+
+
+class UnprovenEngineSetupError(UnrecordableGenerationError):
     """A vLLM setup whose route capture is known (from vLLM's source) not to work, refused until proven on GPUs."""
 
 
@@ -130,28 +134,62 @@ def check_colocate_tensor_parallel(args: GRPOConfig, generation_routes: bool) ->
         )
 
 
+def check_correction_can_learn(args: GRPOConfig, settings: ReplaySettings) -> None:
+    """Refuse importance-sampling bounds under which our transformers-path correction leaves no gradient.
+
+    TRL multiplies every token's loss by the correction's ratio exp(trainer log-prob - sampler log-prob), which is
+    positive: a ``*_mask`` mode zeroes the ratios outside [clip_min, clip_max], a ``*_truncate`` mode clamps them into
+    it. So ``clip_max <= 0`` masks every token or replaces every ratio by ``clip_max`` (0: no gradient; below 0: the
+    gradient reversed), and ``clip_min = inf`` masks every token or makes every ratio infinite. Plain TRL trains with
+    such bounds on the transformers path, where its correction is off; they are refused only when ours is on.
+    ``vespo`` takes the ratio's logarithm into its own weight, and ``minirl`` uses ``minirl_is_cap`` instead.
+    """
+    if not settings.transformers_importance_sampling_correction or args.loss_type in ("vespo", "minirl"):
+        return
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    mode = args.vllm_importance_sampling_mode
+    masking = mode in ("token_mask", "sequence_mask")
+    if high is not None and high <= 0:
+        name, value, expected = "vllm_importance_sampling_clip_max", high, "> 0 (or None: no upper bound)"
+        effect = "zeroes every token" if masking or high == 0 else f"sets every ratio to {high} (gradient reversed)"
+    elif low is not None and low == math.inf:
+        name, value, expected = "vllm_importance_sampling_clip_min", low, "finite (or None: no lower bound)"
+        effect = "zeroes every token" if masking else "makes every ratio infinite"
+    else:
+        return
+    cause = "routing replay" if settings.routing_replay != "none" else f"loss_type={args.loss_type!r}"
+    raise ConfigValueError(
+        f"{name} must be {expected} while transformers_importance_sampling_correction is on (set, or on by default "
+        f"with {cause} on transformers generate), got {value}: every importance ratio is positive, so TRL's "
+        f"{mode!r} correction {effect}, and the run learns nothing. Use a bound like TRL's default "
+        "(vllm_importance_sampling_clip_max=3.0), or transformers_importance_sampling_correction=False."
+    )
+
+
 def check_generation_support(args: GRPOConfig) -> None:
     """Refuse, when the run is configured, generation settings under which the engine's routes cannot be kept."""
-    check_generation_kwargs(args)
     settings = ReplaySettings.from_args(args)
+    if settings.records_generation or settings.generation_routes:  # replay reads them; else they are TRL's alone
+        check_generation_kwargs(args)
     mode = settings.routing_replay
     check_colocate_tensor_parallel(args, settings.generation_routes)
+    check_correction_can_learn(args, settings)
     if args.use_transformers_continuous_batching:
         if mode == "r3" or getattr(args, "pr2_rollout_prediction", False):
-            raise ValueError(
+            raise UnrecordableGenerationError(
                 f"routing_replay={mode!r} replays the routes generation used, but use_transformers_continuous_batching"
                 "=True generates with transformers' generate_batch, whose per-request routes are not recorded. Set "
                 "use_transformers_continuous_batching=False (plain generate records them), use vLLM, or use "
                 "routing_replay='r2' (routes recorded by the trainer itself)."
             )
         if getattr(args, "transformers_importance_sampling_correction", None):
-            raise ValueError(
+            raise UnrecordableGenerationError(
                 "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
                 "use_transformers_continuous_batching=True does not return them. Turn one of them off."
             )
-    beams = (args.generation_kwargs or {}).get("num_beams", 1)
-    if settings.records_generation and beams and beams > 1:
-        raise ValueError(
+    beams = (args.generation_kwargs or {}).get("num_beams", 1) if settings.records_generation else 1
+    if beams and beams > 1:
+        raise UnrecordableGenerationError(
             f"generation_kwargs num_beams={beams}: beam search reorders and prunes the sequences between decode "
             "steps, so the routes and sampling log-probs recorded during generate would not belong to the returned "
             "completions. Use sampling (num_beams=1), or routing_replay='none'/'r2' with routing_metrics=False and "
@@ -362,12 +400,7 @@ class MoEReplayGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        check_config(self)  # every field's type and range, TRL's included, before TRL's own __post_init__ reads them
-        if self.loss_type not in TRL_LOSS_TYPES + MOE_LOSS_TYPES:
-            raise ValueError(
-                f"loss_type must be one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}, got "
-                f"{self.loss_type!r}"
-            )
+        check_config(self, MoEReplayGRPOConfig)  # our fields strictly, TRL's as TRL takes them (config_checks.py)
         super().__post_init__()
         self._resolve_loss_options()
         if self.pr2_rollout_prediction and self.routing_replay != "pr2":
@@ -409,8 +442,6 @@ class MoEReplayGRPOConfig(GRPOConfig):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.router_shift_weighting is None:
             self.router_shift_weighting = loss == "rspo"
-        # again with the defaults filled: a user's epsilon_high below the loss type's epsilon
-        check_clipping_bounds(self, f" (loss_type={loss!r}'s default)" if epsilon_unset else "")
 
         if loss in ("gspo", "rspo") and self.importance_sampling_level != "sequence":
             raise ValueError(
