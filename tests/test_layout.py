@@ -14,11 +14,12 @@ PACKAGE = ROOT / "trl_moe_replay"
 MAY_IMPORT = {
     "routing": set(),
     "upstream": set(),
+    "bounded_json": set(),
     "extras": set(),
     "engines": {"routing", "upstream"},
-    "trainer": {"engines", "routing", "upstream"},
+    "trainer": {"engines", "routing", "upstream", "bounded_json"},
     "testing": {"engines", "routing"},
-    "cli": {"engines", "extras", "routing", "testing", "trainer", "upstream"},
+    "cli": {"engines", "extras", "routing", "testing", "trainer", "upstream", "bounded_json"},
     "__init__": {"engines", "routing", "trainer"},
 }
 
