@@ -36,12 +36,14 @@ class JSONFileError(ValueError):
     or nested too deeply."""
 
 
-def read_json_file(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES,
-                   max_values: int = MAX_JSON_VALUES) -> Any:
-    """The parsed content of the JSON file ``path``, or :class:`JSONFileError` (see the module docstring).
+def read_json_file(path: str | os.PathLike, *, max_bytes: int | None = None, max_values: int | None = None) -> Any:
+    """The parsed content of the JSON file ``path``, or :class:`JSONFileError` (see the module docstring); at most
+    ``max_bytes`` (default :data:`MAX_JSON_BYTES`) and ``max_values`` (default :data:`MAX_JSON_VALUES`).
     ``FileNotFoundError`` (an ``OSError``) if it does not exist."""
+    max_bytes = MAX_JSON_BYTES if max_bytes is None else max_bytes
+    max_values = MAX_JSON_VALUES if max_values is None else max_values
     data = _read_regular_file(path, max_bytes)
-    values = 1 + sum(data.count(start) for start in _VALUE_STARTS)
+    values = count_values(data)
     if values > max_values:
         raise JSONFileError(
             f"{path} holds up to {values:,} JSON values, more than the {max_values:,} read: refusing to parse it "
@@ -58,6 +60,12 @@ def read_json_file(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES,
         raise JSONFileError(f"{path} nests JSON arrays or objects too deeply to read") from None
     except MemoryError:  # a machine with less memory than max_values needs
         raise JSONFileError(f"{path}: not enough memory to parse it ({len(data):,} bytes)") from None
+
+
+def count_values(data: bytes) -> int:
+    """An upper bound on the values and keys parsing ``data`` builds: one more than the bytes a value or key can
+    follow (those inside strings count too, so it never under-counts)."""
+    return 1 + sum(data.count(start) for start in _VALUE_STARTS)
 
 
 def _read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
