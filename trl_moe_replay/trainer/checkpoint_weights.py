@@ -113,8 +113,9 @@ def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.
 def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike) -> None:
     """Load every weight of ``model`` from checkpoint ``folder`` (any layout of the module docstring), or raise
     :class:`CheckpointWeightsError` naming the folder and the first problem, leaving ``model`` unchanged: a weight
-    missing, a name that is no weight of the model, a shape or dtype other than the model's, a NaN or inf value, a
-    file that cannot be read."""
+    missing, a name that is no weight of the model, a shape or dtype other than the model's, a NaN or inf value,
+    two different values for one tied weight, a file that cannot be read or is not the checkpoint's own (a link out of
+    its folder)."""
     folder = Path(folder)
     kind = type(model.get_base_model() if is_peft_model(model) else model).__name__
 
