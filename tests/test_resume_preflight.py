@@ -77,6 +77,18 @@ def says(expected: str | re.Pattern, message: str) -> bool:
     return bool(expected.search(message)) if isinstance(expected, re.Pattern) else expected in message
 
 
+def resumes_exactly(trainer, folder: Path, checkpoint: Path) -> None:
+    """``trainer.train(resume_from_checkpoint=folder)`` (max_steps 1: it loads everything and trains no step) leaves
+    every weight as the untouched ``checkpoint``'s file holds it; every weight is moved away from it first."""
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(1.0)
+    trainer.train(resume_from_checkpoint=str(folder))
+    reference = tiny_moe_model("qwen3_moe", seed=5)
+    restore_checkpoint_weights(reference, checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(weights(reference).values(), weights(trainer.model).values()))
+
+
 def refused_by_train(trainer, folder: Path) -> str:
     """``trainer.train(resume_from_checkpoint=folder)``'s one-line refusal; the model's weights unchanged."""
     before = weights(trainer.model)
@@ -244,10 +256,21 @@ def test_hub_layout_weights_without_config_json_resume_exactly(resumer, checkpoi
     own fallback fails with a TypeError): converted with the model's config, every weight restored."""
     folder = copied(checkpoint, tmp_path, lambda f: [(f / n).unlink() for n in ("config.json",
                                                                                   "generation_config.json")])
-    resumer.train(resume_from_checkpoint=str(folder))  # max_steps 1: loads everything, trains no step
-    reference = tiny_moe_model("qwen3_moe", seed=5)
-    restore_checkpoint_weights(reference, checkpoint)  # the same file, read from the untouched checkpoint
-    assert all(torch.equal(a, b) for a, b in zip(weights(reference).values(), weights(resumer.model).values()))
+    resumes_exactly(resumer, folder, checkpoint)
+
+
+def test_a_checkpoint_in_the_hub_cache_resumes_through_its_links_to_the_blobs(resumer, checkpoint, tmp_path):
+    """snapshot_download's layout: a snapshot's files are links to the repository's blobs/, outside the checkpoint
+    folder but its own."""
+    repo = tmp_path / "models--org--run"
+    folder = repo / "snapshots" / "0123abc" / "checkpoint-1"
+    folder.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for file in checkpoint.iterdir():
+        blob = repo / "blobs" / f"blob-{file.name}"
+        shutil.copy(file, blob)
+        (folder / file.name).symlink_to(os.path.relpath(blob, folder))
+    resumes_exactly(resumer, folder, checkpoint)
 
 
 # ----------------------------------------------------------------------------------------------- two runs, one folder

@@ -14,7 +14,8 @@ model's shapes, finite), which also checks before it changes anything.
 What is checked:
 
 - each file a resume reads is a regular file inside the checkpoint folder (:func:`checkpoint_file`): not a link out
-  of the folder, a FIFO (whose read would wait forever), a device or a folder;
+  of the folder (but for the Hub cache's links from a snapshot to its repository's blobs), a FIFO (whose read would
+  wait forever), a device or a folder;
 - ``trainer_state.json``: read with a bound (:mod:`trl_moe_replay.bounded_json`), a JSON object of ``TrainerState``'s
   fields, those the Trainer computes with of the types it computes with (:data:`STATE_FIELD_TYPES`);
 - ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``: ``torch.load(weights_only=True)`` as the
@@ -111,7 +112,7 @@ def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
     if not os.path.lexists(path):
         return None
     target = path.resolve()
-    if not target.is_relative_to(folder.resolve()):
+    if not _inside(target, folder.resolve()):
         raise refuse(f"{name} is a link to {target}, outside the checkpoint folder: copy the file into the folder if "
                      "it belongs to this checkpoint")
     try:
@@ -122,6 +123,15 @@ def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
         raise refuse(f"{name} is {kind}, not a file the Trainer writes")
     return path
+
+
+def _inside(target: Path, folder: Path) -> bool:
+    """Whether ``target`` is the checkpoint's own: inside ``folder``, or, where ``folder`` is (inside) a snapshot of
+    the Hugging Face cache (``snapshot_download``), one of that repository's ``blobs/``, which its files link to."""
+    if target.is_relative_to(folder):
+        return True
+    snapshots = next((parent for parent in folder.parents if parent.name == "snapshots"), None)
+    return snapshots is not None and target.parent == snapshots.parent / "blobs"
 
 
 def _check_one_kind_of_weights(folder: Path, refuse) -> None:
