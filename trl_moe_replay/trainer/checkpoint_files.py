@@ -100,9 +100,11 @@ def check_checkpoint_files(folder: str | os.PathLike) -> None:
     if state is not None:
         _check_trainer_state(state, refuse)
     for name in sorted(entry.name for entry in folder.iterdir()):
-        keys = _RNG_KEYS if _RNG_FILE.match(name) else _TORCH_FILES.get(name)
-        if keys is not None:
-            _check_torch_file(checkpoint_file(folder, name, refuse), keys, refuse)
+        if _RNG_FILE.match(name):
+            with safe_globals():  # the numpy types of the RNG state, which the Trainer allows the same way
+                _check_torch_file(checkpoint_file(folder, name, refuse), _RNG_KEYS, refuse)
+        elif name in _TORCH_FILES:
+            _check_torch_file(checkpoint_file(folder, name, refuse), _TORCH_FILES[name], refuse)
 
 
 def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
@@ -169,8 +171,7 @@ def _check_trainer_state(path: Path, refuse) -> None:
 
 def _check_torch_file(path: Path, keys: tuple[str, ...], refuse) -> None:
     try:
-        with safe_globals():  # the numpy types of the RNG state, which the Trainer allows the same way
-            content = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        content = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # noqa: BLE001 -- a damaged or hostile file raises whatever its reader meets
         raise refuse(f"{path.name} cannot be read ({type(exc).__name__}: {short_message(exc)}); the save may have "
                      "been cut short, or the file is not one the Trainer wrote") from None
