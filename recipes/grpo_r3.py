@@ -554,7 +554,7 @@ def _train(script_args, training_args, model_args, state):
     from trl_moe_replay.trainer.launch import check_model_path
 
     if model_args.model_name_or_path is not None:  # a mistyped path or an unreachable Hub id: one line, now
-        check_model_path(model_args.model_name_or_path, model_args.model_revision)
+        model_args.model_name_or_path = check_model_path(model_args.model_name_or_path, model_args.model_revision)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     announce_output_dir(training_args, resume)
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
@@ -686,7 +686,7 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
 def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
     from trl_moe_replay.routing import UnsupportedModelError
-    from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
+    from trl_moe_replay.trainer.checkpoint_files import CheckpointError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
@@ -695,7 +695,7 @@ def run(argv: list[str] | None = None) -> int:
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
-                   CheckpointWeightsError, PR2CheckpointError)
+                   CheckpointError, PR2CheckpointError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

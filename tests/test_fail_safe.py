@@ -241,3 +241,23 @@ def test_fuzzed_route_payloads_never_end_the_run_and_fallback_frac_is_exact(tmp_
         expected.append((routable[bad].sum() / routable.sum()).item())
     assert logged(trainer, "routing/fallback_frac") == expected  # exactly the bad samples' share of positions
     assert logged(trainer, "routing/mismatch_frac") == [0.0] * 6  # the good samples replayed the server's routes
+
+
+@pytest.mark.parametrize("content", [
+    "[" + ",".join(["{}"] * 5_000) + "]",  # 15 KB, 10,000 values
+    json.dumps({"pid": 1, "padding": "x" * 100_000}),  # 100 KB
+], ids=["many values", "many bytes"])
+def test_a_lock_file_far_larger_than_a_lock_is_replaced_without_being_parsed(tmp_path, caplog, monkeypatch, content):
+    """Read with a bound (trl_moe_replay/bounded_json.py): a hostile lock file cannot make the lock's reader build
+    many times its size in objects; it is not one of ours, so it is replaced, with a warning."""
+    (tmp_path / LOCK_NAME).write_text(content)
+    parsed, loads = [], json.loads
+    monkeypatch.setattr(json, "loads", lambda text, *a, **k: parsed.append(len(text)) or loads(text, *a, **k))
+    lock = OutputDirLock(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
+        lock.acquire()
+    try:
+        assert lock.held and "it is not a lock file this package wrote" in caplog.text
+        assert parsed and max(parsed) < 1_000  # only our own lock was parsed
+    finally:
+        lock.release()

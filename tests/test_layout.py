@@ -17,11 +17,12 @@ PACKAGE = ROOT / "trl_moe_replay"
 MAY_IMPORT = {
     "routing": {"upstream"},  # only its TRL-free parts (TRL_FREE_SEAM)
     "upstream": set(),
+    "bounded_json": set(),
     "extras": set(),
     "engines": {"routing", "upstream"},
-    "trainer": {"engines", "routing", "upstream"},
+    "trainer": {"engines", "routing", "upstream", "bounded_json"},
     "testing": {"engines", "routing", "upstream"},
-    "cli": {"engines", "extras", "routing", "testing", "trainer", "upstream"},
+    "cli": {"engines", "extras", "routing", "testing", "trainer", "upstream", "bounded_json"},
     "__init__": {"engines", "routing", "trainer"},
 }
 

@@ -3,9 +3,12 @@ what was left out, and one line for every malformed input."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from trl_moe_replay import bounded_json
 from trl_moe_replay.cli import main, plotting
 from trl_moe_replay.cli.plotting import MAX_FIGURES, NOT_DRAWN_FILE, load_log_history, metric_series, plan_figures
 
@@ -162,3 +165,47 @@ def test_extreme_values_and_unencodable_names_are_skipped_or_escaped_with_a_note
         png_size(path)
     assert {f.family for f in plan_figures(series)} == {"reward", "loss", "other", "\ud800"}
     assert plotting.printable("ctl\udcff\n\x00") == "ctl\\udcff\\n\\x00"
+
+
+# ----------------------------------------------------------------------------- bounded parsing (issue 38, item 5)
+def test_a_state_file_that_would_parse_into_too_many_objects_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bounded_json, "MAX_JSON_VALUES", 1_000)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "trainer_state.json").write_text('{"log_history": [' + ",".join(["{}"] * 1_000) + "]}")
+    line = one_line_error(capsys, ["plot", str(run)])
+    assert "holds up to 2,003 JSON values, more than the 1,000 read: refusing to parse it" in line
+    assert "plot one of the run's checkpoint-N folders" in line
+    (run / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}] * 100}))
+    assert main(["plot", str(run)]) == 0
+
+
+def all_values(value) -> int:
+    """The values and keys ``json.loads`` built for ``value``."""
+    if isinstance(value, dict):
+        return 1 + sum(1 + all_values(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(all_values(v) for v in value)
+    return 1
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps({"log_history": fake_history()}), "[]", "{}", '[[], {}, [{}], ""]', '{"a,:[{": [1, 2.5, null]}',
+    '  "text"  ', "[1,\n 2]",
+])
+def test_the_value_count_never_under_counts(text):
+    assert bounded_json.count_values(text.encode()) >= all_values(json.loads(text))
+
+
+def test_under_a_memory_limit_a_state_file_of_empty_objects_is_one_line_not_a_memory_error(tmp_path):
+    """60 MiB of ``{}``: json.loads would build about 1.5 GiB of dicts (a MemoryError traceback under this 1 GiB
+    limit); the count refuses it before parsing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "trainer_state.json").write_bytes(b'{"log_history": [' + b"{}," * (20 * 2**20) + b"{}]}")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30)); "
+            "from trl_moe_replay.cli import main; sys.exit(main(['plot', sys.argv[1]]))")
+    result = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "JSON values, more than the 8,388,608 read: refusing to parse it" in lines[0]

@@ -67,6 +67,17 @@ def test_describe_run_tells_finished_from_unfinished(tmp_path):
     assert describe_run(tmp_path) == "a finished run of 200 steps"
 
 
+def test_describe_run_reads_the_state_with_a_bound(tmp_path, monkeypatch):
+    from trl_moe_replay import bounded_json
+
+    monkeypatch.setattr(bounded_json, "MAX_JSON_VALUES", 100)
+    state = fake_checkpoint(tmp_path, 5) / "trainer_state.json"
+    state.write_text(json.dumps({"global_step": 5, "max_steps": 10, "log_history": [{}] * 200}))
+    described = describe_run(tmp_path)
+    assert described.startswith(f"an earlier run ({state} unreadable: ") and "\n" not in described
+    assert "JSON values, more than the 100 read" in described
+
+
 @pytest.mark.parametrize("steps_per_generation, num_iterations, accumulation, period", [
     (1, 1, 1, 1), (4, 1, 1, 4), (4, 1, 4, 1), (4, 2, 4, 2), (2, 3, 1, 6), (4, 1, 8, 1),
 ])

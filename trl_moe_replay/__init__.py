@@ -11,6 +11,7 @@ __version__ = "0.1.0.dev0"
 # `import trl_moe_replay.routing` do not pay for importing TRL (~15 s of CPU on a small machine).
 # `from trl_moe_replay import MoEReplayGRPOTrainer` works exactly as with eager imports.
 _PUBLIC = {
+    "CheckpointError": "trl_moe_replay.trainer.checkpoint_files",
     "CheckpointWeightsError": "trl_moe_replay.trainer.checkpoint_weights",
     "LaunchMismatchError": "trl_moe_replay.trainer.launch",
     "MoEReplayAsyncGRPOConfig": "trl_moe_replay.trainer.async_grpo_config",
@@ -42,11 +43,13 @@ if TYPE_CHECKING:
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
     from .trainer.async_grpo_config import MoEReplayAsyncGRPOConfig
     from .trainer.async_grpo_trainer import MoEReplayAsyncGRPOTrainer
+    from .trainer.checkpoint_files import CheckpointError
     from .trainer.checkpoint_weights import CheckpointWeightsError
     from .trainer.launch import LaunchMismatchError
     from .trainer.output_lock import OutputDirInUseError
 
 __all__ = [
+    "CheckpointError",
     "CheckpointWeightsError",
     "LaunchMismatchError",
     "MoEReplayAsyncGRPOConfig",

@@ -168,7 +168,7 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
         from ..testing import tiny_moe_model, tiny_tokenizer
 
         return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
-    check_model_path(model, revision)  # a mistyped path, or a Hub id without network: one line, not retries
+    model = check_model_path(model, revision)  # a mistyped path or unreachable Hub id: one line; `~` expanded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code, revision=revision)

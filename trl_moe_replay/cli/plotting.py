@@ -18,7 +18,9 @@ every family has its own file, the same in every plot of the run, and none overw
 
 A run folder may hold things it should not: files we write never follow a link out of it (each PNG is written as a
 new file and renamed into place, so a planted symlink is replaced, not written through; a symlinked ``plots/`` is
-refused), a ``trainer_state.json`` is read only if it is a regular file of at most :data:`MAX_STATE_BYTES`, values
+refused), a ``trainer_state.json`` is read only if it is a regular file of at most :data:`MAX_STATE_BYTES` and of at
+most :data:`~trl_moe_replay.bounded_json.MAX_JSON_VALUES` JSON values (the bounded reader,
+bounded_json.py: parsing cannot build many times the file's size in objects), values
 that matplotlib cannot draw (NaN, ±inf, beyond ±:data:`MAX_DRAWN_MAGNITUDE`) are left out with a warning, and names
 that cannot be printed (lone surrogates, control characters) are shown escaped.
 
@@ -28,16 +30,16 @@ matplotlib is imported lazily with its non-interactive ``Agg`` backend: nothing 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
 import re
 import secrets
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, NamedTuple
+
+from ..bounded_json import MAX_JSON_BYTES, JSONFileError, read_json_file
 
 #: Log-history keys that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(
@@ -68,7 +70,7 @@ NOT_DRAWN_FILE = "not_drawn.txt"
 _MAX_STEM = 80  # characters of a family's name kept in its file name
 _MAX_TITLE = 120  # characters of a metric's name shown above its panel
 #: Largest trainer_state.json read (bytes): a long run logging every step stays far below it; /dev/zero does not.
-MAX_STATE_BYTES = 256 * 2**20
+MAX_STATE_BYTES = MAX_JSON_BYTES
 #: Values beyond ± this are not drawn: matplotlib's axis arithmetic overflows near float's limit (1e308).
 MAX_DRAWN_MAGNITUDE = 1e300
 
@@ -76,8 +78,7 @@ logger = logging.getLogger(__name__)
 
 
 class RunFileRefusedError(OSError):
-    """A run folder's file or folder that ``plot`` will not read or write through: a symlinked ``plots/``, a
-    ``trainer_state.json`` that is not a regular file or is too large."""
+    """A run folder's folder that ``plot`` will not write through: a symlinked ``plots/``, one that is not a folder."""
 
 
 def find_trainer_state(run_dir: str | Path) -> Path:
@@ -90,7 +91,7 @@ def find_trainer_state(run_dir: str | Path) -> Path:
             "folders)"
         )
     direct = run_dir / "trainer_state.json"
-    if direct.exists():  # a FIFO or a link to a device too: read_run_file refuses them in one line
+    if direct.exists():  # a FIFO or a link to a device too: read_json_file refuses them in one line
         return direct
     checkpoints = sorted(
         (p for p in run_dir.glob("checkpoint-*/trainer_state.json") if p.parent.name.split("-")[-1].isdigit()),
@@ -111,19 +112,10 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
         path = find_trainer_state(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: pass a training output_dir or its trainer_state.json")
-    data = read_run_file(path)
     try:
-        state = json.loads(data.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"{path} is not valid JSON ({exc}): the file may be truncated (a run stopped while saving it); plot one "
-            "of the run's checkpoint-N folders instead"
-        ) from None
-    except RecursionError:
-        raise ValueError(
-            f"{path} nests JSON arrays or objects too deeply to read: a Trainer's trainer_state.json is a few levels "
-            "deep; is it one?"
-        ) from None
+        state = read_json_file(path, max_bytes=MAX_STATE_BYTES)
+    except JSONFileError as exc:
+        raise JSONFileError(f"{exc}; plot one of the run's checkpoint-N folders instead") from None
     if not isinstance(state, dict):
         raise ValueError(
             f"{path} holds a JSON {type(state).__name__}, not a JSON object with a 'log_history' list: is it a "
@@ -133,43 +125,6 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
     if not isinstance(history, list):
         raise ValueError(f"{path} has no 'log_history' list")
     return history
-
-
-def read_run_file(path: str | Path, max_bytes: int | None = None) -> bytes:
-    """The bytes of a run's file, if it is a regular file of at most ``max_bytes`` (default :data:`MAX_STATE_BYTES`);
-    :class:`RunFileRefusedError` otherwise (a FIFO, a device such as a link to /dev/zero, a folder, a huge file).
-
-    The checks are made on the opened file (``fstat``), so the file cannot be swapped between check and read;
-    ``O_NONBLOCK`` keeps the open of a FIFO from waiting for a writer.
-    """
-    max_bytes = MAX_STATE_BYTES if max_bytes is None else max_bytes
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        info = os.fstat(fd)
-        mode = info.st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
-                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
-            raise RunFileRefusedError(f"{path} is {kind}, not a regular file: refusing to read it (a Trainer writes "
-                                      "trainer_state.json as a file; is the run folder what it should be?)")
-        # + 1: a file that grew past the limit since fstat (or reports no size, as /proc's do) is refused too
-        data = b"" if info.st_size > max_bytes else _read_up_to(fd, max_bytes + 1)
-    finally:
-        os.close(fd)
-    if info.st_size > max_bytes or len(data) > max_bytes:
-        raise RunFileRefusedError(
-            f"{path} holds more than {max_bytes / 2**20:g} MiB: refusing to read it (a Trainer's trainer_state.json "
-            "is a few MiB); plot one of the run's checkpoint-N folders"
-        )
-    return data
-
-
-def _read_up_to(fd: int, limit: int) -> bytes:
-    chunks, size = [], 0
-    while size < limit and (chunk := os.read(fd, min(limit - size, 1 << 20))):
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def metric_series(log_history: Iterable[Mapping], skipped: dict[str, int] | None = None,

@@ -52,6 +52,7 @@ from ..upstream import (
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
 from .checkpoint_weights import RestoresEveryWeight
+from .launch import checked_model_name
 from .metrics import logprob_mismatch_sums, routing_agreement_sums
 from .peft_replay import check_peft_replay
 
@@ -201,6 +202,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, processing_class=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, environment_factory=None, rollout_worker=None,
                  weight_transfer=None):
+        model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         if args is None:
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         assert_async_trl_compatible()

@@ -17,24 +17,34 @@ PEFT's own state dict), and the base weights stay as they are. Weights tied to a
 are one weight; names the model keeps out of its checkpoints (seam entry ``keys_ignored_on_save``: PR2's predictors,
 restored from their own file) are not expected.
 
+Every file read is a regular file inside the checkpoint folder (a link out of it is refused), an index names its
+shards by file name, of its own format; ``.bin`` files hold dense tensors under text names. A tied pair whose two
+names the checkpoint holds with different values (an untied model's checkpoint resumed into a tied one) is refused:
+loading one would drop the other. The names ``save_pretrained`` writes are converted by ``from_pretrained`` on a
+folder of links to the checked weight files alone, so nothing else in the checkpoint (a PEFT adapter another run left
+there, whose ``adapter_config.json`` ``from_pretrained`` would attach) takes part, and the converted weights must
+cover every weight of the model before any is copied in. Files beside the weights (optimizer, scheduler, RNG, trainer
+state) are checked before this by the resume pre-flight (trainer/checkpoint_files.py), which the mixin's ``train``
+runs.
+
 FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
-import pickle
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
+from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import (
     ADAPTER_SAFE_WEIGHTS_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -45,26 +55,42 @@ from transformers.utils import (
     logging,
 )
 
+from ..bounded_json import JSONFileError, read_json_file
 from ..upstream.transformers_seam import keys_ignored_on_save, saved_weight_layout
+from .checkpoint_files import (
+    CheckpointError,
+    check_checkpoint_files,
+    checkpoint_file,
+    refusal,
+    short_message,
+    shown,
+)
 
 logger = logging.get_logger(__name__)
 
 #: (single file, shard index) of each format, in the order the Trainer prefers them
 MODEL_WEIGHT_FILES = ((SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME), (WEIGHTS_NAME, WEIGHTS_INDEX_NAME))
 ADAPTER_WEIGHT_FILES = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
-#: what reading a truncated, damaged or hostile weights file raises (torch.load's unsafe pickles included)
-_UNREADABLE = (SafetensorError, pickle.UnpicklingError, EOFError, OSError, RuntimeError, ValueError, KeyError)
 
 
-class CheckpointWeightsError(ValueError):
+class CheckpointWeightsError(CheckpointError):
     """A checkpoint's model weights cannot restore every weight of the model being resumed."""
 
 
 class RestoresEveryWeight:
-    """Trainer mixin (before the Trainer in the bases): a resume (``_load_from_checkpoint``) and
-    ``_load_best_model`` restore every weight through :func:`restore_trainer_weights`, or refuse; transformers'
-    own load (``load_state_dict(strict=False)``) leaves what it does not find at its initial value
-    (transformers#48805, empty or partial files)."""
+    """Trainer mixin (before the Trainer in the bases): ``train(resume_from_checkpoint=...)`` checks the
+    checkpoint's files first (:func:`~.checkpoint_files.check_checkpoint_files`, before the Trainer reads any), and a
+    resume (``_load_from_checkpoint``) and ``_load_best_model`` restore every weight through
+    :func:`restore_trainer_weights`, or refuse; transformers' own load (``load_state_dict(strict=False)``) leaves
+    what it does not find at its initial value (transformers#48805, empty or partial files)."""
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if isinstance(folder, bool) and folder:  # the Trainer's own rule for True: the newest checkpoint-N
+            folder = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        if folder:  # (None or none found: the Trainer says so itself)
+            check_checkpoint_files(folder)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if not restore_trainer_weights(self, resume_from_checkpoint, model):
@@ -88,29 +114,41 @@ def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.
 def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike) -> None:
     """Load every weight of ``model`` from checkpoint ``folder`` (any layout of the module docstring), or raise
     :class:`CheckpointWeightsError` naming the folder and the first problem, leaving ``model`` unchanged: a weight
-    missing, a name that is no weight of the model, a shape or dtype other than the model's, a NaN or inf value, a
-    file that cannot be read."""
+    missing, a name that is no weight of the model, a shape or dtype other than the model's, a NaN or inf value,
+    two different values for one tied weight, a file that cannot be read or is not the checkpoint's own (a link out of
+    its folder)."""
     folder = Path(folder)
     kind = type(model.get_base_model() if is_peft_model(model) else model).__name__
 
     def refuse(problem: str) -> CheckpointWeightsError:
-        return CheckpointWeightsError(
-            f"checkpoint {folder} refused: {' '.join(problem.split())}. Resume from another checkpoint-N of the run, "
-            "or with the model that wrote this one; the weights were left as they were"
-        )
+        return refusal(folder, problem, "Resume from another checkpoint-N of the run, or with the model that wrote "
+                       "this one; the weights were left as they were", error=CheckpointWeightsError)
 
-    files = _weight_files(folder, adapters=is_peft_model(model), refuse=refuse)
+    files, index = _weight_files(folder, adapters=is_peft_model(model), refuse=refuse)
     layouts, aliases, buffers = _expected_layouts(model)
     names = {_canonical(name, aliases) for file in files for name in _names_in(file, refuse)}
     layout_name, expected = _closest(layouts, names)
     missing = [name for name in expected if name not in names]
     if missing:
         raise refuse(f"{missing[0]!r} is missing from it ({len(missing)} of the {len(expected)} tensors a checkpoint "
-                     f"of {kind} holds are missing)")
+                     f"of {kind} holds are missing){_untied_hint(model, missing)}")
     extra = sorted(names - expected.keys())
     if extra:
         raise refuse(f"it holds {extra[0]!r}, which is no weight of {kind} ({len(extra)} such names)")
-    for name, tensor in _tensors(files, aliases, refuse):
+    tied_seen: dict[str, tuple[str, torch.Tensor]] = {}  # a tied weight's first name in the files -> its tensor
+    for saved_name, tensor in _tensors(files, refuse):
+        name = _canonical(saved_name, aliases)
+        if name in tied_seen:  # the second name of a tied pair: one weight, so the same values or refused
+            first_name, first = tied_seen[name]
+            if tensor.shape != first.shape or not torch.equal(tensor, first):
+                raise refuse(
+                    f"it holds {first_name!r} and {saved_name!r} with different values, where {kind} ties them into "
+                    "one weight (tie_word_embeddings=True): it was written by a model with untied embeddings, and "
+                    "loading one would drop the other. Resume with tie_word_embeddings=False, as the run that wrote it"
+                )
+            continue
+        if name in aliases.values():
+            tied_seen[name] = (saved_name, tensor)
         shape, dtype = expected[name]
         if tuple(tensor.shape) != shape:
             raise refuse(f"{name!r} has shape {list(tensor.shape)} where {kind} has {list(shape)}")
@@ -118,36 +156,61 @@ def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike
             raise refuse(f"{name!r} is {tensor.dtype} where {kind} holds {dtype}")
         if tensor.is_floating_point() and name not in buffers and not torch.isfinite(tensor).all():
             raise refuse(f"{name!r} holds NaN or infinite values")
+    del tied_seen
 
     if layout_name == "adapter":
         from peft.utils import set_peft_model_state_dict
 
-        for _, tensors in _files_read(files, aliases, refuse):
+        for tensors in _files_read(files, aliases, refuse):
             set_peft_model_state_dict(model, tensors, adapter_name=model.active_adapter)
     elif layout_name == "model":
-        for _, tensors in _files_read(files, aliases, refuse):
+        for tensors in _files_read(files, aliases, refuse):
             model.load_state_dict(tensors, strict=False)
     else:
-        _load_converted(model, folder, aliases, refuse)
+        _load_converted(model, files, index, layouts["model"], aliases, refuse)
 
 
-def _load_converted(model: PreTrainedModel, folder: Path, aliases: dict[str, str], refuse) -> None:
+def _load_converted(model: PreTrainedModel, files: list[Path], index: Path | None, own: dict[str, tuple],
+                    aliases: dict[str, str], refuse) -> None:
     """The names ``save_pretrained`` writes, back to the model's own through transformers' conversion:
-    ``from_pretrained`` builds a copy of the model from the checkpoint on the CPU (one more set of weights in CPU
-    memory while it lasts), whose weights are copied in, unchanged to the last bit."""
-    logger.info(f"{folder}: weights in the layout save_pretrained writes; loading them through from_pretrained")
-    try:
-        converted, info = type(model).from_pretrained(
-            folder, config=copy.deepcopy(model.config), dtype=model.dtype, output_loading_info=True
-        )
-    except _UNREADABLE as exc:  # checked above: only a file changed meanwhile gets here
-        raise refuse(f"transformers could not convert its weights ({type(exc).__name__}: {exc})") from exc
+    ``from_pretrained`` builds a copy of the model on the CPU (one more set of weights in CPU memory while it lasts)
+    from a folder of links to the checked weight files alone (and their index), so no other file of the checkpoint
+    takes part (a stray PEFT adapter would be attached, and its ``base_model_name_or_path`` followed). Its weights
+    must be every weight of the model (``own``), which are then copied in, unchanged to the last bit."""
+    logger.info(f"{files[0].parent}: weights in the layout save_pretrained writes; loading them through "
+                "from_pretrained")
+    with tempfile.TemporaryDirectory(prefix="trl_moe_replay_resume_") as view:
+        for file in [*files, *([index] if index else [])]:
+            os.symlink(file.resolve(), os.path.join(view, file.name))
+        config = copy.deepcopy(model.config)
+        # the model's own config, there to be found: from_pretrained looks for a generation config in the folder and
+        # falls back to config.json (transformers 5.24 fails with a TypeError where neither is present)
+        config.to_json_file(os.path.join(view, "config.json"))
+        try:
+            converted, info = type(model).from_pretrained(view, config=config, dtype=model.dtype,
+                                                          output_loading_info=True)
+        except Exception as exc:  # noqa: BLE001 -- checked above: only a file changed meanwhile gets here
+            raise refuse(f"transformers could not convert its weights ({type(exc).__name__}: "
+                         f"{short_message(exc)})") from exc
     lacking = sorted([*info.get("missing_keys", ()), *(str(k) for k in info.get("mismatched_keys", ())),
                       *info.get("conversion_errors", {})])
     if lacking:
         raise refuse(f"transformers' conversion left {lacking[0]!r} unloaded")
     state = {_canonical(name, aliases): tensor for name, tensor in converted.state_dict().items()}
-    model.load_state_dict(state, strict=False)
+    absent = sorted(own.keys() - state.keys())
+    if absent:
+        raise refuse(f"transformers' conversion gave no {absent[0]!r} ({len(absent)} weights of the model)")
+    model.load_state_dict({name: state[name] for name in own}, strict=False)
+
+
+def _untied_hint(model: torch.nn.Module, missing: list[str]) -> str:
+    """Why a checkpoint lacks exactly the output embeddings of an untied model: a tied model wrote it."""
+    output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    weight = getattr(output, "weight", None)
+    if weight is None or len(missing) != 1 or dict(model.named_parameters()).get(missing[0]) is not weight:
+        return ""
+    return ("; it was written by a model with tied embeddings (tie_word_embeddings=True), which saves the output "
+            "embeddings once, under the input embeddings' name: resume with tie_word_embeddings=True, as that run")
 
 
 # ------------------------------------------------------------------------------------------------- what is expected
@@ -192,29 +255,44 @@ def _canonical(name: str, aliases: dict[str, str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- reading the files
-def _weight_files(folder: Path, adapters: bool, refuse) -> list[Path]:
-    """The files holding ``folder``'s model weights (the adapter's for a PEFT model), in the Trainer's preference."""
+def _weight_files(folder: Path, adapters: bool, refuse) -> tuple[list[Path], Path | None]:
+    """The files holding ``folder``'s model weights (the adapter's for a PEFT model), in the Trainer's preference,
+    and the shard index they come from (``None`` for one file)."""
     if not folder.is_dir():
         raise refuse("no such folder")
     if adapters:
         for name in ADAPTER_WEIGHT_FILES:
-            if (folder / name).is_file():
-                return [folder / name]
+            if (found := checkpoint_file(folder, name, refuse)) is not None:
+                return [found], None
         raise refuse(f"the model is a PEFT model and the folder holds no {' or '.join(ADAPTER_WEIGHT_FILES)}")
-    for single, index in MODEL_WEIGHT_FILES:
-        if (folder / single).is_file():
-            return [folder / single]
-        if (folder / index).is_file():
-            try:
-                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise refuse(f"{index} is unreadable ({type(exc).__name__}: {exc})") from exc
-            absent = [shard for shard in shards if not (folder / shard).is_file()]
-            if absent or not shards:
-                raise refuse(f"{index} names shard {absent[0] if absent else '(none)'!r}, which is not in the folder")
-            return [folder / shard for shard in shards]
+    for single, index_name in MODEL_WEIGHT_FILES:
+        if (found := checkpoint_file(folder, single, refuse)) is not None:
+            return [found], None
+        if (index := checkpoint_file(folder, index_name, refuse)) is not None:
+            shards = _shards(index, single.rsplit(".", 1)[-1], refuse)
+            absent = [shard for shard in shards if checkpoint_file(folder, shard, refuse) is None]
+            if absent:
+                raise refuse(f"{index_name} names shard {absent[0]!r}, which is not in the folder")
+            return [folder / shard for shard in shards], index
     found = ", ".join(f for pair in MODEL_WEIGHT_FILES for f in pair)
     raise refuse(f"it holds no model weights (one of {found}, or adapter_model.safetensors for a PEFT model)")
+
+
+def _shards(index: Path, suffix: str, refuse) -> list[str]:
+    """The shard file names ``index`` maps weights to: plain file names of its own format (``.safetensors`` or
+    ``.bin``), each read with a bound."""
+    try:
+        content = read_json_file(index)
+    except (OSError, JSONFileError) as exc:
+        raise refuse(f"{index.name} is unreadable ({exc})") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise refuse(f"{index.name} holds no weight_map (a JSON object from weight names to shard files)")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or not shard.endswith(f".{suffix}"):
+            raise refuse(f"{index.name} maps {name!r} to {shown(shard)}, which is not the name of a .{suffix} file "
+                         "in the folder")
+    return sorted(set(weight_map.values()))
 
 
 def _names_in(file: Path, refuse) -> list[str]:
@@ -223,37 +301,50 @@ def _names_in(file: Path, refuse) -> list[str]:
             with safe_open(file, framework="pt") as weights:
                 return list(weights.keys())
         return list(_torch_load(file))
-    except _UNREADABLE as exc:
-        raise _unreadable(file, exc, refuse) from exc
+    except Exception as exc:  # noqa: BLE001 -- a damaged or hostile file raises whatever its reader meets
+        raise _unreadable(file, exc, refuse) from None
 
 
-def _files_read(files: list[Path], aliases: dict[str, str], refuse) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
-    """Each file's tensors under the model's names (a tied weight once), one file in memory at a time."""
+def _files_read(files: list[Path], aliases: dict[str, str], refuse) -> Iterator[dict[str, torch.Tensor]]:
+    """Each file's tensors under the model's names (a tied weight once: its two names were checked to hold the
+    same values), one file in memory at a time."""
     for file in files:
-        try:
-            tensors = load_file(file, device="cpu") if file.suffix == ".safetensors" else _torch_load(file)
-        except _UNREADABLE as exc:
-            raise _unreadable(file, exc, refuse) from exc
-        # a tied weight's second name is dropped when its first is there too
-        yield file, {_canonical(name, aliases): tensor for name, tensor in tensors.items()
-                     if name not in aliases or aliases[name] not in tensors}
+        tensors = _read(file, refuse)
+        yield {_canonical(name, aliases): tensor for name, tensor in tensors.items()
+               if name not in aliases or aliases[name] not in tensors}
 
 
-def _tensors(files: list[Path], aliases: dict[str, str], refuse) -> Iterator[tuple[str, torch.Tensor]]:
-    for _, tensors in _files_read(files, aliases, refuse):
-        yield from tensors.items()
+def _tensors(files: list[Path], refuse) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files under its name in the file, one file in memory at a time."""
+    for file in files:
+        yield from _read(file, refuse).items()
+
+
+def _read(file: Path, refuse) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file, device="cpu") if file.suffix == ".safetensors" else _torch_load(file)
+    except Exception as exc:  # noqa: BLE001 -- a damaged or hostile file raises whatever its reader meets
+        raise _unreadable(file, exc, refuse) from None
 
 
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
-    """A ``.bin`` weights file, safely: tensors only (``weights_only``), never code."""
+    """A ``.bin`` weights file, safely: tensors only (``weights_only``), never code; dense tensors under text
+    names, as ``torch.save(model.state_dict())`` writes them."""
     # mapped, not read, where torch.save wrote its zip format (the legacy format cannot be mapped)
     state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict):
         raise ValueError(f"holds a {type(state).__name__}, not a dict of tensors")
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise ValueError(f"holds the key {name!r} ({type(name).__name__}), where weight names are text")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name!r} is a {type(value).__name__}, not a tensor")
+        if value.layout != torch.strided or value.is_quantized:
+            raise ValueError(f"{name!r} is a {value.layout} tensor, where model weights are dense (torch.strided)")
     return state
 
 
 def _unreadable(file: Path, exc: BaseException, refuse) -> CheckpointWeightsError:
-    detail = " ".join(str(exc).split())
-    detail = detail if len(detail) <= 160 else detail[:157] + "..."
-    return refuse(f"{file.name} cannot be read ({type(exc).__name__}: {detail}); the save may have been cut short")
+    return refuse(f"{file.name} cannot be read ({type(exc).__name__}: {short_message(exc)}); the save may have been "
+                  "cut short")
+

@@ -14,7 +14,8 @@
   never pick up the older run's checkpoint.
 
 The model weights of a checkpoint come back through :func:`~.checkpoint_weights.restore_checkpoint_weights`
-(every weight of the model, or a one-line refusal; trainer/checkpoint_weights.py).
+(every weight of the model, or a one-line refusal; trainer/checkpoint_weights.py), after the resume pre-flight has
+checked the checkpoint's other files (trainer/checkpoint_files.py).
 
 A resumed run continues the uninterrupted one bit for bit (loss, grad norm, samples, rewards, every logged number but
 the timings) when the checkpoint is at a generation-batch boundary (what :class:`SaveOnInterrupt` writes;
@@ -26,7 +27,6 @@ back whole through ``restore_checkpoint_weights`` (docs/demo.md, "Stopping and r
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -42,6 +42,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from transformers.utils import logging
+
+from ..bounded_json import read_json_file
+from .checkpoint_files import check_checkpoint_files
 
 logger = logging.get_logger(__name__)
 
@@ -74,7 +77,16 @@ def newest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 def resolve_resume(value, output_dir: str | os.PathLike) -> str | None:
     """The checkpoint ``--resume_from_checkpoint VALUE`` names: none for ``None``/``false``, the newest complete one
-    of ``output_dir`` for ``True``/``"true"``/``""`` (:class:`NoCheckpointError` if there is none), else the path."""
+    of ``output_dir`` for ``True``/``"true"``/``""`` (:class:`NoCheckpointError` if there is none), else the path;
+    its files checked by the resume pre-flight (:func:`~.checkpoint_files.check_checkpoint_files`, ``CheckpointError``
+    in one line), so that a damaged checkpoint is refused before the model is built."""
+    folder = _named_checkpoint(value, output_dir)
+    if folder is not None:
+        check_checkpoint_files(folder)
+    return folder
+
+
+def _named_checkpoint(value, output_dir: str | os.PathLike) -> str | None:
     if value is None or value is False or (isinstance(value, str) and value.lower() in ("false", "no", "none")):
         return None
     if value is True or (isinstance(value, str) and value.lower() in ("", "true", "yes", "latest")):
@@ -101,10 +113,10 @@ def describe_run(output_dir: str | os.PathLike) -> str | None:
     if not state_file.is_file():
         return None
     try:
-        state = json.loads(state_file.read_text())
+        state = read_json_file(state_file)
         step, max_steps = int(state["global_step"]), int(state["max_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"an earlier run ({state_file} unreadable)"
+    except (OSError, ValueError, KeyError, TypeError, OverflowError) as exc:  # JSONFileError is a ValueError
+        return f"an earlier run ({state_file} unreadable: {' '.join(str(exc).split())[:200]})"
     if step >= max_steps:
         return f"a finished run of {step} steps"
     return f"an unfinished run (last checkpoint at step {step} of {max_steps})"

@@ -65,7 +65,7 @@ from ..upstream import (
 from .checkpoint_weights import RestoresEveryWeight
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
 from .peft_replay import check_peft_replay
-from .launch import check_launched_engine, check_launched_precision, check_model_path
+from .launch import check_launched_engine, check_launched_precision, checked_model_name
 from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
 from .objectives import MoEObjectivesMixin
 from .output_lock import OutputDirLock, claim_output_dir
@@ -126,10 +126,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         assert_trl_compatible()
         quiet_upstream_notices()
-        if isinstance(model, str):
-            # a mistyped path, or a Hub id without network: one line, not retries and a traceback
-            loading = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
-            check_model_path(model, loading.get("revision"), loading.get("token"))
+        model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.

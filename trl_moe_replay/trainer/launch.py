@@ -1,6 +1,6 @@
 """What the launch asked for against what the trainer got: precision and distributed engine; and a model name that
 names no loadable checkpoint (:func:`check_model_path`: a local path without one, a Hub id that cannot be fetched),
-refused in one line before any work.
+refused in one line before any work (``~`` in a local path expanded, as a shell would).
 
 Two silent mismatches of accelerate are turned into errors that say what to change:
 
@@ -95,8 +95,21 @@ class HubModelError(ModelPathError):
     repository, revision or ``config.json``."""
 
 
-def check_model_path(model: str, revision: str | None = None, token: str | bool | None = None) -> None:
+def checked_model_name(model, args):
+    """A trainer's ``model`` argument, checked by :func:`check_model_path` when it is a name (with the revision and
+    token of ``args.model_init_kwargs``) and returned as the name to load (``~`` expanded); a model object as it is.
+    The one call both trainers make first in ``__init__``."""
+    if not isinstance(model, str):
+        return model
+    loading = getattr(args, "model_init_kwargs", None)
+    loading = loading if isinstance(loading, dict) else {}
+    return check_model_path(model, loading.get("revision"), loading.get("token"))
+
+
+def check_model_path(model: str, revision: str | None = None, token: str | bool | None = None) -> str:
     """Raise :class:`ModelPathError` if ``model`` names no checkpoint that can be loaded; one line, before any work.
+    Returns the name to load: a local path with ``~`` expanded (transformers does not expand it, and takes
+    ``~/models/x`` for a malformed Hub id), a Hub id as it is.
 
     A name is a local path if it exists, is absolute, starts with ``.`` or ``~``, or has more than one ``/``:
     such a path must be a folder with ``config.json`` (transformers would otherwise take a mistyped path for a Hub
@@ -107,7 +120,7 @@ def check_model_path(model: str, revision: str | None = None, token: str | bool 
     local = path.exists() or path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
     if not local:
         check_hub_model(model, revision, token)
-        return
+        return model
     if not path.exists():
         near = _nearest_sibling(path)
         raise ModelPathError(
@@ -124,6 +137,7 @@ def check_model_path(model: str, revision: str | None = None, token: str | bool 
             f"{model} holds no config.json, so it is not a transformers checkpoint{hint}: pass the folder that holds "
             "config.json and the weights (what save_pretrained writes)"
         )
+    return os.path.expanduser(model)
 
 
 def check_hub_model(model: str, revision: str | None = None, token: str | bool | None = None) -> None:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from ..bounded_json import JSONFileError, read_json_file
+
 logger = logging.get_logger(__name__)
 
 LOCK_NAME = "_trl_moe_replay.lock"
@@ -87,7 +89,10 @@ class OutputDirLock:
 
     def _judge(self, owner: dict | None) -> None:
         """Return if the lock file in place may be taken over; raise if a live run owns it."""
-        if owner is None:  # vanished, or not a lock we wrote (unreadable): replace it
+        if owner is None:  # vanished, or not a lock we wrote (unreadable, not JSON, too large): replace it
+            if self.path.is_file():
+                logger.warning(f"replacing {self.path}: it is not a lock file this package wrote (unreadable, not a "
+                               "JSON object, or far larger than one)")
             return
         pid, host = owner.get("pid"), owner.get("host")
         if pid == os.getpid() and host == socket.gethostname():
@@ -160,10 +165,16 @@ def _create_with(path: Path, text: str) -> bool:
         temporary.unlink()
 
 
+#: A lock file is a few hundred bytes of a flat JSON object: anything much larger is not one of ours.
+_MAX_LOCK_BYTES, _MAX_LOCK_VALUES = 64 * 2**10, 1_000
+
+
 def _read(path: Path) -> dict | None:
+    """The lock's owner, or ``None`` where there is none or the file is not a lock this package wrote (unreadable,
+    not JSON, too large to parse: read with a bound, so a hostile file cannot exhaust memory)."""
     try:
-        owner = json.loads(path.read_text())
-    except (OSError, ValueError):
+        owner = read_json_file(path, max_bytes=_MAX_LOCK_BYTES, max_values=_MAX_LOCK_VALUES)
+    except (OSError, JSONFileError):
         return None
     return owner if isinstance(owner, dict) else None
 
