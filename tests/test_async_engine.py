@@ -20,6 +20,22 @@ from .vllm_server import reload_weights  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_train.py"
 RUN_TIMEOUT = 600  # seconds; a hang is a failure, not a stuck CI job
+# These runs are not deterministic: TRL's rollout worker gives each request a fresh random seed and runs on its own
+# clock (which policy version samples which group depends on timing). So every bound below on a statistic of the
+# sampled tokens has its false-failure rate stated, or rests on the run's structure.
+#
+# Step 1 trains on the engine's own weights (the cold sync sends the initial ones): its routing/mismatch_frac is the
+# bf16 engine vs the fp32 trainer at near-ties, over ~342 (position, MoE layer) pairs (6 samples of 12 prompt + 8
+# completion tokens, 3 layers; 0 to 0.009 in 11 runs). At a per-pair near-tie rate of 0.02, twice the rate seen in
+# unseeded runs, it exceeds 0.1 with probability 2e-6 (the exact binomial tail, the pairs of a prompt shared by a
+# group counted as one draw); the former bound 0.05 had 0.014. An engine on other weights is far above: the stale
+# steps below.
+ON_POLICY_MISMATCH_BOUND = 0.1
+# From step 2 on every sample is at least one sync old (accelerate takes step k's batch before step k - 1's sync, and
+# the worker runs ahead up to max_staleness), and each of Adam's first updates moves every weight by about the
+# learning rate: the trained router's own top-k differs from the stale engine's on 0.85 to 0.99 of the pairs
+# (every stale step of 8 runs, r3 and none), a structural gap to 0.2, not a count near its bound.
+STALE_MISMATCH_FLOOR = 0.2
 
 
 def start(tmp_path, url, checkpoint, *options):
@@ -60,13 +76,19 @@ def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_
     # token by token: every sample of every training forward found, each forwarded position routed as the engine did
     assert [found for found, _, _ in report["checks"]] == [6] * 6
     assert all(checked > 100 and mismatched == 0 for _, checked, mismatched in report["checks"])
-    # some micro-batch mixed samples of two policy versions, and the routes replayed were up to 3 syncs old
-    assert max(entry["routing/batch_versions_max"] for entry in logs) >= 2
-    assert max(entry["routing/version_lag_max"] for entry in logs) >= 2
+    # every step after the first replayed routes of an older policy: accelerate takes a step's batch before the
+    # previous step's sync. (Whether a micro-batch also mixes two versions depends on where the worker's version
+    # changes fall among the 4-sample groups: at steps 4 and 6 in two runs where the worker kept its buffers full, so
+    # on the worker keeping up, that is on timing. The mixing itself is tested exactly with scripted samples,
+    # tests/test_async_grpo.py.)
+    assert all(entry["routing/version_lag_max"] >= 1 for entry in logs[1:])
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
     # the trained weights drift from the stale engines' routes: what replay removed (step 1 is on-policy)
-    assert logs[0]["routing/mismatch_frac"] < 0.05 and all(entry["routing/mismatch_frac"] > 0.2 for entry in logs[1:])
-    # every sync reached the engine (bf16 engine vs fp32 trainer on the probe)
+    assert logs[0]["routing/mismatch_frac"] <= ON_POLICY_MISMATCH_BOUND
+    assert all(entry["routing/mismatch_frac"] > STALE_MISMATCH_FLOOR for entry in logs[1:])
+    # every sync reached the engine (bf16 engine vs fp32 trainer on the probe). Not a count of sampled tokens: the
+    # largest bf16 rounding on a fixed probe, 0.001 to 0.017 over 35 syncs of 11 runs; an undelivered sync
+    # moves it by a step's drift, and the trainer raises WeightSyncNotDeliveredError for it anyway
     assert all(entry["vllm/sync_max_logprob_diff"] < 0.05 for entry in logs)
     assert 100 < logs[0]["routes/bytes_per_sample"] < 400  # uint8 [len - 1, 3 layers, top-2] per sample
     assert report["max_param_change"] > 1e-3
@@ -78,7 +100,9 @@ def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, ch
     report = train(tmp_path, server, checkpoint, "routing_replay=none", "routing_metrics=true", "max_steps=3")
     assert report["error"] is None
     assert all(found == 6 for found, _, _ in report["checks"])
-    assert sum(mismatched for _, _, mismatched in report["checks"][1:]) > 50  # the stale engines routed otherwise
+    # the stale engines routed otherwise: every sample of steps 2 and 3 is a sync old (see STALE_MISMATCH_FLOOR),
+    # and measured 309 of the 309 positions checked there differed
+    assert sum(mismatched for _, _, mismatched in report["checks"][1:]) > 50
 
 
 def test_lora_async_r3_replays_the_engine_routes_after_merged_reloads(tmp_path, server, checkpoint):

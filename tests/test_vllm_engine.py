@@ -20,6 +20,17 @@ from .vllm_server import free_port, reload_weights, vllm_server  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "vllm_train.py"
 STEPS = 3
+# routing/mismatch_frac, the share of (position, MoE layer) pairs where the trainer's own fp32 top-k differs from the
+# bf16 engine's, averaged over a run's steps (~130 pairs each: 4 samples of one prompt, 11 positions, 3 layers). The
+# runs are deterministic (vllm_train.py seeds each server request; a colocated engine is seeded in its fresh
+# process): 0 to 0.015 a step here. The bound also holds where other tokens come out (another CPU, unseeded): at a
+# per-pair near-tie rate of 0.02, twice the rate seen in unseeded runs, the mean of 3 steps exceeds 0.1 with
+# probability 1e-7 (the exact binomial tail, the 4 copies of a group's prompt counted as one draw), against 0.2 for
+# the old per-step bound of 0.05 on any of 3 steps, which is how CI failed. It still fails when the routes are not
+# the engine's own for those tokens: a capture that files each layer's experts under the next layer (valid ids, no
+# fallback, sync probes fine) gave 0.98 in this server test; a stale engine differs on > 20% of pairs
+# (tests/test_async_engine.py's later steps).
+MISMATCH_BOUND = 0.1
 
 
 def train(tmp_path, *args: str, check: bool = True):
@@ -45,8 +56,8 @@ def assert_r3_verified(report, num_steps=STEPS):
     # old-logprob, reference (beta > 0) and training forward of each step, each checked position by position
     assert report["forwards"] == 3 * num_steps and report["checked_positions"] > 50 * num_steps
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)  # every forwarded position had a route
-    # the engine samples in bf16, the trainer computes in fp32: their natural routes agree almost everywhere
-    assert all(entry["routing/mismatch_frac"] <= 0.05 for entry in logs)
+    # the engine samples in bf16, the trainer computes in fp32: their natural routes differ only at near-ties
+    assert sum(entry["routing/mismatch_frac"] for entry in logs) / num_steps <= MISMATCH_BOUND
     assert report["max_param_change"] > 1e-3  # the policy moved
     # weights reach the engine after each update: before a sync the engine scores the probe with the previous
     # step's weights, after it like the trainer (up to bf16)

@@ -69,7 +69,13 @@ def main():
         engine = dict(vllm_mode="colocate")
     else:
         url, model_path = sys.argv[3], sys.argv[4]
-        engine = dict(vllm_mode="server", vllm_server_base_url=url)
+        # A seeded sampler per request (vLLM seeds the n completions of a prompt with seed, seed + 1, ...): the server
+        # is shared by a module's tests, and unseeded it samples from one generator that every earlier request (and
+        # the order requests share a batch in) moved on, so each run scored other tokens and a metric of them, such
+        # as routing/mismatch_frac, came out differently from run to run. Colocate mode needs no seed: the engine
+        # lives in this fresh process, seeded by TRL (LLM(seed=0)) and by set_seed, and TRL sends the num_generations
+        # copies of a prompt with n=1 each, so one fixed seed would make them identical there.
+        engine = dict(vllm_mode="server", vllm_server_base_url=url, generation_kwargs={"seed": 0})
 
     class EngineChecked(RouteCheckingTrainer):
         syncs: list = []
