@@ -33,7 +33,7 @@ TRL_READ = "1.16.0"
 TRL_RANGE = ">=1.16.0,<1.17"
 """The TRL versions this package declares (pyproject.toml); a TRL inside it passes :func:`check_trl`."""
 
-_ALL_ENTRIES = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16")
+_ALL_ENTRIES = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16", "17")
 VERIFIED_ON: dict[str, tuple[str, ...]] = {entry: ("1.16.0",) for entry in _ALL_ENTRIES}
 """TRL versions each entry was verified on. (TRL 1.15.0 fails entry 15 and its GRPO needs Triton; 1.14.2 fails
 entry 1 as well: see docs/install.md. The transformers entries T1 and T2, in routing/transformers_seam.py, list the
@@ -66,6 +66,9 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    # transformers.Trainer's: a model sharded at load time saves its optimizer state with torch's distributed
+    # checkpoint (trl_moe_replay/trainer/distributed_checkpoint.py, entry 17)
+    "_save_optimizer_and_scheduler": ("self", "output_dir"),
     # transformers.Trainer's: resume loads the weights through from_pretrained's conversion (transformers#48805)
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_best_model": ("self",),
@@ -263,6 +266,19 @@ def exclude_from_weight_sync(vllm_generation: Any, skip: Callable[[str], bool]) 
     vllm_generation._iter_named_params = without_skipped
 
 
+def map_weight_sync_tensors(vllm_generation: Any, convert: Callable[[Any], Any]) -> None:
+    """Every tensor TRL's weight sync reads (entry 10's iterator, on this instance) passed through ``convert``: a
+    model sharded at load time (expert parallelism) holds DTensor shards, which ``convert`` gathers to full tensors
+    (a collective: every rank walks the iterator, as TRL's sync already makes them do)."""
+    iterate = vllm_generation._iter_named_params
+
+    def converted():
+        for name, param in iterate():
+            yield name, convert(param)
+
+    vllm_generation._iter_named_params = converted
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 12. When TRL syncs vLLM's weights, and how it reads them.
 #    GRPOTrainer._generate_single_turn (vLLM) and _generate (rollout_func) call self.vllm_generation.sync_weights()
@@ -392,6 +408,75 @@ def check_transformers_and_torch() -> tuple[Finding, ...]:
     have = tuple(inspect.signature(core_model_loading.revert_weight_conversion).parameters)
     if have != ("model", "state_dict"):
         findings.append(Finding("11", f"core_model_loading.revert_weight_conversion(model, state_dict) became {have}"))
+    return tuple(findings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 17. transformers' Trainer and a model sharded at load time (`from_pretrained(distributed_config=...)`, expert
+#    parallelism), read from transformers 5.24.0 (trainer.py).
+#    Trainer.__init__ raises "Resuming is not supported for models sharded at load time" when
+#    `self.is_distributed_loading_by_transformers and args.save_strategy != SaveStrategy.NO and not
+#    args.save_only_model`, and reads args.save_only_model nowhere else in __init__ for such a model (its other uses
+#    need DeepSpeed or accelerate's FSDP, which such a model is not). Trainer._save_checkpoint saves the optimizer,
+#    scheduler, scaler and RNG states `if not self.args.save_only_model`, through _save_optimizer_and_scheduler
+#    (overridden: trl_moe_replay/trainer/distributed_checkpoint.py saves the shards with torch's distributed
+#    checkpoint), and _load_optimizer_and_scheduler reads them back (overridden likewise). So the refusal is lifted by
+#    setting save_only_model for the duration of __init__ only (lift_sharded_resume_refusal).
+#    transformers.distributed.checkpoint._redistribute_state_dict(state_dict, reference_state_dict): strided DTensor
+#    shards to plain ones before a DCP save or load, and back (dcp_placements).
+# ---------------------------------------------------------------------------------------------------------------
+_SHARDED_RESUME_REFUSAL = "Resuming is not supported for models sharded at load time"
+
+
+@contextlib.contextmanager
+def lift_sharded_resume_refusal(args: Any) -> Iterator[None]:
+    """Entry 17: around ``Trainer.__init__``, ``args.save_only_model`` as True when checkpoints are saved, then the
+    user's value again (the optimizer state is saved and restored by our distributed checkpoint)."""
+    saved = args.save_only_model
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        args.save_only_model = True
+    try:
+        yield
+    finally:
+        args.save_only_model = saved
+
+
+def dcp_placements(state_dict: dict, reference: dict | None = None) -> dict:
+    """Entry 17: ``state_dict`` with DTensors in strided shards (``_StridedShard``, e.g. experts sharded over the
+    expert-FSDP and EP dimensions) redistributed to plain shards, which torch's distributed checkpoint describes
+    correctly; with ``reference``, back to the placements of ``reference``'s DTensors after a load. transformers'
+    own workaround for its DCP saves (transformers/distributed/checkpoint.py ``_redistribute_state_dict``)."""
+    from transformers.distributed.checkpoint import _redistribute_state_dict
+
+    return _redistribute_state_dict(state_dict, reference_state_dict=reference)
+
+
+def check_sharded_at_load_trainer() -> tuple[Finding, ...]:
+    """Entry 17 against the installed transformers (nothing to check where it has no loading-time sharding)."""
+    from transformers import Trainer
+
+    init = _code_only(_source(Trainer.__init__))
+    if "is_distributed_loading_by_transformers" not in init:
+        return ()
+    findings = []
+    refusal_at = init.find(_SHARDED_RESUME_REFUSAL)
+    if refusal_at < 0 or "and not args.save_only_model" not in init[max(0, refusal_at - 400): refusal_at]:
+        findings.append(Finding("17", "Trainer.__init__ no longer refuses resume for a model sharded at load time "
+                                      "under `not args.save_only_model`"))
+    if init.count("args.save_only_model") != 1:  # (the refusal's message names `save_only_model=True` too)
+        findings.append(Finding("17", "Trainer.__init__ reads args.save_only_model beyond the sharded-model refusal"))
+    try:
+        from transformers.distributed.checkpoint import _redistribute_state_dict
+    except ImportError:
+        _redistribute_state_dict = None
+    if _redistribute_state_dict is None or tuple(inspect.signature(_redistribute_state_dict).parameters) != (
+            "state_dict", "reference_state_dict"):
+        findings.append(Finding("17", "transformers.distributed.checkpoint._redistribute_state_dict(state_dict, "
+                                      "reference_state_dict) is gone or changed"))
+    save = _code_only(_source(Trainer._save_checkpoint))
+    if "if not self.args.save_only_model:" not in save or "self._save_optimizer_and_scheduler(" not in save:
+        findings.append(Finding("17", "Trainer._save_checkpoint no longer saves the optimizer through "
+                                      "_save_optimizer_and_scheduler under `not self.args.save_only_model`"))
     return tuple(findings)
 
 
@@ -695,7 +780,7 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
            and "generation_kwargs.update(self.generation_kwargs)" in vllm_generate,
            "VLLMGeneration.generate no longer merges self.generation_kwargs into its server and colocate requests")
     findings += _check_public_apis()
-    return tuple(findings) + check_transformers_and_torch()
+    return tuple(findings) + check_transformers_and_torch() + check_sharded_at_load_trainer()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -113,13 +113,14 @@ class SyncCheck:
         """Max |engine - trainer| log-prob over the probe's tokens (main process in server mode; else None)."""
         if self.probe is None:
             return None
-        engine = self._engine_logprobs()
-        if engine is None:
-            return None
+        # the trainer's side first, on every rank: a sharded model's forward is a collective (expert parallelism)
         with torch.no_grad():
             ids = torch.tensor([self.probe], device=self.accelerator.device)
             logits = model(input_ids=ids).logits[0, :-1].float()
             trainer = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+        engine = self._engine_logprobs()
+        if engine is None:
+            return None
         return float((trainer - torch.tensor(engine)).abs().max())
 
     def _engine_logprobs(self) -> list[float] | None:

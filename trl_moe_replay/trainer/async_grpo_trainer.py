@@ -49,6 +49,7 @@ from ..upstream import (
     tree_attention_kernel,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
+from .expert_parallel import refuse_async_sharded_at_load
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
 from .checkpoint_weights import RestoresEveryWeight
 from .metrics import logprob_mismatch_sums, routing_agreement_sums
@@ -204,6 +205,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         assert_async_trl_compatible()
         quiet_upstream_notices()
+        refuse_async_sharded_at_load(args, model)  # expert parallelism (distributed_config): one-line refusal
         self.routing_replay = getattr(args, "routing_replay", "r3")
         carries_routes = getattr(args, "carries_routes", self.routing_replay != "none")
         # the device the trainer will train on, not whether the machine has CUDA: use_cpu on a CUDA machine is CPU

@@ -16,7 +16,10 @@ adapter and ``modules_to_save`` weights, PEFT's own state dict), and the base we
 another (``lm_head`` to the embeddings) are one weight; names the model keeps out of its checkpoints
 (``_keys_to_ignore_on_save``: PR2's predictors, restored from their own file) are not expected.
 
-FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code).
+FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code). A model
+sharded at load time by transformers (``distributed_config``, expert parallelism), whose checkpoints transformers cannot
+resume, is saved and restored in shards with torch's distributed checkpoint (:mod:`.distributed_checkpoint`), through
+the same entry points, under the same promise.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from transformers.utils import (
 )
 
 from ..upstream import saved_weight_layout
+from . import distributed_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -73,13 +77,31 @@ class RestoresEveryWeight:
         if not restore_trainer_weights(self, self.state.best_model_checkpoint):
             super()._load_best_model()
 
+    # a model sharded at load time (distributed_config): its optimizer in shards, which transformers cannot save
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if distributed_checkpoint.uses_distributed_checkpoint(self):
+            distributed_checkpoint.save_training_state(self, output_dir)
+        else:
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None and distributed_checkpoint.uses_distributed_checkpoint(self):
+            distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
 
 def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.Module | None = None) -> bool:
     """A trainer's resume (``_load_from_checkpoint``) and ``_load_best_model``: restore ``model`` (the trainer's
-    model by default) from checkpoint ``folder`` through :func:`restore_checkpoint_weights`. Returns ``False``, and
-    leaves the load to the Trainer, for FSDP and DeepSpeed, whose checkpoints their engines read."""
+    model by default) from checkpoint ``folder`` through :func:`restore_checkpoint_weights` (a model sharded at load
+    time: from its shards, :func:`.distributed_checkpoint.restore_model`). Returns ``False``, and leaves the load to
+    the Trainer, for FSDP and DeepSpeed, whose checkpoints their engines read."""
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         return False
+    if distributed_checkpoint.uses_distributed_checkpoint(trainer):
+        distributed_checkpoint.restore_model(trainer.accelerator.unwrap_model(trainer.model if model is None else model),
+                                             folder)
+        return True
     restore_checkpoint_weights(trainer.accelerator.unwrap_model(trainer.model if model is None else model), folder)
     return True
 
