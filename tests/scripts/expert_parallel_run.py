@@ -2,7 +2,8 @@
 processes (gloo). Launched by ``tests/test_expert_parallel.py`` as a user launches it:
 
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR train
-    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR vllm URL CHECKPOINT
+    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR server URL CHECKPOINT
+    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR colocate CHECKPOINT
 
 ``train``: a tiny Qwen3-MoE (16 experts, top-2) saved once and loaded twice: with
 ``model_init_kwargs={"distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}``
@@ -13,8 +14,9 @@ experts modules check that every training forward and backward recompute ran exa
 from DDP's, go to the report. ``none`` also runs plain ``trl.GRPOTrainer`` on the EP model. PR2 saves a checkpoint at
 step 2 (torch distributed checkpoint), and a fresh EP trainer resumes from it to step 4. Then the all_reduce
 dispatch (``tp_size 2, ep_size 2``, forward only: accelerate trains tensor parallelism on GPUs only): one process's
-routes replayed reproduce its logits. ``vllm``: R3 with a real vLLM CPU server at URL serving CHECKPOINT, weights
-synced by vLLM's reload from the EP trainer, each sync checked by the engine probe.
+routes replayed reproduce its logits. ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at URL
+serving CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync checked
+by the engine probe.
 
 Each rank writes ``OUT_DIR/rank<i>.json``.
 """
@@ -23,6 +25,9 @@ import json
 import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a colocated vLLM CPU engine (scenario "colocate")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
 from datasets import Dataset
@@ -46,14 +51,15 @@ STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 4}
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
 
 
-def make_trainer(checkpoint: str, mode: str, sharded: bool, name: str, cls=Spy, **overrides):
+def make_trainer(checkpoint: str, mode: str, sharded: bool, name: str, cls=Spy, peft_config=None, **overrides):
     settings = {**SETTINGS, "output_dir": str(OUT / name), "routing_replay": mode, "max_steps": STEPS[mode],
                 "model_init_kwargs": {"dtype": "float32", **({"distributed_config": EP} if sharded else {})},
                 **overrides}
     if mode == "pr2":
         settings.setdefault("pr2_lr_multiplier", 10.0)
     return cls(model=checkpoint, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**settings),
-               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer())
+               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer(),
+               peft_config=peft_config)
 
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
@@ -136,6 +142,18 @@ def train_pr2_and_resume(checkpoint: str) -> dict:
     return result
 
 
+def peft_refusal(checkpoint: str) -> dict:
+    """A LoRA adapter on the EP model: refused in one line when the trainer is built."""
+    from peft import LoraConfig
+
+    try:
+        make_trainer(checkpoint, "r3", sharded=True, name="lora_ep", peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    except Exception as exc:  # noqa: BLE001  (the test checks the class and the line)
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None}
+
+
 def all_reduce_replay(checkpoint: str) -> dict:
     """all_reduce dispatch (needs ep_size == tp_size): one process's routes replayed on the sharded model reproduce
     its logits, shifted routes change them, and the experts modules receive exactly the replayed ids."""
@@ -166,8 +184,9 @@ def all_reduce_replay(checkpoint: str) -> dict:
             "experts_local": list(experts.to_local().shape)}
 
 
-def vllm_server_run(url: str, checkpoint: str) -> dict:
-    """R3 against a real vLLM CPU server, weights synced from the EP trainer by vLLM's reload, checked by the probe."""
+def vllm_run(checkpoint: str, **engine) -> dict:
+    """R3 against a real vLLM CPU engine (a server, or colocated in each rank), weights synced from the EP trainer by
+    vLLM's reload, each sync checked by the engine probe."""
     from trl_moe_replay.engines.vllm_sync import SyncCheck
 
     syncs = []
@@ -180,9 +199,8 @@ def vllm_server_run(url: str, checkpoint: str) -> dict:
             after = self._sync_check.measure(model) if self._sync_check.probe is not None else None
             syncs.append({"step": self.state.global_step, "before": before, "after": after})
 
-    trainer = make_trainer(checkpoint, "r3", sharded=True, name="vllm_ep", cls=Checked, use_vllm=True,
-                           vllm_mode="server", vllm_server_base_url=url, vllm_sync_check=True,
-                           learning_rate=3e-2, max_completion_length=8)
+    trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"vllm_{engine['vllm_mode']}", cls=Checked,
+                           use_vllm=True, vllm_sync_check=True, learning_rate=3e-2, max_completion_length=8, **engine)
     assert isinstance(trainer._sync_check, SyncCheck)
     trainer.train()
     return {"loss": logged(trainer, "loss"), "routes": trainer.route_checks, "syncs": syncs,
@@ -200,9 +218,12 @@ def main():
         tiny_moe_model("qwen3_moe", num_experts=16).save_pretrained(checkpoint)
         result = train_modes(checkpoint)
         result["pr2"] = train_pr2_and_resume(checkpoint)
+        result["peft_refusal"] = peft_refusal(checkpoint)
         result["all_reduce"] = all_reduce_replay(checkpoint)
-    else:
-        result, _ = vllm_server_run(sys.argv[3], sys.argv[4])
+    elif scenario == "server":
+        result, _ = vllm_run(sys.argv[4], vllm_mode="server", vllm_server_base_url=sys.argv[3])
+    else:  # colocate: one engine in each rank (TRL's external launcher)
+        result, _ = vllm_run(sys.argv[3], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
     result["rank"], result["world"] = rank, int(os.environ["WORLD_SIZE"])
     (OUT / f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
