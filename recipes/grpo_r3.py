@@ -22,6 +22,10 @@ Real models: name one (and a dataset), on the command line or in a config file; 
 The tiny-model defaults (learning rate, batch, lengths, ...) apply only when no model is named; on a machine without
 a GPU every run defaults to float32 on the CPU (`--use_cpu true --bf16 false`).
 
+Expert parallelism (transformers shards the model at load time; docs/sharded_training.md), e.g. two CPU processes:
+
+    torchrun --nproc_per_node 2 recipes/grpo_r3.py --ep_size 2 --fsdp_size 2 --ep_implementation all_to_all
+
 Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C saves one at the end
 of the step in progress and prints the command that resumes, which is the same command with `--resume_from_checkpoint`
 (no value: the newest checkpoint in `--output_dir`). Under `accelerate launch` the run saves and prints the same, but
@@ -156,6 +160,23 @@ class GRPOR3ScriptArguments(ScriptArguments):
         default=None, metadata={"help": "Cold-start cache (default $TRL_MOE_REPLAY_CACHE or ~/.cache/trl_moe_replay)."}
     )
     plot: bool = field(default=True, metadata={"help": "Write PNG charts into OUTPUT_DIR/plots at the end."})
+    # ---- parallel sizes: transformers shards the model at load time (expert parallelism; docs/sharded_training.md)
+    ep_size: int | None = field(
+        default=None,
+        metadata={"help": "Expert parallelism: ranks each MoE layer's experts are split across (transformers' "
+                  "DistributedConfig, model_init_kwargs.distributed_config). Launch with torchrun or accelerate "
+                  "launch (ddp.yaml); pp x dp_replicate x fsdp x tp sizes must equal the number of processes."},
+    )
+    fsdp_size: int | None = field(default=None, metadata={"help": "With ep_size: ranks FSDP2 shards the model over."})
+    tp_size: int | None = field(default=None, metadata={"help": "With ep_size: tensor parallelism (GPUs only)."})
+    dp_replicate_size: int | None = field(
+        default=None, metadata={"help": "With ep_size: FSDP replicas (HSDP, e.g. one per node)."})
+    ep_implementation: str | None = field(
+        default=None,
+        metadata={"help": "How tokens reach the experts: all_to_all, all_reduce (needs ep_size == tp_size), "
+                  "deepgemm_megamoe or auto (transformers' choice).",
+                  "choices": ["all_to_all", "all_reduce", "deepgemm_megamoe", "auto"]},
+    )
 
 
 #: GRPOConfig values for the tiny offline model (used only when no model is named): CPU-sized batches and
@@ -295,6 +316,10 @@ def parse_args(argv: list[str] | None = None):
         )
     except (ValueError, TypeError) as exc:  # what the config objects refuse (their __post_init__ checks)
         parser.error(" ".join(str(exc).split()))
+    try:  # the parallel sizes, checked before any work (one line)
+        apply_parallel_sizes(parsed[0], parsed[1])
+    except ValueError as exc:
+        parser.error(" ".join(str(exc).split()))
     unknown = [a for a in from_command_line if a.startswith("-")]
     unknown_in_file = [a[2:] for a in from_file[::2]]  # TRL gives the file's unknown keys as ["--key", "value", ...]
     if unknown or from_command_line:
@@ -302,6 +327,22 @@ def parse_args(argv: list[str] | None = None):
     if unknown_in_file:
         parser.error(_unknown_message(unknown_in_file, f"key in {parser.config_path}"))
     return tuple(parsed)
+
+
+PARALLEL_SIZES = ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_implementation")
+
+
+def apply_parallel_sizes(script_args, training_args) -> None:
+    """``--ep_size`` and the other sizes into ``model_init_kwargs.distributed_config`` (flags over the config's mapping),
+    then checked against the launched processes (``ParallelSizesError``, one line)."""
+    from trl_moe_replay.trainer.expert_parallel import DISTRIBUTED_CONFIG, distributed_config_from_args
+
+    sizes = {name: getattr(script_args, name) for name in PARALLEL_SIZES if getattr(script_args, name) is not None}
+    if sizes:
+        kwargs = dict(training_args.model_init_kwargs or {})
+        kwargs[DISTRIBUTED_CONFIG] = {**(kwargs.get(DISTRIBUTED_CONFIG) or {}), **sizes}
+        training_args.model_init_kwargs = kwargs
+    distributed_config_from_args(training_args)
 
 
 def _unknown_message(names: list[str], what: str) -> str:
@@ -656,6 +697,8 @@ def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
     from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
+    from trl_moe_replay.trainer.distributed_checkpoint import DistributedCheckpointError
+    from trl_moe_replay.trainer.expert_parallel import ShardedAtLoadUnsupportedError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
@@ -664,7 +707,8 @@ def run(argv: list[str] | None = None) -> int:
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
-                   CheckpointWeightsError, PR2CheckpointError)
+                   CheckpointWeightsError, PR2CheckpointError, DistributedCheckpointError,
+                   ShardedAtLoadUnsupportedError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

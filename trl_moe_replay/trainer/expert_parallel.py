@@ -116,7 +116,7 @@ def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu:
         said = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "all sizes 1"
         raise ParallelSizesError(
             f"distributed_config lays the model out over {product} processes ({said}; ep_size {config.ep_size} "
-            f"splits the experts within them), but {world_size} were launched: make pp_size x dp_replicate_size x "
+            f"splits the experts within them), but the launch started {world_size}: make pp_size x dp_replicate_size x "
             f"fsdp_size x tp_size equal the number of processes (--nproc_per_node x nodes)"
         )
     if config.tp_size > 1 and (use_cpu or not torch.cuda.is_available()):
