@@ -316,10 +316,7 @@ def parse_args(argv: list[str] | None = None):
         )
     except (ValueError, TypeError) as exc:  # what the config objects refuse (their __post_init__ checks)
         parser.error(" ".join(str(exc).split()))
-    try:  # the parallel sizes, checked before any work (one line)
-        apply_parallel_sizes(parsed[0], parsed[1])
-    except ValueError as exc:
-        parser.error(" ".join(str(exc).split()))
+    apply_parallel_sizes(parsed[0], parsed[1])  # checked against the launch when training starts (train())
     unknown = [a for a in from_command_line if a.startswith("-")]
     unknown_in_file = [a[2:] for a in from_file[::2]]  # TRL gives the file's unknown keys as ["--key", "value", ...]
     if unknown or from_command_line:
@@ -333,16 +330,15 @@ PARALLEL_SIZES = ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_im
 
 
 def apply_parallel_sizes(script_args, training_args) -> None:
-    """``--ep_size`` and the other sizes into ``model_init_kwargs.distributed_config`` (flags over the config's mapping),
-    then checked against the launched processes (``ParallelSizesError``, one line)."""
-    from trl_moe_replay.trainer.expert_parallel import DISTRIBUTED_CONFIG, distributed_config_from_args
+    """``--ep_size`` and the other sizes into ``model_init_kwargs.distributed_config`` (flags over the config's
+    mapping); ``train()`` checks them against the launched processes before any work."""
+    from trl_moe_replay.trainer.expert_parallel import DISTRIBUTED_CONFIG
 
     sizes = {name: getattr(script_args, name) for name in PARALLEL_SIZES if getattr(script_args, name) is not None}
     if sizes:
         kwargs = dict(training_args.model_init_kwargs or {})
         kwargs[DISTRIBUTED_CONFIG] = {**(kwargs.get(DISTRIBUTED_CONFIG) or {}), **sizes}
         training_args.model_init_kwargs = kwargs
-    distributed_config_from_args(training_args)
 
 
 def _unknown_message(names: list[str], what: str) -> str:
@@ -527,6 +523,9 @@ def main(script_args, training_args, model_args):
 
 
 def train(script_args, training_args, model_args):
+    from trl_moe_replay.trainer.expert_parallel import distributed_config_from_args
+
+    distributed_config_from_args(training_args)  # expert parallelism: sizes against this launch, before any work
     launched_ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if launched_ranks > 1 and training_args.world_size != launched_ranks:
         raise RuntimeError(
@@ -698,7 +697,7 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
     from trl_moe_replay.trainer.distributed_checkpoint import DistributedCheckpointError
-    from trl_moe_replay.trainer.expert_parallel import ShardedAtLoadUnsupportedError
+    from trl_moe_replay.trainer.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
@@ -708,7 +707,7 @@ def run(argv: list[str] | None = None) -> int:
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
                    CheckpointWeightsError, PR2CheckpointError, DistributedCheckpointError,
-                   ShardedAtLoadUnsupportedError)
+                   ShardedAtLoadUnsupportedError, ParallelSizesError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

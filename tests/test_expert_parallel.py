@@ -270,3 +270,28 @@ def test_every_weight_sync_reads_full_tensors_through_one_function():
     assert list(trl_named_params(generation)) == [("a", 10), ("b", 20)]
     source = Path(expert_parallel.__file__).read_text()
     assert source.count("map_weight_sync_tensors(") == 1 and "full_tensor)" in source
+
+
+@pytest.mark.parametrize(("name", "processes"), [("qwen3_30b_a3b_ep8_vllm_server", 8),
+                                                 ("qwen3_30b_a3b_ep8_hsdp_2nodes", 16)])
+def test_the_recipe_configs_launch_their_sizes(name, processes):
+    from .helpers import load_script
+
+    recipe = load_script(ROOT / "recipes" / "grpo_r3.py", "grpo_r3_recipe_ep")
+    path = ROOT / "recipes" / "configs" / f"{name}.yaml"
+    _, training_args, _ = recipe.parse_args(["--config", str(path), "--use_cpu", "true"])
+    sizes = training_args.model_init_kwargs["distributed_config"]
+    assert sizes["ep_size"] == 8 and sizes["fsdp_size"] == 8 and sizes["ep_implementation"] == "all_to_all"
+    assert sizes.get("dp_replicate_size", 1) * sizes["fsdp_size"] == processes
+    # the launch lines in the file start that many processes
+    text = path.read_text()
+    assert f"--num_processes {processes}" in text and f"--nproc_per_node {processes // (processes // 8)}" in text
+    if not has_expert_parallelism():
+        return
+    config = distributed_config_from_args(training_args, world_size=processes)
+    assert config.ep_size == 8 and config.efsdp_size == 1  # each expert whole on one GPU of a node
+    with pytest.raises(ParallelSizesError, match=f"over {processes} processes"):
+        distributed_config_from_args(training_args, world_size=processes // 2)
+    # a flag overrides the file's size
+    _, training_args, _ = recipe.parse_args(["--config", str(path), "--use_cpu", "true", "--ep_size", "4"])
+    assert training_args.model_init_kwargs["distributed_config"]["ep_size"] == 4
