@@ -142,8 +142,9 @@ def main(argv=None) -> int:
         print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
               f"{args.batch} completions x {args.completion} tokens per process; {world} {args.device} processes; "
               f"{args.rounds} rounds of {args.steps} steps")
-        print(f"DDP  median step {statistics.median(runs['ddp']):.3f}s  ({', '.join(f'{t:.3f}' for t in runs['ddp'])})")
-        print(f"EP   median step {statistics.median(runs['ep']):.3f}s  ({', '.join(f'{t:.3f}' for t in runs['ep'])})")
+        for side in ("ddp", "ep"):
+            rounds = ", ".join(f"{t:.3f}" for t in runs[side])
+            print(f"{side.upper():4} median step {statistics.median(runs[side]):.3f}s  ({rounds})")
         print(f"R3 step EP/DDP: median {r['median']:.3f} (min {r['low']:.3f}, max {r['high']:.3f})")
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))

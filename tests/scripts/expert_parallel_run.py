@@ -91,7 +91,8 @@ def train_modes(checkpoint: str) -> dict:
         ep = make_trainer(checkpoint, mode, sharded=True, name=f"{mode}_ep")
         ep.train()
         result[mode] = {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"), "routes": ep.route_checks,
-                        "ddp_routes": ddp.route_checks, "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
+                        "ddp_routes": ddp.route_checks,
+                        "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
                         "storage": storage(ep), "ddp_storage": storage(ddp), "hooks": ep._route_replay is not None,
                         "fallback": logged(ep, "routing/fallback_frac")}
         if mode == "none":  # plain TRL on the same EP model: what routing_replay="none" must be
@@ -100,7 +101,8 @@ def train_modes(checkpoint: str) -> dict:
             settings = {**SETTINGS, "output_dir": str(OUT / "trl_ep"), "max_steps": STEPS["none"],
                         "model_init_kwargs": {"dtype": "float32", "distributed_config": EP}}
             plain = GRPOTrainer(model=checkpoint, reward_funcs=reward_len, args=GRPOConfig(**settings),
-                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer())
+                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                processing_class=tiny_tokenizer())
             plain.train()
             result[mode]["trl_loss"] = logged(plain, "loss")
             result[mode]["trl_weight_diff"] = weight_diff(full_weights(ep), full_weights(plain))
@@ -166,19 +168,21 @@ def all_reduce_replay(checkpoint: str) -> dict:
     with torch.no_grad(), RouterReplay(single).record() as recording:
         reference = single(input_ids=ids).logits
     routes = recording.routes
-    sharded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, distributed_config=DistributedConfig(
-        tp_size=2, tp_plan="auto", ep_size=2, ep_implementation="all_reduce")).eval()
+    sizes = DistributedConfig(tp_size=2, tp_plan="auto", ep_size=2, ep_implementation="all_reduce")
+    sharded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, distributed_config=sizes).eval()
     watch = ExpertsWatch(sharded)
     replay = RouterReplay(sharded)
     with torch.no_grad(), replay.replay(routes):
         replayed = sharded(input_ids=ids).logits
     seen = {layer: [c.tolist() for c in calls] for layer, calls in watch.calls.items()}
     expected = {layer: routes[:, :, layer].reshape(-1, routes.shape[-1]).tolist() for layer in seen}
-    shifted_routes = torch.where(has_route(routes)[..., None], (routes.long() + 1) % 16, routes.long()).to(routes.dtype)
+    shifted_routes = torch.where(has_route(routes)[..., None], (routes.long() + 1) % 16, routes.long())
+    shifted_routes = shifted_routes.to(routes.dtype)
     with torch.no_grad(), replay.replay(shifted_routes):
         shifted = sharded(input_ids=ids).logits
     experts = sharded.model.layers[0].mlp.experts.gate_up_proj
-    return {"max_diff": float((replayed - reference).abs().max()), "shifted_diff": float((shifted - reference).abs().max()),
+    return {"max_diff": float((replayed - reference).abs().max()),
+            "shifted_diff": float((shifted - reference).abs().max()),
             "experts_seen_equal_replayed": all(sorted(map(sorted, calls[0])) == sorted(map(sorted, expected[layer]))
                                                for layer, calls in seen.items()) and bool(seen),
             "experts_local": list(experts.to_local().shape)}

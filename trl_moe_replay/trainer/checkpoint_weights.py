@@ -17,9 +17,9 @@ another (``lm_head`` to the embeddings) are one weight; names the model keeps ou
 (``_keys_to_ignore_on_save``: PR2's predictors, restored from their own file) are not expected.
 
 FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code). A model
-sharded at load time by transformers (``distributed_config``, expert parallelism), whose checkpoints transformers cannot
-resume, is saved and restored in shards with torch's distributed checkpoint (:mod:`.distributed_checkpoint`), through
-the same entry points, under the same promise.
+sharded at load time by transformers (``distributed_config``, expert parallelism), whose checkpoints transformers
+cannot resume, is saved and restored in shards with torch's distributed checkpoint (:mod:`.distributed_checkpoint`),
+through the same entry points, under the same promise.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         return False
     if distributed_checkpoint.uses_distributed_checkpoint(trainer):
-        distributed_checkpoint.restore_model(trainer.accelerator.unwrap_model(trainer.model if model is None else model),
-                                             folder)
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model if model is None else model)
+        distributed_checkpoint.restore_model(unwrapped, folder)
         return True
     restore_checkpoint_weights(trainer.accelerator.unwrap_model(trainer.model if model is None else model), folder)
     return True

@@ -15,8 +15,8 @@ This module is the launch side:
   refused in one line (:class:`ParallelSizesError`) before any work: sizes that do not multiply to the number of
   processes, tensor parallelism on CPU processes (accelerate refuses it there), a transformers without EP.
 * :func:`sharded_at_load_construction`: around the trainer's ``super().__init__``: hands TRL the
-  ``DistributedConfig`` built from that mapping, and lets transformers' Trainer accept checkpointing for a model sharded
-  at load time (it refuses it, since it cannot resume one; :mod:`.distributed_checkpoint` does).
+  ``DistributedConfig`` built from that mapping, and lets transformers' Trainer accept checkpointing for a model
+  sharded at load time (it refuses it, since it cannot resume one; :mod:`.distributed_checkpoint` does).
 * :func:`check_sharded_at_load`: after it: what is not supported on such a model is refused in one line (PEFT
   adapters; the async trainer), and TRL's vLLM weight sync is given full tensors.
 """
@@ -36,9 +36,6 @@ from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors
 from .sharded import full_tensor, is_sharded_at_load
 
 DISTRIBUTED_CONFIG = "distributed_config"  # the model_init_kwargs key (from_pretrained's argument)
-#: the ep_implementation values this package was tested with on CPU processes; the others are transformers' own
-#: (GPU kernels), passed through as contract-only (docs/limitations.md)
-TESTED_EP_IMPLEMENTATIONS = ("all_to_all",)
 
 
 class ParallelSizesError(ValueError):
@@ -61,22 +58,23 @@ def _distributed_config_class() -> type:
     names = {f.name for f in dataclasses.fields(DistributedConfig)} if DistributedConfig is not None else set()
     if "ep_size" not in names:
         raise ParallelSizesError(
-            f"model_init_kwargs.distributed_config asks transformers to shard the model at load time, but transformers "
-            f"{transformers.__version__} has no expert parallelism (its DistributedConfig has no ep_size): install a "
-            "transformers that has it (tested with 5.24), or drop distributed_config and use DDP, FSDP2 or DeepSpeed"
+            "model_init_kwargs.distributed_config asks transformers to shard the model at load time, but "
+            f"transformers {transformers.__version__} has no expert parallelism (its DistributedConfig has no "
+            "ep_size): install a transformers that has it (tested with 5.24), or drop distributed_config and use DDP, "
+            "FSDP2 or DeepSpeed"
         )
     return DistributedConfig
 
 
 def requested_distributed_config(args: Any) -> Any:
-    """The ``distributed_config`` entry of ``args.model_init_kwargs`` (a mapping or a ``DistributedConfig``), or None."""
+    """The ``distributed_config`` entry of ``args.model_init_kwargs`` (mapping or ``DistributedConfig``), or None."""
     kwargs = getattr(args, "model_init_kwargs", None)
     return kwargs.get(DISTRIBUTED_CONFIG) if isinstance(kwargs, Mapping) else None
 
 
 def distributed_config_from_args(args: Any, world_size: int | None = None) -> Any:
     """The ``DistributedConfig`` that ``args.model_init_kwargs["distributed_config"]`` asks for (None if none), checked
-    against ``world_size`` processes (default: ``WORLD_SIZE``) and this machine; :class:`ParallelSizesError` otherwise."""
+    against ``world_size`` processes (default: ``WORLD_SIZE``) and this machine; else :class:`ParallelSizesError`."""
     value = requested_distributed_config(args)
     if value is None:
         return None
@@ -116,8 +114,8 @@ def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu:
         said = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "all sizes 1"
         raise ParallelSizesError(
             f"distributed_config lays the model out over {product} processes ({said}; ep_size {config.ep_size} "
-            f"splits the experts within them), but the launch started {world_size}: make pp_size x dp_replicate_size x "
-            f"fsdp_size x tp_size equal the number of processes (--nproc_per_node x nodes)"
+            f"splits the experts within them), but the launch started {world_size}: make pp_size x "
+            "dp_replicate_size x fsdp_size x tp_size equal the number of processes (--nproc_per_node x nodes)"
         )
     if config.tp_size > 1 and (use_cpu or not torch.cuda.is_available()):
         raise ParallelSizesError(
