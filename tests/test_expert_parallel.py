@@ -100,6 +100,14 @@ def test_losses_and_weights_equal_ddp(trained, mode):
 
 
 @pytest.mark.slow
+def test_the_reference_model_is_sharded_alike_and_its_kl_equals_ddp(trained):
+    for rank in trained:
+        r3 = rank["r3"]
+        assert r3["ref_sharded"] is True  # TRL loads it with the same model_init_kwargs
+        assert len(r3["kl"]) == STEPS["r3"] and any(r3["kl"]) and close(r3["kl"], r3["ddp_kl"], LOSS_TOL)
+
+
+@pytest.mark.slow
 def test_none_on_an_expert_parallel_model_is_plain_trl(trained):
     for rank in trained:
         none = rank["none"]

@@ -8,7 +8,7 @@ processes (gloo). Launched by ``tests/test_expert_parallel.py`` as a user launch
 ``train``: a tiny Qwen3-MoE (16 experts, top-2) saved once and loaded twice: with
 ``model_init_kwargs={"distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}``
 (each rank holds 8 experts, tokens travel by all-to-all, FSDP2 shards the rest) and plainly (DDP, the reference).
-Per mode (none, R2, R3 with transformers ``generate``, PR2) both train on the same data; the EP run's hooks on the
+Per mode (none, R2, R3 with transformers ``generate`` and a KL term, PR2) both train on the same data; the EP run's hooks on the
 experts modules check that every training forward and backward recompute ran exactly the replayed experts
 (independently of the replay code); the losses, and the max difference of every weight after training (gathered)
 from DDP's, go to the report. ``none`` also runs plain ``trl.GRPOTrainer`` on the EP model. PR2 saves a checkpoint at
@@ -86,15 +86,18 @@ def storage(trainer) -> dict:
 def train_modes(checkpoint: str) -> dict:
     result = {}
     for mode in ("none", "r2", "r3"):
-        ddp = make_trainer(checkpoint, mode, sharded=False, name=f"{mode}_ddp")
+        extra = {"beta": 0.04} if mode == "r3" else {}  # R3 with a KL term: the reference model is sharded too
+        ddp = make_trainer(checkpoint, mode, sharded=False, name=f"{mode}_ddp", **extra)
         ddp.train()
-        ep = make_trainer(checkpoint, mode, sharded=True, name=f"{mode}_ep")
+        ep = make_trainer(checkpoint, mode, sharded=True, name=f"{mode}_ep", **extra)
         ep.train()
         result[mode] = {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"), "routes": ep.route_checks,
                         "ddp_routes": ddp.route_checks,
                         "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
                         "storage": storage(ep), "ddp_storage": storage(ddp), "hooks": ep._route_replay is not None,
-                        "fallback": logged(ep, "routing/fallback_frac")}
+                        "fallback": logged(ep, "routing/fallback_frac"), "kl": logged(ep, "kl"),
+                        "ddp_kl": logged(ddp, "kl"),
+                        "ref_sharded": is_sharded_at_load(ep.ref_model) if ep.ref_model is not None else None}
         if mode == "none":  # plain TRL on the same EP model: what routing_replay="none" must be
             from trl import GRPOConfig, GRPOTrainer
 
