@@ -16,6 +16,10 @@ Parts (methods of the first GPU run, kept here so that the next run measures the
              KL k3 and max abs(d logp), d = trainer - sampler log-prob of the sampled token.
   grpo       A few GRPO steps of ``MoEReplayGRPOTrainer`` (transformers generate, bf16), routing_replay none vs r3
              in ABBA order; median step time of the steps after the first, and the ratio r3/none.
+  expert_parallel  With at least 2 GPUs: R3 step time with expert parallelism (transformers' distributed_config,
+             fsdp = ep = the GPU count, all_to_all) against DDP, ABBA rounds (``bench/ep_overhead.py`` under
+             torchrun, one process per GPU). With fewer GPUs, or in smoke mode, it says it skipped (the CPU
+             figure is ``bench/ep_overhead.py`` on CPU processes).
 
 Each part has its own time budget: it starts no new unit (a width, a round, a depth, a run) once its budget is
 spent, records what it has and is marked ``timed_out``; an error in one part is recorded and the others still run.
@@ -91,7 +95,7 @@ FULL = Sizes(
     sampler_depths=(8, 24, 48), sampler_new_tokens=128,
     grpo_batch=64, grpo_generations=8, grpo_completion=64, grpo_steps=6, dtype=torch.bfloat16,
     grpo_runs=("none", "r3", "r3", "none"),
-    budgets=dict(exactness=40, syncs=15, timing=60, generate=25, sampler=70, grpo=70),
+    budgets=dict(exactness=40, syncs=15, timing=60, generate=25, sampler=70, grpo=70, expert_parallel=240),
 )
 _TINY_WIDTH = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
                    moe_intermediate_size=32, intermediate_size=64)
@@ -105,7 +109,7 @@ SMOKE = Sizes(
     grpo_batch=8, grpo_generations=4, grpo_completion=6, grpo_steps=2, dtype=torch.float32,
     grpo_runs=("none", "r3"),
     # a few seconds of work: budgets no busy CI machine reaches, so the suite's smoke run is never partial
-    budgets=dict(exactness=600, syncs=300, timing=300, generate=300, sampler=300, grpo=600),
+    budgets=dict(exactness=600, syncs=300, timing=300, generate=300, sampler=300, grpo=600, expert_parallel=0),
 )
 
 
@@ -439,6 +443,32 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
             "r3_over_none": ratio, "timed_out": budget.ran_out}
 
 
+EP_SCRIPT = Path(__file__).resolve().parent / "ep_overhead.py"
+
+
+def part_expert_parallel(smoke: bool, budget_s: float) -> dict:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if smoke or gpus < 2:
+        why = f"needs at least 2 GPUs, this machine has {gpus}"
+        return {"skipped": why + ("; smoke mode (bench/ep_overhead.py measures EP on CPU processes)" if smoke else ""),
+                "gpus": gpus}
+    processes = min(gpus, 8)
+    out = Path(tempfile.mkdtemp()) / "ep_overhead.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               str(EP_SCRIPT), "--device", "cuda", "--hidden", "1024", "--layers", "8", "--experts", "64",
+               "--top-k", "8", "--completion", "64", "--batch", "16", "--steps", "4", "--rounds", "2",
+               "--json", str(out)]
+    import subprocess
+
+    try:
+        run = subprocess.run(command, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        return {"gpus": gpus, "timed_out": True}
+    if run.returncode != 0 or not out.is_file():
+        return {"gpus": gpus, "error": f"bench/ep_overhead.py exited {run.returncode}: {run.stderr[-300:]}"}
+    return {"gpus": gpus, "timed_out": False, **json.loads(out.read_text())}
+
+
 # ----------------------------------------------------------------------------- report
 def environment(device) -> dict:
     import accelerate
@@ -488,6 +518,13 @@ def table(results: dict) -> list[tuple[str, str, str]]:
         rows.append(("grpo", "step r3/none", f"{grpo['r3_over_none']:.3f}; none "
                      + "/".join(f"{t * 1e3:.0f}" for t in med["none"]) + " ms, r3 "
                      + "/".join(f"{t * 1e3:.0f}" for t in med["r3"]) + " ms"))
+    ep = results.get("expert_parallel", {})
+    if "skipped" in ep:
+        rows.append(("expert_parallel", "skipped", ep["skipped"]))
+    elif "ep_over_ddp" in ep:
+        r = ep["ep_over_ddp"]
+        rows.append(("expert_parallel", f"R3 step EP/DDP, {ep['processes']} GPUs",
+                     f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f})"))
     for part, value in results.items():
         if isinstance(value, dict) and value.get("error"):
             rows.append((part, "ERROR", value["error"]))
@@ -545,6 +582,8 @@ def main(argv=None) -> int:
         (("sampler",), lambda: results.__setitem__("sampler",
                                                    part_sampler(sizes, device, Budget(sizes.budgets["sampler"])))),
         (("grpo",), lambda: results.__setitem__("grpo", part_grpo(sizes, device, Budget(sizes.budgets["grpo"])))),
+        (("expert_parallel",), lambda: results.__setitem__("expert_parallel", part_expert_parallel(
+            args.smoke, sizes.budgets["expert_parallel"]))),
     ]
     for names, run in parts:
         part_start = time.monotonic()

@@ -22,6 +22,10 @@ Real models: name one (and a dataset), on the command line or in a config file; 
 The tiny-model defaults (learning rate, batch, lengths, ...) apply only when no model is named; on a machine without
 a GPU every run defaults to float32 on the CPU (`--use_cpu true --bf16 false`).
 
+Expert parallelism (transformers shards the model at load time; docs/sharded_training.md), e.g. two CPU processes:
+
+    torchrun --nproc_per_node 2 recipes/grpo_r3.py --ep_size 2 --fsdp_size 2 --ep_implementation all_to_all
+
 Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C saves one at the end
 of the step in progress and prints the command that resumes, which is the same command with `--resume_from_checkpoint`
 (no value: the newest checkpoint in `--output_dir`). Under `accelerate launch` the run saves and prints the same, but
@@ -156,6 +160,23 @@ class GRPOR3ScriptArguments(ScriptArguments):
         default=None, metadata={"help": "Cold-start cache (default $TRL_MOE_REPLAY_CACHE or ~/.cache/trl_moe_replay)."}
     )
     plot: bool = field(default=True, metadata={"help": "Write PNG charts into OUTPUT_DIR/plots at the end."})
+    # ---- parallel sizes: transformers shards the model at load time (expert parallelism; docs/sharded_training.md)
+    ep_size: int | None = field(
+        default=None,
+        metadata={"help": "Expert parallelism: ranks each MoE layer's experts are split across (transformers' "
+                  "DistributedConfig, model_init_kwargs.distributed_config). Launch with torchrun or accelerate "
+                  "launch (ddp.yaml); pp x dp_replicate x fsdp x tp sizes must equal the number of processes."},
+    )
+    fsdp_size: int | None = field(default=None, metadata={"help": "With ep_size: ranks FSDP2 shards the model over."})
+    tp_size: int | None = field(default=None, metadata={"help": "With ep_size: tensor parallelism (GPUs only)."})
+    dp_replicate_size: int | None = field(
+        default=None, metadata={"help": "With ep_size: FSDP replicas (HSDP, e.g. one per node)."})
+    ep_implementation: str | None = field(
+        default=None,
+        metadata={"help": "How tokens reach the experts: all_to_all, all_reduce (needs ep_size == tp_size), "
+                  "deepgemm_megamoe or auto (transformers' choice).",
+                  "choices": ["all_to_all", "all_reduce", "deepgemm_megamoe", "auto"]},
+    )
 
 
 #: GRPOConfig values for the tiny offline model (used only when no model is named): CPU-sized batches and
@@ -296,6 +317,7 @@ def parse_args(argv: list[str] | None = None):
         check_model_args(parsed[2])
     except (ValueError, TypeError) as exc:  # what the config objects refuse (their __post_init__ checks)
         parser.error(" ".join(str(exc).split()))
+    apply_parallel_sizes(parsed[0], parsed[1])  # checked against the launch when training starts (train())
     unknown = [a for a in from_command_line if a.startswith("-")]
     unknown_in_file = [a[2:] for a in from_file[::2]]  # TRL gives the file's unknown keys as ["--key", "value", ...]
     if unknown or from_command_line:
@@ -333,6 +355,21 @@ def check_model_args(model_args: ModelConfig) -> None:
             refuse("lora_alpha", "a number", "PEFT scales the adapter by lora_alpha / lora_r")
         if not is_number(model_args.lora_dropout) or not 0 <= model_args.lora_dropout <= 1:
             refuse("lora_dropout", "a number in [0, 1]", "torch's Dropout raises on any other")
+
+
+PARALLEL_SIZES = ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_implementation")
+
+
+def apply_parallel_sizes(script_args, training_args) -> None:
+    """``--ep_size`` and the other sizes into ``model_init_kwargs.distributed_config`` (flags over the config's
+    mapping); ``train()`` checks them against the launched processes before any work."""
+    from trl_moe_replay.trainer.expert_parallel import DISTRIBUTED_CONFIG
+
+    sizes = {name: getattr(script_args, name) for name in PARALLEL_SIZES if getattr(script_args, name) is not None}
+    if sizes:
+        kwargs = dict(training_args.model_init_kwargs or {})
+        kwargs[DISTRIBUTED_CONFIG] = {**(kwargs.get(DISTRIBUTED_CONFIG) or {}), **sizes}
+        training_args.model_init_kwargs = kwargs
 
 
 def _unknown_message(names: list[str], what: str) -> str:
@@ -517,6 +554,9 @@ def main(script_args, training_args, model_args):
 
 
 def train(script_args, training_args, model_args):
+    from trl_moe_replay.trainer.expert_parallel import distributed_config_from_args
+
+    distributed_config_from_args(training_args)  # expert parallelism: sizes against this launch, before any work
     launched_ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if launched_ranks > 1 and training_args.world_size != launched_ranks:
         raise RuntimeError(
@@ -687,6 +727,8 @@ def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
     from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.trainer.checkpoint_files import CheckpointError
+    from trl_moe_replay.trainer.distributed_checkpoint import DistributedCheckpointError
+    from trl_moe_replay.trainer.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
@@ -695,7 +737,8 @@ def run(argv: list[str] | None = None) -> int:
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
-                   CheckpointError, PR2CheckpointError)
+                   CheckpointError, PR2CheckpointError, DistributedCheckpointError,
+                   ShardedAtLoadUnsupportedError, ParallelSizesError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

@@ -99,3 +99,10 @@ def test_the_full_mode_refuses_in_one_line_without_cuda(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 2 and printed.count("\n") == 1 and "no CUDA" in printed and "--smoke" in printed
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_expert_parallel_part_says_it_skipped_without_two_gpus(smoke):
+    _, result, printed = smoke
+    ep = result["expert_parallel"]
+    assert "needs at least 2 GPUs" in ep["skipped"] and "smoke mode" in ep["skipped"] and "error" not in ep
+    assert "\n| expert_parallel | skipped | needs at least 2 GPUs" in printed

@@ -199,7 +199,8 @@ def test_command_line_mistakes_are_one_line(recipe, capsys, argv, says):
 
 
 @pytest.mark.parametrize("yaml, says", [
-    ("max_steps: five\n", "max_steps must be an int, got str 'five' (in "),
+    # TRL's field: TrlParser's own refusal (as on plain TRL), named with the file
+    ("max_steps: five\n", "invalid int value: 'five' (the value of max_steps in "),
     ("routing_replai: r3\n", "unknown key in "),
     ("routing_replay: r4\n", "routing_replay must be one of"),
 ])

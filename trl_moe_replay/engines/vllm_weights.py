@@ -34,9 +34,10 @@ def engine_weights(
     The one place where the weights are collected for the engine: the reload sync of both trainers
     (``engines/weight_reload.py``) streams or writes exactly what this yields. ``named_tensors`` is what TRL's own
     sync would send, one parameter at a time (``VLLMGeneration._iter_named_params``, or the async trainer's
-    ``_streaming_iter``: gathered under DeepSpeed ZeRO-3 and FSDP, a PEFT adapter merged, vLLM's names). Parameters
-    sharded in a way TRL does not gather (expert parallelism) are to be gathered into full tensors here, before the
-    checkpoint reversion, so that no path sends a shard.
+    ``_streaming_iter``: gathered under DeepSpeed ZeRO-3 and FSDP, a PEFT adapter merged, vLLM's names). A model sharded
+    at load time (expert parallelism) has that iterator wrapped once, at the trainer's construction, to gather its
+    DTensor shards (``trainer/expert_parallel.py``, ``trainer.sharded.full_tensor``), so TRL's own sync and this one
+    read the same full tensors and no path sends a shard.
     """
     return checkpoint_named_tensors(model, named_tensors)
 

@@ -50,6 +50,7 @@ from ..upstream import (
     worker_loop_kwargs,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
+from .expert_parallel import refuse_async_sharded_at_load
 from .async_packing import RoutedTreeRow, TorchVarlenAttention
 from .checkpoint_weights import RestoresEveryWeight
 from .launch import checked_model_name
@@ -202,6 +203,8 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, processing_class=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, environment_factory=None, rollout_worker=None,
                  weight_transfer=None):
+        # a configuration this trainer cannot run is refused before the model is looked at
+        refuse_async_sharded_at_load(args, model)  # expert parallelism (distributed_config): one-line refusal
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         if args is None:
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")

@@ -27,7 +27,10 @@ cover every weight of the model before any is copied in. Files beside the weight
 state) are checked before this by the resume pre-flight (trainer/checkpoint_files.py), which the mixin's ``train``
 runs.
 
-FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code).
+FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code). A model
+sharded at load time by transformers (``distributed_config``, expert parallelism), whose checkpoints transformers
+cannot resume, is saved and restored in shards with torch's distributed checkpoint (:mod:`.distributed_checkpoint`),
+through the same entry points, under the same promise.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from .checkpoint_files import (
     short_message,
     shown,
 )
+from . import distributed_checkpoint
 
 logger = logging.get_logger(__name__)
 
@@ -100,13 +104,31 @@ class RestoresEveryWeight:
         if not restore_trainer_weights(self, self.state.best_model_checkpoint):
             super()._load_best_model()
 
+    # a model sharded at load time (distributed_config): its optimizer in shards, which transformers cannot save
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if distributed_checkpoint.uses_distributed_checkpoint(self):
+            distributed_checkpoint.save_training_state(self, output_dir)
+        else:
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None and distributed_checkpoint.uses_distributed_checkpoint(self):
+            distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
 
 def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.Module | None = None) -> bool:
     """A trainer's resume (``_load_from_checkpoint``) and ``_load_best_model``: restore ``model`` (the trainer's
-    model by default) from checkpoint ``folder`` through :func:`restore_checkpoint_weights`. Returns ``False``, and
-    leaves the load to the Trainer, for FSDP and DeepSpeed, whose checkpoints their engines read."""
+    model by default) from checkpoint ``folder`` through :func:`restore_checkpoint_weights` (a model sharded at load
+    time: from its shards, :func:`.distributed_checkpoint.restore_model`). Returns ``False``, and leaves the load to
+    the Trainer, for FSDP and DeepSpeed, whose checkpoints their engines read."""
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         return False
+    if distributed_checkpoint.uses_distributed_checkpoint(trainer):
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model if model is None else model)
+        distributed_checkpoint.restore_model(unwrapped, folder)
+        return True
     restore_checkpoint_weights(trainer.accelerator.unwrap_model(trainer.model if model is None else model), folder)
     return True
 

@@ -63,6 +63,7 @@ from ..upstream import (
     vllm_weights_stale,
 )
 from .checkpoint_weights import RestoresEveryWeight
+from .expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
 from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, checked_model_name
@@ -140,8 +141,9 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             vllm_classes["LLM"] = llm_returning_routes
         if args.use_vllm and args.vllm_mode == "server" and sync_method == "reload":
             vllm_classes["VLLMClient"] = client_without_communicator
-        with vllm_generation_classes(**vllm_classes):
+        with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        check_sharded_at_load(self)  # expert parallelism: what it does not support, and full tensors to vLLM
         check_peft_replay(self.accelerator.unwrap_model(self.model), settings.routing_replay)
         check_launched_engine(args, self.accelerator.state.distributed_type, strict=settings.routing_replay != "none")
 

@@ -1,6 +1,7 @@
-"""Full values of parameters that FSDP2 or DeepSpeed ZeRO-3 keep sharded across ranks.
+"""Full values of parameters that FSDP2, DeepSpeed ZeRO-3 or transformers' loading-time sharding keep across ranks.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) turns parameters into ``DTensor``s holding one shard per rank;
+FSDP2 (``torch.distributed.fsdp.fully_shard``, also what ``from_pretrained(distributed_config=...)`` applies, with
+expert parallelism's DTensor experts) turns parameters into ``DTensor``s holding one shard per rank;
 ZeRO-3 leaves each rank an empty parameter plus its partition (``ds_tensor``). Reading the full value is a
 collective in both cases: every rank must call :func:`full_tensors` with the same parameters in the same order.
 """
@@ -22,6 +23,19 @@ def is_dtensor(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
+def is_sharded_at_load(model) -> bool:
+    """Whether ``model`` was sharded by transformers at load time (``from_pretrained(distributed_config=...)``: expert,
+    tensor or FSDP2 parallelism applied by transformers, which its Trainer leaves unwrapped)."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False))
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of ``tensor``: a DTensor's shards gathered (a collective over its mesh: FSDP2, or a model
+    sharded at load time by transformers, expert parallelism included), any other tensor as it is. The one gather
+    every weight sync from a DTensor model goes through (trainer/expert_parallel.py)."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
 def full_tensors(named_params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     """Detached CPU copies of the full values of ``named_params`` (collective under FSDP2 and ZeRO-3)."""
     params = list(named_params.values())
@@ -34,7 +48,7 @@ def full_tensors(named_params: dict[str, nn.Parameter]) -> dict[str, torch.Tenso
         with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None):
             return {name: p.detach().to("cpu", copy=True) for name, p in named_params.items()}
     return {
-        name: (p.full_tensor() if is_dtensor(p) else p).detach().to("cpu", copy=True)
+        name: full_tensor(p).detach().to("cpu", copy=True)
         for name, p in named_params.items()
     }
 

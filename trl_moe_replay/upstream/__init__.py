@@ -9,7 +9,7 @@ touching the private name, and the part's check.
 ``torch_seam``              ``autograd_graph_task``, ``assert_async``, ``module_parameter_slot``,
                             ``ddp_ignored_parameters``
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
-                            ``keys_ignored_on_save``, ``saved_weight_layout``
+                            ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``
 ``trl_seam``                ``grpo_private_methods``, ``generation_batch_shuffle``, ``engine_logprob_correction``,
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
@@ -40,13 +40,15 @@ _LAZY = {
                      "shuffled_generation_batches", "engine_logprob_correction", "is_reference_forward",
                      "run_loss_on_trl_branch", "set_old_logps_for_loss", "MINIRL_TRL_BRANCH", "client_session",
                      "http_vllm_client", "vllm_generation_classes", "vllm_request_fields", "exclude_from_weight_sync",
-                     "trl_named_params", "vllm_weights_stale", "mark_vllm_weights_synced", "wake_colocated_weights"),
+                     "trl_named_params", "map_weight_sync_tensors", "vllm_weights_stale", "mark_vllm_weights_synced",
+                     "wake_colocated_weights"),
                     "trl_seam"),
     **dict.fromkeys(("check_async_trl", "assert_async_trl_compatible", "async_worker_classes", "worker_loop_kwargs",
                      "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
                      "tree_attention_kernel"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
-                     "save_pretrained_weights"), "transformers_seam"),
+                     "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements"),
+                    "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp"), "torch_seam"),
 }
 
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
         checkpoint_run_dir,
         ignore_on_save,
         keys_ignored_on_save,
+        dcp_placements,
+        lift_sharded_resume_refusal,
         save_pretrained_weights,
         saved_weight_layout,
     )
@@ -78,6 +82,7 @@ if TYPE_CHECKING:
         client_session,
         engine_logprob_correction,
         exclude_from_weight_sync,
+        map_weight_sync_tensors,
         http_vllm_client,
         is_reference_forward,
         mark_vllm_weights_synced,

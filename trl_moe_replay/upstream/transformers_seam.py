@@ -8,7 +8,9 @@ RouterReplay relies on two internals that changed between releases inside the de
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 from packaging.version import Version
@@ -110,13 +112,16 @@ def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any
 #    (trl_moe_replay/trainer/grpo_trainer.py, checkpoint_weights.py). An override forwards these by name, so a
 #    renamed or reordered parameter must fail here rather than shift arguments:
 #    _save_checkpoint / _load_optimizer_and_scheduler (PR2 checkpoints its predictors next to the Trainer's files,
-#    in the directory _get_output_dir(trial) names); _load_from_checkpoint / _load_best_model (resume loads the weights
+#    in the directory _get_output_dir(trial) names; a model sharded at load time saves and loads its optimizer state
+#    with torch's distributed checkpoint through _save_optimizer_and_scheduler / _load_optimizer_and_scheduler,
+#    trl_moe_replay/trainer/distributed_checkpoint.py); _load_from_checkpoint / _load_best_model (resume loads the weights
 #    through from_pretrained's conversion, transformers#48805); _clip_grad_norm (PR2 clips its predictors by their own
 #    norm).
 # ---------------------------------------------------------------------------------------------------------------
 TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_save_optimizer_and_scheduler": ("self", "output_dir"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_best_model": ("self",),
     "_clip_grad_norm": ("self", "model"),
@@ -174,6 +179,60 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
     return save_pretrained_weights(model, {name: tensor.to("meta") for name, tensor in state_dict.items()})
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# sharded_at_load_resume: transformers' Trainer and a model sharded at load time (`from_pretrained(distributed_config=
+#    ...)`, expert parallelism), read from transformers 5.24.0 (trainer.py).
+#    Trainer.__init__ raises "Resuming is not supported for models sharded at load time" when
+#    `self.is_distributed_loading_by_transformers and args.save_strategy != SaveStrategy.NO and not
+#    args.save_only_model`, and reads args.save_only_model nowhere else in __init__ for such a model (its other uses
+#    need DeepSpeed or accelerate's FSDP, which such a model is not). Trainer._save_checkpoint saves the optimizer,
+#    scheduler, scaler and RNG states `if not self.args.save_only_model`, through _save_optimizer_and_scheduler
+#    (overridden: trl_moe_replay/trainer/distributed_checkpoint.py saves the shards with torch's distributed
+#    checkpoint), and _load_optimizer_and_scheduler reads them back (overridden likewise). So the refusal is lifted by
+#    setting save_only_model for the duration of __init__ only (lift_sharded_resume_refusal).
+#    transformers.distributed.checkpoint._redistribute_state_dict(state_dict, reference_state_dict): strided DTensor
+#    shards to plain ones before a DCP save or load, and back (dcp_placements). Checked by signature here; the lift
+#    itself is exercised by tests/test_expert_parallel.py (a save, a stop and an exact resume on an EP model).
+# ---------------------------------------------------------------------------------------------------------------
+SHARDED_AT_LOAD_RESUME = entry("sharded_at_load_resume", "transformers", "5.24.0")
+
+
+@contextlib.contextmanager
+def lift_sharded_resume_refusal(args: Any) -> Iterator[None]:
+    """Around ``Trainer.__init__``, ``args.save_only_model`` as True when checkpoints are saved, then the user's value
+    again (the optimizer state is saved and restored by our distributed checkpoint; entry ``sharded_at_load_resume``)."""
+    saved = args.save_only_model
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        args.save_only_model = True
+    try:
+        yield
+    finally:
+        args.save_only_model = saved
+
+
+def dcp_placements(state_dict: dict, reference: dict | None = None) -> dict:
+    """``state_dict`` with DTensors in strided shards (experts sharded over the expert-FSDP and EP dimensions)
+    redistributed to plain shards, which torch's distributed checkpoint describes correctly; with ``reference``, back
+    to the placements of ``reference``'s DTensors after a load. transformers' own workaround for its DCP saves (entry
+    ``sharded_at_load_resume``)."""
+    from transformers.distributed.checkpoint import _redistribute_state_dict
+
+    return _redistribute_state_dict(state_dict, reference_state_dict=reference)
+
+
+def _check_sharded_at_load_resume() -> list[Finding]:
+    try:
+        from transformers.distributed import checkpoint
+    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+        return []
+    redistribute = getattr(checkpoint, "_redistribute_state_dict", None)
+    have = tuple(inspect.signature(redistribute).parameters) if callable(redistribute) else None
+    if have != ("state_dict", "reference_state_dict"):
+        return [Finding(SHARDED_AT_LOAD_RESUME, "transformers.distributed.checkpoint._redistribute_state_dict"
+                                                f"(state_dict, reference_state_dict) became {have}")]
+    return []
+
+
 def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]:
     """The entries above against the installed transformers: the signatures of the private methods
     ``trainer_class`` (default ``transformers.Trainer``) inherits, and the names that must exist."""
@@ -195,4 +254,5 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     if have != ("model", "state_dict"):
         findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
                                                      f"became {have}"))
+    findings += _check_sharded_at_load_resume()
     return tuple(findings)

@@ -313,6 +313,19 @@ def exclude_from_weight_sync(vllm_generation: Any, skip: Callable[[str], bool]) 
     vllm_generation._iter_named_params = without_skipped
 
 
+def map_weight_sync_tensors(vllm_generation: Any, convert: Callable[[Any], Any]) -> None:
+    """Every tensor TRL's weight sync reads (this instance's iterator) passed through ``convert``: a model sharded at
+    load time (expert parallelism) holds DTensor shards, which ``convert`` gathers to full tensors (a collective:
+    every rank walks the iterator, as TRL's sync already makes them do)."""
+    iterate = vllm_generation._iter_named_params
+
+    def converted():
+        for name, param in iterate():
+            yield name, convert(param)
+
+    vllm_generation._iter_named_params = converted
+
+
 def trl_named_params(vllm_generation: Any) -> Iterator[tuple[str, Any]]:
     """The parameters TRL's sync would send, one at a time, gathered and named as it names them."""
     return vllm_generation._iter_named_params()

@@ -1,0 +1,241 @@
+"""Routing replay on a model sharded at load time with expert parallelism, against DDP on the same data; two CPU
+processes (gloo). Launched by ``tests/test_expert_parallel.py`` as a user launches it:
+
+    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR train
+    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR server URL CHECKPOINT
+    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR colocate CHECKPOINT
+
+``train``: a tiny Qwen3-MoE (16 experts, top-2) saved once and loaded twice: with
+``model_init_kwargs={"distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}``
+(each rank holds 8 experts, tokens travel by all-to-all, FSDP2 shards the rest) and plainly (DDP, the reference).
+Per mode (none, R2, R3 with transformers ``generate`` and a KL term, PR2) both train on the same data; the EP run's hooks on the
+experts modules check that every training forward and backward recompute ran exactly the replayed experts
+(independently of the replay code); the losses, and the max difference of every weight after training (gathered)
+from DDP's, go to the report. ``none`` also runs plain ``trl.GRPOTrainer`` on the EP model. PR2 saves a checkpoint at
+step 2 (torch distributed checkpoint), and a fresh EP trainer resumes from it to step 4. Then the all_reduce
+dispatch (``tp_size 2, ep_size 2``, forward only: accelerate trains tensor parallelism on GPUs only): one process's
+routes replayed reproduce its logits. ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at URL
+serving CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync checked
+by the engine probe.
+
+Each rank writes ``OUT_DIR/rank<i>.json``.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a colocated vLLM CPU engine (scenario "colocate")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sharded_run import ExpertsWatch, Spy, flat, logged, reward_len  # noqa: E402  (the same route check)
+
+from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
+from trl_moe_replay.trainer.sharded import full_tensor, is_sharded_at_load  # noqa: E402
+
+OUT = Path(sys.argv[1])
+EP = {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}
+SETTINGS = dict(
+    use_cpu=True, bf16=False, report_to="none", logging_steps=1, per_device_train_batch_size=4, num_generations=4,
+    max_completion_length=6, learning_rate=1e-3, gradient_accumulation_steps=1, num_iterations=2, seed=0,
+    max_grad_norm=1e6, save_strategy="no",
+)
+STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 4}
+PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
+
+
+def make_trainer(checkpoint: str, mode: str, sharded: bool, name: str, cls=Spy, peft_config=None, **overrides):
+    settings = {**SETTINGS, "output_dir": str(OUT / name), "routing_replay": mode, "max_steps": STEPS[mode],
+                "model_init_kwargs": {"dtype": "float32", **({"distributed_config": EP} if sharded else {})},
+                **overrides}
+    if mode == "pr2":
+        settings.setdefault("pr2_lr_multiplier", 10.0)
+    return cls(model=checkpoint, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**settings),
+               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer(),
+               peft_config=peft_config)
+
+
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    """Every weight of the trained model, whole (a collective on the EP model)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {name: full_tensor(param.detach()).cpu() for name, param in model.named_parameters()}
+
+
+def weight_diff(a: dict, b: dict) -> dict:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return {name: float((a[name] - b[name]).abs().max()) for name in a}
+
+
+def storage(trainer) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    return {"sharded_at_load": is_sharded_at_load(model), "wrapper": type(trainer.model_wrapped).__name__,
+            "distributed_type": trainer.accelerator.distributed_type.value,
+            "experts_placements": [str(p) for p in getattr(experts, "placements", ())],
+            "experts_local": list(experts.to_local().shape) if hasattr(experts, "to_local") else list(experts.shape),
+            "experts_full": list(experts.shape)}
+
+
+def train_modes(checkpoint: str) -> dict:
+    result = {}
+    for mode in ("none", "r2", "r3"):
+        extra = {"beta": 0.04} if mode == "r3" else {}  # R3 with a KL term: the reference model is sharded too
+        ddp = make_trainer(checkpoint, mode, sharded=False, name=f"{mode}_ddp", **extra)
+        ddp.train()
+        ep = make_trainer(checkpoint, mode, sharded=True, name=f"{mode}_ep", **extra)
+        ep.train()
+        result[mode] = {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"), "routes": ep.route_checks,
+                        "ddp_routes": ddp.route_checks,
+                        "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
+                        "storage": storage(ep), "ddp_storage": storage(ddp), "hooks": ep._route_replay is not None,
+                        "fallback": logged(ep, "routing/fallback_frac"), "kl": logged(ep, "kl"),
+                        "ddp_kl": logged(ddp, "kl"),
+                        "ref_sharded": is_sharded_at_load(ep.ref_model) if ep.ref_model is not None else None}
+        if mode == "none":  # plain TRL on the same EP model: what routing_replay="none" must be
+            from trl import GRPOConfig, GRPOTrainer
+
+            settings = {**SETTINGS, "output_dir": str(OUT / "trl_ep"), "max_steps": STEPS["none"],
+                        "model_init_kwargs": {"dtype": "float32", "distributed_config": EP}}
+            plain = GRPOTrainer(model=checkpoint, reward_funcs=reward_len, args=GRPOConfig(**settings),
+                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                                processing_class=tiny_tokenizer())
+            plain.train()
+            result[mode]["trl_loss"] = logged(plain, "loss")
+            result[mode]["trl_weight_diff"] = weight_diff(full_weights(ep), full_weights(plain))
+    return result
+
+
+def train_pr2_and_resume(checkpoint: str) -> dict:
+    """PR2 on EP and DDP (4 steps, a checkpoint at step 2 on EP), then a fresh EP trainer resumed from it."""
+    ddp = make_trainer(checkpoint, "pr2", sharded=False, name="pr2_ddp")
+    ddp.train()
+    ep = make_trainer(checkpoint, "pr2", sharded=True, name="pr2_ep", save_strategy="steps", save_steps=2)
+    ep.train()
+    uninterrupted = full_weights(ep)
+    result = {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"), "routes": ep.route_checks,
+              "pr2_loss": logged(ep, "pr2/loss"), "ddp_pr2_loss": logged(ddp, "pr2/loss"),
+              "weight_diff": weight_diff(uninterrupted, full_weights(ddp)), "storage": storage(ep)}
+    saved = OUT / "pr2_ep" / "checkpoint-2"
+    result["checkpoint_files"] = sorted(p.name for p in saved.iterdir())
+    result["shard_files"] = sorted(p.name for p in (saved / "distributed").iterdir())
+    resumed = make_trainer(checkpoint, "pr2", sharded=True, name="pr2_ep_resumed")
+    resumed.train(resume_from_checkpoint=str(saved))
+    result["resumed"] = {"global_step": resumed.state.global_step, "loss": logged(resumed, "loss"),
+                         "weight_diff": weight_diff(full_weights(resumed), uninterrupted),
+                         "predictors": flat(resumed._pr2.full_state_dict()),
+                         "uninterrupted_predictors": flat(ep._pr2.full_state_dict())}
+    # a resume from a checkpoint whose shards are gone is refused in one line, the weights untouched
+    broken = OUT / "pr2_ep" / "checkpoint-4"
+    if int(os.environ["RANK"]) == 0:
+        (broken / "distributed" / ".metadata").unlink()
+    torch.distributed.barrier()
+    refused = make_trainer(checkpoint, "pr2", sharded=True, name="pr2_ep_refused")
+    before = full_weights(refused)
+    try:
+        refused.train(resume_from_checkpoint=str(broken))
+        result["refusal"] = None
+    except Exception as exc:  # noqa: BLE001  (the test checks the class and the line)
+        result["refusal"] = {"type": type(exc).__name__, "message": str(exc),
+                             "untouched": max(weight_diff(full_weights(refused), before).values()) == 0.0}
+    return result
+
+
+def peft_refusal(checkpoint: str) -> dict:
+    """A LoRA adapter on the EP model: refused in one line when the trainer is built."""
+    from peft import LoraConfig
+
+    try:
+        make_trainer(checkpoint, "r3", sharded=True, name="lora_ep", peft_config=LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    except Exception as exc:  # noqa: BLE001  (the test checks the class and the line)
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None}
+
+
+def all_reduce_replay(checkpoint: str) -> dict:
+    """all_reduce dispatch (needs ep_size == tp_size): one process's routes replayed on the sharded model reproduce
+    its logits, shifted routes change them, and the experts modules receive exactly the replayed ids."""
+    from transformers.distributed import DistributedConfig
+
+    from trl_moe_replay.routing import RouterReplay, has_route
+
+    ids = torch.randint(6, 60, (2, 12), generator=torch.Generator().manual_seed(3))
+    single = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad(), RouterReplay(single).record() as recording:
+        reference = single(input_ids=ids).logits
+    routes = recording.routes
+    sizes = DistributedConfig(tp_size=2, tp_plan="auto", ep_size=2, ep_implementation="all_reduce")
+    sharded = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, distributed_config=sizes).eval()
+    watch = ExpertsWatch(sharded)
+    replay = RouterReplay(sharded)
+    with torch.no_grad(), replay.replay(routes):
+        replayed = sharded(input_ids=ids).logits
+    seen = {layer: [c.tolist() for c in calls] for layer, calls in watch.calls.items()}
+    expected = {layer: routes[:, :, layer].reshape(-1, routes.shape[-1]).tolist() for layer in seen}
+    shifted_routes = torch.where(has_route(routes)[..., None], (routes.long() + 1) % 16, routes.long())
+    shifted_routes = shifted_routes.to(routes.dtype)
+    with torch.no_grad(), replay.replay(shifted_routes):
+        shifted = sharded(input_ids=ids).logits
+    experts = sharded.model.layers[0].mlp.experts.gate_up_proj
+    return {"max_diff": float((replayed - reference).abs().max()),
+            "shifted_diff": float((shifted - reference).abs().max()),
+            "experts_seen_equal_replayed": all(sorted(map(sorted, calls[0])) == sorted(map(sorted, expected[layer]))
+                                               for layer, calls in seen.items()) and bool(seen),
+            "experts_local": list(experts.to_local().shape)}
+
+
+def vllm_run(checkpoint: str, **engine) -> dict:
+    """R3 against a real vLLM CPU engine (a server, or colocated in each rank), weights synced from the EP trainer by
+    vLLM's reload, each sync checked by the engine probe."""
+    from trl_moe_replay.engines.sync_check import SyncCheck
+
+    syncs = []
+
+    class Checked(Spy):
+        def _sync_vllm_weights(self):
+            model = self.accelerator.unwrap_model(self.model)
+            before = self._sync_check.measure(model) if syncs else None  # the engine's first weights: the file's
+            super()._sync_vllm_weights()
+            after = self._sync_check.measure(model)
+            syncs.append({"step": self.state.global_step, "before": before, "after": after})
+
+    trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"vllm_{engine['vllm_mode']}", cls=Checked,
+                           use_vllm=True, vllm_sync_check=True, learning_rate=3e-2, max_completion_length=8, **engine)
+    assert isinstance(trainer._sync_check, SyncCheck)
+    trainer.train()
+    return {"loss": logged(trainer, "loss"), "routes": trainer.route_checks, "syncs": syncs,
+            "sync_metric": logged(trainer, "vllm/sync_max_logprob_diff"),
+            "fallback": logged(trainer, "routing/fallback_frac"),
+            "mismatch": logged(trainer, "routing/mismatch_frac"),
+            "weight_sync": type(trainer._weight_sync).__name__, "storage": storage(trainer)}, trainer
+
+
+def main():
+    scenario = sys.argv[2]
+    rank = int(os.environ["RANK"])
+    if scenario == "train":
+        checkpoint = str(OUT / f"model_rank{rank}")  # the same seeded weights, one folder per rank (no race)
+        tiny_moe_model("qwen3_moe", num_experts=16).save_pretrained(checkpoint)
+        result = train_modes(checkpoint)
+        result["pr2"] = train_pr2_and_resume(checkpoint)
+        result["peft_refusal"] = peft_refusal(checkpoint)
+        result["all_reduce"] = all_reduce_replay(checkpoint)
+    elif scenario == "server":
+        result, _ = vllm_run(sys.argv[4], vllm_mode="server", vllm_server_base_url=sys.argv[3])
+    else:  # colocate: one engine in each rank (TRL's external launcher)
+        result, _ = vllm_run(sys.argv[3], vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+    result["rank"], result["world"] = rank, int(os.environ["WORLD_SIZE"])
+    (OUT / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

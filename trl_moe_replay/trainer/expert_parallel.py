@@ -1,0 +1,183 @@
+"""Expert parallelism, and the other sizes transformers shards a model by at load time (``DistributedConfig``).
+
+transformers 5.x shards a model itself when it is loaded with ``from_pretrained(path,
+distributed_config=DistributedConfig(ep_size=..., fsdp_size=..., tp_size=..., ep_implementation=...))``: each rank
+holds a share of the experts (DTensors) and tokens travel to them (``all_to_all``), FSDP2 shards the rest, and its
+Trainer takes the model as it is ("sharded at load time": no DDP or FSDP wrapping by accelerate). Routing replay
+needs nothing more: the routers run on every rank before the dispatch, so the replay hooks choose the experts the
+dispatch sends each token to (tested against DDP in tests/test_expert_parallel.py).
+
+This module is the launch side:
+
+* :func:`distributed_config_from_args`: the parallel sizes a config asks for, as YAML and the command line can say
+  them: ``model_init_kwargs: {distributed_config: {ep_size: 8, fsdp_size: 8, ep_implementation: all_to_all}}``
+  (a mapping of ``DistributedConfig``'s fields; a ``DistributedConfig`` object is accepted too). A bad combination is
+  refused in one line (:class:`ParallelSizesError`) before any work: sizes that do not multiply to the number of
+  processes, tensor parallelism on CPU processes (accelerate refuses it there), a transformers without EP.
+* :func:`sharded_at_load_construction`: around the trainer's ``super().__init__``: hands TRL the
+  ``DistributedConfig`` built from that mapping, and lets transformers' Trainer accept checkpointing for a model
+  sharded at load time (it refuses it, since it cannot resume one; :mod:`.distributed_checkpoint` does).
+* :func:`check_sharded_at_load`: after it: what is not supported on such a model is refused in one line (PEFT
+  adapters; the async trainer), and TRL's vLLM weight sync is given full tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors
+from .sharded import full_tensor, is_sharded_at_load
+
+DISTRIBUTED_CONFIG = "distributed_config"  # the model_init_kwargs key (from_pretrained's argument)
+
+
+class ParallelSizesError(ValueError):
+    """The parallel sizes asked for cannot run: wrong product, a combination this machine or package refuses."""
+
+
+class ShardedAtLoadUnsupportedError(ValueError):
+    """A feature that does not support a model sharded at load time (``DistributedConfig``) was asked for with one."""
+
+
+# ------------------------------------------------------------------------------------------------- sizes and checks
+def _distributed_config_class() -> type:
+    """transformers' ``DistributedConfig``, or a one-line refusal where it lacks expert parallelism."""
+    import transformers
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        DistributedConfig = None  # noqa: N806
+    names = {f.name for f in dataclasses.fields(DistributedConfig)} if DistributedConfig is not None else set()
+    if "ep_size" not in names:
+        raise ParallelSizesError(
+            "model_init_kwargs.distributed_config asks transformers to shard the model at load time, but "
+            f"transformers {transformers.__version__} has no expert parallelism (its DistributedConfig has no "
+            "ep_size): install a transformers that has it (tested with 5.24), or drop distributed_config and use DDP, "
+            "FSDP2 or DeepSpeed"
+        )
+    return DistributedConfig
+
+
+def requested_distributed_config(args: Any) -> Any:
+    """The ``distributed_config`` entry of ``args.model_init_kwargs`` (mapping or ``DistributedConfig``), or None."""
+    kwargs = getattr(args, "model_init_kwargs", None)
+    return kwargs.get(DISTRIBUTED_CONFIG) if isinstance(kwargs, Mapping) else None
+
+
+def distributed_config_from_args(args: Any, world_size: int | None = None) -> Any:
+    """The ``DistributedConfig`` that ``args.model_init_kwargs["distributed_config"]`` asks for (None if none), checked
+    against ``world_size`` processes (default: ``WORLD_SIZE``) and this machine; else :class:`ParallelSizesError`."""
+    value = requested_distributed_config(args)
+    if value is None:
+        return None
+    config_class = _distributed_config_class()
+    if isinstance(value, Mapping):
+        names = [f.name for f in dataclasses.fields(config_class)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ParallelSizesError(
+                f"model_init_kwargs.distributed_config has {unknown[0]!r}, which is no field of transformers' "
+                f"DistributedConfig: use {', '.join(n for n in names if not n.startswith('enable_'))}"
+            )
+        try:
+            config = config_class(**value)
+        except (ValueError, TypeError, OSError) as exc:
+            raise ParallelSizesError(f"model_init_kwargs.distributed_config={dict(value)} refused by transformers: "
+                                     f"{' '.join(str(exc).split())}") from None
+    elif isinstance(value, config_class):
+        config = value
+    else:
+        raise ParallelSizesError(
+            f"model_init_kwargs.distributed_config is a {type(value).__name__}: pass a mapping of DistributedConfig's "
+            "fields (YAML: distributed_config: {ep_size: 8, fsdp_size: 8}) or a transformers DistributedConfig"
+        )
+    check_parallel_sizes(config, world_size, use_cpu=bool(getattr(args, "use_cpu", False)))
+    return config
+
+
+def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu: bool = False) -> None:
+    """Refuse sizes that cannot run with ``world_size`` processes here, in one line (:class:`ParallelSizesError`)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    sizes = {name: getattr(config, name) for name in ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size")}
+    product = 1
+    for size in sizes.values():
+        product *= size
+    if product != world_size:
+        said = " x ".join(f"{name} {size}" for name, size in sizes.items() if size > 1) or "all sizes 1"
+        raise ParallelSizesError(
+            f"distributed_config lays the model out over {product} processes ({said}; ep_size {config.ep_size} "
+            f"splits the experts within them), but the launch started {world_size}: make pp_size x "
+            "dp_replicate_size x fsdp_size x tp_size equal the number of processes (--nproc_per_node x nodes)"
+        )
+    if config.tp_size > 1 and (use_cpu or not torch.cuda.is_available()):
+        raise ParallelSizesError(
+            f"distributed_config has tp_size {config.tp_size}, and tensor parallelism trains only on GPUs: accelerate "
+            "refuses its ParallelismConfig for CPU processes (MULTI_CPU). On CPUs use ep_size with fsdp_size "
+            "(ep_implementation all_to_all) and tp_size 1"
+        )
+
+
+# ------------------------------------------------------------------------------------------------- trainer wiring
+@contextlib.contextmanager
+def sharded_at_load_construction(args: Any, model: Any) -> Iterator[None]:
+    """Around ``Trainer.__init__`` for a model sharded at load time, or one ``model_init_kwargs`` asks to shard:
+
+    * TRL loads the model with the ``DistributedConfig`` the mapping in ``model_init_kwargs`` describes (the user's
+      mapping is put back afterwards, so the config still serialises);
+    * transformers' refusal of checkpoints with optimizer state for such a model is lifted, because
+      :mod:`.distributed_checkpoint` saves and restores them (seam entry ``sharded_at_load_resume``).
+    """
+    config = distributed_config_from_args(args) if isinstance(model, str) else None
+    if not isinstance(model, str) and is_sharded_at_load(model):
+        check_parallel_sizes(model.config.distributed_config, use_cpu=bool(getattr(args, "use_cpu", False)))
+    sharded = config is not None or is_sharded_at_load(model)
+    if not sharded:
+        yield
+        return
+    saved_kwargs = args.model_init_kwargs
+    if config is not None:
+        args.model_init_kwargs = {**saved_kwargs, DISTRIBUTED_CONFIG: copy.copy(config)}
+    try:
+        with lift_sharded_resume_refusal(args):
+            yield
+    finally:
+        args.model_init_kwargs = saved_kwargs
+
+
+def check_sharded_at_load(trainer: Any) -> None:
+    """After ``Trainer.__init__``: refuse what a model sharded at load time does not support, in one line, and make
+    TRL's vLLM weight sync send full tensors (every sync path reads the parameters through it)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    from accelerate.utils import is_peft_model
+
+    base = model.get_base_model() if is_peft_model(model) else model
+    if not is_sharded_at_load(base):
+        return
+    if is_peft_model(model):
+        raise ShardedAtLoadUnsupportedError(
+            "a PEFT adapter on a model sharded at load time (distributed_config) is not supported here: its merge "
+            "for the vLLM weight sync would run on sharded expert weights. Train the full model with "
+            "distributed_config, or train the adapter under DDP, FSDP2 or DeepSpeed"
+        )
+    if getattr(trainer, "vllm_generation", None) is not None:
+        map_weight_sync_tensors(trainer.vllm_generation, full_tensor)
+
+
+def refuse_async_sharded_at_load(args: Any, model: Any) -> None:
+    """The async trainer on a model sharded at load time: refused in one line (its weight streaming and packed
+    micro-batches were not written for DTensor experts; docs/sharded_training.md)."""
+    requested = args is not None and requested_distributed_config(args) is not None
+    if requested or (not isinstance(model, str) and is_sharded_at_load(model)):
+        raise ShardedAtLoadUnsupportedError(
+            "MoEReplayAsyncGRPOTrainer does not support a model sharded at load time (distributed_config, expert "
+            "parallelism): train it with MoEReplayGRPOTrainer (vLLM server or colocate), or the async trainer "
+            "without distributed_config"
+        )
