@@ -404,17 +404,16 @@ def run_audit(
     turns = [[EngineTurn(rows, p, c)] for rows, p, c in zip(samples.routes, prompt_lengths, completion_lengths,
                                                             strict=True)]
     try:
-        engine_routes = intake.align(
-            turns, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+        checked_routes = intake.align(
+            turns, trainer_rr.layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
             prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
-            num_layers=trainer_rr.num_layers, top_k=trainer_rr.top_k, moe_layers=trainer_rr.moe_layers,
-            num_experts=trainer_rr.num_experts,
         )
     except RoutesUnavailableError as exc:  # a ValueError for the command line: one line, exit status 2
         raise RouteAlignmentError(
             f"the engine's routes do not fit {model} ({trainer_rr.num_layers} decoder layers, MoE layers "
             f"{list(trainer_rr.moe_layers)}, top-{trainer_rr.top_k}, {trainer_rr.num_experts} experts): {exc}"
         ) from None
+    engine_routes = checked_routes.tensor()  # for the comparisons; the pass below replays the checked ones
     if intake.fallback_samples > missing:
         notes.append(f"{intake.fallback_samples - missing} of {len(samples.routes)} completions came with routes "
                      "that do not fit their tokens: routed by the trainer's own router under r3 (counted in fallback)")
@@ -427,7 +426,7 @@ def run_audit(
     for mode in ("none", "r3") if routes_available else ("none",):
         trainer_logps, natural = _trainer_pass(
             trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
-            temperature, engine_routes if mode == "r3" else None,
+            temperature, checked_routes if mode == "r3" else None,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
         used = natural if mode == "none" else torch.where(
