@@ -718,7 +718,7 @@ def test_validate_routes_accepts_a_batch_whose_every_row_is_no_route_and_empty_l
 def test_checked_engine_routes_hold_what_was_checked_for_their_layout():
     """checked_routes_from_engine checks every row once and keeps the result to itself (RouterReplay.replay then skips
     its host pass); what it was checked for is its layout. A reused ``out`` of routes_from_engine, rewritten through
-    NumPy and left half-written by a failing call, is a plain tensor: replay() checks it in full, and refuses it."""
+    NumPy, is a plain tensor that replay() checks in full; the checked routes never share it."""
     from trl_moe_replay.routing import RouteLayout, checked_routes_from_engine
 
     layout = RouteLayout(num_layers=L, top_k=K, num_experts=E, moe_layers=(0, 1, 3))
@@ -735,7 +735,8 @@ def test_checked_engine_routes_hold_what_was_checked_for_their_layout():
     with pytest.raises(RouteAlignmentError, match="twice"):
         routes_from_engine([engine_rows(3, 4, dense=[2]), repeated], out=out, num_layers=L, top_k=K, num_experts=E,
                            moe_layers=[0, 1, 3], **widths)
-    with pytest.raises(RouteValidationError):  # the half-written buffer
-        layout.validate(out)
+    out.numpy()[1, 5, 1] = 0  # a write torch's version counter does not see: the buffer is a plain tensor ...
+    with pytest.raises(RouteValidationError, match="names the same expert twice"):
+        layout.validate(out)  # ... which replay() checks in full
     assert torch.equal(checked.tensor(), routes_from_engine(rows, num_layers=L, top_k=K, num_experts=E,
                                                             moe_layers=[0, 1, 3], **widths))  # unchanged by it

@@ -20,10 +20,11 @@ import functools
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import trl
 from trl import GRPOTrainer
 
@@ -58,10 +59,6 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                            "batch_size", "compute_entropy", "compute_aux_loss"),
     "_compute_loss": ("self", "model", "inputs"),
-    # TRL shuffles (a copy along the first axis, with the module global shuffle_sequence_dict) and splits (views)
-    # what _generate_and_score_completions returned; the override carries the routes' "checked" mark over the
-    # shuffle (shuffled_generation_batches, routing.routes.carry_check)
-    "_prepare_inputs": ("self", "generation_batch"),
     "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
     # PR2 checkpoints its predictors next to the Trainer's own files
     "_save_checkpoint": ("self", "model", "trial"),
@@ -80,23 +77,14 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
 PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer")
 
 
-@contextlib.contextmanager
-def shuffled_generation_batches(observe: Callable[[dict, dict], None]) -> Iterator[None]:
-    """Within the context, each generation batch ``GRPOTrainer._prepare_inputs`` shuffles (TRL's module-global
-    ``shuffle_sequence_dict``) is handed to ``observe(shuffled, original)`` right after the shuffle."""
-    module = importlib.import_module("trl.trainer.grpo_trainer")
-    shuffle = module.shuffle_sequence_dict
-
-    def observed(batch):
-        shuffled = shuffle(batch)
-        observe(shuffled, batch)
-        return shuffled
-
-    module.shuffle_sequence_dict = observed
-    try:
-        yield
-    finally:
-        module.shuffle_sequence_dict = shuffle
+def trl_padded_width(lengths: Sequence[int], pad_to_multiple_of: int | None) -> int:
+    """The width ``_generate_and_score_completions`` pads a batch of ``lengths`` to: ``trl.trainer.utils.pad``'s rule,
+    the longest, rounded up to ``pad_to_multiple_of`` (the routes are aligned to it right after generation; the
+    forwards compare, O(1)). Checked by behaviour against TRL's ``pad``."""
+    width = max(lengths, default=0)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    return width
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -609,10 +597,13 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
         expect("1", have[: len(params)] == params, f"GRPOTrainer.{name}{params} became {name}{have}")
     expect("1", isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod),
            "GRPOTrainer.get_gamma_weights is no longer a static method")
-    prepare = _code_only(_source(trainer_class._prepare_inputs))
-    shuffle = prepare.find("generation_batch = shuffle_sequence_dict(generation_batch)")
-    expect("1", 0 <= shuffle < prepare.find("split_tensor_dict(generation_batch,"),
-           "GRPOTrainer._prepare_inputs no longer shuffles the generation batch, then splits it")
+    from trl.trainer.utils import pad
+
+    for lengths, multiple in (([3, 5], None), ([3, 5], 4), ([1], 8), ([0, 2], 2)):
+        padded = pad([torch.ones(n) for n in lengths], padding_side="left", pad_to_multiple_of=multiple).shape[1]
+        expect("1", padded == trl_padded_width(lengths, multiple),
+               f"trl.trainer.utils.pad pads {lengths} (multiple {multiple}) to {padded}, not to "
+               f"{trl_padded_width(lengths, multiple)} (trl_padded_width)")
 
     init = code("1", trainer_class, "__init__")
     for attribute in PRIVATE_ATTRIBUTES:
