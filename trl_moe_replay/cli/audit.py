@@ -49,6 +49,7 @@ from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..routing.errors import RouteAlignmentError
 from ..trainer.launch import check_model_path
+from ..trainer.routing_options import ReplayMode
 from ..trainer.metrics import (
     check_extreme_threshold,
     logprob_mismatch_sums,
@@ -423,13 +424,14 @@ def run_audit(
     positions = routable_positions(attention_mask)
 
     rows = []
-    for mode in ("none", "r3") if routes_available else ("none",):
+    for mode in (ReplayMode.NONE, ReplayMode.R3) if routes_available else (ReplayMode.NONE,):
+        replayed = checked_routes if mode.replays else None
         trainer_logps, natural = _trainer_pass(
             trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
-            temperature, checked_routes if mode == "r3" else None,
+            temperature, replayed,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
-        used = natural if mode == "none" else torch.where(
+        used = natural if replayed is None else torch.where(
             has_route(engine_routes)[..., None], engine_routes.to(natural.dtype), natural
         )
         row = _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
