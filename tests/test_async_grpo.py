@@ -270,13 +270,14 @@ def test_samples_with_versions_the_trainer_never_published_are_dropped_and_count
 def test_route_intake_warns_once_when_routes_stop_arriving_and_again_after_they_come_back(caplog):
     from trl_moe_replay.engines.route_intake import RouteIntake
 
-    layout = dict(num_layers=2, top_k=1, num_experts=4, moe_layers=[0, 1])
+    layout = RouteLayout(num_layers=2, top_k=1, num_experts=4, moe_layers=(0, 1))
     good = [EngineTurn(np.zeros((3, 2, 1), dtype=np.uint8), 2, 2)]
     bad = [EngineTurn(None, 4, 0)]
 
     def align(intake, turns):
-        intake.align([turns], prompt_lengths=[turns[0].prompt_length], completion_lengths=[2 if turns is good else 0],
-                     prompt_width=turns[0].prompt_length, completion_width=2 if turns is good else 0, **layout)
+        intake.align([turns], layout, prompt_lengths=[turns[0].prompt_length],
+                     completion_lengths=[2 if turns is good else 0], prompt_width=turns[0].prompt_length,
+                     completion_width=2 if turns is good else 0)
 
     intake = RouteIntake(None, source="vLLM", required=True, batch_samples=2)
     align(intake, bad)  # first sample bad, second good: the first batch fits, no error

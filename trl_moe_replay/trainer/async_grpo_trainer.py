@@ -59,7 +59,7 @@ from .metrics import AGREEMENT_RATIOS, FALLBACK_RATIOS, MISMATCH_RATIOS, log_rat
 from .peft_replay import check_peft_replay
 from trl.trainer.utils import pad
 
-from .route_flow import ROUTE_ROWS, RouteBuffer
+from .route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
 from .routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 
 logger = logging.get_logger(__name__)
@@ -249,7 +249,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._route_replay = RouterReplay(unwrapped) if carries_routes else None
         self._route_intake = None
         self._route_buffer = RouteBuffer()
-        self._train_replay = contextlib.ExitStack()
+        self._micro_replay = MicroBatchReplay()
         self._sync_guard = None
         if not carries_routes:
             return
@@ -328,17 +328,15 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         else:  # a row that came over the wire from the main process: checked in full where it enters this rank
             routes = check_routes(shipped[mask][None].cpu(), rr.layout)
         expected = expected[mask][None]  # [1, N]: the packed row's positions an engine forwarded
-        if self.routing_replay.replays:  # in force through the backward: training_step closes it (no grad: below)
-            self._train_replay.enter_context(rr.replay(routes))
         log_probs: list[torch.Tensor] = []
         handle = model.register_forward_hook(lambda module, args, output: log_probs.append(output.log_probs.detach()))
+        # replayed in force through the backward: training_step ends it
+        replay = self._micro_replay.replay(rr, routes) if self.routing_replay.replays else contextlib.nullcontext()
         try:
-            with rr.record() as recording:
+            with replay, rr.record() as recording:
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             handle.remove()
-            if not torch.is_grad_enabled():
-                self._train_replay.close()
         self._log_route_metrics(recording.checked, routes, expected, inputs, log_probs)
         return loss
 
@@ -346,7 +344,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
-            self._train_replay.close()  # only now: the backward (and any recompute in it) has returned
+            self._micro_replay.end()  # only now: the backward (and any recompute in it) has returned
 
     def _log_route_metrics(self, natural: CheckedRoutes, routes: CheckedRoutes, expected, inputs, log_probs) -> None:
         """``routing/*`` and ``mismatch/*`` of one training forward, by the sync trainer's code (metrics.py)."""

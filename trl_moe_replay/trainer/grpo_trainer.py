@@ -79,7 +79,7 @@ from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
 from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
 from .route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
-from .routing_options import ReplaySettings, RouteSource
+from .routing_options import ReplaySettings, RouteSource, option
 
 logger = logging.get_logger(__name__)
 
@@ -151,7 +151,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         self._pr2 = self._build_pr2(args) if mode.source is RouteSource.PREDICTED else None
         self._weight_sync = self._sync_check = None
         if sync_method == "reload":
-            sync_dir = getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync")
+            sync_dir = option(args, "vllm_sync_dir") or os.path.join(args.output_dir, "vllm_sync")
             self._weight_sync = ReloadWeightSync(
                 self.vllm_generation, self.accelerator, self.accelerator.unwrap_model(self.model), sync_dir
             )
@@ -392,13 +392,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         recording the natural routes, steering (PR2) or capturing the old router (RSPO)."""
         plan.check_width(input_ids.size(1))
         rr = plan.route_replay
-        if plan.forward is Forward.TRAINING:
-            replay = rr.replay(plan.replay)
-            if plan.through_backward:  # stays in force through the backward; training_step ends it
-                self._routes.hold_through_backward(replay)
-                return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
-                              compute_aux_loss)
-            with replay:
+        if plan.forward is Forward.TRAINING:  # in force through the backward: training_step ends it
+            with self._routes.micro_replay.replay(rr, plan.replay):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
         batch_size = batch_size or input_ids.size(0)

@@ -13,7 +13,7 @@ Read top to bottom, this module is that path (the trainers' overrides call it; n
    ``route_rows`` (batch serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code
    that could write into it.
 5. **Training forward** (:meth:`RouteFlow.begin_micro_batch` -> :meth:`RouteFlow.plan`): each micro-batch gathers its
-   own rows (a stale index is refused) and replays them until its backward has returned (:meth:`end_micro_batch`).
+   own rows (a stale index is refused) and replays them until its backward has returned (:class:`MicroBatchReplay`).
 
 The async trainer enters at 2 (one sample at a time) and 4 (packed rows; ``trl_moe_replay.async_grpo``).
 """
@@ -102,7 +102,6 @@ class ForwardPlan:
     record: bool = False  # record the natural routes into the generation batch
     pr2: bool = False  # PR2's old pass: steer to the predicted routes (unless replayed) and cache predictor inputs
     old_router: bool = False  # RSPO: capture the old router's probabilities at the experts used
-    through_backward: bool = False  # stays in force until the micro-batch's backward has returned
 
     @property
     def is_plain(self) -> bool:
@@ -158,6 +157,28 @@ class RouteBuffer:
         return routes.rows(route_rows[:, 1])
 
 
+# ---------------------------------------------------------------------------------------------- 5. replay through backward
+class MicroBatchReplay:
+    """A micro-batch's routes, replayed from its training forward until its backward has returned (gradient
+    checkpointing runs the routers again in backward): the one implementation both trainers use."""
+
+    def __init__(self):
+        self._held = contextlib.ExitStack()
+
+    def replay(self, route_replay: RouterReplay, routes: CheckedRoutes) -> contextlib.AbstractContextManager:
+        """Around the training forward: with gradients, the replay is held until :meth:`end` (the returned context
+        does nothing); without (evaluation), it lasts as long as the returned context."""
+        replay = route_replay.replay(routes)
+        if not torch.is_grad_enabled():
+            return replay
+        self._held.enter_context(replay)
+        return contextlib.nullcontext()
+
+    def end(self) -> None:
+        """Only once the micro-batch's backward (and any recompute in it) has returned."""
+        self._held.close()
+
+
 # ---------------------------------------------------------------------------------------------- the trainer's one object
 class RouteFlow:
     """The routes' state in one sync trainer: the generation batch being scored, the buffer, the micro-batch being
@@ -175,7 +196,7 @@ class RouteFlow:
         self.buffer = RouteBuffer()
         self.batch: GenerationBatch | None = None
         self._micro: CheckedRoutes | None = None
-        self._micro_stack = contextlib.ExitStack()
+        self.micro_replay = MicroBatchReplay()
 
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[GenerationBatch]:
@@ -197,11 +218,8 @@ class RouteFlow:
 
     def end_micro_batch(self) -> None:
         """Only once the micro-batch's backward (and any recompute in it) has returned."""
-        self._micro_stack.close()
+        self.micro_replay.end()
         self._micro = None
-
-    def hold_through_backward(self, replay: contextlib.AbstractContextManager) -> None:
-        self._micro_stack.enter_context(replay)
 
     def plan(self, is_reference: bool, is_ref_model: bool) -> ForwardPlan | None:
         """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward)."""
@@ -211,7 +229,7 @@ class RouteFlow:
         if batch is None:  # outside scoring: the training (or evaluation) forward of a micro-batch
             if self._micro is None:
                 return None
-            return ForwardPlan(Forward.TRAINING, rr, replay=self._micro, through_backward=torch.is_grad_enabled())
+            return ForwardPlan(Forward.TRAINING, rr, replay=self._micro)
         if is_reference:  # replays the policy's routes, unless told not to
             replay = batch.to_replay(settings) if settings.mode.replays and settings.replay_reference_model else None
             return ForwardPlan(Forward.REFERENCE, self.reference_replay if is_ref_model else rr, replay=replay)
