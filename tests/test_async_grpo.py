@@ -14,13 +14,13 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_moe_replay import (MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RouterReplay, RoutesUnavailableError,
                             RouteValidationError, upstream)
-from trl_moe_replay.engines.async_rollout import RoutedRolloutSample, turns_for_row, _TurnRoutes
+from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, turns_for_row, _TurnRoutes
 from trl_moe_replay.routing.engine import EngineTurn
 from trl_moe_replay.routing.routes import RouteLayout, check_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
-from trl_moe_replay.trainer.async_grpo_trainer import cpu_tree_attention
-from trl_moe_replay.trainer.async_packing import RoutedTreeRow, TorchVarlenAttention
+from trl_moe_replay.async_grpo import cpu_tree_attention
+from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
 
 from .async_checks import capture_used_experts, check_row, packed_row
 

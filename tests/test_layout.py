@@ -17,9 +17,10 @@ MAY_IMPORT = {
     "extras": set(),
     "engines": {"routing", "upstream"},
     "trainer": {"engines", "routing", "upstream"},
+    "async_grpo": {"engines", "routing", "trainer", "upstream"},
     "testing": {"engines", "routing"},
-    "cli": {"engines", "extras", "routing", "testing", "trainer", "upstream"},
-    "__init__": {"engines", "routing", "trainer"},
+    "cli": {"async_grpo", "engines", "extras", "routing", "testing", "trainer", "upstream"},
+    "__init__": {"async_grpo", "engines", "routing", "trainer"},
 }
 
 

@@ -60,7 +60,7 @@ def test_only_the_route_intake_aligns_engine_rows():
         assert set(_calls_to(helper)) == {"routing/engine.py"}, helper
     # and every engine's rows are handed to the intake: the trainer (vLLM, colocate, rollout_func, generate) and
     # the audit command, and the async trainer (rows its rollout worker carried through TRL's queue)
-    sources = {"trainer/grpo_trainer.py", "trainer/async_grpo_trainer.py", "cli/audit.py"}
+    sources = {"trainer/grpo_trainer.py", "async_grpo/async_grpo_trainer.py", "cli/audit.py"}
     assert set(_calls_to("align")) >= sources
     assert set(_calls_to("RouteIntake")) == sources
 

@@ -13,8 +13,8 @@ __version__ = "0.1.0.dev0"
 _PUBLIC = {
     "CheckpointWeightsError": "trl_moe_replay.trainer.checkpoint_weights",
     "LaunchMismatchError": "trl_moe_replay.trainer.launch",
-    "MoEReplayAsyncGRPOConfig": "trl_moe_replay.trainer.async_grpo_config",
-    "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.trainer.async_grpo_trainer",
+    "MoEReplayAsyncGRPOConfig": "trl_moe_replay.async_grpo",
+    "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.async_grpo",
     "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
     "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
     "OutputDirInUseError": "trl_moe_replay.trainer.output_lock",
@@ -40,8 +40,7 @@ if TYPE_CHECKING:
         routes_from_engine,
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-    from .trainer.async_grpo_config import MoEReplayAsyncGRPOConfig
-    from .trainer.async_grpo_trainer import MoEReplayAsyncGRPOTrainer
+    from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from .trainer.checkpoint_weights import CheckpointWeightsError
     from .trainer.launch import LaunchMismatchError
     from .trainer.output_lock import OutputDirInUseError

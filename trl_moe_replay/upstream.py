@@ -395,7 +395,7 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
 
 # ---------------------------------------------------------------------------------------------------------------
 # 16. TRL's experimental AsyncGRPOTrainer (trl/experimental/async_grpo/, read from TRL 1.16.0: TRL_READ), used by
-#    MoEReplayAsyncGRPOTrainer (trl_moe_replay/trainer/async_grpo_trainer.py) and engines/async_rollout.py:
+#    MoEReplayAsyncGRPOTrainer (trl_moe_replay/async_grpo/async_grpo_trainer.py) and async_grpo/async_rollout_worker.py:
 #    - async_rollout_worker: _AsyncRolloutLoop (subclassed: _post(path, payload, timeout, max_retries) returns the whole
 #      response JSON, _generate_one(prompt, tool_dict, tools, group_id) returns the conversation's TrainingSequence rows
 #      at index 2, _score_group(group) emits one RolloutSample per row of group.completions_sequences in order,

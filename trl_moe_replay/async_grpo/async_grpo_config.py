@@ -6,8 +6,14 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .config_checks import check_config
-from .routing_options import ASYNC_TRAINER, ReplayMode, RoutingOptions, default_routing_metrics, default_sync_check
+from ..trainer.config_checks import check_config
+from ..trainer.routing_options import (
+    ASYNC_TRAINER,
+    ReplayMode,
+    RoutingOptions,
+    default_routing_metrics,
+    default_sync_check,
+)
 
 
 @dataclass

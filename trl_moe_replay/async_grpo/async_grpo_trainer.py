@@ -2,7 +2,7 @@
 
 How the routes travel (docs/async.md has the picture; ``trainer/route_flow.py`` the shared steps):
 
-1. Rollout child (``engines/async_rollout.py``): every ``/v1/completions`` choice's ``routed_experts`` is decoded to
+1. Rollout child (``async_rollout_worker.py``): every ``/v1/completions`` choice's ``routed_experts`` is decoded to
    its compact dtype and kept per turn; each training row (``RoutedRolloutSample``) carries the turns that produced its
    tokens, through TRL's ``mp.Queue``, next to TRL's ``model_version`` tag.
 2. Trainer, main process, as the sample leaves the queue (``_RoutedQueueDataset``): the turns go through the one entry
@@ -38,12 +38,24 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     RolloutQueueDataset,
     TokenBudgetBatcher,
 )
+from trl.trainer.utils import pad
 
-from ..engines.async_rollout import RoutedAsyncRolloutWorker
 from ..engines.async_weights import ReloadWeightTransfer, SyncGuard
 from ..engines.route_intake import RouteIntake
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
+from ..trainer.checkpoint_weights import RestoresEveryWeight
+from ..trainer.metrics import (
+    AGREEMENT_RATIOS,
+    FALLBACK_RATIOS,
+    MISMATCH_RATIOS,
+    log_ratio_metrics,
+    logprob_mismatch_sums,
+    routing_agreement_sums,
+)
+from ..trainer.peft_replay import check_peft_replay
+from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
+from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
@@ -52,15 +64,8 @@ from ..upstream import (
     tree_attention_kernel,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
-from .async_packing import RoutedTreeRow, TorchVarlenAttention
-from .checkpoint_weights import RestoresEveryWeight
-from .metrics import AGREEMENT_RATIOS, FALLBACK_RATIOS, MISMATCH_RATIOS, log_ratio_metrics, logprob_mismatch_sums, \
-    routing_agreement_sums
-from .peft_replay import check_peft_replay
-from trl.trainer.utils import pad
-
-from .route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
-from .routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from .async_rollout_worker import RoutedAsyncRolloutWorker
+from .packing import RoutedTreeRow, TorchVarlenAttention
 
 logger = logging.get_logger(__name__)
 
