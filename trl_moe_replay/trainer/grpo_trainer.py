@@ -323,12 +323,14 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                     "policy" + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None
                                 else ".")
                 )
+            # route_flow step 4: the batch dict carries rows, not routes (taken before the metrics pass, whose
+            # recorded routes are for routing/* only)
+            route_rows = self._routes.store(batch, mode)
+            if route_rows is not None:
+                output[ROUTE_ROWS] = route_rows
             trainer_logps = None
             if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
                 trainer_logps = self._metrics_pass(output, batch)
-            route_rows = self._routes.store(batch, mode)  # route_flow step 4: the batch dict carries rows, not routes
-            if route_rows is not None:
-                output[ROUTE_ROWS] = route_rows
             if batch.old_router:  # ride through TRL's buffer, shuffle and split with their samples
                 output["old_router_ids"] = torch.cat([ids for ids, _ in batch.old_router], dim=0)
                 output["old_router_probs"] = torch.cat([probs for _, probs in batch.old_router], dim=0)
