@@ -338,6 +338,8 @@ def test_the_route_buffer_keeps_one_batch_per_slot_and_gives_each_micro_batch_it
         buffer.gather(rows[:1])
     with pytest.raises(StaleRouteRowsError, match="name generation batch"):  # rows of two batches in one
         buffer.gather(torch.cat([evaluation, buffer.store(train, slot="train")[:1]]))
+    with pytest.raises(StaleRouteRowsError, match=r"name rows \[3\] of a batch of 3 samples"):
+        buffer.gather(torch.tensor([[rows[0, 0].item() + 3, 3]]))  # the current batch, a row it does not have
     taken = buffer.store(train)  # no slot: held until taken (the async trainer's packed rows)
     buffer.gather(taken, take=True)
     with pytest.raises(StaleRouteRowsError):

@@ -154,7 +154,10 @@ class RouteBuffer:
             )
         key = by_serial[serials.pop()]
         routes = self._held.pop(key)[1] if take else self._held[key][1]
-        return routes.rows(route_rows[:, 1])
+        rows = route_rows[:, 1]
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(routes):
+            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(routes)} samples")
+        return routes.rows(rows)
 
 
 # ---------------------------------------------------------------------------------------------- 5. replay through backward
