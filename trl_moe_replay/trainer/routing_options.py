@@ -171,10 +171,6 @@ class ReplaySettings:
     generation_routes: bool = False  # the trainer keeps the engine's routes (recorded, or requested from vLLM)
 
     @property
-    def routing_replay(self) -> ReplayMode:
-        return self.mode
-
-    @property
     def carries_routes(self) -> bool:
         """Whether the engine's routes are kept at all (to replay them, or for routing/* only)."""
         return self.mode.replays or self.routing_metrics
