@@ -9,6 +9,8 @@ Parts (methods of the first GPU run, kept here so that the next run measures the
              counting its warnings), per width.
   timing     replay/natural for the forward (no_grad) and forward+backward, per width: ABBA rounds
              (``_harness.interleaved_ratio``), ``cuda.synchronize()`` closing each timed call; median (min-max).
+             Replay as the trainer does it: each call replays a micro-batch's rows of ``CheckedRoutes`` (no host
+             pass; the routes copied to the GPU per call).
   generate   ``generate`` inside ``RouterReplay.record()`` vs plain (sampled, ABBA), and host syncs per call.
   sampler    Sampler vs trainer at depth: transformers ``generate`` in bf16 is the sampler (its raw logits,
              ``output_logits=True``), one full forward over prompt+completion is the trainer, natural (none) or
@@ -221,7 +223,7 @@ def exactness_rows(name: str, model, rr: RouterReplay, x: torch.Tensor) -> list[
             continue
         # what fails from here on is replay under an implementation that runs: the check's error, not "unavailable"
         with torch.no_grad():
-            with rr.replay(rec.routes):
+            with rr.replay(rec.checked):
                 own = model(x).logits
             with rr.replay(shifted(rec.routes, rr.num_experts)):
                 other = model(x).logits
@@ -238,17 +240,20 @@ def replay_costs(name: str, model, rr: RouterReplay, x: torch.Tensor, device, ro
     model.train()
     with torch.no_grad(), rr.record() as rec:
         model(x)
-    routes = rec.routes
+    checked = rec.checked  # CheckedRoutes, as the trainer holds them
+
+    def micro_batch():  # what the trainer replays per micro-batch: its rows of the held routes (copied to the device)
+        return rr.replay(checked.rows(slice(None)))
 
     def fwd_bwd(replayed):
         def run():
-            with rr.replay(routes) if replayed else contextlib.nullcontext():
+            with micro_batch() if replayed else contextlib.nullcontext():
                 model(x, labels=x).loss.backward()
         return run
 
     def fwd(replayed):
         def run():
-            with torch.no_grad(), rr.replay(routes) if replayed else contextlib.nullcontext():
+            with torch.no_grad(), micro_batch() if replayed else contextlib.nullcontext():
                 model(x)
         return run
 
@@ -343,7 +348,7 @@ def sampler_vs_trainer(model, rr: RouterReplay, prompts: torch.Tensor, new_token
     row = {"tokens": completion.numel()}
     for side in ("none", "r3"):
         with torch.no_grad(), rr.record() as trainer_rec, \
-                rr.replay(engine_routes) if side == "r3" else contextlib.nullcontext():
+                rr.replay(rec.checked) if side == "r3" else contextlib.nullcontext():
             logits = model(sequences).logits[:, width - 1 : -1].float()
         trainer = torch.log_softmax(logits, dim=-1).gather(-1, completion[..., None]).squeeze(-1)
         d = trainer - sampler

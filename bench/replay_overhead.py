@@ -41,7 +41,7 @@ def main() -> None:
     x = torch.randint(6, TINY_VOCAB_SIZE, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), rr.record() as rec:
         model(x)
-    routes = rec.routes
+    routes = rec.checked  # CheckedRoutes, as the trainers replay them (a plain tensor would be checked on each entry)
 
     def step_natural():
         model.zero_grad(set_to_none=True)

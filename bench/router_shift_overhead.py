@@ -39,7 +39,7 @@ def one_update(trainer) -> float:
     start = time.process_time()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    trainer._train_replay.close()
+    trainer._routes.end_micro_batch()
     elapsed = time.process_time() - start
     trainer.model.zero_grad(set_to_none=True)
     return elapsed
@@ -77,9 +77,10 @@ def main():
     step = interleaved_ratio(lambda _: one_update(gspo), lambda _: one_update(rspo), rounds)
     print(f"training micro-step ({rounds} rounds): gspo {step.baseline:.4f}s  rspo {step.candidate:.4f}s  "
           f"ratio rspo/gspo median {step.median:.3f} (min {step.low:.3f}, max {step.high:.3f})")
-    routes = batch_bytes(rspo, "replay_routes")
+    replayed = rspo.replayed_routes(rspo._buffered_inputs[0])  # held by the trainer; the batch carries route_rows
+    routes = replayed.numel() * replayed.element_size() if replayed is not None else 0
     extra = batch_bytes(rspo, "old_router_ids", "old_router_probs")
-    print(f"per micro-batch: replay_routes {routes} bytes, old_router_ids + old_router_probs {extra} bytes "
+    print(f"per micro-batch: replayed routes {routes} bytes, old_router_ids + old_router_probs {extra} bytes "
           f"({extra / max(routes, 1):.1f}x)")
 
 

@@ -573,7 +573,7 @@ def train(script_args, training_args, model_args):
     # (same process) when it starts training; a run that stops before then releases it.
     created = not os.path.exists(training_args.output_dir)
     lock = OutputDirLock(training_args.output_dir)
-    claim_output_dir(lock, state, strict=training_args.routing_replay != "none")
+    claim_output_dir(lock, state, strict=training_args.routing_replay.replays)  # a ReplayMode once the config is built
     try:
         return _train(script_args, training_args, model_args, state)
     finally:

@@ -109,3 +109,10 @@ def load_script(path, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def with_routes(trainer, batch: dict) -> dict:
+    """``batch`` plus ``replay_routes``: a copy of the routes its forwards replay, taken now (the trainer holds a
+    generation batch's routes while it is the current one; the batch dict itself carries only their ``route_rows``)."""
+    routes = trainer.replayed_routes(batch)
+    return batch if routes is None else dict(batch, replay_routes=routes)

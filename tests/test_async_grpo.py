@@ -14,13 +14,13 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_moe_replay import (MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RouterReplay, RoutesUnavailableError,
                             RouteValidationError, upstream)
-from trl_moe_replay.engines.async_rollout import RoutedRolloutSample, turns_for_row, _TurnRoutes
+from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, turns_for_row, _TurnRoutes
 from trl_moe_replay.routing.engine import EngineTurn
-from trl_moe_replay.routing.routes import validate_routes
+from trl_moe_replay.routing.routes import RouteLayout, check_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
-from trl_moe_replay.trainer.async_grpo_trainer import cpu_tree_attention
-from trl_moe_replay.trainer.async_packing import RoutedTreeRow, TorchVarlenAttention
+from trl_moe_replay.async_grpo import cpu_tree_attention
+from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
 
 from .async_checks import capture_used_experts, check_row, packed_row
 
@@ -178,21 +178,22 @@ def run_checked(tmp_path, checkpoint, versions):
 
 
 def test_r3_checks_routes_where_they_enter_not_at_every_training_forward(tmp_path, checkpoint, route_checks):
-    """Routes are checked where they enter (``RouteIntake.align``, by construction) and that fact travels through
-    packing, the collator's padding, accelerate's dispatch and compute_loss's mask: no forward runs the host pass."""
+    """Routes are checked where they enter (``RouteIntake.align``, by construction), packed from checked parts, and
+    held by the trainer while the batch carries their ``route_rows`` through the collator, accelerate's dispatch and
+    compute_loss's mask: no forward runs the host pass."""
     run_checked(tmp_path, checkpoint, versions=[0, 1, 0, 1, 0, 0])
     assert route_checks["replays"] == STEPS
     assert route_checks["host_passes"] == 0
 
 
-def test_r3_routes_from_an_unchecked_source_are_checked_in_full_at_the_forward(tmp_path, checkpoint, route_checks,
-                                                                                 monkeypatch):
+def test_r3_routes_from_an_unchecked_source_are_checked_in_full_where_they_enter_the_row(tmp_path, checkpoint,
+                                                                                         route_checks, monkeypatch):
     align = MoEReplayAsyncGRPOTrainer._align_sample
     monkeypatch.setattr(MoEReplayAsyncGRPOTrainer, "_align_sample",
-                        lambda self, sample: align(self, sample).clone())  # a copy: not what the intake checked
+                        lambda self, sample: align(self, sample).tensor())  # a plain tensor: not what the intake checked
     run_checked(tmp_path, checkpoint, versions=[0, 1, 0, 1, 0, 0])
     assert route_checks["replays"] == STEPS
-    assert route_checks["host_passes"] == STEPS
+    assert route_checks["host_passes"] >= STEPS * BATCH  # each sample's, once, as it entered a packed row
 
 
 def test_without_replay_the_same_check_finds_mismatches(tmp_path, checkpoint):
@@ -269,13 +270,14 @@ def test_samples_with_versions_the_trainer_never_published_are_dropped_and_count
 def test_route_intake_warns_once_when_routes_stop_arriving_and_again_after_they_come_back(caplog):
     from trl_moe_replay.engines.route_intake import RouteIntake
 
-    layout = dict(num_layers=2, top_k=1, num_experts=4, moe_layers=[0, 1])
+    layout = RouteLayout(num_layers=2, top_k=1, num_experts=4, moe_layers=(0, 1))
     good = [EngineTurn(np.zeros((3, 2, 1), dtype=np.uint8), 2, 2)]
     bad = [EngineTurn(None, 4, 0)]
 
     def align(intake, turns):
-        intake.align([turns], prompt_lengths=[turns[0].prompt_length], completion_lengths=[2 if turns is good else 0],
-                     prompt_width=turns[0].prompt_length, completion_width=2 if turns is good else 0, **layout)
+        intake.align([turns], layout, prompt_lengths=[turns[0].prompt_length],
+                     completion_lengths=[2 if turns is good else 0], prompt_width=turns[0].prompt_length,
+                     completion_width=2 if turns is good else 0)
 
     intake = RouteIntake(None, source="vLLM", required=True, batch_samples=2)
     align(intake, bad)  # first sample bad, second good: the first batch fits, no error
@@ -330,6 +332,9 @@ def test_r2_and_pr2_are_refused_with_the_reason(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- packing with routes
+LAYOUT = RouteLayout(num_layers=2, top_k=2, num_experts=8, moe_layers=(0, 1))  # tiny qwen3_moe's
+
+
 def row_sample(ids, routes, group=0):
     return {"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0, 0] + [1] * (len(ids) - 2)),
             "old_log_probs": torch.zeros(len(ids)), "advantage": 1.0, "group_id": group,
@@ -337,28 +342,30 @@ def row_sample(ids, routes, group=0):
 
 
 def routes_of(values, length):
-    return torch.tensor(values, dtype=torch.uint8).reshape(1, 1, 2).expand(length, 2, 2).clone()
+    """A sample's routes as the intake hands them over: checked, ``[1, length, 2, 2]``."""
+    return check_routes(torch.tensor(values, dtype=torch.uint8).reshape(1, 1, 1, 2).expand(1, length, 2, 2), LAYOUT)
 
 
 def test_a_shared_prefix_is_shared_only_where_the_routes_agree():
     same, other = routes_of([1, 2], 5), routes_of([3, 4], 5)
-    shared = RoutedTreeRow((2, 2), torch.uint8)
+    shared = RoutedTreeRow(LAYOUT)
     shared.add(row_sample([5, 6, 7, 8, 9], same))
     shared.add(row_sample([5, 6, 7, 11, 12], routes_of([2, 1], 5)))  # same experts, listed in another order
     assert len(shared.tokens) == 8  # 2 shared (TRL forks one token before the tokens differ) + 3 + 3
-    forked = RoutedTreeRow((2, 2), torch.uint8)
+    forked = RoutedTreeRow(LAYOUT)
     forked.add(row_sample([5, 6, 7, 8, 9], same))
     forked.add(row_sample([5, 6, 7, 11, 12], other))  # sampled by other weights: nothing shared
     assert len(forked.tokens) == 10
     packed = forked.pack()
-    assert packed["replay_routes"].shape == (10, 2, 2)
+    routes = forked.packed_routes.tensor()[0]
+    assert routes.shape == (10, 2, 2)
     # every sample's positions carry its own routes, the last token none (never forwarded by the engine)
-    assert sorted(packed["replay_routes"][packed["route_expected"]][:, 0, 0].tolist()) == [1] * 4 + [3] * 4
-    assert (packed["replay_routes"][~packed["route_expected"]] == 255).all()
+    assert sorted(routes[packed["route_expected"]][:, 0, 0].tolist()) == [1] * 4 + [3] * 4
+    assert (routes[~packed["route_expected"]] == 255).all()
 
 
 def test_without_routes_the_row_is_trl_row():
-    trl_row, ours = upstream.async_tree_row_class()(), RoutedTreeRow((2, 2), torch.uint8)
+    trl_row, ours = upstream.async_tree_row_class()(), RoutedTreeRow(LAYOUT)
     for ids in ([5, 6, 7, 8, 9], [5, 6, 7, 11, 12], [5, 6, 1]):
         trl_row.add(row_sample(ids, None))
         ours.add(row_sample(ids, None))
@@ -367,49 +374,35 @@ def test_without_routes_the_row_is_trl_row():
         assert torch.equal(mine[key], value), key
 
 
-def test_a_packed_row_is_marked_checked_only_when_every_route_it_holds_was(route_checks):
-    """pack() carries the intake's "checked" mark to the packed routes only when every sample's routes bear it: a
-    row built from any other tensor (a raw copy, routes changed in place since their check) gets the full check."""
+def test_a_packed_row_is_built_from_checked_routes_and_a_plain_tensor_is_checked_as_it_enters(route_checks):
+    """pack() lays the intake's checked routes onto the packed positions (checked by construction: the forward needs
+    no host pass); a plain tensor in a sample is checked in full as it enters the row, and an invalid one is refused
+    there, before any forward."""
     model = tiny_moe_model("qwen3_moe")
-    rr = RouterReplay(model)  # 2 layers, top-2 of 8 experts: (2, 2) uint8 routes, as routes_of makes them
-    layout = dict(num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts, layers=rr.moe_layers)
-
-    def entered(values, length):  # as RouteIntake.align hands a sample's routes over: row 0 of a checked batch
-        batch = routes_of(values, length)[None].clone()
-        validate_routes(batch, **layout)
-        return batch[0]
+    rr = RouterReplay(model)  # 2 layers, top-2 of 8 experts: LAYOUT
+    assert rr.layout == LAYOUT
 
     def packed(*routes):
-        row = RoutedTreeRow((2, 2), torch.uint8, layout)
+        row = RoutedTreeRow(LAYOUT)
         for index, sample_routes in enumerate(routes):
             row.add(row_sample([5, 6, 7, 8 + index, 9], sample_routes))
-        return row.pack()
+        return row, row.pack()
 
-    row = packed(entered([1, 2], 5), entered([3, 4], 5), None)  # None: a sample without routes (router's choice)
-    assert row["replay_routes_checked"].tolist() == [True]
-    passes = route_checks["host_passes"]  # the two checks where the routes entered
-    with torch.no_grad(), rr.replay(row["replay_routes"][None]):
-        model(row["input_ids"][None])
-    assert route_checks["host_passes"] == passes  # no host pass at the forward
-
-    changed = entered([1, 2], 5)
-    changed[2, 0] = torch.tensor([6, 6], dtype=torch.uint8)  # in place after its check: a duplicate id
-    sources = (routes_of([1, 2], 5), changed)  # a raw tensor never checked; checked routes changed since
-    rows = [packed(entered([3, 4], 5), unchecked) for unchecked in sources]
     passes = route_checks["host_passes"]
-    for unchecked, row in zip(sources, rows, strict=True):
-        assert row["replay_routes_checked"].tolist() == [False]
-        try:
-            with rr.replay(row["replay_routes"][None]):
-                pass
-        except RouteValidationError as error:
-            assert unchecked is changed and "names the same expert twice" in str(error)
-        else:
-            assert unchecked is not changed
-    assert route_checks["host_passes"] == passes + 2  # each checked in full
-    no_layout = RoutedTreeRow((2, 2), torch.uint8)  # checked for what? Not said: the forward checks
-    no_layout.add(row_sample([5, 6, 7, 8, 9], entered([1, 2], 5)))
-    assert no_layout.pack()["replay_routes_checked"].tolist() == [False]
+    row, out = packed(routes_of([1, 2], 5), routes_of([3, 4], 5), None)  # None: a sample without routes
+    assert route_checks["host_passes"] == passes + 2  # the two checks where the routes entered (routes_of)
+    with torch.no_grad(), rr.replay(row.packed_routes):
+        model(out["input_ids"][None])
+    assert route_checks["host_passes"] == passes + 2  # no host pass at the forward
+
+    raw = torch.tensor([1, 2], dtype=torch.uint8).expand(1, 5, 2, 2).clone()
+    passes = route_checks["host_passes"]
+    row, out = packed(routes_of([3, 4], 5), raw)
+    assert route_checks["host_passes"] == passes + 2  # routes_of's, and the raw tensor's as it entered the row
+    assert torch.equal(row.packed_routes.tensor()[0, 5:9], raw[0, :4])  # the second sample, after the first
+    raw[0, 2, 0] = torch.tensor([6, 6], dtype=torch.uint8)  # a duplicate id
+    with pytest.raises(RouteValidationError, match="names the same expert twice"):
+        packed(routes_of([3, 4], 5), raw)
 
 
 def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):

@@ -83,7 +83,7 @@ def failing_worker(url: str):
     from datasets import Dataset
     from trl.chat_template_utils import qwen3_template
 
-    from trl_moe_replay.engines.async_rollout import RoutedAsyncRolloutWorker
+    from trl_moe_replay.async_grpo.async_rollout_worker import RoutedAsyncRolloutWorker
     from trl_moe_replay.testing import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()

@@ -715,21 +715,28 @@ def test_validate_routes_accepts_a_batch_whose_every_row_is_no_route_and_empty_l
         validate_routes(torch.full((2, 3, 2, 2), 7, dtype=torch.uint8), num_layers=2, top_k=2, num_experts=8)
 
 
-def test_aligned_routes_are_marked_checked_and_a_reused_out_loses_the_mark_when_rewritten():
-    """routes_from_engine checks every row, so its result is marked (RouterReplay.replay then skips its host pass).
-    A reused ``out`` is rewritten through NumPy, which torch's version counter does not see: its old mark goes first,
-    so a call that fails halfway leaves no mark on half-written routes."""
-    from trl_moe_replay.routing.routes import is_checked
+def test_checked_engine_routes_hold_what_was_checked_for_their_layout():
+    """checked_routes_from_engine checks every row once and keeps the result to itself (RouterReplay.replay then skips
+    its host pass); what it was checked for is its layout. A reused ``out`` of routes_from_engine, rewritten through
+    NumPy, is a plain tensor that replay() checks in full; the checked routes never share it."""
+    from trl_moe_replay.routing import RouteLayout, checked_routes_from_engine
 
-    layout = dict(prompt_lengths=[3, 3], completion_lengths=[4, 4], prompt_width=4, completion_width=5,
-                  num_layers=L, top_k=K, num_experts=E, moe_layers=[0, 1, 3])
-    out = routes_from_engine([engine_rows(3, 4, dense=[2]), engine_rows(3, 4, dense=[2])], **layout)
-    assert is_checked(out, num_layers=L, top_k=K, num_experts=E, layers=[1, 3])
-    assert is_checked(out[1:, 2:], num_layers=L, top_k=K, num_experts=E, layers=[0, 1, 3])
-    assert not is_checked(out, num_layers=L, top_k=K, num_experts=E - 1, layers=[1, 3])  # ids < E were checked
-    assert not is_checked(out, num_layers=L, top_k=K, num_experts=E, layers=None)  # layer 2 was not
+    layout = RouteLayout(num_layers=L, top_k=K, num_experts=E, moe_layers=(0, 1, 3))
+    widths = dict(prompt_lengths=[3, 3], completion_lengths=[4, 4], prompt_width=4, completion_width=5)
+    rows = [engine_rows(3, 4, dense=[2]), engine_rows(3, 4, dense=[2])]
+    checked = checked_routes_from_engine(rows, layout, **widths)
+    out = routes_from_engine(rows, num_layers=L, top_k=K, num_experts=E, moe_layers=[0, 1, 3], **widths)
+    assert torch.equal(checked.tensor(), out) and checked.layout == layout
+    assert layout.holds(RouteLayout(L, K, E, (1, 3))) and layout.holds(RouteLayout(L, K, E + 1, (0, 1, 3)))
+    assert not layout.holds(RouteLayout(L, K, E - 1, (1, 3)))  # ids < E were checked, not < E - 1
+    assert not layout.holds(RouteLayout(L, K, E, tuple(range(L))))  # layer 2 was not checked
     repeated = engine_rows(3, 4, dense=[2]).copy()
     repeated[2, 1] = repeated[2, 1, 0]
     with pytest.raises(RouteAlignmentError, match="twice"):
-        routes_from_engine([engine_rows(3, 4, dense=[2]), repeated], out=out, **layout)
-    assert not is_checked(out, num_layers=L, top_k=K, num_experts=E, layers=[1, 3])
+        routes_from_engine([engine_rows(3, 4, dense=[2]), repeated], out=out, num_layers=L, top_k=K, num_experts=E,
+                           moe_layers=[0, 1, 3], **widths)
+    out.numpy()[1, 5, 1] = 0  # a write torch's version counter does not see: the buffer is a plain tensor ...
+    with pytest.raises(RouteValidationError, match="names the same expert twice"):
+        layout.validate(out)  # ... which replay() checks in full
+    assert torch.equal(checked.tensor(), routes_from_engine(rows, num_layers=L, top_k=K, num_experts=E,
+                                                            moe_layers=[0, 1, 3], **widths))  # unchanged by it

@@ -19,7 +19,6 @@ from transformers.utils import get_json_schema
 from trl import TrlParser
 
 from trl_moe_replay import MoEReplayGRPOConfig, OutputDirInUseError
-from trl_moe_replay.cli import main
 from trl_moe_replay.engines.tool_timeout import ToolTimeoutError, with_timeout
 from trl_moe_replay.trainer.grpo_config import ConfigTypeError
 from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirLock

@@ -18,7 +18,7 @@ LN2 = math.log(2.0)
 
 
 # These tests drive the loss on hand-made micro-batches, so they call TRL's private loss entry points
-# (_generate_and_score_completions, _compute_loss) and set the replayed routes (_batch_routes) the way train() does;
+# (_generate_and_score_completions, _compute_loss) and open the micro-batch's routes (RouteFlow) the way train() does;
 # what they assert goes through logged metrics.
 def first_micro_batch(trainer) -> dict:
     """One generation batch scored by the trainer (old-logprob pass included), and its first micro-batch."""
@@ -39,7 +39,7 @@ def loss_and_grads(trainer, compute):
     trainer.model.zero_grad()
     loss = compute()
     loss.backward()
-    trainer._train_replay.close()
+    trainer._routes.end_micro_batch()
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
@@ -118,7 +118,7 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - math.log(0.8))
 
     def trl_with_replay():
-        trainer._batch_routes = micro["replay_routes"]
+        trainer._routes.begin_micro_batch(micro)
         return trl_compute_loss(trainer, by_hand)
 
     assert_same(ours, loss_and_grads(trainer, trl_with_replay), exact=False)
@@ -141,13 +141,13 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
     offsets = torch.tensor([0.0, 0.3, -0.3, 0.01, -0.01, 0.5])[:completion]
     micro = dict(micro, sampling_per_token_logps=micro["sampling_per_token_logps"] + offsets,
                  old_per_token_logps=micro["old_per_token_logps"] - offsets.flip(0))
-    trainer._batch_routes = micro["replay_routes"]
+    trainer._routes.begin_micro_batch(micro)
     flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
     logs = flush_logs(trainer)
 
     def by_hand():
-        trainer._batch_routes = micro["replay_routes"]
+        trainer._routes.begin_micro_batch(micro)
         input_ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
         attention_mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
         logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, completion)

@@ -173,7 +173,7 @@ def test_frozen_zero_predictors_reproduce_r2_exactly(tmp_path):
 
         class Spy(MoEReplayGRPOTrainer):
             def _compute_loss(self, model, inputs):
-                seen.append(inputs["replay_routes"].clone())
+                seen.append(self.replayed_routes(inputs))
                 return super()._compute_loss(model, inputs)
 
         torch.manual_seed(0)
@@ -269,7 +269,7 @@ def test_old_pass_predicted_routes_are_replayed_in_training(tmp_path):
                 model(input_ids=input_ids, attention_mask=attention_mask,
                       position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
             real = attention_mask.bool()
-            replayed = inputs["replay_routes"]
+            replayed = self.replayed_routes(inputs)
             assert torch.equal(rec.routes[real].long().sort(-1).values, replayed[real].long().sort(-1).values)
             checked.append(int(real.sum()))
             return super()._compute_loss(model, inputs)
@@ -289,12 +289,12 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
     class Spy(MoEReplayGRPOTrainer):
         def _generate(self, prompts):
             output = super()._generate(prompts)
-            captured.append([turns[0].rows.clone() for turns in self._scoring.turns.turns])  # generate's own, per sample
+            captured.append([turns[0].rows.clone() for turns in self._routes.batch.turns.turns])  # generate's own, per sample
             return output
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
-            replayed, prompt_width = output["replay_routes"], output["prompt_mask"].shape[1]
+            replayed, prompt_width = self.replayed_routes(output), output["prompt_mask"].shape[1]
             for i, rows in enumerate(captured[-1]):  # rows: positions 0 .. p + c - 2 of the sample
                 start = prompt_width - int(output["prompt_mask"][i].sum())
                 assert torch.equal(replayed[i, start : start + len(rows)], rows)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trl_moe_replay.routing import RouterReplay, RouteValidationError, UnsupportedModelError, has_route
+from trl_moe_replay.routing import CheckedRoutes, RouterReplay, RouteValidationError, UnsupportedModelError, has_route
 from trl_moe_replay.testing import tiny_moe_model
 
 from .helpers import no_route, random_ids, shifted
@@ -427,87 +427,117 @@ def host_passes(monkeypatch):
     return calls
 
 
-def test_routes_checked_where_they_entered_replay_without_a_host_pass_until_changed_in_place(host_passes):
+def test_checked_routes_replay_without_a_host_pass_and_hand_out_only_copies(host_passes):
     model = tiny_moe_model("qwen3_moe")
     rr = RouterReplay(model)
     x = random_ids(4, 6)
     with torch.no_grad():
         with rr.record() as rec:
             reference = model(x).logits
-        routes = rec.routes
-        for rows in (slice(None), slice(1, 3), slice(2, 4)):  # micro-batch slices replay their own samples' routes
-            with rr.replay(routes[rows]):
+        checked = rec.checked
+        for rows in (slice(None), slice(1, 3), torch.tensor([3, 0])):  # micro-batches: their own samples' routes
+            with rr.replay(checked.rows(rows)):
                 assert torch.allclose(model(x[rows]).logits, reference[rows], atol=1e-5)
-        with rr.replay(routes[2:4, 1:5]):  # a slice along positions too
-            model(x[2:4, 1:5])
         assert host_passes == []  # record() checked them by construction: no pass at any forward
-        # a view that does not select whole rows of what was checked is checked again
-        misaligned = routes.flatten()[1 : 1 + routes[:2].numel()].view(2, *routes.shape[1:])
-        try:
-            with rr.replay(misaligned):
-                pass
-        except RouteValidationError:
-            pass
-        assert host_passes == [1]
-        # changed in place after the check: caught by torch's version counter, checked in full, refused
-        routes[0, 1, 0, 1] = routes[0, 1, 0, 0]  # a duplicate id
+        # what is handed out is a copy: writing a duplicate id into it changes nothing that is replayed
+        copy = checked.tensor()
+        copy[0, 1, 0, 1] = copy[0, 1, 0, 0]
+        rec.routes[0, 1, 0, 1] = rec.routes[0, 1, 0, 0]
+        with rr.replay(checked):
+            assert torch.allclose(model(x).logits, reference, atol=1e-5)
+        assert host_passes == []
+        # the copy is a user's tensor: checked in full on entry, and refused in one line
         with pytest.raises(RouteValidationError, match=r"routes\[0, 1, layer 0\] names the same expert twice"):
-            with rr.replay(routes[:2]):
+            with rr.replay(copy):
                 pass
-        routes[0, 1, 0] = torch.tensor([0, 1], dtype=routes.dtype)
-        assert len(host_passes) == 2
-        with rr.replay(routes):  # valid again: checked once more, then marked
-            model(x)
-        with rr.replay(routes):
-            model(x)
-        assert len(host_passes) == 3
-        routes[3, 5, 1, 0] = rr.num_experts  # an id out of range: refused in one line, not an index error
+        assert host_passes == [1]
+    with pytest.raises(TypeError, match="check_routes"):
+        CheckedRoutes(copy)
+    other = RouterReplay(tiny_moe_model("qwen3_moe", num_experts=4))  # fewer experts: ids checked < 8 may not fit
+    with pytest.raises(RouteValidationError, match="does not cover this model"):
+        with other.replay(checked):
+            pass
+
+
+def test_a_reused_numpy_buffer_refilled_between_replays_is_checked_again(host_passes):
+    """The zero-copy way to take engine routes: one host buffer behind one ``torch.from_numpy`` view, refilled per
+    batch. A refill that torch's version counter never sees (vLLM's all-zero "never written" rows, an id out of range)
+    is refused when the view enters ``replay()`` again, in one line, before any router runs."""
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    x = random_ids(2, 5)
+    with torch.no_grad():
+        with rr.record() as rec:
+            reference = model(x).logits
+        buffer = rec.routes.numpy().copy()
+        view = torch.from_numpy(buffer)
+        with rr.replay(view):
+            assert torch.allclose(model(x).logits, reference, atol=1e-5)
+        buffer[:, 2:] = 0  # the next batch's rows, never written by the engine: top-2 routes of expert 0 twice
+        with pytest.raises(RouteValidationError, match="names the same expert twice"):
+            with rr.replay(view):
+                model(x)
+        buffer[:] = rec.routes.numpy()
+        buffer[1, 3, 1, 0] = rr.num_experts  # an id the experts kernel would index out of range
         with pytest.raises(RouteValidationError, match=r"expert ids must lie in \[0, 8\)"):
-            with rr.replay(routes):
-                pass
+            with rr.replay(view):
+                model(x)
+        assert len(host_passes) == 3  # every entry of the raw view: a full pass over what it holds now
 
 
-def test_routes_changed_in_place_while_replayed_are_refused_not_used(host_passes):
+@pytest.mark.parametrize("write", ["numpy", "data", "set_", "storage", "in_place"])
+def test_a_write_after_replay_was_entered_never_reaches_a_forward(write):
+    """``replay(tensor)`` replays a private snapshot of what it checked: a write to the tensor inside the context,
+    by any means (also those torch's version counter does not see), leaves the forward on the checked routes."""
     model = tiny_moe_model("mixtral")
     rr = RouterReplay(model)
     x = random_ids(2, 5)
     with torch.no_grad():
         with rr.record() as rec:
-            model(x)
+            reference = model(x).logits
         routes = rec.routes
+        swapped = routes.flip(-1).clone()  # valid, the same sets: gives the same outputs ...
+        swapped[:, :, :, 0] = (routes[:, :, :, 0] + 1) % rr.num_experts  # ... unless the first id changes
+        swapped[:, :, :, 1] = (routes[:, :, :, 1] + 3) % rr.num_experts
         with rr.replay(routes):
-            model(x)
-            routes[1, 2, 0, 1] = routes[1, 2, 0, 0]
-            with pytest.raises(RouteValidationError, match="changed in place after replay"):
-                model(x)
-        raw = torch.full((2, 5, rr.num_layers, rr.top_k), -1, dtype=torch.int64)  # a user's own tensor
-        with rr.replay(raw):
-            raw[0, 0, 0] = torch.tensor([3, 3])  # through any view: the version counter is shared
-            with pytest.raises(RouteValidationError, match="changed in place after replay"):
-                model(x)
-    assert host_passes == [1]  # the raw tensor, once; the recorded routes never
+            if write == "numpy":
+                routes.numpy()[:] = swapped.numpy()
+            elif write == "data":
+                routes.data.copy_(swapped)
+            elif write == "set_":
+                routes.set_(swapped.untyped_storage(), 0, swapped.shape, swapped.stride())
+            elif write == "storage":
+                routes.untyped_storage().copy_(swapped.untyped_storage())
+            else:
+                routes.copy_(swapped)
+            assert torch.equal(routes, swapped)
+            assert torch.allclose(model(x).logits, reference, atol=1e-5)
 
 
-def test_a_users_raw_tensor_is_checked_in_full(host_passes):
-    model = tiny_moe_model("olmoe")
+def test_expanded_routes_with_zero_strides_are_replayed_every_time():
+    """``expand`` gives strides of 0 (a size-1 axis repeated): replayed (from a contiguous snapshot) on every entry,
+    never a ZeroDivisionError; an invalid expanded route is refused in one line."""
+    model = tiny_moe_model("qwen3_moe")
     rr = RouterReplay(model)
-    raw = torch.full((1, 4, rr.num_layers, rr.top_k), -1, dtype=torch.int32)
-    raw[0, 2, 0, :] = 0  # expert 0 twice
-    with pytest.raises(RouteValidationError, match="names the same expert twice"):
-        with rr.replay(raw):
-            pass
-    strided = torch.full((1, 8, rr.num_layers, rr.top_k), -1, dtype=torch.int16)[:, ::2]  # not contiguous: never marked
-    for _ in range(2):
-        with rr.replay(strided):
-            pass
-    assert len(host_passes) == 3
+    one = random_ids(1, 5)
+    with torch.no_grad():
+        with rr.record() as rec:
+            reference = model(one).logits
+        expanded = rec.routes.expand(3, -1, -1, -1)
+        assert expanded.stride(0) == 0
+        for _ in range(2):
+            with rr.replay(expanded):
+                assert torch.allclose(model(one.expand(3, -1)).logits, reference.expand(3, -1, -1), atol=1e-5)
+        bad = torch.zeros(1, 1, rr.num_layers, rr.top_k, dtype=torch.int16).expand(2, 5, -1, -1)
+        for _ in range(2):
+            with pytest.raises(RouteValidationError, match="names the same expert twice"):
+                with rr.replay(bad):
+                    pass
 
 
 def test_record_and_replay_under_inference_mode():
-    """Routes made under torch.inference_mode have no version counter: they are recorded, checked in full (never
-    marked) and replayed from a copy, bit for bit."""
-    from trl_moe_replay.routing.routes import is_checked
-
+    """Routes made under torch.inference_mode are recorded and replayed (the recording's own, and a user's inference
+    tensor, checked from a normal snapshot), bit for bit."""
     model = tiny_moe_model("qwen3_moe").eval()
     rr = RouterReplay(model)
     x = random_ids(2, 8)
@@ -518,6 +548,5 @@ def test_record_and_replay_under_inference_mode():
         with rr.replay(rec.routes):
             assert torch.equal(model(input_ids=x).logits, reference)
     assert rec.routes.is_inference()
-    assert not is_checked(rec.routes, num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts)
     with torch.no_grad(), rr.replay(rec.routes):
         assert torch.equal(model(input_ids=x).logits, reference)

@@ -9,7 +9,7 @@ from trl_moe_replay.engines import RoutesUnavailableError
 from trl_moe_replay.routing import encode_routed_experts
 from trl_moe_replay.testing import TransformersEngine, tiny_moe_model, tiny_tokenizer
 
-from .helpers import no_route
+from .helpers import no_route, with_routes
 
 
 class EngineRollout:
@@ -44,7 +44,7 @@ class Spy(MoEReplayGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        type(self).batches.append(output)
+        type(self).batches.append(with_routes(self, output))
         return output
 
 

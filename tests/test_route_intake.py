@@ -16,7 +16,7 @@ import trl_moe_replay
 from trl_moe_replay.engines import RoutesUnavailableError
 from trl_moe_replay.engines.route_intake import RouteIntake
 from trl_moe_replay.engines.turns import RolloutTurns
-from trl_moe_replay.routing import encode_routed_experts
+from trl_moe_replay.routing import RouteLayout, encode_routed_experts
 from trl_moe_replay.routing.engine import EngineTurn
 from trl_moe_replay.testing import (
     CORRUPTIONS,
@@ -54,34 +54,35 @@ def _calls_to(name: str) -> dict[str, int]:
 
 def test_only_the_route_intake_aligns_engine_rows():
     # routes_from_engine (and its per-sample helpers) is called in exactly one place in the package: RouteIntake
-    assert _calls_to("routes_from_engine") == {"engines/route_intake.py": 1}
+    assert _calls_to("routes_from_engine") == {"routing/engine.py": 1}  # inside checked_routes_from_engine
+    assert _calls_to("checked_routes_from_engine") == {"engines/route_intake.py": 1}
     for helper in ("_place_turns", "_sample_rows"):
         assert set(_calls_to(helper)) == {"routing/engine.py"}, helper
     # and every engine's rows are handed to the intake: the trainer (vLLM, colocate, rollout_func, generate) and
     # the audit command, and the async trainer (rows its rollout worker carried through TRL's queue)
-    sources = {"trainer/grpo_trainer.py", "trainer/async_grpo_trainer.py", "cli/audit.py"}
+    sources = {"trainer/grpo_trainer.py", "async_grpo/async_grpo_trainer.py", "cli/audit.py"}
     assert set(_calls_to("align")) >= sources
     assert set(_calls_to("RouteIntake")) == sources
 
 
 def test_the_intake_counts_warns_and_applies_the_first_batch_rule(caplog):
-    layout = dict(prompt_lengths=[2, 2, 2], completion_lengths=[2, 2, 2], prompt_width=2, completion_width=2,
-                  num_layers=1, top_k=2, num_experts=4)
+    layout = (RouteLayout(num_layers=1, top_k=2, num_experts=4, moe_layers=(0,)),)  # align(samples, layout, ...)
+    widths = dict(prompt_lengths=[2, 2, 2], completion_lengths=[2, 2, 2], prompt_width=2, completion_width=2)
     good = np.array([[[0, 1]], [[2, 3]], [[1, 2]]], dtype=np.uint8)
     bad = good[:, :, :1]  # top-1 rows for a top-2 model
     intake = RouteIntake(None, source="test engine", required=True, remedy="Check the engine.")
     with pytest.raises(RoutesUnavailableError, match="no route test engine returned .* top-2.* Check the engine"):
-        intake.align([[EngineTurn(bad, 2, 2)]] * 3, **layout)
+        intake.align([[EngineTurn(bad, 2, 2)]] * 3, *layout, **widths)
     with caplog.at_level(logging.WARNING):
         routes = intake.align([[EngineTurn(good, 2, 2)], [EngineTurn(None, 2, 2)], [EngineTurn(bad, 2, 2)]],
-                              **layout)  # after the first batch: one missing, one malformed sample fall back
+                              *layout, **widths).tensor()  # after the first batch: one missing, one malformed sample fall back
     assert no_route(routes[1:]).all() and not no_route(routes[0, :3]).any()
     assert intake.fallback_samples == 2  # the first batch raised: nothing trained on it
     assert "2 of 3 samples on this rank have no usable test engine routes (1 missing, 1 malformed)" in caplog.text
     # a multi-turn sample failing in two turns is one malformed sample
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        intake.align([[EngineTurn(bad, 2, 1), EngineTurn(bad, 3, 1)]] + [[EngineTurn(good, 2, 2)]] * 2, **layout)
+        intake.align([[EngineTurn(bad, 2, 1), EngineTurn(bad, 3, 1)]] + [[EngineTurn(good, 2, 2)]] * 2, *layout, **widths)
     assert "1 of 3 samples" in caplog.text and "(0 missing, 1 malformed)" in caplog.text
 
 

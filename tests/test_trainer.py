@@ -9,8 +9,9 @@ import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.routing import RouterReplay, has_route
+from trl_moe_replay.routing import RouteLayout, RouterReplay, check_routes, has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.trainer.route_flow import ROUTE_ROWS, RouteBuffer, StaleRouteRowsError
 
 from .helpers import run_two_ranks
 
@@ -93,7 +94,7 @@ class RouteAlignmentSpy(MoEReplayGRPOTrainer):
     def _compute_loss(self, model, inputs):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        routes = inputs["replay_routes"]
+        routes = self.replayed_routes(inputs)  # the rows of the trainer's buffer this micro-batch names
         assert routes.shape[:2] == input_ids.shape
         probe = RouterReplay(self.accelerator.unwrap_model(model))
         with torch.no_grad(), probe.record() as rec:
@@ -154,7 +155,7 @@ def test_r2_replays_the_old_policy_routes(tmp_path):
     original = trainer._compute_loss
 
     def spy(model, inputs):
-        seen.append(inputs.get("replay_routes"))
+        seen.append(trainer.replayed_routes(inputs))
         return original(model, inputs)
 
     trainer._compute_loss = spy
@@ -241,7 +242,7 @@ class ReplaySpy(MoEReplayGRPOTrainer):
     replayed = 0
 
     def _compute_loss(self, model, inputs):
-        self.replayed += "replay_routes" in inputs
+        self.replayed += ROUTE_ROWS in inputs
         return super()._compute_loss(model, inputs)
 
 
@@ -301,22 +302,45 @@ def test_r2_and_pr2_replay_recorded_routes_without_a_host_pass(tmp_path, monkeyp
     assert len(replayed) >= 16 and host_passes == []
 
 
-def test_routes_replaced_after_the_check_are_checked_in_full(tmp_path, monkeypatch):
-    """The mark is carried from the routes TRL actually shuffles: a subclass that replaces them after they were
-    checked (here by a copy that was never checked) gets the full check in every forward, not a borrowed mark."""
-    from trl_moe_replay.routing import routes as routes_module
+def test_a_stale_route_index_is_refused_in_one_line(tmp_path):
+    """The batch dict carries only ``route_rows`` into the trainer's route buffer: rows of a generation batch it no
+    longer holds (here a subclass that hands the first batch's rows to the second) are refused in one line, never
+    replayed as another batch's routes."""
 
-    host_passes = []
-    full_pass = routes_module._every_row_valid
-    monkeypatch.setattr(routes_module, "_every_row_valid",
-                        lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1])
+    class Stale(MoEReplayGRPOTrainer):
+        first_rows = None
 
-    class Replacing(MoEReplayGRPOTrainer):
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
-            output["replay_routes"] = output["replay_routes"].clone()
+            if self.first_rows is None:
+                self.first_rows = output[ROUTE_ROWS]
+            else:
+                output[ROUTE_ROWS] = self.first_rows
             return output
 
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Replacing, routing_replay="r3", max_steps=2)
-    trainer.train()
-    assert len(host_passes) >= 2  # one per training micro-batch at least
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Stale, routing_replay="r3", max_steps=2)
+    with pytest.raises(StaleRouteRowsError, match=r"route_rows name generation batch\(es\) \[1\], but the trainer "
+                                                  r"holds the routes of \[2\] only"):
+        trainer.train()
+
+
+def test_the_route_buffer_keeps_one_batch_per_slot_and_gives_each_micro_batch_its_own_rows():
+    layout = RouteLayout(num_layers=1, top_k=2, num_experts=4, moe_layers=(0,))
+    train = check_routes(torch.tensor([[[[0, 1]]], [[[2, 3]]], [[[1, 3]]]], dtype=torch.uint8), layout)
+    buffer = RouteBuffer()
+    rows = buffer.store(train, slot="train")
+    evaluation = buffer.store(check_routes(torch.full((1, 1, 1, 2), 255, dtype=torch.uint8), layout), slot="eval")
+    micro = buffer.gather(rows[[2, 0]])  # shuffled and split, as TRL does
+    assert torch.equal(micro.tensor(), train.tensor()[[2, 0]])
+    assert torch.equal(buffer.gather(evaluation).tensor(), torch.full((1, 1, 1, 2), 255, dtype=torch.uint8))
+    buffer.store(train, slot="train")  # the next generation batch: the previous one's rows are stale
+    with pytest.raises(StaleRouteRowsError, match="name generation batch"):
+        buffer.gather(rows[:1])
+    with pytest.raises(StaleRouteRowsError, match="name generation batch"):  # rows of two batches in one
+        buffer.gather(torch.cat([evaluation, buffer.store(train, slot="train")[:1]]))
+    with pytest.raises(StaleRouteRowsError, match=r"name rows \[3\] of a batch of 3 samples"):
+        buffer.gather(torch.tensor([[rows[0, 0].item() + 3, 3]]))  # the current batch, a row it does not have
+    taken = buffer.store(train)  # no slot: held until taken (the async trainer's packed rows)
+    buffer.gather(taken, take=True)
+    with pytest.raises(StaleRouteRowsError):
+        buffer.gather(taken)

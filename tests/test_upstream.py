@@ -8,7 +8,6 @@ import torch
 import trl
 from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
 from trl_moe_replay.routing.errors import TransformersChangedError
@@ -156,12 +155,6 @@ class VespoWithTheEngineFactor(GRPOTrainer):
         return loss * inputs["importance_sampling_ratio"].mean() if self.loss_type == "vespo" else loss
 
 
-class SplitWithoutShuffle(GRPOTrainer):
-    def _prepare_inputs(self, generation_batch):
-        batch = self._generate_and_score_completions(generation_batch)
-        return split_tensor_dict(batch, self.args.steps_per_generation)[0]
-
-
 class NoReferenceForward(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         self.beta = 0.0
@@ -179,7 +172,6 @@ class SyncsBeforeEveryGeneration(GRPOTrainer):
     (CorrectionKeyedOnAnotherFlag, "engine_logprob_correction"),
     (LossBranchOnArgs, "loss_branch"),
     (VespoWithTheEngineFactor, "minirl_on_vespo"),
-    (SplitWithoutShuffle, "generation_batch_shuffle"),
     (NoReferenceForward, "reference_forward"),
     (SyncsBeforeEveryGeneration, "vllm_sync_trigger"),
 ])
@@ -251,3 +243,23 @@ def test_reference_forward_is_told_by_the_model_and_the_adapter_state(tmp_path):
     peft_model.add_adapter("ref", LoraConfig(r=2, target_modules=["q_proj"]))
     peft_model.set_adapter("ref")  # TRL's use_adapter(model, "ref") when re-training an existing adapter
     assert upstream.is_reference_forward(PeftTrainer, peft_model)
+
+
+def test_a_trl_that_pads_otherwise_is_reported_by_padded_width(monkeypatch):
+    import trl.trainer.utils as trl_utils
+
+    pad = trl_utils.pad
+
+    def pad_to_a_power_of_two(tensors, *args, pad_to_multiple_of=None, **kwargs):
+        padded = pad(tensors, *args, pad_to_multiple_of=pad_to_multiple_of, **kwargs)
+        width = 1 << max(padded.shape[1] - 1, 0).bit_length()
+        return pad(tensors, *args, pad_to_multiple_of=width, **kwargs) if width != padded.shape[1] else padded
+
+    monkeypatch.setattr(trl_utils, "pad", pad_to_a_power_of_two)
+    trl_seam.check_trl.cache_clear()
+    try:
+        assert "padded_width" in entries(trl_seam.check_trl(GRPOTrainer))
+    finally:
+        monkeypatch.undo()
+        trl_seam.check_trl.cache_clear()
+    assert trl_seam.check_trl(GRPOTrainer) == ()

@@ -22,7 +22,7 @@ from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
 
-from .helpers import as_signed, no_route, run_two_ranks
+from .helpers import as_signed, no_route, run_two_ranks, with_routes
 from .test_trainer import logged, make_trainer as make_tiny_trainer
 
 
@@ -31,11 +31,11 @@ class BatchSpy(MoEReplayGRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        self.__dict__.setdefault("batches", []).append(output)
+        self.__dict__.setdefault("batches", []).append(with_routes(self, output))
         return output
 
     def _compute_loss(self, model, inputs):
-        self.__dict__.setdefault("trained", []).append(inputs)
+        self.__dict__.setdefault("trained", []).append(with_routes(self, inputs))
         return super()._compute_loss(model, inputs)
 
 

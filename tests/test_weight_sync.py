@@ -24,12 +24,13 @@ from trl_moe_replay.engines.sync_check import (
     SyncCheck,
     SyncCheckUnavailableError,
     WeightSyncNotDeliveredError,
-    resolve_sync_check,
 )
-from trl_moe_replay.engines.weight_reload import WeightReload, WeightSyncDirError, resolve_weight_sync
+from trl_moe_replay.engines.weight_reload import WeightReload, WeightSyncDirError
+from trl_moe_replay.trainer import routing_options
+from trl_moe_replay.trainer.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
 from trl_moe_replay.testing.async_workers import ScriptedRolloutWorker
-from trl_moe_replay.trainer.async_grpo_trainer import cpu_tree_attention
+from trl_moe_replay.async_grpo.async_grpo_trainer import cpu_tree_attention
 
 from .test_trainer import make_trainer
 
@@ -194,6 +195,19 @@ def args(**values):
                     vllm_weight_sync="auto", vllm_sync_check=None, vllm_enable_sleep_mode=False,
                     device=torch.device("cpu"))
     return SimpleNamespace(**{**defaults, **values})
+
+
+def resolve_sync_check(config, *, asynchronous: bool) -> bool:
+    """``routing_options.resolve_sync_check`` for ``config`` (its mode and metrics as the configs resolve them)."""
+    mode = ReplayMode(config.routing_replay)
+    metrics = mode.replays if config.routing_metrics is None else config.routing_metrics
+    return routing_options.resolve_sync_check(config, mode, metrics, ASYNC_TRAINER if asynchronous else SYNC_TRAINER)
+
+
+def resolve_weight_sync(config, *, asynchronous: bool) -> str | None:
+    mode = ReplayMode(config.routing_replay)
+    metrics = mode.replays if config.routing_metrics is None else config.routing_metrics
+    return routing_options.resolve_weight_sync(config, mode, metrics, ASYNC_TRAINER if asynchronous else SYNC_TRAINER)
 
 
 @pytest.mark.parametrize("mode, metrics, checked", [("r3", None, True), ("none", True, True), ("none", None, False)])

@@ -14,8 +14,8 @@ _PUBLIC = {
     "CheckpointError": "trl_moe_replay.trainer.checkpoint_files",
     "CheckpointWeightsError": "trl_moe_replay.trainer.checkpoint_weights",
     "LaunchMismatchError": "trl_moe_replay.trainer.launch",
-    "MoEReplayAsyncGRPOConfig": "trl_moe_replay.trainer.async_grpo_config",
-    "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.trainer.async_grpo_trainer",
+    "MoEReplayAsyncGRPOConfig": "trl_moe_replay.async_grpo",
+    "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.async_grpo",
     "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
     "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
     "OutputDirInUseError": "trl_moe_replay.trainer.output_lock",
@@ -41,8 +41,7 @@ if TYPE_CHECKING:
         routes_from_engine,
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-    from .trainer.async_grpo_config import MoEReplayAsyncGRPOConfig
-    from .trainer.async_grpo_trainer import MoEReplayAsyncGRPOTrainer
+    from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from .trainer.checkpoint_files import CheckpointError
     from .trainer.checkpoint_weights import CheckpointWeightsError
     from .trainer.launch import LaunchMismatchError

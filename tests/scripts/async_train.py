@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from trl_moe_replay.engines.async_rollout import RoutedRolloutLoop  # noqa: E402
+from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutLoop  # noqa: E402
 
 RESTART_WAIT = 900  # seconds the run waits for the test to restart the server
 

@@ -87,7 +87,7 @@ class Spy(MoEReplayGRPOTrainer):
         self.route_checks = {"calls": 0, "rows": 0, "mismatched_rows": 0}
 
     def _compute_loss(self, model, inputs):
-        self.given_routes = inputs.get("replay_routes")  # none under routing_replay="none"
+        self.given_routes = self.replayed_routes(inputs)  # none under routing_replay="none"
         self.watch.calls.clear()  # generation and the old-logprob pass ran before, in the same training_step
         return super()._compute_loss(model, inputs)
 

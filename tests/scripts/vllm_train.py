@@ -84,7 +84,7 @@ def main():
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
-            state = self._scoring
+            state = self._routes.batch if self._routes is not None else None
             if state is not None and state.generated_turns == 1:
                 self.oracle.routes.clear()  # a new generation batch: the engine holds new weights
             elif state is not None:
@@ -99,10 +99,11 @@ def main():
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
-            if "replay_routes" in output:  # before TRL shuffles the batch: sample i is the engine's completion i
+            replayed = self.replayed_routes(output)
+            if replayed is not None:  # before TRL shuffles the batch: sample i is the engine's completion i
                 attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
                 self.batches.append({"routable": (attention.sum(1) - 1).tolist(),
-                                     "routed": has_route(output["replay_routes"]).any(-1).sum(1).tolist()})
+                                     "routed": has_route(replayed).any(-1).sum(1).tolist()})
             return output
 
         def _sync_vllm_weights(self):

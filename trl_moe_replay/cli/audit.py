@@ -49,6 +49,7 @@ from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..routing.errors import RouteAlignmentError
 from ..trainer.launch import check_model_path
+from ..trainer.routing_options import ReplayMode
 from ..trainer.metrics import (
     check_extreme_threshold,
     logprob_mismatch_sums,
@@ -404,17 +405,16 @@ def run_audit(
     turns = [[EngineTurn(rows, p, c)] for rows, p, c in zip(samples.routes, prompt_lengths, completion_lengths,
                                                             strict=True)]
     try:
-        engine_routes = intake.align(
-            turns, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+        checked_routes = intake.align(
+            turns, trainer_rr.layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
             prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
-            num_layers=trainer_rr.num_layers, top_k=trainer_rr.top_k, moe_layers=trainer_rr.moe_layers,
-            num_experts=trainer_rr.num_experts,
         )
     except RoutesUnavailableError as exc:  # a ValueError for the command line: one line, exit status 2
         raise RouteAlignmentError(
             f"the engine's routes do not fit {model} ({trainer_rr.num_layers} decoder layers, MoE layers "
             f"{list(trainer_rr.moe_layers)}, top-{trainer_rr.top_k}, {trainer_rr.num_experts} experts): {exc}"
         ) from None
+    engine_routes = checked_routes.tensor()  # for the comparisons; the pass below replays the checked ones
     if intake.fallback_samples > missing:
         notes.append(f"{intake.fallback_samples - missing} of {len(samples.routes)} completions came with routes "
                      "that do not fit their tokens: routed by the trainer's own router under r3 (counted in fallback)")
@@ -424,13 +424,14 @@ def run_audit(
     positions = routable_positions(attention_mask)
 
     rows = []
-    for mode in ("none", "r3") if routes_available else ("none",):
+    for mode in (ReplayMode.NONE, ReplayMode.R3) if routes_available else (ReplayMode.NONE,):
+        replayed = checked_routes if mode.replays else None
         trainer_logps, natural = _trainer_pass(
             trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
-            temperature, engine_routes if mode == "r3" else None,
+            temperature, replayed,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
-        used = natural if mode == "none" else torch.where(
+        used = natural if replayed is None else torch.where(
             has_route(engine_routes)[..., None], engine_routes.to(natural.dtype), natural
         )
         row = _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,

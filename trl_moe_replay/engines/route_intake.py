@@ -15,8 +15,9 @@ recorder, and any later one -- hands its rows, per sample and turn (:class:`~trl
 * **Routes that stop arriving.** When every sample of ``warn_fallback_batches`` batches in a row fell back, a warning
   says so; with ``max_fallback_batches`` set, that many such batches in a row raise :class:`RoutesUnavailableError`.
 
-A new route source plugs in *before* this call, never beside it (``tests/test_route_intake.py`` checks that nothing
-else in the package calls ``routes_from_engine``).
+The routes it returns are :class:`~trl_moe_replay.routing.routes.CheckedRoutes`: checked here, once, and replayed
+from there without another pass. A new route source plugs in *before* this call, never beside it
+(``tests/test_route_intake.py`` checks that nothing else in the package calls ``routes_from_engine``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..routing.engine import EngineTurn, routes_from_engine
+from ..routing.engine import EngineTurn, checked_routes_from_engine
 from ..routing.errors import RouteAlignmentError
+from ..routing.routes import CheckedRoutes, RouteLayout
 
 logger = logging.get_logger(__name__)
 
@@ -71,12 +73,17 @@ class RouteIntake:
         self._fallback_streak = 0  # samples in a row, up to now, that all fell back
         self._warned_streak = False
 
-    def align(self, samples: Sequence[Sequence[EngineTurn]], **layout: Any) -> torch.Tensor:
-        """``routes_from_engine`` over this rank's samples (each a list of :class:`EngineTurn`, one per generation
-        turn); ``layout`` is ``routes_from_engine``'s keyword arguments. A sample or turn with missing or malformed
-        rows falls back to the router's own choice, with a warning."""
+    def align(self, samples: Sequence[Sequence[EngineTurn]], layout: RouteLayout, *, prompt_lengths: Sequence[int],
+              completion_lengths: Sequence[int], prompt_width: int, completion_width: int) -> CheckedRoutes:
+        """This rank's samples (each a list of :class:`EngineTurn`, one per generation turn) in TRL's padded
+        ``[B, prompt_width + completion_width]`` layout, checked for the model's ``layout``
+        (``routes_from_engine``). A sample or turn with missing or malformed rows falls back to the router's own
+        choice, with a warning."""
         failures: list[RouteAlignmentError] = []
-        routes = routes_from_engine(samples, on_error=failures.append, **layout)
+        routes = checked_routes_from_engine(
+            samples, layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+            prompt_width=prompt_width, completion_width=completion_width, on_error=failures.append,
+        )
         missing = sum(all(turn.rows is None for turn in turns) for turns in samples)
         malformed = len({error.sample for error in failures})  # a multi-turn sample may fail in several turns
         usable = len(samples) - missing - malformed
@@ -92,7 +99,8 @@ class RouteIntake:
             )
         return routes
 
-    def _first_batch_rule(self, usable: int, count: int, failures: list[RouteAlignmentError], layout: dict) -> None:
+    def _first_batch_rule(self, usable: int, count: int, failures: list[RouteAlignmentError],
+                          layout: RouteLayout) -> None:
         """Raise when no sample of the whole first batch (``batch_samples`` of them, all ranks) fits."""
         first = self._first_batch
         if not first["pending"]:
@@ -112,7 +120,7 @@ class RouteIntake:
             reason = f"first problem here: {problem}" if problem else "no sample here came with routes"
             raise RoutesUnavailableError(
                 f"{self.needed_by}: no route {self.source} returned for the first batch fits the trained model "
-                f"({layout['num_layers']} decoder layers, top-{layout['top_k']}; {first['seen']} samples here); "
+                f"({layout.num_layers} decoder layers, top-{layout.top_k}; {first['seen']} samples here); "
                 f"{reason}. {self.remedy}"
             )
 

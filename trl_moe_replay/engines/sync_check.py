@@ -17,8 +17,8 @@ sync) with the engine (``prompt_logprobs``) and, after the sync, with the traine
 * a NaN or infinite engine log-prob would pass both comparisons (NaN compares false): :class:`EngineProbeNotFiniteError`.
 
 All three are :class:`EngineSyncError`. Both trainers run a sync through :func:`checked_weight_sync`, built by
-:func:`build_sync_check`; whether the check is on by default is :func:`resolve_sync_check`. The engine is scored by
-the process that drives it (each process in colocate mode, the main process for a server); the trainer's probe
+:func:`build_sync_check`; whether the check is on is ``trainer.routing_options.resolve_sync_check``'s to say (one rule
+for both trainers). The engine is scored by the process that drives it (each process in colocate mode, the main process for a server); the trainer's probe
 forward runs on every process, so that a sharded model's forward has all its ranks. An error is raised on the process
 that measured it and ends the run there (a launcher such as ``torchrun`` then stops the other processes).
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from ..upstream import vllm_sampling_params_class
 from .server_requests import post_to_server, served_model_name
-from .weight_reload import carries_routes
 
 __all__ = [
     "EngineProbeNotFiniteError",
@@ -44,7 +44,6 @@ __all__ = [
     "WeightSyncNotDeliveredError",
     "build_sync_check",
     "checked_weight_sync",
-    "resolve_sync_check",
 ]
 
 SYNC_CHECK_TOLERANCE = 0.05  # nats the engine's probe log-probs may move without a weight change (batch noise)
@@ -107,9 +106,7 @@ def colocated_scorer(llm: Any) -> EngineScorer:
     """A colocated ``vllm.LLM``'s log-probs of ``probe[1:]`` (``prompt_logprobs``), in process."""
 
     def score(probe: list[int]) -> torch.Tensor:
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        params = vllm_sampling_params_class()(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         request = llm.generate([{"prompt_token_ids": probe}], params, use_tqdm=False)[0]
         entries = request.prompt_logprobs[1:]
         return torch.tensor([entry[token].logprob for entry, token in zip(entries, probe[1:], strict=True)],
@@ -258,41 +255,16 @@ def checked_weight_sync(check: SyncCheck | None, sync: Callable[[], None], model
 
 
 # ------------------------------------------------------------------ which trainers get it, and how it is built
-def _colocated_sleep(args: Any) -> bool:
-    return getattr(args, "vllm_mode", None) == "colocate" and bool(getattr(args, "vllm_enable_sleep_mode", False))
-
-
-def resolve_sync_check(args: Any, *, asynchronous: bool) -> bool:
-    """``vllm_sync_check`` resolved, the same for both trainers: an explicit value wins; unset (``None``), the check
-    is on wherever a vLLM engine samples the routes the trainer carries (``routing_replay`` other than ``"none"``, or
-    ``routing_metrics``), and off for plain TRL.
-
-    Where it cannot run: a colocated engine with ``vllm_enable_sleep_mode`` discards its weights and its KV cache
-    after every generation (sleep level 2), so there is nothing to probe before a sync and no cache to score with
-    after it; the default is off there and an explicit ``True`` is refused (:class:`SyncCheckUnavailableError`).
-    """
-    requested = getattr(args, "vllm_sync_check", None)
-    uses_vllm = asynchronous or bool(getattr(args, "use_vllm", False))
-    if requested is None:
-        return uses_vllm and carries_routes(args) and not _colocated_sleep(args)
-    if requested and uses_vllm and _colocated_sleep(args):
-        raise SyncCheckUnavailableError(
-            "vllm_sync_check=True cannot run with vllm_enable_sleep_mode=True in colocate mode: the sleeping engine "
-            "discards its weights and KV cache after every generation, so it cannot score the sync probe. Turn one "
-            "of them off."
-        )
-    return bool(requested) and uses_vllm
-
-
-def build_sync_check(args: Any, *, asynchronous: bool, accelerator: Any, vllm_generation: Any = None,
-                     base_url: str | None = None) -> SyncCheck | None:
-    """The sync check of a trainer (every process builds one), or ``None`` when :func:`resolve_sync_check` says off.
+def build_sync_check(enabled: bool, *, asynchronous: bool, accelerator: Any, vllm_generation: Any = None,
+                     base_url: str | None = None, tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
+    """The sync check of a trainer (every process builds one), or ``None`` when not ``enabled`` (``vllm_sync_check``
+    as ``trainer.routing_options.resolve_sync_check`` resolves it, the same rule for both trainers).
 
     The sync trainer passes TRL's ``VLLMGeneration`` (colocated ``LLM`` or server client); the async trainer the
     server's ``base_url``. Only the process that drives the engine scores it: each one in colocate mode, the main
     process for a server.
     """
-    if not resolve_sync_check(args, asynchronous=asynchronous):
+    if not enabled:
         return None
     engine, name = None, "vLLM server"
     if vllm_generation is not None and vllm_generation.mode == "colocate":
@@ -300,4 +272,4 @@ def build_sync_check(args: Any, *, asynchronous: bool, accelerator: Any, vllm_ge
     elif accelerator.is_main_process:
         engine = server_scorer(base_url if vllm_generation is None else vllm_generation.vllm_client.base_url)
     return SyncCheck(engine, packed_row_logprobs if asynchronous else causal_lm_logprobs,
-                     tolerance=getattr(args, "sync_check_tolerance", SYNC_CHECK_TOLERANCE), engine_name=name)
+                     tolerance=tolerance, engine_name=name)

@@ -50,7 +50,6 @@ __all__ = [
     "WeightSyncDirError",
     "build_weight_sync",
     "client_without_communicator",
-    "resolve_weight_sync",
     "sync_dir_of",
 ]
 
@@ -68,31 +67,6 @@ class WeightSyncDirError(ValueError):
 def sync_dir_of(args: Any) -> str:
     """The folder the reload sync writes to: ``vllm_sync_dir``, else ``<output_dir>/vllm_sync``."""
     return os.path.abspath(getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync"))
-
-
-def carries_routes(args: Any) -> bool:
-    """Whether a trainer configured by ``args`` carries the engine's routes (replay, or routing metrics)."""
-    return getattr(args, "routing_replay", "r3") != "none" or bool(getattr(args, "routing_metrics", False))
-
-
-def resolve_weight_sync(args: Any, *, asynchronous: bool) -> str | None:
-    """``vllm_weight_sync`` resolved: ``"trl"`` (TRL's own transfer) or ``"reload"``; ``None`` without vLLM.
-
-    ``"auto"`` is ``"reload"`` where TRL's own transfer cannot run, which depends on the trainer: the sync trainer's
-    (in-process ``load_weights``, NCCL to a server) fails on vLLM's CPU build, the async trainer's (NCCL only) off
-    CUDA. One more difference: the sync trainer without routes (``routing_replay="none"``, no ``routing_metrics``) is
-    TRL's ``GRPOTrainer`` bit for bit, its own sync included, while TRL's async trainer does not run off CUDA at all,
-    so there is no TRL behaviour to keep (docs/async.md, "How the async trainer's weight sync differs").
-    """
-    if not asynchronous and not args.use_vllm:
-        return None
-    requested = getattr(args, "vllm_weight_sync", "auto")
-    if requested != "auto":
-        return requested
-    device = args.device.type
-    if asynchronous:
-        return "reload" if device != "cuda" else "trl"
-    return "reload" if device == "cpu" and carries_routes(args) else "trl"
 
 
 def client_without_communicator(client_class: type) -> type:
@@ -255,16 +229,17 @@ class ReloadWeightTransfer:
         pass
 
 
-def build_weight_sync(args: Any, *, asynchronous: bool, vllm_generation: Any = None,
+def build_weight_sync(method: str | None, args: Any, *, asynchronous: bool, vllm_generation: Any = None,
                       model: torch.nn.Module | None = None) -> ReloadWeightSync | ReloadWeightTransfer | None:
-    """The reload weight sync of a trainer, or ``None`` where TRL's own transfer is used (:func:`resolve_weight_sync`).
+    """The reload weight sync of a trainer, or ``None`` where TRL's own transfer is used (``method``: the resolved
+    ``vllm_weight_sync``, ``trainer.routing_options.resolve_weight_sync``, the same rule for both trainers).
 
     The sync trainer calls it after TRL built its ``VLLMGeneration`` (``vllm_generation``, and the unwrapped
     ``model``): a :class:`ReloadWeightSync`. The async trainer calls it before TRL's constructor, which takes the
     transfer: a :class:`ReloadWeightTransfer` for ``args.vllm_server_base_url``, whose ``model`` it sets once built.
     Each request may take ``weight_sync_timeout`` seconds (TRL's async field), else :data:`WEIGHT_SYNC_TIMEOUT`.
     """
-    if resolve_weight_sync(args, asynchronous=asynchronous) != "reload":
+    if method != "reload":
         return None
     timeout = float(getattr(args, "weight_sync_timeout", None) or WEIGHT_SYNC_TIMEOUT)
     if asynchronous:

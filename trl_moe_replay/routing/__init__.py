@@ -4,19 +4,38 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 ``decode_routed_experts`` and ``routes_from_engine``, which place them in TRL's padded token layout.
 """
 
-from .engine import EngineTurn, decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
+from .engine import (
+    EngineTurn,
+    checked_routes_from_engine,
+    decode_routed_experts,
+    encode_routed_experts,
+    engine_dtype,
+    routes_from_engine,
+)
 from .errors import RouteAlignmentError, RouteValidationError, TransformersTooOldError, UnsupportedModelError
 from .replay import RouteRecording, RouterCall, RouterReplay
 from .router_probs import RouterProbes
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
-from .routes import NO_ROUTE, NO_ROUTE_UINT8, has_route, no_route_value, route_dtype, validate_routes
+from .routes import (
+    NO_ROUTE,
+    NO_ROUTE_UINT8,
+    CheckedRoutes,
+    RouteLayout,
+    check_routes,
+    has_route,
+    no_route_value,
+    route_dtype,
+    validate_routes,
+)
 
 __all__ = [
     "NO_ROUTE",
     "NO_ROUTE_UINT8",
+    "CheckedRoutes",
     "EngineTurn",
     "ROUTER_FAMILIES",
     "RouteAlignmentError",
+    "RouteLayout",
     "RouteRecording",
     "RouteValidationError",
     "RouterCall",
@@ -25,6 +44,8 @@ __all__ = [
     "RouterReplay",
     "TransformersTooOldError",
     "UnsupportedModelError",
+    "check_routes",
+    "checked_routes_from_engine",
     "decode_routed_experts",
     "encode_routed_experts",
     "engine_dtype",

@@ -38,7 +38,7 @@ import torch
 
 from .errors import RouteAlignmentError
 from .repeated_ids import first_repeated_row
-from .routes import NO_ROUTE, forget_checked, mark_checked, no_route_value, route_dtype
+from .routes import NO_ROUTE, CheckedRoutes, RouteLayout, no_route_value, route_dtype
 
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = [
     "NO_ROUTE",
     "EngineTurn",
+    "checked_routes_from_engine",
     "decode_routed_experts",
     "encode_routed_experts",
     "engine_dtype",
@@ -285,8 +286,9 @@ def routes_from_engine(
     is a real route. Ids must be >= 0 and fit int16, and be ``< num_experts`` when that is given;
     the dtype must be a signed or unsigned integer. Any mismatch raises
     :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently. ``moe_layers`` must be
-    distinct ints (a float such as ``1.7`` is refused, not truncated). The result is marked checked
-    (``routes.mark_checked``), so ``RouterReplay.replay`` does not pass over it again.
+    distinct ints (a float such as ``1.7`` is refused, not truncated). :func:`checked_routes_from_engine` returns
+    the result as :class:`~trl_moe_replay.routing.routes.CheckedRoutes`, which ``RouterReplay.replay`` takes without a
+    second pass.
 
     ``out`` (optional) is a contiguous CPU tensor of the result's shape and dtype to write into, e.g. a
     reused or pinned buffer; every element is overwritten, so it needs no clearing.
@@ -340,7 +342,6 @@ def routes_from_engine(
         got = (tuple(out.shape), out.dtype, out.device.type) if isinstance(out, torch.Tensor) else type(out).__name__
         name = str(dtype).removeprefix("torch.")
         raise RouteAlignmentError(f"out must be a contiguous {name} CPU tensor of shape {shape}, got {got}")
-    forget_checked(out)  # rewritten below through NumPy, which torch's version counter does not see
     out_np = out.numpy()
     no_route = no_route_value(dtype)
     for i in range(batch):  # the caller's own numbers: always an exception, before any row is read
@@ -399,9 +400,22 @@ def routes_from_engine(
         concurrent.futures.wait(futures)
     if dense and batch:
         out.index_fill_(2, torch.tensor(dense), no_route)
-    # every row was checked above (or is "no route"): replay() needs no second pass over them
-    mark_checked(out, num_layers=num_layers, top_k=top_k, num_experts=limit, layers=moe)
     return out
+
+
+def checked_routes_from_engine(
+    rows: Sequence[Any], layout: RouteLayout, *, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+    prompt_width: int, completion_width: int, on_error: Callable[[RouteAlignmentError], None] | None = None,
+) -> CheckedRoutes:
+    """:func:`routes_from_engine` for a model's ``layout``, as :class:`CheckedRoutes`: every row placed passed its
+    checks (or is "no route"), and the fresh tensor it returns is held by no one else, so replaying it needs no
+    second pass."""
+    routes = routes_from_engine(
+        rows, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths, prompt_width=prompt_width,
+        completion_width=completion_width, num_layers=layout.num_layers, top_k=layout.top_k,
+        moe_layers=layout.moe_layers, num_experts=layout.num_experts, on_error=on_error,
+    )
+    return CheckedRoutes._own(routes, layout)
 
 
 def _is_turn_list(entry: Any) -> bool:

@@ -10,9 +10,9 @@ and one on the decoder stack). Nothing is patched and nothing runs while no cont
   ``[B, S]`` (``generate``'s KV-cached steps take the next columns). The router's logits
   are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
   logits at those ids, so gradients still reach the router.
-  Routes are checked once, where they enter (``record()``, ``routes_from_engine``, or here, for a tensor
-  never checked): a forward then costs an O(1) look-up, and routes changed in place since are checked again
-  (``routing.routes.is_checked``).
+  Routes already checked (:class:`~trl_moe_replay.routing.routes.CheckedRoutes`: ``record()``'s, the engine
+  intake's, ``check_routes``') cost an O(1) layout comparison; a plain tensor is checked in full, on a private
+  snapshot, every time it enters.
 * ``with rr.steer(choose):`` lets ``choose(layer, router, router_input, logits, natural_ids) -> ids`` pick each
   router's experts (PR2's predicted routes); gate weights are recomputed exactly as under replay, and
   ``record()`` records the steered ids. Replay, when also active, still wins where it has a route.
@@ -37,7 +37,7 @@ from ..upstream import transformers_seam
 from ..upstream.torch_seam import assert_without_sync, in_backward
 from .errors import RouteValidationError, UnsupportedModelError
 from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
-from .routes import has_route, is_checked, mark_checked, no_route_value, route_dtype, validate_routes
+from .routes import CheckedRoutes, RouteLayout, check_routes, has_route, no_route_value, route_dtype
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
@@ -82,7 +82,8 @@ class _Segment:
 
 
 class RouteRecording:
-    """What ``RouterReplay.record()`` yields. ``routes`` is filled when the context exits.
+    """What ``RouterReplay.record()`` yields. ``checked`` (:class:`CheckedRoutes`) is filled when the context exits;
+    ``routes`` is a tensor copy of it.
 
     Fresh forwards inside one recording are stacked along the batch axis (they must share a length, as the
     chunks of a chunked forward do); KV-cached continuations (``generate``'s decode steps) extend the sequence
@@ -93,7 +94,16 @@ class RouteRecording:
     def __init__(self, replay: RouterReplay):
         self._replay = replay
         self._segments: list[_Segment] = []
-        self.routes: torch.Tensor | None = None
+        self.checked: CheckedRoutes | None = None
+        self._routes: torch.Tensor | None = None
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        """The recorded ``[B, S, num_layers, top_k]`` routes (a copy, made once: writing to it changes nothing
+        that ``checked`` replays)."""
+        if self._routes is None and self.checked is not None:
+            self._routes = self.checked.tensor()
+        return self._routes
 
     def _finish(self) -> None:
         if not self._segments:
@@ -120,10 +130,9 @@ class RouteRecording:
                 f"one recording saw fresh forwards of different lengths {sorted(widths)}; record each in its own "
                 "context (generation without a KV cache re-feeds the whole sequence and is not supported)"
             )
-        self.routes = torch.cat(blocks, dim=0)
         # valid by construction: the ids the routers chose (or a steer function chose, checked on the device in
         # ``_steered_ids``) and "no route" elsewhere, so replaying them needs no host pass
-        mark_checked(self.routes, num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts)
+        self.checked = CheckedRoutes._own(torch.cat(blocks, dim=0), rr.layout)
 
 
 @dataclass(frozen=True)
@@ -160,10 +169,7 @@ class _Window:
 
 
 class _ActiveReplay:
-    """Routes being replayed, checked once, moved to each device once.
-
-    The routes' version (torch's in-place counter) is taken when the context opens; every router call compares it,
-    O(1), so that routes changed in place afterwards are refused rather than replayed unchecked.
+    """Checked routes being replayed, moved to each device once.
 
     The decoder-stack pre-hook announces each forward (:meth:`begin_forward`): a fresh forward covers positions
     ``0 .. length - 1`` and must be fed exactly ``routes.shape[:2]`` (unless it opens a KV cache, as ``generate``'s
@@ -171,14 +177,9 @@ class _ActiveReplay:
     the forward's are refused there, before any router runs, even when their row count would match.
     """
 
-    def __init__(self, routes: torch.Tensor):
-        if routes.is_inference():  # made under torch.inference_mode: no version counter, so replay a normal copy
-            with torch.inference_mode(False):
-                routes = routes.clone()
-        self.routes = routes
-        self.version = routes._version
+    def __init__(self, routes: CheckedRoutes):
+        self.checked = routes
         self.window: _Window | None = None
-        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def begin_forward(self, batch: int, length: int, opens_cache: bool, continues: bool) -> None:
         previous = self.window
@@ -186,7 +187,7 @@ class _ActiveReplay:
             start = previous.start + previous.length
         else:
             start = 0
-        shape = list(self.routes.shape)
+        shape = list(self.checked.shape)
         expected = [batch, start + length, *shape[2:]]
         if start > 0:
             if shape[0] != batch or shape[1] < start + length:
@@ -204,14 +205,7 @@ class _ActiveReplay:
         self.window = _Window(batch, start, length)
 
     def forced_ids(self, layer: int, natural: torch.Tensor) -> torch.Tensor:
-        if self.routes._version != self.version:
-            raise RouteValidationError(
-                "the routes given to replay() were changed in place after replay() checked them; replay() replays "
-                "the routes it checked: change them before entering replay(), or pass a new tensor"
-            )
-        routes = self._on_device.get(natural.device)
-        if routes is None:
-            routes = self._on_device[natural.device] = self.routes.to(natural.device, non_blocking=True)
+        routes = self.checked._on(natural.device)
         window = self.window
         if window is not None and not in_backward():
             routes = routes[:, window.start : window.start + window.length]
@@ -233,7 +227,8 @@ class RouterReplay:
     """Record or replay the expert routes of every MoE router in ``model``.
 
     Attributes: ``num_layers`` (``config.num_hidden_layers``), ``top_k``, ``num_experts``, ``moe_layers``
-    (absolute decoder-layer indices that have a router), ``families`` (names of the router families found).
+    (absolute decoder-layer indices that have a router), ``layout`` (those four as one
+    :class:`~trl_moe_replay.routing.routes.RouteLayout`), ``families`` (names of the router families found).
 
     Register it after any wrapping that replaces modules (PEFT, FSDP, ``torch.compile`` all work either way).
     """
@@ -248,6 +243,7 @@ class RouterReplay:
         first = sites[0].modules[0]
         self.top_k: int = int(first.top_k)
         self.num_experts: int = int(first.num_experts)
+        self.layout = RouteLayout(self.num_layers, self.top_k, self.num_experts, tuple(self.moe_layers))
         for site in sites:
             router = site.modules[0]
             if (router.top_k, router.num_experts) != (self.top_k, self.num_experts):
@@ -298,8 +294,8 @@ class RouterReplay:
         recording._finish()
 
     @contextlib.contextmanager
-    def replay(self, routes: torch.Tensor) -> Iterator[None]:
-        """Route every forward inside by ``routes`` (``[B, S, num_layers, top_k]``, ``-1`` = own choice).
+    def replay(self, routes: torch.Tensor | CheckedRoutes) -> Iterator[None]:
+        """Route every forward inside by ``routes`` (``[B, S, num_layers, top_k]``, "no route" = own choice).
 
         Each forward must be fed exactly ``[B, S]`` (``input_ids`` or ``inputs_embeds``): routes of another layout
         raise ``RouteValidationError`` even when ``B x S`` matches. Under ``generate`` (a KV cache), the prefill
@@ -307,19 +303,20 @@ class RouterReplay:
         Keep the backward inside the context when gradient checkpointing is on: the recompute in backward
         runs the routers again and must see the same routes.
 
-        The routes are checked once, on entry, unless they already were: routes from ``record()``,
-        ``routes_from_engine`` (``RouteIntake.align``) or an earlier ``replay``/``validate_routes``, and slices of them
-        along the batch and position axes, unchanged since, cost an O(1) look-up (``routes.is_checked``); any other
-        tensor, or one changed in place since (torch's version counter), gets the full host pass of
-        ``validate_routes``. Inside the context every forward compares the version again: routes changed in place
-        while replayed raise ``RouteValidationError`` instead of being used unchecked. Writes that bypass torch's
-        counter (through ``.numpy()`` or ``.data``) are not seen: do not change routes that way.
+        What is replayed is always what was checked:
+
+        * :class:`~trl_moe_replay.routing.routes.CheckedRoutes` (``record()``'s ``rec.checked``, the trainer's
+          engine and old-pass routes, ``check_routes(tensor, rr.layout)``) own a tensor no caller can reach: entering
+          costs an O(1) comparison of the layout they were checked for with this model's.
+        * A plain tensor is copied, on every entry, into a private snapshot, and the snapshot is checked in full
+          (``validate_routes``' host pass) and replayed. A write to the tensor after ``replay()`` was entered, by any
+          means (in place, through ``.numpy()`` or a ``torch.from_numpy`` buffer, ``.data``, ``set_()``, its
+          storage), never reaches a forward; the next ``replay()`` of it checks the new values in full. Check a
+          tensor once with ``check_routes`` to replay it many times without that cost.
         """
         self._check_attached()
-        layout = dict(num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts, layers=self.moe_layers)
-        if not is_checked(routes, **layout):
-            validate_routes(routes, **layout)
-        previous, self._replay = self._replay, _ActiveReplay(routes)
+        checked = check_routes(routes, self.layout)
+        previous, self._replay = self._replay, _ActiveReplay(checked)
         try:
             yield
         finally:

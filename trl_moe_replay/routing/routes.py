@@ -15,8 +15,6 @@ layer on the device. Signed routes of any integer dtype are accepted as input (`
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,8 +62,8 @@ def validate_routes(
 
     Checked at the MoE ``layers`` (all when ``None``): an integer dtype (``uint8`` or signed), every row either "no
     route" (all ``-1``; all 255 in ``uint8``) or ``top_k`` distinct ids in ``[0, num_experts)``. Always the full pass
-    on the host; routes that pass are marked checked (:func:`mark_checked`), so that ``RouterReplay.replay`` need not
-    check them again.
+    on the host. :func:`check_routes` runs it on a private snapshot and returns :class:`CheckedRoutes`, which
+    ``RouterReplay.replay`` takes without a second pass.
     """
     if not isinstance(routes, torch.Tensor):
         raise RouteValidationError(f"routes must be a torch.Tensor, got {type(routes).__name__}")
@@ -80,7 +78,6 @@ def validate_routes(
     moe = routes if layers is None else routes[:, :, list(layers)]
     if not _every_row_valid(moe, top_k=top_k, num_experts=num_experts):
         _raise_first_problem(moe, top_k=top_k, num_experts=num_experts)
-    mark_checked(routes, num_layers=num_layers, top_k=top_k, num_experts=num_experts, layers=layers)
 
 
 def _every_row_valid(moe: torch.Tensor, *, top_k: int, num_experts: int) -> bool:
@@ -150,121 +147,143 @@ def _raise_first_problem(moe: torch.Tensor, *, top_k: int, num_experts: int) -> 
 
 
 # ---------------------------------------------------------------------- routes checked once, where they enter
-# The full check above is a host pass over every route. Routes are checked where they enter (``routes_from_engine``,
-# ``RouterReplay.record()``, ``validate_routes`` itself, which ``RouterReplay.replay`` runs on anything else), and the
-# fact travels with the tensor: a mark per storage, valid for the version of the tensor's content it was made at
-# (torch's version counter, which every in-place torch operation on the tensor or any view of it increments). A
-# forward then asks :func:`is_checked`, O(1): same storage, same version, and a view that selects whole rows of the
-# tensor that was checked (a slice along the batch and position axes). Writes that bypass torch's counter (through a
-# NumPy view from ``.numpy()`` or through ``.data``) are not seen: the docs say not to change routes that way.
+# The full check above is a host pass over every route. It runs where routes enter (the engine intake, ``record()``,
+# a user's ``replay(tensor)``), and what passed is kept as :class:`CheckedRoutes`: a value that owns its tensor and
+# never hands it out, so what was checked is what is replayed. Every other way to make one builds it from checked
+# parts (rows of checked routes, "no route" rows), so no forward needs a host pass.
 
 
 @dataclass(frozen=True)
-class _Mark:
-    checked: weakref.ref  # the tensor that was checked: while it lives, its storage (and address) is its own
-    version: int
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
+class RouteLayout:
+    """What a model's routes look like: ``[B, S, num_layers, top_k]``, ids in ``[0, num_experts)`` at the decoder
+    layers ``moe_layers`` (the others hold "no route"). ``RouterReplay(model).layout`` is the model's."""
+
+    num_layers: int
+    top_k: int
     num_experts: int
-    layers: frozenset[int] | None  # MoE layers checked (None: all)
+    moe_layers: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "moe_layers", tuple(int(layer) for layer in self.moe_layers))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compact host dtype of this layout's routes (:func:`route_dtype`)."""
+        return route_dtype(self.num_experts, self.top_k)
+
+    def holds(self, other: RouteLayout) -> bool:
+        """Whether routes checked for this layout are valid routes of ``other``: same shape, ids below ``other``'s
+        expert count, and every MoE layer of ``other`` checked here."""
+        return ((self.num_layers, self.top_k) == (other.num_layers, other.top_k) and self.num_experts <= other.num_experts
+                and set(other.moe_layers) <= set(self.moe_layers))
+
+    def validate(self, routes: torch.Tensor) -> None:
+        """:func:`validate_routes` for this layout."""
+        validate_routes(routes, num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts,
+                        layers=self.moe_layers)
 
 
-_MARKS: dict[int, list[_Mark]] = {}  # by storage address
-_MARKS_LOCK = threading.RLock()  # re-entrant: a dying tensor's callback may run inside a locked section
+class CheckedRoutes:
+    """Routes that passed :func:`validate_routes` for ``layout``, holding their ``[B, S, L, K]`` tensor privately.
+
+    Made only by checking (:func:`check_routes`), or by this package from checked parts: the engine intake
+    (``routes_from_engine``'s checks), ``RouterReplay.record()``, and :meth:`rows`, :meth:`cat`, :func:`pack_routes`
+    of checked routes. The tensor is never handed out (:meth:`tensor` returns a copy), so nothing can change it after
+    the check; ``RouterReplay.replay`` takes one with an O(1) layout comparison.
+    """
+
+    __slots__ = ("_routes", "layout", "_on_device")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("CheckedRoutes are made by check_routes(routes, layout), not by their constructor")
+
+    @classmethod
+    def _own(cls, routes: torch.Tensor, layout: RouteLayout) -> CheckedRoutes:
+        """Wrap ``routes`` that are valid for ``layout`` and that no one else holds (this package only)."""
+        self = object.__new__(cls)
+        self._routes, self.layout, self._on_device = routes, layout, {}
+        return self
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._routes.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._routes.dtype
+
+    def __len__(self) -> int:
+        return self._routes.shape[0]
+
+    def __repr__(self) -> str:
+        return f"CheckedRoutes(shape={tuple(self.shape)}, dtype={self.dtype}, layout={self.layout})"
+
+    def tensor(self) -> torch.Tensor:
+        """A copy of the routes (changing it changes nothing that is replayed)."""
+        return self._routes.clone()
+
+    def has_route(self) -> torch.Tensor:
+        """``[B, S, L]``: which rows hold a route (:func:`has_route`)."""
+        return has_route(self._routes)
+
+    def rows(self, index: slice | torch.Tensor) -> CheckedRoutes:
+        """The routes of the samples ``index`` selects (a slice, or a ``[b]`` tensor of row indices)."""
+        if isinstance(index, slice):
+            return CheckedRoutes._own(self._routes[index], self.layout)  # a view: neither side is ever written
+        return CheckedRoutes._own(self._routes.index_select(0, index.to(device=self._routes.device, dtype=torch.long)),
+                                  self.layout)
+
+    @staticmethod
+    def cat(parts: Sequence[CheckedRoutes]) -> CheckedRoutes:
+        """The parts' samples one after the other (same layout and length)."""
+        layouts = {part.layout for part in parts}
+        if len(layouts) != 1:
+            raise RouteValidationError(f"cannot concatenate routes checked for different layouts: {layouts}")
+        return CheckedRoutes._own(torch.cat([part._routes for part in parts]), layouts.pop())
+
+    def _on(self, device: torch.device) -> torch.Tensor:
+        """The routes on ``device``, copied there once (for ``RouterReplay``; never handed on)."""
+        routes = self._on_device.get(device)
+        if routes is None:
+            routes = self._on_device[device] = self._routes.to(device, non_blocking=True)
+        return routes
 
 
-def mark_checked(
-    routes: torch.Tensor, *, num_layers: int, top_k: int, num_experts: int, layers: Sequence[int] | None = None
-) -> None:
-    """Record that ``routes`` (as it is now) passed the checks of :func:`validate_routes` with these arguments.
-
-    Only for routes that did pass them, by the full pass or by construction. A non-contiguous or empty tensor is not
-    marked (it will simply be checked again)."""
-    if not isinstance(routes, torch.Tensor) or routes.numel() == 0 or not routes.is_contiguous():
-        return
-    if routes.is_inference():  # made under torch.inference_mode: no version counter to see a later change
-        return
-    if routes.dim() != 4 or routes.shape[2] != num_layers or routes.shape[3] != top_k:
-        return
-    address = routes.untyped_storage().data_ptr()
-    mark = _Mark(weakref.ref(routes, lambda _: _forget_dead(address)), routes._version, routes.storage_offset(),
-                 tuple(routes.shape), routes.stride(), routes.dtype, int(num_experts),
-                 None if layers is None else frozenset(int(layer) for layer in layers))
-    with _MARKS_LOCK:
-        _MARKS.setdefault(address, []).append(mark)
-
-
-def forget_checked(routes: torch.Tensor) -> None:
-    """Drop every mark on the storage of ``routes`` (before it is rewritten behind torch's back, e.g. through NumPy)."""
-    with _MARKS_LOCK:
-        _MARKS.pop(routes.untyped_storage().data_ptr(), None)
+def check_routes(routes: torch.Tensor | CheckedRoutes, layout: RouteLayout) -> CheckedRoutes:
+    """``routes`` checked in full for ``layout``: a private snapshot of them (contiguous, on the same device) passes
+    :func:`validate_routes` and is what the result holds, so later writes to ``routes`` (in place, through NumPy,
+    ``.data``, ``set_()`` or the storage) change nothing. :class:`CheckedRoutes` already checked for a layout that
+    holds ``layout`` pass as they are."""
+    if isinstance(routes, CheckedRoutes):
+        if not routes.layout.holds(layout):
+            raise RouteValidationError(
+                f"routes were checked for {routes.layout}, which does not cover this model's {layout}: check them "
+                "for this model's layout (check_routes(routes.tensor(), RouterReplay(model).layout))"
+            )
+        return routes
+    if not isinstance(routes, torch.Tensor):
+        raise RouteValidationError(f"routes must be a torch.Tensor, got {type(routes).__name__}")
+    with torch.inference_mode(False):  # an inference tensor's snapshot is a normal one
+        snapshot = routes.detach().clone(memory_format=torch.contiguous_format)
+    layout.validate(snapshot)
+    return CheckedRoutes._own(snapshot, layout)
 
 
-def _forget_dead(address: int) -> None:
-    with _MARKS_LOCK:
-        marks = [mark for mark in _MARKS.get(address, ()) if mark.checked() is not None]
-        if marks:
-            _MARKS[address] = marks
-        else:
-            _MARKS.pop(address, None)
+def no_routes(batch: int, length: int, layout: RouteLayout) -> CheckedRoutes:
+    """``[batch, length]`` positions of "no route" (the router's own choice everywhere)."""
+    dtype = layout.dtype
+    routes = torch.full((batch, length, layout.num_layers, layout.top_k), no_route_value(dtype), dtype=dtype)
+    return CheckedRoutes._own(routes, layout)
 
 
-def is_checked(
-    routes: torch.Tensor, *, num_layers: int, top_k: int, num_experts: int, layers: Sequence[int] | None = None
-) -> bool:
-    """O(1): True when ``routes`` is, unchanged since, a batch/position slice of routes that passed the checks of
-    :func:`validate_routes` for these arguments (or stricter ones: fewer experts, more MoE layers)."""
-    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.numel() == 0 or routes.is_inference():
-        return False
-    marks = _MARKS.get(routes.untyped_storage().data_ptr())
-    if not marks:
-        return False
-    shape, stride, version = tuple(routes.shape), routes.stride(), routes._version
-    for mark in list(marks):
-        checked = mark.checked()
-        if (
-            checked is None or version != mark.version or checked._version != mark.version
-            or checked.untyped_storage().data_ptr() != routes.untyped_storage().data_ptr()
-            or routes.dtype != mark.dtype or stride != mark.stride or shape[2:] != mark.shape[2:]
-            or shape[2:] != (num_layers, top_k) or mark.num_experts > num_experts
-        ):
-            continue
-        if mark.layers is not None and not mark.layers.issuperset(range(num_layers) if layers is None else layers):
-            continue
-        # the view starts at (b, s) of the checked tensor, whole rows, and stays inside it
-        b, rest = divmod(routes.storage_offset() - mark.offset, mark.stride[0])
-        s, partial = divmod(rest, mark.stride[1])
-        if b >= 0 and partial == 0 and b + shape[0] <= mark.shape[0] and s + shape[1] <= mark.shape[1]:
-            return True
-    return False
-
-
-def carry_check(derived: torch.Tensor, source: torch.Tensor) -> bool:
-    """Mark ``derived`` checked like ``source``, when it holds rows of ``source`` only, e.g. ``source[permutation]``.
-
-    The caller vouches for how ``derived`` was made (TRL's shuffle of a generation batch); here only its shape and
-    dtype are compared, and ``source`` must still be checked. Returns whether ``derived`` was marked."""
-    if not isinstance(derived, torch.Tensor) or derived.dtype != source.dtype or derived.shape[1:] != source.shape[1:]:
-        return False
-    with _MARKS_LOCK:
-        marks = list(_MARKS.get(source.untyped_storage().data_ptr(), ()))
-    num_layers, top_k = source.shape[2], source.shape[3]
-    for mark in marks:
-        if is_checked(source, num_layers=num_layers, top_k=top_k, num_experts=mark.num_experts,
-                      layers=None if mark.layers is None else sorted(mark.layers)):
-            mark_checked(derived, num_layers=num_layers, top_k=top_k, num_experts=mark.num_experts,
-                         layers=None if mark.layers is None else sorted(mark.layers))
-            return True
-    return False
-
-
-def cat_checked(parts: Sequence[torch.Tensor], *, num_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
-    """``torch.cat(parts)`` along the batch axis, marked checked when every part was checked for this layout (the
-    concatenation holds their rows only)."""
-    routes = torch.cat(list(parts), dim=0)
-    layout = dict(num_layers=num_layers, top_k=top_k, num_experts=num_experts)
-    if parts and all(is_checked(part, **layout) for part in parts):
-        mark_checked(routes, **layout)
-    return routes
+def pack_routes(length: int, placements: Sequence[tuple[CheckedRoutes, torch.Tensor]],
+                layout: RouteLayout) -> CheckedRoutes:
+    """``[1, length]`` routes, "no route" except where ``placements`` put a sample's routes: each
+    ``(routes, positions)`` copies ``routes[0, :len(positions)]`` (one sample's) to those positions."""
+    packed = no_routes(1, length, layout)
+    for routes, positions in placements:
+        if not routes.layout.holds(layout) or routes.dtype != packed.dtype:
+            raise RouteValidationError(f"routes checked for {routes.layout} ({routes.dtype}) cannot be packed for "
+                                       f"{layout} ({packed.dtype})")
+        packed._routes[0, positions] = routes._routes[0, : len(positions)]
+    return packed

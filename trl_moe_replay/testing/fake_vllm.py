@@ -124,6 +124,15 @@ class TransformersEngine:
             out.append(EngineCompletion(batch[i], completions[i], logprobs[i], routes, reasons[i]))
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt: list[int]) -> list[float]:
+        """The log-prob of each prompt token after the tokens before it (vLLM's ``prompt_logprobs=0``, from the second
+        token on): what the engine sync check scores its probe with."""
+        with self._lock:
+            ids = torch.tensor([prompt])
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy named tensors into the model, as vLLM's ``model.load_weights`` does; unknown names raise."""
         params = dict(self.model.named_parameters())
@@ -180,6 +189,7 @@ class FakeVLLMServer:
         self.stop_trim = stop_trim
         self.world_size = world_size
         self.batches: list[ServedBatch] = []
+        self.probes = 0  # prompt_logprobs requests answered (the engine sync check's probe)
         self.weight_updates: list[WeightUpdate] = []
         self.endpoint_calls: list[str] = []
         self.prefix_cache_resets = 0
@@ -262,6 +272,8 @@ class FakeVLLMServer:
             return 400, {"error": {"message": "this stand-in takes token-id prompts (list[list[int]]), as TRL sends"}}
         if request.get("stream"):
             return 400, {"error": {"message": "routed_experts are returned on non-streaming responses only"}}
+        if request.get("prompt_logprobs") is not None:
+            return 200, self._prompt_logprobs(prompts, bool(request.get("return_tokens_as_token_ids")))
         n = int(request.get("n", 1))
         start = int(request.get("routed_experts_prompt_start", 0))
         if not all(0 <= start <= len(p) for p in prompts):  # vLLM's input processor rejects it the same way
@@ -311,6 +323,24 @@ class FakeVLLMServer:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }
+
+
+    def _prompt_logprobs(self, prompts: list[list[int]], as_ids: bool) -> dict:
+        """Each prompt's ``prompt_logprobs`` as vLLM's ``/v1/completions`` returns them (the engine sync check's
+        probe); no completion is sampled and nothing is added to ``batches``, which records rollouts."""
+        self.probes += 1
+        key = (lambda token: f"token_id:{token}") if as_ids else str
+        choices = [{"index": index, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                    "prompt_logprobs": _prompt_entries(prompt, self.engine.prompt_logprobs(prompt),
+                                                       lambda token, value: (key(token), {"logprob": value}))}
+                   for index, prompt in enumerate(prompts)]
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices}
+
+def _prompt_entries(prompt: list[int], values: list[float], entry) -> list:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first token, then one ``{key: value}`` per token, ``entry(token,
+    log-prob) -> (key, value)``."""
+    return [None, *(dict([entry(token, value)]) for token, value in zip(prompt[1:], values, strict=True))]
 
 
 def _openai_logprobs(completion: EngineCompletion, as_ids: bool) -> dict:
@@ -427,6 +457,7 @@ class FakeRequestOutput:
     prompt_token_ids: list[int]
     outputs: list[FakeCompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[dict[int, FakeLogprob] | None] | None = None
 
 
 class FakeSamplingParams:
@@ -447,6 +478,7 @@ class FakeLLM:
         self.return_routes = bool(kwargs.get("enable_return_routed_experts", False))
         self.tamper = tamper
         self.prefix_cache_resets = 0
+        self.probes = 0  # prompt_logprobs requests answered (the engine sync check's probe)
         self.outputs: list[list[FakeRequestOutput]] = []
         self.requests: list[dict] = []  # the SamplingParams keyword arguments of every generate
         loader = type("Model", (), {"load_weights": lambda _, weights: self.engine.load_weights(iter(weights))})()
@@ -460,6 +492,11 @@ class FakeLLM:
 
     def generate(self, prompts: list[dict], sampling_params: FakeSamplingParams, use_tqdm: bool = False):
         params = sampling_params.kwargs
+        if params.get("prompt_logprobs") is not None:  # the engine sync check's probe: scored, not sampled
+            self.probes += 1
+            return [FakeRequestOutput(uuid.uuid4().hex, None, p["prompt_token_ids"], [], prompt_logprobs=_prompt_entries(
+                p["prompt_token_ids"], self.engine.prompt_logprobs(p["prompt_token_ids"]),
+                lambda token, value: (token, FakeLogprob(value)))) for p in prompts]
         self.requests.append(params)
         grouped = self.engine.generate(
             [p["prompt_token_ids"] for p in prompts], n=params.get("n", 1),

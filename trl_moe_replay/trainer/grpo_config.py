@@ -10,8 +10,19 @@ from trl import GRPOConfig
 
 from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES  # noqa: F401  (kept importable from here)
 from .config_checks import ConfigTypeError, ConfigValueError, check_config
+from .routing_options import (
+    MODES,
+    RouteSource,
+    SYNC_TRAINER,
+    ReplayMode,
+    ReplaySettings,
+    RoutingOptions,
+    default_routing_metrics,
+    resolve_sync_check,
+    default_transformers_correction,
+)
 
-ROUTING_REPLAY_MODES = ("none", "r2", "r3", "pr2")
+ROUTING_REPLAY_MODES = MODES
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
 _PAPER_EPSILONS = {"gspo": (3e-4, 4e-4), "rspo": (3e-4, 4e-4), "minirl": (0.2, 0.27)}
 
@@ -34,59 +45,6 @@ def check_generation_kwargs(args: GRPOConfig) -> None:
                 f"generation_kwargs['{key}'] must be an int >= {minimum}, got {type(value).__name__} {value!r}"
             )
         kwargs[key] = int(value)  # a numpy integer as the Python int vLLM's request and transformers expect
-
-
-@dataclass(frozen=True)
-class ReplaySettings:
-    """A run's routing options, resolved once from a ``MoEReplayGRPOConfig`` or, with our defaults, a plain
-    ``GRPOConfig`` (what ``MoEReplayGRPOTrainer`` reads)."""
-
-    routing_replay: str
-    replay_reference_model: bool
-    extreme_token_threshold: float
-    routing_metrics: bool
-    transformers_importance_sampling_correction: bool
-    records_generation: bool  # transformers generate runs inside the rollout recorder
-    generation_routes: bool  # the trainer keeps the engine's routes (recorded, or requested from vLLM)
-
-    @classmethod
-    def from_args(cls, args: GRPOConfig) -> ReplaySettings:
-        mode = getattr(args, "routing_replay", "r3")
-        metrics = getattr(args, "routing_metrics", None)
-        metrics = mode != "none" if metrics is None else bool(metrics)
-        correction = getattr(args, "transformers_importance_sampling_correction", None)
-        correction = default_transformers_correction(args) if correction is None else bool(correction)
-        engine_routes = mode == "r3" or getattr(args, "pr2_rollout_prediction", False) or metrics
-        transformers_generate = not args.use_vllm and not args.use_transformers_continuous_batching
-        return cls(
-            routing_replay=mode,
-            replay_reference_model=getattr(args, "replay_reference_model", True),
-            extreme_token_threshold=getattr(args, "extreme_token_threshold", 2.0),
-            routing_metrics=metrics,
-            transformers_importance_sampling_correction=correction and not args.use_vllm,
-            records_generation=transformers_generate and (engine_routes or correction),
-            generation_routes=engine_routes and not args.use_transformers_continuous_batching,
-        )
-
-
-def vllm_weight_sync(args: GRPOConfig) -> str | None:
-    """The resolved ``vllm_weight_sync`` (``"trl"`` or ``"reload"``), or None without vLLM."""
-    if not args.use_vllm:
-        return None
-    method = getattr(args, "vllm_weight_sync", "auto")
-    if method != "auto":
-        return method
-    replay = getattr(args, "routing_replay", "r3") != "none"
-    return "reload" if replay and args.device.type == "cpu" else "trl"
-
-
-def default_transformers_correction(args: GRPOConfig) -> bool:
-    """``transformers_importance_sampling_correction`` when unset: on with replay or MiniRL on plain ``generate``."""
-    wanted = getattr(args, "routing_replay", "r3") != "none" or args.loss_type == "minirl"
-    return (
-        wanted and args.vllm_importance_sampling_correction and not args.use_vllm
-        and not args.use_transformers_continuous_batching
-    )
 
 
 class UnrecordableGenerationError(ValueError):
@@ -157,7 +115,7 @@ def check_correction_can_learn(args: GRPOConfig, settings: ReplaySettings) -> No
         effect = "zeroes every token" if masking else "makes every ratio infinite"
     else:
         return
-    cause = "routing replay" if settings.routing_replay != "none" else f"loss_type={args.loss_type!r}"
+    cause = "routing replay" if settings.mode.replays else f"loss_type={args.loss_type!r}"
     raise ConfigValueError(
         f"{name} must be {expected} while transformers_importance_sampling_correction is on (set, or on by default "
         f"with {cause} on transformers generate), got {value}: every importance ratio is positive, so TRL's "
@@ -171,11 +129,11 @@ def check_generation_support(args: GRPOConfig) -> None:
     settings = ReplaySettings.from_args(args)
     if settings.records_generation or settings.generation_routes:  # replay reads them; else they are TRL's alone
         check_generation_kwargs(args)
-    mode = settings.routing_replay
+    mode = settings.mode
     check_colocate_tensor_parallel(args, settings.generation_routes)
     check_correction_can_learn(args, settings)
     if args.use_transformers_continuous_batching:
-        if mode == "r3" or getattr(args, "pr2_rollout_prediction", False):
+        if settings.replays_generation_routes:
             raise UnrecordableGenerationError(
                 f"routing_replay={mode!r} replays the routes generation used, but use_transformers_continuous_batching"
                 "=True generates with transformers' generate_batch, whose per-request routes are not recorded. Set "
@@ -198,7 +156,7 @@ def check_generation_support(args: GRPOConfig) -> None:
 
 
 @dataclass
-class MoEReplayGRPOConfig(GRPOConfig):
+class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
     r"""
     Configuration for [`MoEReplayGRPOTrainer`]: every [`~trl.GRPOConfig`] field plus the options below.
 
@@ -234,10 +192,10 @@ class MoEReplayGRPOConfig(GRPOConfig):
         vllm_sync_dir (`str`, *optional*):
             Server mode with `vllm_weight_sync="reload"`: where the trainer writes the weights for the server to read
             (the server must see the same path). Unset: `<output_dir>/vllm_sync`.
-        vllm_sync_check (`bool`, *optional*, defaults to `False`):
+        vllm_sync_check (`bool`, *optional*):
             After each weight sync, score a fixed probe (the first prompt trained on) with vLLM and with the trainer and
             log the largest log-prob difference as `vllm/sync_max_logprob_diff` (~1e-6 in fp32 when the weights
-            arrived).
+            arrived). Unset: off in this trainer (on in the async one, docs/async.md).
         extreme_token_threshold (`float`, *optional*, defaults to `2.0`):
             A completion token counts as extreme in `mismatch/extreme_frac` when its sampler/trainer probability
             ratio, either way, exceeds this value.
@@ -286,24 +244,9 @@ class MoEReplayGRPOConfig(GRPOConfig):
             it instead of TRL's `vllm_importance_sampling_mode` / `vllm_importance_sampling_clip_*` correction.
     """
 
-    routing_replay: str = field(
-        default="r3",
-        metadata={
-            "help": "Expert routes replayed in training forwards: 'none', 'r2' (old-policy routes), 'r3' "
-            "(rollout routes from the inference engine) or 'pr2' (predicted routes, Predictive Routing Replay).",
-            "choices": list(ROUTING_REPLAY_MODES),
-        },
-    )
     replay_reference_model: bool = field(
         default=True,
         metadata={"help": "Whether the reference model's forward (beta != 0) replays the same routes as the policy."},
-    )
-    routing_metrics: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Log routing/* agreement between engine and trainer. Unset: on with r2/r3/pr2, off with 'none' "
-            "(plain GRPOTrainer, no hooks)."
-        },
     )
     transformers_importance_sampling_correction: bool | None = field(
         default=None,
@@ -312,31 +255,6 @@ class MoEReplayGRPOConfig(GRPOConfig):
             "correction to them. Unset: on with r2/r3/pr2 or loss_type='minirl', off with 'none'."
         },
     )
-    vllm_weight_sync: str = field(
-        default="auto",
-        metadata={
-            "help": "How weights reach vLLM: 'trl' (TRL's sync), 'reload' (vLLM's reload_weights with checkpoint "
-            "names; works on vLLM's CPU build), 'auto' ('reload' on CPU with routing replay, else 'trl').",
-            "choices": ["auto", "trl", "reload"],
-        },
-    )
-    vllm_sync_dir: str | None = field(
-        default=None,
-        metadata={"help": "Server mode, vllm_weight_sync='reload': directory the server reads the weights from. "
-                  "Unset: <output_dir>/vllm_sync."},
-    )
-    vllm_sync_check: bool = field(
-        default=False,
-        metadata={"help": "After each weight sync, log vllm/sync_max_logprob_diff (engine vs trainer on a probe)."},
-    )
-    extreme_token_threshold: float = field(
-        default=2.0,
-        metadata={
-            "help": "A completion token is 'extreme' (mismatch/extreme_frac) when its sampler/trainer probability "
-            "ratio, either way, exceeds this value."
-        },
-    )
-
     pr2_lr_multiplier: float = field(
         default=1e3,
         metadata={"help": "PR2 predictor learning rate = learning_rate * this (paper: 50 to 1e4)."},
@@ -401,9 +319,10 @@ class MoEReplayGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         check_config(self, MoEReplayGRPOConfig)  # our fields strictly, TRL's as TRL takes them (config_checks.py)
+        self.routing_replay = ReplayMode.parse(self.routing_replay)
         super().__post_init__()
         self._resolve_loss_options()
-        if self.pr2_rollout_prediction and self.routing_replay != "pr2":
+        if self.pr2_rollout_prediction and self.routing_replay.source is not RouteSource.PREDICTED:
             raise ValueError(f"pr2_rollout_prediction needs routing_replay='pr2', got {self.routing_replay!r}")
         self._resolve_generation_options()
         if self.pr2_rollout_prediction and self.use_vllm:
@@ -414,11 +333,15 @@ class MoEReplayGRPOConfig(GRPOConfig):
             )
 
     def _resolve_generation_options(self) -> None:
-        """Fill routing_metrics and transformers_importance_sampling_correction when unset (see the docstring)."""
+        """Fill routing_metrics, vllm_sync_check and transformers_importance_sampling_correction when unset (see
+        the docstring)."""
         if self.routing_metrics is None:
-            self.routing_metrics = self.routing_replay != "none"
+            self.routing_metrics = default_routing_metrics(self.routing_replay)
+        sync_check = resolve_sync_check(self, self.routing_replay, self.routing_metrics, SYNC_TRAINER)
+        if self.vllm_sync_check is None:
+            self.vllm_sync_check = sync_check
         if self.transformers_importance_sampling_correction is None:
-            self.transformers_importance_sampling_correction = default_transformers_correction(self)
+            self.transformers_importance_sampling_correction = default_transformers_correction(self, self.routing_replay)
         elif self.transformers_importance_sampling_correction and not self.vllm_importance_sampling_correction:
             raise ValueError(
                 "transformers_importance_sampling_correction=True applies TRL's vllm_importance_sampling_* "

@@ -1,18 +1,19 @@
 """``MoEReplayGRPOTrainer``: TRL's ``GRPOTrainer`` with expert-routing replay (R2/R3/PR2) and mismatch metrics.
 
-The overrides are thin; the routing work lives in ``trl_moe_replay.routing``. Data flow for one generation batch:
+The overrides are thin; the routing work lives in ``trl_moe_replay.routing``, and the routes' path through the
+trainer, from intake to every forward, in ``trl_moe_replay.trainer.route_flow`` (read it top to bottom). Per
+generation batch:
 
 1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
    which records the routes and the sampling log-probs, like an inference engine would return them. With vLLM
    (server or colocate), ``engines/vllm_routes.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
-2. ``_generate``: engine rows -> routes in TRL's padded layout, through the one entry point
-   (``trl_moe_replay.engines.route_intake.RouteIntake``: per-sample fallback, warning, first-batch rule).
+2. ``_generate``: right after generation, the engine's rows are checked once, at the widths TRL pads to
+   (``GenerationBatch.align``: ``RouteIntake``, per-sample fallback, first-batch rule).
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
-   ``_get_per_token_logps_and_entropies``, which replays (R3) or records (R2) per chunk and measures the natural
-   routing at no extra forward; the routes to replay ride in the batch dict as ``replay_routes`` through TRL's
-   buffer, shuffle and split.
-4. ``_compute_loss``/``training_step``: the micro-batch's routes are replayed in the training forward and stay in
-   force until its backward has returned (gradient checkpointing recomputes the routers in backward).
+   ``_get_per_token_logps_and_entropies``, which does what ``RouteFlow.plan`` says (replay, record, steer); the routes
+   to replay stay in the trainer's buffer and the batch dict carries their ``route_rows``.
+4. ``_compute_loss``/``training_step``: each micro-batch gathers its rows, replays them in the training forward and
+   keeps them in force until its backward has returned (gradient checkpointing recomputes the routers in backward).
 
 The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
 (``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
@@ -25,11 +26,9 @@ by the predicted routes; its state and predictor training live in ``trl_moe_repl
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
@@ -42,13 +41,13 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad
 
 from ..engines import TransformersRolloutRecorder
-from ..engines.turns import RolloutTurns
 from ..engines.route_intake import RouteIntake, RoutesUnavailableError
+from ..engines.turns import RolloutTurns
 from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..engines.sync_check import build_sync_check, checked_weight_sync
-from ..engines.weight_reload import build_weight_sync, client_without_communicator, resolve_weight_sync
+from ..engines.weight_reload import build_weight_sync, client_without_communicator
 from ..routing import RouterReplay
-from ..routing.routes import carry_check, cat_checked
+from ..routing.routes import CheckedRoutes
 from ..upstream import (
     assert_trl_compatible,
     checkpoint_run_dir,
@@ -57,45 +56,35 @@ from ..upstream import (
     is_reference_forward,
     mark_vllm_weights_synced,
     quiet_upstream_notices,
-    shuffled_generation_batches,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
 )
 from .checkpoint_weights import RestoresEveryWeight
 from .expert_parallel import check_sharded_at_load, sharded_at_load_construction
-from .grpo_config import MoEReplayGRPOConfig, ReplaySettings, check_generation_support
+from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, checked_model_name
-from .metrics import fallback_sums, logprob_mismatch_sums, routable_positions, routing_agreement_sums
+from .metrics import (
+    AGREEMENT_RATIOS,
+    FALLBACK_RATIOS,
+    MISMATCH_RATIOS,
+    fallback_sums,
+    global_sums,
+    log_ratio_metrics,
+    logprob_mismatch_sums,
+    routable_positions,
+    routing_agreement_sums,
+)
 from .objectives import MoEObjectivesMixin
 from .output_lock import OutputDirLock, claim_output_dir
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
 from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
+from .route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
+from .routing_options import SYNC_TRAINER, ReplaySettings, RouteSource, option, resolve_weight_sync
 
 logger = logging.get_logger(__name__)
-
-
-@dataclass
-class _ScoringState:
-    """What one ``_generate_and_score_completions`` call learns along the way."""
-
-    turns: RolloutTurns | None = None  # the engine's rows per sample and turn (None: no engine routes)
-    generated_turns: int = 0  # _generate_single_turn calls so far (TRL's tool loop calls it again per turn)
-    prompt_lengths: list[int] = field(default_factory=list)
-    completion_lengths: list[int] = field(default_factory=list)
-    sampling_logprobs: list[list[float]] | None = None  # recorded for the metrics only (not handed to TRL)
-    generation_routes: torch.Tensor | None = None  # engine rows in TRL's padded layout, aligned on first use
-    old_natural_routes: torch.Tensor | None = None
-    old_router_ids: torch.Tensor | None = None  # router_shift_weighting: the experts the old pass used ...
-    old_router_probs: torch.Tensor | None = None  # ... and the old router's probabilities there
-
-
-def _carry_route_check(shuffled: dict, original: dict) -> None:
-    routes = original.get("replay_routes")
-    if isinstance(routes, torch.Tensor) and isinstance(shuffled.get("replay_routes"), torch.Tensor):
-        carry_check(shuffled["replay_routes"], routes)
 
 
 class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
@@ -119,7 +108,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
     # unit tests build one with object.__new__ and set only what TRL's methods read)
     _weight_sync = None
     _sync_check = None
-    _scoring: _ScoringState | None = None
+    _routes: RouteFlow | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
@@ -130,12 +119,10 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         check_generation_support(args)
         settings = self.replay_settings = ReplaySettings.from_args(args)
+        mode = self.routing_replay = settings.mode
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
-        check_launched_precision(args, strict=settings.routing_replay != "none")
-        self.routing_replay = settings.routing_replay
-        self.replay_reference_model = settings.replay_reference_model
-        self.extreme_token_threshold = settings.extreme_token_threshold
-        sync_method = resolve_weight_sync(args, asynchronous=False)
+        check_launched_precision(args, strict=mode.replays)
+        sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, SYNC_TRAINER)
         vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
         if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
             vllm_classes["LLM"] = llm_returning_routes
@@ -144,46 +131,45 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_sharded_at_load(self)  # expert parallelism: what it does not support, and full tensors to vLLM
-        check_peft_replay(self.accelerator.unwrap_model(self.model), settings.routing_replay)
-        check_launched_engine(args, self.accelerator.state.distributed_type, strict=settings.routing_replay != "none")
+        check_peft_replay(self.accelerator.unwrap_model(self.model), mode)
+        check_launched_engine(args, self.accelerator.state.distributed_type, strict=mode.replays)
 
-        uses_routes = settings.routing_replay != "none" or settings.routing_metrics
-        hooks_needed = uses_routes or bool(getattr(args, "router_shift_weighting", False))
+        hooks_needed = settings.carries_routes or bool(getattr(args, "router_shift_weighting", False))
         self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
-        self._ref_route_replay = (
-            RouterReplay(self.ref_model) if self.ref_model is not None and settings.routing_replay != "none" else None
-        )
+        self._ref_route_replay = RouterReplay(self.ref_model) if self.ref_model is not None and mode.replays else None
         # R3 with vLLM (or routing metrics): keep the routes vLLM returns (engines/vllm_routes.py), this rank's only
         self._vllm_routes = None
         if args.use_vllm and settings.generation_routes:
-            self._vllm_routes = VLLMRouteSource(
-                self.vllm_generation, self.accelerator, required=settings.routing_replay == "r3"
-            )
+            self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator,
+                                                required=mode.needs_engine_routes)
         self._route_intake = self._build_route_intake(args) if settings.generation_routes else None
-        if settings.routing_replay != "none" and self.aux_loss_enabled:
+        if mode.replays and self.aux_loss_enabled:
             logger.warning(
                 "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
                 "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
             )
             self.aux_loss_enabled = False
-        self._pr2 = self._build_pr2(args) if settings.routing_replay == "pr2" else None
+        self._pr2 = self._build_pr2(args) if mode.source is RouteSource.PREDICTED else None
         vllm_generation = self.vllm_generation if args.use_vllm else None
-        self._weight_sync = build_weight_sync(args, asynchronous=False, vllm_generation=vllm_generation,
+        self._weight_sync = build_weight_sync(sync_method, args, asynchronous=False, vllm_generation=vllm_generation,
                                               model=self.accelerator.unwrap_model(self.model))
-        self._sync_check = build_sync_check(args, asynchronous=False, accelerator=self.accelerator,
-                                            vllm_generation=vllm_generation)
-        self._scoring: _ScoringState | None = None
+        self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=False, accelerator=self.accelerator,
+                                            vllm_generation=vllm_generation,
+                                            tolerance=option(args, "sync_check_tolerance"))
         self._warned_on_policy = False
-        self._batch_routes: torch.Tensor | None = None
-        self._train_replay = contextlib.ExitStack()
         self._setup_objectives(self.args)
+        # the routes' one state: None when there is nothing to record or replay (every override hands to TRL)
+        self._routes = None
+        if not self._is_plain_trl:
+            self._routes = RouteFlow(settings, self._route_replay, self._ref_route_replay, pr2=self._pr2 is not None,
+                                     router_shift=self._router_probes is not None)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = OutputDirLock(self.args.output_dir)
         weakref.finalize(self, self._output_lock.release)
 
     def _build_route_intake(self, args) -> RouteIntake:
         """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""
-        required = self.replay_settings.routing_replay == "r3"
+        required = self.replay_settings.mode.needs_engine_routes
         if args.use_vllm:
             return RouteIntake(self.accelerator, source="vLLM", required=required,
                                remedy="Does the server serve the same checkpoint as the trainer?")
@@ -213,17 +199,17 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         """One generation turn: the first of the batch, or (TRL's tool loop) a later turn of the tool-calling
         samples, prompted with their whole sequence so far. The engine's rows are kept per sample and turn."""
         parent = super()._generate_single_turn
-        state = self._scoring
-        if state is None or (self.use_vllm and self._vllm_routes is None):
+        batch = self._routes.batch if self._routes is not None else None
+        if batch is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        later_turn = state.generated_turns > 0
-        state.generated_turns += 1
-        samples = state.turns.match(prompt_ids) if later_turn and state.turns is not None else None
+        later_turn = batch.generated_turns > 0
+        batch.generated_turns += 1
+        samples = batch.turns.match(prompt_ids) if later_turn and batch.turns is not None else None
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start = source.prompt_start
             if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
-                start = state.turns.held_positions(samples) if state.turns is not None and source.can_skip else 0
+                start = batch.turns.held_positions(samples) if batch.turns is not None and source.can_skip else 0
             source.begin_batch()
             with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if later_turn else \
                     contextlib.nullcontext():
@@ -231,7 +217,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             rows = source.local_rows(len(prompt_ids))
             if not source.required and not any(row is not None for row in rows):
                 rows = None  # metrics alone: an engine without routes leaves nothing to compare
-            self._record_turn(state, prompt_ids, output[0], rows, start, samples)
+            batch.add_turn(prompt_ids, output[0], rows, start, samples)
             return output
         if not self.replay_settings.records_generation:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
@@ -247,7 +233,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         completion_lengths = [len(ids) for ids in completion_ids]
         if routes is not None:
             rows = recorder.engine_rows([len(ids) for ids in prompt_ids], completion_lengths)
-            self._record_turn(state, prompt_ids, completion_ids, rows, 0, samples)
+            batch.add_turn(prompt_ids, completion_ids, rows, 0, samples)
         logprobs = recorder.sampling_logprobs(completion_lengths)
         if self.replay_settings.transformers_importance_sampling_correction:
             return completion_ids, logprobs
@@ -255,30 +241,22 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         # multi-turn log-probs only when it receives them. A replaced generate (a test stub) runs no forward, so its
         # rows fall short of the completions: there is no sampler to compare with then.
         covered = all(len(row) == length for row, length in zip(logprobs, completion_lengths, strict=True))
-        state.sampling_logprobs = logprobs if covered and not later_turn else None
+        batch.sampling_logprobs = logprobs if covered and not later_turn else None
         return completion_ids, None
-
-    @staticmethod
-    def _record_turn(state: _ScoringState, prompt_ids, completion_ids, rows, prompt_start: int, samples) -> None:
-        if state.turns is None:  # the batch's first turn (later ones add to it), unless it brought no routes
-            if state.generated_turns == 1 and rows is not None:
-                state.turns = RolloutTurns(prompt_ids, completion_ids, rows, prompt_start)
-            return
-        state.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
     def _generate(self, prompts):
         if self.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
             self._sync_vllm_weights()
-        state = self._scoring
-        if state is None:
+        batch = self._routes.batch if self._routes is not None else None
+        if batch is None:
             return super()._generate(prompts)
         with self._engine_correction(enabled=False):  # generate on the transformers path, as configured
             output = super()._generate(prompts)
         prompt_ids, completion_ids, extra_fields = output[0], output[1], output[5]
-        state.prompt_lengths = [len(ids) for ids in prompt_ids]
-        state.completion_lengths = [len(ids) for ids in completion_ids]
         if self.rollout_func is not None:
-            self._take_rollout_func_routes(state, prompt_ids, completion_ids, extra_fields)
+            self._take_rollout_func_routes(batch, prompt_ids, completion_ids, extra_fields)
+        if self._route_intake is not None:  # the batch's routes enter here, once (route_flow step 2)
+            batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, self.pad_to_multiple_of)
         return output
 
     def _sync_vllm_weights(self) -> None:
@@ -296,7 +274,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         checked_weight_sync(self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator,
                             self._metrics[mode])
 
-    def _take_rollout_func_routes(self, state: _ScoringState, prompt_ids, completion_ids, extra_fields: dict) -> None:
+    def _take_rollout_func_routes(self, batch: GenerationBatch, prompt_ids, completion_ids, extra_fields: dict) -> None:
         """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
         arrays or base64 ``.npy`` strings, ``None`` for none) and ``routed_experts_prompt_start`` (int or per-sample
         ints); they are taken out of the fields TRL hands to the reward functions."""
@@ -305,7 +283,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         if not self.replay_settings.generation_routes:
             return
         if rows is None:
-            if self.routing_replay == "r3":
+            if self.routing_replay.needs_engine_routes:
                 raise RoutesUnavailableError(
                     "routing_replay='r3' with a rollout_func needs the experts the engine routed each token to: "
                     "return them as output['routed_experts'] (one [p + c - 1, num_layers, top_k] array or vLLM "
@@ -319,67 +297,51 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                 "completions: return a list with one entry per completion (an array, a base64 payload or None)"
             )
         try:  # a bad value for one sample only loses that sample's routes (RouteIntake); a wrong count is a bug
-            state.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
+            batch.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
         except ValueError as exc:
             raise RoutesUnavailableError(f"rollout_func returned {exc}") from None
 
-    def _rollout_routes(self, state: _ScoringState, prompt_width: int, completion_width: int) -> torch.Tensor | None:
-        """The engine's routes in TRL's padded layout (aligned once, at TRL's widths), or None."""
-        if state.turns is None:
-            return None
-        if state.generation_routes is None:
-            rr = self._route_replay
-            layout = dict(
-                prompt_lengths=state.prompt_lengths,
-                completion_lengths=state.completion_lengths,
-                prompt_width=prompt_width,
-                completion_width=completion_width,
-                num_layers=rr.num_layers,
-                top_k=rr.top_k,
-                moe_layers=rr.moe_layers,
-                num_experts=rr.num_experts,
-            )
-            state.generation_routes = self._route_intake.align(state.turns.turns, **layout)
-        elif state.generation_routes.shape[1] != prompt_width + completion_width:
-            raise RuntimeError(
-                f"the generation routes were aligned to {state.generation_routes.shape[1]} positions, but TRL's batch "
-                f"has {prompt_width} + {completion_width}"
-            )
-        return state.generation_routes
-
     def _generate_and_score_completions(self, inputs):
-        if self._is_plain_trl:
+        if self._routes is None:
             output = super()._generate_and_score_completions(inputs)
             self._log_mismatch_metrics(output, None)
             return output
-        state = self._scoring = _ScoringState()
-        try:
+        mode = "train" if self.model.training else "eval"
+        with self._routes.generation_batch() as batch:
             with self._engine_correction():
                 output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._scoring = None
-        self._rollout_routes(state, output["prompt_ids"].size(1), output["completion_ids"].size(1))
-        if self.routing_replay in ("r2", "pr2") and "old_per_token_logps" not in output and not self._warned_on_policy:
-            self._warned_on_policy = True
-            logger.warning(
-                f"routing_replay={self.routing_replay!r} has nothing to replay here: TRL ran no old-logprob pass for "
-                "this batch, so the configuration is on-policy and every update already routes like the old policy"
-                + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None else ".")
-            )
-        replay_routes = self._routes_to_replay(state)
-        if replay_routes is not None:
-            output["replay_routes"] = replay_routes
-        if state.old_router_ids is not None:  # ride through TRL's buffer, shuffle and split like the routes
-            output["old_router_ids"], output["old_router_probs"] = state.old_router_ids, state.old_router_probs
-        if self._pr2 is not None:
-            output.update(self._pr2.take_old_pass_cache(self.state.global_step))
-        trainer_logps = None
-        if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
-            trainer_logps = self._metrics_pass(output, state)
-        self._log_mismatch_metrics(output, state, trainer_logps)
+            if self.routing_replay.records_old_pass and "old_per_token_logps" not in output \
+                    and not self._warned_on_policy:
+                self._warned_on_policy = True
+                logger.warning(
+                    f"routing_replay={self.routing_replay!r} has nothing to replay here: TRL ran no old-logprob pass "
+                    "for this batch, so the configuration is on-policy and every update already routes like the old "
+                    "policy" + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None
+                                else ".")
+                )
+            # route_flow step 4: the batch dict carries rows, not routes (taken before the metrics pass, whose
+            # recorded routes are for routing/* only)
+            route_rows = self._routes.store(batch, mode)
+            if route_rows is not None:
+                output[ROUTE_ROWS] = route_rows
+            trainer_logps = None
+            if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
+                trainer_logps = self._metrics_pass(output, batch)
+            if batch.old_router:  # ride through TRL's buffer, shuffle and split with their samples
+                output["old_router_ids"] = torch.cat([ids for ids, _ in batch.old_router], dim=0)
+                output["old_router_probs"] = torch.cat([probs for _, probs in batch.old_router], dim=0)
+            if self._pr2 is not None:
+                output.update(self._pr2.take_old_pass_cache(self.state.global_step))
+            self._log_mismatch_metrics(output, batch, trainer_logps)
         return output
 
-    def _metrics_pass(self, output: dict, state: _ScoringState) -> torch.Tensor | None:
+    def replayed_routes(self, inputs: dict) -> torch.Tensor | None:
+        """A copy of the routes the forwards of ``inputs`` (a generation batch or a micro-batch of it, while its
+        generation batch is the current one) replay, ``[B, S, num_layers, top_k]``; None when they replay none."""
+        route_rows = inputs.get(ROUTE_ROWS)
+        return None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows).tensor()
+
+    def _metrics_pass(self, output: dict, batch: GenerationBatch) -> torch.Tensor | None:
         """The trainer's side of the comparison for a batch TRL ran no old-logprob pass on, or None.
 
         An on-policy batch (no engine IS correction, ``num_iterations=1``, aligned steps) gets no old-logprob pass
@@ -389,89 +351,62 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         numbers it may draw (router jitter, dropout) come from a forked RNG and nothing of it reaches TRL's output, so
         loss and parameters stay TRL's.
         """
-        has_sampler = state.sampling_logprobs is not None or output.get("sampling_per_token_logps") is not None
-        if not has_sampler and state.generation_routes is None:
+        has_sampler = batch.sampling_logprobs is not None or output.get("sampling_per_token_logps") is not None
+        if not has_sampler and batch.generation is None:
             return None  # nothing to compare against
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        logits_to_keep = output["completion_ids"].size(1)
         args = self.args
         batch_size = args.per_device_train_batch_size if self.model.training else args.per_device_eval_batch_size
-        rr = self._route_replay
-        routes = state.generation_routes if self._replays_rollout_routes() else None
-        logps, natural = [], []
         device = self.accelerator.device
+        parent = GRPOTrainer._get_per_token_logps_and_entropies.__get__(self)
         # router jitter and dropout draw from the global RNG in a training-mode forward: fork it, so that the sampling
         # and training after this extra forward draw what they would without it (under "none": TRL's numbers)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
                 disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-            for start in range(0, input_ids.size(0), batch_size):
-                end = min(start + batch_size, input_ids.size(0))
-                with contextlib.ExitStack() as stack:
-                    if routes is not None:
-                        stack.enter_context(rr.replay(routes[start:end]))
-                    recording = stack.enter_context(rr.record())
-                    chunk_logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-                        self, self.model, input_ids[start:end], attention_mask[start:end], logits_to_keep
-                    )
-                logps.append(chunk_logps)
-                natural.append(recording.routes)
-        state.old_natural_routes = torch.cat(natural, dim=0)
-        return torch.cat(logps, dim=0)
+            logps, _, _ = self._planned_forward(self._routes.metrics_plan(), parent, self.model, input_ids,
+                                                attention_mask, output["completion_ids"].size(1), batch_size)
+        return logps
 
     # ------------------------------------------------------------------ forwards
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         parent = super()._get_per_token_logps_and_entropies
-        state = self._scoring
-        if self._route_replay is None or (state is None and self._batch_routes is None):
+        plan = None
+        if self._routes is not None:
+            plan = self._routes.plan(is_reference=self._routes.batch is not None and is_reference_forward(self, model),
+                                     is_ref_model=model is self.ref_model)
+        if plan is None or plan.is_plain:
             return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                           compute_aux_loss, **multimodal)
         if any(value is not None for value in multimodal.values()):
             raise NotImplementedError("routing replay supports text-only models")
-        if state is None:  # training (or evaluation) forward on a micro-batch, replaying its routes
-            if torch.is_grad_enabled():
-                # stays in force through the backward; training_step closes it
-                self._train_replay.enter_context(self._route_replay.replay(self._batch_routes))
+        return self._planned_forward(plan, parent, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                     compute_entropy, compute_aux_loss)
+
+    def _planned_forward(self, plan: ForwardPlan, parent, model, input_ids, attention_mask, logits_to_keep,
+                         batch_size=None, compute_entropy=False, compute_aux_loss=False):
+        """TRL's forward ``parent`` as ``plan`` says: replaying its routes, chunk by chunk like TRL's own batching,
+        recording the natural routes, steering (PR2) or capturing the old router (RSPO)."""
+        plan.check_width(input_ids.size(1))
+        rr = plan.route_replay
+        if plan.forward is Forward.TRAINING:  # in force through the backward: training_step ends it
+            with self._routes.micro_replay.replay(rr, plan.replay):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
-            with self._route_replay.replay(self._batch_routes):
-                return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
-                              compute_aux_loss)
-
-        prompt_width = input_ids.size(1) - logits_to_keep
-        is_old_pass = not is_reference_forward(self, model)
-        if is_old_pass:
-            rr = self._route_replay
-            record = self.replay_settings.routing_metrics or self.routing_replay in ("r2", "pr2")
-            rollout = self._rollout_routes(state, prompt_width, logits_to_keep)
-            routes = rollout if self._replays_rollout_routes() else None
-            observed = record or self._pr2 is not None or self._router_probes is not None
-        else:  # the reference pass (beta != 0) replays the policy's routes, unless told not to
-            rr = self._ref_route_replay if model is self.ref_model else self._route_replay
-            record = False
-            routes = None
-            if self.routing_replay != "none" and self.replay_reference_model:
-                self._rollout_routes(state, prompt_width, logits_to_keep)
-                routes = self._routes_to_replay(state)
-            observed = False
-        if routes is None and not observed:
-            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                          compute_aux_loss)
-
         batch_size = batch_size or input_ids.size(0)
-        logps, entropies, aux_losses, natural, old_router = [], [], [], [], []
+        logps, entropies, aux_losses, natural = [], [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             with contextlib.ExitStack() as stack:
-                if routes is not None:
-                    stack.enter_context(rr.replay(routes[start:end]))
-                if is_old_pass and self._pr2 is not None:  # predicted routes (unless replayed) + predictor cache
+                if plan.replay is not None:
+                    stack.enter_context(rr.replay(plan.replay.rows(slice(start, end))))
+                if plan.pr2:  # predicted routes (unless replayed) + predictor cache
                     stack.enter_context(self._pr2.old_pass_chunk(
-                        attention_mask[start:end], logits_to_keep, steer=routes is None, cache=self.model.training
+                        attention_mask[start:end], logits_to_keep, steer=plan.replay is None, cache=self.model.training
                     ))
-                recording = stack.enter_context(rr.record()) if record else None
-                capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), is_old_pass))
+                recording = stack.enter_context(rr.record()) if plan.record else None
+                capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), plan.old_router))
                 chunk_logps, chunk_entropies, chunk_aux = parent(
                     model, input_ids[start:end], attention_mask[start:end], logits_to_keep, None, compute_entropy,
                     compute_aux_loss,
@@ -480,36 +415,20 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             entropies.append(chunk_entropies)
             aux_losses.append(chunk_aux)
             if recording is not None:
-                natural.append(recording.routes)
+                natural.append(recording.checked)
             if capture is not None:
-                old_router.append((capture.ids, capture.probs))
-        if record:
-            # recorded, so checked: the mark survives the concatenation (R2/PR2 replay it in every micro-batch)
-            state.old_natural_routes = cat_checked(natural, num_layers=rr.num_layers, top_k=rr.top_k,
-                                                   num_experts=rr.num_experts)
-        if old_router:
-            state.old_router_ids = torch.cat([ids for ids, _ in old_router], dim=0)
-            state.old_router_probs = torch.cat([probs for _, probs in old_router], dim=0)
+                self._routes.batch.old_router.append((capture.ids, capture.probs))
+        if plan.record:  # recorded, so checked by construction (R2/PR2 replay them in every micro-batch)
+            self._routes.batch.natural = CheckedRoutes.cat(natural)
         return (
             torch.cat(logps, dim=0),
             torch.cat(entropies, dim=0) if compute_entropy else None,
             torch.stack(aux_losses).mean() if compute_aux_loss else None,
         )
 
-    def _prepare_inputs(self, generation_batch):
-        """TRL's buffering, with the routes' "checked" mark carried over TRL's shuffle (seam entry
-        ``generation_batch_shuffle``).
-
-        The generation batch's routes were checked where they entered (``RouteIntake.align`` or ``record()``). TRL
-        shuffles the batch along its first axis (a copy, which loses the mark) and splits the copy into the
-        micro-batches' views; the copy holds rows of the routes it was made from only, so it is marked like them,
-        and every training forward's ``replay()`` costs an O(1) look-up instead of a host pass over its routes.
-        Whatever routes the batch holds when TRL shuffles it are the ones whose mark is carried (or not)."""
-        with shuffled_generation_batches(_carry_route_check):
-            return super()._prepare_inputs(generation_batch)
-
     def _compute_loss(self, model, inputs):
-        self._batch_routes = inputs.get("replay_routes")
+        if self._routes is not None:
+            self._routes.begin_micro_batch(inputs)  # its rows of the buffer (route_flow step 5)
         with self._engine_correction():
             if self._pr2 is not None and self.model.training:
                 with self._pr2.watch_training_forward(inputs):
@@ -526,15 +445,15 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                 self._pr2.average_gradients(self.accelerator.num_processes)  # before the Trainer clips them
             return loss
         finally:
-            self._train_replay.close()  # only now: the backward (and any recompute in it) has returned
-            self._batch_routes = None
+            if self._routes is not None:
+                self._routes.end_micro_batch()  # only now: the backward (and any recompute in it) has returned
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         try:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         finally:
-            self._train_replay.close()
-            self._batch_routes = None
+            if self._routes is not None:
+                self._routes.end_micro_batch()
 
     def train(self, *args, **kwargs):
         """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.trainer.output_lock`).
@@ -546,7 +465,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return super().train(*args, **kwargs)
 
     def _claim_output_dir(self) -> None:
-        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay != "none")
+        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
 
     def end(self):
         """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
@@ -562,15 +481,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         # what Trainer.end does (transformers >= 5.18); called directly, as transformers 5.16-5.17 have no end()
         self.accelerator.end_training()
 
-    # ------------------------------------------------------------------ routes and PR2
-    def _replays_rollout_routes(self) -> bool:
-        return self.routing_replay == "r3" or (self._pr2 is not None and self._pr2.rollout_prediction)
-
-    def _routes_to_replay(self, state: _ScoringState) -> torch.Tensor | None:
-        if self._replays_rollout_routes():
-            return state.generation_routes
-        return state.old_natural_routes if self.routing_replay in ("r2", "pr2") else None
-
+    # ------------------------------------------------------------------ PR2
     def _build_pr2(self, args) -> PredictiveRoutingReplay:
         if self.optimizer is not None:
             raise NotImplementedError(
@@ -689,59 +600,38 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             )
 
     # ------------------------------------------------------------------ metrics
-    def _log_mismatch_metrics(self, output: dict, state: _ScoringState | None,
+    def _log_mismatch_metrics(self, output: dict, batch: GenerationBatch | None,
                               trainer_logps: torch.Tensor | None = None) -> None:
         """``mismatch/*`` wherever the batch has both the sampler's and the trainer's old log-probs (TRL's own, or
         recorded for the metrics: ``trainer_logps`` from ``_metrics_pass``), ``routing/*`` wherever the engine's routes
-        and the trainer's natural ones exist.
-
-        A ratio with nothing to measure (no valid completion token, no routed pair) is logged as NaN, not 0.0 (which
-        reads as a perfect score): TRL's ``log`` drops NaN before averaging a logging window, so other steps'
-        values are not pulled, and a window of no-data steps logs ``None``.
+        and the trainer's natural ones exist (``metrics.log_ratio_metrics``: NaN for no data, as in the async trainer).
         """
-        mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode]
-        device = self.accelerator.device
+        metrics = self._metrics["train" if self.model.training else "eval"]
         old = output.get("old_per_token_logps", trainer_logps)
         sampling = output.get("sampling_per_token_logps")
-        if sampling is None and state is not None and state.sampling_logprobs is not None:
+        if sampling is None and batch is not None and batch.sampling_logprobs is not None:
             sampling = pad(
-                [torch.tensor(row, dtype=torch.float32) for row in state.sampling_logprobs], padding_value=0.0,
+                [torch.tensor(row, dtype=torch.float32) for row in batch.sampling_logprobs], padding_value=0.0,
                 padding_side="right", pad_to_multiple_of=self.pad_to_multiple_of,
-            ).to(device)
+            ).to(self.accelerator.device)
         if old is not None and sampling is not None:
             mask = output["completion_mask"]
             if "tool_mask" in output:  # tool results are not sampled: TRL gives them log-prob 0 and masks them out
                 mask = mask * output["tool_mask"]
-            sums = logprob_mismatch_sums(sampling, old, mask, self.extreme_token_threshold)
-            total = self._global_sums(sums, device)
-            metrics["mismatch/kl_k1"].append(_ratio(total["kl_k1"], total["tokens"]))
-            metrics["mismatch/kl_k3"].append(_ratio(total["kl_k3"], total["tokens"]))
-            metrics["mismatch/extreme_frac"].append(_ratio(total["extreme"], total["tokens"]))
-        reference = state.generation_routes if state is not None else None
-        if reference is None:
+            sums = logprob_mismatch_sums(sampling, old, mask, self.replay_settings.extreme_token_threshold)
+            log_ratio_metrics(metrics, self.accelerator, sums, MISMATCH_RATIOS)
+        if batch is None or batch.generation is None:
             return
+        reference = batch.generation.tensor()
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         positions = routable_positions(attention_mask).cpu()
         moe_layers = self._route_replay.moe_layers
-        if state.old_natural_routes is None:  # no trainer pass to compare: fallback only
-            total = self._global_sums(fallback_sums(reference, positions, moe_layers), device)
-        else:
-            total = self._global_sums(
-                routing_agreement_sums(state.old_natural_routes, reference, positions, moe_layers), device
-            )
-            metrics["routing/mismatch_frac"].append(_ratio(total["mismatch_pairs"], total["pairs"]))
-            metrics["routing/token_any_mismatch"].append(_ratio(total["tokens_any_mismatch"], total["tokens"]))
-            metrics["routing/topk_agreement"].append(_ratio(total["overlap"], total["pairs"]))
-        metrics["routing/fallback_frac"].append(_ratio(total["fallback_positions"], total["positions"]))
+        if batch.natural is None:  # no trainer pass to compare: fallback only
+            log_ratio_metrics(metrics, self.accelerator, fallback_sums(reference, positions, moe_layers),
+                              FALLBACK_RATIOS)
+            return
+        sums = routing_agreement_sums(batch.natural.tensor(), reference, positions, moe_layers)
+        log_ratio_metrics(metrics, self.accelerator, sums, {**AGREEMENT_RATIOS, **FALLBACK_RATIOS})
 
-    def _global_sums(self, sums: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-        names = list(sums)
-        stacked = torch.stack([sums[name].float().to(device) for name in names])
-        gathered = self.accelerator.gather(stacked[None]).sum(dim=0)
-        return dict(zip(names, gathered, strict=True))
-
-
-def _ratio(total: torch.Tensor, count: torch.Tensor) -> float:
-    """``total / count``, or NaN when nothing was counted ("no data", which TRL's ``log`` leaves out of averages)."""
-    return (total / count).item() if count.item() > 0 else math.nan
+    def _global_sums(self, sums: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
+        return global_sums(self.accelerator, sums)

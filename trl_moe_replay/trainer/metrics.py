@@ -1,12 +1,14 @@
-"""Training-inference mismatch and routing-agreement metrics.
+"""Training-inference mismatch and routing-agreement metrics: one implementation for both trainers.
 
-Each function returns *sums and counts* (0-dim tensors) rather than means, so that the trainer can add them up
-across ranks before dividing (a mean of per-rank means would weight ranks with few tokens too much).
+Each ``*_sums`` function returns *sums and counts* (0-dim tensors) rather than means, so that they are added up
+across ranks before dividing (a mean of per-rank means would weight ranks with few tokens too much);
+:func:`log_ratio_metrics` does that and appends the ``mismatch/*`` and ``routing/*`` values to TRL's metric lists.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -92,3 +94,37 @@ def routable_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     is_last = torch.zeros_like(mask)
     is_last[torch.arange(mask.shape[0]), last] = True
     return mask & ~is_last
+
+
+# metric name -> (numerator, denominator) among the sums above
+MISMATCH_RATIOS = {"mismatch/kl_k1": ("kl_k1", "tokens"), "mismatch/kl_k3": ("kl_k3", "tokens"),
+                   "mismatch/extreme_frac": ("extreme", "tokens")}
+AGREEMENT_RATIOS = {"routing/mismatch_frac": ("mismatch_pairs", "pairs"),
+                    "routing/token_any_mismatch": ("tokens_any_mismatch", "tokens"),
+                    "routing/topk_agreement": ("overlap", "pairs")}
+FALLBACK_RATIOS = {"routing/fallback_frac": ("fallback_positions", "positions")}
+
+
+def global_sums(accelerator: Any, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sums`` added up over every process (one gather of them all)."""
+    names = list(sums)
+    stacked = torch.stack([sums[name].float().to(accelerator.device) for name in names])
+    gathered = accelerator.gather(stacked[None]).sum(dim=0)
+    return dict(zip(names, gathered, strict=True))
+
+
+def log_ratio_metrics(metrics: dict[str, list], accelerator: Any, sums: dict[str, torch.Tensor],
+                      ratios: dict[str, tuple[str, str]], *, as_rate: bool = False) -> None:
+    """Append each of ``ratios`` (name -> numerator, denominator among ``sums``), summed over processes, to TRL's
+    metric lists: the value, or with ``as_rate`` the (numerator, denominator) pair that the async trainer's ``log``
+    reduces as a rate over the logging window. Nothing counted (denominator 0) is NaN, never 0.0 (which reads as a
+    perfect score): TRL's ``log`` leaves NaN out of a window's average, and a window of no data logs ``None``."""
+    total = global_sums(accelerator, sums)
+    for name, (numerator, denominator) in ratios.items():
+        count = total[denominator].item()
+        if count <= 0:
+            metrics[name].append(math.nan)
+        elif as_rate:
+            metrics[name].append((total[numerator].item(), count))
+        else:
+            metrics[name].append((total[numerator] / total[denominator]).item())

@@ -117,7 +117,7 @@ class MoEObjectivesMixin:
             if old_ids.shape[:2] != input_ids.shape:
                 raise ValueError(
                     f"old_router_ids {tuple(old_ids.shape)} do not match the forward's input_ids "
-                    f"{tuple(input_ids.shape)}: they must travel with the batch like replay_routes"
+                    f"{tuple(input_ids.shape)}: they must travel with their samples through TRL's buffer, shuffle and split"
                 )
             with self._router_probes.at(old_ids) as reading:
                 yield

@@ -19,6 +19,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from ..routing.routers import family_of
+from .routing_options import ReplayMode
 
 
 class UnfaithfulPeftReplayError(ValueError):
@@ -41,7 +42,8 @@ def adapted_routing_modules(model: torch.nn.Module) -> list[str]:
 
 def check_peft_replay(model: torch.nn.Module, routing_replay: str, *, adapter_only_sync: bool = False) -> None:
     """Refuse, in one line, a PEFT policy whose routes cannot be replayed faithfully (module docstring)."""
-    if routing_replay == "none" or not is_peft_model(model):
+    routing_replay = ReplayMode(routing_replay)
+    if not routing_replay.replays or not is_peft_model(model):
         return
     config = model.active_peft_config
     if config.is_prompt_learning:
@@ -50,7 +52,7 @@ def check_peft_replay(model: torch.nn.Module, routing_replay: str, *, adapter_on
             "positions the engine and the recorded routes never saw, so no route lines up with its token. Use a LoRA "
             "adapter (peft.LoraConfig), or routing_replay='none'."
         )
-    if adapter_only_sync and routing_replay == "r3":
+    if adapter_only_sync and routing_replay.needs_engine_routes:
         touched = adapted_routing_modules(model)
         if touched:
             raise UnfaithfulPeftReplayError(

@@ -8,7 +8,7 @@ The predictors and their loss live in ``routing.predictor``; this module holds t
    spaced completion positions. The recorded routes are replayed in every update, exactly like R2's.
 2. ``take_old_pass_cache``: the cache as batch-dict tensors (``pr2_positions`` ``[B, T]``, ``pr2_router_inputs``
    ``[B, T, L_moe, hidden]`` in the router-input dtype, ``pr2_old_logits`` ``[B, T, L_moe, E]`` fp32), which ride
-   with their samples through TRL's buffer, shuffle and split, like ``replay_routes``.
+   with their samples through TRL's buffer, shuffle and split.
 3. Training forward of each micro-batch (``watch_training_forward``): the current router's logits, natural ids and
    replayed ids at the cached positions, taken from the forward the policy loss runs anyway.
 4. Right after that forward (``training_loss``): metric sums, and from the first update after the old-logprob

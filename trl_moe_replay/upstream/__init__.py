@@ -10,7 +10,7 @@ touching the private name, and the part's check.
                             ``ddp_ignored_parameters``
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
                             ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``
-``trl_seam``                ``grpo_private_methods``, ``generation_batch_shuffle``, ``engine_logprob_correction``,
+``trl_seam``                ``grpo_private_methods``, ``padded_width``, ``engine_logprob_correction``,
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
                             ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
@@ -37,9 +37,10 @@ PARTS = ("torch_seam", "transformers_seam", "trl_seam", "trl_async_seam")
 # name -> the part that defines it, for the names the rest of the package imports from the seam
 _LAZY = {
     **dict.fromkeys(("check_trl", "assert_trl_compatible", "quiet_upstream_notices", "TRL_READ", "TRL_RANGE",
-                     "shuffled_generation_batches", "engine_logprob_correction", "is_reference_forward",
+                     "trl_padded_width", "engine_logprob_correction", "is_reference_forward",
                      "run_loss_on_trl_branch", "set_old_logps_for_loss", "MINIRL_TRL_BRANCH", "client_session",
-                     "http_vllm_client", "vllm_generation_classes", "vllm_request_fields", "exclude_from_weight_sync",
+                     "http_vllm_client", "vllm_generation_classes", "vllm_sampling_params_class", "vllm_request_fields",
+                     "exclude_from_weight_sync",
                      "trl_named_params", "map_weight_sync_tensors", "vllm_weights_stale", "mark_vllm_weights_synced",
                      "wake_colocated_weights"),
                     "trl_seam"),
@@ -89,10 +90,11 @@ if TYPE_CHECKING:
         quiet_upstream_notices,
         run_loss_on_trl_branch,
         set_old_logps_for_loss,
-        shuffled_generation_batches,
         trl_named_params,
+        trl_padded_width,
         vllm_generation_classes,
         vllm_request_fields,
+        vllm_sampling_params_class,
         vllm_weights_stale,
         wake_colocated_weights,
     )

@@ -1,5 +1,5 @@
-"""The TRL async part of the seam: what ``MoEReplayAsyncGRPOTrainer`` (trl_moe_replay/trainer/async_grpo_trainer.py)
-and its rollout worker (trl_moe_replay/engines/async_rollout.py) rely on in TRL's experimental
+"""The TRL async part of the seam: what ``MoEReplayAsyncGRPOTrainer`` (trl_moe_replay/async_grpo/async_grpo_trainer.py)
+and its rollout worker (trl_moe_replay/async_grpo/async_rollout_worker.py) rely on in TRL's experimental
 ``trl/experimental/async_grpo/`` beyond its public API, each one named entry (read from TRL 1.16.0).
 
 :func:`check_async_trl` verifies the entries by signature, by the names that must exist, and by behavioural probes

@@ -24,7 +24,7 @@ import importlib
 import inspect
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,7 +69,6 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                            "batch_size", "compute_entropy", "compute_aux_loss"),
     "_compute_loss": ("self", "model", "inputs"),
-    "_prepare_inputs": ("self", "generation_batch"),
     "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
 }
 PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer")
@@ -78,31 +77,21 @@ GRPO_PRIVATE_METHODS = _trl_entry(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# generation_batch_shuffle: GRPOTrainer._prepare_inputs shuffles what _generate_and_score_completions returned (a
-#    copy along the first axis, with the module global shuffle_sequence_dict), then splits it (views) into
-#    steps_per_generation micro-batches and hands out the first. The override carries the routes' "checked" mark
-#    over the shuffle (routing.routes.carry_check).
+# padded_width: GRPOTrainer._generate_and_score_completions pads the prompts (left) and the completions (right) with
+#    trl.trainer.utils.pad(..., pad_to_multiple_of=self.pad_to_multiple_of): the longest, rounded up to the multiple.
+#    The routes are aligned once, right after generation, at that width (trainer/route_flow.py); every forward then
+#    compares the width it is fed with, O(1), so a TRL that pads otherwise fails there, loudly, never silently.
 # ---------------------------------------------------------------------------------------------------------------
-GENERATION_BATCH_SHUFFLE = _trl_entry("generation_batch_shuffle")
+PADDED_WIDTH = _trl_entry("padded_width")
 
 
-@contextlib.contextmanager
-def shuffled_generation_batches(observe: Callable[[dict, dict], None]) -> Iterator[None]:
-    """Within the context, each generation batch ``GRPOTrainer._prepare_inputs`` shuffles (TRL's module-global
-    ``shuffle_sequence_dict``) is handed to ``observe(shuffled, original)`` right after the shuffle."""
-    module = importlib.import_module("trl.trainer.grpo_trainer")
-    shuffle = module.shuffle_sequence_dict
-
-    def observed(batch):
-        shuffled = shuffle(batch)
-        observe(shuffled, batch)
-        return shuffled
-
-    module.shuffle_sequence_dict = observed
-    try:
-        yield
-    finally:
-        module.shuffle_sequence_dict = shuffle
+def trl_padded_width(lengths: Sequence[int], pad_to_multiple_of: int | None) -> int:
+    """The width TRL's ``pad`` gives a batch of ``lengths``: the longest, rounded up to ``pad_to_multiple_of``
+    (entry ``padded_width``)."""
+    width = max(lengths, default=0)
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    return width
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -270,6 +259,13 @@ def vllm_generation_classes(**make_subclass: Callable[[type], type]) -> Iterator
                 setattr(module, name, original)
 
 
+def vllm_sampling_params_class() -> type:
+    """The ``SamplingParams`` class TRL's colocate mode builds its requests with (the module global of
+    ``trl/generation/vllm_generation.py``: vLLM's, or whatever a test installed there), so that a request of ours to
+    the colocated engine is built the way TRL builds its own."""
+    return importlib.import_module(_VLLM_GENERATION_MODULE).SamplingParams
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vllm_request_fields: per-request fields of TRL's vLLM requests (trl/generation/vllm_generation.py).
 #    VLLMGeneration.generate merges its `generation_kwargs` attribute (GRPOConfig.generation_kwargs) into every
@@ -393,7 +389,7 @@ PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # Module globals of TRL the seam reads or replaces, by entry (checked to exist; their behaviour is probed below).
 MODULE_GLOBALS: dict[Entry, tuple[str, tuple[str, ...]]] = {
-    GENERATION_BATCH_SHUFFLE: ("trl.trainer.grpo_trainer", ("shuffle_sequence_dict", "split_tensor_dict")),
+    PADDED_WIDTH: ("trl.trainer.utils", ("pad",)),
     HTTP_VLLM_CLIENT: ("trl.generation.vllm_client", ("is_vllm_available", "VLLMClient")),
     VLLM_GENERATION_CLASSES: (_VLLM_GENERATION_MODULE, ("VLLMClient", "VLLMGeneration")),
 }
@@ -587,18 +583,14 @@ def _probe_minirl_on_vespo(trainer_class: type) -> str | None:
     return None
 
 
-def _probe_generation_batch_shuffle(trainer_class: type) -> str | None:
-    batch = {"x": torch.arange(4)}
-    observed = []
-    trainer = _stand_in_trainer(_step=0, _buffered_inputs=None,
-                                _generate_and_score_completions=lambda generation_batch: batch)
-    trainer.args.steps_per_generation = 2
-    with shuffled_generation_batches(lambda shuffled, original: observed.append((shuffled, original))):
-        first = trainer_class._prepare_inputs(trainer, [{}])
-    if len(observed) != 1 or observed[0][1] is not batch:
-        return "GRPOTrainer._prepare_inputs no longer shuffles the generation batch with shuffle_sequence_dict"
-    if not torch.equal(first["x"], observed[0][0]["x"][:2]):
-        return "GRPOTrainer._prepare_inputs no longer splits the shuffled batch and hands out its first part"
+def _probe_padded_width(trainer_class: type) -> str | None:
+    pad = _import("trl.trainer.utils").pad
+    for lengths, multiple in (([3, 5], None), ([3, 5], 4), ([1], 8), ([0, 2], 2)):
+        for side in ("left", "right"):
+            padded = pad([torch.ones(n) for n in lengths], padding_side=side, pad_to_multiple_of=multiple).shape[1]
+            if padded != trl_padded_width(lengths, multiple):
+                return (f"trl.trainer.utils.pad pads {lengths} ({side}, multiple {multiple}) to {padded}, not to "
+                        f"{trl_padded_width(lengths, multiple)} (trl_padded_width)")
     return None
 
 
@@ -722,7 +714,7 @@ _PROBES: tuple[tuple[Entry, Callable[[type], str | None]], ...] = (
     (ENGINE_LOGPROB_CORRECTION, _probe_engine_correction_in_loss),
     (ENGINE_LOGPROB_CORRECTION, _probe_engine_correction_in_scoring),
     (MINIRL_ON_VESPO, _probe_minirl_on_vespo),
-    (GENERATION_BATCH_SHUFFLE, _probe_generation_batch_shuffle),
+    (PADDED_WIDTH, _probe_padded_width),
     (REFERENCE_FORWARD, _probe_reference_forward),
     (VLLM_SYNC_TRIGGER, _probe_vllm_sync_trigger),
     (WEIGHT_SYNC_PARAMS, _probe_weight_sync_params),

@@ -6,54 +6,56 @@ prompt's positions, and would share one route there even when they were sampled 
 policy version, or a request that spanned a weight sync). :class:`RoutedTreeRow` adds each position's route to the
 key: samples share a position only where their tokens *and* their routes agree, and fork where the routes differ.
 Shared prefixes stay shared whenever the engine routed them alike (the common case: same weights, same prefix);
-nothing is replayed with a route another sample's engine used. ``pack()`` then lays every sample's routes onto its
-packed positions, and says whether they were all checked where they entered (then the forward does not check them).
+nothing is replayed with a route another sample's engine used. ``pack()`` then lays every sample's checked routes onto
+its packed positions (``routing.routes.pack_routes``: built by our code from checked parts, so checked too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..routing.routes import has_route, is_checked, mark_checked, no_route_value
+from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_routes
 from ..upstream import async_tree_row_class
 
 TreeRow = async_tree_row_class()
 
 
-def route_keys(routes: torch.Tensor | None, length: int) -> list[Any]:
-    """One hashable key per position: the position's expert set per layer (``None`` where nothing is replayed)."""
+def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:
+    """One hashable key per position of a sample's ``[1, length]`` routes: the position's expert set per layer
+    (``None`` where nothing is replayed)."""
     if routes is None:
         return [None] * length
-    array = np.sort(routes.numpy(), axis=-1)  # a route is a set of experts: the order the engine listed them in is not
+    values = routes.tensor()[0]
+    array = np.sort(values.numpy(), axis=-1)  # a route is a set of experts: the order the engine listed them in is not
     flat = np.ascontiguousarray(array.reshape(length, -1))
-    routed = has_route(routes).any(dim=-1).tolist()
+    routed = routes.has_route()[0].any(dim=-1).tolist()
     return [row.tobytes() if keep else None for row, keep in zip(flat, routed, strict=True)]
 
 
 class RoutedTreeRow(TreeRow):
     """``TreeRow`` whose trie is keyed on (token, next token, route): see the module docstring.
 
-    A sample dict may carry ``replay_routes`` (``[len(input_ids), L, K]``, "no route" rows where the router chooses);
-    without it the row behaves exactly like TRL's. ``fits``/``add`` are TRL 1.16's with the longer key
-    (seam entry ``async_packing`` checks TRL's still key on (token, next token)). ``layout`` is the replaying
-    ``RouterReplay``'s (``num_layers``, ``top_k``, ``num_experts``, ``layers``): what "checked" means in ``pack()``.
+    A sample dict may carry ``replay_routes`` (its :class:`CheckedRoutes` ``[1, len(input_ids), L, K]`` from the
+    intake, "no route" rows where the router chooses; a plain tensor is checked in full as it enters the row); without
+    it the row behaves exactly like TRL's. ``fits``/``add``
+    are TRL 1.16's with the longer key (seam entry ``async_packing`` checks TRL's still key on (token, next token)).
+    ``layout`` is the replaying ``RouterReplay``'s.
     """
 
-    def __init__(self, route_shape: tuple[int, int], route_dtype: torch.dtype,
-                 layout: Mapping[str, Any] | None = None):
+    def __init__(self, layout: RouteLayout):
         super().__init__()
-        self.route_shape = route_shape
-        self.route_dtype = route_dtype
-        self.layout = dict(layout) if layout is not None else None
+        self.layout = layout
+        self.packed_routes: CheckedRoutes | None = None  # set by pack()
 
-    @staticmethod
-    def _keys(sample: dict[str, Any]) -> list[tuple]:
+    def _keys(self, sample: dict[str, Any]) -> list[tuple]:
         input_ids = sample["input_ids"].tolist()
-        routes = route_keys(sample.get("replay_routes"), len(input_ids))
+        routes = sample.get("replay_routes")
+        if routes is not None and not isinstance(routes, CheckedRoutes):  # not the intake's: checked in full, here
+            routes = sample["replay_routes"] = check_routes(routes, self.layout)
+        routes = route_keys(routes, len(input_ids))
         return list(zip(input_ids, [*input_ids[1:], None], routes, strict=True))
 
     def fits(self, sample: dict[str, Any], budget: int) -> bool:
@@ -98,35 +100,23 @@ class RoutedTreeRow(TreeRow):
         return packed
 
     def pack(self) -> dict[str, torch.Tensor]:
-        """TRL's packing plus ``replay_routes`` ``[N, L, K]`` (each packed position's route), ``route_expected``
-        ``[N]`` (positions an engine forwarded: every sample's tokens but its last, which is never fed forward) and
-        ``replay_routes_checked`` ``[1]``: True when every sample's routes were, unchanged since, checked for
-        ``layout`` where they entered (``RouteIntake.align``); the packed routes (their other rows "no route") are
-        then marked checked too (``routes.mark_checked``), else the forward checks them in full."""
+        """TRL's packing plus ``route_expected`` ``[N]`` (positions an engine forwarded: every sample's tokens but its
+        last, which is never fed forward); the packed routes ``[1, N, L, K]`` (each packed position's route, "no
+        route" elsewhere) are ``self.packed_routes``, kept out of the dict TRL's collator and dispatch handle."""
         out = super().pack()
         packed = self.packed_positions()
         if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
             raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (seam entry "
                                "async_packing)")
-        sources = [sample["replay_routes"] for sample in self.samples if sample.get("replay_routes") is not None]
-        checked = self.layout is not None and all(is_checked(source[None], **self.layout) for source in sources)
-        # [1, N, L, K]: a mark is made on a [batch, seq, L, K] tensor; the [N, L, K] view returned keeps it alive
-        batched = torch.full((1, len(self.tokens), *self.route_shape), no_route_value(self.route_dtype),
-                             dtype=self.route_dtype)
-        routes = batched[0]
         expected = torch.zeros(len(self.tokens), dtype=torch.bool)
+        placements = []
         for sample, nodes in zip(self.samples, self.sample_nodes, strict=True):
             positions = torch.tensor([packed[node] for node in nodes[:-1]], dtype=torch.long)
             expected[positions] = True
-            sample_routes = sample.get("replay_routes")
-            if sample_routes is not None:
-                # a shared node has the same route in every sample sharing it (the key includes it)
-                routes[positions] = sample_routes[: len(nodes) - 1]
-        if checked:  # rows of checked routes and "no route" rows: valid by construction
-            mark_checked(batched, **self.layout)
-        out["replay_routes"] = routes
+            if sample.get("replay_routes") is not None:
+                placements.append((sample["replay_routes"], positions))  # a shared node has one route (in the key)
+        self.packed_routes = pack_routes(len(self.tokens), placements, self.layout)
         out["route_expected"] = expected
-        out["replay_routes_checked"] = torch.tensor([checked])
         return out
 
 

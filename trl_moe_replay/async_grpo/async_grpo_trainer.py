@@ -1,19 +1,22 @@
 """``MoEReplayAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` with R3 (routes tagged with the version that sampled them).
 
-How the routes travel (docs/async.md has the picture):
+How the routes travel (docs/async.md has the picture; ``trainer/route_flow.py`` the shared steps):
 
-1. Rollout child (``engines/async_rollout.py``): every ``/v1/completions`` choice's ``routed_experts`` is decoded to
+1. Rollout child (``async_rollout_worker.py``): every ``/v1/completions`` choice's ``routed_experts`` is decoded to
    its compact dtype and kept per turn; each training row (``RoutedRolloutSample``) carries the turns that produced its
    tokens, through TRL's ``mp.Queue``, next to TRL's ``model_version`` tag.
 2. Trainer, main process, as the sample leaves the queue (``_RoutedQueueDataset``): the turns go through the one entry
    point, ``RouteIntake.align`` (per-sample fallback, first-batch rule), as a batch of one with the row's own widths:
-   ``replay_routes`` ``[len(input_ids), L, K]``.
+   the sample's ``CheckedRoutes``, an opaque value in its dict.
 3. Packing (``RoutedTreeRow``): samples share a prefix position only where their tokens and their routes agree, so
-   every packed position has exactly one route: its samples' own. ``pack()`` lays the routes onto packed positions
-   and flags a row built only from routes the intake checked (``replay_routes_checked``).
-4. ``compute_loss``: the row's routes are replayed in the training forward (a flagged row is not checked again)
-   and stay in force until its backward has returned (gradient checkpointing recomputes the routers there); the
-   natural top-k is recorded in the same forward for ``routing/*``, the log-probs for ``mismatch/*``.
+   every packed position has exactly one route: its samples' own. ``pack()`` lays the checked routes onto packed
+   positions (checked by construction); the collator keeps the main process's row in the trainer's ``RouteBuffer``
+   and the batch carries its ``route_rows``.
+4. ``compute_loss``: the row's routes are gathered from the buffer and replayed in the training forward; they stay in
+   force until its backward has returned (gradient checkpointing recomputes the routers there); the natural top-k is
+   recorded in the same forward for ``routing/*``, the log-probs for ``mismatch/*``. With several processes, TRL's
+   dispatcher broadcasts the collated batch from the main process: the other ranks' rows cross a process boundary as
+   ``replay_routes`` tensors and are checked in full where they enter their rank.
 
 With ``routing_replay="none"`` (and no ``routing_metrics``) nothing of this is built: it is TRL's trainer.
 """
@@ -34,13 +37,25 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     RolloutQueueDataset,
     TokenBudgetBatcher,
 )
+from trl.trainer.utils import pad
 
-from ..engines.async_rollout import RoutedAsyncRolloutWorker
 from ..engines.sync_check import build_sync_check, checked_weight_sync
 from ..engines.weight_reload import ReloadWeightTransfer, build_weight_sync
 from ..engines.route_intake import RouteIntake
 from ..routing import RouterReplay
-from ..routing.routes import has_route, mark_checked, route_dtype
+from ..routing.routes import CheckedRoutes, check_routes
+from ..trainer.checkpoint_weights import RestoresEveryWeight
+from ..trainer.metrics import (
+    AGREEMENT_RATIOS,
+    FALLBACK_RATIOS,
+    MISMATCH_RATIOS,
+    log_ratio_metrics,
+    logprob_mismatch_sums,
+    routing_agreement_sums,
+)
+from ..trainer.peft_replay import check_peft_replay
+from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
+from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
@@ -50,12 +65,10 @@ from ..upstream import (
     worker_loop_kwargs,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
-from .expert_parallel import refuse_async_sharded_at_load
-from .async_packing import RoutedTreeRow, TorchVarlenAttention
-from .checkpoint_weights import RestoresEveryWeight
-from .launch import checked_model_name
-from .metrics import logprob_mismatch_sums, routing_agreement_sums
-from .peft_replay import check_peft_replay
+from ..trainer.expert_parallel import refuse_async_sharded_at_load
+from ..trainer.launch import checked_model_name
+from .async_rollout_worker import RoutedAsyncRolloutWorker
+from .packing import RoutedTreeRow, TorchVarlenAttention
 
 logger = logging.get_logger(__name__)
 
@@ -114,9 +127,9 @@ class _LastTakenQueue:
 
 
 class _RoutedQueueDataset(RolloutQueueDataset):
-    """TRL's queue dataset, adding each sample's aligned ``replay_routes`` and its ``model_version``."""
+    """TRL's queue dataset, adding each sample's checked ``replay_routes`` and its ``model_version``."""
 
-    def __init__(self, rollout_queue, *args, align: Callable[[Any], torch.Tensor | None], **kwargs):
+    def __init__(self, rollout_queue, *args, align: Callable[[Any], CheckedRoutes], **kwargs):
         super().__init__(_LastTakenQueue(rollout_queue), *args, **kwargs)
         self._align = align
         self.queue.version_fn, self.queue.metrics = self.model_version_fn, self.metrics
@@ -165,18 +178,26 @@ class _RoutedTokenBudgetBatcher(TokenBudgetBatcher):
 
 
 class _RoutedCollator(DataCollatorForRollout):
-    """TRL's collator; also logs the version lag of the micro-batch's routed samples."""
+    """TRL's collator; keeps the main process's packed routes in the trainer's buffer (the batch carries their
+    ``route_rows``; with several processes, the other rows' routes as ``replay_routes``), and logs the version lag of
+    the micro-batch's routed samples."""
 
-    def __init__(self, *args, version_fn: Callable[[], int], **kwargs):
+    def __init__(self, *args, version_fn: Callable[[], int], route_buffer: RouteBuffer, **kwargs):
         super().__init__(*args, **kwargs)
         self.version_fn = version_fn
+        self.route_buffer = route_buffer
 
     def torch_call(self, examples):
         (rows,) = examples
         batch = super().torch_call(examples)
+        # row i goes to rank i (TRL's DataLoaderDispatcher); rank 0, the main process, is this one
+        own = self.route_buffer.store(rows[0].packed_routes)
+        batch[ROUTE_ROWS] = torch.cat([own, torch.full((len(rows) - 1, 2), -1, dtype=own.dtype)])
+        if len(rows) > 1:  # the other ranks' rows cross a process boundary: as tensors, checked where they enter
+            batch["replay_routes"] = pad([row.packed_routes.tensor()[0] for row in rows], padding_value=0)
         version = self.version_fn()
         lags = [version - sample["model_version"] for row in rows for sample in row.samples
-                if sample.get("replay_routes") is not None and bool(has_route(sample["replay_routes"]).any())]
+                if sample.get("replay_routes") is not None and bool(sample["replay_routes"].has_route().any())]
         if lags:
             self.metrics["routing/version_lag_mean"].append(sum(lags) / len(lags))
             self.metrics["routing/version_lag_max"].append(float(max(lags)))
@@ -210,13 +231,15 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
         assert_async_trl_compatible()
         quiet_upstream_notices()
-        self.routing_replay = getattr(args, "routing_replay", "r3")
-        carries_routes = getattr(args, "carries_routes", self.routing_replay != "none")
+        settings = self.replay_settings = ReplaySettings.from_args(args, ASYNC_TRAINER)
+        mode = self.routing_replay = settings.mode
+        carries_routes = settings.carries_routes
         # the device the trainer will train on, not whether the machine has CUDA: use_cpu on a CUDA machine is CPU
         on_cpu = args.device.type != "cuda"
         self._on_cpu = on_cpu
         if weight_transfer is None:
-            weight_transfer = build_weight_sync(args, asynchronous=True)
+            weight_transfer = build_weight_sync(resolve_weight_sync(args, mode, settings.routing_metrics, ASYNC_TRAINER),
+                                                args, asynchronous=True)
         swaps: dict[str, Any] = {}
         if on_cpu:
             swaps["get_peak_flops_per_device"] = _no_peak_flops  # TRL asks CUDA for the name of the trainer's device
@@ -227,37 +250,34 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
                              peft_config, tools, environment_factory, rollout_worker, weight_transfer)
 
         unwrapped = self.accelerator.unwrap_model(self.model)
-        check_peft_replay(unwrapped, self.routing_replay, adapter_only_sync=async_adapter_only_sync(self))
+        check_peft_replay(unwrapped, mode, adapter_only_sync=async_adapter_only_sync(self))
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         if isinstance(self.weight_transfer, ReloadWeightTransfer) and self.weight_transfer.model is None:
             self.weight_transfer.model = base  # names the checkpoint layout vLLM loads
         self._carries_routes = carries_routes
         self._route_replay = RouterReplay(unwrapped) if carries_routes else None
         self._route_intake = None
-        self._train_replay = contextlib.ExitStack()
+        self._route_buffer = RouteBuffer()
+        self._micro_replay = MicroBatchReplay()
         self._sync_check = None
         if weight_transfer is not None or not async_adapter_only_sync(self):  # the main process has a transfer
-            self._sync_check = build_sync_check(args, asynchronous=True, accelerator=self.accelerator,
-                                                base_url=args.vllm_server_base_url)
+            self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=True, accelerator=self.accelerator,
+                                                base_url=args.vllm_server_base_url,
+                                                tolerance=option(args, "sync_check_tolerance"))
         if not carries_routes:
             return
         attempts = getattr(args, "vllm_request_attempts", None)
         if isinstance(self.rollout_worker, RoutedAsyncRolloutWorker) and attempts is not None:
             worker_loop_kwargs(self.rollout_worker)["max_request_attempts"] = attempts
-        rr = self._route_replay
-        self._route_shape = (rr.num_layers, rr.top_k)
-        self._route_dtype = route_dtype(rr.num_experts, rr.top_k)
-        self._route_layout = dict(num_layers=rr.num_layers, top_k=rr.top_k, num_experts=rr.num_experts,
-                                  layers=rr.moe_layers)  # what RouterReplay.replay checks routes for
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
         samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                             * self.accelerator.num_processes)
         self._route_intake = RouteIntake(
-            _MainProcessOnly(self.accelerator), source="vLLM", required=self.routing_replay == "r3",
+            _MainProcessOnly(self.accelerator), source="vLLM", required=mode.needs_engine_routes,
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
             batch_samples=samples_per_step, max_fallback_batches=getattr(args, "max_route_fallback_steps", None),
         )
-        if self.routing_replay == "r3" and self.aux_loss_enabled:
+        if mode.replays and self.aux_loss_enabled:
             logger.warning(
                 "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
                 "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
@@ -269,20 +289,18 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ rollout samples -> rows
-    def _align_sample(self, sample) -> torch.Tensor | None:
-        """One sample's engine turns -> its ``[len(input_ids), L, K]`` routes, through the one entry point."""
+    def _align_sample(self, sample) -> CheckedRoutes:
+        """One sample's engine turns -> its ``[1, len(input_ids), L, K]`` checked routes, through the one entry point."""
         turns = list(getattr(sample, "route_turns", None) or [])
         length = len(sample.input_ids)
         prompt = getattr(sample, "route_prompt_length", 0) or 0
         rr = self._route_replay
         if not turns:
             turns, prompt = [_no_rows(length)], length  # "no routes": counted as a fallback by the intake
-        routes = self._route_intake.align(
-            [turns], prompt_lengths=[prompt], completion_lengths=[length - prompt], prompt_width=prompt,
-            completion_width=length - prompt, num_layers=rr.num_layers, top_k=rr.top_k, moe_layers=rr.moe_layers,
-            num_experts=rr.num_experts,
+        return self._route_intake.align(
+            [turns], rr.layout, prompt_lengths=[prompt], completion_lengths=[length - prompt], prompt_width=prompt,
+            completion_width=length - prompt,
         )
-        return routes[0]
 
     def get_train_dataloader(self):
         if not self._carries_routes:
@@ -291,74 +309,59 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             "RolloutQueueDataset": _bind(_RoutedQueueDataset, align=self._align_sample),
             "FixedCountBatcher": _bind(_RoutedFixedCountBatcher, row_class=self._new_row),
             "TokenBudgetBatcher": _bind(_RoutedTokenBudgetBatcher, row_class=self._new_row),
-            "DataCollatorForRollout": _bind(_RoutedCollator, version_fn=lambda: self.model_version),
+            "DataCollatorForRollout": _bind(_RoutedCollator, version_fn=lambda: self.model_version,
+                                            route_buffer=self._route_buffer),
         }
         with async_trainer_globals(**swaps):
             return super().get_train_dataloader()
 
     def _new_row(self) -> RoutedTreeRow:
-        return RoutedTreeRow(self._route_shape, self._route_dtype, self._route_layout)
+        return RoutedTreeRow(self._route_replay.layout)
 
     # ------------------------------------------------------------------ training forward
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        routes = inputs.pop("replay_routes", None)
+        route_rows = inputs.pop(ROUTE_ROWS, None)
+        shipped = inputs.pop("replay_routes", None)
         expected = inputs.pop("route_expected", None)
-        checked = inputs.pop("replay_routes_checked", None)
-        if self._route_replay is None or routes is None:
+        if self._route_replay is None or route_rows is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        mask = inputs["attention_mask"].bool()
-        routes, expected = routes[mask][None], expected[mask][None]  # [1, N, L, K], [1, N]: the packed row
-        if checked is not None and bool(checked.all()):
-            # RoutedTreeRow.pack built the row from routes checked where they entered and said so; the collator's
-            # padding, accelerate's dispatch (a concatenation, a copy to the device) and the mask above copy the
-            # row unchanged, so the copy is marked checked too: replay() costs an O(1) look-up, no host pass.
-            mark_checked(routes, **self._route_layout)
         rr = self._route_replay
-        if self.routing_replay == "r3":  # in force through the backward: training_step closes it (no grad: below)
-            self._train_replay.enter_context(rr.replay(routes))
+        mask = inputs["attention_mask"].bool()
+        if self.accelerator.is_main_process:  # its own row: held by the trainer since packing
+            routes = self._route_buffer.gather(route_rows.cpu(), take=True)
+        else:  # a row that came over the wire from the main process: checked in full where it enters this rank
+            routes = check_routes(shipped[mask][None].cpu(), rr.layout)
+        expected = expected[mask][None]  # [1, N]: the packed row's positions an engine forwarded
         log_probs: list[torch.Tensor] = []
         handle = model.register_forward_hook(lambda module, args, output: log_probs.append(output.log_probs.detach()))
+        # replayed in force through the backward: training_step ends it
+        replay = self._micro_replay.replay(rr, routes) if self.routing_replay.replays else contextlib.nullcontext()
         try:
-            with rr.record() as recording:
+            with replay, rr.record() as recording:
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             handle.remove()
-            if not torch.is_grad_enabled():
-                self._train_replay.close()
-        self._log_route_metrics(recording.routes, routes, expected, inputs, log_probs)
+        self._log_route_metrics(recording.checked, routes, expected, inputs, log_probs)
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
-            self._train_replay.close()  # only now: the backward (and any recompute in it) has returned
+            self._micro_replay.end()  # only now: the backward (and any recompute in it) has returned
 
-    def _log_route_metrics(self, natural, routes, expected, inputs, log_probs) -> None:
+    def _log_route_metrics(self, natural: CheckedRoutes, routes: CheckedRoutes, expected, inputs, log_probs) -> None:
+        """``routing/*`` and ``mismatch/*`` of one training forward, by the sync trainer's code (metrics.py)."""
         metrics = self._metrics["train"]
-        device = self.accelerator.device
-        agreement = routing_agreement_sums(natural, routes, expected, self._route_replay.moe_layers)
+        agreement = routing_agreement_sums(natural.tensor(), routes.tensor(), expected, self._route_replay.moe_layers)
+        log_ratio_metrics(metrics, self.accelerator, agreement, {**FALLBACK_RATIOS, **AGREEMENT_RATIOS}, as_rate=True)
         selected = inputs["token_index"] >= 0
         token_index = inputs["token_index"][selected]
         sampling = inputs["old_log_probs"][selected]
         trainer = log_probs[0].flatten()[token_index] if log_probs else torch.full_like(sampling, float("nan"))
         mismatch = logprob_mismatch_sums(sampling, trainer, torch.ones_like(sampling),
-                                          getattr(self.args, "extreme_token_threshold", 2.0))
-        sums = {**{f"routing.{k}": v for k, v in agreement.items()}, **{f"mismatch.{k}": v for k, v in mismatch.items()}}
-        names = list(sums)
-        total = self.accelerator.reduce(torch.stack([sums[n].float().to(device) for n in names]), reduction="sum")
-        total = dict(zip(names, total.tolist(), strict=True))
-        # (numerator, denominator) pairs: TRL's log reduces them as a rate over the logging window
-        metrics["routing/fallback_frac"].append((total["routing.fallback_positions"], total["routing.positions"]))
-        if total["routing.pairs"] > 0:
-            metrics["routing/mismatch_frac"].append((total["routing.mismatch_pairs"], total["routing.pairs"]))
-            metrics["routing/topk_agreement"].append((total["routing.overlap"], total["routing.pairs"]))
-            metrics["routing/token_any_mismatch"].append(
-                (total["routing.tokens_any_mismatch"], total["routing.tokens"]))
-        if total["mismatch.tokens"] > 0:
-            for name in ("kl_k1", "kl_k3"):
-                metrics[f"mismatch/{name}"].append((total[f"mismatch.{name}"], total["mismatch.tokens"]))
-            metrics["mismatch/extreme_frac"].append((total["mismatch.extreme"], total["mismatch.tokens"]))
+                                          self.replay_settings.extreme_token_threshold)
+        log_ratio_metrics(metrics, self.accelerator, mismatch, MISMATCH_RATIOS, as_rate=True)
 
     # ------------------------------------------------------------------ resume
     # ------------------------------------------------------------------ weight sync
