@@ -193,9 +193,10 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
             Server mode with `vllm_weight_sync="reload"`: where the trainer writes the weights for the server to read
             (the server must see the same path). Unset: `<output_dir>/vllm_sync`.
         vllm_sync_check (`bool`, *optional*):
-            After each weight sync, score a fixed probe (the first prompt trained on) with vLLM and with the trainer and
-            log the largest log-prob difference as `vllm/sync_max_logprob_diff` (~1e-6 in fp32 when the weights
-            arrived). Unset: off in this trainer (on in the async one, docs/async.md).
+            Around each weight sync, score a fixed probe (16 token ids) with vLLM and with the trainer, log the largest
+            log-prob difference as `vllm/sync_max_logprob_diff` (~1e-6 in fp32 when the weights arrived), and stop a
+            run whose sync did not reach the engine or whose engine changed between syncs (`engines/sync_check.py`,
+            the async trainer's check too). Unset: on wherever routes are carried from vLLM, as in the async trainer.
         extreme_token_threshold (`float`, *optional*, defaults to `2.0`):
             A completion token counts as extreme in `mismatch/extreme_frac` when its sampler/trainer probability
             ratio, either way, exceeds this value.
