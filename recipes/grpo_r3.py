@@ -72,7 +72,7 @@ import torch  # noqa: E402
 from trl import ModelConfig, ScriptArguments, TrlParser  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
-from trl_moe_replay.trainer.checkpoints import (  # noqa: E402
+from trl_moe_replay.checkpointing.checkpoints import (  # noqa: E402
     NoCheckpointError,
     SaveOnInterrupt,
     StartOver,
@@ -363,7 +363,7 @@ PARALLEL_SIZES = ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_im
 def apply_parallel_sizes(script_args, training_args) -> None:
     """``--ep_size`` and the other sizes into ``model_init_kwargs.distributed_config`` (flags over the config's
     mapping); ``train()`` checks them against the launched processes before any work."""
-    from trl_moe_replay.trainer.expert_parallel import DISTRIBUTED_CONFIG
+    from trl_moe_replay.parallel.expert_parallel import DISTRIBUTED_CONFIG
 
     sizes = {name: getattr(script_args, name) for name in PARALLEL_SIZES if getattr(script_args, name) is not None}
     if sizes:
@@ -554,7 +554,7 @@ def main(script_args, training_args, model_args):
 
 
 def train(script_args, training_args, model_args):
-    from trl_moe_replay.trainer.expert_parallel import distributed_config_from_args
+    from trl_moe_replay.parallel.expert_parallel import distributed_config_from_args
 
     distributed_config_from_args(training_args)  # expert parallelism: sizes against this launch, before any work
     launched_ranks = int(os.environ.get("WORLD_SIZE", "1"))
@@ -726,9 +726,9 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
 def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
     from trl_moe_replay.routing import UnsupportedModelError
-    from trl_moe_replay.trainer.checkpoint_files import CheckpointError
-    from trl_moe_replay.trainer.distributed_checkpoint import DistributedCheckpointError
-    from trl_moe_replay.trainer.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
+    from trl_moe_replay.checkpointing.checkpoint_files import CheckpointError
+    from trl_moe_replay.checkpointing.distributed_checkpoint import DistributedCheckpointError
+    from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError

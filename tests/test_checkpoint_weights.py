@@ -1,4 +1,4 @@
-"""Resume integrity (trl_moe_replay/trainer/checkpoint_weights.py): a resume restores every weight of the model from
+"""Resume integrity (trl_moe_replay/checkpointing/checkpoint_weights.py): a resume restores every weight of the model from
 the checkpoint, in every layout transformers writes and on both trainers, or refuses in one line naming the checkpoint
 and the first problem, leaving the model as it was.
 
@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
-from trl_moe_replay.trainer import checkpoint_weights
-from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
+from trl_moe_replay.checkpointing import checkpoint_weights
+from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
 
 from .test_async_grpo import DATASET, reward, settings
 from .test_trainer import make_trainer

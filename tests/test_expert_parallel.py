@@ -19,8 +19,8 @@ import pytest
 from safetensors import safe_open
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.trainer import expert_parallel
-from trl_moe_replay.trainer.expert_parallel import ParallelSizesError, distributed_config_from_args
+from trl_moe_replay.parallel import expert_parallel
+from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, distributed_config_from_args
 
 from .helpers import CPU_ONLY_ENV
 
@@ -270,7 +270,7 @@ def test_the_async_trainer_refuses_an_expert_parallel_model_in_one_line():
 
 def test_every_weight_sync_reads_full_tensors_through_one_function():
     """TRL's sync (server transfer, colocate load_weights) and our reload both read TRL's one iterator; on a model
-    sharded at load time it is wrapped once, with trainer.sharded.full_tensor."""
+    sharded at load time it is wrapped once, with parallel.sharded.full_tensor."""
     from trl_moe_replay.upstream import map_weight_sync_tensors, trl_named_params
 
     class Generation:

@@ -20,11 +20,14 @@ MAY_IMPORT = {
     "bounded_json": set(),
     "extras": set(),
     "engines": {"routing", "upstream"},
-    "trainer": {"engines", "routing", "upstream", "bounded_json"},
-    "async_grpo": {"engines", "routing", "trainer", "upstream"},
+    "parallel": {"upstream"},
+    "checkpointing": {"parallel", "upstream", "bounded_json"},
+    "trainer": {"checkpointing", "engines", "parallel", "routing", "upstream", "bounded_json"},
+    "async_grpo": {"checkpointing", "engines", "parallel", "routing", "trainer", "upstream"},
     "testing": {"engines", "routing", "upstream"},
-    "cli": {"async_grpo", "engines", "extras", "routing", "testing", "trainer", "upstream", "bounded_json"},
-    "__init__": {"async_grpo", "engines", "routing", "trainer"},
+    "cli": {"async_grpo", "checkpointing", "engines", "extras", "parallel", "routing", "testing", "trainer", "upstream",
+            "bounded_json"},
+    "__init__": {"async_grpo", "checkpointing", "engines", "routing", "trainer"},
 }
 
 

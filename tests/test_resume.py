@@ -1,4 +1,4 @@
-"""Stopping and resuming (trl_moe_replay.trainer.checkpoints, recipes/grpo_r3.py): Ctrl-C saves a checkpoint at a
+"""Stopping and resuming (trl_moe_replay.checkpointing.checkpoints, recipes/grpo_r3.py): Ctrl-C saves a checkpoint at a
 generation-batch boundary, a bare --resume_from_checkpoint finds the newest complete one, a resumed run continues the
 uninterrupted one bit for bit (the MoE expert weights restored through from_pretrained's conversion, PR2's predictors
 too), and a re-run says what it does with an earlier run."""
@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from trl import GRPOTrainer
 
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.trainer.checkpoint_weights import CheckpointWeightsError
-from trl_moe_replay.trainer.checkpoints import (
+from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
+from trl_moe_replay.checkpointing.checkpoints import (
     NoCheckpointError,
     describe_run,
     generation_period,

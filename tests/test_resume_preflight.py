@@ -1,7 +1,7 @@
 """Resume: every weight, or one line (issue 38, item 3). A checkpoint that cannot be resumed exactly is refused by
 ``Trainer.train(resume_from_checkpoint=...)`` in one line before the model changes, and by the recipe before the model
-is built: damaged or hostile files (the pre-flight, trainer/checkpoint_files.py; the weights,
-trainer/checkpoint_weights.py), a stray PEFT adapter beside full weights, embeddings tied differently from the model.
+is built: damaged or hostile files (the pre-flight, checkpointing/checkpoint_files.py; the weights,
+checkpointing/checkpoint_weights.py), a stray PEFT adapter beside full weights, embeddings tied differently from the model.
 
 One real checkpoint (a 1-step run: weights, optimizer, scheduler, RNG and trainer state) is built per module and
 copied per case; one resuming trainer per tying serves every refusal, as a refusal leaves it as it was.
@@ -20,9 +20,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.trainer import checkpoint_weights, checkpoints
-from trl_moe_replay.trainer.checkpoint_files import STATE_FIELD_TYPES, CheckpointError
-from trl_moe_replay.trainer.checkpoint_weights import restore_checkpoint_weights
+from trl_moe_replay.checkpointing import checkpoint_weights, checkpoints
+from trl_moe_replay.checkpointing.checkpoint_files import STATE_FIELD_TYPES, CheckpointError
+from trl_moe_replay.checkpointing.checkpoint_weights import restore_checkpoint_weights
 
 from .helpers import load_script
 from .test_async_grpo import DATASET, reward, settings

@@ -11,8 +11,8 @@ __version__ = "0.1.0.dev0"
 # `import trl_moe_replay.routing` do not pay for importing TRL (~15 s of CPU on a small machine).
 # `from trl_moe_replay import MoEReplayGRPOTrainer` works exactly as with eager imports.
 _PUBLIC = {
-    "CheckpointError": "trl_moe_replay.trainer.checkpoint_files",
-    "CheckpointWeightsError": "trl_moe_replay.trainer.checkpoint_weights",
+    "CheckpointError": "trl_moe_replay.checkpointing.checkpoint_files",
+    "CheckpointWeightsError": "trl_moe_replay.checkpointing.checkpoint_weights",
     "LaunchMismatchError": "trl_moe_replay.trainer.launch",
     "MoEReplayAsyncGRPOConfig": "trl_moe_replay.async_grpo",
     "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.async_grpo",
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
     from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
-    from .trainer.checkpoint_files import CheckpointError
-    from .trainer.checkpoint_weights import CheckpointWeightsError
+    from .checkpointing.checkpoint_files import CheckpointError
+    from .checkpointing.checkpoint_weights import CheckpointWeightsError
     from .trainer.launch import LaunchMismatchError
     from .trainer.output_lock import OutputDirInUseError
 

@@ -6,8 +6,8 @@ Python object about 27 times its size, so 256 MiB of empty objects needs about 7
 a memory limit). :func:`read_json_file` counts, before parsing, the bytes that can start a value or a key (``[``,
 ``{``, ``,`` and ``:``; a count that can only over-estimate, as those inside strings count too) and refuses a file
 with more than ``max_values`` of them, so parsing builds at most that many objects. It is the one reader of
-``plot`` (cli/plotting.py), ``describe_run`` (trainer/checkpoints.py), the output-dir lock (trainer/output_lock.py)
-and the resume pre-flight's ``trainer_state.json`` (trainer/checkpoint_files.py); it imports nothing of the package,
+``plot`` (cli/plotting.py), ``describe_run`` (checkpointing/checkpoints.py), the output-dir lock (trainer/output_lock.py)
+and the resume pre-flight's ``trainer_state.json`` (checkpointing/checkpoint_files.py); it imports nothing of the package,
 so ``plot`` still runs without TRL or torch.
 
 Only a regular file is read, checked on the opened file (``fstat``: a link to ``/dev/zero``, a FIFO or a folder is

@@ -38,7 +38,7 @@ from sharded_run import ExpertsWatch, Spy, flat, logged, reward_len  # noqa: E40
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
-from trl_moe_replay.trainer.sharded import full_tensor, is_sharded_at_load  # noqa: E402
+from trl_moe_replay.parallel.sharded import full_tensor, is_sharded_at_load  # noqa: E402
 
 OUT = Path(sys.argv[1])
 EP = {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}

@@ -39,12 +39,14 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 from trl.trainer.utils import pad
 
+from ..checkpointing.checkpoint_weights import RestoresEveryWeight
+from ..engines.route_intake import RouteIntake
 from ..engines.sync_check import build_sync_check, checked_weight_sync
 from ..engines.weight_reload import ReloadWeightTransfer, build_weight_sync
-from ..engines.route_intake import RouteIntake
+from ..parallel.expert_parallel import refuse_async_sharded_at_load
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
-from ..trainer.checkpoint_weights import RestoresEveryWeight
+from ..trainer.launch import checked_model_name
 from ..trainer.metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -65,8 +67,6 @@ from ..upstream import (
     worker_loop_kwargs,
 )
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
-from ..trainer.expert_parallel import refuse_async_sharded_at_load
-from ..trainer.launch import checked_model_name
 from .async_rollout_worker import RoutedAsyncRolloutWorker
 from .packing import RoutedTreeRow, TorchVarlenAttention
 

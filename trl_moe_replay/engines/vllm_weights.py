@@ -36,7 +36,7 @@ def engine_weights(
     sync would send, one parameter at a time (``VLLMGeneration._iter_named_params``, or the async trainer's
     ``_streaming_iter``: gathered under DeepSpeed ZeRO-3 and FSDP, a PEFT adapter merged, vLLM's names). A model sharded
     at load time (expert parallelism) has that iterator wrapped once, at the trainer's construction, to gather its
-    DTensor shards (``trainer/expert_parallel.py``, ``trainer.sharded.full_tensor``), so TRL's own sync and this one
+    DTensor shards (``parallel/expert_parallel.py``, ``parallel.sharded.full_tensor``), so TRL's own sync and this one
     read the same full tensors and no path sends a shard.
     """
     return checkpoint_named_tensors(model, named_tensors)

@@ -40,12 +40,14 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad
 
+from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..engines import TransformersRolloutRecorder
 from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..engines.turns import RolloutTurns
 from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..engines.sync_check import build_sync_check, checked_weight_sync
 from ..engines.weight_reload import build_weight_sync, client_without_communicator
+from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes
 from ..upstream import (
@@ -60,8 +62,6 @@ from ..upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
-from .checkpoint_weights import RestoresEveryWeight
-from .expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .peft_replay import check_peft_replay
 from .launch import check_launched_engine, check_launched_precision, checked_model_name

@@ -114,7 +114,7 @@ def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any
 #    _save_checkpoint / _load_optimizer_and_scheduler (PR2 checkpoints its predictors next to the Trainer's files,
 #    in the directory _get_output_dir(trial) names; a model sharded at load time saves and loads its optimizer state
 #    with torch's distributed checkpoint through _save_optimizer_and_scheduler / _load_optimizer_and_scheduler,
-#    trl_moe_replay/trainer/distributed_checkpoint.py); _load_from_checkpoint / _load_best_model (resume loads the weights
+#    trl_moe_replay/checkpointing/distributed_checkpoint.py); _load_from_checkpoint / _load_best_model (resume loads the weights
 #    through from_pretrained's conversion, transformers#48805); _clip_grad_norm (PR2 clips its predictors by their own
 #    norm).
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 # keys_ignored_on_save: PreTrainedModel._keys_to_ignore_on_save (a class attribute, None or a set of state-dict
 #    names) is what save_pretrained leaves out of the weights it writes. PR2 adds its predictors to it on the model
 #    instance (trl_moe_replay/trainer/pr2.py); resume integrity expects no checkpoint to hold them
-#    (trl_moe_replay/trainer/checkpoint_weights.py). Read from transformers 5.23.0.
+#    (trl_moe_replay/checkpointing/checkpoint_weights.py). Read from transformers 5.23.0.
 # ---------------------------------------------------------------------------------------------------------------
 KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0"))
 
@@ -159,7 +159,7 @@ def ignore_on_save(model: Any, names: set[str]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # saved_weight_layout: core_model_loading.revert_weight_conversion(model, state_dict), which save_pretrained applies
 #    to name the weights it writes (fused MoE experts become per-expert weights). Resume integrity checks a
-#    checkpoint against it (trl_moe_replay/trainer/checkpoint_weights.py); the reload weight sync names vLLM's
+#    checkpoint against it (trl_moe_replay/checkpointing/checkpoint_weights.py); the reload weight sync names vLLM's
 #    checkpoint with it. Read from transformers 5.24.0.
 # ---------------------------------------------------------------------------------------------------------------
 SAVED_WEIGHT_LAYOUT = entry("saved_weight_layout", "transformers", "5.24.0")
@@ -187,7 +187,7 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
 #    args.save_only_model`, and reads args.save_only_model nowhere else in __init__ for such a model (its other uses
 #    need DeepSpeed or accelerate's FSDP, which such a model is not). Trainer._save_checkpoint saves the optimizer,
 #    scheduler, scaler and RNG states `if not self.args.save_only_model`, through _save_optimizer_and_scheduler
-#    (overridden: trl_moe_replay/trainer/distributed_checkpoint.py saves the shards with torch's distributed
+#    (overridden: trl_moe_replay/checkpointing/distributed_checkpoint.py saves the shards with torch's distributed
 #    checkpoint), and _load_optimizer_and_scheduler reads them back (overridden likewise). So the refusal is lifted by
 #    setting save_only_model for the duration of __init__ only (lift_sharded_resume_refusal).
 #    transformers.distributed.checkpoint._redistribute_state_dict(state_dict, reference_state_dict): strided DTensor

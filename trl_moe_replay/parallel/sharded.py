@@ -32,7 +32,7 @@ def is_sharded_at_load(model) -> bool:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The full value of ``tensor``: a DTensor's shards gathered (a collective over its mesh: FSDP2, or a model
     sharded at load time by transformers, expert parallelism included), any other tensor as it is. The one gather
-    every weight sync from a DTensor model goes through (trainer/expert_parallel.py)."""
+    every weight sync from a DTensor model goes through (parallel/expert_parallel.py)."""
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 

@@ -28,7 +28,7 @@ import os
 import torch
 
 from ..upstream import dcp_placements
-from .sharded import is_sharded_at_load
+from ..parallel.sharded import is_sharded_at_load
 
 FOLDER = "distributed"  # checkpoint-N/distributed/: the shards (torch.distributed.checkpoint's format)
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it

@@ -24,7 +24,7 @@ loading one would drop the other. The names ``save_pretrained`` writes are conve
 folder of links to the checked weight files alone, so nothing else in the checkpoint (a PEFT adapter another run left
 there, whose ``adapter_config.json`` ``from_pretrained`` would attach) takes part, and the converted weights must
 cover every weight of the model before any is copied in. Files beside the weights (optimizer, scheduler, RNG, trainer
-state) are checked before this by the resume pre-flight (trainer/checkpoint_files.py), which the mixin's ``train``
+state) are checked before this by the resume pre-flight (checkpointing/checkpoint_files.py), which the mixin's ``train``
 runs.
 
 FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code). A model

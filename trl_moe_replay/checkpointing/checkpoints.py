@@ -14,8 +14,8 @@
   never pick up the older run's checkpoint.
 
 The model weights of a checkpoint come back through :func:`~.checkpoint_weights.restore_checkpoint_weights`
-(every weight of the model, or a one-line refusal; trainer/checkpoint_weights.py), after the resume pre-flight has
-checked the checkpoint's other files (trainer/checkpoint_files.py).
+(every weight of the model, or a one-line refusal; checkpointing/checkpoint_weights.py), after the resume pre-flight has
+checked the checkpoint's other files (checkpointing/checkpoint_files.py).
 
 A resumed run continues the uninterrupted one bit for bit (loss, grad norm, samples, rewards, every logged number but
 the timings) when the checkpoint is at a generation-batch boundary (what :class:`SaveOnInterrupt` writes;
