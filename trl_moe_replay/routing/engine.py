@@ -345,7 +345,7 @@ def routes_from_engine(
     out_np = out.numpy()
     no_route = no_route_value(dtype)
     for i in range(batch):  # the caller's own numbers: always an exception, before any row is read
-        p, c, s = prompts[i], completions[i], starts[i]
+        p, c = prompts[i], completions[i]
         if p > prompt_width:
             raise RouteAlignmentError(
                 f"sample {i}: prompt has {p} tokens but prompt_width is {prompt_width}", sample=i

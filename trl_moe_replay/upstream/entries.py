@@ -8,7 +8,9 @@ elsewhere in the package name the entry (``seam entry `old_logps_after_forward``
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 ENTRIES: dict[str, Entry] = {}
 """Every entry of the seam by name, filled as the parts are imported (``trl_moe_replay.upstream.all_entries()``)."""
@@ -50,6 +52,19 @@ class Finding:
     def __str__(self) -> str:
         return (f"[{self.entry.name}] {self.problem} (read from {self.entry.library} {self.entry.read_from}; "
                 f"verified on {', '.join(self.entry.verified_on)})")
+
+
+def method_finding(declared: Entry, owner: Any, label: str, name: str, params: tuple[str, ...],
+                   exact: bool = False) -> Finding | None:
+    """The finding when ``owner.name`` (``label.name`` in the message) no longer exists or no longer starts with the
+    parameters ``params`` the package calls or overrides it with (``exact``: has exactly them); else None."""
+    method = getattr(owner, name, None)
+    if not callable(method):
+        return Finding(declared, f"{label}.{name} does not exist")
+    have = tuple(inspect.signature(method).parameters)
+    if (have if exact else have[: len(params)]) != params:
+        return Finding(declared, f"{label}.{name}{params} became {name}{have}")
+    return None
 
 
 class UpstreamChangedError(RuntimeError):

@@ -15,7 +15,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from .entries import Finding, TransformersChangedError, entry
+from .entries import Finding, TransformersChangedError, entry, method_finding
 
 TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
 """transformers versions the routing entries were verified on (the whole family and replay suites ran there)."""
@@ -238,15 +238,8 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     ``trainer_class`` (default ``transformers.Trainer``) inherits, and the names that must exist."""
     from transformers import PreTrainedModel, Trainer, core_model_loading
 
-    findings = []
-    for name, params in TRAINER_PRIVATE_METHODS.items():
-        method = getattr(trainer_class or Trainer, name, None)
-        if not callable(method):
-            findings.append(Finding(TRAINER_METHODS, f"Trainer.{name} no longer exists"))
-            continue
-        have = tuple(inspect.signature(method).parameters)
-        if have[: len(params)] != params:
-            findings.append(Finding(TRAINER_METHODS, f"Trainer.{name}{params} became {name}{have}"))
+    findings = [finding for name, params in TRAINER_PRIVATE_METHODS.items()
+                if (finding := method_finding(TRAINER_METHODS, trainer_class or Trainer, "Trainer", name, params))]
     if "_keys_to_ignore_on_save" not in vars(PreTrainedModel):
         findings.append(Finding(KEYS_IGNORED_ON_SAVE, "PreTrainedModel._keys_to_ignore_on_save no longer exists"))
     revert = getattr(core_model_loading, "revert_weight_conversion", None)

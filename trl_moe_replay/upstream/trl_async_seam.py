@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import trl
 
-from .entries import Entry, Finding, UpstreamChangedError, entry
+from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
 from .trl_seam import TRL_READ, TRL_VERIFIED
@@ -146,9 +146,9 @@ def check_async_trl() -> tuple[Finding, ...]:
     trainer = _async_module("async_grpo_trainer")
     packing = _async_module("packing")
     loop = getattr(worker, "_AsyncRolloutLoop", None)
-    for name, params in LOOP_METHODS.items():
-        have = tuple(inspect.signature(getattr(loop, name)).parameters) if hasattr(loop, name) else None
-        expect(ASYNC_ROLLOUT_WORKER, have == params, f"_AsyncRolloutLoop.{name}{params} became {have}")
+    findings.extend(finding for name, params in LOOP_METHODS.items()
+                    if (finding := method_finding(ASYNC_ROLLOUT_WORKER, loop, "_AsyncRolloutLoop", name, params,
+                                                  exact=True)))
     expect(ASYNC_ROLLOUT_WORKER, getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop,
            "AsyncRolloutWorker._loop_cls is no longer _AsyncRolloutLoop")
     expect(ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample),
@@ -159,10 +159,10 @@ def check_async_trl() -> tuple[Finding, ...]:
     dataset_params = tuple(inspect.signature(trainer.RolloutQueueDataset.__init__).parameters)
     expect(ASYNC_TRAINER_GLOBALS, {"model_version_fn", "metrics"} <= set(dataset_params),
            f"RolloutQueueDataset{dataset_params} no longer takes model_version_fn and metrics")
-    for name, params in {"compute_loss": ("self", "model", "inputs"), "_sync_weight": ("self",)}.items():
-        method = getattr(trainer.AsyncGRPOTrainer, name, None)
-        have = tuple(inspect.signature(method).parameters)[: len(params)] if callable(method) else None
-        expect(ASYNC_TRAINER_GLOBALS, have == params, f"AsyncGRPOTrainer.{name}{params} became {have}")
+    findings.extend(finding for name, params in {"compute_loss": ("self", "model", "inputs"),
+                                                  "_sync_weight": ("self",)}.items()
+                    if (finding := method_finding(ASYNC_TRAINER_GLOBALS, trainer.AsyncGRPOTrainer, "AsyncGRPOTrainer",
+                                                  name, params)))
     expect(ASYNC_PACKING, callable(getattr(packing, "_flash_attn", None)), "packing._flash_attn no longer exists")
     for name, probe in (("the trie keys", _probe_tree_row_keys), ("the kernel lookup", _probe_tree_attention_kernel)):
         try:

@@ -32,7 +32,7 @@ import torch
 import trl
 from trl import GRPOTrainer
 
-from .entries import Entry, Finding, UpstreamChangedError, entry
+from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
 
@@ -425,13 +425,8 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     findings: list[Finding] = []
     for name, params in {**OVERRIDDEN_METHODS, **TOOL_LOOP_METHODS}.items():
         declared = GRPO_PRIVATE_METHODS if name in OVERRIDDEN_METHODS else TOOL_TURN_RENDERING
-        method = getattr(trainer_class, name, None)
-        if not callable(method):
-            findings.append(Finding(declared, f"GRPOTrainer.{name} does not exist"))
-            continue
-        have = tuple(inspect.signature(method).parameters)
-        if have[: len(params)] != params:
-            findings.append(Finding(declared, f"GRPOTrainer.{name}{params} became {name}{have}"))
+        if finding := method_finding(declared, trainer_class, "GRPOTrainer", name, params):
+            findings.append(finding)
     if not isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod):
         findings.append(Finding(MINIRL_ON_VESPO, "GRPOTrainer.get_gamma_weights is no longer a static method"))
     for declared, (module_name, names) in MODULE_GLOBALS.items():
