@@ -145,6 +145,21 @@ def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, 
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
+def test_r3_with_token_budget_packing_replays_each_sample_routes(tmp_path, checkpoint):
+    """TRL's default packing (``token_budget`` None: the server's max_model_len; here 128): its TokenBudgetBatcher
+    builds rows through the name ``TreeRow`` and also uses it as a type, so the routed rows must stand in as a class
+    (a factory function failed at the first micro-batch: ``TypeError`` in ``TreeRow | None``)."""
+    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 1] + [1] * 12, shared_prompt=True)
+    CheckedTrainer.engine_rows = engine_rows
+    trainer = scripted_trainer(tmp_path, checkpoint, samples, cls=CheckedTrainer, token_budget=128)
+    trainer.train()
+    assert len(trainer.checks) == STEPS
+    for found, checked, mismatched in trainer.checks:
+        assert found > BATCH and checked > 40 and mismatched == 0  # more samples than a fixed count: budget-packed
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+
+
 @pytest.fixture
 def route_checks(monkeypatch):
     """Counts the full host passes of ``validate_routes`` (its flat check of every row) and the replayed forwards."""

@@ -145,7 +145,7 @@ class _RoutedQueueDataset(RolloutQueueDataset):
             yield item
 
 
-def _scoped_rows(make_iterator: Callable[[], Any], row_class: Callable[[], Any]):
+def _scoped_rows(make_iterator: Callable[[], Any], row_class: type):
     """Iterate a TRL batcher with its ``TreeRow`` replaced by ``row_class`` only while the batcher's own code runs."""
     iterator = None
     while True:
@@ -159,7 +159,9 @@ def _scoped_rows(make_iterator: Callable[[], Any], row_class: Callable[[], Any])
         yield item
 
 
-class _RoutedFixedCountBatcher(FixedCountBatcher):
+class _RoutedRows:
+    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes; :func:`_scoped_rows`)."""
+
     def __init__(self, *args, row_class, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_class = row_class
@@ -168,13 +170,12 @@ class _RoutedFixedCountBatcher(FixedCountBatcher):
         return _scoped_rows(super().__iter__, self.row_class)
 
 
-class _RoutedTokenBudgetBatcher(TokenBudgetBatcher):
-    def __init__(self, *args, row_class, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.row_class = row_class
+class _RoutedFixedCountBatcher(_RoutedRows, FixedCountBatcher):
+    pass
 
-    def __iter__(self):
-        return _scoped_rows(super().__iter__, self.row_class)
+
+class _RoutedTokenBudgetBatcher(_RoutedRows, TokenBudgetBatcher):
+    pass
 
 
 class _RoutedCollator(DataCollatorForRollout):
@@ -305,18 +306,16 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     def get_train_dataloader(self):
         if not self._carries_routes:
             return super().get_train_dataloader()
+        row_class = RoutedTreeRow.for_layout(self._route_replay.layout)
         swaps = {
             "RolloutQueueDataset": _bind(_RoutedQueueDataset, align=self._align_sample),
-            "FixedCountBatcher": _bind(_RoutedFixedCountBatcher, row_class=self._new_row),
-            "TokenBudgetBatcher": _bind(_RoutedTokenBudgetBatcher, row_class=self._new_row),
+            "FixedCountBatcher": _bind(_RoutedFixedCountBatcher, row_class=row_class),
+            "TokenBudgetBatcher": _bind(_RoutedTokenBudgetBatcher, row_class=row_class),
             "DataCollatorForRollout": _bind(_RoutedCollator, version_fn=lambda: self.model_version,
                                             route_buffer=self._route_buffer),
         }
         with async_trainer_globals(**swaps):
             return super().get_train_dataloader()
-
-    def _new_row(self) -> RoutedTreeRow:
-        return RoutedTreeRow(self._route_replay.layout)
 
     # ------------------------------------------------------------------ training forward
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -50,6 +50,18 @@ class RoutedTreeRow(TreeRow):
         self.layout = layout
         self.packed_routes: CheckedRoutes | None = None  # set by pack()
 
+    @classmethod
+    def for_layout(cls, layout: RouteLayout) -> type[RoutedTreeRow]:
+        """The row class to put in TRL's place of ``TreeRow``: built with no argument, as TRL's batchers build rows.
+        A class, not a factory function: TRL's code also uses the name as a type (``TokenBudgetBatcher._place``
+        annotates with ``TreeRow | None``, evaluated when it runs)."""
+
+        class RoutedTreeRowForLayout(cls):
+            def __init__(self):
+                super().__init__(layout)
+
+        return RoutedTreeRowForLayout
+
     def _keys(self, sample: dict[str, Any]) -> list[tuple]:
         input_ids = sample["input_ids"].tolist()
         routes = sample.get("replay_routes")
