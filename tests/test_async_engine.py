@@ -95,6 +95,19 @@ def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_
     assert report["max_param_change"] > 1e-3
 
 
+def test_async_r3_under_trls_default_token_budget_replays_the_engine_routes(tmp_path, server, checkpoint):
+    """TRL's default packing: ``token_budget`` unset is the server's max_model_len (512 here), so TRL's
+    TokenBudgetBatcher packs whole queues of samples into one row; every position still routes as the engine did."""
+    reload_weights(server, checkpoint)
+    report = train(tmp_path, server, checkpoint, "token_budget=none", "max_steps=3")
+    assert report["error"] is None, report["error"]
+    logs = steps(report)
+    assert len(logs) == 3
+    # more samples per row than the fixed count of 6 the other runs pack: budget-packed (measured 26 to 29)
+    assert all(found > 6 and checked > 100 and mismatched == 0 for found, checked, mismatched in report["checks"])
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+
+
 def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, checkpoint):
     """Negative control: the same token-by-token check, routes carried but not replayed."""
     reload_weights(server, checkpoint)
