@@ -126,8 +126,14 @@ DEMOS = {
     "tools": (["--config", str(ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml")], "runs/grpo_r3_tiny_tools"),
 }
 #: docs/demo.md's "What holds on any CPU"
-COLD_START_ACCURACY = (0.15, 0.5)
 REWARD_RISE = 0.2
+#: The cold start's sampled accuracy (one temperature-1 sample on each of 128 rows) depends on the CPU type: the SFT
+#: run itself differs, so its true accuracy does (math demo 0.29 on an AMD EPYC; tool demo 0.41 there, 0.13 on an Intel
+#: Xeon). What holds anywhere: it learned the answer form (an untrained policy scores 0: the exact sum in \boxed{}
+#: is never sampled by chance), so at least 3 of 128 are right; false-failure rate 4e-6 (exact binomial tail,
+#: P(X <= 2 | n=128, p=0.13)) for a cold start as weak as the weakest seen; and it leaves GRPO room for the required
+#: rise (at most 1 - REWARD_RISE).
+COLD_START_ACCURACY = (3 / 128, 1 - REWARD_RISE)
 CLIPPED_AT_MOST = 0.01
 SUMMARY = re.compile(r"^(mean reward|tool calls per sample): first 10 logged steps ([\d.]+) -> last 10 logged steps "
                      r"([\d.]+)$")

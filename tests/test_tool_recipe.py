@@ -29,6 +29,8 @@ from .helpers import load_script
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
 TOOLS_CONFIG = ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml"
+#: the cold start's sampled tool-call rate that shows it taught the call format (basis at its use)
+TOOL_CALLS_AT_LEAST = 3 / 128
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +208,14 @@ def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, cap
     out = capsys.readouterr().out
     assert "cold start: saved" in out and "of samples" in out and "tool calls per sample:" in out
 
-    # the cold start taught the format: a measurable share of its sampled first turns parse into calculator calls
+    # the cold start taught the format: some of its sampled first turns parse into calculator calls, and most of
+    # those calls run. Both rates depend on the CPU type (the 60 SFT steps differ; call rate 0.242 on an Intel Xeon).
+    # Basis: an untrained policy never writes the call template (rate 0), so at least 3 of the 128 sampled turns must
+    # call; false-failure rate 4e-6 if the true rate is >= 0.13 (exact binomial tail, P(X <= 2 | n=128, p=0.13)).
     (entry,) = (tmp_path / "c").iterdir()
     report = json.loads((entry / "cold_start.json").read_text())["report"]
-    assert report["tool_call_rate"] >= 0.25 and report["tool_failure_rate"] < 0.5
+    assert report["tool_call_rate"] >= TOOL_CALLS_AT_LEAST, report
+    assert report["tool_failure_rate"] < 0.5, report  # the demonstrations' expressions are all valid ones
 
     logged = [h for h in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]
               if "reward" in h]
