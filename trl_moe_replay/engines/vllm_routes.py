@@ -246,7 +246,7 @@ class VLLMRouteSource:
             raise RoutesUnavailableError(
                 "routing_replay='r3' needs the experts vLLM routed each token to, but the colocated engine "
                 f"returned no routed_experts for the first batch ({num_local} completions on this rank), although "
-                "it was built with LLM(..., enable_return_routed_experts=True). {CAPTURE_CONDITIONS} Or train with "
+                f"it was built with LLM(..., enable_return_routed_experts=True). {CAPTURE_CONDITIONS} Or train with "
                 "routing_replay='r2' (no engine routes needed)."
             )
         if any(row is not None for row in rows):
