@@ -48,7 +48,8 @@ _LAZY = {
                      "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
                      "tree_attention_kernel"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
-                     "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements"),
+                     "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
+                     "parallel_plan_styles"),
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp"), "torch_seam"),
 }
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         keys_ignored_on_save,
         dcp_placements,
         lift_sharded_resume_refusal,
+        parallel_plan_styles,
         save_pretrained_weights,
         saved_weight_layout,
     )
