@@ -146,7 +146,8 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
     UpstreamRefusal(
         "temperature", _named("temperature"), _is_inf, "finite",
         "silently wrong: it divides the logits by it, so every logit is 0: tokens are sampled uniformly and every "
-        "log-prob is -log(vocabulary size), which no weight changes, so the gradient is 0 and the run learns nothing"),
+        "log-prob is -log(vocabulary size), which no weight changes: the policy loss has no gradient (only a router "
+        "aux loss, where on, still moves weights)"),
     UpstreamRefusal(
         "num_train_epochs (with max_steps <= 0)", _named("num_train_epochs"),
         lambda value: isinstance(value, numbers.Real) and not _is_bool(value) and value <= 0, "> 0 while max_steps <= 0 (training by epochs; a max_steps > 0 sets the length instead)",
