@@ -47,7 +47,8 @@ REPLAY_REFUSED = {"use_transformers_continuous_batching", "generation_kwargs"}  
 DOCUMENTED = {
     ("temperature", "0.0"), ("learning_rate", "nan"), ("learning_rate", "-1e-05"), ("max_steps", "2.5"),
     ("log_completions", "'no'"), ("num_iterations", "0"), ("reward_weights", "[nan]"), ("loss_type", "'bogus'"),
-    ("top_p", "-0.5"), ("max_staleness", "-1"),
+    ("top_p", "-0.5"), ("max_staleness", "-1"), ("temperature", "inf"), ("num_train_epochs", "0.0"),
+    ("epsilon", "-0.1"), ("epsilon_high", "-0.1"),
 }
 
 
@@ -66,7 +67,6 @@ EDGES = [
     ({"accelerator_config": {"dispatch_batches": True}}, ["--accelerator_config", '{"dispatch_batches": true}']),
     ({"epsilon": 0.3, "epsilon_high": 0.2}, ["--epsilon", "0.3", "--epsilon_high", "0.2"]),
     ({"epsilon_high": math.inf}, ["--epsilon_high", "inf"]),
-    ({"epsilon": -0.1}, ["--epsilon", "-0.1"]),
     ({"max_steps": 0}, ["--max_steps", "0"]),
     ({"max_steps": -5}, ["--max_steps", "-5"]),
     ({"max_steps": np.int64(3)}, None),
@@ -105,6 +105,11 @@ EDGES = [
     ({"loss_type": "bogus"}, ["--loss_type", "bogus"]),
     ({"top_p": -0.5}, ["--top_p", "-0.5"]),
     ({"max_staleness": -1}, ["--max_staleness", "-1"]),
+    # learns nothing (issue 42): uniform sampling, 0 steps, an inverted clip range
+    ({"temperature": math.inf}, ["--temperature", "inf"]),
+    ({"num_train_epochs": 0.0}, ["--num_train_epochs", "0"]),
+    ({"epsilon": -0.1}, ["--epsilon", "-0.1"]),
+    ({"epsilon_high": -0.1}, ["--epsilon_high", "-0.1"]),
 ]
 
 

@@ -96,6 +96,13 @@ CASES = [
     Case("loss_type", "bogus", UpstreamValueError, configs=(SYNC,), cli="bogus"),
     Case("max_staleness", -1, UpstreamValueError, configs=(ASYNC,), cli="-1"),
     Case("weight_sync_steps", 0, UpstreamValueError, configs=(ASYNC,), cli="0"),
+    # learns nothing (issue 42): uniform sampling and no gradient; an inverted clip range
+    Case("temperature", math.inf, UpstreamValueError, cli="inf"),
+    Case("epsilon", -0.2, UpstreamValueError, cli="-0.2"),
+    Case("epsilon_high", -0.1, UpstreamValueError, cli="-0.1"),
+    # our correction (R3 on transformers generate, TRL's default sequence_mask): a bound that excludes ratio 1
+    Case("vllm_importance_sampling_clip_max", 0.5, ConfigValueError, configs=(SYNC,), cli="0.5"),
+    Case("vllm_importance_sampling_clip_min", 1.5, ConfigValueError, configs=(SYNC,), cli="1.5"),
 ]
 TABLE = [pytest.param(config, case, id=f"{config.__name__}-{case}") for case in CASES for config in case.configs]
 
@@ -258,8 +265,75 @@ def test_a_correction_bound_that_leaves_no_gradient_is_refused_only_with_our_cor
                 dict(loss_type="minirl", epsilon_high=None), dict(loss_type="vespo")):
         if off.get("loss_type") == "minirl" and "truncate" in mode:
             continue
+        if off.get("loss_type") == "vespo" and "mask" in mode:
+            continue  # vespo's weight of a zeroed ratio is about 1e-15: refused (the next test)
         assert getattr(build(SYNC, **kwargs, **off), name) == bound[name]
-    assert build(SYNC, vllm_importance_sampling_clip_max=0.5).vllm_importance_sampling_clip_max == 0.5  # > 0 trains
+
+
+@pytest.mark.parametrize("mode, bound", [
+    ("sequence_mask", {"vllm_importance_sampling_clip_max": 0.5}),  # TRL's default mode (issue 42's three cases)
+    ("sequence_mask", {"vllm_importance_sampling_clip_min": 1.5}),
+    ("token_mask", {"vllm_importance_sampling_clip_max": 0.9}),
+    ("token_mask", {"vllm_importance_sampling_clip_min": 1.01, "vllm_importance_sampling_clip_max": None}),
+])
+@pytest.mark.parametrize("loss", ["dapo", "vespo"])
+def test_a_masking_bound_that_excludes_ratio_1_is_refused_with_our_correction_on(mode, bound, loss):
+    # every ratio is about 1 on the transformers path: the mask zeroes every on-policy token
+    name = next(iter(bound))
+    kwargs = dict(vllm_importance_sampling_mode=mode, loss_type=loss, **bound)
+    with pytest.raises(ConfigValueError, match=f"^{name} must be [<>]= 1 .*a bound which excludes ratio 1 cuts every "
+                                                "on-policy token") as error:
+        build(SYNC, **kwargs)
+    assert "\n" not in str(error.value) and f"got {bound[name]}" in str(error.value)
+    for mode_replay in ("r2", "pr2"):  # every mode that turns our correction on
+        with pytest.raises(ConfigValueError, match=name):
+            build(SYNC, routing_replay=mode_replay, **kwargs)
+    assert getattr(build(SYNC, routing_replay="none", **kwargs), name) == bound[name]  # plain TRL: correction off
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=1.0),  # 1 is inside
+    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=1.0),
+    dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=0.5),  # scales, learns
+    dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=1.5),
+    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=0.5, loss_type="minirl",
+         epsilon_high=None),  # minirl weights by minirl_is_cap, not TRL's ratio
+], ids=lambda kwargs: ",".join(f"{k}={v}" for k, v in kwargs.items()))
+def test_a_bound_that_keeps_ratio_1_or_only_scales_it_is_taken(kwargs):
+    built = build(SYNC, **kwargs)
+    assert built.transformers_importance_sampling_correction is True
+    assert all(getattr(built, name) == value for name, value in kwargs.items() if name != "epsilon_high")
+
+
+@pytest.mark.parametrize("config", BOTH, ids=lambda c: c.__name__)
+def test_zero_epochs_without_max_steps_is_refused_on_every_path(config, tmp_path, capsys):
+    # transformers (and TRL's async trainer) train ceil(num_train_epochs x steps per epoch) steps when max_steps <= 0
+    match = "^num_train_epochs must be > 0 while max_steps <= 0 .*silently wrong: .* 0 steps"
+    for epochs, steps in ((0, -1), (-1.0, -1), (0.0, 0)):
+        with pytest.raises(UpstreamValueError, match=match):
+            build(config, num_train_epochs=epochs, max_steps=steps)
+    assert build(config, num_train_epochs=0, max_steps=5).max_steps == 5  # max_steps sets the length: taken
+    assert build(config, num_train_epochs=0.01).num_train_epochs == 0.01  # ceil: at least one step
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), **BASE, "num_train_epochs": 0}))
+    with pytest.raises(UpstreamValueError, match=match):
+        TrlParser((config,)).parse_args_and_config(["--config", str(path)])
+    with pytest.raises(UpstreamValueError, match=match):
+        TrlParser((config,)).parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16",
+                                                    "false", "--num_train_epochs", "0"])
+
+
+def test_the_recipe_refuses_zero_epochs_without_max_steps_in_one_line(recipe, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(recipe, "main", lambda *args: pytest.fail("the recipe went past parsing"))
+    path = tmp_path / "config.yaml"
+    path.write_text("num_train_epochs: 0\nmax_steps: -1\n")
+    for argv in (["--config", str(path)], ["--num_train_epochs", "0", "--max_steps", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            recipe.run(argv)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and "num_train_epochs must be > 0" in lines[0], lines
+    _, args, _ = recipe.parse_args(["--num_train_epochs", "0"])  # the recipe's max_steps (200) sets the length
+    assert args.max_steps == 200
 
 
 def test_the_trainer_refuses_a_zero_gradient_bound_in_a_plain_trl_config_too(tmp_path):
@@ -270,8 +344,8 @@ def test_the_trainer_refuses_a_zero_gradient_bound_in_a_plain_trl_config_too(tmp
     from trl_moe_replay.testing import tiny_moe_model
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                      vllm_importance_sampling_clip_max=-1.0)
-    with pytest.raises(ConfigValueError, match="vllm_importance_sampling_clip_max must be > 0"):
+                      vllm_importance_sampling_clip_max=0.5)
+    with pytest.raises(ConfigValueError, match="vllm_importance_sampling_clip_max must be >= 1"):
         MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=lambda completions, **kw: [0.0], args=args)
 
 

@@ -261,6 +261,57 @@ def test_parallel_sizes_are_built_from_a_mapping_or_refused_in_one_line():
                                                              report_to="none")) is None
 
 
+LAYOUTS_TRANSFORMERS_CANNOT_RUN = {  # issue 42: each passed the launch check, then failed inside loading or training
+    "fsdp_size float": ({"ep_size": 2, "fsdp_size": 2.0}, "fsdp_size must be an int .*got float 2.0"),
+    "fsdp_size bool": ({"ep_size": 1, "fsdp_size": True}, "fsdp_size must be an int .*got bool True"),
+    "ep_size float": ({"ep_size": 2.0, "fsdp_size": 2}, "ep_size must be an int .*got float 2.0"),
+    "pp_size 2": ({"pp_size": 2}, "has pp_size 2, and pipeline parallelism does not train here"),
+    "ep_plan unknown style": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {"x": "y"}},
+                              r"ep_plan\['x'\] is 'y', which is no ep_plan style .*ep_dispatch_experts, grouped_gemm"),
+    "ep_plan a TP style": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {"layers.*.mlp.experts": "moe_tp_experts"}},
+                           "is 'moe_tp_experts', which is no ep_plan style"),
+    "fsdp_plan bogus": ({"ep_size": 2, "fsdp_size": 2, "fsdp_plan": {"layers.*": "shard_everything"}},
+                        r"fsdp_plan\['layers.\*'\] is 'shard_everything', .*free_full_weight, keep_full_weight"),
+    "fsdp_plan a style that is no text": ({"ep_size": 2, "fsdp_size": 2, "fsdp_plan": {"layers.*": 1}},
+                                          "is 1, which is no fsdp_plan style"),
+    "tp_plan unknown style": ({"ep_size": 2, "fsdp_size": 2, "tp_size": 1, "tp_plan": {"layers.*.self_attn.q_proj": "diagonal"}},
+                              "is 'diagonal', which is no tp_plan style"),
+    "tp_plan text other than auto": ({"ep_size": 2, "fsdp_size": 2, "tp_size": 1, "tp_plan": "everything"},
+                                     "tp_plan must be a mapping of module names to styles or auto"),
+    "ep_plan a key that is no text": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {1: "grouped_gemm"}},
+                                      "ep_plan has the key 1: its keys are module names"),
+}
+
+
+@pytest.mark.skipif(not has_expert_parallelism(), reason="transformers 5.16 has no DistributedConfig.ep_size (refused "
+                                                         "as a whole: the test above)")
+@pytest.mark.parametrize("case", list(LAYOUTS_TRANSFORMERS_CANNOT_RUN))
+def test_a_layout_transformers_cannot_run_is_one_line_before_the_model_loads(case, tmp_path, monkeypatch):
+    from transformers.distributed import DistributedConfig
+
+    sizes, expected = LAYOUTS_TRANSFORMERS_CANNOT_RUN[case]
+    with pytest.raises(ParallelSizesError, match=expected) as refused:
+        distributed_config_from_args(args_with(sizes), world_size=2)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ParallelSizesError, match=expected):  # a DistributedConfig object is held to the same rule
+        distributed_config_from_args(args_with(DistributedConfig(**sizes)), world_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # the trainer's launch check, before TRL loads the model
+    (tmp_path / "config.json").write_text("{}")  # a model folder that would fail to load if it were loaded
+    with pytest.raises(ParallelSizesError, match=expected):
+        MoEReplayGRPOTrainer(model=str(tmp_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                             args=args_with(sizes))
+
+
+@pytest.mark.skipif(not has_expert_parallelism(), reason="transformers 5.16 has no DistributedConfig.ep_size")
+def test_valid_plans_and_numpy_sizes_are_taken():
+    import numpy as np
+
+    plans = {"ep_plan": {"layers.*.mlp.experts": "ep_dispatch_experts", "layers.*.mlp.experts.down_proj":
+                         "grouped_gemm"}, "fsdp_plan": {"layers.*": "free_full_weight"}, "tp_size": 1, "tp_plan": "auto"}
+    config = distributed_config_from_args(args_with({"ep_size": np.int64(2), "fsdp_size": 2, **plans}), world_size=2)
+    assert (config.ep_size, config.ep_plan, config.fsdp_plan) == (2, plans["ep_plan"], plans["fsdp_plan"])
+
+
 def test_a_transformers_without_expert_parallelism_is_refused_in_one_line(monkeypatch):
     import transformers.distributed
 

@@ -261,3 +261,16 @@ def test_a_lock_file_far_larger_than_a_lock_is_replaced_without_being_parsed(tmp
         assert parsed and max(parsed) < 1_000  # only our own lock was parsed
     finally:
         lock.release()
+
+
+def test_a_lock_file_holding_a_number_python_will_not_convert_is_replaced(tmp_path, caplog):
+    # json raises a plain ValueError on an integer of more than 4,300 digits: it was a traceback from acquire()
+    (tmp_path / LOCK_NAME).write_text('{"pid": ' + "1" * 5000 + "}")
+    lock = OutputDirLock(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
+        lock.acquire()
+    try:
+        assert lock.held and "it is not a lock file this package wrote" in caplog.text
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()

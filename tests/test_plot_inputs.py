@@ -84,6 +84,12 @@ def test_malformed_files_are_one_line(tmp_path, capsys):
     (not_list / "trainer_state.json").write_text(json.dumps({"log_history": {"step": 1}}))
     assert "no 'log_history' list" in one_line_error(capsys, ["plot", str(not_list)])
 
+    long_int = tmp_path / "long-int"
+    long_int.mkdir()
+    (long_int / "trainer_state.json").write_text('{"log_history": [{"step": 1, "reward": ' + "1" * 5000 + "}]}")
+    message = one_line_error(capsys, ["plot", str(long_int)])  # was json's bare ValueError (4,300-digit limit)
+    assert f"{long_int / 'trainer_state.json'} holds a number Python refuses to convert" in message
+
 
 # ----------------------------------------------------------------------------- hostile run folders (issue 33)
 def test_plot_replaces_planted_links_and_never_writes_through_them(tmp_path, capsys, monkeypatch):

@@ -78,6 +78,14 @@ def test_describe_run_reads_the_state_with_a_bound(tmp_path, monkeypatch):
     assert "JSON values, more than the 100 read" in described
 
 
+def test_describe_run_names_the_file_holding_a_number_python_will_not_convert(tmp_path):
+    state = fake_checkpoint(tmp_path, 5) / "trainer_state.json"
+    state.write_text('{"global_step": ' + "9" * 5000 + ', "max_steps": 10}')  # json: ValueError, 4,300-digit limit
+    described = describe_run(tmp_path)
+    assert described.startswith(f"an earlier run ({state} unreadable: {state} holds a number Python refuses to ")
+    assert "\n" not in described
+
+
 @pytest.mark.parametrize("steps_per_generation, num_iterations, accumulation, period", [
     (1, 1, 1, 1), (4, 1, 1, 4), (4, 1, 4, 1), (4, 2, 4, 2), (2, 3, 1, 6), (4, 1, 8, 1),
 ])

@@ -162,6 +162,9 @@ FILE_DAMAGE = {
                                                  "log_history is dict, where the Trainer reads list"),
     "trainer_state.json of empty objects": (write("trainer_state.json", b"[" + b"{}," * 5_000_000 + b"{}]"),
                                             "JSON values, more than the 8,388,608 read: refusing to parse it"),
+    "trainer_state.json a 5000-digit integer": (write("trainer_state.json", b'{"global_step": ' + b"7" * 5000 + b"}"),
+                                                "trainer_state.json holds a number Python refuses to convert (Exceeds "
+                                                "the limit (4300 digits)"),  # was a bare ValueError naming no file
     "trainer_state.json a FIFO": (lambda f: ((f / "trainer_state.json").unlink(), os.mkfifo(f / "trainer_state.json")),
                                   "trainer_state.json is a FIFO, not a file the Trainer writes"),
     "optimizer.pt a link out of the folder": (

@@ -33,7 +33,7 @@ _VALUE_STARTS = (b"[", b"{", b",", b":")
 
 class JSONFileError(ValueError):
     """A JSON file that is not read: not a regular file, too large, too many values to parse, not valid UTF-8 JSON,
-    or nested too deeply."""
+    nested too deeply, or holding a number Python will not convert (an integer of more than 4,300 digits)."""
 
 
 def read_json_file(path: str | os.PathLike, *, max_bytes: int | None = None, max_values: int | None = None) -> Any:
@@ -55,6 +55,11 @@ def read_json_file(path: str | os.PathLike, *, max_bytes: int | None = None, max
         raise JSONFileError(
             f"{path} is not valid JSON ({' '.join(str(exc).split())}): the file may be truncated (a run stopped "
             "while saving it)"
+        ) from None
+    except ValueError as exc:  # Python's own limit: an integer of more than 4,300 digits is not converted
+        raise JSONFileError(
+            f"{path} holds a number Python refuses to convert ({' '.join(str(exc).split())}): no file this package "
+            "or the Trainer writes has one; the file is damaged or not the run's"
         ) from None
     except RecursionError:
         raise JSONFileError(f"{path} nests JSON arrays or objects too deeply to read") from None

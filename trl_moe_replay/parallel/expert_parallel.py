@@ -13,7 +13,8 @@ This module is the launch side:
   them: ``model_init_kwargs: {distributed_config: {ep_size: 8, fsdp_size: 8, ep_implementation: all_to_all}}``
   (a mapping of ``DistributedConfig``'s fields; a ``DistributedConfig`` object is accepted too). A bad combination is
   refused in one line (:class:`ParallelSizesError`) before any work: sizes that do not multiply to the number of
-  processes, tensor parallelism on CPU processes (accelerate refuses it there), a transformers without EP.
+  processes, sizes that are no ints, ``pp_size > 1``, plan entries transformers cannot apply, tensor parallelism on
+  CPU processes (accelerate refuses it there), a transformers without EP.
 * :func:`sharded_at_load_construction`: around the trainer's ``super().__init__``: hands TRL the
   ``DistributedConfig`` built from that mapping, and lets transformers' Trainer accept checkpointing for a model
   sharded at load time (it refuses it, since it cannot resume one; :mod:`.distributed_checkpoint` does).
@@ -26,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import numbers
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors
+from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors, parallel_plan_styles
 from .sharded import full_tensor, is_sharded_at_load
 
 DISTRIBUTED_CONFIG = "distributed_config"  # the model_init_kwargs key (from_pretrained's argument)
@@ -103,8 +105,52 @@ def distributed_config_from_args(args: Any, world_size: int | None = None) -> An
     return config
 
 
+SIZE_FIELDS = ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size", "ep_size")
+PLAN_FIELDS = ("tp_plan", "ep_plan", "fsdp_plan")
+
+
+def check_layout_values(config: Any) -> None:
+    """Refuse, in one line, values of a ``DistributedConfig`` that transformers takes but cannot run: a size that is no
+    int (``2.0`` fails deep in FSDP2's ``__init__``, ``True`` counts as 1), ``pp_size > 1`` (no pipeline schedule in
+    the Trainer: a rank aborts), a plan that is no mapping of module names to styles transformers applies (checked
+    by transformers only inside ``from_pretrained``, on every rank)."""
+    for name in SIZE_FIELDS:
+        size = getattr(config, name)
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise ParallelSizesError(
+                f"distributed_config {name} must be an int (a number of processes), got {type(size).__name__} "
+                f"{size!r}: write it without a decimal point or quotes ({name}: 2)"
+            )
+    if config.pp_size > 1:
+        raise ParallelSizesError(
+            f"distributed_config has pp_size {config.pp_size}, and pipeline parallelism does not train here: "
+            "transformers' Trainer runs no pipeline schedule (one rank aborts), and transformers refuses it with FSDP "
+            "and with expert token dispatch. Use pp_size 1, and ep_size with fsdp_size (or tp_size on GPUs)"
+        )
+    styles = parallel_plan_styles()
+    for name in PLAN_FIELDS:
+        plan = getattr(config, name)
+        if plan is None or name == "tp_plan" and plan == "auto":
+            continue
+        if not isinstance(plan, Mapping):
+            raise ParallelSizesError(
+                f"distributed_config {name} must be a mapping of module names to styles{' or auto' * (name == 'tp_plan')}"
+                f", got {type(plan).__name__} {plan!r}"
+            )
+        for key, style in plan.items():
+            if not isinstance(key, str) or not key:
+                raise ParallelSizesError(f"distributed_config {name} has the key {key!r}: its keys are module names "
+                                         "(layers.*.mlp.experts)")
+            if not isinstance(style, str) or style not in styles[name]:
+                raise ParallelSizesError(
+                    f"distributed_config {name}[{key!r}] is {style!r}, which is no {name} style transformers applies: "
+                    f"use one of {', '.join(sorted(styles[name]))} (or leave {name} out: the model's own plan)"
+                )
+
+
 def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu: bool = False) -> None:
     """Refuse sizes that cannot run with ``world_size`` processes here, in one line (:class:`ParallelSizesError`)."""
+    check_layout_values(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     sizes = {name: getattr(config, name) for name in ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size")}
     product = 1

@@ -54,6 +54,7 @@ class UpstreamRefusal:
     """Values of TRL's or transformers' fields refused early: ``refuses(value)`` for a field that ``covers``, and why.
 
     ``reason`` says what plain TRL does with the value: "TRL crashes later at ..." or "silently wrong: ...".
+    ``given`` is for a value wrong only beside another field's: it reads the whole config (unset: always).
     """
 
     fields: str  # the field names, or a kind of field ("every float field")
@@ -61,6 +62,7 @@ class UpstreamRefusal:
     refuses: typing.Callable[[Any], bool]
     expected: str
     reason: str
+    given: typing.Callable[[Any], bool] | None = None  # (the config) -> whether the other fields make it wrong
 
     def message(self, name: str, value) -> str:
         return f"{name} must be {self.expected}, got {_shown(value)}: {self.reason}"
@@ -92,6 +94,17 @@ def _not_an_int(value) -> bool:
 
 def _below(low):
     return lambda value: isinstance(value, numbers.Real) and value < low
+
+
+def _is_inf(value) -> bool:
+    return isinstance(value, numbers.Real) and not _is_bool(value) and value == math.inf
+
+
+def _by_epochs(config) -> bool:
+    """Whether training length comes from ``num_train_epochs``: transformers' Trainer and TRL's async trainer stop by
+    ``max_steps`` only when it is > 0."""
+    max_steps = getattr(config, "max_steps", -1)
+    return isinstance(max_steps, numbers.Real) and max_steps <= 0
 
 
 # TRL 1.16's own loss types (named in GRPOConfig.loss_type's help; TRL exposes no list of them), and this package's.
@@ -131,6 +144,21 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
         "TRL crashes later: it divides the logits by it (0 fails in its fused log-prob at the first step), and "
         "transformers' and vLLM's samplers raise on a value <= 0"),
     UpstreamRefusal(
+        "temperature", _named("temperature"), _is_inf, "finite",
+        "silently wrong: it divides the logits by it, so every logit is 0: tokens are sampled uniformly and every "
+        "log-prob is -log(vocabulary size), which no weight changes: the policy loss has no gradient (only a router "
+        "aux loss, where on, still moves weights)"),
+    UpstreamRefusal(
+        "num_train_epochs (with max_steps <= 0)", _named("num_train_epochs"),
+        lambda value: isinstance(value, numbers.Real) and not _is_bool(value) and value <= 0, "> 0 while max_steps <= 0 (training by epochs; a max_steps > 0 sets the length instead)",
+        "silently wrong: the run trains ceil(num_train_epochs x steps per epoch) = 0 steps and exits with status 0",
+        given=_by_epochs),
+    UpstreamRefusal(
+        "epsilon, epsilon_high", _named("epsilon", "epsilon_high"), _below(0), ">= 0",
+        "silently wrong: the clip range [1 - epsilon, 1 + epsilon_high] then excludes ratio 1 (and torch's clamp "
+        "with min > max returns max), so the on-policy tokens of one advantage sign get no gradient (a cispo cap "
+        "epsilon_high < 0 reverses it)"),
+    UpstreamRefusal(
         "top_p", _named("top_p"), _below(0), ">= 0",
         "TRL crashes later: transformers' TopPLogitsWarper and vLLM's SamplingParams raise on a negative top_p (above "
         "1 transformers applies no top-p at all, so that is taken)"),
@@ -159,12 +187,14 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
 )
 
 
-def upstream_refusal(upstream_class: type, name: str, value) -> UpstreamRefusal | None:
-    """The ``UPSTREAM_REFUSALS`` entry that refuses ``value`` for the field ``name`` of TRL's ``upstream_class``."""
+def upstream_refusal(upstream_class: type, name: str, value, config=None) -> UpstreamRefusal | None:
+    """The ``UPSTREAM_REFUSALS`` entry that refuses ``value`` for the field ``name`` of TRL's ``upstream_class`` (in
+    ``config``, for an entry that reads other fields; without it such entries are not consulted)."""
     annotation = field_types(upstream_class).get(name)
     for refusal in UPSTREAM_REFUSALS:
         if refusal.covers(name, annotation) and refusal.refuses(value):
-            return refusal
+            if refusal.given is None or config is not None and refusal.given(config):
+                return refusal
     return None
 
 
@@ -328,7 +358,7 @@ def check_config(config, own_class: type) -> None:
     upstream = upstream_class(own_class)
     for name in field_types(upstream):
         value = getattr(config, name)
-        refusal = upstream_refusal(upstream, name, value)
+        refusal = upstream_refusal(upstream, name, value, config)
         if refusal is not None:
             raise UpstreamValueError(name, value, refusal)
     sync_dir = getattr(config, "vllm_sync_dir", None)

@@ -95,32 +95,45 @@ def check_colocate_tensor_parallel(args: GRPOConfig, generation_routes: bool) ->
 def check_correction_can_learn(args: GRPOConfig, settings: ReplaySettings) -> None:
     """Refuse importance-sampling bounds under which our transformers-path correction leaves no gradient.
 
-    TRL multiplies every token's loss by the correction's ratio exp(trainer log-prob - sampler log-prob), which is
-    positive: a ``*_mask`` mode zeroes the ratios outside [clip_min, clip_max], a ``*_truncate`` mode clamps them into
-    it. So ``clip_max <= 0`` masks every token or replaces every ratio by ``clip_max`` (0: no gradient; below 0: the
-    gradient reversed), and ``clip_min = inf`` masks every token or makes every ratio infinite. Plain TRL trains with
-    such bounds on the transformers path, where its correction is off; they are refused only when ours is on.
-    ``vespo`` takes the ratio's logarithm into its own weight, and ``minirl`` uses ``minirl_is_cap`` instead.
+    TRL multiplies every token's loss by the correction's ratio exp(trainer log-prob - sampler log-prob) (``vespo``
+    takes its logarithm into its own weight): a ``*_mask`` mode zeroes the ratios outside [clip_min, clip_max], a
+    ``*_truncate`` mode clamps them into it. On the transformers path generate samples with the trainer's own weights
+    (and, under R3, the routes the trainer replays), so every ratio is about 1: a bound which excludes ratio 1
+    (``clip_max < 1`` or ``clip_min > 1``) cuts every on-policy token under a ``*_mask`` mode (under ``vespo`` too:
+    its weight of a zeroed ratio is about 1e-15). A ``*_truncate`` mode then scales every token by the bound, which
+    still learns, except ``clip_max <= 0`` (0: no gradient; below 0: the gradient reversed) and ``clip_min = inf``.
+    Plain TRL trains with such bounds on the transformers path, where its correction is off; they are refused only when
+    ours is on. ``minirl`` uses ``minirl_is_cap`` instead of TRL's correction.
     """
-    if not settings.transformers_importance_sampling_correction or args.loss_type in ("vespo", "minirl"):
+    if not settings.transformers_importance_sampling_correction or args.loss_type == "minirl":
         return
     low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     mode = args.vllm_importance_sampling_mode
-    masking = mode in ("token_mask", "sequence_mask")
-    if high is not None and high <= 0:
+    if mode in ("token_mask", "sequence_mask"):
+        if high is not None and high < 1:
+            name, value, expected = "vllm_importance_sampling_clip_max", high, ">= 1 (or None: no upper bound)"
+        elif low is not None and low > 1:
+            name, value, expected = "vllm_importance_sampling_clip_min", low, "<= 1 (or None: no lower bound)"
+        else:
+            return
+        effect = ("zeroes every token, since every ratio is about 1 here (generate samples with the trainer's own "
+                  "weights): a bound which excludes ratio 1 cuts every on-policy token")
+    elif args.loss_type == "vespo":
+        return
+    elif high is not None and high <= 0:
         name, value, expected = "vllm_importance_sampling_clip_max", high, "> 0 (or None: no upper bound)"
-        effect = "zeroes every token" if masking or high == 0 else f"sets every ratio to {high} (gradient reversed)"
+        effect = "zeroes every token" if high == 0 else f"sets every ratio to {high} (gradient reversed)"
     elif low is not None and low == math.inf:
         name, value, expected = "vllm_importance_sampling_clip_min", low, "finite (or None: no lower bound)"
-        effect = "zeroes every token" if masking else "makes every ratio infinite"
+        effect = "makes every ratio infinite"
     else:
         return
     cause = "routing replay" if settings.mode.replays else f"loss_type={args.loss_type!r}"
     raise ConfigValueError(
         f"{name} must be {expected} while transformers_importance_sampling_correction is on (set, or on by default "
-        f"with {cause} on transformers generate), got {value}: every importance ratio is positive, so TRL's "
-        f"{mode!r} correction {effect}, and the run learns nothing. Use a bound like TRL's default "
-        "(vllm_importance_sampling_clip_max=3.0), or transformers_importance_sampling_correction=False."
+        f"with {cause} on transformers generate), got {value}: TRL's {mode!r} correction {effect}, and the run learns "
+        "nothing. Use a bound like TRL's default (vllm_importance_sampling_clip_max=3.0), or "
+        "transformers_importance_sampling_correction=False."
     )
 
 

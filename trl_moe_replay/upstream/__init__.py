@@ -9,7 +9,8 @@ touching the private name, and the part's check.
 ``torch_seam``              ``autograd_graph_task``, ``assert_async``, ``module_parameter_slot``,
                             ``ddp_ignored_parameters``
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
-                            ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``
+                            ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``,
+                            ``parallel_plan_styles``
 ``trl_seam``                ``grpo_private_methods``, ``padded_width``, ``engine_logprob_correction``,
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
@@ -48,7 +49,8 @@ _LAZY = {
                      "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
                      "tree_attention_kernel"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
-                     "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements"),
+                     "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
+                     "parallel_plan_styles"),
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp"), "torch_seam"),
 }
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
         keys_ignored_on_save,
         dcp_placements,
         lift_sharded_resume_refusal,
+        parallel_plan_styles,
         save_pretrained_weights,
         saved_weight_layout,
     )

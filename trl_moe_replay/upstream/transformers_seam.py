@@ -220,6 +220,44 @@ def dcp_placements(state_dict: dict, reference: dict | None = None) -> dict:
     return _redistribute_state_dict(state_dict, reference_state_dict=reference)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# parallel_plan_styles: the styles a DistributedConfig plan may name (expert_parallel.check_parallel_sizes).
+#    transformers checks a plan's styles only once the model is built, inside from_pretrained on every rank
+#    (PreTrainedModel._validate_parallel_plan): tp_plan and ep_plan name styles of
+#    transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES (registered when tensor_parallel and expert_parallel
+#    are imported; ep_plan's "moe_tp_experts" is refused there as a TP style), fsdp_plan one of
+#    transformers.distributed.fsdp.ALL_FSDP_STYLES.
+# ---------------------------------------------------------------------------------------------------------------
+PARALLEL_PLAN_STYLES = entry("parallel_plan_styles", "transformers", "5.24.0")
+
+
+def parallel_plan_styles() -> dict[str, frozenset[str]]:
+    """``{"tp_plan": styles, "ep_plan": styles, "fsdp_plan": styles}`` the installed transformers can apply (entry
+    ``parallel_plan_styles``)."""
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the EP styles)
+    import transformers.distributed.tensor_parallel  # noqa: F401  (registers the TP styles)
+    from transformers.distributed.fsdp import ALL_FSDP_STYLES
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    styles = frozenset(ALL_PARALLEL_STYLES.valid_keys())
+    return {"tp_plan": styles, "ep_plan": styles - {"moe_tp_experts"}, "fsdp_plan": frozenset(ALL_FSDP_STYLES)}
+
+
+def _check_parallel_plan_styles() -> list[Finding]:
+    try:
+        from transformers.distributed import parallel_utils  # noqa: F401
+    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+        return []
+    try:
+        styles = parallel_plan_styles()
+    except (ImportError, AttributeError) as exc:
+        return [Finding(PARALLEL_PLAN_STYLES, f"the plan style registries cannot be read ({exc})")]
+    missing = {"ep_dispatch_experts", "grouped_gemm", "colwise"} - styles["tp_plan"]
+    if missing or "free_full_weight" not in styles["fsdp_plan"]:
+        return [Finding(PARALLEL_PLAN_STYLES, f"the plan styles lack {sorted(missing) or ['free_full_weight']}")]
+    return []
+
+
 def _check_sharded_at_load_resume() -> list[Finding]:
     try:
         from transformers.distributed import checkpoint
@@ -248,4 +286,5 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
         findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
                                                      f"became {have}"))
     findings += _check_sharded_at_load_resume()
+    findings += _check_parallel_plan_styles()
     return tuple(findings)
