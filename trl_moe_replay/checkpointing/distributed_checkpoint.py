@@ -98,9 +98,9 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
     copies = dcp_placements({name: tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
                              for name, tensor in current.items()})
     try:
-        dcp.load({"model": copies}, storage_reader=_reader(checkpoint, refuse))
-    except Exception as exc:  # noqa: BLE001  (DCP wraps every rank's failure in one CheckpointException)
-        raise refuse(f"its shards cannot be read ({type(exc).__name__}: {_short(exc)})") from exc
+        dcp.load({"model": copies}, storage_reader=checked_reader(checkpoint, refuse))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
+        raise refuse(f"its shards cannot be read ({_failure(exc)})") from exc
     copies = dcp_placements(copies, reference=current)
     bad = [name for name, tensor in copies.items() if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
            and not bool(torch.isfinite(_local(tensor)).all())]
@@ -128,9 +128,9 @@ def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> N
     _add_missing_state(trainer.optimizer, current, metadata, dict(model.named_parameters()), refuse)
     state = dcp_placements(current)
     try:
-        dcp.load({"optimizer": state}, storage_reader=_reader(checkpoint, refuse))
-    except Exception as exc:  # noqa: BLE001
-        raise refuse(f"its optimizer shards cannot be read ({type(exc).__name__}: {_short(exc)})") from exc
+        dcp.load({"optimizer": state}, storage_reader=checked_reader(checkpoint, refuse))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
+        raise refuse(f"its optimizer shards cannot be read ({_failure(exc)})") from exc
     set_optimizer_state_dict(model, trainer.optimizer, dcp_placements(state, reference=current), options=_options())
     trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
@@ -168,7 +168,7 @@ def _metadata(checkpoint: str | os.PathLike, refuse) -> dict:
     return read_distributed_metadata(checkpoint, refuse).state_dict_metadata
 
 
-def _reader(checkpoint: str | os.PathLike, refuse):
+def checked_reader(checkpoint: str | os.PathLike, refuse):
     """torch's reader of ``checkpoint``'s shards, handed the metadata :func:`read_distributed_metadata` reads (torch's
     own ``read_metadata`` unpickles the file with plain ``pickle.load``)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -198,6 +198,16 @@ def _any_rank(flag: bool) -> bool:
     value = torch.tensor([int(flag)], device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return bool(value.item())
+
+
+def _failure(exc: BaseException) -> str:
+    """``Type: message`` of a failed DCP load, on one line. DCP wraps every rank's failure, traceback included, in one
+    ``CheckpointException`` (a ``BaseException``, which ``except Exception`` let through as a traceback): the first
+    rank's own exception is named."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))[0]
+    return f"{type(exc).__name__}: {_short(exc)}"
 
 
 def _short(exc: BaseException) -> str:
