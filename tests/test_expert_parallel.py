@@ -265,7 +265,8 @@ def test_a_hostile_shard_metadata_is_refused_on_every_rank_before_it_runs(stoppe
     assert "2" in codes and set(codes) <= {"2", "-15"}, result.stderr[-4000:]
     assert result.stderr.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in result.stderr
     frames = [line for line in result.stderr.splitlines() if line.startswith('  File "')]
-    assert frames and all("torch/distributed" in line or "<frozen runpy>" in line for line in frames), frames
+    assert frames and all("torch/distributed" in line or line.startswith(f'  File "{resume[0]}"') for line in frames), \
+        frames
 
 
 # --------------------------------------------------------------------------------------------- launch-side refusals
