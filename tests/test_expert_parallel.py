@@ -12,6 +12,9 @@ transformers, the async trainer) without loading a model.
 import dataclasses
 import json
 import os
+import pickle
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -194,30 +197,76 @@ def test_r3_with_vllm_colocated_in_each_rank(checkpoint, tmp_path):
     assert_synced_and_checked(launch(tmp_path, "colocate", checkpoint))
 
 
-@pytest.mark.slow  # the recipe on an EP model under torchrun, stopped with a real Ctrl-C, then resumed (~3 min)
-def test_ctrl_c_on_the_recipe_saves_the_shards_and_the_printed_command_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def stopped_recipe(tmp_path_factory):
+    """The recipe on an EP model under torchrun, stopped with a real Ctrl-C: (its folder, output_dir, the step it
+    saved, the resume command it printed, the environment)."""
     from .test_resume import ctrl_c_at_step_10, saved_once, small_args
 
+    base = tmp_path_factory.mktemp("ep_recipe")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1", **CPU_ONLY_ENV}
-    run = tmp_path / "run"
+    run = base / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(ROOT / "recipes" / "grpo_r3.py"), "--ep_size", "2", "--fsdp_size", "2",
-               *small_args(run, tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
-    lines, _ = ctrl_c_at_step_10(command, env, tmp_path)
+               *small_args(run, base / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    lines, _ = ctrl_c_at_step_10(command, env, base)
     stopped = saved_once(lines, run)
     step = int(stopped.split()[3])
     # both ranks' shards of the model and the optimizer, beside the Trainer's own files
     shards = run / f"checkpoint-{step}" / "distributed"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in shards.iterdir()}, "".join(lines)[-3000:]
+    return base, run, step, stopped.split("resume with: ", 1)[1].split(), env
+
+
+@pytest.mark.slow  # the recipe on an EP model under torchrun, stopped with a real Ctrl-C, then resumed (~3 min)
+def test_ctrl_c_on_the_recipe_saves_the_shards_and_the_printed_command_resumes(stopped_recipe):
+    base, run, step, resume, env = stopped_recipe
     # the printed command, as a user pastes it (one more step, to keep the test short), resumes from those shards
-    resume = stopped.split("resume with: ", 1)[1].split()
     assert resume[:4] == [resume[0], "--standalone", "--nproc_per_node", "2"] and resume[0].endswith("torchrun")
     result = subprocess.run([*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env,
-                            timeout=900, cwd=tmp_path)
+                            timeout=900, cwd=base)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"resuming {run} from {run / f'checkpoint-{step}'}" in result.stdout
     assert json.loads((run / "trainer_state.json").read_text())["global_step"] == step + 1
+
+
+class RunsCommand:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+@pytest.mark.slow  # one more launch of the recipe under torchrun, which stops before the model loads (~30 s)
+def test_a_hostile_shard_metadata_is_refused_on_every_rank_before_it_runs(stopped_recipe, tmp_path):
+    """Before: the command in a hostile distributed/.metadata ran on both ranks (torch's reader unpickles it with
+    plain pickle.load), then an AttributeError traceback. Now the resume pre-flight reads it first, on every rank,
+    with an unpickler that finds only DCP's metadata classes: never run, one line, exit status 2 from each rank."""
+    base, run, step, resume, env = stopped_recipe
+    folder = tmp_path / "run" / f"checkpoint-{step}"
+    shutil.copytree(run / f"checkpoint-{step}", folder)
+    marker = tmp_path / "ran"
+    (folder / "distributed" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    command = list(resume)
+    command[command.index("--output_dir") + 1] = str(folder.parent)
+    result = subprocess.run([*command, "--resume_from_checkpoint", str(folder)], capture_output=True, text=True,
+                            env=env, timeout=900, cwd=base)
+    assert result.returncode != 0 and not marker.exists(), (result.stdout + result.stderr)[-4000:]
+    errors = [line for line in result.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1, result.stderr[-4000:]
+    assert f"error: checkpoint {folder} refused: distributed/.metadata cannot be read (UnpicklingError: global " \
+           "'posix.system' is not one torch's distributed checkpoint writes" in errors[0], errors[0]
+    # the ranks exited with status 2 (one stopped by the launcher once the other had: SIGTERM) and no traceback; the
+    # one traceback is torchrun's own ChildFailedError report (the launcher prints one for any rank that exits
+    # non-zero, which no script can stop): every frame is the launcher's
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, result.stderr[-4000:]
+    assert result.stderr.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in result.stderr
+    frames = [line for line in result.stderr.splitlines() if line.startswith('  File "')]
+    assert frames and all("torch/distributed" in line or line.startswith(f'  File "{resume[0]}"') for line in frames), \
+        frames
 
 
 # --------------------------------------------------------------------------------------------- launch-side refusals

@@ -13,6 +13,7 @@ __version__ = "0.1.0.dev0"
 _PUBLIC = {
     "CheckpointError": "trl_moe_replay.checkpointing.checkpoint_files",
     "CheckpointWeightsError": "trl_moe_replay.checkpointing.checkpoint_weights",
+    "DistributedCheckpointError": "trl_moe_replay.checkpointing.checkpoint_files",
     "LaunchMismatchError": "trl_moe_replay.trainer.launch",
     "MoEReplayAsyncGRPOConfig": "trl_moe_replay.async_grpo",
     "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.async_grpo",
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
     from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
-    from .checkpointing.checkpoint_files import CheckpointError
+    from .checkpointing.checkpoint_files import CheckpointError, DistributedCheckpointError
     from .checkpointing.checkpoint_weights import CheckpointWeightsError
     from .trainer.launch import LaunchMismatchError
     from .trainer.output_lock import OutputDirInUseError
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointError",
     "CheckpointWeightsError",
+    "DistributedCheckpointError",
     "LaunchMismatchError",
     "MoEReplayAsyncGRPOConfig",
     "MoEReplayAsyncGRPOTrainer",

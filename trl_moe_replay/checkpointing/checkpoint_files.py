@@ -22,6 +22,13 @@ What is checked:
   Trainer loads them (memory-mapped where torch's zip format allows, so the optimizer state is not read into memory
   an extra time), each the object the Trainer hands on: a dict; the optimizer's with ``state`` and ``param_groups``,
   the RNG's with ``python``, ``numpy`` and ``cpu``;
+- ``distributed/`` (the shards of a model sharded at load time, torch's distributed checkpoint): its ``.metadata``, a
+  pickle that torch's reader loads with plain ``pickle.load`` on every rank, read first with an unpickler that finds
+  only the globals DCP's save writes there (seam entry ``dcp_metadata_pickle``: a pickle that would call anything
+  else is refused, never run), within a bound (:data:`MAX_DCP_METADATA_BYTES`), the ``Metadata`` torch reads, each
+  entry of the types DCP's load plans with; each shard file it names, a relative path inside ``distributed/`` (no
+  ``..``), a regular file inside the checkpoint folder that holds every byte the metadata places in it
+  (:func:`read_distributed_metadata`, :class:`DistributedCheckpointError`);
 - full model weights and a PEFT adapter side by side: refused. The Trainer writes one or the other, never both, so
   such a folder holds two runs' files (a LoRA run and a full run into one ``output_dir``), and only one of them wrote
   its ``optimizer.pt`` and ``trainer_state.json``.
@@ -32,11 +39,12 @@ files above are checked where they are present.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import stat
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -54,6 +62,7 @@ from transformers.utils import (
 )
 
 from ..bounded_json import JSONFileError, read_json_file
+from ..upstream import DCPMetadataUnpickler, dcp_storage_info_class
 
 MODEL_WEIGHT_NAMES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 ADAPTER_NAMES = (ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
@@ -73,10 +82,21 @@ STATE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 _TORCH_FILES = {OPTIMIZER_NAME: ("state", "param_groups"), SCHEDULER_NAME: (), SCALER_NAME: ()}
 _RNG_FILE = re.compile(r"^rng_state(_\d+)?\.pth$")  # rng_state.pth, or rng_state_<rank>.pth with several processes
 _RNG_KEYS = ("python", "numpy", "cpu")
+DISTRIBUTED_FOLDER = "distributed"  # checkpoint-N/distributed/: the shards (torch.distributed.checkpoint's format)
+DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint.filesystem's name for it, written last by a save
+#: Largest ``distributed/.metadata`` read (bytes). Written by torch 2.13's dcp.save, it takes about 190 bytes per entry
+#: of the state dict and 150 more per further shard of a tensor: Qwen3-30B-A3B's model and AdamW state (about 2,800
+#: entries, fused experts) over 64 ranks is a few MiB. Unpickling builds objects several times the file's size.
+MAX_DCP_METADATA_BYTES = 256 * 2**20
 
 
 class CheckpointError(ValueError):
     """A checkpoint a resume cannot restore exactly: refused, in one line, before the model changes."""
+
+
+class DistributedCheckpointError(CheckpointError):
+    """A checkpoint's torch distributed checkpoint (``distributed/``: a model sharded at load time) cannot be read
+    safely, or cannot restore every weight (or the optimizer) being resumed."""
 
 
 def refusal(folder: str | os.PathLike, problem: str, remedy: str,
@@ -99,6 +119,10 @@ def check_checkpoint_files(folder: str | os.PathLike) -> None:
     state = checkpoint_file(folder, TRAINER_STATE_NAME, refuse)
     if state is not None:
         _check_trainer_state(state, refuse)
+    if os.path.lexists(folder / DISTRIBUTED_FOLDER / DCP_METADATA_NAME):  # (without it: refused at the load, if read)
+        read_distributed_metadata(folder, lambda problem: refusal(
+            folder, problem, "Resume from another checkpoint-N of the run; nothing was loaded",
+            DistributedCheckpointError))
     for name in sorted(entry.name for entry in folder.iterdir()):
         if _RNG_FILE.match(name):
             with safe_globals():  # the numpy types of the RNG state, which the Trainer allows the same way
@@ -125,6 +149,94 @@ def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
         kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
         raise refuse(f"{name} is {kind}, not a file the Trainer writes")
     return path
+
+
+def read_distributed_metadata(folder: str | os.PathLike, refuse) -> Any:
+    """The ``Metadata`` of checkpoint ``folder``'s ``distributed/`` shards, read without running anything it holds,
+    its shard files checked (see the module docstring); ``refuse(problem)`` (which returns the exception to raise) for
+    the first problem. The one reader of ``.metadata``: the pre-flight, and every DCP load of
+    :mod:`.distributed_checkpoint` (which hands torch's reader this object instead of letting it unpickle the file)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    folder = Path(folder)
+    name = f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME}"
+    path = checkpoint_file(folder, name, refuse)
+    if path is None:
+        raise refuse(f"it holds no {name}")
+    size = path.stat().st_size
+    if size > MAX_DCP_METADATA_BYTES:
+        raise refuse(f"{name} holds {size:,} bytes, more than the {MAX_DCP_METADATA_BYTES:,} read")
+    with open(path, "rb") as file:
+        data = file.read(MAX_DCP_METADATA_BYTES + 1)
+    if len(data) > MAX_DCP_METADATA_BYTES:  # grew since stat
+        raise refuse(f"{name} holds more than the {MAX_DCP_METADATA_BYTES:,} bytes read")
+    try:
+        metadata = DCPMetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # noqa: BLE001 -- a damaged or hostile pickle raises whatever unpickling meets
+        raise refuse(f"{name} cannot be read ({type(exc).__name__}: {short_message(exc)}); nothing in it was run. "
+                     "The save may have been cut short, or the file is not one torch's distributed checkpoint "
+                     "wrote") from None
+    if not isinstance(metadata, Metadata):
+        raise refuse(f"{name} holds a {type(metadata).__name__}, where torch's distributed checkpoint reads its "
+                     "Metadata")
+    try:
+        problem = _metadata_problem(metadata)
+    except AttributeError as exc:  # an object built without the fields its class declares
+        problem = f"holds an object without its fields ({short_message(exc)})"
+    if problem:
+        raise refuse(f"{name} {problem}, not what torch's distributed checkpoint writes")
+    _check_shards(folder, metadata.storage_data, refuse)
+    return metadata
+
+
+def _metadata_problem(metadata) -> str | None:
+    """What in ``metadata`` is not of the types DCP's load reads (and our restore reads: ``size``, ``dtype``)."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
+
+    if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta | None):
+        return f"holds storage_meta {type(metadata.storage_meta).__name__}, where a StorageMeta or None is read"
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return (f"holds state_dict_metadata {type(entries).__name__} and storage_data {type(storage).__name__}, "
+                "where dicts are read")
+    for key, entry in entries.items():
+        if isinstance(key, str) and isinstance(entry, BytesStorageMetadata):
+            continue
+        if not (isinstance(key, str) and isinstance(entry, TensorStorageMetadata)
+                and isinstance(entry.properties, TensorProperties) and isinstance(entry.properties.dtype, torch.dtype)
+                and isinstance(entry.size, torch.Size) and isinstance(entry.chunks, list)
+                and all(isinstance(chunk, ChunkStorageMetadata) and isinstance(chunk.offsets, torch.Size)
+                        and isinstance(chunk.sizes, torch.Size) for chunk in entry.chunks)):
+            return f"describes {shown(key)} by a {type(entry).__name__} of other fields or types"
+    info = dcp_storage_info_class()
+    for index, where in storage.items():
+        if not (isinstance(index, MetadataIndex) and isinstance(where, info) and isinstance(where.relative_path, str)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                        for n in (where.offset, where.length))):
+            return f"places {shown(getattr(index, 'fqn', index))} by a {type(where).__name__} of other fields or types"
+    return None
+
+
+def _check_shards(folder: Path, storage: dict, refuse) -> None:
+    """Every shard file ``storage`` (``Metadata.storage_data``) names is a regular file inside ``folder``'s
+    ``distributed/``, long enough for every byte range read from it."""
+    ends: dict[str, int] = {}
+    for where in storage.values():
+        ends[where.relative_path] = max(ends.get(where.relative_path, 0), where.offset + where.length)
+    for relative, end in sorted(ends.items()):
+        if not relative or PurePosixPath(relative).is_absolute() or ".." in PurePosixPath(relative).parts:
+            raise refuse(f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} names the shard file {relative!r}, a path out of "
+                         f"{DISTRIBUTED_FOLDER}/ (torch's save writes file names inside it)")
+        name = f"{DISTRIBUTED_FOLDER}/{relative}"
+        path = checkpoint_file(folder, name, refuse)
+        if path is None:
+            raise refuse(f"{name}, a shard file its {DCP_METADATA_NAME} names, is missing (a save cut short, or "
+                         "a copy without it)")
+        size = path.stat().st_size
+        if size < end:
+            raise refuse(f"{name} holds {size:,} bytes, where its {DCP_METADATA_NAME} reads up to byte {end:,} (cut "
+                         "short)")
 
 
 def _inside(target: Path, folder: Path) -> bool:

@@ -16,6 +16,11 @@ checkpoint with optimizer state for one. The Trainer's own save and resume entry
   checkpoint's metadata must hold every tensor of the model at its shape, the values are read into copies and checked
   finite before the model is changed; otherwise :class:`DistributedCheckpointError`, one line.
 
+torch's reader unpickles ``.metadata`` with plain ``pickle.load`` on every rank. Every load here hands it the
+metadata read by :func:`~.checkpoint_files.read_distributed_metadata` instead (the resume pre-flight's reader: only
+DCP's own classes, the shard files checked), so nothing in the file runs, whichever path reaches the load
+(``_load_best_model`` has no pre-flight).
+
 DCP describes each DTensor shard as one rectangle, which the strided shards of experts sharded over both the
 expert-FSDP and the EP dimension are not; they are redistributed to plain shards for the save and the load and back
 (seam entry ``sharded_at_load_resume``: ``dcp_placements``, transformers' own workaround for its DCP saves), as transformers does.
@@ -29,13 +34,15 @@ import torch
 
 from ..upstream import dcp_placements
 from ..parallel.sharded import is_sharded_at_load
+from .checkpoint_files import (
+    DCP_METADATA_NAME,
+    DISTRIBUTED_FOLDER,
+    DistributedCheckpointError,
+    read_distributed_metadata,
+)
 
-FOLDER = "distributed"  # checkpoint-N/distributed/: the shards (torch.distributed.checkpoint's format)
+FOLDER = DISTRIBUTED_FOLDER
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
-
-
-class DistributedCheckpointError(ValueError):
-    """A checkpoint of a model sharded at load time cannot restore every weight (or the optimizer) being resumed."""
 
 
 def _options():
@@ -72,15 +79,13 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    folder = os.path.join(checkpoint, FOLDER)
-
     def refuse(problem: str) -> DistributedCheckpointError:
         return DistributedCheckpointError(
             f"checkpoint {checkpoint} refused: {problem}. Resume from another checkpoint-N of the run, or with the "
             "distributed_config and model that wrote this one; the weights were left as they were"
         )
 
-    metadata = _metadata(folder, refuse)
+    metadata = _metadata(checkpoint, refuse)
     current = get_model_state_dict(model, options=_options())
     for name, tensor in current.items():
         entry = metadata.get(f"model.{name}")
@@ -93,9 +98,9 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
     copies = dcp_placements({name: tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
                              for name, tensor in current.items()})
     try:
-        dcp.load({"model": copies}, checkpoint_id=folder)
-    except Exception as exc:  # noqa: BLE001  (DCP wraps every rank's failure in one CheckpointException)
-        raise refuse(f"its shards cannot be read ({type(exc).__name__}: {_short(exc)})") from exc
+        dcp.load({"model": copies}, storage_reader=checked_reader(checkpoint, refuse))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
+        raise refuse(f"its shards cannot be read ({_failure(exc)})") from exc
     copies = dcp_placements(copies, reference=current)
     bad = [name for name, tensor in copies.items() if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
            and not bool(torch.isfinite(_local(tensor)).all())]
@@ -109,14 +114,13 @@ def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    folder = os.path.join(checkpoint, FOLDER)
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
 
     def refuse(problem: str) -> DistributedCheckpointError:
         return DistributedCheckpointError(f"checkpoint {checkpoint} refused: {problem}. Resume from another "
                                           "checkpoint-N of the run")
 
-    metadata = _metadata(folder, refuse)
+    metadata = _metadata(checkpoint, refuse)
     if not os.path.isfile(scheduler_file):
         raise refuse(f"it has no {SCHEDULER_NAME}")
     model = _model(trainer)
@@ -124,9 +128,9 @@ def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> N
     _add_missing_state(trainer.optimizer, current, metadata, dict(model.named_parameters()), refuse)
     state = dcp_placements(current)
     try:
-        dcp.load({"optimizer": state}, checkpoint_id=folder)
-    except Exception as exc:  # noqa: BLE001
-        raise refuse(f"its optimizer shards cannot be read ({type(exc).__name__}: {_short(exc)})") from exc
+        dcp.load({"optimizer": state}, storage_reader=checked_reader(checkpoint, refuse))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
+        raise refuse(f"its optimizer shards cannot be read ({_failure(exc)})") from exc
     set_optimizer_state_dict(model, trainer.optimizer, dcp_placements(state, reference=current), options=_options())
     trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
@@ -156,14 +160,31 @@ def _add_missing_state(optimizer, state: dict, metadata: dict, params: dict, ref
         optimizer.state[param][field] = room
 
 
-def _metadata(folder: str, refuse) -> dict:
-    """The global tensor metadata of the shards in ``folder`` (DCP writes ``.metadata`` last: present = complete)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not os.path.isfile(os.path.join(folder, ".metadata")):
+def _metadata(checkpoint: str | os.PathLike, refuse) -> dict:
+    """The global tensor metadata of ``checkpoint``'s shards (DCP writes ``.metadata`` last: present = complete)."""
+    if not os.path.lexists(os.path.join(checkpoint, FOLDER, DCP_METADATA_NAME)):
         raise refuse(f"it holds no complete {FOLDER}/ shards (the model was sharded at load time, whose checkpoints "
                      "are torch distributed checkpoints; this one was written without them, or cut short)")
-    return FileSystemReader(folder).read_metadata().state_dict_metadata
+    return read_distributed_metadata(checkpoint, refuse).state_dict_metadata
+
+
+def checked_reader(checkpoint: str | os.PathLike, refuse):
+    """torch's reader of ``checkpoint``'s shards, handed the metadata :func:`read_distributed_metadata` reads (torch's
+    own ``read_metadata`` unpickles the file with plain ``pickle.load``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # torch's fallback to per-rank metadata, which our saves never write
+                raise refuse(f"its {FOLDER}/{DCP_METADATA_NAME} cannot be read")
+            metadata = read_distributed_metadata(checkpoint, refuse)
+            if getattr(metadata, "storage_meta", None) is None:  # as torch's read_metadata does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(os.path.join(checkpoint, FOLDER))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -177,6 +198,16 @@ def _any_rank(flag: bool) -> bool:
     value = torch.tensor([int(flag)], device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu")
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return bool(value.item())
+
+
+def _failure(exc: BaseException) -> str:
+    """``Type: message`` of a failed DCP load, on one line. DCP wraps every rank's failure, traceback included, in one
+    ``CheckpointException`` (a ``BaseException``, which ``except Exception`` let through as a traceback): the first
+    rank's own exception is named."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))[0]
+    return f"{type(exc).__name__}: {_short(exc)}"
 
 
 def _short(exc: BaseException) -> str:

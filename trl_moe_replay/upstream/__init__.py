@@ -7,7 +7,7 @@ touching the private name, and the part's check.
 
 ==========================  ==========================================================================================
 ``torch_seam``              ``autograd_graph_task``, ``assert_async``, ``module_parameter_slot``,
-                            ``ddp_ignored_parameters``
+                            ``ddp_ignored_parameters``, ``dcp_metadata_pickle``
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
                             ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``,
                             ``parallel_plan_styles``
@@ -52,11 +52,19 @@ _LAZY = {
                      "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
                      "parallel_plan_styles"),
                     "transformers_seam"),
-    **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp"), "torch_seam"),
+    **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp",
+                     "DCPMetadataUnpickler", "dcp_storage_info_class"), "torch_seam"),
 }
 
 if TYPE_CHECKING:
-    from .torch_seam import assert_without_sync, ignore_in_ddp, in_backward, parameter_replaced
+    from .torch_seam import (
+        DCPMetadataUnpickler,
+        assert_without_sync,
+        dcp_storage_info_class,
+        ignore_in_ddp,
+        in_backward,
+        parameter_replaced,
+    )
     from .transformers_seam import (
         checkpoint_run_dir,
         ignore_on_save,

@@ -7,6 +7,12 @@ declared range (CI). :func:`check_torch` reports an entry the installed torch no
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
+import pathlib
+import pickle
+import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,6 +92,65 @@ def ignore_in_ddp(model: torch.nn.Module, names: list[str]) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# dcp_metadata_pickle: torch.distributed.checkpoint's FileSystemWriter pickles the checkpoint's Metadata into
+#    ``.metadata`` (pickle.dump), and FileSystemReader.read_metadata reads it back with plain pickle.load, on every
+#    rank. The resume pre-flight (trl_moe_replay/checkpointing/checkpoint_files.py) and our own DCP reads unpickle it
+#    with an unpickler that finds only the globals DCP's save writes there, listed by unpickling what torch 2.13's
+#    dcp.save wrote for a model's and an optimizer's state (fp32, bf16 and int8 tensors, a channels-last one, Python
+#    values): the metadata dataclasses and the private enum _MEM_FORMAT_ENCODING (torch.distributed.checkpoint.
+#    metadata), the private _StorageInfo (one shard's file, offset and length; torch.distributed.checkpoint.filesystem),
+#    torch.Size, the dtypes, torch.serialization._get_layout (a layout from its name), pathlib's paths
+#    (StorageMeta.checkpoint_id). None of them runs anything but building that value. The probe saves a small
+#    checkpoint with dcp.save and reads its .metadata back through the unpickler.
+# ---------------------------------------------------------------------------------------------------------------
+DCP_METADATA_PICKLE = entry("dcp_metadata_pickle", "torch", TORCH_READ)
+
+
+@functools.cache
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """``(module, name) -> object``: every global torch's DCP save writes into a checkpoint's ``.metadata`` (entry
+    ``dcp_metadata_pickle``); an unpickler of ``.metadata`` finds these and nothing else."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    found: dict[tuple[str, str], Any] = {
+        (metadata.__name__, cls.__name__): cls
+        for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+                    metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
+                    metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING)
+    }
+    found[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    found[("torch", "Size")] = torch.Size
+    found[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
+        found[("pathlib", cls.__name__)] = cls
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            found[("torch", name)] = value
+    return found
+
+
+def dcp_storage_info_class() -> type:
+    """The class of the values of a DCP ``Metadata.storage_data``: one shard's ``relative_path``, ``offset`` and
+    ``length`` (entry ``dcp_metadata_pickle``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata``, finding only :func:`dcp_metadata_globals` (entry ``dcp_metadata_pickle``): any
+    other global (``os.system``, ``builtins.eval``) raises ``pickle.UnpicklingError`` before it is looked up, so
+    nothing is called; ``persistent_load`` is pickle's own, which refuses every persistent id."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return dcp_metadata_globals()[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"global '{module}.{name}' is not one torch's distributed checkpoint "
+                                         "writes into its metadata") from None
+
+
 def check_torch() -> tuple[Finding, ...]:
     """Every entry above against the installed torch, by behaviour (each call on a tiny input)."""
     findings: list[Finding] = []
@@ -131,10 +196,31 @@ def check_torch() -> tuple[Finding, ...]:
             return "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model no longer records the names"
         return None
 
+    def dcp_metadata():
+        import torch.distributed.checkpoint as dcp
+
+        state = {"weight": torch.zeros(2, 3), "half": torch.zeros(2, dtype=torch.bfloat16),
+                 "wide": torch.zeros(1, 2, 2, 2).to(memory_format=torch.channels_last), "step": 3, "name": "x"}
+        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "running in a single process"
+            dcp.save(state, checkpoint_id=folder, no_dist=True)  # this rank alone, under torchrun too
+            with open(pathlib.Path(folder) / ".metadata", "rb") as file:
+                data = file.read()
+        try:
+            metadata = DCPMetadataUnpickler(io.BytesIO(data)).load()
+        except pickle.UnpicklingError as error:
+            return f"dcp.save wrote a .metadata the unpickler refuses ({error})"
+        infos = list(getattr(metadata, "storage_data", {}).values())
+        if set(getattr(metadata, "state_dict_metadata", {})) != set(state) or not infos or not all(
+                isinstance(info, dcp_storage_info_class()) for info in infos):
+            return "dcp.save's .metadata no longer holds Metadata with state_dict_metadata and _StorageInfo shards"
+        return None
+
     probe(AUTOGRAD_GRAPH_TASK, graph_task)
     probe(ASSERT_ASYNC, assert_async)
     probe(MODULE_PARAMETER_SLOT, parameter_slot)
     probe(DDP_IGNORED_PARAMETERS, ddp_ignore)
+    probe(DCP_METADATA_PICKLE, dcp_metadata)
     return tuple(findings)
 
 

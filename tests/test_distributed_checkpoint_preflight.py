@@ -1,0 +1,260 @@
+"""Sharded checkpoints are pre-flighted like every other file (issue 42, item 4). torch's reader unpickles a
+checkpoint's ``distributed/.metadata`` with plain ``pickle.load`` on every rank; the resume pre-flight reads it first
+with an unpickler that finds only DCP's metadata classes and checks the shard files it names. A hostile file is never
+run, a damaged one is one line naming the file (``DistributedCheckpointError``), through the trainer's resume and the
+recipe; a real DCP checkpoint is still accepted. The recipe under torchrun (2 ranks, EP) is in test_expert_parallel.py.
+
+The checkpoint is the resume pre-flight's real one (test_resume_preflight.py) with ``distributed/`` written beside it
+by ``dcp.save`` in this process (one shard file), as an EP run writes it (one shard file per rank).
+"""
+
+import dataclasses
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trl_moe_replay import DistributedCheckpointError
+from trl_moe_replay.checkpointing import checkpoint_files, distributed_checkpoint
+from trl_moe_replay.checkpointing.checkpoint_files import check_checkpoint_files, read_distributed_metadata
+from trl_moe_replay.upstream import DCPMetadataUnpickler
+from trl_moe_replay.testing import tiny_moe_model
+
+from .test_resume_preflight import checkpoint, recipe, refused_by_train, resumer, resumes_exactly  # noqa: F401
+
+SHARD = "__0_0.distcp"
+
+
+@pytest.fixture(scope="module")
+def sharded(checkpoint, tmp_path_factory) -> Path:  # noqa: F811
+    """The real checkpoint-1 with the shards of a model's and an optimizer's state in ``distributed/``."""
+    folder = tmp_path_factory.mktemp("sharded") / "checkpoint-1"
+    shutil.copytree(checkpoint, folder)
+    model = tiny_moe_model("qwen3_moe", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": {"state": dict(enumerate(optimizer.state.values())),
+                                                         "lr": 1e-3}}
+    dcp.save(state, checkpoint_id=folder / "distributed", no_dist=True)
+    assert {p.name for p in (folder / "distributed").iterdir()} == {".metadata", SHARD}
+    return folder
+
+
+def copied(sharded: Path, tmp_path: Path, damage) -> Path:
+    folder = tmp_path / "run" / "checkpoint-1"
+    shutil.copytree(sharded, folder, symlinks=True)
+    damage(folder / "distributed")
+    return folder
+
+
+def metadata_of(shards: Path):
+    with open(shards / ".metadata", "rb") as file:
+        return DCPMetadataUnpickler(file).load()
+
+
+def rewrite(change):
+    """Damage: ``.metadata`` rewritten with ``change(metadata)`` (the real Metadata, as torch pickles it)."""
+    def damage(shards: Path):
+        metadata = metadata_of(shards)
+        change(metadata)
+        (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+    return damage
+
+
+def shard_path(path: str):
+    def change(metadata):
+        metadata.storage_data = {index: dataclasses.replace(info, relative_path=path)
+                                 for index, info in metadata.storage_data.items()}
+    return change
+
+
+class RunsCommand:
+    """A pickle that runs ``command`` in a shell when plain ``pickle.load`` reads it."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def hostile(marker: Path):
+    return lambda shards: (shards / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+
+
+def cut_metadata(shards: Path):
+    data = (shards / ".metadata").read_bytes()
+    (shards / ".metadata").write_bytes(data[: len(data) // 2])
+
+
+def linked_out(name: str):
+    def damage(shards: Path):
+        elsewhere = shards.parent.parent / f"elsewhere-{name}"
+        (shards / name).rename(elsewhere)
+        (shards / name).symlink_to(elsewhere)
+    return damage
+
+
+def fifo(name: str):
+    return lambda shards: ((shards / name).unlink(), os.mkfifo(shards / name))
+
+
+#: case -> (damage, what the one line says). Before: a hostile .metadata ran its command on every rank, then an
+#: AttributeError traceback; a truncated one an UnpicklingError traceback, a dict an AttributeError traceback.
+DAMAGE = {
+    ".metadata truncated": (cut_metadata, "distributed/.metadata cannot be read (UnpicklingError: pickle data was "
+                                          "truncated); nothing in it was run"),
+    ".metadata empty": (lambda s: (s / ".metadata").write_bytes(b""), "distributed/.metadata cannot be read (EOFError"),
+    ".metadata garbage": (lambda s: (s / ".metadata").write_bytes(b"\x00\xff garbage"),
+                          "distributed/.metadata cannot be read (UnpicklingError: invalid load key"),
+    ".metadata a dict": (lambda s: (s / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}})),
+                         "distributed/.metadata holds a dict, where torch's distributed checkpoint reads its Metadata"),
+    ".metadata a tensor entry that is an int": (
+        rewrite(lambda m: m.state_dict_metadata.update({"model.lm_head.weight": 3})),
+        "distributed/.metadata describes 'model.lm_head.weight' by a int of other fields or types"),
+    ".metadata a shard offset that is text": (
+        rewrite(lambda m: m.storage_data.update({k: dataclasses.replace(v, offset="0")
+                                                 for k, v in m.storage_data.items()})),
+        "distributed/.metadata places '"),
+    ".metadata a FIFO": (fifo(".metadata"), "distributed/.metadata is a FIFO, not a file the Trainer writes"),
+    ".metadata a link out of the folder": (linked_out(".metadata"),
+                                           re.compile(r"distributed/\.metadata is a link to .*elsewhere-\.metadata, "
+                                                      "outside the checkpoint folder")),
+    "a shard missing": (lambda s: (s / SHARD).unlink(),
+                        f"distributed/{SHARD}, a shard file its .metadata names, is missing"),
+    "a shard a link out of the folder": (linked_out(SHARD),
+                                         re.compile(rf"distributed/{SHARD} is a link to .*elsewhere-{SHARD}, outside "
+                                                    "the checkpoint folder")),
+    "a shard a FIFO": (fifo(SHARD), f"distributed/{SHARD} is a FIFO"),
+    "a shard cut short": (lambda s: (s / SHARD).write_bytes((s / SHARD).read_bytes()[:100]),
+                          re.compile(rf"distributed/{SHARD} holds 100 bytes, where its \.metadata reads up to byte "
+                                     r"[\d,]+ \(cut short\)")),
+    "a shard path with ..": (rewrite(shard_path("../optimizer.pt")),
+                             "names the shard file '../optimizer.pt', a path out of distributed/"),
+    "an absolute shard path": (rewrite(shard_path("/etc/passwd")),
+                               "names the shard file '/etc/passwd', a path out of distributed/"),
+}
+
+
+def says(expected, message: str) -> bool:
+    return bool(expected.search(message)) if isinstance(expected, re.Pattern) else expected in message
+
+
+def test_a_real_dcp_checkpoint_is_read_as_torch_reads_it_and_resumes(resumer, sharded, checkpoint):  # noqa: F811
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ours = read_distributed_metadata(sharded, pytest.fail)
+    theirs = FileSystemReader(sharded / "distributed").read_metadata()
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+    assert any(key.startswith("optimizer.state.") for key in ours.state_dict_metadata)
+    check_checkpoint_files(sharded)  # accepted
+    resumes_exactly(resumer, sharded, checkpoint)  # (the model is not sharded: the Trainer ignores distributed/)
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_shard_checkpoint_is_refused_by_the_trainers_resume_in_one_line(resumer, sharded, tmp_path,
+                                                                                 case):  # noqa: F811
+    damage, expected = DAMAGE[case]
+    folder = copied(sharded, tmp_path, damage)
+    message = refused_by_train(resumer, folder)
+    assert says(expected, message), message
+    with pytest.raises(DistributedCheckpointError):
+        check_checkpoint_files(folder)
+
+
+def test_a_hostile_metadata_is_never_run_by_the_trainers_resume(resumer, sharded, tmp_path):  # noqa: F811
+    marker = tmp_path / "ran"
+    folder = copied(sharded, tmp_path, hostile(marker))
+    message = refused_by_train(resumer, folder)
+    assert "distributed/.metadata cannot be read (UnpicklingError: global 'posix.system' is not one torch's " in message
+    assert not marker.exists()
+    with pytest.raises(pickle.UnpicklingError):  # the unpickler alone: refused at the global, nothing called
+        DCPMetadataUnpickler(io.BytesIO((folder / "distributed" / ".metadata").read_bytes())).load()
+    assert not marker.exists()
+    pickle.loads((folder / "distributed" / ".metadata").read_bytes())  # what torch's reader would have done
+    assert marker.exists()
+
+
+def test_an_oversize_metadata_is_refused_unread(sharded, tmp_path, monkeypatch):
+    size = (sharded / "distributed" / ".metadata").stat().st_size
+    monkeypatch.setattr(checkpoint_files, "MAX_DCP_METADATA_BYTES", size - 1)
+    with pytest.raises(DistributedCheckpointError, match=f"distributed/.metadata holds {size:,} bytes, more than the "
+                                                         f"{size - 1:,} read"):
+        check_checkpoint_files(sharded)
+
+
+def torch_loaded(model, folder: Path) -> dict[str, torch.Tensor]:
+    """The model's weights in ``folder``'s shards, read by torch's own reader."""
+    state = {"model": {name: torch.zeros_like(t) for name, t in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=folder / "distributed", no_dist=True)
+    return state["model"]
+
+
+def test_every_dcp_load_reads_the_checked_metadata_and_refuses_in_one_line(sharded, tmp_path):
+    """distributed_checkpoint's loads (restore_model here; the optimizer's; also _load_best_model, which has no
+    pre-flight) read .metadata through read_distributed_metadata and hand torch's reader the result (checked_reader):
+    the weights come back; a hostile file is never run; a shard torch cannot read is one line (DCP's
+    CheckpointException is a BaseException: it was a traceback)."""
+    model = tiny_moe_model("qwen3_moe", seed=3)
+    expected = torch_loaded(model, sharded)
+    assert not all(torch.equal(model.state_dict()[name], expected[name]) for name in expected)
+    distributed_checkpoint.restore_model(model, sharded)
+    assert all(torch.equal(model.state_dict()[name], expected[name]) for name in expected)
+    model = tiny_moe_model("qwen3_moe", seed=3)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    marker = tmp_path / "ran"
+    hostile_folder = copied(sharded, tmp_path / "hostile", hostile(marker))
+    zeroed = copied(sharded, tmp_path / "zeroed", lambda s: (s / SHARD).write_bytes(bytes((s / SHARD).stat().st_size)))
+    for folder, says_ in [(hostile_folder, "distributed/.metadata cannot be read (UnpicklingError: global "
+                                           "'posix.system'"),
+                          (zeroed, "its shards cannot be read (")]:
+        with pytest.raises(DistributedCheckpointError) as refused:
+            distributed_checkpoint.restore_model(model, folder)
+        assert says_ in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+        assert all(torch.equal(model.state_dict()[name], before[name]) for name in before)
+    # torch's loader itself, handed the checked reader: the hostile file is refused there too (never run)
+    with pytest.raises(BaseException) as refused:  # (DCP wraps every rank's failure in one CheckpointException)
+        dcp.load({"model": before}, storage_reader=distributed_checkpoint.checked_reader(
+            hostile_folder, DistributedCheckpointError), no_dist=True)
+    assert "global 'posix.system' is not one torch's distributed checkpoint writes" in repr(refused.value)
+    assert not marker.exists()
+
+
+def test_the_allowed_globals_are_what_dcp_save_writes_and_nothing_that_runs_code():
+    from trl_moe_replay.upstream.torch_seam import check_torch, dcp_metadata_globals
+
+    assert check_torch() == ()  # the probe: a real dcp.save's .metadata reads back through the unpickler
+    allowed = dcp_metadata_globals()
+    modules = {module for module, _ in allowed}
+    assert modules == {"torch", "torch.serialization", "torch.distributed.checkpoint.metadata",
+                       "torch.distributed.checkpoint.filesystem", "pathlib"}
+    assert [name for module, name in allowed if module == "torch.serialization"] == ["_get_layout"]
+    for module, name in [("os", "system"), ("builtins", "eval"), ("torch", "load"), ("subprocess", "Popen")]:
+        with pytest.raises(pickle.UnpicklingError, match=f"global '{module}.{name}' is not one"):
+            DCPMetadataUnpickler(io.BytesIO(b"")).find_class(module, name)
+
+
+# ----------------------------------------------------------------------------------------------- the recipe
+# (last in the module: the recipe resets accelerate's state, which the trainers above share)
+@pytest.mark.parametrize("case", ["hostile", ".metadata truncated", ".metadata a dict", "a shard path with .."])
+def test_a_damaged_shard_checkpoint_is_one_line_on_the_recipe_before_the_model_is_built(
+        recipe, sharded, tmp_path, case, capsys, monkeypatch):  # noqa: F811
+    marker = tmp_path / "ran"
+    damage, expected = (hostile(marker), "distributed/.metadata cannot be read (UnpicklingError: global "
+                                         "'posix.system'") if case == "hostile" else DAMAGE[case]
+    folder = copied(sharded, tmp_path, damage)
+    monkeypatch.setattr(recipe, "cold_started_tiny_model", lambda *a, **k: pytest.fail("the model was built"))
+    capsys.readouterr()
+    assert recipe.run(["--output_dir", str(folder.parent), "--resume_from_checkpoint", str(folder)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert f": error: checkpoint {folder} refused: " in lines[0] and says(expected, lines[0]), lines[0]
+    assert not marker.exists()
