@@ -3,11 +3,14 @@
 under bf16 autocast keeps its updates. ``routing_replay="none"`` with the bf16 trap: tests/test_golden_trl.py."""
 
 import logging
+import re
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from accelerate import Accelerator
 from datasets import Dataset
 
@@ -146,3 +149,71 @@ def test_float32_steps_below_resolution_name_the_learning_rate():
     line = precision.rounded_away_message(0.01, 2, 1e-12, torch.float32)
     assert "float32 parameters" in line and "raise the learning rate" in line and "bf16" not in line
     assert "fp16 parameters updated in place" in precision.rounded_away_message(0.01, 1, 1e-6, torch.float16)
+
+
+def test_lora_on_a_bf16_base_trains_fp32_adapters(tmp_path, caplog):
+    """PEFT's autocast_adapter_dtype (on by default, as TRL calls get_peft_model): the frozen base stays bf16, every
+    adapter -- attention, router and fused experts (target_parameters) -- is fp32, so LoRA keeps its updates."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate"], task_type="CAUSAL_LM",
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, logging_steps=1,
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=8, save_strategy="no",
+                  seed=0, learning_rate=1e-5, bf16=True, routing_replay="r3")
+    trainer = MoEReplayGRPOTrainer(
+        model=tiny_moe_model("qwen3_moe", dtype=torch.bfloat16), reward_funcs=reward_len, peft_config=config,
+        args=MoEReplayGRPOConfig(**values), processing_class=tiny_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+    )
+    params = dict(trainer.model.named_parameters())
+    trainable = {name for name, param in params.items() if param.requires_grad}
+    assert trainable and all("lora_" in name and params[name].dtype == torch.float32 for name in trainable)
+    assert any(".gate." in name for name in trainable) and any("experts" in name for name in trainable)
+    assert {params[name].dtype for name in params.keys() - trainable} == {torch.bfloat16}
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        trainer.train()
+    assert min(logged(trainer)) >= 0.9 and not warnings_of(caplog)
+
+
+# ------------------------------------------------------------------------------------------------ shipped configs
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "recipes" / "configs").glob("*.yaml"))
+MASTERS_BY_ENGINE = {"zero2": "DeepSpeed", "zero3": "DeepSpeed", "fsdp2": "FSDP2"}  # accelerate configs
+
+
+def fp32_masters(values: dict, text: str) -> str | None:
+    """Where a config's trainable parameters keep fp32 values, derived from its fields and its launch line; ``None``
+    when they would be bf16 updated in place.
+
+    DeepSpeed (bf16 on) keeps fp32 masters in its optimizer; accelerate's FSDP2 with bf16 upcasts trainable
+    parameters to fp32 and casts them per layer for compute; PEFT makes the adapters fp32 whatever the base; a model
+    loaded in float32 is its own master (bf16: true then computes in bf16 under autocast); without a model named, the
+    recipe builds the tiny offline MoE in float32."""
+    engines = set(re.findall(r"--config_file recipes/accelerate/(\w+)\.yaml", text))
+    if engines and all(engine in MASTERS_BY_ENGINE for engine in engines) and values.get("bf16"):
+        return MASTERS_BY_ENGINE[sorted(engines)[0]]
+    if values.get("use_peft"):
+        return "PEFT adapters"
+    if "model_name_or_path" not in values:
+        return "tiny model in float32"
+    return "float32 load" if values.get("dtype") == "float32" else None
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_keeps_fp32_masters_and_says_what_they_cost(path):
+    text = path.read_text()
+    values = yaml.safe_load(text)
+    assert fp32_masters(values, text) is not None, f"{path.name}: bf16 parameters updated in place"
+    header = "\n".join(line for line in text.splitlines()[:next(
+        i for i, line in enumerate(text.splitlines()) if not line.startswith("#"))])  # the leading comment lines
+    assert "# Precision: " in header  # the master-weight choice, in the header
+    if "model_name_or_path" in values:  # a real model: computes in bf16, and the header counts the memory
+        assert values["bf16"] is True and "bytes/param" in header and " GB" in header
+
+
+def test_the_rule_finds_the_trap_it_is_for():
+    launch = "accelerate launch --config_file recipes/accelerate/ddp.yaml recipes/grpo_r3.py"
+    assert fp32_masters({"model_name_or_path": "m", "dtype": "bfloat16", "bf16": True}, launch) is None
+    assert fp32_masters({"model_name_or_path": "m", "bf16": True}, launch) is None  # TRL's default: the checkpoint's
+    assert fp32_masters({"model_name_or_path": "m", "dtype": "bfloat16", "bf16": True},
+                        launch.replace("ddp", "zero3")) == "DeepSpeed"
