@@ -95,10 +95,10 @@ def test_the_async_trainer_measures_through_the_same_probe(tmp_path, checkpoint,
 
 # ------------------------------------------------------------------------------------ the probe's rules, one by one
 def probe_over(param: torch.nn.Parameter, lr: float):
-    """The probe on a bare AdamW over ``param``, with the two trainer attributes it reads."""
-    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True), _metrics={"train": defaultdict(list)})
+    """The probe on a bare AdamW over ``param``."""
+    metrics = {"train": defaultdict(list)}
     optimizer = torch.optim.AdamW([param], lr=lr)
-    return UpdateProbe(trainer), optimizer, trainer._metrics["train"]
+    return UpdateProbe(Accelerator(cpu=True), metrics), optimizer, metrics["train"]
 
 
 def step(probe, optimizer, param, grad, global_step=0, skipped=False):
@@ -139,10 +139,10 @@ def test_steps_that_cannot_change_anything_do_not_count():
 
 def test_deepspeed_keeps_its_own_masters_and_gets_no_probe():
     callbacks = []
-    trainer = SimpleNamespace(is_deepspeed_enabled=True, add_callback=callbacks.append)
-    assert attach_update_probe(trainer) is None and not callbacks
+    trainer = SimpleNamespace(is_deepspeed_enabled=True, add_callback=callbacks.append, accelerator=None)
+    assert attach_update_probe(trainer, {}) is None and not callbacks
     trainer.is_deepspeed_enabled = False
-    assert isinstance(attach_update_probe(trainer), UpdateProbe) and len(callbacks) == 1
+    assert isinstance(attach_update_probe(trainer, {}), UpdateProbe) and len(callbacks) == 1
 
 
 def test_float32_steps_below_resolution_name_the_learning_rate():
@@ -217,3 +217,49 @@ def test_the_rule_finds_the_trap_it_is_for():
     assert fp32_masters({"model_name_or_path": "m", "bf16": True}, launch) is None  # TRL's default: the checkpoint's
     assert fp32_masters({"model_name_or_path": "m", "dtype": "bfloat16", "bf16": True},
                         launch.replace("ddp", "zero3")) == "DeepSpeed"
+
+
+# ------------------------------------------------------------------------------------------------------------ fp16
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
+def test_replay_under_fp16_autocast_reproduces_the_natural_forward(family):
+    """fp16=True runs the forward under fp16 autocast: the router's logits are fp16, replay gathers the fp32 softmax
+    of those logits (DESIGN.md "Replay math"), so replaying the natural routes is bit for bit the natural forward."""
+    from trl_moe_replay.routing import RouterReplay
+
+    from .helpers import random_ids, shifted
+
+    model = tiny_moe_model(family)
+    replay = RouterReplay(model)
+    ids = random_ids(2, 9)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        natural = model(ids).logits
+        with replay.record() as recorded:
+            model(ids)
+        with replay.replay(recorded.routes):
+            assert torch.equal(model(ids).logits, natural)
+        with replay.replay(shifted(recorded.routes, replay.num_experts)):
+            assert not torch.equal(model(ids).logits, natural)
+    assert natural.dtype == torch.float16
+
+
+@pytest.mark.parametrize("mode", ["r3", "r2", "pr2"])
+def test_fp16_on_a_cpu_trains_every_replay_mode_in_float32(tmp_path, mode):
+    """Trainer and accelerate accept fp16=True on a CPU, but accelerate turns on fp16 autocast (and its GradScaler)
+    only on GPU-type devices: on a CPU the run computes in float32. What fp16 does to replay is the test above; on a
+    GPU the forward runs under fp16 autocast with a GradScaler (the Trainer unscales before clipping, PR2's
+    predictors included). If accelerate starts autocasting fp16 on CPUs, this test says so."""
+    computed = set()
+    model = tiny_moe_model("qwen3_moe")
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, output: computed.add(output.dtype))
+    values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, logging_steps=1,
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=8, save_strategy="no",
+                  seed=0, learning_rate=1e-5, bf16=False, fp16=True, routing_replay=mode)
+    trainer = MoEReplayGRPOTrainer(
+        model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**values), processing_class=tiny_tokenizer(),
+        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+    )
+    assert trainer.accelerator.mixed_precision == "fp16" and not trainer.accelerator.native_amp
+    assert trainer.accelerator.scaler is None
+    trainer.train()
+    assert computed == {torch.float32} and len(logged(trainer, "loss")) == 2
+    assert logged(trainer, "routing/fallback_frac") == [0.0, 0.0] and min(logged(trainer)) >= 0.9

@@ -266,7 +266,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=True, accelerator=self.accelerator,
                                                 base_url=args.vllm_server_base_url,
                                                 tolerance=option(args, "sync_check_tolerance"))
-        attach_update_probe(self)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
+        attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
         if not carries_routes:
             return
         attempts = getattr(args, "vllm_request_attempts", None)

@@ -167,7 +167,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = OutputDirLock(self.args.output_dir)
         weakref.finalize(self, self._output_lock.release)
-        attach_update_probe(self)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
+        attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
 
     def _build_route_intake(self, args) -> RouteIntake:
         """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""

@@ -64,8 +64,9 @@ class UpdateProbe(TrainerCallback):
     """Measures, logs (``precision/updated_frac``, and ``precision/updated_frac/group{i}`` with several parameter
     groups) and warns once (:func:`rounded_away_message`) on the first optimizer steps; see the module docstring."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, accelerator, metrics: dict):
+        self.accelerator = accelerator
+        self.metrics = metrics  # the trainer's metric lists by mode, which TRL's log() averages
         self.measured = 0
         self.warned = False
         # the samples taken before the step in progress; None when it is not measured (the same on every rank, which
@@ -93,7 +94,7 @@ class UpdateProbe(TrainerCallback):
         if before is None or getattr(optimizer, "step_was_skipped", False):  # fp16: the scaler skipped an overflow step
             return
         groups = len(optimizer.param_groups)
-        device = self.trainer.accelerator.device
+        device = self.accelerator.device
         counts = torch.zeros(groups, 2, dtype=torch.float64, device=device)  # per group: changed, non-zero gradient
         dtypes: dict[int, torch.dtype] = {}
         for index, param, old, nonzero in before:
@@ -101,12 +102,12 @@ class UpdateProbe(TrainerCallback):
             counts[index, 0] += changed.sum().to(device, torch.float64)  # on the device: no sync per parameter
             counts[index, 1] += nonzero.sum().to(device, torch.float64)
             dtypes.setdefault(index, param.dtype)
-        counts = self.trainer.accelerator.reduce(counts, reduction="sum").cpu()  # every rank's shard, every rank
+        counts = self.accelerator.reduce(counts, reduction="sum").cpu()  # every rank's shard, every rank
         if counts[:, 1].sum() == 0:  # no gradient anywhere: nothing to judge, the step does not count
             return
         self.measured += 1
         overall = (counts[:, 0].sum() / counts[:, 1].sum()).item()
-        metrics = self.trainer._metrics["train"]
+        metrics = self.metrics["train"]
         metrics[METRIC].append(overall)
         if groups > 1:  # e.g. the Trainer's decay / no-decay groups, PR2's predictors
             for index in range(groups):
@@ -114,7 +115,7 @@ class UpdateProbe(TrainerCallback):
                     metrics[f"{METRIC}/group{index}"].append((counts[index, 0] / counts[index, 1]).item())
         if overall < WARN_BELOW and not self.warned:
             self.warned = True
-            if self.trainer.accelerator.is_main_process:
+            if self.accelerator.is_main_process:
                 largest = int(counts[:, 1].argmax())  # the group that holds most of the measured elements
                 dtype = dtypes.get(largest, torch.float32)  # another rank's shard measured it if this one holds none
                 # global_step counts the steps finished before this one
@@ -122,11 +123,11 @@ class UpdateProbe(TrainerCallback):
                                                     optimizer.param_groups[largest]["lr"], dtype))
 
 
-def attach_update_probe(trainer) -> UpdateProbe | None:
-    """Add the probe to ``trainer``'s callbacks (both trainers call this at the end of ``__init__``); ``None`` under
-    DeepSpeed, which keeps fp32 masters inside its optimizer (module docstring)."""
+def attach_update_probe(trainer, metrics: dict) -> UpdateProbe | None:
+    """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode); both trainers
+    call this at the end of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer."""
     if trainer.is_deepspeed_enabled:
         return None
-    probe = UpdateProbe(trainer)
+    probe = UpdateProbe(trainer.accelerator, metrics)
     trainer.add_callback(probe)
     return probe
