@@ -14,7 +14,8 @@ import yaml
 from accelerate import Accelerator
 from datasets import Dataset
 
-from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay import (MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, MoEReplayGRPOConfig,
+                            MoEReplayGRPOTrainer)
 from trl_moe_replay.trainer import precision
 from trl_moe_replay.trainer.precision import METRIC, UpdateProbe, attach_update_probe
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
@@ -24,6 +25,10 @@ from .test_async_grpo import DATASET as ASYNC_DATASET
 from .test_async_grpo import checkpoint, script, settings  # noqa: F401 - checkpoint is a fixture
 
 LOGGER = "trl_moe_replay.trainer.precision"
+
+
+def zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
 
 
 def reward_len(completions, **kwargs):
@@ -80,7 +85,7 @@ def test_the_async_trainer_measures_through_the_same_probe(tmp_path, checkpoint,
     args = MoEReplayAsyncGRPOConfig(**settings(tmp_path, routing_replay="none", vllm_sync_check=False,
                                                learning_rate=1e-6, per_device_train_batch_size=4,
                                                model_init_kwargs={"dtype": "bfloat16"}))
-    trainer = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=lambda completions, **k: [0.0] * len(completions),
+    trainer = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=zero_reward,
                                         train_dataset=ASYNC_DATASET, args=args,
                                         rollout_worker=ScriptedRolloutWorker(samples),
                                         weight_transfer=NoOpWeightTransfer())

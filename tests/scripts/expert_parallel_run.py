@@ -224,8 +224,9 @@ def precision_runs(checkpoint: str) -> dict:
     masters) and in bfloat16 (updated in place): what the update probe logs, the stored dtype, the compute dtype."""
     result = {}
     for dtype in ("float32", "bfloat16"):
-        trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"precision_{dtype}", bf16=True, learning_rate=1e-6,
-                               max_steps=2, model_init_kwargs={"dtype": dtype, "distributed_config": EP})
+        trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"precision_{dtype}", bf16=True,
+                               learning_rate=1e-6, max_steps=2,
+                               model_init_kwargs={"dtype": dtype, "distributed_config": EP})
         model = trainer.accelerator.unwrap_model(trainer.model)
         computed = set()
         handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(

@@ -14,8 +14,8 @@ resolution, so the fraction is ~1; bf16 parameters updated in place give ~2% at 
 strided sample of at most :data:`SAMPLE_ELEMENTS` elements of each parameter (all of a small one), so it costs a few
 MB whatever the dtype, and fp32 runs get a positive reading too (``precision/updated_frac`` >= 0.9) instead of a skip.
 Sharded parameters (FSDP2, transformers' ``DistributedConfig``: DTensors) are read on the local shard and the counts
-summed over ranks. Under DeepSpeed the probe is off: the fp32 masters live inside DeepSpeed's optimizer and the module's
-bf16 parameters are copies of them (and ZeRO keeps no ``param.grad``), so there is nothing to read that means it.
+summed over ranks. Under DeepSpeed the probe is off: the fp32 masters live inside DeepSpeed's optimizer and the
+module's bf16 parameters are copies of them (and ZeRO keeps no ``param.grad``): nothing there to read that means it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ logger = logging.get_logger(__name__)
 
 METRIC = "precision/updated_frac"
 PROBE_STEPS = 3  # measured optimizer steps (a step with lr 0, no gradient or skipped by fp16's scaler does not count)
-LAST_PROBED_STEP = 20  # never after this many optimizer steps (e.g. warm-up longer than this, or a run without gradient)
+LAST_PROBED_STEP = 20  # never after this many optimizer steps (a warm-up longer than this, a run without gradient)
 SAMPLE_ELEMENTS = 4096  # elements read per parameter (its local shard): every one of a smaller parameter
 WARN_BELOW = 0.5  # of the elements with a non-zero gradient; fp32 parameters give ~1, bf16 ones at lr 1e-6 ~0.02
 
@@ -91,7 +91,7 @@ class UpdateProbe(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         before, self._before = self._before, None
-        if before is None or getattr(optimizer, "step_was_skipped", False):  # fp16: the scaler skipped an overflow step
+        if before is None or getattr(optimizer, "step_was_skipped", False):  # fp16: the scaler skipped an overflow
             return
         groups = len(optimizer.param_groups)
         device = self.accelerator.device
