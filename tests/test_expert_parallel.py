@@ -197,6 +197,21 @@ def test_r3_with_vllm_colocated_in_each_rank(checkpoint, tmp_path):
     assert_synced_and_checked(launch(tmp_path, "colocate", checkpoint))
 
 
+@pytest.mark.slow  # two CPU ranks under torchrun (~30 s)
+def test_an_ep_model_loaded_in_float32_keeps_fp32_masters_under_bf16_autocast(tmp_path):
+    """What the shipped EP configs do (dtype float32, bf16 true): the sharded parameters stay fp32, the forward
+    computes in bf16 (accelerate's autocast on a model sharded at load), and at lr 1e-6 nearly every element with a
+    gradient changes; loaded in bfloat16 ~2% do, and the update probe says so (issue 42)."""
+    ranks = launch(tmp_path, "precision")
+    assert ranks[0]["float32"] == ranks[1]["float32"]  # the fraction is summed over both ranks' shards
+    for rank in ranks:
+        kept, lost = rank["float32"], rank["bfloat16"]
+        assert kept["sharded_at_load"] and kept["stored"] == ["torch.float32"]
+        assert kept["computed"] == ["torch.bfloat16"]
+        assert len(kept["updated_frac"]) == 2 and min(kept["updated_frac"]) >= 0.9
+        assert lost["stored"] == ["torch.bfloat16"] and max(lost["updated_frac"]) < 0.1
+
+
 @pytest.fixture(scope="module")
 def stopped_recipe(tmp_path_factory):
     """The recipe on an EP model under torchrun, stopped with a real Ctrl-C: (its folder, output_dir, the step it

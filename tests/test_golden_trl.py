@@ -25,7 +25,7 @@ from trl_moe_replay.testing import (
     trl_vllm_transport_stub,
 )
 
-OUR_PREFIXES = ("mismatch/", "routing/", "rspo/", "pr2/", "minirl/")
+OUR_PREFIXES = ("mismatch/", "routing/", "rspo/", "pr2/", "minirl/", "precision/")
 WALL_CLOCK = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 
@@ -97,6 +97,17 @@ def both(tmp_path, make_model, trainer_kwargs=None, **overrides):
 )
 def test_none_is_trl_on_a_moe_model(tmp_path, overrides):
     assert_identical_runs(*both(tmp_path, lambda: tiny_moe_model("qwen3_moe"), **overrides))
+
+
+def test_none_is_trl_with_bf16_parameters_updated_in_place_and_says_so_once(tmp_path, caplog):
+    """Plain TRL's bf16 trap (a bf16-loaded model, no fp32 masters, lr 1e-6): the same numbers as TRL, bit for bit,
+    plus precision/updated_frac and one warning line (trl_moe_replay/trainer/precision.py)."""
+    with caplog.at_level("WARNING", logger="trl_moe_replay.trainer.precision"):
+        ours, theirs = both(tmp_path, lambda: tiny_moe_model("qwen3_moe", dtype=torch.bfloat16))
+    assert_identical_runs(ours, theirs)
+    assert next(ours.model.parameters()).dtype == torch.bfloat16 and ours.args.learning_rate == 1e-6
+    assert max(entry["precision/updated_frac"] for entry in ours.state.log_history[:3]) < 0.1
+    assert sum("updates round away: bf16 parameters" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_none_is_trl_with_a_reference_model(tmp_path):

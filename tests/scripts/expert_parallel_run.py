@@ -4,6 +4,7 @@ processes (gloo). Launched by ``tests/test_expert_parallel.py`` as a user launch
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR train
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR server URL CHECKPOINT
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR colocate CHECKPOINT
+    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR precision
 
 ``train``: a tiny Qwen3-MoE (16 experts, top-2) saved once and loaded twice: with
 ``model_init_kwargs={"distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}``
@@ -16,7 +17,8 @@ step 2 (torch distributed checkpoint), and a fresh EP trainer resumes from it to
 dispatch (``tp_size 2, ep_size 2``, forward only: accelerate trains tensor parallelism on GPUs only): one process's
 routes replayed reproduce its logits. ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at URL
 serving CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync checked
-by the engine probe.
+by the engine probe. ``precision``: R3 at lr 1e-6 under bf16 autocast, the EP model loaded in float32 and in
+bfloat16 (the update probe's reading of each).
 
 Each rank writes ``OUT_DIR/rank<i>.json``.
 """
@@ -217,6 +219,26 @@ def vllm_run(checkpoint: str, **engine) -> dict:
             "weight_sync": type(trainer._weight_sync).__name__, "storage": storage(trainer)}, trainer
 
 
+def precision_runs(checkpoint: str) -> dict:
+    """R3 on the EP model at lr 1e-6 under bf16 autocast (bf16=True), loaded in float32 (the shipped EP configs: fp32
+    masters) and in bfloat16 (updated in place): what the update probe logs, the stored dtype, the compute dtype."""
+    result = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"precision_{dtype}", bf16=True,
+                               learning_rate=1e-6, max_steps=2,
+                               model_init_kwargs={"dtype": dtype, "distributed_config": EP})
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        computed = set()
+        handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda module, args, output: computed.add(str(output.dtype)))
+        trainer.train()
+        handle.remove()
+        result[dtype] = {"updated_frac": logged(trainer, "precision/updated_frac"),
+                         "stored": sorted({str(p.dtype) for p in model.parameters()}), "computed": sorted(computed),
+                         "sharded_at_load": is_sharded_at_load(model)}
+    return result
+
+
 def main():
     scenario = sys.argv[2]
     rank = int(os.environ["RANK"])
@@ -227,6 +249,10 @@ def main():
         result["pr2"] = train_pr2_and_resume(checkpoint)
         result["peft_refusal"] = peft_refusal(checkpoint)
         result["all_reduce"] = all_reduce_replay(checkpoint)
+    elif scenario == "precision":
+        checkpoint = str(OUT / f"model_rank{rank}")
+        tiny_moe_model("qwen3_moe", num_experts=16).save_pretrained(checkpoint)
+        result = precision_runs(checkpoint)
     elif scenario == "server":
         result, _ = vllm_run(sys.argv[4], vllm_mode="server", vllm_server_base_url=sys.argv[3])
     else:  # colocate: one engine in each rank (TRL's external launcher)

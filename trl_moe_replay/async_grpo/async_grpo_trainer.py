@@ -56,6 +56,7 @@ from ..trainer.metrics import (
     routing_agreement_sums,
 )
 from ..trainer.peft_replay import check_peft_replay
+from ..trainer.precision import attach_update_probe
 from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
 from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 from ..upstream import (
@@ -265,6 +266,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=True, accelerator=self.accelerator,
                                                 base_url=args.vllm_server_base_url,
                                                 tolerance=option(args, "sync_check_tolerance"))
+        attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
         if not carries_routes:
             return
         attempts = getattr(args, "vllm_request_attempts", None)

@@ -64,6 +64,7 @@ from ..upstream import (
 )
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .peft_replay import check_peft_replay
+from .precision import attach_update_probe
 from .launch import check_launched_engine, check_launched_precision, checked_model_name
 from .metrics import (
     AGREEMENT_RATIOS,
@@ -166,6 +167,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = OutputDirLock(self.args.output_dir)
         weakref.finalize(self, self._output_lock.release)
+        attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
 
     def _build_route_intake(self, args) -> RouteIntake:
         """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""
