@@ -248,7 +248,7 @@ def test_replay_under_fp16_autocast_reproduces_the_natural_forward(family):
 
 
 @pytest.mark.parametrize("mode", ["r3", "r2", "pr2"])
-def test_fp16_on_a_cpu_trains_every_replay_mode_in_float32(tmp_path, mode):
+def test_fp16_on_a_cpu_trains_every_replay_mode_in_float32_and_says_so(tmp_path, mode, caplog):
     """Trainer and accelerate accept fp16=True on a CPU, but accelerate turns on fp16 autocast (and its GradScaler)
     only on GPU-type devices: on a CPU the run computes in float32. What fp16 does to replay is the test above; on a
     GPU the forward runs under fp16 autocast with a GradScaler (the Trainer unscales before clipping, PR2's
@@ -259,10 +259,16 @@ def test_fp16_on_a_cpu_trains_every_replay_mode_in_float32(tmp_path, mode):
     values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, logging_steps=1,
                   per_device_train_batch_size=4, num_generations=4, max_completion_length=8, save_strategy="no",
                   seed=0, learning_rate=1e-5, bf16=False, fp16=True, routing_replay=mode)
-    trainer = MoEReplayGRPOTrainer(
-        model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**values), processing_class=tiny_tokenizer(),
-        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
-    )
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        trainer = MoEReplayGRPOTrainer(
+            model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**values),
+            processing_class=tiny_tokenizer(),
+            train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+        )
+    # nothing silent: one line says fp16 is not applied here
+    assert [line for line in warnings_of(caplog) if line.startswith("fp16=True")] == [
+        precision.fp16_not_applied_message(trainer.accelerator)]
+    assert "computes in float32" in precision.fp16_not_applied_message(trainer.accelerator)
     assert trainer.accelerator.mixed_precision == "fp16" and not trainer.accelerator.native_amp
     assert trainer.accelerator.scaler is None
     trainer.train()

@@ -123,9 +123,23 @@ class UpdateProbe(TrainerCallback):
                                                     optimizer.param_groups[largest]["lr"], dtype))
 
 
+def fp16_not_applied_message(accelerator) -> str | None:
+    """The one warning line for ``fp16=True`` that accelerate does not apply: it turns on fp16 autocast and its
+    GradScaler only on GPU-type devices, so on a CPU the run computes in float32 (``None`` when fp16 is applied or
+    not asked for)."""
+    if accelerator.mixed_precision != "fp16" or accelerator.native_amp:
+        return None
+    return (f"fp16=True, but accelerate runs fp16 autocast only on GPU-type devices: this run on "
+            f"{accelerator.device.type} computes in float32 (no fp16 autocast, no GradScaler). Train on a GPU for "
+            "fp16, or pass fp16=False to say float32.")
+
+
 def attach_update_probe(trainer, metrics: dict) -> UpdateProbe | None:
     """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode); both trainers
-    call this at the end of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer."""
+    call this at the end of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer.
+    Also says, in one line, when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
+    if (message := fp16_not_applied_message(trainer.accelerator)) and trainer.accelerator.is_main_process:
+        logger.warning(message)
     if trainer.is_deepspeed_enabled:
         return None
     probe = UpdateProbe(trainer.accelerator, metrics)
