@@ -108,6 +108,31 @@ def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 2
 
 
+def test_without_matplotlib_the_plots_are_skipped_in_one_line_before_training(recipe, tmp_path, capsys, monkeypatch):
+    """`plot` is on by default; without matplotlib (a plain install) the run says so in one line, with how to draw the
+    plots later, before any work, and trains on (issue 42: it trained, then exited 1 with a MatplotlibMissingError
+    traceback). The whole run, exit status 0, in a plain virtualenv: tests/test_plain_install.py."""
+    class Reached(Exception):
+        pass
+
+    def load_datasets(*args):  # the first work after the checks: stop here, training would follow
+        raise Reached
+
+    monkeypatch.setattr(recipe, "load_datasets", load_datasets)
+    run_dir = tmp_path / "my run"
+    args = recipe.parse_args(["--output_dir", str(run_dir)])
+    with monkeypatch.context() as without:
+        without.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError, as without it
+        with pytest.raises(Reached):
+            recipe.main(*args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
+                     f"\"trl-moe-replay[plot]\", then trl-moe-replay plot '{run_dir}'"]
+    with pytest.raises(Reached):  # installed (the test extra): nothing said
+        recipe.main(*args)
+    assert capsys.readouterr().out == ""
+
+
 def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
     _, offline, _ = recipe.parse_args([])
     assert offline.learning_rate == recipe.OFFLINE_DEFAULTS["learning_rate"] and offline.bf16 is False
