@@ -744,6 +744,7 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.checkpointing.checkpoint_files import CheckpointError
     from trl_moe_replay.checkpointing.distributed_checkpoint import DistributedCheckpointError
+    from trl_moe_replay.engines.server_requests import ServerModeDependencyError
     from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
@@ -754,7 +755,7 @@ def run(argv: list[str] | None = None) -> int:
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
                    CheckpointError, PR2CheckpointError, DistributedCheckpointError,
-                   ShardedAtLoadUnsupportedError, ParallelSizesError)
+                   ShardedAtLoadUnsupportedError, ParallelSizesError, ServerModeDependencyError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

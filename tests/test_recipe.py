@@ -318,3 +318,18 @@ def test_tiny_overrides_build_the_requested_moe(recipe, family):
     assert (replay.num_experts, replay.top_k, model.config.hidden_size) == (4, 1, 32)
     with pytest.raises(ValueError, match="no tiny config"):
         recipe.tiny_overrides("llama", 32, 2, 4, 1)
+
+
+def test_server_mode_without_requests_ends_the_recipe_in_one_line(recipe, capsys, monkeypatch):
+    from trl_moe_replay.engines.server_requests import ServerModeDependencyError, http_client
+
+    def main(*args):
+        return http_client()  # as the first request to a vLLM server would
+
+    monkeypatch.setattr(recipe, "main", main)
+    monkeypatch.setattr(recipe, "parse_args", lambda argv: ())
+    monkeypatch.setitem(sys.modules, "requests", None)  # `import requests` raises ImportError, as without it
+    assert recipe.run([]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert 'vLLM server mode needs the requests package' in line and 'pip install "trl-moe-replay[vllm]"' in line
+    assert issubclass(ServerModeDependencyError, ImportError)
