@@ -597,6 +597,7 @@ def _train(script_args, training_args, model_args, state):
         model_args.model_name_or_path = check_model_path(model_args.model_name_or_path, model_args.model_revision)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     announce_output_dir(training_args, resume)
+    plot = script_args.plot and plots_possible(training_args.output_dir, state)  # one line, before training
     train_dataset, eval_dataset = load_datasets(script_args, training_args)
     tools = tool_functions(script_args.tools)
     processing_class = None
@@ -656,7 +657,7 @@ def _train(script_args, training_args, model_args, state):
         print(reward_summary(trainer.state.log_history))
         if tools:
             print(reward_summary(trainer.state.log_history, key="tools/call_frequency", label="tool calls per sample"))
-        if script_args.plot:
+        if plot:
             from trl_moe_replay.cli.plotting import plot_run
 
             paths = plot_run(training_args.output_dir)
@@ -666,6 +667,21 @@ def _train(script_args, training_args, model_args, state):
     if Version(transformers.__version__) >= Version("5.18.0"):
         trainer.end()
     return trainer
+
+
+def plots_possible(output_dir: str, state) -> bool:
+    """Whether the plots can be drawn at the end (matplotlib, the `plot` extra). Checked before training, so a finished
+    run never ends in a traceback for want of it: without it, one line says the plots are skipped and how to draw
+    them from the saved run."""
+    from trl_moe_replay.cli.plotting import MatplotlibMissingError, check_matplotlib
+
+    try:
+        check_matplotlib()
+    except MatplotlibMissingError:
+        state.print(f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
+                    f"\"trl-moe-replay[plot]\", then trl-moe-replay plot {shlex.quote(output_dir)}")
+        return False
+    return True
 
 
 def announce_output_dir(training_args, resume: str | None) -> None:
@@ -728,6 +744,7 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.checkpointing.checkpoint_files import CheckpointError
     from trl_moe_replay.checkpointing.distributed_checkpoint import DistributedCheckpointError
+    from trl_moe_replay.engines.server_requests import ServerModeDependencyError
     from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
@@ -738,7 +755,7 @@ def run(argv: list[str] | None = None) -> int:
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
                    OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
                    CheckpointError, PR2CheckpointError, DistributedCheckpointError,
-                   ShardedAtLoadUnsupportedError, ParallelSizesError)
+                   ShardedAtLoadUnsupportedError, ParallelSizesError, ServerModeDependencyError)
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))

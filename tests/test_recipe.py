@@ -108,6 +108,31 @@ def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 2
 
 
+def test_without_matplotlib_the_plots_are_skipped_in_one_line_before_training(recipe, tmp_path, capsys, monkeypatch):
+    """`plot` is on by default; without matplotlib (a plain install) the run says so in one line, with how to draw the
+    plots later, before any work, and trains on (issue 42: it trained, then exited 1 with a MatplotlibMissingError
+    traceback). The whole run, exit status 0, in a plain virtualenv: tests/test_plain_install.py."""
+    class Reached(Exception):
+        pass
+
+    def load_datasets(*args):  # the first work after the checks: stop here, training would follow
+        raise Reached
+
+    monkeypatch.setattr(recipe, "load_datasets", load_datasets)
+    run_dir = tmp_path / "my run"
+    args = recipe.parse_args(["--output_dir", str(run_dir)])
+    with monkeypatch.context() as without:
+        without.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError, as without it
+        with pytest.raises(Reached):
+            recipe.main(*args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
+                     f"\"trl-moe-replay[plot]\", then trl-moe-replay plot '{run_dir}'"]
+    with pytest.raises(Reached):  # installed (the test extra): nothing said
+        recipe.main(*args)
+    assert capsys.readouterr().out == ""
+
+
 def test_offline_defaults_apply_only_without_a_model(recipe, tmp_path):
     _, offline, _ = recipe.parse_args([])
     assert offline.learning_rate == recipe.OFFLINE_DEFAULTS["learning_rate"] and offline.bf16 is False
@@ -293,3 +318,18 @@ def test_tiny_overrides_build_the_requested_moe(recipe, family):
     assert (replay.num_experts, replay.top_k, model.config.hidden_size) == (4, 1, 32)
     with pytest.raises(ValueError, match="no tiny config"):
         recipe.tiny_overrides("llama", 32, 2, 4, 1)
+
+
+def test_server_mode_without_requests_ends_the_recipe_in_one_line(recipe, capsys, monkeypatch):
+    from trl_moe_replay.engines.server_requests import ServerModeDependencyError, http_client
+
+    def main(*args):
+        return http_client()  # as the first request to a vLLM server would
+
+    monkeypatch.setattr(recipe, "main", main)
+    monkeypatch.setattr(recipe, "parse_args", lambda argv: ())
+    monkeypatch.setitem(sys.modules, "requests", None)  # `import requests` raises ImportError, as without it
+    assert recipe.run([]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert 'vLLM server mode needs the requests package' in line and 'pip install "trl-moe-replay[vllm]"' in line
+    assert issubclass(ServerModeDependencyError, ImportError)

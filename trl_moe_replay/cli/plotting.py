@@ -206,14 +206,19 @@ class MatplotlibMissingError(ImportError):
     """``plot`` needs matplotlib, an optional dependency (the ``plot`` extra)."""
 
 
-def _pyplot():
+def check_matplotlib():
+    """matplotlib, or :class:`MatplotlibMissingError` (one line): every path that draws checks here first."""
     try:
         import matplotlib
     except ImportError as exc:
         raise MatplotlibMissingError(
             "plotting needs matplotlib, which is not installed: pip install 'trl-moe-replay[plot]'"
         ) from exc
+    return matplotlib
 
+
+def _pyplot():
+    matplotlib = check_matplotlib()
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

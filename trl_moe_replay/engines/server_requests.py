@@ -3,17 +3,41 @@
 The reload weight sync (``engines/weight_reload.py``) and the sync check (``engines/sync_check.py``) of both trainers
 talk to the server through :func:`post_to_server` and :func:`served_model_name`: a server that is down, restarting or
 refusing a request stops the run with :class:`VLLMServerUnavailableError`, never a hang or a bare ``requests`` error.
+
+``requests`` is imported here, when server mode talks to the server, never at import: a plain install (no extras)
+does not bring it (huggingface_hub 2 no longer does), and the ``vllm`` extras declare it. Without it server mode stops
+with :class:`ServerModeDependencyError`, one line.
 """
 
 from __future__ import annotations
 
-import requests
+from typing import TYPE_CHECKING
 
-__all__ = ["VLLMServerUnavailableError", "post_to_server", "served_model_name"]
+if TYPE_CHECKING:
+    import requests
+
+__all__ = ["ServerModeDependencyError", "VLLMServerUnavailableError", "http_client", "post_to_server",
+           "served_model_name"]
 
 
 class VLLMServerUnavailableError(RuntimeError):
     """The vLLM server did not answer a request (down, restarting, or unreachable), or refused it."""
+
+
+class ServerModeDependencyError(ImportError):
+    """vLLM server mode needs ``requests``, which a plain install (no extras) does not bring."""
+
+
+def http_client():
+    """The ``requests`` module, for a request to the vLLM server; :class:`ServerModeDependencyError` without it."""
+    try:
+        import requests
+    except ImportError as exc:
+        raise ServerModeDependencyError(
+            "vLLM server mode needs the requests package, which is not installed (a plain install does not bring "
+            "it): pip install \"trl-moe-replay[vllm]\" (or pip install requests)"
+        ) from exc
+    return requests
 
 
 def _server(url: str) -> str:
@@ -22,6 +46,7 @@ def _server(url: str) -> str:
 
 def post_to_server(url: str, what: str, timeout: float, remedy: str, **kwargs) -> requests.Response:
     """POST ``url``; ``what`` names the request and ``remedy`` says what to do when the server refuses it."""
+    requests = http_client()
     try:
         response = requests.post(url, timeout=timeout, **kwargs)
     except requests.RequestException as exc:
@@ -40,6 +65,7 @@ def post_to_server(url: str, what: str, timeout: float, remedy: str, **kwargs) -
 def served_model_name(base_url: str, timeout: float) -> str:
     """The name the server serves its model under (the first of ``/v1/models``, as TRL's ``VLLMClient`` reads it)."""
     url = f"{base_url}/v1/models"
+    requests = http_client()
     try:
         response = requests.get(url, timeout=timeout)
         response.raise_for_status()

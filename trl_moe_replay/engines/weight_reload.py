@@ -30,14 +30,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import requests
 import torch
 from accelerate.utils import is_peft_model
 from safetensors.torch import save_file
 from transformers.utils import logging
 
 from ..upstream import trl_named_params, wake_colocated_weights
-from .server_requests import VLLMServerUnavailableError, post_to_server
+from .server_requests import VLLMServerUnavailableError, http_client, post_to_server
 from .vllm_weights import engine_weights
 
 logger = logging.get_logger(__name__)
@@ -208,6 +207,7 @@ class ReloadWeightTransfer:
         return self.reload.reloads
 
     def init_weight_transfer(self) -> None:
+        requests = http_client()
         try:
             requests.get(f"{self.base_url}/health", timeout=self.timeout).raise_for_status()
         except requests.RequestException as exc:
