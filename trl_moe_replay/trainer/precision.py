@@ -138,10 +138,10 @@ def attach_update_probe(trainer, metrics: dict) -> UpdateProbe | None:
     """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode); both trainers
     call this at the end of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer.
     Also says, in one line, when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
+    if trainer.is_deepspeed_enabled:  # DeepSpeed also applies fp16 itself
+        return None
     if (message := fp16_not_applied_message(trainer.accelerator)) and trainer.accelerator.is_main_process:
         logger.warning(message)
-    if trainer.is_deepspeed_enabled:
-        return None
     probe = UpdateProbe(trainer.accelerator, metrics)
     trainer.add_callback(probe)
     return probe
