@@ -144,7 +144,8 @@ def test_steps_that_cannot_change_anything_do_not_count():
 
 def test_deepspeed_keeps_its_own_masters_and_gets_no_probe():
     callbacks = []
-    trainer = SimpleNamespace(is_deepspeed_enabled=True, add_callback=callbacks.append, accelerator=None)
+    accelerator = SimpleNamespace(mixed_precision="bf16", native_amp=True, is_main_process=True)
+    trainer = SimpleNamespace(is_deepspeed_enabled=True, add_callback=callbacks.append, accelerator=accelerator)
     assert attach_update_probe(trainer, {}) is None and not callbacks
     trainer.is_deepspeed_enabled = False
     assert isinstance(attach_update_probe(trainer, {}), UpdateProbe) and len(callbacks) == 1
