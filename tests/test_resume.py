@@ -15,19 +15,22 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import TrainerControl
 from trl import GRPOTrainer
 
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
+from trl_moe_replay.checkpointing import checkpoints
 from trl_moe_replay.checkpointing.checkpoints import (
     NoCheckpointError,
+    SaveOnInterrupt,
     describe_run,
     generation_period,
     newest_checkpoint,
     resolve_resume,
 )
 
-from .helpers import load_script
+from .helpers import load_script, run_two_ranks
 from .test_pr2 import OFF_POLICY
 from .test_trainer import make_trainer
 
@@ -330,6 +333,51 @@ def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
     stopped = saved_once(lines, tmp_path / "run")
     assert stopped.rstrip().endswith(f"{RECIPE} {' '.join(command[2:])} --resume_from_checkpoint")
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+
+
+def test_sigterm_saves_like_ctrl_c_and_says_what_a_kill_before_the_save_loses(tmp_path, capsys, monkeypatch):
+    """docs/demo.md, "Preemption": SIGTERM requests the save Ctrl-C does, at the generation batch's end; its line names
+    the checkpoint a kill before then resumes from; a repeated SIGTERM never stops at once (a second Ctrl-C does)."""
+    monkeypatch.setattr(checkpoints, "FORCE_AFTER_S", 0.0)
+    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
+                           gradient_accumulation_steps=2, world_size=1, device="cpu")  # generation period: 2 steps
+    state, control = SimpleNamespace(is_world_process_zero=True, global_step=2), TrainerControl()
+    fake_checkpoint(tmp_path, 2)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    callback = SaveOnInterrupt()
+    callback.on_train_begin(args, state, control)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # in step 3
+        signal.raise_signal(signal.SIGTERM)  # a scheduler's second SIGTERM: no KeyboardInterrupt, the save goes on
+        assert capsys.readouterr().err == (
+            f"\nSIGTERM: saving a checkpoint at the end of step 4, then stopping; killed before, the run resumes from "
+            f"{tmp_path / 'checkpoint-2'} and steps 3-4 are lost\n")
+        state.global_step = 3  # inside the generation batch: no stop
+        callback.on_step_end(args, state, control)
+        assert not control.should_save and not control.should_training_stop
+        state.global_step = 4
+        callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop
+        assert callback.checkpoint == str(tmp_path / "checkpoint-4") and callback.exit_status == 143
+        assert callback.took().startswith(" (") and callback.took().endswith(" s after SIGTERM)")
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C after the request still stops at once
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        callback.on_train_end(args, state, control)
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
+    """SLURM and torchrun signal every process, a Kubernetes pod only its own: a SIGTERM to rank 1 alone stops both
+    ranks at the end of the generation batch (the all-reduce), each naming the same checkpoint."""
+    result = run_two_ranks(Path(__file__).parent / "scripts" / "stop_signal_ranks.py", tmp_path)
+    reports = [json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
+               for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert sorted(r["rank"] for r in reports) == [0, 1], result.stdout + result.stderr[-2000:]
+    for report in reports:
+        assert report["stopped_at"] == 4 and report["save"] and report["exit_status"] == 143, report
+        assert report["checkpoint"] == str(tmp_path / "checkpoint-4") and report["sigterm_restored"], report
+    assert "SIGTERM on another process: saving a checkpoint at the end of step 4, then stopping" in result.stderr
 
 
 @pytest.fixture(scope="module")
