@@ -30,7 +30,7 @@ from trl_moe_replay.checkpointing.checkpoints import (
     resolve_resume,
 )
 
-from .helpers import load_script, run_two_ranks
+from .helpers import CPU_ONLY_ENV, load_script, run_two_ranks
 from .test_pr2 import OFF_POLICY
 from .test_trainer import make_trainer
 
@@ -293,10 +293,10 @@ def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoi
     assert f"{run} holds a finished run of 2 steps: starting over" in capsys.readouterr().out
 
 
-def ctrl_c_at_step_10(command: list[str], env: dict, cwd) -> tuple[list[str], int]:
+def ctrl_c_at_step_10(command: list[str], env: dict, cwd, sig: int = signal.SIGINT) -> tuple[list[str], int]:
     """Run ``command`` in a session of its own and, when it prints "step 10:", send one Ctrl-C to the whole process
-    group, as a terminal does (the launcher and the training processes get it). Returns its output lines, read until
-    every process has closed its output, and its exit status."""
+    group, as a terminal does (the launcher and the training processes get it), or ``sig`` (SIGTERM: as SLURM's
+    scancel does). Returns its output lines, read until every process has closed its output, and its exit status."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                cwd=cwd, start_new_session=True)
     lines = []
@@ -304,7 +304,7 @@ def ctrl_c_at_step_10(command: list[str], env: dict, cwd) -> tuple[list[str], in
         for line in process.stdout:
             lines.append(line)
             if line.startswith("step 10:"):
-                os.killpg(process.pid, signal.SIGINT)
+                os.killpg(process.pid, sig)
                 break
         lines += process.stdout.readlines()
         return lines, process.wait(timeout=300)
@@ -378,6 +378,31 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
         assert report["stopped_at"] == 4 and report["save"] and report["exit_status"] == 143, report
         assert report["checkpoint"] == str(tmp_path / "checkpoint-4") and report["sigterm_restored"], report
     assert "SIGTERM on another process: saving a checkpoint at the end of step 4, then stopping" in result.stderr
+
+
+@pytest.mark.slow  # the recipe under torchrun on two CPU processes, SIGTERM to the process group, resumed (~1-2 min)
+def test_sigterm_under_torchrun_saves_and_the_printed_command_resumes(tmp_path):
+    """docs/demo.md, "Preemption": SIGTERM to the launcher and both ranks (torchrun forwards its own, too) saves one
+    checkpoint at the same step on both ranks, prints the resume command, and that command resumes to the next step."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", **CPU_ONLY_ENV}
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
+               *small_args(run, tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    lines, _ = ctrl_c_at_step_10(command, env, tmp_path, signal.SIGTERM)
+    output = "".join(lines)
+    stopped = saved_once(lines, run)  # one line: the forwarded second SIGTERM did not stop the ranks without a save
+    step = int(stopped.split()[3])
+    assert f"SIGTERM: saving a checkpoint at the end of step {step}, then stopping; killed before, " in output
+    assert " s after SIGTERM); checkpoint saved in " in stopped
+    assert "KeyboardInterrupt" not in output and "no checkpoint saved" not in output, output[-3000:]
+    resume = stopped.split("resume with: ", 1)[1].split()
+    assert resume[0].endswith("torchrun") and resume[1:4] == ["--standalone", "--nproc_per_node", "2"], stopped
+    result = subprocess.run([*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env,
+                            timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert f"resuming {run} from {run / f'checkpoint-{step}'}" in result.stdout
+    assert json.loads((run / "trainer_state.json").read_text())["global_step"] == step + 1
 
 
 @pytest.fixture(scope="module")
