@@ -263,7 +263,8 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
     assert trainer.state.global_step == 2
     out = capsys.readouterr().out
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    assert f"stopped at step 2 of 4; checkpoint saved in {checkpoint}; resume with: " in out
+    assert f"stopped at step 2 of 4 (" in out
+    assert f" s after Ctrl-C); checkpoint saved in {checkpoint}; resume with: " in out
     assert "recipes/grpo_r3.py --output_dir" in out
     assert out.rstrip().endswith(" --resume_from_checkpoint") and "mean reward" not in out  # no final save, no summary
     assert not (tmp_path / "cut" / "model.safetensors").exists()
