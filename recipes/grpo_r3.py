@@ -26,13 +26,14 @@ Expert parallelism (transformers shards the model at load time; docs/sharded_tra
 
     torchrun --nproc_per_node 2 recipes/grpo_r3.py --ep_size 2 --fsdp_size 2 --ep_implementation all_to_all
 
-Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C saves one at the end
-of the step in progress and prints the command that resumes, which is the same command with `--resume_from_checkpoint`
-(no value: the newest checkpoint in `--output_dir`). Under `accelerate launch` the run saves and prints the same, but
-the launcher prints a traceback of its own (one process: it also returns before the run has saved, and the run's lines
-follow the prompt); `python recipes/grpo_r3.py` runs one process without a launcher. A run started into an output_dir
-that holds an earlier run says in one line whether it resumes it or overwrites it; one that a live run holds is refused
-before anything else.
+Stopping and resuming: checkpoints are saved every `--save_steps` (50 for the tiny model); Ctrl-C or SIGTERM (SLURM,
+Kubernetes, a launcher stopped) saves one at the end of the step in progress and prints the command that resumes,
+which is the same command with `--resume_from_checkpoint` (no value: the newest checkpoint in `--output_dir`). Under
+`accelerate launch` the run saves and prints the same, but the launcher prints a traceback of its own (one process: it
+also returns before the run has saved, and the run's lines follow the prompt); `python recipes/grpo_r3.py` runs one
+process without a launcher. The launcher and scheduler must wait long enough (docs/demo.md, "Preemption"). A run
+started into an output_dir that holds an earlier run says in one line whether it resumes it or overwrites it; one that
+a live run holds is refused before anything else.
 """
 
 import contextlib
@@ -647,8 +648,8 @@ def _train(script_args, training_args, model_args, state):
     if interrupt.interrupted:
         if Version(transformers.__version__) >= Version("5.18.0"):
             trainer.end()
-        state.print(f"stopped at step {trainer.state.global_step} of {trainer.state.max_steps}; checkpoint saved in "
-                    f"{interrupt.checkpoint}; resume with: {resume_command()}")
+        state.print(f"stopped at step {trainer.state.global_step} of {trainer.state.max_steps}{interrupt.took()}; "
+                    f"checkpoint saved in {interrupt.checkpoint}; resume with: {resume_command()}")
         return trainer
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history the plots read
@@ -740,7 +741,8 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
 
 
 def run(argv: list[str] | None = None) -> int:
-    """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130."""
+    """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130, SIGTERM
+    with 143 (both after saving a checkpoint)."""
     from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.checkpointing.checkpoint_files import CheckpointError
     from trl_moe_replay.checkpointing.distributed_checkpoint import DistributedCheckpointError
@@ -766,8 +768,8 @@ def run(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C: nothing new saved
         print(f"\n{prog}: interrupted; no checkpoint saved by this interruption", file=sys.stderr)
         return 130
-    return 130 if any(isinstance(cb, SaveOnInterrupt) and cb.interrupted
-                      for cb in trainer.callback_handler.callbacks) else 0
+    stopped = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SaveOnInterrupt) and cb.interrupted]
+    return stopped[0].exit_status if stopped else 0  # 130 after Ctrl-C, 143 after SIGTERM, as the shell reports them
 
 
 if __name__ == "__main__":

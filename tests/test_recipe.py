@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from trl import get_peft_config
 
@@ -249,6 +250,33 @@ def test_recipe_config_builds_the_config_objects(recipe, path):
     # the launch line in the file's comments names an accelerate config that exists
     launch = re.findall(r"--config_file (recipes/accelerate/\S+\.yaml)", path.read_text())
     assert launch and all((ROOT / p).is_file() for p in launch)
+
+
+PREEMPTION_LINE = re.compile(r"^#\s*preemption: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+), SLURM --signal=TERM@(\d+), "
+                             r"k8s terminationGracePeriodSeconds: (\d+)$")
+
+
+def launches_several_processes(header: str) -> bool:
+    """Whether a config header's launch line starts several processes: torchrun, or an accelerate config file with
+    num_processes above 1."""
+    files = re.findall(r"--config_file (recipes/accelerate/\S+\.yaml)", header)
+    return "torchrun" in header or any(yaml.safe_load((ROOT / f).read_text())["num_processes"] > 1 for f in files)
+
+
+def test_multi_gpu_config_headers_carry_the_preemption_settings():
+    """docs/demo.md, "Preemption": every config launched on several processes names, in one header line, torchrun's
+    wait before SIGKILL and scheduler grace periods longer than it (SIGTERM saves at the generation batch's end)."""
+    several = []
+    for path in RECIPE_CONFIGS:
+        header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        found = [m for line in header.splitlines() if (m := PREEMPTION_LINE.match(line))]
+        if not launches_several_processes(header):
+            continue
+        several.append(path.name)
+        assert len(found) == 1, f"{path.name}: no single '# preemption: ...' header line"
+        shutdown, slurm, kubernetes = map(int, found[0].groups())
+        assert 30 < shutdown < slurm and shutdown < kubernetes, f"{path.name}: {found[0].group(0)}"
+    assert "qwen3_30b_a3b_vllm_server_zero3.yaml" in several and "granite_1b_a400m_single_gpu.yaml" not in several
 
 
 def test_qwen3_config_is_the_papers_off4_server_setup(recipe):

@@ -15,19 +15,22 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import TrainerControl
 from trl import GRPOTrainer
 
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
+from trl_moe_replay.checkpointing import checkpoints
 from trl_moe_replay.checkpointing.checkpoints import (
     NoCheckpointError,
+    SaveOnInterrupt,
     describe_run,
     generation_period,
     newest_checkpoint,
     resolve_resume,
 )
 
-from .helpers import load_script
+from .helpers import CPU_ONLY_ENV, load_script, run_two_ranks
 from .test_pr2 import OFF_POLICY
 from .test_trainer import make_trainer
 
@@ -260,7 +263,8 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
     assert trainer.state.global_step == 2
     out = capsys.readouterr().out
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    assert f"stopped at step 2 of 4; checkpoint saved in {checkpoint}; resume with: " in out
+    assert f"stopped at step 2 of 4 (" in out
+    assert f" s after Ctrl-C); checkpoint saved in {checkpoint}; resume with: " in out
     assert "recipes/grpo_r3.py --output_dir" in out
     assert out.rstrip().endswith(" --resume_from_checkpoint") and "mean reward" not in out  # no final save, no summary
     assert not (tmp_path / "cut" / "model.safetensors").exists()
@@ -290,10 +294,10 @@ def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoi
     assert f"{run} holds a finished run of 2 steps: starting over" in capsys.readouterr().out
 
 
-def ctrl_c_at_step_10(command: list[str], env: dict, cwd) -> tuple[list[str], int]:
+def ctrl_c_at_step_10(command: list[str], env: dict, cwd, sig: int = signal.SIGINT) -> tuple[list[str], int]:
     """Run ``command`` in a session of its own and, when it prints "step 10:", send one Ctrl-C to the whole process
-    group, as a terminal does (the launcher and the training processes get it). Returns its output lines, read until
-    every process has closed its output, and its exit status."""
+    group, as a terminal does (the launcher and the training processes get it), or ``sig`` (SIGTERM: as SLURM's
+    scancel does). Returns its output lines, read until every process has closed its output, and its exit status."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                cwd=cwd, start_new_session=True)
     lines = []
@@ -301,7 +305,7 @@ def ctrl_c_at_step_10(command: list[str], env: dict, cwd) -> tuple[list[str], in
         for line in process.stdout:
             lines.append(line)
             if line.startswith("step 10:"):
-                os.killpg(process.pid, signal.SIGINT)
+                os.killpg(process.pid, sig)
                 break
         lines += process.stdout.readlines()
         return lines, process.wait(timeout=300)
@@ -330,6 +334,76 @@ def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
     stopped = saved_once(lines, tmp_path / "run")
     assert stopped.rstrip().endswith(f"{RECIPE} {' '.join(command[2:])} --resume_from_checkpoint")
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+
+
+def test_sigterm_saves_like_ctrl_c_and_says_what_a_kill_before_the_save_loses(tmp_path, capsys, monkeypatch):
+    """docs/demo.md, "Preemption": SIGTERM requests the save Ctrl-C does, at the generation batch's end; its line names
+    the checkpoint a kill before then resumes from; a repeated SIGTERM never stops at once (a second Ctrl-C does)."""
+    monkeypatch.setattr(checkpoints, "FORCE_AFTER_S", 0.0)
+    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
+                           gradient_accumulation_steps=2, world_size=1, device="cpu")  # generation period: 2 steps
+    state, control = SimpleNamespace(is_world_process_zero=True, global_step=2), TrainerControl()
+    fake_checkpoint(tmp_path, 2)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    callback = SaveOnInterrupt()
+    callback.on_train_begin(args, state, control)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # in step 3
+        signal.raise_signal(signal.SIGTERM)  # a scheduler's second SIGTERM: no KeyboardInterrupt, the save goes on
+        assert capsys.readouterr().err == (
+            f"\nSIGTERM: saving a checkpoint at the end of step 4, then stopping; killed before, the run resumes from "
+            f"{tmp_path / 'checkpoint-2'} and steps 3-4 are lost\n")
+        state.global_step = 3  # inside the generation batch: no stop
+        callback.on_step_end(args, state, control)
+        assert not control.should_save and not control.should_training_stop
+        state.global_step = 4
+        callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop
+        assert callback.checkpoint == str(tmp_path / "checkpoint-4") and callback.exit_status == 143
+        assert callback.took().startswith(" (") and callback.took().endswith(" s after SIGTERM)")
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C after the request still stops at once
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        callback.on_train_end(args, state, control)
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
+    """SLURM and torchrun signal every process, a Kubernetes pod only its own: a SIGTERM to rank 1 alone stops both
+    ranks at the end of the generation batch (the all-reduce), each naming the same checkpoint."""
+    result = run_two_ranks(Path(__file__).parent / "scripts" / "stop_signal_ranks.py", tmp_path)
+    reports = [json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
+               for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert sorted(r["rank"] for r in reports) == [0, 1], result.stdout + result.stderr[-2000:]
+    for report in reports:
+        assert report["stopped_at"] == 4 and report["save"] and report["exit_status"] == 143, report
+        assert report["checkpoint"] == str(tmp_path / "checkpoint-4") and report["sigterm_restored"], report
+    assert "SIGTERM on another process: saving a checkpoint at the end of step 4, then stopping" in result.stderr
+
+
+@pytest.mark.slow  # the recipe under torchrun on two CPU processes, SIGTERM to the process group, resumed (~1-2 min)
+def test_sigterm_under_torchrun_saves_and_the_printed_command_resumes(tmp_path):
+    """docs/demo.md, "Preemption": SIGTERM to the launcher and both ranks (torchrun forwards its own, too) saves one
+    checkpoint at the same step on both ranks, prints the resume command, and that command resumes to the next step."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", **CPU_ONLY_ENV}
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
+               *small_args(run, tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    lines, _ = ctrl_c_at_step_10(command, env, tmp_path, signal.SIGTERM)
+    output = "".join(lines)
+    stopped = saved_once(lines, run)  # one line: the forwarded second SIGTERM did not stop the ranks without a save
+    step = int(stopped.split()[3])
+    assert f"SIGTERM: saving a checkpoint at the end of step {step}, then stopping; killed before, " in output
+    assert " s after SIGTERM); checkpoint saved in " in stopped
+    assert "KeyboardInterrupt" not in output and "no checkpoint saved" not in output, output[-3000:]
+    resume = stopped.split("resume with: ", 1)[1].split()
+    assert resume[0].endswith("torchrun") and resume[1:4] == ["--standalone", "--nproc_per_node", "2"], stopped
+    result = subprocess.run([*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env,
+                            timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert f"resuming {run} from {run / f'checkpoint-{step}'}" in result.stdout
+    assert json.loads((run / "trainer_state.json").read_text())["global_step"] == step + 1
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""Runs that survive Ctrl-C: save a checkpoint on SIGINT, resume from the newest one, say what a re-run does.
+"""Runs that survive Ctrl-C and preemption: save a checkpoint on SIGINT or SIGTERM, resume from the newest one, say
+what a re-run does.
 
-- :class:`SaveOnInterrupt` (a ``TrainerCallback``): the first Ctrl-C lets the step in progress finish, saves a
-  checkpoint and stops training; a second one, later than :data:`FORCE_AFTER_S`, stops at once without a checkpoint.
-  The stop waits for the end of a generation batch: TRL keeps the rollouts of a generation batch (and with them the
-  routes R2/R3/PR2 replay) in memory only, and a run resumed in the middle of one regenerates it (TRL's
-  ``_buffered_inputs`` is empty after a resume), so only a checkpoint at a boundary resumes exactly.
+- :class:`SaveOnInterrupt` (a ``TrainerCallback``): the first Ctrl-C or SIGTERM (:data:`STOP_SIGNALS`; SLURM,
+  Kubernetes and torchrun stop a job with SIGTERM, then SIGKILL after a grace period) lets the step in progress
+  finish, saves a checkpoint and stops training; a second Ctrl-C, later than :data:`FORCE_AFTER_S`, stops at once
+  without a checkpoint. The stop waits for the end of a generation batch: TRL keeps the rollouts of a generation
+  batch (and with them the routes R2/R3/PR2 replay) in memory only, and a run resumed in the middle of one regenerates
+  it (TRL's ``_buffered_inputs`` is empty after a resume), so only a checkpoint at a boundary resumes exactly.
 - :func:`resolve_resume`: ``--resume_from_checkpoint`` with no path (``true``) names the newest complete
   checkpoint of ``output_dir``. Everything of ours that a resume needs is inside the checkpoint: PR2's predictors
   (``pr2_predictors.safetensors``, read by ``MoEReplayGRPOTrainer._load_optimizer_and_scheduler``); routes live only
@@ -51,6 +53,13 @@ logger = logging.get_logger(__name__)
 #: A second Ctrl-C this long after the first stops at once (a launcher that forwards the first one to the training
 #: processes, as torchrun does, delivers it twice within milliseconds).
 FORCE_AFTER_S = 2.0
+
+#: The signals that save a checkpoint and stop: Ctrl-C, and SIGTERM, the stop request of SLURM (``scancel``, the time
+#: limit with ``--signal=TERM@S``, preemption), Kubernetes and Docker, which torchrun and accelerate's launchers also
+#: forward to every rank. A repeated SIGTERM changes nothing: the scheduler's SIGKILL is the forced stop, and stopping
+#: at once would cut the save short.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -137,62 +146,107 @@ class StartOver(TrainerCallback):
 
 
 class SaveOnInterrupt(TrainerCallback):
-    """Ctrl-C (SIGINT) during ``trainer.train()``: save a checkpoint at the end of the generation batch in progress
-    (every step in TRL's default settings) and stop training; ``train()`` then returns normally. A second Ctrl-C,
-    :data:`FORCE_AFTER_S` or more after the first, raises ``KeyboardInterrupt`` at once.
+    """Ctrl-C (SIGINT) or SIGTERM during ``trainer.train()``: save a checkpoint at the end of the generation batch in
+    progress (every step in TRL's default settings) and stop training; ``train()`` then returns normally. A second
+    Ctrl-C, :data:`FORCE_AFTER_S` or more after the first request, raises ``KeyboardInterrupt`` at once; a second
+    SIGTERM does nothing.
 
-    After ``train()``, :attr:`checkpoint` is the folder saved on the interrupt (``None`` if there was none). With
-    several processes every one must get the signal (a terminal's Ctrl-C reaches them all; launchers forward it); the
-    decision to stop is shared at each boundary, so all stop at the same step.
+    At the signal the main process says in one line which step it saves at and, should the process be killed before
+    (a grace period shorter than the rest of the generation batch plus the save), which checkpoint the run resumes
+    from and which steps are lost: a checkpoint cut short has no ``trainer_state.json`` and is never resumed from.
+
+    After ``train()``, :attr:`checkpoint` is the folder saved on the signal (``None`` if there was none) and
+    :attr:`signum` the signal (this process's, else the largest number another process got). With several processes
+    the decision to stop is shared at each boundary (an all-reduce), so a signal to any one of them stops all at the
+    same step.
     """
 
     def __init__(self):
         self.requested_at: float | None = None
+        self.signum: int | None = None
         self.checkpoint: str | None = None
-        self._previous_handler = None
+        self._previous_handlers: dict[int, object] = {}
         self._is_main = True
+        self._args = self._state = None
 
     @property
     def interrupted(self) -> bool:
         return self.checkpoint is not None
 
+    @property
+    def exit_status(self) -> int:
+        """The shell's status for a process stopped by :attr:`signum`: 130 after Ctrl-C, 143 after SIGTERM."""
+        return 128 + int(self.signum or signal.SIGINT)
+
+    def took(self) -> str:
+        """`` (41 s after SIGTERM)``: from this process's signal to now (after the save), what a grace period must
+        cover; empty where the signal reached another process only."""
+        if self.requested_at is None:
+            return ""
+        return f" ({time.monotonic() - self.requested_at:.0f} s after {_NAMES.get(self.signum, self.signum)})"
+
     def _handle(self, signum, frame):
         now = time.monotonic()
         if self.requested_at is None:
-            self.requested_at = now
+            self.requested_at, self.signum = now, signum
             if self._is_main:
-                print("\nCtrl-C: saving a checkpoint at the end of this step, then stopping "
-                      f"(Ctrl-C again after {FORCE_AFTER_S:.0f} s to stop at once, without one)",
-                      file=sys.stderr, flush=True)
-        elif now - self.requested_at >= FORCE_AFTER_S:
+                print("\n" + self._announcement(signum), file=sys.stderr, flush=True)
+        elif signum == signal.SIGINT and now - self.requested_at >= FORCE_AFTER_S:
             raise KeyboardInterrupt
+
+    def _announcement(self, signum) -> str:
+        """The line printed at the signal: where the checkpoint will be, what a kill before that loses."""
+        name = _NAMES.get(signum, f"signal {signum}")
+        if self._args is None or self._state is None:  # not expected: the handler is set in on_train_begin
+            return f"{name}: saving a checkpoint at the end of this generation batch, then stopping"
+        at = _next_boundary(self._args, self._state.global_step)
+        newest = newest_checkpoint(self._args.output_dir)
+        kept = int(_CHECKPOINT.match(newest.name).group(1)) if newest is not None else 0
+        where = f"the run resumes from {newest}" if newest is not None else "with no checkpoint yet the run restarts"
+        lost = f" and step {at} is lost" if at == kept + 1 else f" and steps {kept + 1}-{at} are lost"
+        if kept >= at:  # a checkpoint past this step already (resumed from an older one)
+            lost = ""
+        line = f"{name}: saving a checkpoint at the end of step {at}, then stopping; killed before, {where}{lost}"
+        if signum == signal.SIGINT:
+            line += f" (Ctrl-C again after {FORCE_AFTER_S:.0f} s to stop at once, without one)"
+        return line
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._is_main = state.is_world_process_zero
-        self.requested_at, self.checkpoint = None, None
+        self._args, self._state = args, state  # the Trainer keeps both objects to the end of train()
+        self.requested_at, self.signum, self.checkpoint = None, None, None
         if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
-            self._previous_handler = signal.signal(signal.SIGINT, self._handle)
+            self._previous_handlers = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def on_step_end(self, args, state, control, **kwargs):
-        if not _at_generation_boundary(args, state.global_step) or not self._stop_requested(args):
+        if not _at_generation_boundary(args, state.global_step):
             return
+        signum = self._stop_requested(args)
+        if not signum:
+            return
+        if self.requested_at is None and self._is_main:  # the signal reached another process only
+            name = _NAMES.get(signum, f"signal {signum}")
+            print(f"\n{name} on another process: saving a checkpoint at the end of step {state.global_step}, then "
+                  "stopping", file=sys.stderr, flush=True)
+        self.signum = self.signum or signum
         control.should_save = True
         control.should_training_stop = True
         self.checkpoint = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGINT, self._previous_handler)
-            self._previous_handler = None
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
 
-    def _stop_requested(self, args) -> bool:
-        """Whether any process got Ctrl-C: the same answer on every rank (all must save and stop together)."""
-        requested = self.requested_at is not None
+    def _stop_requested(self, args) -> int:
+        """The stop signal any process got (0: none; SIGTERM over Ctrl-C): the same answer on every rank, all must
+        save and stop together."""
+        signum = int(self.signum or 0)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and args.world_size > 1:
-            flag = torch.tensor([int(requested)], device=args.device)
+            flag = torch.tensor([signum], device=args.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            requested = bool(flag.item())
-        return requested
+            signum = int(flag.item())
+        return signum
 
 
 def generation_period(args) -> int:
@@ -206,3 +260,10 @@ def generation_period(args) -> int:
 
 def _at_generation_boundary(args, global_step: int) -> bool:
     return global_step % generation_period(args) == 0
+
+
+def _next_boundary(args, global_step: int) -> int:
+    """The step at whose end a stop requested now saves: the step in progress (``global_step + 1``), rounded up to
+    the end of its generation batch."""
+    period = generation_period(args)
+    return -(-(global_step + 1) // period) * period
