@@ -7,8 +7,9 @@ DeepSpeed's or FSDP's fp32 master weights) logs a falling loss and a non-zero gr
 (2% of the elements change per step at lr 1e-6). Plain TRL has the same trap; the probe only watches, so
 ``routing_replay="none"`` stays TRL's math bit for bit.
 
-What is measured: on the first :data:`PROBE_STEPS` optimizer steps that have a learning rate and a non-zero gradient,
-for each parameter group, the fraction of the trainable elements with a non-zero gradient whose value changed. With
+What is measured: on optimizer steps 1 to :data:`PROBE_STEPS` (by step number, so a run resumed inside that window
+logs what the uninterrupted run did, and one resumed after it nothing), those that have a learning rate and a non-zero
+gradient, for each parameter group: the fraction of the trainable elements with a non-zero gradient whose value changed. With
 fp32 parameters (fp32 load, bf16 autocast) Adam's first steps move each such element by about lr, far above fp32's
 resolution, so the fraction is ~1; bf16 parameters updated in place give ~2% at lr 1e-6. The measurement reads a
 strided sample of at most :data:`SAMPLE_ELEMENTS` elements of each parameter (all of a small one), so it costs a few
@@ -27,8 +28,7 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 METRIC = "precision/updated_frac"
-PROBE_STEPS = 3  # measured optimizer steps (a step with lr 0, no gradient or skipped by fp16's scaler does not count)
-LAST_PROBED_STEP = 20  # never after this many optimizer steps (a warm-up longer than this, a run without gradient)
+PROBE_STEPS = 3  # optimizer steps 1-3 are measured (one with lr 0, no gradient or skipped by fp16's scaler logs nothing)
 SAMPLE_ELEMENTS = 4096  # elements read per parameter (its local shard): every one of a smaller parameter
 WARN_BELOW = 0.5  # of the elements with a non-zero gradient; fp32 parameters give ~1, bf16 ones at lr 1e-6 ~0.02
 
@@ -74,7 +74,9 @@ class UpdateProbe(TrainerCallback):
         self._before: list[tuple[int, torch.nn.Parameter, torch.Tensor, torch.Tensor]] | None = None
 
     def _active(self, state) -> bool:
-        return self.measured < PROBE_STEPS and state.global_step < LAST_PROBED_STEP
+        # by step number, not by a count of this process's measurements: a resumed run measures the steps the
+        # uninterrupted one did (global_step counts the steps finished before this one)
+        return state.global_step < PROBE_STEPS
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         self._before = None
