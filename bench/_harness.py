@@ -58,6 +58,50 @@ def interleaved_ratio(baseline: Callable[[int], float], candidate: Callable[[int
                  statistics.median(cand_times))
 
 
+class PairSpread(NamedTuple):
+    """Candidate/baseline ratios per ABBA pair: median, min, max, quartiles, how many pairs, and each side's median
+    time per call over the pairs."""
+
+    median: float
+    low: float
+    high: float
+    q1: float
+    q3: float
+    pairs: int
+    baseline: float
+    candidate: float
+
+
+def abba_pairs(sides: dict[str, Callable[[int], float]], pairs: int, warmup: int = 1,
+               keep_going: Callable[[], bool] = lambda: True) -> dict[str, list[float]]:
+    """Each side's mean time per call in each ABBA pair: ``warmup`` untimed calls of every side, then pairs of
+    rounds, the first round in the sides' order and the second reversed (A B C | C B A), so that a drift linear in
+    time cancels within each pair for every two sides. Every side is called with the round number (the same seed for
+    all sides in a round). ``keep_going()`` is asked before each pair (a time budget); fewer pairs may come back."""
+    for round_ in range(-warmup, 0):
+        for side in sides.values():
+            side(round_)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for pair in range(pairs):
+        if not keep_going():
+            break
+        spent = dict.fromkeys(sides, 0.0)
+        for round_, order in ((2 * pair + 1, list(sides)), (2 * pair + 2, list(sides)[::-1])):
+            for name in order:
+                spent[name] += sides[name](round_)
+        for name in sides:
+            times[name].append(spent[name] / 2)
+    return times
+
+
+def pair_spread(times: dict[str, list[float]], baseline: str, candidate: str) -> PairSpread:
+    """``candidate``/``baseline`` over the pairs ``abba_pairs`` timed (per pair: the ratio of the two sides' times)."""
+    ratios = [c / b for b, c in zip(times[baseline], times[candidate], strict=True)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return PairSpread(statistics.median(ratios), min(ratios), max(ratios), q1, q3, len(ratios),
+                      statistics.median(times[baseline]), statistics.median(times[candidate]))
+
+
 def report(name: str, value: float, target: float, op: str = "<=") -> None:
     """Print one measured ratio and its target in the line format ``bench/run_all.py`` collects."""
     print(f"ratio: {name} = {value:.3f} (target {op} {target:g})", flush=True)

@@ -5,19 +5,28 @@ Parts (methods of the first GPU run, kept here so that the next run measures the
   exactness  Per published width (Qwen3-30B-A3B, OLMoE-1B-7B: 2 decoder layers; Mixtral-8x7B: 1) and per experts
              implementation the installed transformers offers: max abs(logit diff) of replaying the routes a
              natural no-grad forward recorded (must be 0), and of replaying shifted routes (a control: must differ).
+             An implementation whose estimated allocation exceeds the device's free memory (``batched_mm`` gathers
+             every (token, expert) pair's weights: 768 GiB to 7 TiB here) is not run and reads "does not fit at this
+             size", as does one that raises ``torch.OutOfMemoryError``.
   syncs      Host synchronisations over one forward+backward, natural vs replay (``torch.cuda.set_sync_debug_mode``
-             counting its warnings), per width.
+             counting its warnings), per width. Off CUDA (smoke) the ``HostReads`` proxy counts instead.
   timing     replay/natural for the forward (no_grad) and forward+backward, per width: ABBA rounds
              (``_harness.interleaved_ratio``), ``cuda.synchronize()`` closing each timed call; median (min-max).
              Replay as the trainer does it: each call replays a micro-batch's rows of ``CheckedRoutes`` (no host
              pass; the routes copied to the GPU per call).
-  generate   ``generate`` inside ``RouterReplay.record()`` vs plain (sampled, ABBA), and host syncs per call.
+  generate   ``generate`` inside ``RouterReplay.record()`` vs plain: sampled with the same seed on both sides,
+             ``min_new_tokens`` = ``max_new_tokens`` (the same lengths), warm-up calls, garbage collection paused
+             and the device synchronised around each call; ABBA pairs (``_harness.abba_pairs``), the median ratio
+             with its min-max and interquartile range; host syncs per call.
   sampler    Sampler vs trainer at depth: transformers ``generate`` in bf16 is the sampler (its raw logits,
              ``output_logits=True``), one full forward over prompt+completion is the trainer, natural (none) or
              replaying the recorded routes (R3). Router decisions that differ, tokens with any differing layer,
              KL k3 and max abs(d logp), d = trainer - sampler log-prob of the sampled token.
-  grpo       A few GRPO steps of ``MoEReplayGRPOTrainer`` (transformers generate, bf16), routing_replay none vs r3
-             in ABBA order; median step time of the steps after the first, and the ratio r3/none.
+  grpo       ``MoEReplayGRPOTrainer`` cycles (transformers generate, bf16 weights, on-policy: generation, the passes
+             the config runs, loss and backward; no optimizer step), three trainers side by side in ABBA pairs:
+             "none" and "r3" both without routing metrics and without the importance-sampling correction (no extra
+             forward on either side: like with like), and "r3 + correction" (its old-logprob forward). Rows: r3/none,
+             and the correction's cost, r3 + correction / r3 (``GRPO_SIDES``).
   expert_parallel  With at least 2 GPUs: R3 step time with expert parallelism (transformers' distributed_config,
              fsdp = ep = the GPU count, all_to_all) against DDP, ABBA rounds (``bench/ep_overhead.py`` under
              torchrun, one process per GPU). With fewer GPUs, or in smoke mode, it says it skipped (the CPU
@@ -39,9 +48,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -51,10 +60,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, real_shapes (also when imported by a test)
 
-from _harness import bench_moe, interleaved_ratio, timer  # noqa: E402
+from _harness import abba_pairs, bench_moe, interleaved_ratio, one_cycle, pair_spread, timer  # noqa: E402
 from real_shapes import MODELS  # noqa: E402
 
 from trl_moe_replay.routing import RouterReplay  # noqa: E402
@@ -78,26 +88,26 @@ class Sizes:
     gen_model: tuple  # hidden, layers, experts, top_k of the generate / GRPO model
     gen_prompts: int
     gen_prompt_len: int
-    gen_new_tokens: int
+    gen_new_tokens: int  # max_new_tokens = min_new_tokens: every call generates exactly this many
+    gen_pairs: int  # ABBA pairs of generate calls (after gen_warmup untimed calls of each side)
+    gen_warmup: int
     sampler_depths: tuple
     sampler_new_tokens: int
     grpo_batch: int
     grpo_generations: int
     grpo_completion: int
-    grpo_steps: int
+    grpo_pairs: int  # ABBA pairs of GRPO cycles (each side warmed up by one untimed cycle)
     dtype: torch.dtype  # of the models (the GRPO trainer's precision: bf16 when bfloat16)
-    grpo_runs: tuple  # routing_replay of each GRPO run, in order (ABBA)
     budgets: dict  # seconds per part
 
 
 FULL = Sizes(
     width_dims={key: {} for key in MODELS}, width_layers={"qwen3": 2, "olmoe": 2, "mixtral": 1},
     batch=4, seq=4096, rounds=6,
-    gen_model=(1024, 8, 64, 8), gen_prompts=64, gen_prompt_len=12, gen_new_tokens=64,
+    gen_model=(1024, 8, 64, 8), gen_prompts=64, gen_prompt_len=12, gen_new_tokens=64, gen_pairs=8, gen_warmup=2,
     sampler_depths=(8, 24, 48), sampler_new_tokens=128,
-    grpo_batch=64, grpo_generations=8, grpo_completion=64, grpo_steps=6, dtype=torch.bfloat16,
-    grpo_runs=("none", "r3", "r3", "none"),
-    budgets=dict(exactness=40, syncs=15, timing=60, generate=25, sampler=70, grpo=70, expert_parallel=240),
+    grpo_batch=64, grpo_generations=8, grpo_completion=64, grpo_pairs=4, dtype=torch.bfloat16,
+    budgets=dict(exactness=40, syncs=15, timing=60, generate=40, sampler=70, grpo=80, expert_parallel=240),
 )
 _TINY_WIDTH = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
                    moe_intermediate_size=32, intermediate_size=64)
@@ -106,10 +116,9 @@ SMOKE = Sizes(
                 "mixtral": {**_TINY_WIDTH, "num_local_experts": 8}},
     width_layers={"qwen3": 2, "olmoe": 2, "mixtral": 1},
     batch=2, seq=32, rounds=2,
-    gen_model=(64, 2, 8, 2), gen_prompts=4, gen_prompt_len=6, gen_new_tokens=6,
+    gen_model=(64, 2, 8, 2), gen_prompts=4, gen_prompt_len=6, gen_new_tokens=6, gen_pairs=2, gen_warmup=1,
     sampler_depths=(2, 4), sampler_new_tokens=8,
-    grpo_batch=8, grpo_generations=4, grpo_completion=6, grpo_steps=2, dtype=torch.float32,
-    grpo_runs=("none", "r3"),
+    grpo_batch=8, grpo_generations=4, grpo_completion=6, grpo_pairs=1, dtype=torch.float32,
     # a few seconds of work: budgets no busy CI machine reaches, so the suite's smoke run is never partial
     budgets=dict(exactness=600, syncs=300, timing=300, generate=300, sampler=300, grpo=600, expert_parallel=0),
 )
@@ -123,17 +132,21 @@ class Budget:
         self.seconds = seconds
         self.used = 0.0
         self.ran_out = False
+        self._since: float | None = None  # the start of the charge in progress
 
     @contextlib.contextmanager
     def charge(self):
-        start = time.monotonic()
+        self._since = time.monotonic()
         try:
             yield
         finally:
-            self.used += time.monotonic() - start
+            self.used += time.monotonic() - self._since
+            self._since = None
 
     def spent(self) -> bool:
-        self.ran_out = self.ran_out or self.used > self.seconds
+        """Whether the budget is over, counting the charge in progress (a part asks between its units)."""
+        running = time.monotonic() - self._since if self._since is not None else 0.0
+        self.ran_out = self.ran_out or self.used + running > self.seconds
         return self.ran_out
 
 
@@ -150,11 +163,54 @@ def synced(fn, device):
     return run
 
 
-def count_syncs(fn, device) -> int | None:
-    """Host synchronisations ``fn`` causes (CUDA's sync debug mode warns once per sync); None off CUDA."""
+class HostReads(TorchFunctionMode):
+    """Off CUDA, the calls that would make the host wait for an accelerator if their tensor lived on one:
+    ``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, a blocking ``.to()`` to the CPU, ``nonzero``, ``bool()``/
+    ``int()``/``float()`` of a tensor and indexing by a boolean tensor. On a CPU every such call counts, whether or not
+    its tensor would live on the device, and syncs inside an operator's C++ are not seen: a proxy, read as recorded
+    minus plain (or replay minus natural), not as CUDA's count."""
+
+    NAMES = frozenset({"item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__", "__float__", "__index__"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES or (name == "to" and self._to_host(args, kwargs)) or (
+                name == "__getitem__" and self._bool_index(args)):
+            self.count += 1
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _to_host(args, kwargs) -> bool:
+        if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True):
+            return False
+        target = kwargs.get("device")
+        for arg in args[1:]:
+            if isinstance(arg, (str, torch.device)):
+                target = arg
+        return target is not None and torch.device(target).type == "cpu"
+
+    @staticmethod
+    def _bool_index(args) -> bool:
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
+
+
+SYNC_COUNTERS = {"cuda": "torch.cuda.set_sync_debug_mode warnings", "cpu": "HostReads (a proxy, see its docstring)"}
+
+
+def count_syncs(fn, device) -> int:
+    """Host synchronisations ``fn`` causes: on CUDA, sync debug mode's warnings (one per sync); elsewhere the
+    ``HostReads`` proxy."""
     if device.type != "cuda":
-        fn()
-        return None
+        with HostReads() as reads:
+            fn()
+        return reads.count
     sync(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -207,16 +263,58 @@ def fmt(value, digits=3):
 
 
 # ----------------------------------------------------------------------------- parts
-def exactness_rows(name: str, model, rr: RouterReplay, x: torch.Tensor) -> list[dict]:
-    """Per experts implementation: max abs(logit diff) of replaying the model's own routes, and other routes."""
+def experts_bytes(model, impl: str, tokens: int, top_k: int) -> int | None:
+    """The largest tensor ``impl`` allocates in one MoE block for ``tokens`` tokens, where it grows with the weights:
+    ``batched_mm`` gathers each (token, expert) pair's up-projection weights, tokens x top_k x one expert's
+    ``gate_up_proj`` (or ``up_proj``). None for the implementations that index the weights without copying them."""
+    if impl != "batched_mm":
+        return None
+    for module in model.modules():
+        weights = getattr(module, "gate_up_proj", None)
+        if weights is None:
+            weights = getattr(module, "up_proj", None)
+        if isinstance(weights, torch.Tensor) and weights.dim() == 3:  # [experts, out, in]: a fused experts module
+            return tokens * top_k * weights[0].numel() * weights.element_size()
+    return None
+
+
+def free_memory(device) -> int | None:
+    """Bytes the device can still allocate (CUDA); None elsewhere (no limit the check knows of)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:,.0f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def exactness_rows(name: str, model, rr: RouterReplay, x: torch.Tensor, memory: int | None = None) -> list[dict]:
+    """Per experts implementation: max abs(logit diff) of replaying the model's own routes, and other routes.
+
+    An implementation whose estimated allocation (``experts_bytes``) exceeds ``memory`` (bytes; None: no limit) is
+    not run, and one that runs out of memory anyway is caught: both read "does not fit at this size"."""
     rows = []
     model.eval()
     for impl in experts_implementations():
         row = {"width": name, "experts_impl": impl}
+        need = experts_bytes(model, impl, x.numel(), rr.top_k)
+        if need is not None and memory is not None and need > memory:
+            row["does_not_fit"] = {"needs_bytes": need, "memory_bytes": memory, "estimated": True}
+            rows.append(row)
+            continue
         try:  # only the implementation's own natural forward decides whether this machine can run it
             model.set_experts_implementation(impl)
             with torch.no_grad(), rr.record() as rec:
                 natural = model(x).logits
+        except torch.OutOfMemoryError as exc:  # the estimate missed it: the allocator's own figure
+            row["does_not_fit"] = {"needs_bytes": need, "memory_bytes": memory, "estimated": False,
+                                   "message": str(exc).splitlines()[0][:160]}
+            rows.append(row)
+            if x.device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         except Exception as exc:  # an implementation this machine cannot run (a missing kernel, a dtype it lacks)
             row["unavailable"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             rows.append(row)
@@ -295,7 +393,7 @@ def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
             x = tokens(sizes.batch, sizes.seq, device)
         if not clocks["exactness"].spent():
             with clocks["exactness"].charge():
-                results["exactness"]["rows"] += exactness_rows(name, model, rr, x)
+                results["exactness"]["rows"] += exactness_rows(name, model, rr, x, free_memory(device))
         for part, row in replay_costs(name, model, rr, x, device, sizes.rounds, clocks).items():
             results[part]["rows"].append(row)
         del model, rr
@@ -305,29 +403,57 @@ def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
         results[part]["timed_out"] = clock.ran_out
 
 
+def quiet_timer(fn, device):
+    """``fn`` as an ``abba_pairs`` side: seeded with the round, garbage collected before and collection paused during
+    the call, the device synchronised before and after (the clock sees the device's work and only this call's)."""
+    def run(round_: int) -> float:
+        torch.manual_seed(1000 + round_)
+        gc.collect()
+        sync(device)
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            return time.perf_counter() - start
+        finally:
+            gc.enable()
+    return run
+
+
 def part_generate(sizes: Sizes, device, budget: Budget) -> dict:
+    """``generate`` inside ``record()`` vs plain: the same seed per round on both sides and ``min_new_tokens`` =
+    ``max_new_tokens``, so both sample the same tokens and lengths; ABBA pairs, the median ratio and its spread."""
     hidden, layers, experts, top_k = sizes.gen_model
     model = generation_model(sizes, layers, device, dtype=sizes.dtype)
     rr = RouterReplay(model)
     prompts = tokens(sizes.gen_prompts, sizes.gen_prompt_len, device)
     kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=sizes.gen_new_tokens,
                   min_new_tokens=sizes.gen_new_tokens, do_sample=True)
+    lengths = {"plain": set(), "recorded": set()}
 
     def plain():
         with torch.no_grad():
-            model.generate(prompts, **kwargs)
+            lengths["plain"].add(model.generate(prompts, **kwargs).shape[1] - prompts.shape[1])
 
     def recorded():
         with torch.no_grad(), rr.record():
-            model.generate(prompts, **kwargs)
+            lengths["recorded"].add(model.generate(prompts, **kwargs).shape[1] - prompts.shape[1])
 
     with budget.charge():
-        ratio = interleaved_ratio(timer(synced(plain, device)), timer(synced(recorded, device)), sizes.rounds)
-    return {"model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k,
-                          parameters=sum(p.numel() for p in model.parameters())),
-            "prompts": sizes.gen_prompts, "new_tokens": sizes.gen_new_tokens, "recording_over_plain": ratio._asdict(),
-            "syncs_plain": count_syncs(plain, device), "syncs_recorded": count_syncs(recorded, device),
-            "timed_out": budget.spent()}
+        times = abba_pairs({"plain": quiet_timer(plain, device), "recorded": quiet_timer(recorded, device)},
+                           sizes.gen_pairs, warmup=sizes.gen_warmup, keep_going=lambda: not budget.spent())
+        syncs_plain, syncs_recorded = count_syncs(plain, device), count_syncs(recorded, device)
+    out = {"model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k,
+                         parameters=sum(p.numel() for p in model.parameters())),
+           "prompts": sizes.gen_prompts, "new_tokens": sizes.gen_new_tokens,
+           "new_tokens_seen": {side: sorted(seen) for side, seen in lengths.items()}, "warmup": sizes.gen_warmup,
+           "sync_counter": SYNC_COUNTERS["cuda" if device.type == "cuda" else "cpu"],
+           "syncs_plain": syncs_plain, "syncs_recorded": syncs_recorded,
+           "timed_out": len(times["plain"]) < sizes.gen_pairs}
+    if times["plain"]:
+        out["recording_over_plain"] = pair_spread(times, "plain", "recorded")._asdict()
+    return out
 
 
 def sampler_vs_trainer(model, rr: RouterReplay, prompts: torch.Tensor, new_tokens: int) -> dict:
@@ -386,66 +512,101 @@ def completion_length(completions, **kwargs) -> list[float]:
     return [float(len(completion)) for completion in completions]
 
 
-def grpo_run(sizes: Sizes, device, mode: str) -> list[float]:
-    """Step durations (seconds, device-synchronised) of one short MoEReplayGRPOTrainer run."""
+# The GRPO sides, like for like. On the transformers path with this on-policy config (num_iterations=1, one step per
+# generation) plain TRL runs no old-logprob pass; R3's default importance-sampling correction makes TRL run one (the
+# trainer's log-probs to weigh the sampler's), and routing_metrics without the correction runs a metrics pass of the
+# same size. So "none" and "r3" run neither (metrics off, correction off), and "r3 + correction" adds the correction
+# alone: r3/none is what replay costs a step, r3 + correction / r3 what the correction costs.
+GRPO_SIDES = {
+    "none": dict(routing_replay="none", routing_metrics=False),
+    "r3": dict(routing_replay="r3", routing_metrics=False, transformers_importance_sampling_correction=False),
+    "r3_correction": dict(routing_replay="r3", routing_metrics=False,
+                          transformers_importance_sampling_correction=True),
+}
+GRPO_RATIOS = {  # row name: (baseline, candidate)
+    "r3_over_none": ("none", "r3"),
+    "correction_cost": ("r3", "r3_correction"),
+}
+
+
+def grpo_trainer(sizes: Sizes, device, options: dict):
+    """A ``MoEReplayGRPOTrainer`` set up for ``_harness.one_cycle`` (outside ``Trainer.train``), its first batch and
+    its output folder. Every side gets the same weights (seeded) in ``sizes.dtype``."""
     from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
 
     from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if not self.ends:
-                sync(device)
-                self.ends.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync(device)
-            self.ends.append(time.perf_counter())
-
-    model = generation_model(sizes, sizes.gen_model[1], device, router_aux_loss_coef=0.0)
+    torch.manual_seed(0)
+    model = generation_model(sizes, sizes.gen_model[1], device, router_aux_loss_coef=0.0, dtype=sizes.dtype)
     output_dir = tempfile.TemporaryDirectory()  # save_strategy "no": the folder holds the run's lock only
     config = MoEReplayGRPOConfig(
         output_dir=output_dir.name, use_cpu=device.type == "cpu", bf16=sizes.dtype == torch.bfloat16,
-        report_to="none", routing_replay=mode, max_steps=sizes.grpo_steps,
-        per_device_train_batch_size=sizes.grpo_batch,
-        num_generations=sizes.grpo_generations, max_completion_length=sizes.grpo_completion, logging_steps=1,
-        save_strategy="no", disable_tqdm=True, seed=0,
+        report_to="none", per_device_train_batch_size=sizes.grpo_batch, num_generations=sizes.grpo_generations,
+        max_completion_length=sizes.grpo_completion, num_iterations=1, gradient_accumulation_steps=1,
+        logging_steps=1000, save_strategy="no", disable_tqdm=True, seed=0, **options,
     )
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-    clock = StepClock()
     trainer = MoEReplayGRPOTrainer(model=model, reward_funcs=completion_length, args=config,
                                    train_dataset=Dataset.from_dict({"prompt": prompts}),
-                                   processing_class=tiny_tokenizer(), callbacks=[clock])
-    trainer.remove_callback(PrinterCallback)  # the check prints one table, not the training log
-    trainer.train()
-    trainer.end()  # releases the output_dir lock before the folder goes
-    output_dir.cleanup()
-    steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
-    del trainer, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return steps
+                                   processing_class=tiny_tokenizer())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is bypassed
+    return trainer, next(iter(trainer.get_train_dataloader())), output_dir
+
+
+def whole_sequence_pass(args, kwargs) -> bool:
+    """A forward outside autograd over more than one position: generate's prefill, or a scoring pass (TRL's
+    old-logprob pass, the routing-metrics pass); decode steps feed one position, the training forward has grad."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return not torch.is_grad_enabled() and ids is not None and ids.shape[-1] > 1
 
 
 def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
-    runs = {"none": [], "r3": []}
-    for mode in sizes.grpo_runs:
-        if budget.spent():
-            break
+    """One GRPO cycle per side and round (generation, the passes its config runs, loss and backward; no optimizer
+    step, so every side's model stays the same), the sides alive side by side and timed in ABBA pairs."""
+    built = {}
+    try:
         with budget.charge():
-            steps = grpo_run(sizes, device, mode)
-        if steps:  # the first step (warm-up) is left out when there are others
-            runs[mode].append(statistics.median(steps[1:]) if len(steps) > 1 else steps[0])
-    medians = {mode: statistics.median(times) for mode, times in runs.items() if times}
-    ratio = medians["r3"] / medians["none"] if len(medians) == 2 else None
+            for name, options in GRPO_SIDES.items():
+                built[name] = grpo_trainer(sizes, device, options)
+            passes = {name: [] for name in built}  # no-grad forwards over whole sequences per cycle, per side
+
+            def synced_clock() -> float:
+                sync(device)
+                return time.perf_counter()
+
+            def side(name):
+                trainer, batch, _ = built[name]
+                seen = []
+                trainer.model.register_forward_pre_hook(
+                    lambda module, args, kwargs: seen.append(whole_sequence_pass(args, kwargs)), with_kwargs=True)
+
+                def run(round_: int) -> float:
+                    gc.collect()
+                    seen.clear()
+                    took = one_cycle(trainer, batch, 1000 + round_, clock=synced_clock)
+                    passes[name].append(sum(seen) - 1)  # less generate's prefill
+                    return took
+                return run
+
+            times = abba_pairs({name: side(name) for name in built}, sizes.grpo_pairs,
+                               keep_going=lambda: not budget.spent())
+    finally:
+        for trainer, _, output_dir in built.values():
+            trainer.end()  # releases the output_dir lock before the folder goes
+            output_dir.cleanup()
+        del built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     hidden, layers, experts, top_k = sizes.gen_model
-    return {"model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k), "batch": sizes.grpo_batch,
-            "completion": sizes.grpo_completion, "steps": sizes.grpo_steps, "median_step_s": runs,
-            "r3_over_none": ratio, "timed_out": budget.ran_out}
+    result = {"model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k), "batch": sizes.grpo_batch,
+              "completion": sizes.grpo_completion,
+              "sides": {name: {**GRPO_SIDES[name], "extra_forwards": max(passes[name])} for name in GRPO_SIDES},
+              "cycle_s": times, "timed_out": len(times["none"]) < sizes.grpo_pairs}
+    if times["none"]:
+        for row, (baseline, candidate) in GRPO_RATIOS.items():
+            result[row] = pair_spread(times, baseline, candidate)._asdict()
+    return result
 
 
 EP_SCRIPT = Path(__file__).resolve().parent / "ep_overhead.py"
@@ -494,12 +655,16 @@ def environment(device) -> dict:
 def table(results: dict) -> list[tuple[str, str, str]]:
     rows = []
     for row in results.get("exactness", {}).get("rows", []):
-        result = row.get("unavailable") or (f"own routes {fmt(row['own_routes_max_diff'])}, other routes "
-                                            f"{fmt(row['other_routes_max_diff'])}")
+        if "does_not_fit" in row:
+            result = does_not_fit(row["does_not_fit"])
+        else:
+            result = row.get("unavailable") or (f"own routes {fmt(row['own_routes_max_diff'])}, other routes "
+                                                f"{fmt(row['other_routes_max_diff'])}")
         rows.append(("exactness", f"{row['width']} {row['experts_impl']}", result))
+    proxy = "" if results.get("mode") == "full" else " (host reads, CPU proxy)"
     for row in results.get("syncs", {}).get("rows", []):
         rows.append(("syncs", f"{row['width']} fwd+bwd",
-                     f"natural {fmt(row['natural'])}, replay {fmt(row['replay'])}"))
+                     f"natural {fmt(row['natural'])}, replay {fmt(row['replay'])}{proxy}"))
     for row in results.get("timing", {}).get("rows", []):
         for kind, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
             r = row[kind]
@@ -509,8 +674,9 @@ def table(results: dict) -> list[tuple[str, str, str]]:
     gen = results.get("generate", {})
     if "recording_over_plain" in gen:
         r = gen["recording_over_plain"]
-        rows.append(("generate", "recording/plain", f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}); syncs "
-                                                    f"{fmt(gen['syncs_plain'])} -> {fmt(gen['syncs_recorded'])}"))
+        rows.append(("generate", "recording/plain",
+                     f"{spread(r)}; {r['baseline'] * 1e3:.0f}/{r['candidate'] * 1e3:.0f} ms; syncs per call "
+                     f"{fmt(gen['syncs_plain'])} -> {fmt(gen['syncs_recorded'])}{proxy}"))
     for row in results.get("sampler", {}).get("rows", []):
         rows.append(("sampler", f"{row['layers']} layers",
                      f"routers differ {row['router_decisions_differ']:.2%}, "
@@ -518,11 +684,11 @@ def table(results: dict) -> list[tuple[str, str, str]]:
                      f"; KL k3 {row['none']['kl_k3']:.3g} -> {row['r3']['kl_k3']:.3g}; max abs(dlogp) "
                      f"{row['none']['max_abs_dlogp']:.3f} -> {row['r3']['max_abs_dlogp']:.3f}"))
     grpo = results.get("grpo", {})
-    if grpo.get("r3_over_none") is not None:
-        med = grpo["median_step_s"]
-        rows.append(("grpo", "step r3/none", f"{grpo['r3_over_none']:.3f}; none "
-                     + "/".join(f"{t * 1e3:.0f}" for t in med["none"]) + " ms, r3 "
-                     + "/".join(f"{t * 1e3:.0f}" for t in med["r3"]) + " ms"))
+    for key, case in (("r3_over_none", "cycle r3/none, no correction"),
+                      ("correction_cost", "IS correction: r3 with/without")):
+        if key in grpo:
+            r = grpo[key]
+            rows.append(("grpo", case, f"{spread(r)}; {r['baseline'] * 1e3:.0f}/{r['candidate'] * 1e3:.0f} ms"))
     ep = results.get("expert_parallel", {})
     if "skipped" in ep:
         rows.append(("expert_parallel", "skipped", ep["skipped"]))
@@ -538,6 +704,19 @@ def table(results: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def spread(r: dict) -> str:
+    """A ``PairSpread``: median (min-max, interquartile range) over n ABBA pairs."""
+    return (f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}, IQR {r['q1']:.3f}-{r['q3']:.3f}, "
+            f"{r['pairs']} ABBA pairs)")
+
+
+def does_not_fit(row: dict) -> str:
+    if row["estimated"]:
+        return (f"does not fit at this size: needs {gib(row['needs_bytes'])} for one tensor, "
+                f"{gib(row['memory_bytes'])} free")
+    return f"does not fit at this size: {row['message']}"
+
+
 def print_table(results: dict, env: dict) -> None:
     print(f"\nGPU check, {env['device']}; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}; "
           f"{env['date']}")
@@ -551,10 +730,10 @@ def failures(results: dict) -> list[str]:
                 if isinstance(value, dict) and value.get("error")]
     rows = results.get("exactness", {}).get("rows", [])
     for width in sorted({row["width"] for row in rows}):
-        if all("unavailable" in row for row in rows if row["width"] == width):
+        if all("unavailable" in row or "does_not_fit" in row for row in rows if row["width"] == width):
             problems.append(f"no experts implementation could run {width}")
     for row in rows:
-        if "unavailable" in row:
+        if "unavailable" in row or "does_not_fit" in row:
             continue
         if row["own_routes_max_diff"] != 0:
             problems.append(f"replaying its own routes changed {row['width']} {row['experts_impl']}'s logits")

@@ -113,16 +113,22 @@ class RouteRecording:
         for seg in self._segments:
             extra = 1 if seg.uses_cache else 0
             dtype = route_dtype(rr.num_experts, rr.top_k)
+            # assembled where the routers ran (the first MoE layer's device), then copied to the host once below: a
+            # copy per layer made the host wait for the device once per MoE layer (8 more syncs per generate call
+            # at 8 layers in the GPU check)
+            first = next(iter(seg.ids.values()), None)
             block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), no_route_value(dtype),
-                               dtype=dtype)
-            for layer, chunks in seg.ids.items():
-                per_call = [c.view(seg.batch, -1, rr.top_k) for c in chunks]
-                ids = torch.cat(per_call, dim=1)
+                               dtype=dtype, device=first[0].device if first else None)
+            for layer in list(seg.ids):
+                chunks = seg.ids.pop(layer)  # each layer's chunks go as soon as the block holds them
+                ids = torch.cat([c.view(seg.batch, -1, rr.top_k) for c in chunks], dim=1)
                 if ids.shape[1] != seg.length:
                     raise RouteValidationError(
                         f"recorded {ids.shape[1]} positions for layer {layer} but the forwards fed {seg.length}"
                     )
-                block[:, : seg.length, layer] = ids.to(block.device)
+                if ids.device != block.device:  # a model split over devices: device to device, no host wait
+                    ids = ids.to(block.device)
+                block[:, : seg.length, layer] = ids
             blocks.append(block)
         widths = {b.shape[1] for b in blocks}
         if len(widths) != 1:
@@ -131,8 +137,12 @@ class RouteRecording:
                 "context (generation without a KV cache re-feeds the whole sequence and is not supported)"
             )
         # valid by construction: the ids the routers chose (or a steer function chose, checked on the device in
-        # ``_steered_ids``) and "no route" elsewhere, so replaying them needs no host pass
-        self.checked = CheckedRoutes._own(torch.cat(blocks, dim=0), rr.layout)
+        # ``_steered_ids``) and "no route" elsewhere, so replaying them needs no host pass. Kept compact on the host
+        # (DESIGN.md, "Routes tensor"): this one copy is the recording's one host sync, needed because the host
+        # reads them next (the trainer's intake, metrics, checkpoints)
+        device = blocks[0].device
+        routes = torch.cat([b if b.device == device else b.to(device) for b in blocks], dim=0)
+        self.checked = CheckedRoutes._own(routes.cpu(), rr.layout)
 
 
 @dataclass(frozen=True)
