@@ -51,7 +51,8 @@ def test_the_one_node_qwen_layouts_use_8_gpus_and_need_their_offload():
         assert (plan.layout.sharding, plan.layout.processes, plan.layout.vllm_gpus) == (sharding, 6, 2)
         assert plan.layout.offload_optimizer and plan.batch["rollout"] // plan.batch["update"] == 4
         # without the offload the same layout does not fit: the header's "why"
-        text = path.read_text().replace(" --offload_optimizer_device cpu", "").replace(" --fsdp_offload_params true", "")
+        text = path.read_text().replace(" --offload_optimizer_device cpu", "")
+        text = text.replace(" --fsdp_offload_params true", "")
         bare = tmp_copy(path, text)
         assert not estimate(bare).fits and estimate(bare).train_total > 80
         assert main(["plan", str(bare)]) == 1
@@ -153,3 +154,15 @@ def test_route_bytes_and_activation_formulas():
     assert lines["logits"] == pytest.approx(8 * 2 * 8192 * 151936 / 1e9)
     assert lines["checkpointed layer inputs"] == pytest.approx(2 * 9216 * 48 * 2048 * 2 / 1e9)
     assert lines["weights"] == pytest.approx(2 * plan.model.params_total / 6 / 1e9)
+
+
+def test_an_unknown_model_or_no_model_is_one_line_and_nothing_is_downloaded(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    source = (ROOT / "recipes" / "configs" / "olmoe_1b_7b.yaml").read_text()
+    unknown = tmp_copy(Path("u.yaml"), source.replace("allenai/OLMoE-1B-7B-0924-Instruct", "nobody/no-such-moe"))
+    assert main(["plan", str(unknown)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no config.json for 'nobody/no-such-moe'" in err
+    assert main(["plan", str(ROOT / "recipes" / "configs" / "tiny_lora_r3.yaml"), "--gpus", "1",
+                 "--gpu-memory", "80"]) == 2
+    assert "names no model" in capsys.readouterr().err

@@ -59,7 +59,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="trl-moe-replay", description="Routing replay for MoE RL with TRL: plots, a pre-training audit and a memory plan."
+        prog="trl-moe-replay",
+        description="Routing replay for MoE RL with TRL: plots, a pre-training audit and a memory plan.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -108,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimate a recipe config's per-GPU memory (weights, gradients, masters, optimizer, activations, vLLM), "
         "its batch arithmetic and route bytes, from the model's numbers; exit 1 if it does not fit",
     )
-    plan.add_argument("config", help="a recipe config (recipes/configs/*.yaml); its header's launch lines give the layout")
+    plan.add_argument("config",
+                      help="a recipe config (recipes/configs/*.yaml); its header's launch lines give the layout")
     plan.add_argument("--gpus", type=int, default=None, help="GPUs the layout may use (default: its `# plan:` line)")
     plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
                       help="memory of each GPU in GB (default: its `# plan:` line)")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import re
 import shlex
@@ -42,12 +41,14 @@ class PlanError(ValueError):
 #   Qwen3-30B-A3B: "30.5B in total and 3.3B activated" (huggingface.co/Qwen/Qwen3-30B-A3B);
 #   OLMoE-1B-7B: "1B active and 7B total parameters" (6.9B, arXiv 2409.02060 Table 1);
 #   Granite-3.1-1B-A400M: "1.3B" total, "400M" active (huggingface.co/ibm-granite/granite-3.1-1b-a400m-instruct);
-#   Mixtral-8x7B: "46.7B total parameters but only uses 12.9B parameters per token" (mistral.ai/news/mixtral-of-experts).
+#   Mixtral-8x7B: "46.7B total parameters but only uses 12.9B parameters per token"
+#   (mistral.ai/news/mixtral-of-experts).
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-30B-A3B": dict(
         model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
         head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
-        vocab_size=151936, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], torch_dtype="bfloat16"),
+        vocab_size=151936, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[],
+        torch_dtype="bfloat16"),
     "allenai/OLMoE-1B-7B-0924-Instruct": dict(
         model_type="olmoe", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
         num_experts=64, num_experts_per_tok=8, intermediate_size=1024, vocab_size=50304, tie_word_embeddings=False,
@@ -193,8 +194,8 @@ def _commands(header: str) -> list[str]:
             current = current[:-1].rstrip()
             continue
         if re.search(r"\b(accelerate launch|torchrun|trl vllm-serve|vllm serve)\b", current):
-            commands.append(current[current.find(next(w for w in ("CUDA_VISIBLE_DEVICES", "accelerate", "torchrun",
-                                                                     "trl vllm-serve", "vllm serve") if w in current)):])
+            starts = ("CUDA_VISIBLE_DEVICES", "accelerate", "torchrun", "trl vllm-serve", "vllm serve")
+            commands.append(current[current.find(next(w for w in starts if w in current)):])
         current = ""
     return commands
 
@@ -325,7 +326,7 @@ def check_sizes(model: ModelNumbers, layout: Layout, values: Mapping[str, Any]) 
 
     if layout.sharding != "ep":
         return
-    sizes = {k: v for k, v in _parallel_sizes(values).items()}
+    sizes = _parallel_sizes(values)
     try:
         distributed_config_from_args(SimpleNamespace(model_init_kwargs={"distributed_config": sizes}),
                                      world_size=layout.processes, gpus=True)
@@ -368,8 +369,8 @@ def _lora_params(model: ModelNumbers, values: Mapping[str, Any]) -> int:
     targets = values.get("lora_target_modules") or ["q_proj", "v_proj"]
     unknown = [t for t in targets if t not in sizes]
     if unknown or values.get("lora_target_parameters"):
-        raise PlanError(f"the plan counts LoRA adapters on attention projections only ({', '.join(sizes)}); this config "
-                        f"also targets {unknown or values.get('lora_target_parameters')}")
+        raise PlanError(f"the plan counts LoRA adapters on attention projections only ({', '.join(sizes)}); this "
+                        f"config also targets {unknown or values.get('lora_target_parameters')}")
     return model.layers * r * sum(sizes[t] for t in targets)
 
 
@@ -533,8 +534,8 @@ def format_plan(plan: Plan, config: str) -> str:
     offload = [what for what, on in (("optimizer", lay.offload_optimizer), ("parameters", lay.offload_params)) if on]
     g = bt["num_generations"]
     out = [
-        f"plan of {config}: {m.name} ({m.source}): {m.params_total / 1e9:.2f}B parameters, {m.params_active / 1e9:.2f}B "
-        f"active; {m.layers} layers ({m.moe_layers} MoE), {m.experts} experts, top-{m.top_k}, hidden {m.hidden}, "
+        f"plan of {config}: {m.name} ({m.source}): {m.params_total / 1e9:.2f}B parameters, "
+        f"{m.params_active / 1e9:.2f}B active; {m.layers} layers ({m.moe_layers} MoE), {m.experts} experts, top-{m.top_k}, hidden {m.hidden}, "
         f"vocab {m.vocab}",
         f"GPUs: {lay.processes} training ({_NAMES[lay.sharding]}"
         + (f", ep_size {lay.ep_size}, sharded over {lay.shard}" if lay.sharding == "ep" else "")
@@ -551,8 +552,9 @@ def format_plan(plan: Plan, config: str) -> str:
     ]
     out += [f"  {what:<32}{gb:7.1f}  {how}" for what, gb, how in plan.train_lines]
     verdict = "fits" if plan.train_total <= plan.budget else "does not fit"
+    colocated = " and the vLLM share" if "colocated" in " ".join(plan.vllm_lines) else ""
     out.append(f"  {'total':<32}{plan.train_total:7.1f}  of a budget of {plan.budget:.1f} GB "
-               f"({plan.gpu_memory:g} GB less {MARGIN:.0%} margin{' and the vLLM share' if 'colocated' in ' '.join(plan.vllm_lines) else ''}): {verdict}")
+               f"({plan.gpu_memory:g} GB less {MARGIN:.0%} margin{colocated}): {verdict}")
     if plan.cpu_gb:
         out.append(f"CPU memory for the offloaded state: {plan.cpu_gb:.0f} GB on the training node (all ranks)")
     out += plan.vllm_lines + plan.route_lines
