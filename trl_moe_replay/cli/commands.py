@@ -3,6 +3,7 @@
     trl-moe-replay plot RUN_DIR [--out DIR]
     trl-moe-replay audit --model M [--engine_dtype bfloat16] [--trainer_dtype float32] [--num_prompts 8] ...
     trl-moe-replay audit --model M --vllm_server_url http://localhost:8000 ...   (a running `trl vllm-serve`)
+    trl-moe-replay plan CONFIG [--gpus 8] [--gpu-memory 80] [--prompt-length 1024]
 
 Also runnable as ``python -m trl_moe_replay.cli``.
 """
@@ -48,9 +49,18 @@ def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import run_plan
+
+    text, fits = run_plan(args.config, args.gpus, args.gpu_memory, args.prompt_length)
+    print(text)
+    return 0 if fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="trl-moe-replay", description="Routing replay for MoE RL with TRL: plots and a pre-training audit."
+        prog="trl-moe-replay",
+        description="Routing replay for MoE RL with TRL: plots, a pre-training audit and a memory plan.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -93,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
                        "wait as long as it takes)")
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     audit.set_defaults(func=_audit)
+
+    plan = commands.add_parser(
+        "plan",
+        help="estimate a recipe config's per-GPU memory (weights, gradients, masters, optimizer, activations, vLLM), "
+        "its batch arithmetic and route bytes, from the model's numbers; exit 1 if it does not fit",
+    )
+    plan.add_argument("config",
+                      help="a recipe config (recipes/configs/*.yaml); its header's launch lines give the layout")
+    plan.add_argument("--gpus", type=int, default=None, help="GPUs the layout may use (default: its `# plan:` line)")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                      help="memory of each GPU in GB (default: its `# plan:` line)")
+    plan.add_argument("--prompt-length", type=int, default=None, metavar="TOKENS",
+                      help="longest prompt in tokens (default: its `# plan:` line, else 1024)")
+    plan.set_defaults(func=_plan)
     return parser
 
 

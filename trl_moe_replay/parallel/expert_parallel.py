@@ -74,9 +74,10 @@ def requested_distributed_config(args: Any) -> Any:
     return kwargs.get(DISTRIBUTED_CONFIG) if isinstance(kwargs, Mapping) else None
 
 
-def distributed_config_from_args(args: Any, world_size: int | None = None) -> Any:
+def distributed_config_from_args(args: Any, world_size: int | None = None, *, gpus: bool | None = None) -> Any:
     """The ``DistributedConfig`` that ``args.model_init_kwargs["distributed_config"]`` asks for (None if none), checked
-    against ``world_size`` processes (default: ``WORLD_SIZE``) and this machine; else :class:`ParallelSizesError`."""
+    against ``world_size`` processes (default: ``WORLD_SIZE``) and this machine (``gpus=True``: GPU processes, as
+    ``trl-moe-replay plan`` checks a layout for); else :class:`ParallelSizesError`."""
     value = requested_distributed_config(args)
     if value is None:
         return None
@@ -101,7 +102,7 @@ def distributed_config_from_args(args: Any, world_size: int | None = None) -> An
             f"model_init_kwargs.distributed_config is a {type(value).__name__}: pass a mapping of DistributedConfig's "
             "fields (YAML: distributed_config: {ep_size: 8, fsdp_size: 8}) or a transformers DistributedConfig"
         )
-    check_parallel_sizes(config, world_size, use_cpu=bool(getattr(args, "use_cpu", False)))
+    check_parallel_sizes(config, world_size, use_cpu=bool(getattr(args, "use_cpu", False)), gpus=gpus)
     return config
 
 
@@ -148,8 +149,10 @@ def check_layout_values(config: Any) -> None:
                 )
 
 
-def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu: bool = False) -> None:
-    """Refuse sizes that cannot run with ``world_size`` processes here, in one line (:class:`ParallelSizesError`)."""
+def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu: bool = False,
+                         gpus: bool | None = None) -> None:
+    """Refuse sizes that cannot run with ``world_size`` processes here (``gpus``: on GPU processes, default: whether
+    this machine has one), in one line (:class:`ParallelSizesError`)."""
     check_layout_values(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     sizes = {name: getattr(config, name) for name in ("pp_size", "dp_replicate_size", "fsdp_size", "tp_size")}
@@ -163,7 +166,8 @@ def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu:
             f"splits the experts within them), but the launch started {world_size}: make pp_size x "
             "dp_replicate_size x fsdp_size x tp_size equal the number of processes (--nproc_per_node x nodes)"
         )
-    if config.tp_size > 1 and (use_cpu or not torch.cuda.is_available()):
+    gpus = torch.cuda.is_available() if gpus is None else gpus
+    if config.tp_size > 1 and (use_cpu or not gpus):
         raise ParallelSizesError(
             f"distributed_config has tp_size {config.tp_size}, and tensor parallelism trains only on GPUs: accelerate "
             "refuses its ParallelismConfig for CPU processes (MULTI_CPU). On CPUs use ep_size with fsdp_size "
