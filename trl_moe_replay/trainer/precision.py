@@ -8,7 +8,8 @@ DeepSpeed's or FSDP's fp32 master weights) logs a falling loss and a non-zero gr
 ``routing_replay="none"`` stays TRL's math bit for bit.
 
 What is measured: on optimizer steps 1 to :data:`PROBE_STEPS` (by step number, so a run resumed inside that window
-logs what the uninterrupted run did, and one resumed after it nothing), those that have a learning rate and a non-zero
+logs what the uninterrupted run did, and one resumed after it nothing; 20 steps, so a run whose first steps have no
+gradient, e.g. every group's rewards equal, is still measured), those that have a learning rate and a non-zero
 gradient, for each parameter group: the fraction of the trainable elements with a non-zero gradient whose value changed. With
 fp32 parameters (fp32 load, bf16 autocast) Adam's first steps move each such element by about lr, far above fp32's
 resolution, so the fraction is ~1; bf16 parameters updated in place give ~2% at lr 1e-6. The measurement reads a
@@ -28,9 +29,12 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 METRIC = "precision/updated_frac"
-PROBE_STEPS = 3  # optimizer steps 1-3 are measured (one with lr 0, no gradient or skipped by fp16's scaler logs nothing)
+PROBE_STEPS = 20  # optimizer steps 1-20 are measured (one with lr 0, no gradient or skipped by fp16's scaler logs nothing)
 SAMPLE_ELEMENTS = 4096  # elements read per parameter (its local shard): every one of a smaller parameter
-WARN_BELOW = 0.5  # of the elements with a non-zero gradient; fp32 parameters give ~1, bf16 ones at lr 1e-6 ~0.02
+# of the elements with a non-zero gradient. fp32 parameters gave 0.987-1.0 (a tiny MoE on a CPU; 0.993-0.9995 over
+# steps 1-3 of a 405M MoE on an H200, bench/precision_updates.py); bf16 ones 0.02 at lr 1e-6, 0.15 at 1e-5, 0.57 at
+# 5e-5 (issue 42's table): below 0.8 a fifth of the updates rounded away, which fp32 never shows
+WARN_BELOW = 0.8
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,14 +101,15 @@ class UpdateProbe(TrainerCallback):
             return
         groups = len(optimizer.param_groups)
         device = self.accelerator.device
-        counts = torch.zeros(groups, 2, dtype=torch.float64, device=device)  # per group: changed, non-zero gradient
+        # per group: changed, non-zero gradient; int64, which every backend has (MPS has no float64)
+        counts = torch.zeros(groups, 2, dtype=torch.int64, device=device)
         dtypes: dict[int, torch.dtype] = {}
         for index, param, old, nonzero in before:
             changed = (_sample(param) != old) & nonzero
-            counts[index, 0] += changed.sum().to(device, torch.float64)  # on the device: no sync per parameter
-            counts[index, 1] += nonzero.sum().to(device, torch.float64)
+            counts[index, 0] += changed.sum().to(device, torch.int64)  # on the device: no sync per parameter
+            counts[index, 1] += nonzero.sum().to(device, torch.int64)
             dtypes.setdefault(index, param.dtype)
-        counts = self.accelerator.reduce(counts, reduction="sum").cpu()  # every rank's shard, every rank
+        counts = self.accelerator.reduce(counts, reduction="sum").cpu().double()  # every rank's shard, every rank
         if counts[:, 1].sum() == 0:  # no gradient anywhere: nothing to judge, the step does not count
             return
         self.measured += 1
