@@ -215,7 +215,10 @@ def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, cap
     (entry,) = (tmp_path / "c").iterdir()
     report = json.loads((entry / "cold_start.json").read_text())["report"]
     assert report["tool_call_rate"] >= TOOL_CALLS_AT_LEAST, report
-    assert report["tool_failure_rate"] < 0.5, report  # the demonstrations' expressions are all valid ones
+    # of the calls made, most run: every demonstrated expression is a valid one, so a policy that learned the call
+    # copies one (0.09 on the AMD EPYC; it passed on an Intel Xeon); a policy that emits the template with garbage
+    # inside fails nearly every call
+    assert report["tool_failure_rate"] < 0.5, report
 
     logged = [h for h in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]
               if "reward" in h]
