@@ -392,3 +392,15 @@ def test_the_recipe_takes_model_values_trl_takes(recipe, tmp_path):
     assert recipe.parse_args(["--config", str(path)])[2].lora_alpha == 8.5
     path.write_text("lora_r: 4.5\n")
     assert recipe.parse_args(["--config", str(path)])[2].lora_r == 4.5
+
+
+def test_a_cispo_cap_of_zero_is_refused_and_zero_elsewhere_is_taken():
+    """CISPO weights each token by min(ratio, epsilon_high): a cap of 0 (set, or inherited from epsilon=0) leaves no
+    gradient; 0 under another loss, or epsilon=0 beside a positive cap, learns (the async config has no loss_type)."""
+    config = SYNC
+    with pytest.raises(UpstreamValueError, match=r"^epsilon_high must be > 0 under loss_type='cispo', got float 0\.0"):
+        build(config, loss_type="cispo", epsilon_high=0.0)
+    with pytest.raises(UpstreamValueError, match=r"^epsilon must be > 0 under loss_type='cispo' without epsilon_high"):
+        build(config, loss_type="cispo", epsilon=0.0, epsilon_high=None)
+    assert build(config, loss_type="cispo", epsilon=0.0, epsilon_high=5.0).epsilon_high == 5.0
+    assert build(config, loss_type="dapo", epsilon_high=0.0).epsilon_high == 0.0  # [1 - eps, 1]: 1 is inside

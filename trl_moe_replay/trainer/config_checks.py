@@ -100,6 +100,14 @@ def _is_inf(value) -> bool:
     return isinstance(value, numbers.Real) and not _is_bool(value) and value == math.inf
 
 
+def _is_zero(value) -> bool:
+    return isinstance(value, numbers.Real) and not _is_bool(value) and value == 0
+
+
+def _cispo(config) -> bool:
+    return getattr(config, "loss_type", None) == "cispo"
+
+
 def _by_epochs(config) -> bool:
     """Whether training length comes from ``num_train_epochs``: transformers' Trainer and TRL's async trainer stop by
     ``max_steps`` only when it is > 0."""
@@ -158,6 +166,15 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
         "silently wrong: the clip range [1 - epsilon, 1 + epsilon_high] then excludes ratio 1 (and torch's clamp "
         "with min > max returns max), so the on-policy tokens of one advantage sign get no gradient (a cispo cap "
         "epsilon_high < 0 reverses it)"),
+    UpstreamRefusal(
+        "epsilon_high (loss_type cispo)", _named("epsilon_high"), _is_zero, "> 0 under loss_type='cispo'",
+        "silently wrong: CISPO weights each token by min(ratio, epsilon_high), so a cap of 0 weights every token 0 "
+        "and no weight gets a gradient", given=_cispo),
+    UpstreamRefusal(
+        "epsilon (loss_type cispo, epsilon_high unset)", _named("epsilon"), _is_zero,
+        "> 0 under loss_type='cispo' without epsilon_high",
+        "silently wrong: CISPO caps each token's weight at epsilon_high, which defaults to epsilon, so 0 weights every "
+        "token 0 and no weight gets a gradient", given=lambda config: _cispo(config) and config.epsilon_high is None),
     UpstreamRefusal(
         "top_p", _named("top_p"), _below(0), ">= 0",
         "TRL crashes later: transformers' TopPLogitsWarper and vLLM's SamplingParams raise on a negative top_p (above "
