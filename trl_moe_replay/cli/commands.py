@@ -1,8 +1,10 @@
-"""The ``trl-moe-replay`` command: ``plot`` a run's metrics, ``audit`` a model's engine/trainer mismatch.
+"""The ``trl-moe-replay`` command: ``plot`` a run's metrics, ``audit`` a model's engine/trainer mismatch, ``env`` the
+installed stack against the tested versions.
 
     trl-moe-replay plot RUN_DIR [--out DIR]
     trl-moe-replay audit --model M [--engine_dtype bfloat16] [--trainer_dtype float32] [--num_prompts 8] ...
     trl-moe-replay audit --model M --vllm_server_url http://localhost:8000 ...   (a running `trl vllm-serve`)
+    trl-moe-replay env [--json]
 
 Also runnable as ``python -m trl_moe_replay.cli``.
 """
@@ -48,9 +50,17 @@ def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(args: argparse.Namespace) -> int:
+    from .environment import run_env
+
+    print(run_env(as_json=args.json))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="trl-moe-replay", description="Routing replay for MoE RL with TRL: plots and a pre-training audit."
+        prog="trl-moe-replay",
+        description="Routing replay for MoE RL with TRL: plots, a pre-training audit, the installed stack."
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -93,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "wait as long as it takes)")
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     audit.set_defaults(func=_audit)
+
+    env = commands.add_parser(
+        "env",
+        help="print the installed torch, transformers, trl, accelerate, peft, datasets, vllm and deepspeed, each "
+        "against the declared range and the versions the test suite ran on",
+    )
+    env.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    env.set_defaults(func=_env)
     return parser
 
 
