@@ -121,6 +121,18 @@ class GRPOR3ScriptArguments(ScriptArguments):
             "type hints). Prompts are then conversational and rendered with the tools."
         },
     )
+    # ---- evaluation set of its own (TRL's eval_strategy/eval_steps decide when it runs)
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Evaluate on this set instead of dataset_test_split of dataset_name: a supported Hub math "
+                  "dataset (e.g. HuggingFaceH4/MATH-500) or 'synthetic' (the offline set, other rows). Needs "
+                  "--eval_strategy steps and --eval_steps N."},
+    )
+    eval_dataset_config: str | None = field(default=None, metadata={"help": "Config of eval_dataset_name."})
+    eval_dataset_split: str | None = field(
+        default=None, metadata={"help": "Split of eval_dataset_name (default: its own, 'test' for MATH-500)."})
+    eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on the first N rows only (default: all; synthetic: 256)."})
     # ---- offline synthetic set
     synthetic_samples: int = field(default=4000, metadata={"help": "Rows of the synthetic set."})
     synthetic_difficulty: int = field(
@@ -440,24 +452,35 @@ def load_datasets(script_args, training_args):
     from trl_moe_replay.extras.math.data import load_math_dataset, synthetic_math_dataset
 
     conversational = is_conversational(script_args)
-    if script_args.dataset_name:
-        kwargs = dict(conversational=conversational, instruction=script_args.instruction,
-                      system_prompt=script_args.system_prompt, config=script_args.dataset_config)
-        train = load_math_dataset(script_args.dataset_name, script_args.dataset_train_split, **kwargs)
-        evaluation = None
-        if training_args.eval_strategy != "no":
-            evaluation = load_math_dataset(script_args.dataset_name, script_args.dataset_test_split, **kwargs)
-        return train, evaluation
+    evaluates = training_args.eval_strategy != "no"
+    if script_args.eval_dataset_name and not evaluates:
+        raise RecipeArgumentError(
+            f"--eval_dataset_name {script_args.eval_dataset_name} is evaluated only when TRL evaluates: pass "
+            "--eval_strategy steps --eval_steps N (every N steps), or leave out --eval_dataset_name")
+    kwargs = dict(conversational=conversational, instruction=script_args.instruction,
+                  system_prompt=script_args.system_prompt)
     settings = dict(
         difficulty=script_args.synthetic_difficulty, max_operand=script_args.synthetic_max_operand,
-        kinds=tuple(script_args.synthetic_kinds), instruction=script_args.instruction,
-        conversational=conversational, system_prompt=script_args.system_prompt,
-        expressions=bool(script_args.tools),  # what the cold start's calculator demonstrations compute
+        kinds=tuple(script_args.synthetic_kinds), expressions=bool(script_args.tools),  # what the cold start's
+        **kwargs,  # calculator demonstrations compute
     )
-    train = synthetic_math_dataset(script_args.synthetic_samples, seed=training_args.seed, **settings)
-    evaluation = None
-    if training_args.eval_strategy != "no":
-        evaluation = synthetic_math_dataset(256, seed=training_args.seed + 1, **settings)
+    if script_args.dataset_name:
+        train = load_math_dataset(script_args.dataset_name, script_args.dataset_train_split,
+                                  config=script_args.dataset_config, **kwargs)
+    else:
+        train = synthetic_math_dataset(script_args.synthetic_samples, seed=training_args.seed, **settings)
+    if not evaluates:
+        return train, None
+    if script_args.eval_dataset_name == "synthetic" or not (script_args.eval_dataset_name or script_args.dataset_name):
+        evaluation = synthetic_math_dataset(script_args.eval_samples or 256, seed=training_args.seed + 1, **settings)
+    elif script_args.eval_dataset_name:
+        evaluation = load_math_dataset(script_args.eval_dataset_name, script_args.eval_dataset_split,
+                                       config=script_args.eval_dataset_config, **kwargs)
+    else:
+        evaluation = load_math_dataset(script_args.dataset_name, script_args.dataset_test_split,
+                                       config=script_args.dataset_config, **kwargs)
+    if script_args.eval_samples and len(evaluation) > script_args.eval_samples:
+        evaluation = evaluation.select(range(script_args.eval_samples))
     return train, evaluation
 
 

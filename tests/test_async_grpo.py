@@ -563,3 +563,12 @@ def test_sync_guard_refuses_an_engine_answering_non_finite_log_probs(monkeypatch
 
 def test_the_installed_trl_matches_the_async_seam():
     assert upstream.check_async_trl() == ()
+
+
+def test_the_async_trainers_model_card_names_the_mode_and_cites_r3(tmp_path, checkpoint):
+    """The model card of both trainers: TRL's, with the routing mode and the methods' citations (issue 43)."""
+    trainer = scripted_trainer(tmp_path, checkpoint, [])
+    trainer.create_model_card(model_name="tiny")
+    card = (tmp_path / "README.md").read_text()
+    assert "trained with MoE Replay Async GRPO (routing_replay=r3, loss_type=" in card
+    assert "routing-replay-r3" in card and "arXiv:2402.03300" in card and "arXiv:2510.11370" in card

@@ -224,3 +224,4 @@ def test_demo_completions_stop_and_r3_leaves_no_mismatch(demo_output):
     assert max(entry["completions/clipped_ratio"] for entry in logged) <= CLIPPED_AT_MOST
     assert all(entry["completions/mean_terminated_length"] > 0 for entry in logged)
     assert all(entry["routing/mismatch_frac"] == 0 and entry["mismatch/kl_k3"] < 1e-6 for entry in logged)
+    assert all(entry["routing/fallback_frac"] == 0 for entry in logged)  # the progress line's fallback=0

@@ -186,7 +186,7 @@ def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, c
     assert_synced_and_checked(ranks)
     # what the server loaded: the checkpoint's own names and full shapes, not one rank's shards
     with safe_open(Path(checkpoint) / "model.safetensors", "pt") as original, \
-            safe_open(tmp_path / "vllm_server" / "vllm_sync" / "model.safetensors", "pt") as synced:
+            safe_open(tmp_path / "vllm_server" / "_vllm_sync" / "model.safetensors", "pt") as synced:
         assert set(synced.keys()) == set(original.keys())
         assert all(synced.get_slice(k).get_shape() == original.get_slice(k).get_shape() for k in original.keys())
 

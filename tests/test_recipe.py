@@ -361,3 +361,53 @@ def test_server_mode_without_requests_ends_the_recipe_in_one_line(recipe, capsys
     (line,) = capsys.readouterr().err.splitlines()
     assert 'vLLM server mode needs the requests package' in line and 'pip install "trl-moe-replay[vllm]"' in line
     assert issubclass(ServerModeDependencyError, ImportError)
+
+
+# ----------------------------------------------------------------------------- an evaluation set of its own (issue 43)
+def test_the_eval_dataset_is_its_own_set_with_its_split_config_and_size(recipe, monkeypatch):
+    """--eval_dataset_name loads that set (its split and config, the train set's prompt form), not the train set's
+    test split (DAPO-Math-17k has none); --eval_samples keeps its first rows; 'synthetic' is the offline set."""
+    import datasets
+
+    import trl_moe_replay.extras.math.data as data
+
+    loaded = []
+
+    def load_math_dataset(name, split=None, *, config=None, **kwargs):
+        loaded.append((name, split, config, kwargs["conversational"]))
+        return datasets.Dataset.from_dict({"prompt": [f"{name} {i}" for i in range(40)], "solution": ["1"] * 40})
+
+    monkeypatch.setattr(data, "load_math_dataset", load_math_dataset)
+    args = recipe.parse_args(["--model_name_or_path", "some/moe", "--dataset_name", "BytedTsinghua-SIA/DAPO-Math-17k",
+                              "--eval_dataset_name", "HuggingFaceH4/MATH-500", "--eval_dataset_split", "test",
+                              "--eval_samples", "25", "--eval_strategy", "steps", "--eval_steps", "50"])
+    train, evaluation = recipe.load_datasets(args[0], args[1])
+    assert loaded == [("BytedTsinghua-SIA/DAPO-Math-17k", "train", None, True),
+                      ("HuggingFaceH4/MATH-500", "test", None, True)]
+    assert len(train) == 40 and len(evaluation) == 25 and evaluation[0]["prompt"] == "HuggingFaceH4/MATH-500 0"
+
+    script_args, training_args, _ = recipe.parse_args(["--eval_dataset_name", "synthetic", "--eval_samples", "32",
+                                                       "--eval_strategy", "steps", "--eval_steps", "5"])
+    train, evaluation = recipe.load_datasets(script_args, training_args)
+    assert len(evaluation) == 32 and evaluation["prompt"] != train["prompt"][:32]  # rows drawn with another seed
+    script_args, training_args, _ = recipe.parse_args([])  # the demo: no evaluation
+    assert recipe.load_datasets(script_args, training_args)[1] is None
+
+
+def test_an_eval_dataset_without_an_eval_strategy_is_refused_in_one_line(recipe, tmp_path, capsys):
+    status = recipe.run(["--output_dir", str(tmp_path / "run"), "--eval_dataset_name", "synthetic"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert "--eval_dataset_name synthetic is evaluated only when TRL evaluates: pass --eval_strategy steps" in err
+
+
+@pytest.mark.slow  # runs the recipe: cold start, two steps and two evaluations
+def test_the_recipe_evaluates_its_eval_set_every_n_steps(recipe, tmp_path):
+    script_args, training_args, model_args = recipe.parse_args(small_run_args(
+        tmp_path / "run", tmp_path / "cache", "--plot", "false", "--eval_dataset_name", "synthetic",
+        "--eval_samples", "16", "--per_device_eval_batch_size", "16", "--eval_strategy", "steps", "--eval_steps", "1"))
+    recipe.main(script_args, training_args, model_args)
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    evaluations = [h for h in state["log_history"] if "eval_reward" in h]
+    assert [h["step"] for h in evaluations] == [1, 2]
+    assert all(0.0 <= h["eval_reward"] <= 1.0 for h in evaluations)

@@ -47,6 +47,7 @@ from ..parallel.expert_parallel import refuse_async_sharded_at_load
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
 from ..trainer.launch import checked_model_name
+from ..trainer.model_card import write_model_card
 from ..trainer.metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -222,6 +223,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
     """
 
     _tag_names = ["trl", "async-grpo", "moe-routing-replay"]
+    _name = "MoE Replay Async GRPO"
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, processing_class=None, callbacks=None,
                  optimizers=(None, None), peft_config=None, tools=None, environment_factory=None, rollout_worker=None,
@@ -286,6 +288,10 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
                 "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
             )
             self.aux_loss_enabled = False
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
+        return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
     def train(self, *args, **kwargs):
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():

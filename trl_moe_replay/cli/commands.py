@@ -1,9 +1,11 @@
-"""The ``trl-moe-replay`` command: ``plot`` a run's metrics, ``audit`` a model's engine/trainer mismatch.
+"""The ``trl-moe-replay`` command: ``plot`` a run's metrics, ``audit`` a model's engine/trainer mismatch, ``env`` the
+installed stack against the tested versions.
 
     trl-moe-replay plot RUN_DIR [--out DIR]
     trl-moe-replay audit --model M [--engine_dtype bfloat16] [--trainer_dtype float32] [--num_prompts 8] ...
     trl-moe-replay audit --model M --vllm_server_url http://localhost:8000 ...   (a running `trl vllm-serve`)
     trl-moe-replay plan CONFIG [--gpus 8] [--gpu-memory 80] [--prompt-length 1024]
+    trl-moe-replay env [--json]
 
 Also runnable as ``python -m trl_moe_replay.cli``.
 """
@@ -57,10 +59,18 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
+def _env(args: argparse.Namespace) -> int:
+    from .environment import run_env
+
+    print(run_env(as_json=args.json))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trl-moe-replay",
-        description="Routing replay for MoE RL with TRL: plots, a pre-training audit and a memory plan.",
+        description="Routing replay for MoE RL with TRL: plots, a pre-training audit, a memory plan and the installed "
+        "stack.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -117,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prompt-length", type=int, default=None, metavar="TOKENS",
                       help="longest prompt in tokens (default: its `# plan:` line, else 1024)")
     plan.set_defaults(func=_plan)
+    env = commands.add_parser(
+        "env",
+        help="print the installed torch, transformers, trl, accelerate, peft, datasets, vllm and deepspeed, each "
+        "against the declared range and the versions the test suite ran on",
+    )
+    env.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    env.set_defaults(func=_env)
     return parser
 
 

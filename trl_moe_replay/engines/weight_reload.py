@@ -63,9 +63,15 @@ class WeightSyncDirError(ValueError):
     """The reload sync's folder holds weight files of its own, which vLLM would load with (or instead of) the sync's."""
 
 
+#: The reload sync's folder inside output_dir when ``vllm_sync_dir`` is unset. The leading ``_`` keeps it out of Hub
+#: pushes: transformers' ``Trainer.push_to_hub`` (and its pushes at each save) upload output_dir with
+#: ``ignore_patterns=["_*", "checkpoint-*"]``; a full copy of the weights would otherwise be uploaded with the model.
+DEFAULT_SYNC_FOLDER = "_vllm_sync"
+
+
 def sync_dir_of(args: Any) -> str:
-    """The folder the reload sync writes to: ``vllm_sync_dir``, else ``<output_dir>/vllm_sync``."""
-    return os.path.abspath(getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, "vllm_sync"))
+    """The folder the reload sync writes to: ``vllm_sync_dir``, else ``<output_dir>/_vllm_sync``."""
+    return os.path.abspath(getattr(args, "vllm_sync_dir", None) or os.path.join(args.output_dir, DEFAULT_SYNC_FOLDER))
 
 
 def client_without_communicator(client_class: type) -> type:

@@ -204,7 +204,7 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
             `"trl"` (`routing_replay="none"` stays plain TRL).
         vllm_sync_dir (`str`, *optional*):
             Server mode with `vllm_weight_sync="reload"`: where the trainer writes the weights for the server to read
-            (the server must see the same path). Unset: `<output_dir>/vllm_sync`.
+            (the server must see the same path). Unset: `<output_dir>/_vllm_sync` (a leading `_`: `push_to_hub` leaves it out).
         vllm_sync_check (`bool`, *optional*):
             Around each weight sync, score a fixed probe (16 token ids) with vLLM and with the trainer, log the largest
             log-prob difference as `vllm/sync_max_logprob_diff` (~1e-6 in fp32 when the weights arrived), and stop a

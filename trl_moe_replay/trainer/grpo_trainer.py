@@ -66,6 +66,7 @@ from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .peft_replay import check_peft_replay
 from .precision import attach_update_probe
 from .launch import check_launched_engine, check_launched_precision, checked_model_name
+from .model_card import write_model_card
 from .metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -456,6 +457,10 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         finally:
             if self._routes is not None:
                 self._routes.end_micro_batch()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
+        return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
     def train(self, *args, **kwargs):
         """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.trainer.output_lock`).

@@ -120,7 +120,7 @@ class RoutingOptions:
     vllm_sync_dir: str | None = field(
         default=None,
         metadata={"help": "vllm_weight_sync='reload' with a server: directory the server reads the weights from. "
-                  "Unset: <output_dir>/vllm_sync."},
+                  "Unset: <output_dir>/_vllm_sync (push_to_hub leaves out names that start with _)."},
     )
     vllm_sync_check: bool | None = field(
         default=None,

@@ -15,7 +15,7 @@ touching the private name, and the part's check.
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
                             ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
-                            ``tool_turn_rendering``, ``trl_public_apis``
+                            ``tool_turn_rendering``, ``trl_public_apis``, ``model_card_identity``
 ``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_packing``
 ==========================  ==========================================================================================
 
@@ -43,7 +43,7 @@ _LAZY = {
                      "http_vllm_client", "vllm_generation_classes", "vllm_sampling_params_class", "vllm_request_fields",
                      "exclude_from_weight_sync",
                      "trl_named_params", "map_weight_sync_tensors", "vllm_weights_stale", "mark_vllm_weights_synced",
-                     "wake_colocated_weights"),
+                     "wake_colocated_weights", "model_card_identity"),
                     "trl_seam"),
     **dict.fromkeys(("check_async_trl", "assert_async_trl_compatible", "async_worker_classes", "worker_loop_kwargs",
                      "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
@@ -107,6 +107,7 @@ if TYPE_CHECKING:
         vllm_request_fields,
         vllm_sampling_params_class,
         vllm_weights_stale,
+        model_card_identity,
         wake_colocated_weights,
     )
 

@@ -372,6 +372,38 @@ TOOL_LOOP_METHODS: dict[str, tuple[str, ...]] = {
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# model_card_identity: TRL's create_model_card (trl/trainer/base_trainer.py, every TRL trainer's) names the trainer
+#    from `self._name` and cites `self._paper["citation"]` (GRPOTrainer's: DeepSeekMath), both class attributes. The
+#    model card records the routing mode and cites the methods a run used (trainer/model_card.py) by giving the
+#    trainer instance its own two for the duration of the call.
+# ---------------------------------------------------------------------------------------------------------------
+MODEL_CARD_IDENTITY = _trl_entry("model_card_identity", inherited=("_name", "_paper"))
+
+
+@contextlib.contextmanager
+def model_card_identity(trainer: Any, qualifier: str, citations: Sequence[str]) -> Iterator[None]:
+    """Within the context, TRL's ``create_model_card`` names ``trainer`` by its class's name and ``qualifier``, and
+    cites, after the class's own paper, each of ``citations`` (BibTeX entries)."""
+    cls = type(trainer)
+    cited = "\n\n".join([c for c in (cls._paper.get("citation"), *citations) if c])
+    trainer._name, trainer._paper = f"{cls._name} {qualifier}", {**cls._paper, "citation": cited}
+    try:
+        yield
+    finally:
+        del trainer._name, trainer._paper  # the class's own again
+
+
+def _model_card_identity_finding(trainer_class: type) -> Finding | None:
+    paper = inspect.getattr_static(trainer_class, "_paper", None)
+    if not isinstance(inspect.getattr_static(trainer_class, "_name", None), str) or not (
+            isinstance(paper, dict) and "citation" in paper):
+        return Finding(MODEL_CARD_IDENTITY, "GRPOTrainer no longer has the class attributes _name (str) and _paper "
+                       "(a dict with a 'citation') that create_model_card reads")
+    return method_finding(MODEL_CARD_IDENTITY, trainer_class, "GRPOTrainer", "create_model_card",
+                          ("self", "model_name", "dataset_name", "tags"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # trl_public_apis: public TRL APIs this package calls that a TRL still matching every other entry may lack: public,
 #    but not in every TRL release, so they are checked like the private ones (TRL 1.15.0 has neither of the first two).
 #    VLLMClient.get_server_info() (trl/generation/vllm_client.py): `trl-moe-replay audit` and the fake vLLM server
@@ -427,6 +459,8 @@ def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
         declared = GRPO_PRIVATE_METHODS if name in OVERRIDDEN_METHODS else TOOL_TURN_RENDERING
         if finding := method_finding(declared, trainer_class, "GRPOTrainer", name, params):
             findings.append(finding)
+    if finding := _model_card_identity_finding(trainer_class):
+        findings.append(finding)
     if not isinstance(inspect.getattr_static(trainer_class, "get_gamma_weights", None), staticmethod):
         findings.append(Finding(MINIRL_ON_VESPO, "GRPOTrainer.get_gamma_weights is no longer a static method"))
     for declared, (module_name, names) in MODULE_GLOBALS.items():
