@@ -39,8 +39,10 @@ CITATIONS: dict[str, str] = {
     year         = 2025,
     eprint       = {arXiv:2510.23027},
 }""",
+    # the method's name: its arXiv title was not available offline when this was written (research notes)
     "pr2": """@article{dong2026pr2,
-    title        = {{Predictive Routing Replay}},
+    title        = {{Predictive Routing Replay (PR2)}},
+    note         = {Title as the method is named; see arXiv:2606.00395 for the paper's own},
     author       = {Dong and Chen and Jia and Liu and Wu and Di and Wu and Liu and Liu and Barsoum and Metaxas and Wang},
     year         = 2026,
     eprint       = {arXiv:2606.00395},
