@@ -15,10 +15,12 @@ import pickle
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from trl_moe_replay import DistributedCheckpointError
 from trl_moe_replay.checkpointing import checkpoint_files, distributed_checkpoint
@@ -119,6 +121,14 @@ DAMAGE = {
     ".metadata a tensor entry that is an int": (
         rewrite(lambda m: m.state_dict_metadata.update({"model.lm_head.weight": 3})),
         "distributed/.metadata describes 'model.lm_head.weight' by a int of other fields or types"),
+    ".metadata a model weight described as bytes": (
+        rewrite(lambda m: m.state_dict_metadata.update({"model.lm_head.weight": BytesStorageMetadata()})),
+        "distributed/.metadata describes 'model.lm_head.weight' by a BytesStorageMetadata, where the restore reads a "
+        "tensor"),
+    ".metadata an optimizer state described as bytes": (
+        rewrite(lambda m: m.state_dict_metadata.update({"optimizer.state.0.exp_avg": BytesStorageMetadata()})),
+        "distributed/.metadata describes 'optimizer.state.0.exp_avg' by a BytesStorageMetadata, where the restore "
+        "reads a tensor"),
     ".metadata a shard offset that is text": (
         rewrite(lambda m: m.storage_data.update({k: dataclasses.replace(v, offset="0")
                                                  for k, v in m.storage_data.items()})),
@@ -227,10 +237,19 @@ def test_every_dcp_load_reads_the_checked_metadata_and_refuses_in_one_line(shard
     assert not marker.exists()
 
 
-def test_the_allowed_globals_are_what_dcp_save_writes_and_nothing_that_runs_code():
+def test_the_allowed_globals_are_what_dcp_save_writes_and_nothing_that_runs_code(tmp_path, monkeypatch):
     from trl_moe_replay.upstream.torch_seam import check_torch, dcp_metadata_globals
 
-    assert check_torch() == ()  # the probe: a real dcp.save's .metadata reads back through the unpickler
+    state = {"weight": torch.zeros(2, 3), "half": torch.zeros(2, dtype=torch.bfloat16), "few": torch.zeros(2).to(
+        torch.int8), "wide": torch.zeros(1, 2, 2, 2).to(memory_format=torch.channels_last), "step": 3, "name": "x"}
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    read = metadata_of(tmp_path)  # a real dcp.save's .metadata reads back through the unpickler
+    assert set(read.state_dict_metadata) == set(state) and read.storage_data
+    # the runtime probe (both trainers' construction) saves nothing and touches no device: cheap, and it holds where a
+    # test pretends CUDA is there (test_async_grpo's use_cpu test failed in dcp.save's device path)
+    monkeypatch.setattr(dcp, "save", lambda *a, **k: pytest.fail("the probe saved a checkpoint"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert check_torch() == ()
     allowed = dcp_metadata_globals()
     modules = {module for module, _ in allowed}
     assert modules == {"torch", "torch.serialization", "torch.distributed.checkpoint.metadata",
@@ -239,6 +258,116 @@ def test_the_allowed_globals_are_what_dcp_save_writes_and_nothing_that_runs_code
     for module, name in [("os", "system"), ("builtins", "eval"), ("torch", "load"), ("subprocess", "Popen")]:
         with pytest.raises(pickle.UnpicklingError, match=f"global '{module}.{name}' is not one"):
             DCPMetadataUnpickler(io.BytesIO(b"")).find_class(module, name)
+
+
+def test_the_probe_reports_a_torch_whose_dcp_differs(monkeypatch):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from trl_moe_replay.upstream import torch_seam
+
+    monkeypatch.setattr(torch_seam, "dcp_metadata_globals", lambda: {("torch", "Size"): tuple})
+    assert [f.problem for f in torch_seam.check_torch()] == [
+        "torch.Size, a global DCP writes into .metadata, is gone or another object"]
+    monkeypatch.undo()
+    monkeypatch.setattr(DefaultLoadPlanner, "set_up_planner", lambda self, state, *a, **k: setattr(
+        self, "mappings", {"a.b": ("a", "c")}) or setattr(self, "original_state_dict", state))
+    assert [f.problem for f in torch_seam.check_torch()] == [
+        "DefaultLoadPlanner no longer maps a flattened key to its place in the state dict it loads"]
+
+
+def trained(seed: int):
+    """A tiny MoE and an AdamW that has stepped, as a trainer holds them (the parts distributed_checkpoint reads)."""
+    model = tiny_moe_model("qwen3_moe", seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.95))
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return SimpleNamespace(model=model, optimizer=optimizer, accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+                           args=SimpleNamespace(should_save=True),
+                           lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A checkpoint's shards as the package saves them (save_training_state: flattened AdamW state)."""
+    folder = tmp_path_factory.mktemp("saved") / "checkpoint-1"
+    distributed_checkpoint.save_training_state(trained(seed=0), str(folder))
+    return folder
+
+
+def bytes_entries(folder: Path) -> dict:
+    metadata = metadata_of(folder / "distributed")
+    return {key: entry for key, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, BytesStorageMetadata)}
+
+
+def test_the_packages_optimizer_shards_resume_through_the_weights_only_planner(saved):
+    """The entries DCP pickles (the param_groups values: floats, tuples, bools, None) all read with weights_only."""
+    entries = bytes_entries(saved)
+    assert {key.rpartition(".")[2] for key in entries} >= {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach",
+                                                            "maximize", "fused", "decoupled_weight_decay"}
+    assert not [key for key in entries if key.startswith(checkpoint_files.TENSOR_ENTRIES)]
+    check_checkpoint_files(saved)  # accepted
+    original, fresh = trained(seed=0), trained(seed=1)
+    fresh.optimizer.param_groups[0]["betas"] = (0.5, 0.5)
+    distributed_checkpoint.restore_model(fresh.model, saved)
+    distributed_checkpoint.restore_optimizer_and_scheduler(fresh, saved)
+    theirs, ours = original.optimizer.state_dict(), fresh.optimizer.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"] and ours["param_groups"][0]["betas"] == (0.8, 0.95)
+    assert all(torch.equal(ours["state"][i][k], theirs["state"][i][k]) for i in theirs["state"]
+               for k in theirs["state"][i])
+
+
+def test_a_hostile_shard_bytes_entry_is_refused_in_one_line_and_never_run(saved, tmp_path):
+    """torch's DefaultLoadPlanner reads a bytes entry with torch.load(weights_only=False): a shard pickle ran its
+    command during the optimizer's load (the pre-flight passes it: the metadata is DCP's own)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    marker = tmp_path / "ran"
+    key = next(key for key in bytes_entries(saved) if key.endswith(".betas"))
+
+    def damage(shards: Path):
+        payload = io.BytesIO()
+        torch.save(RunsCommand(f"touch {marker}"), payload)
+        (shards / "evil.distcp").write_bytes(payload.getvalue())
+        rewrite(lambda m: m.storage_data.update({
+            index: dataclasses.replace(info, relative_path="evil.distcp", offset=0, length=len(payload.getvalue()))
+            for index, info in m.storage_data.items() if index.fqn == key}))(shards)
+
+    folder = copied(saved, tmp_path, damage)
+    check_checkpoint_files(folder)  # the metadata is DCP's own: the load is where the entry is read
+    trainer = trained(seed=1)
+    with pytest.raises(DistributedCheckpointError) as refused:
+        distributed_checkpoint.restore_optimizer_and_scheduler(trainer, folder)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint {folder} refused: its shard entry {key!r} is a pickle that would run code"
+                              ) and "GLOBAL posix.system" in message and "\n" not in message, message
+    assert not marker.exists()
+    # torch's own planner, for the record: it runs the command
+    state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                                   options=distributed_checkpoint._options())}
+    dcp.load(state, storage_reader=distributed_checkpoint.checked_reader(folder, DistributedCheckpointError),
+             no_dist=True)
+    assert marker.exists()
+
+
+def test_a_wrongly_typed_entry_is_one_line_from_the_restore_itself(sharded, saved, tmp_path, monkeypatch):
+    """The pre-flight refuses it; the restore's own reads check the type too (it was an AttributeError traceback:
+    'BytesStorageMetadata' object has no attribute 'size')."""
+    monkeypatch.setattr(checkpoint_files, "TENSOR_ENTRIES", ("nothing.",))  # as if the pre-flight had let it through
+    folder = copied(sharded, tmp_path / "model", rewrite(lambda m: m.state_dict_metadata.update(
+        {"model.lm_head.weight": BytesStorageMetadata()})))
+    with pytest.raises(DistributedCheckpointError, match="'lm_head.weight' is a BytesStorageMetadata in its shards, "
+                                                         "where the model holds a tensor"):
+        distributed_checkpoint.restore_model(tiny_moe_model("qwen3_moe", seed=3), folder)
+    trainer = trained(seed=1)
+    name, param = next(iter(trainer.model.named_parameters()))
+    del trainer.optimizer.state[param]  # as PR2's predictors before they train: the restore allocates their state
+    folder = copied(saved, tmp_path / "optimizer", rewrite(lambda m: m.state_dict_metadata.update(
+        {f"optimizer.state.{name}.exp_avg": BytesStorageMetadata()})))
+    with pytest.raises(DistributedCheckpointError, match=f"its optimizer state '{name}.exp_avg' is a "
+                                                         "BytesStorageMetadata, where a tensor is read"):
+        distributed_checkpoint.restore_optimizer_and_scheduler(trainer, folder)
 
 
 # ----------------------------------------------------------------------------------------------- the recipe

@@ -26,9 +26,9 @@ What is checked:
   pickle that torch's reader loads with plain ``pickle.load`` on every rank, read first with an unpickler that finds
   only the globals DCP's save writes there (seam entry ``dcp_metadata_pickle``: a pickle that would call anything
   else is refused, never run), within a bound (:data:`MAX_DCP_METADATA_BYTES`), the ``Metadata`` torch reads, each
-  entry of the types DCP's load plans with; each shard file it names, a relative path inside ``distributed/`` (no
-  ``..``), a regular file inside the checkpoint folder that holds every byte the metadata places in it
-  (:func:`read_distributed_metadata`, :class:`DistributedCheckpointError`);
+  entry of the types DCP's load plans with (the model's and the optimizer state's a tensor); each shard file it
+  names, a relative path inside ``distributed/`` (no ``..``), a regular file inside the checkpoint folder that holds
+  every byte the metadata places in it (:func:`read_distributed_metadata`, :class:`DistributedCheckpointError`);
 - full model weights and a PEFT adapter side by side: refused. The Trainer writes one or the other, never both, so
   such a folder holds two runs' files (a LoRA run and a full run into one ``output_dir``), and only one of them wrote
   its ``optimizer.pt`` and ``trainer_state.json``.
@@ -88,6 +88,9 @@ DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint.filesystem's nam
 #: of the state dict and 150 more per further shard of a tensor: Qwen3-30B-A3B's model and AdamW state (about 2,800
 #: entries, fused experts) over 64 ranks is a few MiB. Unpickling builds objects several times the file's size.
 MAX_DCP_METADATA_BYTES = 256 * 2**20
+#: The entries of our saves that are tensors (the model's weights, the optimizer's state: AdamW's exp_avg, exp_avg_sq
+#: and step), which the restore reads as tensors; the optimizer's param_groups values may be either.
+TENSOR_ENTRIES = ("model.", "optimizer.state.")
 
 
 class CheckpointError(ValueError):
@@ -202,6 +205,8 @@ def _metadata_problem(metadata) -> str | None:
                 "where dicts are read")
     for key, entry in entries.items():
         if isinstance(key, str) and isinstance(entry, BytesStorageMetadata):
+            if key.startswith(TENSOR_ENTRIES):
+                return f"describes {shown(key)} by a BytesStorageMetadata, where the restore reads a tensor"
             continue
         if not (isinstance(key, str) and isinstance(entry, TensorStorageMetadata)
                 and isinstance(entry.properties, TensorProperties) and isinstance(entry.properties.dtype, torch.dtype)

@@ -19,7 +19,9 @@ checkpoint with optimizer state for one. The Trainer's own save and resume entry
 torch's reader unpickles ``.metadata`` with plain ``pickle.load`` on every rank. Every load here hands it the
 metadata read by :func:`~.checkpoint_files.read_distributed_metadata` instead (the resume pre-flight's reader: only
 DCP's own classes, the shard files checked), so nothing in the file runs, whichever path reaches the load
-(``_load_best_model`` has no pre-flight).
+(``_load_best_model`` has no pre-flight). Its planner reads the entries that are no tensor (the optimizer's
+param_groups values, which DCP ``torch.save``\ s into the shards) with ``torch.load(weights_only=True)``, where torch's
+uses ``weights_only=False`` (seam entry ``dcp_metadata_pickle``: :func:`~..upstream.torch_seam.checked_dcp_planner`).
 
 DCP describes each DTensor shard as one rectangle, which the strided shards of experts sharded over both the
 expert-FSDP and the EP dimension are not; they are redistributed to plain shards for the save and the load and back
@@ -32,7 +34,7 @@ import os
 
 import torch
 
-from ..upstream import dcp_placements
+from ..upstream import checked_dcp_planner, checked_dcp_reader, dcp_placements
 from ..parallel.sharded import is_sharded_at_load
 from .checkpoint_files import (
     DCP_METADATA_NAME,
@@ -76,7 +78,7 @@ def save_training_state(trainer, output_dir: str) -> None:
 def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None:
     """Every weight of ``model`` from ``checkpoint/distributed``, or :class:`DistributedCheckpointError` naming the
     first problem with the model left as it was (collective: every rank calls it)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     def refuse(problem: str) -> DistributedCheckpointError:
@@ -93,14 +95,13 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
             missing = [n for n in current if f"model.{n}" not in metadata]
             raise refuse(f"{name!r} is missing from its shards ({len(missing)} of the model's {len(current)} tensors "
                          "are)")
+        if isinstance(tensor, torch.Tensor) and not isinstance(entry, TensorStorageMetadata):
+            raise refuse(f"{name!r} is a {type(entry).__name__} in its shards, where the model holds a tensor")
         if isinstance(tensor, torch.Tensor) and tuple(entry.size) != tuple(tensor.shape):
             raise refuse(f"{name!r} has shape {list(entry.size)} where the model has {list(tensor.shape)}")
     copies = dcp_placements({name: tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
                              for name, tensor in current.items()})
-    try:
-        dcp.load({"model": copies}, storage_reader=checked_reader(checkpoint, refuse))
-    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
-        raise refuse(f"its shards cannot be read ({_failure(exc)})") from exc
+    _load({"model": copies}, checkpoint, refuse, "shards")
     copies = dcp_placements(copies, reference=current)
     bad = [name for name, tensor in copies.items() if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
            and not bool(torch.isfinite(_local(tensor)).all())]
@@ -111,7 +112,6 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
 
 def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> None:
     """The optimizer's shards and the scheduler from ``checkpoint`` (collective)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
@@ -127,10 +127,7 @@ def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> N
     current = get_optimizer_state_dict(model, trainer.optimizer, options=_options())
     _add_missing_state(trainer.optimizer, current, metadata, dict(model.named_parameters()), refuse)
     state = dcp_placements(current)
-    try:
-        dcp.load({"optimizer": state}, storage_reader=checked_reader(checkpoint, refuse))
-    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
-        raise refuse(f"its optimizer shards cannot be read ({_failure(exc)})") from exc
+    _load({"optimizer": state}, checkpoint, refuse, "optimizer shards")
     set_optimizer_state_dict(model, trainer.optimizer, dcp_placements(state, reference=current), options=_options())
     trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
@@ -144,6 +141,8 @@ def _add_missing_state(optimizer, state: dict, metadata: dict, params: dict, ref
     a parameter a gradient: PR2's predictor group skips steps in which the predictors did not train, so their Adam
     moments would silently stay unrestored. Each missing entry is allocated as the parameter (sharded alike) or, for a
     scalar such as Adam's ``step``, at the checkpoint's size; the load then overwrites it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     prefix = "optimizer.state."
     for key, entry in metadata.items():
         if not key.startswith(prefix) or key[len("optimizer."):] in state:
@@ -152,6 +151,9 @@ def _add_missing_state(optimizer, state: dict, metadata: dict, params: dict, ref
         param = params.get(fqn)
         if param is None:
             raise refuse(f"its optimizer holds state for {fqn!r}, which is no parameter of the model")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise refuse(f"its optimizer state {key[len(prefix):]!r} is a {type(entry).__name__}, where a tensor is "
+                         "read")
         dtype = entry.properties.dtype
         size = tuple(entry.size)
         room = (torch.zeros_like(param.detach(), dtype=dtype) if size == tuple(param.shape)
@@ -171,20 +173,21 @@ def _metadata(checkpoint: str | os.PathLike, refuse) -> dict:
 def checked_reader(checkpoint: str | os.PathLike, refuse):
     """torch's reader of ``checkpoint``'s shards, handed the metadata :func:`read_distributed_metadata` reads (torch's
     own ``read_metadata`` unpickles the file with plain ``pickle.load``)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    return checked_dcp_reader(os.path.join(checkpoint, FOLDER), lambda: read_distributed_metadata(checkpoint, refuse))
 
-    class CheckedReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            if kwargs.get("rank") is not None:  # torch's fallback to per-rank metadata, which our saves never write
-                raise refuse(f"its {FOLDER}/{DCP_METADATA_NAME} cannot be read")
-            metadata = read_distributed_metadata(checkpoint, refuse)
-            if getattr(metadata, "storage_meta", None) is None:  # as torch's read_metadata does
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
 
-    return CheckedReader(os.path.join(checkpoint, FOLDER))
+def _load(state: dict, checkpoint: str | os.PathLike, refuse, what: str) -> None:
+    """``dcp.load`` of ``state`` from ``checkpoint``'s shards: the checked metadata, and the entries that are no tensor
+    read with ``weights_only=True`` (torch's planner runs whatever a shard pickles); one line for any failure."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, storage_reader=checked_reader(checkpoint, refuse), planner=checked_dcp_planner(refuse))
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001
+        first = _first_failure(exc)
+        if isinstance(first, DistributedCheckpointError):  # already one line naming the checkpoint
+            raise first from None
+        raise refuse(f"its {what} cannot be read ({type(first).__name__}: {_short(first)})") from exc
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -200,14 +203,15 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-def _failure(exc: BaseException) -> str:
-    """``Type: message`` of a failed DCP load, on one line. DCP wraps every rank's failure, traceback included, in one
+def _first_failure(exc: BaseException) -> BaseException:
+    """The exception of a failed DCP load. DCP wraps every rank's failure, traceback included, in one
     ``CheckpointException`` (a ``BaseException``, which ``except Exception`` let through as a traceback): the first
-    rank's own exception is named."""
+    rank's own exception."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        exc = next(iter(failures.values()))[0]
-    return f"{type(exc).__name__}: {_short(exc)}"
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return exc
 
 
 def _short(exc: BaseException) -> str:

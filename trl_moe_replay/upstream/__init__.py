@@ -53,13 +53,16 @@ _LAZY = {
                      "parallel_plan_styles"),
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp",
-                     "DCPMetadataUnpickler", "dcp_storage_info_class"), "torch_seam"),
+                     "DCPMetadataUnpickler", "dcp_storage_info_class", "checked_dcp_reader",
+                     "checked_dcp_planner"), "torch_seam"),
 }
 
 if TYPE_CHECKING:
     from .torch_seam import (
         DCPMetadataUnpickler,
         assert_without_sync,
+        checked_dcp_planner,
+        checked_dcp_reader,
         dcp_storage_info_class,
         ignore_in_ddp,
         in_backward,

@@ -7,13 +7,13 @@ declared range (CI). :func:`check_torch` reports an entry the installed torch no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import pathlib
 import pickle
 import tempfile
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -101,9 +101,17 @@ def ignore_in_ddp(model: torch.nn.Module, names: list[str]) -> None:
 #    values): the metadata dataclasses and the private enum _MEM_FORMAT_ENCODING (torch.distributed.checkpoint.
 #    metadata), the private _StorageInfo (one shard's file, offset and length; torch.distributed.checkpoint.filesystem),
 #    torch.Size, the dtypes, torch.serialization._get_layout (a layout from its name), pathlib's paths
-#    (StorageMeta.checkpoint_id). None of them runs anything but building that value. The probe saves a small
-#    checkpoint with dcp.save and reads its .metadata back through the unpickler.
-# ---------------------------------------------------------------------------------------------------------------
+#    (StorageMeta.checkpoint_id). None of them runs anything but building that value. Our reader hands DCP that
+#    checked Metadata in place of FileSystemReader.read_metadata, doing what the rest of it does (a StorageMeta where
+#    there is none, its load_id the reader's). DCP also pickles the entries that are no tensor (BytesStorageMetadata:
+#    the optimizer's param_groups values, floats, tuples, bools, None) into the shard files with torch.save, and
+#    DefaultLoadPlanner.load_bytes reads them with torch.load(weights_only=False): our planner reads them with
+#    weights_only=True and puts the value where DefaultLoadPlanner does, at its mappings' path in its
+#    original_state_dict (the private torch.distributed.checkpoint._traverse.set_element). The probe, with no save
+#    and no device: every allowed global resolves to itself, the metadata classes are the ones the metadata module
+#    exports, our reader reads a Metadata as FileSystemReader.read_metadata does, and our planner puts a bytes entry
+#    where DefaultLoadPlanner.load_bytes does. tests/test_distributed_checkpoint_preflight.py reads a real dcp.save's
+#    .metadata back through the unpickler.
 DCP_METADATA_PICKLE = entry("dcp_metadata_pickle", "torch", TORCH_READ)
 
 
@@ -149,6 +157,52 @@ class DCPMetadataUnpickler(pickle.Unpickler):
         except KeyError:
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not one torch's distributed checkpoint "
                                          "writes into its metadata") from None
+
+
+def checked_dcp_reader(path: str | pathlib.Path, read_metadata: Callable[[], Any]) -> Any:
+    """torch's ``FileSystemReader`` of the shards in ``path`` whose ``read_metadata`` returns ``read_metadata()`` (a
+    checked ``Metadata``) where torch's would unpickle the file (entry ``dcp_metadata_pickle``). ``read_metadata``
+    raises for a per-rank metadata file, which DCP falls back to and our saves never write."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:
+                raise ValueError(f"{path}: the per-rank .metadata fallback is not read")
+            metadata = read_metadata()
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(path)
+
+
+def checked_dcp_planner(refuse: Callable[[str], Exception]) -> Any:
+    """A ``DefaultLoadPlanner`` that reads the entries that are no tensor with ``torch.load(weights_only=True)``
+    (torch's uses ``weights_only=False``: a shard file could run code); a value that is refused raises
+    ``refuse(problem)`` (entry ``dcp_metadata_pickle``)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class CheckedPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as error:
+                paragraphs = [" ".join(part.split()) for part in str(error).split("\n\n") if part.strip()]
+                what = paragraphs[1] if len(paragraphs) > 1 else paragraphs[0] if paragraphs else "refused"
+                # torch's second paragraph says what was refused ("Trying to load unsupported GLOBAL posix.system")
+                raise refuse(f"its shard entry {fqn!r} is a pickle that would run code or build more than plain "
+                             f"values ({what[:160]}); nothing in it was run") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return CheckedPlanner()
 
 
 def check_torch() -> tuple[Finding, ...]:
@@ -197,23 +251,41 @@ def check_torch() -> tuple[Finding, ...]:
         return None
 
     def dcp_metadata():
-        import torch.distributed.checkpoint as dcp
+        import importlib
 
-        state = {"weight": torch.zeros(2, 3), "half": torch.zeros(2, dtype=torch.bfloat16),
-                 "wide": torch.zeros(1, 2, 2, 2).to(memory_format=torch.channels_last), "step": 3, "name": "x"}
-        with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "running in a single process"
-            dcp.save(state, checkpoint_id=folder, no_dist=True)  # this rank alone, under torchrun too
-            with open(pathlib.Path(folder) / ".metadata", "rb") as file:
-                data = file.read()
-        try:
-            metadata = DCPMetadataUnpickler(io.BytesIO(data)).load()
-        except pickle.UnpicklingError as error:
-            return f"dcp.save wrote a .metadata the unpickler refuses ({error})"
-        infos = list(getattr(metadata, "storage_data", {}).values())
-        if set(getattr(metadata, "state_dict_metadata", {})) != set(state) or not infos or not all(
-                isinstance(info, dcp_storage_info_class()) for info in infos):
-            return "dcp.save's .metadata no longer holds Metadata with state_dict_metadata and _StorageInfo shards"
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint import metadata as dcp_metadata_module
+        from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+        for (module, name), value in dcp_metadata_globals().items():
+            if getattr(importlib.import_module(module), name, None) is not value:
+                return f"{module}.{name}, a global DCP writes into .metadata, is gone or another object"
+        allowed = {name for module, name in dcp_metadata_globals() if module == dcp_metadata_module.__name__}
+        if set(dcp_metadata_module.__all__) != allowed - {"_MEM_FORMAT_ENCODING"}:
+            return f"torch.distributed.checkpoint.metadata now exports {sorted(dcp_metadata_module.__all__)}"
+        if [f.name for f in dataclasses.fields(dcp_storage_info_class())][:3] != ["relative_path", "offset", "length"]:
+            return "_StorageInfo no longer holds relative_path, offset and length"
+        written = dcp_metadata_module.Metadata(state_dict_metadata={"a.b": dcp_metadata_module.BytesStorageMetadata()})
+        with tempfile.TemporaryDirectory() as folder:
+            with open(pathlib.Path(folder) / ".metadata", "wb") as file:
+                pickle.dump(written, file)
+            theirs = FileSystemReader(folder)
+            ours = checked_dcp_reader(folder, lambda: written)
+            read = [(reader.read_metadata(), reader.load_id) for reader in (theirs, ours)]
+        if any(type(m.storage_meta) is not type(read[0][0].storage_meta) or m.storage_meta.load_id != load_id
+               for m, load_id in read):
+            return "FileSystemReader.read_metadata no longer sets a StorageMeta with the reader's load_id"
+        state: dict = {"a": {"b": None}}
+        planner = checked_dcp_planner(ValueError)
+        planner.set_up_planner(state, written, is_coordinator=True)
+        index = dcp_metadata_module.MetadataIndex("a.b")
+        payload = io.BytesIO()
+        torch.save((0.9, 0.999), payload)
+        payload.seek(0)
+        planner.load_bytes(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]),
+                                    torch.Size([0])), payload)
+        if state != {"a": {"b": (0.9, 0.999)}}:
+            return "DefaultLoadPlanner no longer maps a flattened key to its place in the state dict it loads"
         return None
 
     probe(AUTOGRAD_GRAPH_TASK, graph_task)
