@@ -7,8 +7,8 @@ recipes name) it prints the batch arithmetic, the context length, an estimate of
 lengths, the vLLM share), what a vLLM server GPU holds, and the route bytes per rollout batch. A layout whose sizes
 cannot divide is refused in one line (:class:`PlanError`). The method and its margin: docs/recipes.md "Memory plan".
 
-Units: GB = 1e9 bytes. Estimates are upper bounds of the peak for the longest sequences the config allows; they were
-not yet compared with a measured peak on a GPU.
+Units: GB = 1e9 bytes. Estimates are meant as upper bounds of the peak for the longest sequences the config allows;
+compared with a measured peak once, at a small size (docs/recipes.md "Memory plan"), not at the recipes' sizes.
 """
 
 from __future__ import annotations
@@ -558,8 +558,8 @@ def format_plan(plan: Plan, config: str) -> str:
     if plan.cpu_gb:
         out.append(f"CPU memory for the offloaded state: {plan.cpu_gb:.0f} GB on the training node (all ranks)")
     out += plan.vllm_lines + plan.route_lines
-    out.append("verdict: " + ("fits" if plan.fits else "does NOT fit") + " (an estimate; not yet compared with a "
-               "measured peak on a GPU)")
+    out.append("verdict: " + ("fits" if plan.fits else "does NOT fit") + " (an estimate; measured against a GPU's "
+               "peak only at a small size: docs/recipes.md, Memory plan)")
     return "\n".join(out)
 
 
