@@ -368,6 +368,29 @@ def test_sigterm_saves_like_ctrl_c_and_says_what_a_kill_before_the_save_loses(tm
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_a_sigterm_whose_line_cannot_be_built_still_saves(tmp_path, capsys, monkeypatch):
+    """The handler runs inside whatever the main thread was doing: an error listing output_dir (a stale NFS handle)
+    must not escape into it (rank 0 dying there leaves the other ranks waiting in the boundary all-reduce)."""
+    def unlistable(output_dir):
+        raise OSError("Stale file handle")
+
+    monkeypatch.setattr(checkpoints, "newest_checkpoint", unlistable)
+    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
+                           gradient_accumulation_steps=2, world_size=1, device="cpu")
+    state, control = SimpleNamespace(is_world_process_zero=True, global_step=2), TrainerControl()
+    callback = SaveOnInterrupt()
+    callback.on_train_begin(args, state, control)
+    try:
+        signal.raise_signal(signal.SIGTERM)  # nothing raised here
+        assert capsys.readouterr().err == ("\nSIGTERM: saving a checkpoint at the end of this generation batch, then "
+                                           "stopping (the newest checkpoint could not be listed: OSError)\n")
+        state.global_step = 4
+        callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop
+    finally:
+        callback.on_train_end(args, state, control)
+
+
 def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
     """SLURM and torchrun signal every process, a Kubernetes pod only its own: a SIGTERM to rank 1 alone stops both
     ranks at the end of the generation batch (the all-reduce), each naming the same checkpoint."""

@@ -190,7 +190,18 @@ class SaveOnInterrupt(TrainerCallback):
         if self.requested_at is None:
             self.requested_at, self.signum = now, signum
             if self._is_main:
-                print("\n" + self._announcement(signum), file=sys.stderr, flush=True)
+                # nothing raised here may reach the code the signal interrupted: rank 0 dying there would leave the
+                # other ranks waiting in the step-boundary all-reduce until they are killed, with no checkpoint
+                try:
+                    line = self._announcement(signum)
+                except Exception as error:  # e.g. an OSError listing output_dir (a stale NFS handle)
+                    name = _NAMES.get(signum, f"signal {signum}")
+                    line = (f"{name}: saving a checkpoint at the end of this generation batch, then stopping "
+                            f"(the newest checkpoint could not be listed: {type(error).__name__})")
+                try:
+                    print("\n" + line, file=sys.stderr, flush=True)
+                except Exception:  # a closed or broken stderr: the save goes on without the line
+                    pass
         elif signum == signal.SIGINT and now - self.requested_at >= FORCE_AFTER_S:
             raise KeyboardInterrupt
 
