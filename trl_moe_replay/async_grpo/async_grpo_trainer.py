@@ -30,14 +30,6 @@ from typing import Any
 
 import torch
 from transformers.utils import logging
-from trl.experimental.async_grpo import AsyncGRPOTrainer
-from trl.experimental.async_grpo.async_grpo_trainer import (
-    DataCollatorForRollout,
-    FixedCountBatcher,
-    RolloutQueueDataset,
-    TokenBudgetBatcher,
-)
-from trl.trainer.utils import pad
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..engines.route_intake import RouteIntake
@@ -62,6 +54,11 @@ from ..trainer.precision import attach_update_probe
 from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
 from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 from ..upstream import (
+    AsyncGRPOTrainer,
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+    TokenBudgetBatcher,
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,

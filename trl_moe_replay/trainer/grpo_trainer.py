@@ -35,9 +35,6 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import pad
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..engines import TransformersRolloutRecorder
@@ -52,10 +49,13 @@ from ..routing.routes import CheckedRoutes
 from ..upstream import (
     assert_trl_compatible,
     checkpoint_run_dir,
+    disable_gradient_checkpointing,
     engine_logprob_correction,
     exclude_from_weight_sync,
     is_reference_forward,
     mark_vllm_weights_synced,
+    pad,
+    profiling_context,
     quiet_upstream_notices,
     vllm_generation_classes,
     vllm_request_fields,
