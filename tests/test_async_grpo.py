@@ -2,7 +2,10 @@
 checks the routes used token by token). The rollout side against the real vLLM CPU server is tests/test_async_engine.py.
 """
 
+import json
 import math
+import os
+import socket
 
 import numpy as np
 from datasets import Dataset
@@ -18,6 +21,7 @@ from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, 
 from trl_moe_replay.routing.engine import EngineTurn
 from trl_moe_replay.routing.routes import RouteLayout, check_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirInUseError
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
 from trl_moe_replay.async_grpo import cpu_tree_attention
 from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
@@ -338,6 +342,26 @@ def test_use_cpu_builds_on_a_machine_with_cuda(tmp_path, checkpoint, monkeypatch
     )
     assert trainer.accelerator.device.type == "cpu" and trainer._on_cpu
     assert type(trainer.weight_transfer).__name__ == "ReloadWeightTransfer"  # "auto" off CUDA: no NCCL
+
+
+def test_a_second_async_run_on_a_held_output_dir_is_refused_and_end_releases_the_lock(tmp_path, checkpoint):
+    """The sync trainer's lock (tests/test_fail_safe.py), by the same code: a live run of another process holds
+    output_dir (its lock names the parent process of this one, alive on this host): train() refuses in one line."""
+    lock_path = tmp_path / LOCK_NAME
+    lock_path.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "token": "theirs",
+                                     "started": "earlier"}))
+    samples, _ = script(checkpoint, versions=[0, 0, 1, 1, 2, 2])
+    trainer = scripted_trainer(tmp_path, checkpoint, samples, max_steps=1)
+    with pytest.raises(OutputDirInUseError, match=f"in use by another trainer: pid {os.getppid()} on ") as refused:
+        trainer.train()
+    assert "\n" not in str(refused.value) and trainer.state.global_step == 0
+    assert json.loads(lock_path.read_text())["token"] == "theirs"  # left alone
+    lock_path.unlink()  # that run ended
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert json.loads(lock_path.read_text())["pid"] == os.getpid()  # held after train(): save_model comes next
+    trainer.end()
+    assert not lock_path.exists()  # a later run, of any process, starts
 
 
 def test_r2_and_pr2_are_refused_with_the_reason(tmp_path):

@@ -18,7 +18,7 @@ MAY_IMPORT = {
     "routing": {"upstream"},  # only its TRL-free parts (TRL_FREE_SEAM)
     "upstream": set(),
     "bounded_json": set(),
-    "extras": set(),
+    "extras": {"upstream"},  # TRL's tool-response parser, through the seam
     "engines": {"routing", "upstream"},
     "parallel": {"upstream"},
     "checkpointing": {"parallel", "upstream", "bounded_json"},
@@ -245,6 +245,42 @@ def test_no_private_upstream_name_is_used_outside_the_seam():
                        "there, or declare an inherited name in its entry):\n" + "\n".join(leaks))
     unused = PENDING_REMOVAL - {(where, name) for where, name, _ in found}
     assert not unused, f"delete these allowances from PENDING_REMOVAL, their use is gone: {sorted(unused)}"
+
+
+# The fake vLLM server of trl_moe_replay.testing patches TRL's client and generation modules themselves (a test
+# harness, not the trainer's path): the one place outside the seam that imports a TRL module other than ``trl``.
+TRL_MODULE_IMPORTS_ALLOWED = {("testing/fake_vllm.py", "trl.generation")}
+
+
+def trl_imports_outside_the_seam(trees: dict[Path, ast.Module]) -> set[tuple[str, str]]:
+    """``(file, module)`` of every import of TRL from a module other than ``trl`` itself (``from trl.x import y``,
+    ``import trl.x``), lazy ones included, outside the seam."""
+    found = set()
+    for path, tree in trees.items():
+        if SEAM in path.parents:
+            continue
+        where = str(path.relative_to(PACKAGE))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            found |= {(where, module) for module in modules if module.startswith("trl.")}
+    return found
+
+
+def test_trl_is_imported_from_its_top_level_or_through_the_seam():
+    found = trl_imports_outside_the_seam(_package_trees())
+    leaks = sorted(found - TRL_MODULE_IMPORTS_ALLOWED)
+    assert not leaks, ("TRL imported from modules `trl` does not export, outside trl_moe_replay/upstream/ (add the "
+                       f"name to a seam entry and import it from there): {leaks}")
+    assert TRL_MODULE_IMPORTS_ALLOWED <= found, f"allowances no longer used: {TRL_MODULE_IMPORTS_ALLOWED - found}"
+    leaky = ast.parse("import trl.foo\nfrom trl import GRPOTrainer\n\n\n"
+                      "def f():\n    from trl.trainer.utils import pad\n")
+    assert trl_imports_outside_the_seam({PACKAGE / "leaky.py": leaky}) == {("leaky.py", "trl.foo"),
+                                                                          ("leaky.py", "trl.trainer.utils")}
 
 
 def test_the_scan_sees_each_kind_of_leak():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trl.experimental.async_grpo import AsyncGRPOConfig
-
 from ..trainer.config_checks import check_config
 from ..trainer.routing_options import (
     ASYNC_TRAINER,
@@ -14,6 +12,7 @@ from ..trainer.routing_options import (
     default_routing_metrics,
     resolve_sync_check,
 )
+from ..upstream import AsyncGRPOConfig
 
 
 @dataclass

@@ -30,14 +30,6 @@ from typing import Any
 
 import torch
 from transformers.utils import logging
-from trl.experimental.async_grpo import AsyncGRPOTrainer
-from trl.experimental.async_grpo.async_grpo_trainer import (
-    DataCollatorForRollout,
-    FixedCountBatcher,
-    RolloutQueueDataset,
-    TokenBudgetBatcher,
-)
-from trl.trainer.utils import pad
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..engines.route_intake import RouteIntake
@@ -48,6 +40,7 @@ from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
 from ..trainer.launch import checked_model_name
 from ..trainer.model_card import write_model_card
+from ..trainer.output_lock import claim_output_dir, hold_output_dir
 from ..trainer.metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -61,6 +54,11 @@ from ..trainer.precision import attach_update_probe
 from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
 from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 from ..upstream import (
+    AsyncGRPOTrainer,
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+    TokenBudgetBatcher,
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
@@ -268,6 +266,8 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=True, accelerator=self.accelerator,
                                                 base_url=args.vllm_server_base_url,
                                                 tolerance=option(args, "sync_check_tolerance"))
+        # one run per output_dir, as the sync trainer: claimed by the main process in train(), held until end() or GC
+        self._output_lock = hold_output_dir(self)
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
         if not carries_routes:
             return
@@ -294,8 +294,17 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
     def train(self, *args, **kwargs):
+        """``AsyncGRPOTrainer.train``, after claiming ``output_dir`` for this run
+        (:mod:`trl_moe_replay.trainer.output_lock`): ``OutputDirInUseError`` on every rank when another live trainer
+        writes there (with ``routing_replay="none"``, plain TRL, a loud warning instead)."""
+        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
             return super().train(*args, **kwargs)
+
+    def end(self):
+        """``Trainer.end``, after releasing ``output_dir``."""
+        self._output_lock.release()
+        super().end()
 
     # ------------------------------------------------------------------ rollout samples -> rows
     def _align_sample(self, sample) -> CheckedRoutes:

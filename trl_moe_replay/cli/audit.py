@@ -41,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import GenerationConfig
-from trl.trainer.utils import pad
 
 from ..engines import TransformersRolloutRecorder
 from ..routing import RouterReplay, has_route
@@ -56,6 +55,7 @@ from ..trainer.metrics import (
     routable_positions,
     routing_agreement_sums,
 )
+from ..upstream import pad
 
 TINY_PREFIX = "tiny:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -82,7 +82,7 @@ def tiny_tokenizer(tools: bool = False) -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     if tools:
-        from trl.chat_template_utils import qwen3_template
+        from ..upstream import qwen3_template
 
         tokenizer.chat_template = TOOL_CHAT_TEMPLATE
         tokenizer.response_template = qwen3_template

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import weakref
 
 import torch
 from accelerate.utils import is_peft_model
@@ -36,9 +35,6 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import pad
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..engines import TransformersRolloutRecorder
@@ -53,10 +49,13 @@ from ..routing.routes import CheckedRoutes
 from ..upstream import (
     assert_trl_compatible,
     checkpoint_run_dir,
+    disable_gradient_checkpointing,
     engine_logprob_correction,
     exclude_from_weight_sync,
     is_reference_forward,
     mark_vllm_weights_synced,
+    pad,
+    profiling_context,
     quiet_upstream_notices,
     vllm_generation_classes,
     vllm_request_fields,
@@ -79,7 +78,7 @@ from .metrics import (
     routing_agreement_sums,
 )
 from .objectives import MoEObjectivesMixin
-from .output_lock import OutputDirLock, claim_output_dir
+from .output_lock import claim_output_dir, hold_output_dir
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
 from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
@@ -166,8 +165,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             self._routes = RouteFlow(settings, self._route_replay, self._ref_route_replay, pr2=self._pr2 is not None,
                                      router_shift=self._router_probes is not None)
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
-        self._output_lock = OutputDirLock(self.args.output_dir)
-        weakref.finalize(self, self._output_lock.release)
+        self._output_lock = hold_output_dir(self)
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
 
     def _build_route_intake(self, args) -> RouteIntake:

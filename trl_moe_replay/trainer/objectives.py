@@ -20,10 +20,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from trl.trainer.utils import nanmax, nanmin
 
 from ..routing.router_probs import RouterProbes
-from ..upstream import MINIRL_TRL_BRANCH, run_loss_on_trl_branch, set_old_logps_for_loss
+from ..upstream import MINIRL_TRL_BRANCH, nanmax, nanmin, run_loss_on_trl_branch, set_old_logps_for_loss
 from .grpo_config import MOE_LOSS_TYPES
 from .losses import (
     completion_aligned,

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 from transformers.utils import logging
@@ -121,6 +122,15 @@ class OutputDirLock:
                 return
             with contextlib.suppress(OSError):
                 os.utime(self.path)
+
+
+def hold_output_dir(trainer) -> OutputDirLock:
+    """The lock of ``trainer.args.output_dir`` for ``trainer`` (sync or async), released when the trainer is garbage
+    collected. Both trainers build it in ``__init__``, claim it in ``train()`` (:func:`claim_output_dir`) and release
+    it in ``end()``."""
+    lock = OutputDirLock(trainer.args.output_dir)
+    weakref.finalize(trainer, lock.release)
+    return lock
 
 
 def claim_output_dir(lock: OutputDirLock, state, *, strict: bool = True) -> None:

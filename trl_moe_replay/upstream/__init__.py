@@ -15,14 +15,17 @@ touching the private name, and the part's check.
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
                             ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
-                            ``tool_turn_rendering``, ``trl_public_apis``, ``model_card_identity``
-``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_packing``
+                            ``tool_turn_rendering``, ``trl_public_apis``, ``model_card_identity``,
+                            ``trl_utilities``
+``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_grpo_classes``,
+                            ``async_packing``
 ==========================  ==========================================================================================
 
 ``torch_seam`` and ``transformers_seam`` import no TRL (the routing package uses them), and neither does this index:
 the TRL parts load on first use of one of their names (PEP 562), so ``from trl_moe_replay.upstream import
 engine_logprob_correction`` works as an eager import would. :func:`check_upstream` runs every part's check.
-``tests/test_layout.py`` fails if a private upstream name is used outside this package. vLLM's private names live in
+``tests/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name is imported
+from anywhere but ``trl`` itself. vLLM's private names live in
 ``trl_moe_replay_vllm_plugin`` (loaded by vLLM in its own processes; it imports nothing of ours).
 """
 
@@ -43,11 +46,13 @@ _LAZY = {
                      "http_vllm_client", "vllm_generation_classes", "vllm_sampling_params_class", "vllm_request_fields",
                      "exclude_from_weight_sync",
                      "trl_named_params", "map_weight_sync_tensors", "vllm_weights_stale", "mark_vllm_weights_synced",
-                     "wake_colocated_weights", "model_card_identity"),
+                     "wake_colocated_weights", "model_card_identity", "pad", "nanmin", "nanmax", "profiling_context",
+                     "disable_gradient_checkpointing", "add_response_schema", "parse_response", "qwen3_template"),
                     "trl_seam"),
     **dict.fromkeys(("check_async_trl", "assert_async_trl_compatible", "async_worker_classes", "worker_loop_kwargs",
                      "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
-                     "tree_attention_kernel"), "trl_async_seam"),
+                     "tree_attention_kernel", "AsyncGRPOTrainer", "AsyncGRPOConfig", "RolloutQueueDataset",
+                     "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
                      "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
                      "parallel_plan_styles"),
@@ -79,6 +84,12 @@ if TYPE_CHECKING:
         saved_weight_layout,
     )
     from .trl_async_seam import (
+        AsyncGRPOConfig,
+        AsyncGRPOTrainer,
+        DataCollatorForRollout,
+        FixedCountBatcher,
+        RolloutQueueDataset,
+        TokenBudgetBatcher,
         assert_async_trl_compatible,
         async_adapter_only_sync,
         async_trainer_globals,
@@ -90,6 +101,14 @@ if TYPE_CHECKING:
     )
     from .trl_seam import (
         MINIRL_TRL_BRANCH,
+        add_response_schema,
+        disable_gradient_checkpointing,
+        nanmax,
+        nanmin,
+        pad,
+        parse_response,
+        profiling_context,
+        qwen3_template,
         TRL_RANGE,
         TRL_READ,
         assert_trl_compatible,

@@ -105,6 +105,27 @@ def async_adapter_only_sync(trainer: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# async_grpo_classes: the classes the async trainer subclasses or hands TRL in place of its own, loaded here and only
+#    here (tests/test_layout.py), on first use (importing trl.experimental warns): AsyncGRPOTrainer and
+#    AsyncGRPOConfig (exported by trl.experimental.async_grpo), RolloutQueueDataset, FixedCountBatcher,
+#    TokenBudgetBatcher and DataCollatorForRollout (module globals of async_grpo_trainer the package does not export;
+#    their replacement is entry async_trainer_globals).
+# ---------------------------------------------------------------------------------------------------------------
+ASYNC_GRPO_CLASSES = entry("async_grpo_classes", "trl", TRL_READ, TRL_VERIFIED)
+CLASS_MODULES = {"AsyncGRPOTrainer": "async_grpo_trainer", "AsyncGRPOConfig": "async_grpo_config",
+                 **dict.fromkeys(("RolloutQueueDataset", "FixedCountBatcher", "TokenBudgetBatcher",
+                                  "DataCollatorForRollout"), "async_grpo_trainer")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in CLASS_MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_async_module(CLASS_MODULES[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # async_packing: trl/experimental/async_grpo/packing.py.
 #    TreeRow.fits/add key the trie on (token, next token) (our RoutedTreeRow adds the route), pack() lays nodes out
 #    in DFS pre-order; tree_attention looks the module global _flash_attn up at call time (FA3 through
@@ -153,6 +174,9 @@ def check_async_trl() -> tuple[Finding, ...]:
            "AsyncRolloutWorker._loop_cls is no longer _AsyncRolloutLoop")
     expect(ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample),
            "RolloutSample is no longer a slots dataclass")
+    for name, module_name in CLASS_MODULES.items():
+        expect(ASYNC_GRPO_CLASSES, isinstance(getattr(_async_module(module_name), name, None), type),
+               f"{ASYNC_PACKAGE}.{module_name}.{name} is no longer a class")
     for name in TRAINER_GLOBALS:
         expect(ASYNC_TRAINER_GLOBALS, hasattr(trainer, name),
                f"async_grpo_trainer no longer has the module global {name}")

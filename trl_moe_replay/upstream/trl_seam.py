@@ -31,6 +31,10 @@ from typing import Any
 import torch
 import trl
 from trl import GRPOTrainer
+from trl.chat_template_utils import add_response_schema, parse_response, qwen3_template
+from trl.extras.profiling import profiling_context
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanmax, nanmin, pad
 
 from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
@@ -419,11 +423,30 @@ PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
     "disable_gradient_checkpointing": ("trl.models.utils", ("model", "gradient_checkpointing_kwargs")),
 }
 
+# ---------------------------------------------------------------------------------------------------------------
+# trl_utilities: TRL functions the package calls from modules `trl` does not export, imported here and only here
+#    (tests/test_layout.py), so that a TRL which moves or changes one fails this check by name: pad
+#    (trl/trainer/utils.py; checked and probed by entry padded_width), nanmin(tensor)/nanmax(tensor)
+#    (trl/trainer/utils.py: the minimum/maximum ignoring NaN, NaN when every value is; the sync trainer logs its clip
+#    ratios with them as TRL does), profiling_context(trainer, name) (trl/extras/profiling.py: times the block into
+#    the trainer's logs), add_response_schema(processing_class) and qwen3_template (trl/chat_template_utils.py: the
+#    tool-calling tokenizer of the math cold start and of trl_moe_replay.testing). disable_gradient_checkpointing and
+#    parse_response are entry trl_public_apis.
+# ---------------------------------------------------------------------------------------------------------------
+TRL_UTILITIES = _trl_entry("trl_utilities")
+UTILITIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "nanmin": ("trl.trainer.utils", ("tensor",)),
+    "nanmax": ("trl.trainer.utils", ("tensor",)),
+    "profiling_context": ("trl.extras.profiling", ("trainer", "name")),
+    "add_response_schema": ("trl.chat_template_utils", ("processing_class",)),
+}
+
 # Module globals of TRL the seam reads or replaces, by entry (checked to exist; their behaviour is probed below).
 MODULE_GLOBALS: dict[Entry, tuple[str, tuple[str, ...]]] = {
     PADDED_WIDTH: ("trl.trainer.utils", ("pad",)),
     HTTP_VLLM_CLIENT: ("trl.generation.vllm_client", ("is_vllm_available", "VLLMClient")),
     VLLM_GENERATION_CLASSES: (_VLLM_GENERATION_MODULE, ("VLLMClient", "VLLMGeneration")),
+    TRL_UTILITIES: ("trl.chat_template_utils", ("qwen3_template",)),
 }
 # Signatures of the TRL functions the seam calls or whose behaviour it relies on, by entry.
 SIGNATURES: dict[Entry, dict[str, tuple[str, tuple[str, ...]]]] = {
@@ -443,6 +466,7 @@ SIGNATURES: dict[Entry, dict[str, tuple[str, tuple[str, ...]]]] = {
     },
     REFERENCE_FORWARD: {"use_adapter": ("trl.trainer.utils", ("model", "adapter_name"))},
     TRL_PUBLIC_APIS: PUBLIC_APIS,
+    TRL_UTILITIES: UTILITIES,
 }
 
 
@@ -737,6 +761,17 @@ def _probe_weight_sync_params(trainer_class: type) -> str | None:
     return None
 
 
+def _probe_nan_extrema(trainer_class: type) -> str | None:
+    utils = _import("trl.trainer.utils")
+    values, all_nan = torch.tensor([float("nan"), 2.0, -1.0]), torch.full((2,), float("nan"))
+    got = (utils.nanmin(values).item(), utils.nanmax(values).item(), utils.nanmin(all_nan).item(),
+           utils.nanmax(all_nan).item())
+    if got[:2] != (-1.0, 2.0) or not all(math.isnan(v) for v in got[2:]):
+        return (f"trl.trainer.utils.nanmin/nanmax of [nan, 2, -1] and [nan, nan] give {got}, not -1, 2 (NaN ignored) "
+                "and NaN, NaN")
+    return None
+
+
 _PROBES: tuple[tuple[Entry, Callable[[type], str | None]], ...] = (
     (OLD_LOGPS_AFTER_FORWARD, _probe_old_logps_after_forward),
     (LOSS_BRANCH, _probe_loss_branch),
@@ -744,6 +779,7 @@ _PROBES: tuple[tuple[Entry, Callable[[type], str | None]], ...] = (
     (ENGINE_LOGPROB_CORRECTION, _probe_engine_correction_in_scoring),
     (MINIRL_ON_VESPO, _probe_minirl_on_vespo),
     (PADDED_WIDTH, _probe_padded_width),
+    (TRL_UTILITIES, _probe_nan_extrema),
     (REFERENCE_FORWARD, _probe_reference_forward),
     (VLLM_SYNC_TRIGGER, _probe_vllm_sync_trigger),
     (WEIGHT_SYNC_PARAMS, _probe_weight_sync_params),

@@ -306,7 +306,7 @@ def sampled_tool_rollouts(model, tokenizer, prompts, solutions, tools: Sequence[
     (parsed by TRL's response parser), the tools run on its calls, the results appended (:func:`tool_suffix_ids`),
     a second turn. Returns ``sampled_accuracy`` (of the final turns), ``tool_call_rate`` (first turns that parse
     into at least one tool call) and ``tool_failure_rate`` (calls that raised or named no tool, of all calls)."""
-    from trl.chat_template_utils import add_response_schema, parse_response
+    from ...upstream import add_response_schema, parse_response
 
     nan = float("nan")
     if num_samples <= 0 or not prompts:
