@@ -482,7 +482,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
                   "log-softmax, gradient)"))
     route_bytes = 1 if model.experts <= 256 else 2
     routes_rank = batch["rollout"] / n * s * model.moe_layers * k * route_bytes
-    if values.get("routing_replay", "r3") != "none":
+    from ..trainer.routing_options import ReplayMode
+
+    if ReplayMode.parse(values["routing_replay"]).replays:  # the config's value, or the declared default
         lines.append(("routes of the rollout batch", routes_rank / GB,
                       f"this rank's {batch['rollout'] // n} completions x {s} x {model.moe_layers} x {k}"))
     lines.append(("CUDA context, NCCL, workspaces", FIXED_GB, "fixed"))
