@@ -30,12 +30,14 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
+from ..errors import TrlMoeReplayError
 
-class ConfigTypeError(TypeError, ValueError):
+
+class ConfigTypeError(TrlMoeReplayError, TypeError, ValueError):
     """A config value of the wrong type (a ``ValueError`` too, like the other config refusals)."""
 
 
-class ConfigValueError(ValueError):
+class ConfigValueError(TrlMoeReplayError, ValueError):
     """A config value of the right type outside the range its field can mean (NaN, a negative count, ...)."""
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..errors import TrlMoeReplayError
 from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES  # noqa: F401  (kept importable from here)
 from .config_checks import ConfigTypeError, ConfigValueError, check_config
 from .routing_options import (
@@ -47,7 +48,7 @@ def check_generation_kwargs(args: GRPOConfig) -> None:
         kwargs[key] = int(value)  # a numpy integer as the Python int vLLM's request and transformers expect
 
 
-class UnrecordableGenerationError(ValueError):
+class UnrecordableGenerationError(TrlMoeReplayError, ValueError):
     """Generation settings under which the routes or sampling log-probs that replay, its metrics or the
     transformers-path correction need cannot be kept. Refused only with one of those on: ``routing_replay="none"``
     (with metrics and the correction left unset) is plain TRL and takes them."""

@@ -32,6 +32,7 @@ import torch
 import trl
 from trl import GRPOTrainer
 
+from ..errors import TrlMoeReplayError
 from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
@@ -502,7 +503,7 @@ def _import(name: str) -> Any:
 # Behavioural probes: each runs TRL's own function on a tiny input with a stand-in `self` and returns what no longer
 # holds (None: the behaviour the entry relies on is there).
 # ---------------------------------------------------------------------------------------------------------------
-class _ProbeStop(Exception):
+class _ProbeStop(TrlMoeReplayError):
     """Raised by a probe's stand-in once it has seen what it looks for."""
 
 
