@@ -380,7 +380,7 @@ def check_config(config, own_class: type) -> None:
         refusal = upstream_refusal(upstream, name, value, config)
         if refusal is not None:
             raise UpstreamValueError(name, value, refusal)
-    sync_dir = getattr(config, "vllm_sync_dir", None)
+    sync_dir = config.vllm_sync_dir  # both configs declare it (RoutingOptions)
     if sync_dir is not None and os.path.exists(sync_dir) and not os.path.isdir(sync_dir):
         raise ConfigValueError(f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a "
                                "file; name a folder")

@@ -18,7 +18,9 @@ from .routing_options import (
     ReplayMode,
     ReplaySettings,
     RoutingOptions,
+    declare_defaults,
     default_routing_metrics,
+    option,
     resolve_sync_check,
     default_transformers_correction,
 )
@@ -154,7 +156,7 @@ def check_generation_support(args: GRPOConfig) -> None:
                 "use_transformers_continuous_batching=False (plain generate records them), use vLLM, or use "
                 "routing_replay='r2' (routes recorded by the trainer itself)."
             )
-        if getattr(args, "transformers_importance_sampling_correction", None):
+        if option(args, "transformers_importance_sampling_correction"):
             raise UnrecordableGenerationError(
                 "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
                 "use_transformers_continuous_batching=True does not return them. Turn one of them off."
@@ -440,3 +442,7 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
                 "needs the rollout log-probs that transformers_importance_sampling_correction records, and it is off",
                 "Leave transformers_importance_sampling_correction unset (or True).",
             )
+
+
+# A plain TRL GRPOConfig given to the sync trainer lacks the fields above: option() reads their defaults from here.
+declare_defaults(MoEReplayGRPOConfig)
