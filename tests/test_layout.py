@@ -15,19 +15,20 @@ PACKAGE = ROOT / "trl_moe_replay"
 
 # What each part of the package may import from the others (docs/architecture.md, "Dependency direction").
 MAY_IMPORT = {
-    "routing": {"upstream"},  # only its TRL-free parts (TRL_FREE_SEAM)
-    "upstream": set(),
-    "bounded_json": set(),
-    "extras": {"upstream"},  # TRL's tool-response parser, through the seam
-    "engines": {"routing", "upstream"},
-    "parallel": {"upstream"},
-    "checkpointing": {"parallel", "upstream", "bounded_json"},
-    "trainer": {"checkpointing", "engines", "parallel", "routing", "upstream", "bounded_json"},
-    "async_grpo": {"checkpointing", "engines", "parallel", "routing", "trainer", "upstream"},
-    "testing": {"engines", "routing", "upstream"},
+    "routing": {"upstream", "errors"},  # only its TRL-free parts (TRL_FREE_SEAM)
+    "upstream": {"errors"},
+    "errors": set(),
+    "bounded_json": {"errors"},
+    "extras": {"upstream", "errors"},  # TRL's tool-response parser, through the seam
+    "engines": {"routing", "upstream", "errors"},
+    "parallel": {"upstream", "errors"},
+    "checkpointing": {"parallel", "upstream", "bounded_json", "errors"},
+    "trainer": {"checkpointing", "engines", "parallel", "routing", "upstream", "bounded_json", "errors"},
+    "async_grpo": {"checkpointing", "engines", "parallel", "routing", "trainer", "upstream", "errors"},
+    "testing": {"engines", "routing", "upstream", "errors"},
     "cli": {"async_grpo", "checkpointing", "engines", "extras", "parallel", "routing", "testing", "trainer", "upstream",
-            "bounded_json"},
-    "__init__": {"async_grpo", "checkpointing", "engines", "routing", "trainer"},
+            "bounded_json", "errors"},
+    "__init__": {"async_grpo", "checkpointing", "engines", "errors", "routing", "trainer"},
 }
 
 

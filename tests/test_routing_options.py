@@ -98,3 +98,45 @@ def test_no_mode_is_compared_as_a_string_outside_its_definition():
     found = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name != "routing_options.py"
              for hit in _mode_comparisons(path)]
     assert found == []
+
+
+def test_a_plain_trl_config_reads_the_declared_defaults():
+    """``option`` falls back to the default the config declares (RoutingOptions', and MoEReplayGRPOConfig's own
+    fields), for a plain TRL config that lacks the field; our config's own value wins."""
+    from trl import GRPOConfig
+
+    from trl_moe_replay.trainer.routing_options import option
+
+    plain = GRPOConfig(**BASE)
+    declared = {f.name: f.default for f in dataclasses.fields(MoEReplayGRPOConfig)}
+    for name in ("replay_reference_model", "transformers_importance_sampling_correction", "pr2_lr_multiplier",
+                 "pr2_cached_tokens_per_sequence", "pr2_rollout_prediction", "router_shift_weighting",
+                 "router_shift_gamma_min", "minirl_is_cap", "extreme_token_threshold"):
+        assert not hasattr(plain, name), name
+        assert option(plain, name) == declared[name], name
+    ours = MoEReplayGRPOConfig(**BASE, routing_replay="none", minirl_is_cap=2.0)
+    assert option(ours, "minirl_is_cap") == 2.0
+    with pytest.raises(KeyError):  # a TRL field is never given a default of ours
+        option(plain, "loss_type_typo")
+
+
+def _getattr_defaults(path: Path) -> list[str]:
+    """``getattr(x, "name", default)`` calls in ``path`` whose ``name`` is a field of our configs with a default."""
+    declared = {f.name for config in (MoEReplayGRPOConfig, MoEReplayAsyncGRPOConfig) for f in dataclasses.fields(config)
+                if f.default is not dataclasses.MISSING}
+    from trl import GRPOConfig
+
+    trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in declared - trl_fields):
+            hits.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return hits
+
+
+def test_no_config_default_is_restated_in_a_getattr_in_the_sync_trainer():
+    """The sync trainer reads our fields through ``option`` (one declared default), never ``getattr(args, name, x)``."""
+    found = [hit for path in sorted((PACKAGE / "trainer").glob("*.py")) for hit in _getattr_defaults(path)]
+    assert found == []

@@ -24,6 +24,7 @@ _PUBLIC = {
     "RouteValidationError": "trl_moe_replay.routing",
     "RouterReplay": "trl_moe_replay.routing",
     "RoutesUnavailableError": "trl_moe_replay.engines",
+    "TrlMoeReplayError": "trl_moe_replay.errors",
     "UnsupportedModelError": "trl_moe_replay.routing",
     "decode_routed_experts": "trl_moe_replay.routing",
     "encode_routed_experts": "trl_moe_replay.routing",
@@ -32,6 +33,7 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from .engines import RoutesUnavailableError
+    from .errors import TrlMoeReplayError
     from .routing import (
         RouteAlignmentError,
         RouterReplay,
@@ -62,6 +64,7 @@ __all__ = [
     "RouteValidationError",
     "RouterReplay",
     "RoutesUnavailableError",
+    "TrlMoeReplayError",
     "UnsupportedModelError",
     "__version__",
     "decode_routed_experts",

@@ -7,8 +7,8 @@ a memory limit). :func:`read_json_file` counts, before parsing, the bytes that c
 ``{``, ``,`` and ``:``; a count that can only over-estimate, as those inside strings count too) and refuses a file
 with more than ``max_values`` of them, so parsing builds at most that many objects. It is the one reader of
 ``plot`` (cli/plotting.py), ``describe_run`` (checkpointing/checkpoints.py), the output-dir lock (trainer/output_lock.py)
-and the resume pre-flight's ``trainer_state.json`` (checkpointing/checkpoint_files.py); it imports nothing of the package,
-so ``plot`` still runs without TRL or torch.
+and the resume pre-flight's ``trainer_state.json`` (checkpointing/checkpoint_files.py); it imports nothing of the package
+but ``errors.py`` (which imports nothing), so ``plot`` still runs without TRL or torch.
 
 Only a regular file is read, checked on the opened file (``fstat``: a link to ``/dev/zero``, a FIFO or a folder is
 refused, and the file cannot be swapped between check and read); ``O_NONBLOCK`` keeps the open of a FIFO from
@@ -22,6 +22,8 @@ import os
 import stat
 from typing import Any
 
+from .errors import TrlMoeReplayError
+
 #: Largest file read (bytes): a long run's trainer_state.json (every step logged) stays far below it.
 MAX_JSON_BYTES = 256 * 2**20
 #: Most values (and keys) parsing may build: about 100 bytes each at worst in CPython (an empty dict and its slot),
@@ -31,7 +33,7 @@ MAX_JSON_VALUES = 8 * 2**20
 _VALUE_STARTS = (b"[", b"{", b",", b":")
 
 
-class JSONFileError(ValueError):
+class JSONFileError(TrlMoeReplayError, ValueError):
     """A JSON file that is not read: not a regular file, too large, too many values to parse, not valid UTF-8 JSON,
     nested too deeply, or holding a number Python will not convert (an integer of more than 4,300 digits)."""
 

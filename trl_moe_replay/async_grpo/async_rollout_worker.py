@@ -30,6 +30,7 @@ import numpy as np
 
 from transformers.utils import logging
 
+from ..errors import TrlMoeReplayError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..upstream import async_worker_classes
 
@@ -39,7 +40,7 @@ logger = logging.get_logger(__name__)
 __all__ = ["RolloutWorkerDiedError", "RoutedAsyncRolloutWorker", "RoutedRolloutLoop", "RoutedRolloutSample"]
 
 
-class RolloutWorkerDiedError(RuntimeError):
+class RolloutWorkerDiedError(TrlMoeReplayError, RuntimeError):
     """The rollout worker's child process is gone (killed, or crashed without reporting an exception)."""
 
 

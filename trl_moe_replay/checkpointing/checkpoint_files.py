@@ -62,6 +62,7 @@ from transformers.utils import (
 )
 
 from ..bounded_json import JSONFileError, read_json_file
+from ..errors import TrlMoeReplayError
 from ..upstream import DCPMetadataUnpickler, dcp_storage_info_class
 
 MODEL_WEIGHT_NAMES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
@@ -93,7 +94,7 @@ MAX_DCP_METADATA_BYTES = 256 * 2**20
 TENSOR_ENTRIES = ("model.", "optimizer.state.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TrlMoeReplayError, ValueError):
     """A checkpoint a resume cannot restore exactly: refused, in one line, before the model changes."""
 
 

@@ -46,6 +46,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..bounded_json import read_json_file
+from ..errors import TrlMoeReplayError
 from .checkpoint_files import check_checkpoint_files
 
 logger = logging.get_logger(__name__)
@@ -65,7 +66,7 @@ _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
 
-class NoCheckpointError(FileNotFoundError):
+class NoCheckpointError(TrlMoeReplayError, FileNotFoundError):
     """Asked to resume, but the output directory holds no complete checkpoint."""
 
 

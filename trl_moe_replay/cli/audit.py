@@ -43,6 +43,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..engines import TransformersRolloutRecorder
+from ..errors import TrlMoeReplayError
 from ..routing import RouterReplay, has_route
 from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing.engine import EngineTurn, decode_routed_experts
@@ -180,7 +181,7 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
     return causal_lm.eval(), tokenizer
 
 
-class ModelWeightsError(ValueError):
+class ModelWeightsError(TrlMoeReplayError, ValueError):
     """A checkpoint's weight file cannot be read (truncated by an interrupted save or copy, or not a weight file)."""
 
 

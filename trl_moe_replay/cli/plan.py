@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import TrlMoeReplayError
+
 GB = 1e9
 MARGIN = 0.10  # of each GPU's memory, kept free: allocator fragmentation, unmodelled buffers (docs/recipes.md)
 FIXED_GB = 3.0  # per training GPU: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
@@ -31,7 +33,7 @@ VLLM_SERVER_UTILIZATION = 0.9  # `vllm serve --gpu-memory-utilization` default
 ROOT_OF_RECIPES = Path(__file__).resolve().parents[2]  # a clone's root: recipes/accelerate/*.yaml live there
 
 
-class PlanError(ValueError):
+class PlanError(TrlMoeReplayError, ValueError):
     """A layout whose sizes cannot divide, or a config or model the plan cannot read."""
 
 

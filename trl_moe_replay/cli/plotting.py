@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from ..bounded_json import MAX_JSON_BYTES, JSONFileError, read_json_file
+from ..errors import TrlMoeReplayError
 
 #: Log-history keys that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(
@@ -77,7 +78,7 @@ MAX_DRAWN_MAGNITUDE = 1e300
 logger = logging.getLogger(__name__)
 
 
-class RunFileRefusedError(OSError):
+class RunFileRefusedError(TrlMoeReplayError, OSError):
     """A run folder's folder that ``plot`` will not write through: a symlinked ``plots/``, one that is not a folder."""
 
 
@@ -202,7 +203,7 @@ def moving_average(values: Sequence[float], min_points: int = 20) -> list[float]
     return out
 
 
-class MatplotlibMissingError(ImportError):
+class MatplotlibMissingError(TrlMoeReplayError, ImportError):
     """``plot`` needs matplotlib, an optional dependency (the ``plot`` extra)."""
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from ..errors import TrlMoeReplayError
 from ..routing.engine import EngineTurn, checked_routes_from_engine
 from ..routing.errors import RouteAlignmentError
 from ..routing.routes import CheckedRoutes, RouteLayout
@@ -35,7 +36,7 @@ from ..routing.routes import CheckedRoutes, RouteLayout
 logger = logging.get_logger(__name__)
 
 
-class RoutesUnavailableError(RuntimeError):
+class RoutesUnavailableError(TrlMoeReplayError, RuntimeError):
     """The inference engine returned no routed experts, so R3 has nothing to replay."""
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..errors import TrlMoeReplayError
+
 if TYPE_CHECKING:
     import requests
 
@@ -20,11 +22,11 @@ __all__ = ["ServerModeDependencyError", "VLLMServerUnavailableError", "http_clie
            "served_model_name"]
 
 
-class VLLMServerUnavailableError(RuntimeError):
+class VLLMServerUnavailableError(TrlMoeReplayError, RuntimeError):
     """The vLLM server did not answer a request (down, restarting, or unreachable), or refused it."""
 
 
-class ServerModeDependencyError(ImportError):
+class ServerModeDependencyError(TrlMoeReplayError, ImportError):
     """vLLM server mode needs ``requests``, which a plain install (no extras) does not bring."""
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TrlMoeReplayError
 from ..upstream import vllm_sampling_params_class
 from .server_requests import post_to_server, served_model_name
 
@@ -55,7 +56,7 @@ EngineScorer = Callable[[list[int]], torch.Tensor]  # probe -> the engine's log-
 TrainerScorer = Callable[[torch.nn.Module, list[int]], torch.Tensor]  # model, probe -> the same from the trainer
 
 
-class EngineSyncError(RuntimeError):
+class EngineSyncError(TrlMoeReplayError, RuntimeError):
     """A weight sync left the vLLM engine without the trainer's weights (the subclass says how)."""
 
 
@@ -71,7 +72,7 @@ class EngineProbeNotFiniteError(EngineSyncError):
     """The engine answered the sync probe with a NaN or infinite log-prob: no tolerance can compare it."""
 
 
-class SyncCheckUnavailableError(ValueError):
+class SyncCheckUnavailableError(TrlMoeReplayError, ValueError):
     """``vllm_sync_check=True`` asked for where the engine cannot be probed around a sync."""
 
 

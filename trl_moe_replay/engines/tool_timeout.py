@@ -21,8 +21,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import TrlMoeReplayError
 
-class ToolTimeoutError(TimeoutError):
+
+class ToolTimeoutError(TrlMoeReplayError, TimeoutError):
     """A tool call did not return within its time limit."""
 
 

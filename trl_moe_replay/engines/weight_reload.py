@@ -35,6 +35,7 @@ from accelerate.utils import is_peft_model
 from safetensors.torch import save_file
 from transformers.utils import logging
 
+from ..errors import TrlMoeReplayError
 from ..upstream import trl_named_params, wake_colocated_weights
 from .server_requests import VLLMServerUnavailableError, http_client, post_to_server
 from .vllm_weights import engine_weights
@@ -59,7 +60,7 @@ _RELOAD_REMEDY = ("vllm_weight_sync='reload' needs the server's dev-mode endpoin
                   "`trl vllm-serve` sets) and read access to the sync folder (vllm_sync_dir).")
 
 
-class WeightSyncDirError(ValueError):
+class WeightSyncDirError(TrlMoeReplayError, ValueError):
     """The reload sync's folder holds weight files of its own, which vLLM would load with (or instead of) the sync's."""
 
 

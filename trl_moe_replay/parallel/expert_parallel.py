@@ -34,17 +34,18 @@ from typing import Any
 
 import torch
 
+from ..errors import TrlMoeReplayError
 from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors, parallel_plan_styles
 from .sharded import full_tensor, is_sharded_at_load
 
 DISTRIBUTED_CONFIG = "distributed_config"  # the model_init_kwargs key (from_pretrained's argument)
 
 
-class ParallelSizesError(ValueError):
+class ParallelSizesError(TrlMoeReplayError, ValueError):
     """The parallel sizes asked for cannot run: wrong product, a combination this machine or package refuses."""
 
 
-class ShardedAtLoadUnsupportedError(ValueError):
+class ShardedAtLoadUnsupportedError(TrlMoeReplayError, ValueError):
     """A feature that does not support a model sharded at load time (``DistributedConfig``) was asked for with one."""
 
 

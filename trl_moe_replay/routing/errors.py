@@ -6,13 +6,14 @@ transformers no longer matches an entry of the seam) is the seam's, re-exported 
 raises.
 """
 
+from ..errors import TrlMoeReplayError
 from ..upstream.entries import TransformersChangedError
 
 __all__ = ["RouteAlignmentError", "RouteValidationError", "TransformersChangedError", "TransformersTooOldError",
            "UnsupportedModelError"]
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(TrlMoeReplayError, ValueError):
     """The model has no MoE router of a supported family, or its routers cannot be replayed."""
 
 
@@ -20,7 +21,7 @@ class TransformersTooOldError(UnsupportedModelError):
     """The model's router family needs a newer transformers than the one installed (the message names it)."""
 
 
-class RouteValidationError(ValueError):
+class RouteValidationError(TrlMoeReplayError, ValueError):
     """A routes tensor does not fit the model or the forward pass it is meant for."""
 
 

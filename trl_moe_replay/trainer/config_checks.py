@@ -30,12 +30,14 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
+from ..errors import TrlMoeReplayError
 
-class ConfigTypeError(TypeError, ValueError):
+
+class ConfigTypeError(TrlMoeReplayError, TypeError, ValueError):
     """A config value of the wrong type (a ``ValueError`` too, like the other config refusals)."""
 
 
-class ConfigValueError(ValueError):
+class ConfigValueError(TrlMoeReplayError, ValueError):
     """A config value of the right type outside the range its field can mean (NaN, a negative count, ...)."""
 
 
@@ -378,7 +380,7 @@ def check_config(config, own_class: type) -> None:
         refusal = upstream_refusal(upstream, name, value, config)
         if refusal is not None:
             raise UpstreamValueError(name, value, refusal)
-    sync_dir = getattr(config, "vllm_sync_dir", None)
+    sync_dir = config.vllm_sync_dir  # both configs declare it (RoutingOptions)
     if sync_dir is not None and os.path.exists(sync_dir) and not os.path.isdir(sync_dir):
         raise ConfigValueError(f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a "
                                "file; name a folder")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..errors import TrlMoeReplayError
 from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES  # noqa: F401  (kept importable from here)
 from .config_checks import ConfigTypeError, ConfigValueError, check_config
 from .routing_options import (
@@ -17,7 +18,9 @@ from .routing_options import (
     ReplayMode,
     ReplaySettings,
     RoutingOptions,
+    declare_defaults,
     default_routing_metrics,
+    option,
     resolve_sync_check,
     default_transformers_correction,
 )
@@ -47,7 +50,7 @@ def check_generation_kwargs(args: GRPOConfig) -> None:
         kwargs[key] = int(value)  # a numpy integer as the Python int vLLM's request and transformers expect
 
 
-class UnrecordableGenerationError(ValueError):
+class UnrecordableGenerationError(TrlMoeReplayError, ValueError):
     """Generation settings under which the routes or sampling log-probs that replay, its metrics or the
     transformers-path correction need cannot be kept. Refused only with one of those on: ``routing_replay="none"``
     (with metrics and the correction left unset) is plain TRL and takes them."""
@@ -153,7 +156,7 @@ def check_generation_support(args: GRPOConfig) -> None:
                 "use_transformers_continuous_batching=False (plain generate records them), use vLLM, or use "
                 "routing_replay='r2' (routes recorded by the trainer itself)."
             )
-        if getattr(args, "transformers_importance_sampling_correction", None):
+        if option(args, "transformers_importance_sampling_correction"):
             raise UnrecordableGenerationError(
                 "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
                 "use_transformers_continuous_batching=True does not return them. Turn one of them off."
@@ -439,3 +442,7 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
                 "needs the rollout log-probs that transformers_importance_sampling_correction records, and it is off",
                 "Leave transformers_importance_sampling_correction unset (or True).",
             )
+
+
+# A plain TRL GRPOConfig given to the sync trainer lacks the fields above: option() reads their defaults from here.
+declare_defaults(MoEReplayGRPOConfig)

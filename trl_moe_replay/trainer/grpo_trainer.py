@@ -135,7 +135,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         check_peft_replay(self.accelerator.unwrap_model(self.model), mode)
         check_launched_engine(args, self.accelerator.state.distributed_type, strict=mode.replays)
 
-        hooks_needed = settings.carries_routes or bool(getattr(args, "router_shift_weighting", False))
+        hooks_needed = settings.carries_routes or bool(option(args, "router_shift_weighting"))
         self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
         self._ref_route_replay = RouterReplay(self.ref_model) if self.ref_model is not None and mode.replays else None
         # R3 with vLLM (or routing metrics): keep the routes vLLM returns (engines/vllm_routes.py), this rank's only
@@ -495,8 +495,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             )
         pr2 = PredictiveRoutingReplay(
             self._route_replay,
-            cached_tokens_per_sequence=getattr(args, "pr2_cached_tokens_per_sequence", 2048),
-            rollout_prediction=getattr(args, "pr2_rollout_prediction", False),
+            cached_tokens_per_sequence=option(args, "pr2_cached_tokens_per_sequence"),
+            rollout_prediction=option(args, "pr2_rollout_prediction"),
         )
         # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
         engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
@@ -510,7 +510,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             return super().create_optimizer(model)
         with self._pr2.hidden_from_optimizer():  # not in the Trainer's groups (weight decay, lr) ...
             optimizer = super().create_optimizer(model)
-        lr = self.args.learning_rate * getattr(self.args, "pr2_lr_multiplier", 1e3)
+        lr = self.args.learning_rate * option(self.args, "pr2_lr_multiplier")
         # ... but in their own; checked for NaN after each step where every rank holds them whole (DeepSpeed and
         # FSDP: through the predictor loss and at each checkpoint)
         self._pr2.add_to_optimizer(optimizer, lr, check_finite=not (self.is_deepspeed_enabled or self.is_fsdp_enabled))

@@ -22,10 +22,12 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 from transformers.utils import logging
 
+from ..errors import TrlMoeReplayError
+
 logger = logging.get_logger(__name__)
 
 
-class LaunchMismatchError(RuntimeError):
+class LaunchMismatchError(TrlMoeReplayError, RuntimeError):
     """The launch configuration asked for something the training run does not do."""
 
 
@@ -86,7 +88,7 @@ def check_launched_engine(
     )
 
 
-class ModelPathError(FileNotFoundError):
+class ModelPathError(TrlMoeReplayError, FileNotFoundError):
     """A model named by a local path that does not hold a transformers checkpoint."""
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..upstream import model_card_identity
+from .routing_options import option
 
 #: BibTeX of each paper a method comes from, keyed by method.
 CITATIONS: dict[str, str] = {
@@ -56,7 +57,7 @@ _LOSS_PAPERS = {"gspo": ("gspo",), "rspo": ("rspo", "gspo"), "minirl": ("minirl"
 def methods_used(args: Any, mode: str) -> list[str]:
     """The papers (keys of :data:`CITATIONS`) behind ``args``'s routing mode and objective, in citation order."""
     keys = [*_MODE_PAPERS.get(str(mode), ()), *_LOSS_PAPERS.get(getattr(args, "loss_type", None), ())]
-    if getattr(args, "router_shift_weighting", False):
+    if option(args, "router_shift_weighting"):
         keys.append("rspo")
     if getattr(args, "importance_sampling_level", None) == "sequence":
         keys.append("gspo")

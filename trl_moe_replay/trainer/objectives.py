@@ -32,6 +32,7 @@ from .losses import (
     router_shift_gamma,
     shift_old_logps,
 )
+from .routing_options import option
 
 # The TRL loss branch each of our names runs on: GSPO is TRL's "grpo" loss (mean over sequences of the per-sequence
 # mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way); MiniRL is TRL's
@@ -53,9 +54,9 @@ class MoEObjectivesMixin:
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
         self.moe_loss_type = name
         run_loss_on_trl_branch(self, _TRL_LOSS_FOR.get(name, name))
-        self.router_shift_weighting = bool(getattr(args, "router_shift_weighting", False))
-        self.router_shift_gamma_min = getattr(args, "router_shift_gamma_min", 0.8)
-        self.minirl_is_cap = getattr(args, "minirl_is_cap", 5.0)
+        self.router_shift_weighting = bool(option(args, "router_shift_weighting"))
+        self.router_shift_gamma_min = option(args, "router_shift_gamma_min")
+        self.minirl_is_cap = option(args, "minirl_is_cap")
         self._router_probes = RouterProbes(self._route_replay) if self.router_shift_weighting else None
         self._loss_inputs: dict | None = None
         self._unshifted_old_logps: torch.Tensor | None = None

@@ -32,6 +32,7 @@ from pathlib import Path
 from transformers.utils import logging
 
 from ..bounded_json import JSONFileError, read_json_file
+from ..errors import TrlMoeReplayError
 
 logger = logging.get_logger(__name__)
 
@@ -40,7 +41,7 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 
 
-class OutputDirInUseError(RuntimeError):
+class OutputDirInUseError(TrlMoeReplayError, RuntimeError):
     """Another live trainer writes into this output directory."""
 
 

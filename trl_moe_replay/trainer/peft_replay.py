@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from accelerate.utils import is_peft_model
 
+from ..errors import TrlMoeReplayError
 from ..routing.routers import family_of
 from .routing_options import ReplayMode
 
 
-class UnfaithfulPeftReplayError(ValueError):
+class UnfaithfulPeftReplayError(TrlMoeReplayError, ValueError):
     """A PEFT adapter whose routes the trainer cannot replay as the engine produced them."""
 
 

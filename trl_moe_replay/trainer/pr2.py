@@ -44,6 +44,7 @@ from accelerate.utils import is_peft_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..errors import TrlMoeReplayError
 from ..routing import RouterCall, RouterReplay, RouteValidationError
 from ..routing.predictor import RoutePredictors, predictor_kl
 from ..upstream.torch_seam import ignore_in_ddp
@@ -58,11 +59,11 @@ MODULE_NAME = "pr2_predictors"
 PARAM_GROUP_KEY = "pr2_predictors"
 
 
-class PR2CheckpointError(ValueError):
+class PR2CheckpointError(TrlMoeReplayError, ValueError):
     """A checkpoint that cannot resume this run's PR2 state: predictors missing, not finite, or of another mode."""
 
 
-class PR2StateError(RuntimeError):
+class PR2StateError(TrlMoeReplayError, RuntimeError):
     """The PR2 predictors' weights or loss are not finite; the run stops instead of replaying garbage routes."""
 
 

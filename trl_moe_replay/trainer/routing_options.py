@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import MISSING, dataclass, field, fields
+import inspect
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from ..engines.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
@@ -140,6 +141,15 @@ class RoutingOptions:
 _DEFAULTS = {f.name: f.default for f in fields(RoutingOptions) if f.default is not MISSING}
 
 
+def declare_defaults(config: type) -> None:
+    """Let :func:`option` fall back to the defaults ``config`` declares for fields of its own (neither inherited
+    nor overriding a base's): ``MoEReplayGRPOConfig`` adds its sync-only fields (PR2's, RSPO's, MiniRL's), which a
+    plain TRL config given to the sync trainer lacks."""
+    inherited = {f.name for base in config.__mro__[1:] if is_dataclass(base) for f in fields(base)}
+    own = set(inspect.get_annotations(config)) - inherited
+    _DEFAULTS.update({f.name: f.default for f in fields(config) if f.name in own and f.default is not MISSING})
+
+
 def option(args: Any, name: str) -> Any:
     """``args.name``, or the option's declared default for a config that lacks it (TRL's plain configs)."""
     return getattr(args, name, _DEFAULTS[name])
@@ -232,14 +242,14 @@ class ReplaySettings:
                       vllm_sync_check=sync_check)
         if trainer == ASYNC_TRAINER:
             return cls(**common)
-        rollout_prediction = bool(getattr(args, "pr2_rollout_prediction", False))
-        correction = getattr(args, "transformers_importance_sampling_correction", None)
+        rollout_prediction = bool(option(args, "pr2_rollout_prediction"))
+        correction = option(args, "transformers_importance_sampling_correction")
         correction = default_transformers_correction(args, mode) if correction is None else bool(correction)
         engine_routes = mode.needs_engine_routes or rollout_prediction or metrics
         transformers_generate = not args.use_vllm and not args.use_transformers_continuous_batching
         return cls(
             **common,
-            replay_reference_model=bool(getattr(args, "replay_reference_model", True)),
+            replay_reference_model=bool(option(args, "replay_reference_model")),
             rollout_prediction=rollout_prediction,
             transformers_importance_sampling_correction=correction and not args.use_vllm,
             records_generation=transformers_generate and (engine_routes or correction),

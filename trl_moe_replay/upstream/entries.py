@@ -12,6 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import TrlMoeReplayError
+
 ENTRIES: dict[str, Entry] = {}
 """Every entry of the seam by name, filled as the parts are imported (``trl_moe_replay.upstream.all_entries()``)."""
 
@@ -67,10 +69,10 @@ def method_finding(declared: Entry, owner: Any, label: str, name: str, params: t
     return None
 
 
-class UpstreamChangedError(RuntimeError):
+class UpstreamChangedError(TrlMoeReplayError, RuntimeError):
     """The installed TRL no longer matches what this package relies on (see ``trl_seam.check_trl``)."""
 
 
-class TransformersChangedError(RuntimeError):
+class TransformersChangedError(TrlMoeReplayError, RuntimeError):
     """The installed transformers no longer matches an entry of ``upstream/transformers_seam.py`` (named in the
     message)."""

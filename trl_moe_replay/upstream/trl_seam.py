@@ -36,6 +36,7 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
+from ..errors import TrlMoeReplayError
 from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
@@ -526,7 +527,7 @@ def _import(name: str) -> Any:
 # Behavioural probes: each runs TRL's own function on a tiny input with a stand-in `self` and returns what no longer
 # holds (None: the behaviour the entry relies on is there).
 # ---------------------------------------------------------------------------------------------------------------
-class _ProbeStop(Exception):
+class _ProbeStop(TrlMoeReplayError):
     """Raised by a probe's stand-in once it has seen what it looks for."""
 
 

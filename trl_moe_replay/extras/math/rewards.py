@@ -69,6 +69,8 @@ from typing import Any
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
+from ...errors import TrlMoeReplayError
+
 logger = logging.getLogger(__name__)
 
 #: Only the last this-many characters of a completion (or gold solution) are searched by math-verify's default
@@ -300,7 +302,7 @@ def _worker_main() -> None:
         out.flush()
 
 
-class _WorkerUnavailable(RuntimeError):
+class _WorkerUnavailable(TrlMoeReplayError, RuntimeError):
     pass
 
 
