@@ -3,9 +3,10 @@
 From the config (its values, TRL's defaults for the rest, and the launch lines of its header) and the model's numbers
 (its ``config.json`` from a local folder or the Hub cache, never downloaded; or :data:`KNOWN_MODELS` for the models the
 recipes name) it prints the batch arithmetic, the context length, an estimate of the memory of every training GPU
-(weights, gradients, master weights and optimizer states under the layout's sharding, activations at the config's
-lengths, the vLLM share), what a vLLM server GPU holds, and the route bytes per rollout batch. A layout whose sizes
-cannot divide is refused in one line (:class:`PlanError`). The method and its margin: docs/recipes.md "Memory plan".
+(weights, gradients, master weights, optimizer states and the optimizer step's temporaries under the layout's
+sharding, activations at the config's lengths, the vLLM share), what a vLLM server GPU holds, and the route bytes per
+rollout batch. A layout whose sizes cannot divide, or whose engine's max model length is below prompt + completion, is
+refused in one line (:class:`PlanError`). The method and its margin: docs/recipes.md "Memory plan".
 
 Units: GB = 1e9 bytes. Estimates are meant as upper bounds of the peak for the longest sequences the config allows;
 compared with a measured peak once, at a small size (docs/recipes.md "Memory plan"), not at the recipes' sizes.
