@@ -41,7 +41,7 @@ def test_every_gpu_config_fits_the_gpus_its_header_names(path, capsys):
     # the budget the header states is the plan's total, within rounding
     prose = " ".join(line.lstrip("#").strip() for line in header.splitlines())
     (stated,) = re.findall(r"\(trl-moe-replay plan\): about (\d+) GB", prose)
-    assert abs(int(stated) - plan.train_total) <= 0.5, f"{path.name}: header says {stated}, plan {plan.train_total:.1f}"
+    assert abs(int(stated) - plan.train_total) <= 0.5, f"{path.name}: header {stated}, plan {plan.train_total:.1f}"
     # the command prints the same verdict, exit status 0
     assert main(["plan", str(path)]) == 0
     assert "verdict: fits" in capsys.readouterr().out
