@@ -38,6 +38,10 @@ def test_every_gpu_config_fits_the_gpus_its_header_names(path, capsys):
     assert "Context:" in header or "context:" in header, path.name
     assert f"= {plan.batch['update']} completions" in header or f"{plan.batch['update']} completions" in header
     assert str(plan.batch["rollout"]) in header
+    # the budget the header states is the plan's total, within rounding
+    prose = " ".join(line.lstrip("#").strip() for line in header.splitlines())
+    (stated,) = re.findall(r"\(trl-moe-replay plan\): about (\d+) GB", prose)
+    assert abs(int(stated) - plan.train_total) <= 0.5, f"{path.name}: header {stated}, plan {plan.train_total:.1f}"
     # the command prints the same verdict, exit status 0
     assert main(["plan", str(path)]) == 0
     assert "verdict: fits" in capsys.readouterr().out
@@ -126,6 +130,13 @@ def test_sizes_that_cannot_divide_are_refused_in_one_line(capsys):
      False),
     (dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=3, num_generations=4),
      True),
+    # evaluation on (no test split needed): the eval batch must hold whole groups of num_generations_eval
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8, eval_strategy="steps",
+          per_device_eval_batch_size=3, num_generations_eval=2), True),
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8, eval_strategy="steps",
+          per_device_eval_batch_size=4, num_generations_eval=2), False),
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8, eval_strategy="no",
+          per_device_eval_batch_size=3, num_generations_eval=2), False),
 ])
 def test_the_batch_rule_is_trls(values, refused):
     """On one process, check_batch refuses exactly what TRL's GRPOConfig refuses."""
@@ -142,6 +153,61 @@ def test_the_batch_rule_is_trls(values, refused):
     except PlanError:
         ours = True
     assert ours == trl_refused == refused
+
+
+def test_the_optimizer_step_temporaries_are_counted_where_the_optimizer_runs_on_the_gpu():
+    """torch's foreach AdamW makes one temporary of the local trainable shard (in the states' dtype) on the GPU; an
+    optimizer offloaded to CPU makes none there."""
+    configs = ROOT / "recipes" / "configs"
+    for name, expected in (("olmoe_1b_7b", lambda P: 4 * P / 8),  # ZeRO-2: the fp32 partition of 8
+                           ("granite_1b_a400m_single_gpu", lambda P: 4 * P),  # loaded in float32
+                           ("qwen3_30b_a3b_ep8_vllm_server", lambda P: 4 * P / 8)):  # fsdp_size 8
+        plan = estimate(configs / f"{name}.yaml")
+        lines = {what: gb for what, gb, _ in plan.train_lines}
+        assert lines["optimizer-step temporaries"] == pytest.approx(expected(plan.model.params_total) / 1e9), name
+    offloaded = estimate(configs / "qwen3_30b_a3b_1node_zero3_offload.yaml")
+    assert "optimizer-step temporaries" not in {what for what, _, _ in offloaded.train_lines}
+    # without the offload the same layout has them, on its 6 ranks
+    bare = tmp_copy(configs / "qwen3_30b_a3b_1node_zero3_offload.yaml", (configs / "qwen3_30b_a3b_1node_zero3_offload"
+                                                                        ".yaml").read_text().replace(
+        " --offload_optimizer_device cpu", ""))
+    lines = {what: gb for what, gb, _ in estimate(bare).train_lines}
+    assert lines["optimizer-step temporaries"] == pytest.approx(4 * offloaded.model.params_total / 6 / 1e9)
+
+
+def test_a_context_longer_than_the_engines_max_model_length_is_refused_in_one_line(capsys):
+    configs = ROOT / "recipes" / "configs"
+    server = (configs / "qwen3_30b_a3b_1node_zero3_offload.yaml").read_text()
+    assert estimate(configs / "qwen3_30b_a3b_1node_zero3_offload.yaml").layout.vllm_max_model_len == 9216
+    short = tmp_copy(Path("short.yaml"), server.replace("--max-model-len 9216", "--max-model-len 8192"))
+    assert main(["plan", str(short)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-model-len 8192 is below prompt 1024 + completion 8192" in err
+    # with the completions shortened to leave room for the prompt, the same engine is accepted
+    fits = tmp_copy(Path("fits.yaml"), server.replace("--max-model-len 9216", "--max-model-len 8192").replace(
+        "max_completion_length: 8192", "max_completion_length: 7168"))
+    assert estimate(fits).layout.vllm_max_model_len == 8192
+    colocate = (configs / "granite_1b_a400m_vllm_colocate.yaml").read_text()
+    low = tmp_copy(Path("low.yaml"), colocate.replace("vllm_max_model_length: 1536", "vllm_max_model_length: 1535"))
+    with pytest.raises(PlanError, match="vllm_max_model_length 1535 is below prompt 1024 \\+ completion 512"):
+        estimate(low)
+
+
+def test_the_server_lines_gpu_memory_utilization_sizes_the_kv_cache():
+    configs = ROOT / "recipes" / "configs"
+    text = (configs / "qwen3_30b_a3b_1node_zero3_offload.yaml").read_text()
+    assert "--gpu-memory-utilization 0.9" in text
+    tokens = {}
+    for util in ("0.9", "0.8"):
+        plan = estimate(tmp_copy(Path("u.yaml"), text.replace("--gpu-memory-utilization 0.9",
+                                                              f"--gpu-memory-utilization {util}")))
+        assert plan.layout.vllm_utilization == float(util)
+        (line,) = plan.vllm_lines
+        assert f"at --gpu-memory-utilization {util} =" in line
+        tokens[util] = int(re.search(r"= ([\d,]+) tokens", line)[1].replace(",", ""))
+    # 0.1 x 80 GB less per GPU, over 2 GPUs of tensor parallel 2 (one replica): K and V, bf16, 48 layers, 4 x 128
+    per_token = 2 * 48 * 4 * 128 * 2 / 2
+    assert tokens["0.9"] - tokens["0.8"] == pytest.approx(0.1 * 80e9 / per_token, abs=2)
 
 
 def test_route_bytes_and_activation_formulas():

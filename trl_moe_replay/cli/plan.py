@@ -3,9 +3,10 @@
 From the config (its values, TRL's defaults for the rest, and the launch lines of its header) and the model's numbers
 (its ``config.json`` from a local folder or the Hub cache, never downloaded; or :data:`KNOWN_MODELS` for the models the
 recipes name) it prints the batch arithmetic, the context length, an estimate of the memory of every training GPU
-(weights, gradients, master weights and optimizer states under the layout's sharding, activations at the config's
-lengths, the vLLM share), what a vLLM server GPU holds, and the route bytes per rollout batch. A layout whose sizes
-cannot divide is refused in one line (:class:`PlanError`). The method and its margin: docs/recipes.md "Memory plan".
+(weights, gradients, master weights, optimizer states and the optimizer step's temporaries under the layout's
+sharding, activations at the config's lengths, the vLLM share), what a vLLM server GPU holds, and the route bytes per
+rollout batch. A layout whose sizes cannot divide, or whose engine's max model length is below prompt + completion, is
+refused in one line (:class:`PlanError`). The method and its margin: docs/recipes.md "Memory plan".
 
 Units: GB = 1e9 bytes. Estimates are meant as upper bounds of the peak for the longest sequences the config allows;
 compared with a measured peak once, at a small size (docs/recipes.md "Memory plan"), not at the recipes' sizes.
@@ -29,7 +30,9 @@ GB = 1e9
 MARGIN = 0.10  # of each GPU's memory, kept free: allocator fragmentation, unmodelled buffers (docs/recipes.md)
 FIXED_GB = 3.0  # per training GPU: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
 DEFAULT_PROMPT_LENGTH = 1024  # TRL has no prompt-length limit; the recipes' math prompts stay well below this
-VLLM_SERVER_UTILIZATION = 0.9  # `vllm serve --gpu-memory-utilization` default
+VLLM_SERVER_UTILIZATION = 0.9  # `vllm serve --gpu-memory-utilization` default, where the server line names none
+FOREACH_TEMPORARIES = ("torch's foreach AdamW step: _foreach_sqrt(exp_avg_sqs) and the like make one temporary of "
+                       "the local trainable shard, in the optimizer states' dtype")
 ROOT_OF_RECIPES = Path(__file__).resolve().parents[2]  # a clone's root: recipes/accelerate/*.yaml live there
 
 
@@ -168,6 +171,8 @@ class Layout:
     offload_params: bool = False
     vllm_gpus: int = 0
     vllm_tp: int = 1
+    vllm_max_model_len: int | None = None  # the server line's --max-model-len
+    vllm_utilization: float = VLLM_SERVER_UTILIZATION  # the server line's --gpu-memory-utilization
     shard: int = 1  # ranks each training tensor is split over (ep: fsdp_size x tp_size)
     ep_size: int = 1
     gpus: int | None = None  # from the header's `# plan:` line
@@ -260,6 +265,11 @@ def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_O
         tp = int(_flag(words, "--tensor-parallel-size") or 1)
         dp = int(_flag(words, "--data-parallel-size") or 1)
         fields.update(vllm_gpus=len(visible.split(",")) if visible else tp * dp, vllm_tp=tp)
+        max_len, util = _flag(words, "--max-model-len"), _flag(words, "--gpu-memory-utilization")
+        if max_len:
+            fields["vllm_max_model_len"] = int(max_len)
+        if util:
+            fields["vllm_utilization"] = float(util)
     plan = PLAN_LINE.search(header)
     if plan is not None:
         words = shlex.split(plan.group(1))
@@ -310,7 +320,7 @@ def check_batch(values: Mapping[str, Any], processes: int) -> dict[str, int]:
         raise PlanError(f"a rollout batch of {b} per device x {processes} processes x {spg} steps_per_generation = "
                         f"{rollout} completions is not a multiple of num_generations {g}: TRL refuses it (whole "
                         "prompt groups only); change per_device_train_batch_size or steps_per_generation")
-    eval_on = values.get("eval_strategy", "no") != "no" and values.get("dataset_test_split")
+    eval_on = values.get("eval_strategy", "no") != "no"  # TRL checks whenever evaluation is on (do_eval follows it)
     eval_g = values.get("num_generations_eval") or g
     if eval_on and values["per_device_eval_batch_size"] * processes % eval_g:
         raise PlanError(f"per_device_eval_batch_size {values['per_device_eval_batch_size']} x {processes} processes "
@@ -410,6 +420,13 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     c = values["max_completion_length"]
     s = p + c
     n, shard = layout.processes, layout.shard
+    max_len = (values.get("vllm_max_model_length") if colocate else layout.vllm_max_model_len) \
+        if values.get("use_vllm") else None
+    if max_len is not None and max_len < s:
+        what = "vllm_max_model_length" if colocate else "the vllm-serve line's --max-model-len"
+        raise PlanError(f"{path.name}: {what} {max_len} is below prompt {p} + completion {c} = {s} tokens: vLLM would "
+                        f"refuse or cut such sequences; raise it to {s} or lower max_completion_length or "
+                        "--prompt-length")
 
     # ---- training state
     lines: list[tuple[str, float, str]] = []
@@ -439,6 +456,8 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             lines.append(("masters + Adam m, v", 0.0, f"offloaded to CPU: {opt / GB:.0f} GB + fp32 grads"))
         else:
             lines.append(("masters + Adam m, v", opt / n / GB, f"fp32, 12 bytes/param / {n}"))
+            # DeepSpeed steps the Trainer's torch AdamW on its fp32 partition
+            lines.append(("optimizer-step temporaries", 4 * T / n / GB, f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
         a_bytes, gathered = 2, (2 * 2 * model.layer_params if sharding == "zero3" else 0)
     elif sharding == "fsdp2":  # accelerate upcasts trainable parameters to fp32; MixedPrecisionPolicy computes in bf16
         base = (P - T) * w if peft else 0  # a frozen base stays in its loaded dtype
@@ -449,6 +468,7 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             lines.append(("weights", (4 * T + base) / n / GB, f"fp32 (the masters) / {n}"))
             lines.append(("gradients", 4 * T / n / GB, f"fp32 / {n}"))
             lines.append(("Adam m, v", 8 * T / n / GB, f"fp32 / {n}"))
+            lines.append(("optimizer-step temporaries", 4 * T / n / GB, f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
         a_bytes, gathered = (2 if bf16 else 4), 2 * (2 if bf16 else 4) * model.layer_params
     else:  # single, ddp, ep: the parameters are the masters, in the loaded dtype (LoRA adapters: fp32)
         t_bytes = 4 if peft else w
@@ -456,6 +476,8 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
                       f"{'fp32' if w == 4 else 'bf16'}{where or ', whole on each GPU'}"))
         lines.append(("gradients", T * t_bytes / shard / GB, f"{'fp32' if t_bytes == 4 else 'bf16'}{where}"))
         lines.append(("Adam m, v", 2 * T * t_bytes / shard / GB, f"2 x {t_bytes} bytes/param{where}"))
+        lines.append(("optimizer-step temporaries", T * t_bytes / shard / GB,
+                      f"{t_bytes} bytes/param{where}: {FOREACH_TEMPORARIES}"))
         if sharding == "ddp":
             lines.append(("DDP gradient buckets", T * t_bytes / GB, "a second copy of the gradients (accelerate's "
                           "DDP: gradient_as_bucket_view off)"))
@@ -511,11 +533,12 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
         if layout.vllm_gpus:
             tp = layout.vllm_tp
             replicas = layout.vllm_gpus // tp
-            free = VLLM_SERVER_UTILIZATION * gpu_memory - engine / tp / GB - 2.0
+            util = layout.vllm_utilization
+            free = util * gpu_memory - engine / tp / GB - 2.0
             tokens = max(free, 0) * GB / (kv_token / tp) * replicas
             vllm.append(f"vLLM server on {layout.vllm_gpus} GPUs ({replicas} x tensor parallel {tp}): bf16 weights "
                         f"{engine / tp / GB:.1f} GB per GPU, ~2 GB buffers and CUDA graphs, KV cache "
-                        f"{max(free, 0):.1f} GB per GPU at --gpu-memory-utilization {VLLM_SERVER_UTILIZATION} = "
+                        f"{max(free, 0):.1f} GB per GPU at --gpu-memory-utilization {util:g} = "
                         f"{tokens:,.0f} tokens, {tokens / s:.0f} sequences of {s} at once"
                         + ("" if free * GB >= s * kv_token / tp else ": does not fit one sequence"))
     # ---- routes on the wire
