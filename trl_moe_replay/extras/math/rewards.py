@@ -69,8 +69,8 @@ from typing import Any
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
-from ...errors import TrlMoeReplayError
-
+# Nothing of the package is imported here: the helper process (_WORKER_BOOT) loads this file alone, by its path,
+# with no package around it (a relative import there fails, the helper never starts, and the reward runs unbounded).
 logger = logging.getLogger(__name__)
 
 #: Only the last this-many characters of a completion (or gold solution) are searched by math-verify's default
@@ -302,7 +302,7 @@ def _worker_main() -> None:
         out.flush()
 
 
-class _WorkerUnavailable(TrlMoeReplayError, RuntimeError):
+class _WorkerUnavailable(RuntimeError):  # private, caught in this module; not a TrlMoeReplayError (see the imports)
     pass
 
 
