@@ -302,9 +302,12 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             return super().train(*args, **kwargs)
 
     def end(self):
-        """``Trainer.end``, after releasing ``output_dir``."""
+        """``Trainer.end``, after releasing ``output_dir`` (a transformers without ``Trainer.end``, 5.16 at the oldest
+        end of the range, has nothing more to end)."""
         self._output_lock.release()
-        super().end()
+        parent_end = getattr(super(), "end", None)
+        if parent_end is not None:
+            parent_end()
 
     # ------------------------------------------------------------------ rollout samples -> rows
     def _align_sample(self, sample) -> CheckedRoutes:
