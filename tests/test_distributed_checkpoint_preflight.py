@@ -29,7 +29,14 @@ from trl_moe_replay.upstream import DCPMetadataUnpickler
 from trl_moe_replay.testing import tiny_moe_model
 
 from .test_expert_parallel import has_expert_parallelism
-from .test_resume_preflight import checkpoint, recipe, refused_by_train, resumer, resumes_exactly  # noqa: F401
+from .test_resume_preflight import (  # noqa: F401 - fixtures
+    checkpoint,
+    recipe,
+    recipe_refusal,
+    refused_by_train,
+    resumer,
+    resumes_exactly,
+)
 
 #: the package's own DCP save and restore (transformers.distributed.checkpoint) exist with expert parallelism only,
 #: which the oldest end of the ranges (transformers 5.16.1) lacks and refuses at launch in one line
@@ -389,11 +396,6 @@ def test_a_damaged_shard_checkpoint_is_one_line_on_the_recipe_before_the_model_i
     damage, expected = (hostile(marker), "distributed/.metadata cannot be read (UnpicklingError: global "
                                          "'posix.system'") if case == "hostile" else DAMAGE[case]
     folder = copied(sharded, tmp_path, damage)
-    monkeypatch.setattr(recipe, "cold_started_tiny_model", lambda *a, **k: pytest.fail("the model was built"))
-    capsys.readouterr()
-    assert recipe.run(["--output_dir", str(folder.parent), "--resume_from_checkpoint", str(folder)]) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    assert f": error: checkpoint {folder} refused: " in lines[0] and says(expected, lines[0]), lines[0]
+    line, _ = recipe_refusal(recipe, folder, capsys, monkeypatch)
+    assert says(expected, line), line
     assert not marker.exists()

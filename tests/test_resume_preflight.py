@@ -382,12 +382,9 @@ def test_every_resume_path_reaches_the_one_pre_flight(resumer, tmp_path, monkeyp
 
 
 # ----------------------------------------------------------------------------------------------- the recipe
-# (last in the module: the recipe resets accelerate's state, which the trainers above share)
-@pytest.mark.parametrize("case", list(FILE_DAMAGE))
-def test_a_damaged_file_is_one_line_on_the_recipe_before_the_model_is_built(recipe, checkpoint, tmp_path, case,
-                                                                            capsys, monkeypatch):
-    damage, expected = FILE_DAMAGE[case]
-    folder = copied(checkpoint, tmp_path, damage)
+def recipe_refusal(recipe, folder, capsys, monkeypatch):
+    """The recipe resumed from ``folder``: exit status 2, before the model is built, with one line on stderr that
+    names the checkpoint and no traceback. Returns that line and everything captured."""
     monkeypatch.setattr(recipe, "cold_started_tiny_model", lambda *a, **k: pytest.fail("the model was built"))
     capsys.readouterr()
     assert recipe.run(["--output_dir", str(folder.parent), "--resume_from_checkpoint", str(folder)]) == 2
@@ -395,5 +392,15 @@ def test_a_damaged_file_is_one_line_on_the_recipe_before_the_model_is_built(reci
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     assert f": error: checkpoint {folder} refused: " in lines[0], lines[0]
-    assert says(expected, lines[0]), lines[0]
+    return lines[0], captured
+
+
+# (last in the module: the recipe resets accelerate's state, which the trainers above share)
+@pytest.mark.parametrize("case", list(FILE_DAMAGE))
+def test_a_damaged_file_is_one_line_on_the_recipe_before_the_model_is_built(recipe, checkpoint, tmp_path, case,
+                                                                            capsys, monkeypatch):
+    damage, expected = FILE_DAMAGE[case]
+    folder = copied(checkpoint, tmp_path, damage)
+    line, captured = recipe_refusal(recipe, folder, capsys, monkeypatch)
+    assert says(expected, line), line
     assert "this code ran" not in captured.out
