@@ -43,12 +43,12 @@ import time
 
 import numpy as np
 import torch
+from _harness import interleaved_ratio, report, timer
 
 from trl_moe_replay.routing import RouterReplay, routes_from_engine, validate_routes
 from trl_moe_replay.routing.engine import engine_dtype
 from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model
 
-from _harness import interleaved_ratio, report, timer
 
 # Published decoder-layer dimensions (the models' config.json on the Hub), and their full depth.
 MODELS = {

@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 import torch
+from route_transport import engine_batch, pool_off
 
 from trl_moe_replay.routing import engine
 from trl_moe_replay.routing.engine import routes_from_engine
 
-from route_transport import engine_batch, pool_off
 
 LAYERS, TOP_K, EXPERTS = 48, 8, 128
 

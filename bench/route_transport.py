@@ -43,12 +43,15 @@ import time
 
 import numpy as np
 import torch
-
-from trl_moe_replay.routing import engine
-from trl_moe_replay.routing import route_dtype
-from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
-
 from _harness import report
+
+from trl_moe_replay.routing import engine, route_dtype
+from trl_moe_replay.routing.engine import (
+    decode_routed_experts,
+    encode_routed_experts,
+    engine_dtype,
+    routes_from_engine,
+)
 
 
 def parse_args() -> argparse.Namespace:

@@ -71,8 +71,10 @@ import tempfile
 import time
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_mismatch_study import ENGINE_ENV, digit_reward, finite, free_port, shrink_png, versions  # noqa: E402
+
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "r2", "r3", "pr2")

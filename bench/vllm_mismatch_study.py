@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "r2", "r3")
 METRICS = (

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Waiting OpenMP threads sleep instead of spinning: the trainer shares the CPU with the vLLM server and the rollout

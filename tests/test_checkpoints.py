@@ -20,6 +20,7 @@ from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PR2CheckpointError, PR2S
 from .test_pr2 import OFF_POLICY, predictor_state
 from .test_trainer import logged, make_trainer
 
+
 SCRIPT = Path(__file__).parent / "scripts" / "pr2_checkpoint_kill.py"
 KILL_POINTS = ("predictors-partial", "predictors", "model", "optimizer", "rng", "trainer-state")
 PR2 = dict(routing_replay="pr2", pr2_lr_multiplier=10.0, **OFF_POLICY)

@@ -30,6 +30,7 @@ from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
 
 from .helpers import silent_server
 
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

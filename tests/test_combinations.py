@@ -4,12 +4,12 @@ import math
 
 import torch
 
-from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.testing import FakeVLLMServer, trl_vllm_transport_stub
 from trl_moe_replay.routing import has_route
+from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, trl_vllm_transport_stub
 
 from .test_trainer import logged
 from .test_vllm_generation import make_trainer as make_vllm_trainer
+
 
 # one generation batch used for two updates: update 1 on-policy, update 2 after the router moved
 TWO_UPDATES = dict(gradient_accumulation_steps=1, num_iterations=2, per_device_train_batch_size=8,

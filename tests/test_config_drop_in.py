@@ -33,6 +33,7 @@ from trl_moe_replay.trainer import config_checks, grpo_config
 from trl_moe_replay.trainer.config_checks import UPSTREAM_REFUSALS, ConfigTypeError, UpstreamValueError
 from trl_moe_replay.trainer.grpo_config import UnrecordableGenerationError
 
+
 DATA = json.loads((pathlib.Path(__file__).parent / "data" / "trl_test_config_kwargs.json").read_text())
 SYNC, ASYNC = (MoEReplayGRPOConfig, GRPOConfig), (MoEReplayAsyncGRPOConfig, AsyncGRPOConfig)
 PAIRS = [pytest.param(SYNC, id="sync"), pytest.param(ASYNC, id="async")]

@@ -26,6 +26,7 @@ from trl_moe_replay.trainer.grpo_config import MOE_LOSS_TYPES, TRL_LOSS_TYPES
 
 from .helpers import load_script
 
+
 ROOT = Path(__file__).resolve().parents[1]
 SYNC, ASYNC = MoEReplayGRPOConfig, MoEReplayAsyncGRPOConfig
 BOTH = (SYNC, ASYNC)

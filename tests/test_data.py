@@ -24,6 +24,7 @@ from trl_moe_replay.extras.math.data import (
 )
 from trl_moe_replay.extras.math.rewards import accuracy_reward
 
+
 ALPHABET = re.compile(r"^[a-z0-9 +\-*/=().,?:]*$")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 

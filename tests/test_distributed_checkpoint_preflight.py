@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from trl_moe_replay import DistributedCheckpointError
 from trl_moe_replay.checkpointing import checkpoint_files, distributed_checkpoint
 from trl_moe_replay.checkpointing.checkpoint_files import check_checkpoint_files, read_distributed_metadata
-from trl_moe_replay.upstream import DCPMetadataUnpickler
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.upstream import DCPMetadataUnpickler
 
 from .test_expert_parallel import has_expert_parallelism
 from .test_resume_preflight import (  # noqa: F401 - fixtures
@@ -37,6 +37,7 @@ from .test_resume_preflight import (  # noqa: F401 - fixtures
     resumer,
     resumes_exactly,
 )
+
 
 #: the package's own DCP save and restore (transformers.distributed.checkpoint) exist with expert parallelism only,
 #: which the oldest end of the ranges (transformers 5.16.1) lacks and refuses at launch in one line

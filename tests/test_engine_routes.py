@@ -24,6 +24,7 @@ from trl_moe_replay.routing.routes import has_route, route_dtype, validate_route
 
 from .helpers import no_route
 
+
 L, K, E = 4, 2, 64
 
 
@@ -654,7 +655,7 @@ def test_validate_routes_fast_check_rejects_exactly_what_the_sorting_check_rejec
     rng = np.random.default_rng(0)
     dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
     kinds = ["valid", "repeat", "zeros", "too_big", "below_minus_one", "partial_no_route", "sentinel_in_route"]
-    seen = {kind: 0 for kind in kinds}
+    seen = dict.fromkeys(kinds, 0)
     for trial in range(400):
         kind = kinds[int(rng.integers(len(kinds)))]
         dtype = torch.uint8 if kind == "sentinel_in_route" else dtypes[trial % len(dtypes)]

@@ -13,6 +13,7 @@ import pytest
 
 from .helpers import load_script
 
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -28,6 +28,7 @@ from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, distribu
 
 from .helpers import CPU_ONLY_ENV
 
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "expert_parallel_run.py"
 STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 4}  # optimizer steps per mode in expert_parallel_run.py

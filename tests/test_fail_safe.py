@@ -17,20 +17,21 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.trainer.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
-from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.routing.engine import encode_routed_experts, engine_dtype, routes_from_engine
 from trl_moe_replay.testing import (
     CORRUPTIONS,
     FakeVLLMServer,
     RouteFuzzer,
     corrupt_route_payload,
+    tiny_moe_model,
     trl_vllm_transport_stub,
 )
+from trl_moe_replay.trainer.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
 
 from .helpers import no_route, run_two_ranks
 from .test_trainer import logged, make_trainer
 from .test_vllm_generation import BatchSpy
+
 
 MISMATCH = ["mismatch/kl_k1", "mismatch/kl_k3", "mismatch/extreme_frac"]
 ROUTING = ["routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement"]

@@ -2,16 +2,15 @@
 
 import pytest
 import torch
-
 import transformers
 from transformers import CONFIG_MAPPING
 
-from trl_moe_replay.routing import RouterReplay, TransformersTooOldError, family_of, has_route
-from trl_moe_replay.routing import routers
+from trl_moe_replay.routing import RouterReplay, TransformersTooOldError, family_of, has_route, routers
 from trl_moe_replay.testing import supported_model_types, tiny_moe_model, unavailable_model_types
 from trl_moe_replay.upstream import transformers_seam
 
 from .helpers import experts_module, no_route, random_ids, shifted
+
 
 FAMILIES = supported_model_types()
 

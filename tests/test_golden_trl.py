@@ -25,6 +25,7 @@ from trl_moe_replay.testing import (
     trl_vllm_transport_stub,
 )
 
+
 OUR_PREFIXES = ("mismatch/", "routing/", "rspo/", "pr2/", "minirl/", "precision/")
 WALL_CLOCK = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from trl_moe_replay.cli.progress import KEY_METRICS, CompactProgressCallback
 
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

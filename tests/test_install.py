@@ -7,6 +7,7 @@ import pytest
 
 from .helpers import load_script
 
+
 cpu_install = load_script(Path(__file__).resolve().parents[1] / "tools" / "cpu_install.py", "cpu_install")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import trl_moe_replay
 
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_moe_replay"
 

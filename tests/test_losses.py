@@ -23,6 +23,7 @@ from trl_moe_replay.trainer.losses import (
 
 from .helpers import no_route, random_ids, shifted
 
+
 LN2 = math.log(2.0)
 
 

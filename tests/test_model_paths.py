@@ -18,6 +18,7 @@ from .helpers import load_script
 from .test_async_grpo import DATASET, reward, settings
 from .test_trainer import make_trainer
 
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

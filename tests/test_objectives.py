@@ -14,6 +14,7 @@ from trl_moe_replay.trainer.losses import completion_aligned, minirl_token_weigh
 
 from .test_trainer import logged, make_trainer
 
+
 LN2 = math.log(2.0)
 
 

@@ -118,9 +118,9 @@ def test_the_async_trainer_refuses_r3_with_adapter_only_sync_on_the_router(tmp_p
     """The async trainer reaches the same check once TRL has chosen its sync mode (adapter-only needs a server with
     --enable-lora; here TRL's choice is forced)."""
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+    from trl_moe_replay.async_grpo import async_grpo_trainer
     from trl_moe_replay.testing import tiny_tokenizer
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
-    from trl_moe_replay.async_grpo import async_grpo_trainer
     from trl_moe_replay.trainer.peft_replay import UnfaithfulPeftReplayError
 
     from .test_async_grpo import DATASET, reward, settings

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 PACKAGES = ("trl_moe_replay", "trl_moe_replay_vllm_plugin")

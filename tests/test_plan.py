@@ -8,10 +8,19 @@ import pytest
 import yaml
 
 from trl_moe_replay.cli import main
-from trl_moe_replay.cli.plan import (CARD_PARAMETERS, KNOWN_MODELS, MARGIN, ModelNumbers, PlanError, check_batch,
-                                     estimate, header_of)
+from trl_moe_replay.cli.plan import (
+    CARD_PARAMETERS,
+    KNOWN_MODELS,
+    MARGIN,
+    ModelNumbers,
+    PlanError,
+    check_batch,
+    estimate,
+    header_of,
+)
 
 from .test_expert_parallel import has_expert_parallelism
+
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,6 +19,7 @@ from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay,
 from .helpers import no_route, random_ids, run_two_ranks
 from .test_trainer import logged, make_trainer
 
+
 # GA 1, every generation batch used twice: update 1 is on-policy (predictors skip), update 2 is off-policy (they train)
 OFF_POLICY = dict(gradient_accumulation_steps=1, num_iterations=2)
 

@@ -19,6 +19,7 @@ from trl_moe_replay.trainer.grpo_config import ROUTING_REPLAY_MODES
 
 from .helpers import load_script, run_two_ranks
 
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
 # real-model configs; the offline ones (tiny_*.yaml, no model named) are tested where their feature is

@@ -18,9 +18,8 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainerControl
 from trl import GRPOTrainer
 
-from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
 from trl_moe_replay.checkpointing import checkpoints
+from trl_moe_replay.checkpointing.checkpoint_weights import CheckpointWeightsError
 from trl_moe_replay.checkpointing.checkpoints import (
     NoCheckpointError,
     SaveOnInterrupt,
@@ -29,10 +28,12 @@ from trl_moe_replay.checkpointing.checkpoints import (
     newest_checkpoint,
     resolve_resume,
 )
+from trl_moe_replay.testing import tiny_moe_model
 
 from .helpers import CPU_ONLY_ENV, load_script, run_two_ranks
 from .test_pr2 import OFF_POLICY
 from .test_trainer import make_trainer
+
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
@@ -263,7 +264,7 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
     assert trainer.state.global_step == 2
     out = capsys.readouterr().out
     checkpoint = tmp_path / "cut" / "checkpoint-2"
-    assert f"stopped at step 2 of 4 (" in out
+    assert "stopped at step 2 of 4 (" in out
     assert f" s after Ctrl-C); checkpoint saved in {checkpoint}; resume with: " in out
     assert "recipes/grpo_r3.py --output_dir" in out
     assert out.rstrip().endswith(" --resume_from_checkpoint") and "mean reward" not in out  # no final save, no summary

@@ -19,14 +19,15 @@ import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
-from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.checkpointing import checkpoint_weights, checkpoints
 from trl_moe_replay.checkpointing.checkpoint_files import STATE_FIELD_TYPES, CheckpointError
 from trl_moe_replay.checkpointing.checkpoint_weights import restore_checkpoint_weights
+from trl_moe_replay.testing import tiny_moe_model
 
 from .helpers import load_script
 from .test_async_grpo import DATASET, reward, settings
 from .test_trainer import make_trainer
+
 
 ROOT = Path(__file__).resolve().parents[1]
 Q = "model.layers.1.self_attn.q_proj.weight"
@@ -197,7 +198,7 @@ def to_index(values):
     def damage(folder: Path):
         names = sorted(load_file(folder / "model.safetensors"))
         (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
-        weight_map = {name: "model-00001-of-00001.safetensors" for name in names}
+        weight_map = dict.fromkeys(names, "model-00001-of-00001.safetensors")
         weight_map[names[0]], weight_map[names[1]] = values
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return damage
@@ -211,7 +212,7 @@ def as_bin(change=lambda tensors: tensors, sharded=False):
             torch.save(tensors, folder / "pytorch_model.bin")
             return
         torch.save(tensors, folder / "pytorch_model-00001-of-00001.bin")
-        weight_map = {name: "pytorch_model-00001-of-00001.bin" for name in tensors}
+        weight_map = dict.fromkeys(tensors, "pytorch_model-00001-of-00001.bin")
         weight_map[sorted(weight_map)[0]] = "config.json"  # a file that is no torch file
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return damage

@@ -10,6 +10,7 @@ import pytest
 from trl_moe_replay.extras.math import rewards
 from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
+
 # Bounds against runaway work (catastrophic backtracking, sympy blow-ups), not benchmarks. In-process work is bounded
 # in CPU seconds of this process (time.process_time), which other jobs on the machine do not inflate; work in the
 # helper process is bounded by the parent's deadline, which the status "timeout" shows, and threads by HANG_GUARD_S.

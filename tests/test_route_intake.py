@@ -33,6 +33,7 @@ from .test_rollout_func import train as train_with_rollout
 from .test_trainer import logged, make_trainer
 from .test_vllm_generation import BatchSpy, restored_environ  # noqa: F401 - a fixture
 
+
 PACKAGE = Path(trl_moe_replay.__file__).parent
 MODEL = dict(num_hidden_layers=3, mlp_only_layers=[0])  # layer 0 dense: zeros in the engine's rows
 

@@ -13,13 +13,14 @@ from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig
 from trl_moe_replay.trainer.routing_options import (
     ASYNC_TRAINER,
     MODES,
+    SYNC_TRAINER,
     ReplayMode,
     ReplaySettings,
-    SYNC_TRAINER,
     RouteSource,
     RoutingOptions,
     resolve_weight_sync,
 )
+
 
 PACKAGE = Path(trl_moe_replay.__file__).parent
 BASE = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none")

@@ -19,6 +19,7 @@ from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE
 
 from .helpers import CPU_ONLY_ENV
 
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]

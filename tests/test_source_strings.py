@@ -7,6 +7,7 @@ import re
 import tokenize
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["trl_moe_replay", "trl_moe_replay_vllm_plugin", "recipes", "bench", "tools"]
 #: ``{name}``, ``{name.attr}``, ``{name!r}``, ``{name:>8}``: a replacement field, not ``{{...}}`` or ``{a: b}`` prose

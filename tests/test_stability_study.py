@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import load_script
 
+
 ROOT = Path(__file__).resolve().parents[1]
 study = load_script(ROOT / "bench" / "stability_study.py", "stability_study")
 

@@ -26,6 +26,7 @@ from trl_moe_replay.testing import scripted_generation, tiny_moe_model, tiny_tok
 
 from .helpers import load_script
 
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_r3.py"
 TOOLS_CONFIG = ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml"

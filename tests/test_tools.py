@@ -20,6 +20,7 @@ from trl_moe_replay.testing import (
 
 from .route_checks import RouteCheckingTrainer, RouteOracle
 
+
 MAX_COMPLETION = 240
 
 

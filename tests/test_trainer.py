@@ -15,6 +15,7 @@ from trl_moe_replay.trainer.route_flow import ROUTE_ROWS, RouteBuffer, StaleRout
 
 from .helpers import run_two_ranks
 
+
 METRICS = [
     "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/extreme_frac", "routing/mismatch_frac",
     "routing/token_any_mismatch", "routing/topk_agreement", "routing/fallback_frac",

@@ -10,6 +10,7 @@ from trl_moe_replay.routing.engine import encode_routed_experts
 
 from .helpers import no_route
 
+
 L, K, E = 3, 2, 64
 
 

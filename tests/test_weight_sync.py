@@ -18,6 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+from trl_moe_replay.async_grpo.async_grpo_trainer import cpu_tree_attention
 from trl_moe_replay.engines import sync_check, weight_reload
 from trl_moe_replay.engines.sync_check import (
     EngineWeightsChangedError,
@@ -26,11 +27,10 @@ from trl_moe_replay.engines.sync_check import (
     WeightSyncNotDeliveredError,
 )
 from trl_moe_replay.engines.weight_reload import WeightReload, WeightSyncDirError
-from trl_moe_replay.trainer import routing_options
-from trl_moe_replay.trainer.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
 from trl_moe_replay.testing.async_workers import ScriptedRolloutWorker
-from trl_moe_replay.async_grpo.async_grpo_trainer import cpu_tree_attention
+from trl_moe_replay.trainer import routing_options
+from trl_moe_replay.trainer.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
 
 from .test_trainer import make_trainer
 

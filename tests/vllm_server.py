@@ -16,6 +16,7 @@ from pathlib import Path
 
 import requests
 
+
 STARTUP_TIMEOUT = 900  # seconds; ~75 s on an idle 2-core machine, several minutes under load
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+
 __version__ = "0.1.0.dev0"
 
 # The public names load on first use (PEP 562), so that `trl-moe-replay --help`, `trl-moe-replay plot` and
@@ -32,6 +33,9 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
+    from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+    from .checkpointing.checkpoint_files import CheckpointError, DistributedCheckpointError
+    from .checkpointing.checkpoint_weights import CheckpointWeightsError
     from .engines import RoutesUnavailableError
     from .errors import TrlMoeReplayError
     from .routing import (
@@ -44,9 +48,6 @@ if TYPE_CHECKING:
         routes_from_engine,
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-    from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
-    from .checkpointing.checkpoint_files import CheckpointError, DistributedCheckpointError
-    from .checkpointing.checkpoint_weights import CheckpointWeightsError
     from .trainer.launch import LaunchMismatchError
     from .trainer.output_lock import OutputDirInUseError
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from .errors import TrlMoeReplayError
 
+
 #: Largest file read (bytes): a long run's trainer_state.json (every step logged) stays far below it.
 MAX_JSON_BYTES = 256 * 2**20
 #: Most values (and keys) parsing may build: about 100 bytes each at worst in CPython (an empty dict and its slot),

@@ -57,6 +57,7 @@ from __future__ import annotations
 import functools
 import logging
 
+
 __all__ = [
     "add_routing_replay_capture",
     "name_cpu_experts",
@@ -85,7 +86,7 @@ def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool
     inherited = getattr(monolithic_base, "supports_routing_replay_capture", None)
     if inherited is None or not issubclass(experts_cls, monolithic_base):
         return False  # a vLLM without this capture interface
-    if getattr(experts_cls, "supports_routing_replay_capture") is not inherited:
+    if experts_cls.supports_routing_replay_capture is not inherited:
         return False  # overridden: vLLM's own answer (or ours, already installed) stands
     if not callable(getattr(experts_cls, "_select_experts", None)):
         return False

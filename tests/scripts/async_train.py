@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutLoop  # noqa: E402
+
 
 RESTART_WAIT = 900  # seconds the run waits for the test to restart the server
 
@@ -87,10 +89,10 @@ def first_forward_rows(turns, length: int, disagreements: list | None = None):
 def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     import torch
     from datasets import Dataset
+    from tests.async_checks import capture_used_experts, check_row, packed_row
     from transformers import AutoTokenizer, TrainerCallback
     from trl.chat_template_utils import qwen3_template
 
-    from tests.async_checks import capture_used_experts, check_row, packed_row
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
 

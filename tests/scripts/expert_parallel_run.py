@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a colocated vLLM CPU engine (scenario "colocate")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -35,12 +36,14 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharded_run import ExpertsWatch, Spy, flat, logged, reward_len  # noqa: E402  (the same route check)
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 from trl_moe_replay.parallel.sharded import full_tensor, is_sharded_at_load  # noqa: E402
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
+
 
 OUT = Path(sys.argv[1])
 EP = {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}

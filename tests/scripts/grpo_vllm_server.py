@@ -16,6 +16,7 @@ from datasets import Dataset
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
 
+
 PER_RANK = 8  # per_device_train_batch_size x steps_per_generation
 
 

@@ -24,9 +24,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.parallel.sharded import is_dtensor, is_zero3_partitioned, local_numel
 from trl_moe_replay.routing.routes import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.parallel.sharded import is_dtensor, is_zero3_partitioned, local_numel
+
 
 OUT = Path(sys.argv[1])
 # 16 experts: each router and predictor (16 x 64) is above ZeRO-3's "auto" persistence threshold (10 x hidden),

@@ -6,7 +6,6 @@ Used by tests/test_resume.py; argv[1] is the shared output_dir. The generation p
 """
 
 import json
-import os
 import signal
 import sys
 from types import SimpleNamespace

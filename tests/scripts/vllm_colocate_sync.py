@@ -14,8 +14,8 @@ import os
 import sys
 import tempfile
 
-import numpy as np
 import torch
+
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,8 +52,8 @@ def parse(value: str):
 def main():
     import torch
     from datasets import Dataset
-
     from tests.route_checks import RouteCheckingTrainer, RouteOracle
+
     from trl_moe_replay import MoEReplayGRPOConfig
     from trl_moe_replay.routing import has_route
     from trl_moe_replay.testing import tiny_tokenizer

@@ -39,8 +39,6 @@ from ..parallel.expert_parallel import refuse_async_sharded_at_load
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
 from ..trainer.launch import checked_model_name
-from ..trainer.model_card import write_model_card
-from ..trainer.output_lock import claim_output_dir, hold_output_dir
 from ..trainer.metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -49,6 +47,8 @@ from ..trainer.metrics import (
     logprob_mismatch_sums,
     routing_agreement_sums,
 )
+from ..trainer.model_card import write_model_card
+from ..trainer.output_lock import claim_output_dir, hold_output_dir
 from ..trainer.peft_replay import check_peft_replay
 from ..trainer.precision import attach_update_probe
 from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
@@ -69,6 +69,7 @@ from ..upstream import (
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_rollout_worker import RoutedAsyncRolloutWorker
 from .packing import RoutedTreeRow, TorchVarlenAttention
+
 
 logger = logging.get_logger(__name__)
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
-
 from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..upstream import async_worker_classes
+
 
 _AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample = async_worker_classes()
 logger = logging.get_logger(__name__)

@@ -20,6 +20,7 @@ import torch
 from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_routes
 from ..upstream import async_tree_row_class
 
+
 TreeRow = async_tree_row_class()
 
 

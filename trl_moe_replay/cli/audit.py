@@ -43,20 +43,21 @@ import torch
 from transformers import GenerationConfig
 
 from ..engines import TransformersRolloutRecorder
+from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..errors import TrlMoeReplayError
 from ..routing import RouterReplay, has_route
-from ..engines.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing.engine import EngineTurn, decode_routed_experts
 from ..routing.errors import RouteAlignmentError
 from ..trainer.launch import check_model_path
-from ..trainer.routing_options import ReplayMode
 from ..trainer.metrics import (
     check_extreme_threshold,
     logprob_mismatch_sums,
     routable_positions,
     routing_agreement_sums,
 )
+from ..trainer.routing_options import ReplayMode
 from ..upstream import pad
+
 
 TINY_PREFIX = "tiny:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -17,6 +17,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+
 DISTRIBUTION = "trl-moe-replay"
 
 

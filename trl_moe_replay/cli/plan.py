@@ -26,6 +26,7 @@ from typing import Any
 
 from ..errors import TrlMoeReplayError
 
+
 GB = 1e9
 MARGIN = 0.10  # of each GPU's memory, kept free: allocator fragmentation, unmodelled buffers (docs/recipes.md)
 FIXED_GB = 3.0  # per training GPU: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
@@ -281,7 +282,7 @@ def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_O
 
 def _parallel_sizes(values: Mapping[str, Any]) -> dict[str, Any]:
     """The recipe's ``ep_size``/``fsdp_size``/... keys over ``model_init_kwargs.distributed_config``."""
-    sizes = dict(((values.get("model_init_kwargs") or {}).get("distributed_config") or {}))
+    sizes = dict((values.get("model_init_kwargs") or {}).get("distributed_config") or {})
     sizes.update({k: values[k] for k in ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_implementation")
                   if values.get(k) is not None})
     return sizes

@@ -42,6 +42,7 @@ from typing import IO, NamedTuple
 from ..bounded_json import MAX_JSON_BYTES, JSONFileError, read_json_file
 from ..errors import TrlMoeReplayError
 
+
 #: Log-history keys that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(
     {"step", "epoch", "learning_rate", "num_tokens", "step_time", "total_flos", "train_runtime",

@@ -15,6 +15,7 @@ from .vllm_routes import (
     server_command,
 )
 
+
 __all__ = [
     "CompletionRoutesHook",
     "RouteIntake",

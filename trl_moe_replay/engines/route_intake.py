@@ -33,6 +33,7 @@ from ..routing.engine import EngineTurn, checked_routes_from_engine
 from ..routing.errors import RouteAlignmentError
 from ..routing.routes import CheckedRoutes, RouteLayout
 
+
 logger = logging.get_logger(__name__)
 
 

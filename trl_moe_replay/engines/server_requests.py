@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import TrlMoeReplayError
 
+
 if TYPE_CHECKING:
     import requests
 

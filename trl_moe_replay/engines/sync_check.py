@@ -35,6 +35,7 @@ from ..errors import TrlMoeReplayError
 from ..upstream import vllm_sampling_params_class
 from .server_requests import post_to_server, served_model_name
 
+
 __all__ = [
     "EngineProbeNotFiniteError",
     "EngineSyncError",

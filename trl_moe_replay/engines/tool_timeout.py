@@ -41,7 +41,7 @@ def with_timeout(tool: Callable[..., Any], seconds: float) -> Callable[..., Any]
         async def bounded_async(*args: Any, **kwargs: Any) -> Any:
             try:
                 return await asyncio.wait_for(tool(*args, **kwargs), seconds)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise ToolTimeoutError(message) from None
 
         return bounded_async

@@ -24,6 +24,7 @@ from transformers.utils import logging
 
 from ..routing.engine import EngineTurn
 
+
 logger = logging.get_logger(__name__)
 
 

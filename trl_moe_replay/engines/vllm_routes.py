@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .route_intake import RoutesUnavailableError
 from ..upstream import client_session
+from .route_intake import RoutesUnavailableError
+
 
 logger = logging.get_logger(__name__)
 

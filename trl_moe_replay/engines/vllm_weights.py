@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from ..upstream.transformers_seam import save_pretrained_weights
 
+
 __all__ = ["checkpoint_named_tensors", "engine_weights"]
 
 _LAYER_PREFIX = re.compile(r"^(.*?(?:^|\.)layers\.\d+\.)")

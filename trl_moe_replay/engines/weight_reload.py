@@ -40,6 +40,7 @@ from ..upstream import trl_named_params, wake_colocated_weights
 from .server_requests import VLLMServerUnavailableError, http_client, post_to_server
 from .vllm_weights import engine_weights
 
+
 logger = logging.get_logger(__name__)
 
 __all__ = [

@@ -38,6 +38,7 @@ from ..errors import TrlMoeReplayError
 from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors, parallel_plan_styles
 from .sharded import full_tensor, is_sharded_at_load
 
+
 DISTRIBUTED_CONFIG = "distributed_config"  # the model_init_kwargs key (from_pretrained's argument)
 
 

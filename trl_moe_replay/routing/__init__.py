@@ -13,7 +13,7 @@ from .engine import (
     routes_from_engine,
 )
 from .errors import RouteAlignmentError, RouteValidationError, TransformersTooOldError, UnsupportedModelError
-from .replay import RouteRecording, RouterCall, RouterReplay
+from .replay import RouterCall, RouteRecording, RouterReplay
 from .router_probs import RouterProbes
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
 from .routes import (
@@ -27,6 +27,7 @@ from .routes import (
     route_dtype,
     validate_routes,
 )
+
 
 __all__ = [
     "NO_ROUTE",

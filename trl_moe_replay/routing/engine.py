@@ -40,6 +40,7 @@ from .errors import RouteAlignmentError
 from .repeated_ids import first_repeated_row
 from .routes import NO_ROUTE, CheckedRoutes, RouteLayout, no_route_value, route_dtype
 
+
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
 except ImportError:  # pragma: no cover - depends on the environment
@@ -471,7 +472,7 @@ def _prompt_start(value: Any, i: int, t: int, prompt_length: int) -> int:
     return int(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _iinfo(dtype: np.dtype) -> np.iinfo:
     return np.iinfo(dtype)
 

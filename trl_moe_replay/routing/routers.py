@@ -23,6 +23,7 @@ from torch import nn
 from ..upstream import transformers_seam
 from .errors import TransformersTooOldError
 
+
 GateWeightFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -24,6 +24,7 @@ import torch
 from .errors import RouteValidationError
 from .repeated_ids import first_repeated_row
 
+
 NO_ROUTE = -1
 """"No route" in signed routes: every id of the row is -1."""
 NO_ROUTE_UINT8 = 255

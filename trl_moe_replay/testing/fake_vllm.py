@@ -49,6 +49,7 @@ from ..engines.hf_generate import TransformersRolloutRecorder
 from ..routing import RouterReplay, has_route
 from ..routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype
 
+
 __all__ = [
     "CORRUPTIONS",
     "EngineCompletion",

@@ -7,4 +7,5 @@ their routes come from) and :mod:`trl_moe_replay.upstream` (every private upstre
 from .grpo_config import MoEReplayGRPOConfig
 from .grpo_trainer import MoEReplayGRPOTrainer
 
+
 __all__ = ["MoEReplayGRPOConfig", "MoEReplayGRPOTrainer"]

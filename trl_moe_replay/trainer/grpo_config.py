@@ -9,21 +9,21 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..errors import TrlMoeReplayError
-from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES  # noqa: F401  (kept importable from here)
-from .config_checks import ConfigTypeError, ConfigValueError, check_config
+from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES, ConfigTypeError, ConfigValueError, check_config  # noqa: F401  (kept importable from here)
 from .routing_options import (
     MODES,
-    RouteSource,
     SYNC_TRAINER,
     ReplayMode,
     ReplaySettings,
+    RouteSource,
     RoutingOptions,
     declare_defaults,
     default_routing_metrics,
+    default_transformers_correction,
     option,
     resolve_sync_check,
-    default_transformers_correction,
 )
+
 
 ROUTING_REPLAY_MODES = MODES
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).

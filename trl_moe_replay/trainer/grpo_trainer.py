@@ -39,9 +39,9 @@ from trl import GRPOTrainer
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..engines import TransformersRolloutRecorder
 from ..engines.route_intake import RouteIntake, RoutesUnavailableError
+from ..engines.sync_check import build_sync_check, checked_weight_sync
 from ..engines.turns import RolloutTurns
 from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
-from ..engines.sync_check import build_sync_check, checked_weight_sync
 from ..engines.weight_reload import build_weight_sync, client_without_communicator
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..routing import RouterReplay
@@ -62,10 +62,7 @@ from ..upstream import (
     vllm_weights_stale,
 )
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
-from .peft_replay import check_peft_replay
-from .precision import attach_update_probe
 from .launch import check_launched_engine, check_launched_precision, checked_model_name
-from .model_card import write_model_card
 from .metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -77,13 +74,17 @@ from .metrics import (
     routable_positions,
     routing_agreement_sums,
 )
+from .model_card import write_model_card
 from .objectives import MoEObjectivesMixin
 from .output_lock import claim_output_dir, hold_output_dir
+from .peft_replay import check_peft_replay
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
 from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
 from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
+from .precision import attach_update_probe
 from .route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
 from .routing_options import SYNC_TRAINER, ReplaySettings, RouteSource, option, resolve_weight_sync
+
 
 logger = logging.get_logger(__name__)
 

@@ -24,6 +24,7 @@ from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
 
+
 logger = logging.get_logger(__name__)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from ..upstream import model_card_identity
 from .routing_options import option
 
+
 #: BibTeX of each paper a method comes from, keyed by method.
 CITATIONS: dict[str, str] = {
     "r3": """@article{ma2025r3,

@@ -34,6 +34,7 @@ from .losses import (
 )
 from .routing_options import option
 
+
 # The TRL loss branch each of our names runs on: GSPO is TRL's "grpo" loss (mean over sequences of the per-sequence
 # mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way); MiniRL is TRL's
 # vespo branch with MiniRL's token weight.

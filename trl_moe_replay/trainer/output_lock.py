@@ -34,6 +34,7 @@ from transformers.utils import logging
 from ..bounded_json import JSONFileError, read_json_file
 from ..errors import TrlMoeReplayError
 
+
 logger = logging.get_logger(__name__)
 
 LOCK_NAME = "_trl_moe_replay.lock"

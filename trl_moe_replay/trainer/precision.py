@@ -26,6 +26,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+
 logger = logging.get_logger(__name__)
 
 METRIC = "precision/updated_frac"

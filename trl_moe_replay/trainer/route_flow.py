@@ -36,6 +36,7 @@ from ..routing.routes import CheckedRoutes
 from ..upstream import trl_padded_width
 from .routing_options import ReplaySettings
 
+
 ROUTE_ROWS = "route_rows"
 """The batch-dict key of a (micro-)batch's rows in the trainer's route buffer: ``[B, 2]`` (batch serial, row)."""
 

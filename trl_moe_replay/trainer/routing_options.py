@@ -17,6 +17,7 @@ from typing import Any
 
 from ..engines.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
 
+
 ASYNC_TRAINER = "async"
 SYNC_TRAINER = "sync"
 

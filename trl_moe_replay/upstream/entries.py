@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import TrlMoeReplayError
 
+
 ENTRIES: dict[str, Entry] = {}
 """Every entry of the seam by name, filled as the parts are imported (``trl_moe_replay.upstream.all_entries()``)."""
 

@@ -20,6 +20,7 @@ import torch
 
 from .entries import Finding, entry
 
+
 TORCH_READ = "2.13.0"
 
 

@@ -17,6 +17,7 @@ from packaging.version import Version
 
 from .entries import Finding, TransformersChangedError, entry, method_finding
 
+
 TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
 """transformers versions the routing entries were verified on (the whole family and replay suites ran there)."""
 

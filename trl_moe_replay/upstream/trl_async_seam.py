@@ -26,6 +26,7 @@ from .torch_seam import check_torch
 from .transformers_seam import check_transformers
 from .trl_seam import TRL_READ, TRL_VERIFIED
 
+
 ASYNC_PACKAGE = "trl.experimental.async_grpo"
 
 
@@ -154,7 +155,7 @@ def tree_attention_kernel(kernel: Any) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_async_trl() -> tuple[Finding, ...]:
     """The entries above against the installed TRL; returns what no longer holds (empty: all good)."""
     findings: list[Finding] = []

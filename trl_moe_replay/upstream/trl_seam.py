@@ -31,15 +31,12 @@ from typing import Any
 import torch
 import trl
 from trl import GRPOTrainer
-from trl.chat_template_utils import add_response_schema, parse_response, qwen3_template
-from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import nanmax, nanmin, pad
 
 from ..errors import TrlMoeReplayError
 from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
+
 
 TRL_READ = "1.16.0"
 """The TRL version every entry below was read from."""
@@ -474,7 +471,7 @@ SIGNATURES: dict[Entry, dict[str, tuple[str, tuple[str, ...]]]] = {
 # ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     """Verify every entry against the installed TRL (and the torch and transformers parts); returns what no longer
     holds (empty: all good). ``trainer_class`` is the GRPOTrainer whose methods are checked (tests pass a changed

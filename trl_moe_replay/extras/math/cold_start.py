@@ -44,6 +44,7 @@ from datasets import Dataset
 
 from .rewards import accuracy_reward
 
+
 COLD_START_FILE = "cold_start.json"
 
 
