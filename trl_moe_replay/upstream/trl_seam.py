@@ -32,6 +32,13 @@ import torch
 import trl
 from trl import GRPOTrainer
 
+# re-exported: the rest of the package imports these from the seam (upstream/__init__.py, entries trl_public_apis and
+# trl_utilities)
+from trl.chat_template_utils import add_response_schema, parse_response, qwen3_template  # noqa: F401
+from trl.extras.profiling import profiling_context  # noqa: F401
+from trl.models.utils import disable_gradient_checkpointing  # noqa: F401
+from trl.trainer.utils import nanmax, nanmin, pad  # noqa: F401
+
 from ..errors import TrlMoeReplayError
 from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
@@ -635,10 +642,10 @@ def _probe_minirl_on_vespo(trainer_class: type) -> str | None:
 
 
 def _probe_padded_width(trainer_class: type) -> str | None:
-    pad = _import("trl.trainer.utils").pad
+    trl_pad = _import("trl.trainer.utils").pad
     for lengths, multiple in (([3, 5], None), ([3, 5], 4), ([1], 8), ([0, 2], 2)):
         for side in ("left", "right"):
-            padded = pad([torch.ones(n) for n in lengths], padding_side=side, pad_to_multiple_of=multiple).shape[1]
+            padded = trl_pad([torch.ones(n) for n in lengths], padding_side=side, pad_to_multiple_of=multiple).shape[1]
             if padded != trl_padded_width(lengths, multiple):
                 return (f"trl.trainer.utils.pad pads {lengths} ({side}, multiple {multiple}) to {padded}, not to "
                         f"{trl_padded_width(lengths, multiple)} (trl_padded_width)")
