@@ -46,7 +46,7 @@ import torch
 from _harness import report
 
 from trl_moe_replay.routing import engine, route_dtype
-from trl_moe_replay.routing.engine import (
+from trl_moe_replay.routing.codec import (
     decode_routed_experts,
     encode_routed_experts,
     engine_dtype,

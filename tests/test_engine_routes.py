@@ -1,4 +1,4 @@
-"""Engine routed-experts codec and alignment (trl_moe_replay.routing.engine).
+"""Engine routed-experts codec and alignment (trl_moe_replay.routing.codec).
 
 Payloads follow vLLM 0.33's contract (research/vllm.md sections 1.3, 2, 8): per completion an array
 ``[p + c - 1 - s, L, K]`` (uint8 if <= 256 experts else uint16), row j = position s + j of
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.routing.engine import (
+from trl_moe_replay.routing.codec import (
     decode_routed_experts,
     encode_routed_experts,
     engine_dtype,
@@ -580,7 +580,7 @@ def test_threaded_alignment_equals_sequential_with_errors_in_sample_order(monkey
     import threading
 
     from trl_moe_replay.routing import engine
-    from trl_moe_replay.routing.engine import EngineTurn
+    from trl_moe_replay.routing.codec import EngineTurn
 
     samples = [(12, 30, 0, True)] * 9
     rows = [engine_rows(12, 30) for _ in samples]
