@@ -68,10 +68,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, real_shape
 from _harness import abba_pairs, bench_moe, interleaved_ratio, one_cycle, pair_spread, timer  # noqa: E402
 from real_shapes import MODELS  # noqa: E402
 
+from trl_moe_replay.core.metrics import logprob_mismatch_sums, routing_agreement_sums  # noqa: E402
 from trl_moe_replay.routing import RouterReplay  # noqa: E402
 from trl_moe_replay.routing.routes import has_route  # noqa: E402
 from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model, tiny_tokenizer  # noqa: E402
-from trl_moe_replay.trainer.metrics import logprob_mismatch_sums, routing_agreement_sums  # noqa: E402
 
 
 NO_CUDA_EXIT = 2

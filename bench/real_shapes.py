@@ -46,7 +46,7 @@ import torch
 from _harness import interleaved_ratio, report, timer
 
 from trl_moe_replay.routing import RouterReplay, routes_from_engine, validate_routes
-from trl_moe_replay.routing.engine import engine_dtype
+from trl_moe_replay.routing.codec import engine_dtype
 from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model
 
 

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from _harness import report
 
-from trl_moe_replay.routing import engine, route_dtype
-from trl_moe_replay.routing.engine import (
+from trl_moe_replay.routing import codec, route_dtype
+from trl_moe_replay.routing.codec import (
     decode_routed_experts,
     encode_routed_experts,
     engine_dtype,
@@ -96,12 +96,12 @@ def engine_batch(rng: np.random.Generator, counts: list[int], layers: int, top_k
 @contextlib.contextmanager
 def pool_off():
     """``routes_from_engine`` with its thread pool off: samples placed one after another, on one core."""
-    threaded_bytes = engine._THREADED_BYTES
-    engine._THREADED_BYTES = float("inf")
+    threaded_bytes = codec._THREADED_BYTES
+    codec._THREADED_BYTES = float("inf")
     try:
         yield
     finally:
-        engine._THREADED_BYTES = threaded_bytes
+        codec._THREADED_BYTES = threaded_bytes
 
 
 def main() -> None:
@@ -204,7 +204,7 @@ def main() -> None:
     )
     print(
         f"host: {platform.machine()}, {os.cpu_count()} cpus, numpy {np.__version__}, torch {torch.__version__}, "
-        f"base64 codec {'pybase64' if engine._pybase64 is not None else 'binascii'}; "
+        f"base64 codec {'pybase64' if codec._pybase64 is not None else 'binascii'}; "
         f"repeats={args.repeats}, medians"
     )
     print(f"wire: {wire_bytes / tokens:.1f} B per routed token in base64 ({raw_bytes / tokens:.0f} B raw)")

@@ -26,11 +26,11 @@ from trl_moe_replay import (
 from trl_moe_replay.async_grpo import cpu_tree_attention
 from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, _TurnRoutes, turns_for_row
 from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
-from trl_moe_replay.routing.engine import EngineTurn
+from trl_moe_replay.core.output_lock import LOCK_NAME, OutputDirInUseError
+from trl_moe_replay.routing.codec import EngineTurn
 from trl_moe_replay.routing.routes import RouteLayout, check_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
-from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirInUseError
 
 from .async_checks import capture_used_experts, check_row, packed_row
 
@@ -294,7 +294,7 @@ def test_samples_with_versions_the_trainer_never_published_are_dropped_and_count
 
 
 def test_route_intake_warns_once_when_routes_stop_arriving_and_again_after_they_come_back(caplog):
-    from trl_moe_replay.engines.route_intake import RouteIntake
+    from trl_moe_replay.rollouts.route_intake import RouteIntake
 
     layout = RouteLayout(num_layers=2, top_k=1, num_experts=4, moe_layers=(0, 1))
     good = [EngineTurn(np.zeros((3, 2, 1), dtype=np.uint8), 2, 2)]
@@ -569,7 +569,7 @@ SCORED_MODEL = torch.nn.Linear(1, 1)  # the scripted trainer answers stand for i
 
 
 def guard_with(monkeypatch, engine_answers, trainer_answers):
-    from trl_moe_replay.engines.sync_check import SyncCheck
+    from trl_moe_replay.weight_sync.sync_check import SyncCheck
 
     trainer = iter(trainer_answers)
     return SyncCheck(ScriptedEngine(engine_answers), lambda model, probe: torch.tensor(next(trainer)), [1, 2, 3],
@@ -585,7 +585,7 @@ def test_sync_guard_passes_delivered_syncs(monkeypatch):
 
 
 def test_sync_guard_catches_a_transfer_that_delivers_nothing(monkeypatch):
-    from trl_moe_replay.engines.sync_check import WeightSyncNotDeliveredError
+    from trl_moe_replay.weight_sync.sync_check import WeightSyncNotDeliveredError
 
     guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.001]],
                        [[-1.0, -2.0], [-1.5, -2.3]])
@@ -595,7 +595,7 @@ def test_sync_guard_catches_a_transfer_that_delivers_nothing(monkeypatch):
 
 
 def test_sync_guard_catches_engine_weights_changed_between_syncs(monkeypatch):
-    from trl_moe_replay.engines.sync_check import EngineWeightsChangedError
+    from trl_moe_replay.weight_sync.sync_check import EngineWeightsChangedError
 
     # after sync 1 the engine holds the trainer's weights; before sync 2 it answers like its checkpoint again
     guard = guard_with(monkeypatch, [[-3.0, -3.0], [-1.0, -2.0], [-3.0, -3.0]], [[-1.0, -2.0]])
@@ -606,7 +606,7 @@ def test_sync_guard_catches_engine_weights_changed_between_syncs(monkeypatch):
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
 def test_sync_guard_refuses_an_engine_answering_non_finite_log_probs(monkeypatch, bad):
-    from trl_moe_replay.engines.sync_check import EngineProbeNotFiniteError
+    from trl_moe_replay.weight_sync.sync_check import EngineProbeNotFiniteError
 
     # NaN compares false with any tolerance: without a finite check both checks pass, at the default tolerance too
     guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, bad]], [[-1.0, -2.0]])

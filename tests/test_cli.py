@@ -24,7 +24,7 @@ from trl_moe_replay.cli.plotting import (
     metric_series,
     plan_figures,
 )
-from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts
+from trl_moe_replay.routing.codec import decode_routed_experts, encode_routed_experts
 from trl_moe_replay.routing.errors import RouteAlignmentError
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
 

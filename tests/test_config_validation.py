@@ -1,4 +1,4 @@
-"""The config checks (trainer/config_checks.py) for both configs and every way they are built: a table of fields x bad
+"""The config checks (core/config_checks.py) for both configs and every way they are built: a table of fields x bad
 values x entry paths (Python, YAML through TrlParser and the recipe, command line) -- our own fields held to their
 type and range, TRL's only by UPSTREAM_REFUSALS -- a check that none of our own fields goes around the standard, and
 the "learns nothing" refusals. tests/test_config_drop_in.py shows everything else TRL takes is taken."""
@@ -13,7 +13,7 @@ import yaml
 from trl import TrlParser
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig
-from trl_moe_replay.trainer.config_checks import (
+from trl_moe_replay.core.config_checks import (
     ConfigTypeError,
     ConfigValueError,
     UpstreamValueError,

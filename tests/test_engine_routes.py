@@ -1,4 +1,4 @@
-"""Engine routed-experts codec and alignment (trl_moe_replay.routing.engine).
+"""Engine routed-experts codec and alignment (trl_moe_replay.routing.codec).
 
 Payloads follow vLLM 0.33's contract (research/vllm.md sections 1.3, 2, 8): per completion an array
 ``[p + c - 1 - s, L, K]`` (uint8 if <= 256 experts else uint16), row j = position s + j of
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.routing.engine import (
+from trl_moe_replay.routing.codec import (
     decode_routed_experts,
     encode_routed_experts,
     engine_dtype,
@@ -432,9 +432,9 @@ def _long_rows(p=40, c=60, **kwargs):
 
 @pytest.mark.parametrize("position", [0, 1, 37, 62, 97])  # first row, chunk edges (chunk of 7 rows), middle, last
 def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
-    from trl_moe_replay.routing import engine
+    from trl_moe_replay.routing import codec
 
-    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 7, raising=False)  # many blocks: block edges are exercised
+    monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", 7, raising=False)  # many blocks: block edges are exercised
     rows = engine_rows(40, 60, top_k=4, num_experts=64)
     rows[position, 2, 3] = rows[position, 2, 1]
     samples = [(40, 60, 0, True)]
@@ -445,9 +445,9 @@ def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
 
 
 def test_an_all_zero_row_in_the_middle_is_rejected_as_never_written(monkeypatch):
-    from trl_moe_replay.routing import engine
+    from trl_moe_replay.routing import codec
 
-    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 5, raising=False)
+    monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", 5, raising=False)
     rows = engine_rows(40, 60)
     rows[50, 3] = 0  # vLLM's capture buffer is zeros where it never wrote
     with pytest.raises(RouteAlignmentError, match="sample 1: layer 3 is in moe_layers but position 50 has an "
@@ -456,9 +456,9 @@ def test_an_all_zero_row_in_the_middle_is_rejected_as_never_written(monkeypatch)
 
 
 def test_rows_are_checked_at_the_moe_layers_only_contiguous_or_not(monkeypatch):
-    from trl_moe_replay.routing import engine
+    from trl_moe_replay.routing import codec
 
-    monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 9, raising=False)
+    monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", 9, raising=False)
     for dense, moe in (((0,), [1, 2, 3]), ((1, 3), [0, 2])):
         rows = engine_rows(20, 30, dense=dense)  # dense layers all-zero: legitimate
         out = align([rows], [(20, 30, 0, True)], prompt_width=20, completion_width=30, moe_layers=moe)
@@ -522,7 +522,7 @@ def test_a_header_whose_shape_overflows_int64_is_a_clean_error():
 def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
     """The vectorised search (flat shifted comparisons, OR-reduced per block) against a plain loop over routes, for
     many top-k sizes, dtypes, layer subsets, block sizes and planted repeats, including the very last route."""
-    from trl_moe_replay.routing import engine
+    from trl_moe_replay.routing import codec
 
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -540,11 +540,11 @@ def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
         if rng.random() < 0.3:
             rows = np.asfortranarray(rows)  # not C-contiguous: the block-copy path
         moe = sorted(rng.choice(layers, int(rng.integers(1, layers + 1)), replace=False).tolist())
-        monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", int(rng.integers(1, 40)))
+        monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", int(rng.integers(1, 40)))
         expected = next(((t, layer) for t in range(tokens) for layer in moe
                          if len(set(rows[t, layer].tolist())) < k), None)
         # private on purpose: the chunked search itself, against a plain loop (the public path only says "repeated")
-        assert engine._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)
+        assert codec._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)
 
 
 # ----------------------------------------------------------------------------- one byte per entry
@@ -579,8 +579,8 @@ def test_threaded_alignment_equals_sequential_with_errors_in_sample_order(monkey
     """Large batches are placed by a thread pool: same tensor, same errors, reported in sample order, as one thread."""
     import threading
 
-    from trl_moe_replay.routing import engine
-    from trl_moe_replay.routing.engine import EngineTurn
+    from trl_moe_replay.routing import codec
+    from trl_moe_replay.routing.codec import EngineTurn
 
     samples = [(12, 30, 0, True)] * 9
     rows = [engine_rows(12, 30) for _ in samples]
@@ -592,18 +592,18 @@ def test_threaded_alignment_equals_sequential_with_errors_in_sample_order(monkey
     rows[7][10, 3] = 0  # never written
     rows[8] = encode_routed_experts(rows[8])  # a payload decoded in the worker
 
-    sample_rows = engine._sample_rows
+    sample_rows = codec._sample_rows
 
     def run(threaded_bytes):
-        monkeypatch.setattr(engine, "_THREADED_BYTES", threaded_bytes)
-        monkeypatch.setattr(engine, "_CHECK_CHUNK_ROWS", 16)  # many blocks per sample
+        monkeypatch.setattr(codec, "_THREADED_BYTES", threaded_bytes)
+        monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", 16)  # many blocks per sample
         errors, threads = [], set()
 
         def recording(*args, **kwargs):
             threads.add(threading.current_thread().name)
             return sample_rows(*args, **kwargs)
 
-        monkeypatch.setattr(engine, "_sample_rows", recording)
+        monkeypatch.setattr(codec, "_sample_rows", recording)
         out = align(rows, samples, prompt_width=12, completion_width=30, num_experts=E, on_error=errors.append)
         with pytest.raises(RouteAlignmentError) as first:
             align(rows, samples, prompt_width=12, completion_width=30, num_experts=E)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.routing.engine import encode_routed_experts, engine_dtype, routes_from_engine
+from trl_moe_replay.core.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
+from trl_moe_replay.routing.codec import encode_routed_experts, engine_dtype, routes_from_engine
 from trl_moe_replay.testing import (
     CORRUPTIONS,
     FakeVLLMServer,
@@ -26,7 +27,6 @@ from trl_moe_replay.testing import (
     tiny_moe_model,
     trl_vllm_transport_stub,
 )
-from trl_moe_replay.trainer.output_lock import LOCK_NAME, STALE_AFTER_S, OutputDirInUseError, OutputDirLock
 
 from .helpers import no_route, run_two_ranks
 from .test_trainer import logged, make_trainer
@@ -77,7 +77,7 @@ def test_no_data_steps_do_not_pull_the_average_of_a_logging_window(tmp_path):
 # ----------------------------------------------------------------------------- one trainer per output_dir
 HOLD_LOCK = """
 import sys
-from trl_moe_replay.trainer.output_lock import OutputDirLock
+from trl_moe_replay.core.output_lock import OutputDirLock
 lock = OutputDirLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
@@ -108,7 +108,7 @@ def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_loc
         assert trainer.state.global_step == 0 and json.loads(lock_path.read_text())["pid"] == holder.pid
     # the holder was killed without releasing: a crashed run. Its lock is stale and taken over, with a warning.
     assert json.loads(lock_path.read_text())["pid"] == holder.pid
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.core.output_lock"):
         trainer.train()
     assert trainer.state.global_step == 1
     assert f"process {holder.pid} is gone" in caplog.text
@@ -144,7 +144,7 @@ def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
         lock.acquire()
     old = time.time() - STALE_AFTER_S - 10
     os.utime(lock_path, (old, old))
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.core.output_lock"):
         lock.acquire()
     assert "no heartbeat for" in caplog.text and lock.held
     lock.release()
@@ -255,7 +255,7 @@ def test_a_lock_file_far_larger_than_a_lock_is_replaced_without_being_parsed(tmp
     parsed, loads = [], json.loads
     monkeypatch.setattr(json, "loads", lambda text, *a, **k: parsed.append(len(text)) or loads(text, *a, **k))
     lock = OutputDirLock(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.core.output_lock"):
         lock.acquire()
     try:
         assert lock.held and "it is not a lock file this package wrote" in caplog.text
@@ -268,7 +268,7 @@ def test_a_lock_file_holding_a_number_python_will_not_convert_is_replaced(tmp_pa
     # json raises a plain ValueError on an integer of more than 4,300 digits: it was a traceback from acquire()
     (tmp_path / LOCK_NAME).write_text('{"pid": ' + "1" * 5000 + "}")
     lock = OutputDirLock(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.output_lock"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.core.output_lock"):
         lock.acquire()
     try:
         assert lock.held and "it is not a lock file this package wrote" in caplog.text

@@ -102,8 +102,8 @@ def test_none_is_trl_on_a_moe_model(tmp_path, overrides):
 
 def test_none_is_trl_with_bf16_parameters_updated_in_place_and_says_so_once(tmp_path, caplog):
     """Plain TRL's bf16 trap (a bf16-loaded model, no fp32 masters, lr 1e-6): the same numbers as TRL, bit for bit,
-    plus precision/updated_frac and one warning line (trl_moe_replay/trainer/precision.py)."""
-    with caplog.at_level("WARNING", logger="trl_moe_replay.trainer.precision"):
+    plus precision/updated_frac and one warning line (trl_moe_replay/core/precision.py)."""
+    with caplog.at_level("WARNING", logger="trl_moe_replay.core.precision"):
         ours, theirs = both(tmp_path, lambda: tiny_moe_model("qwen3_moe", dtype=torch.bfloat16))
     assert_identical_runs(ours, theirs)
     assert next(ours.model.parameters()).dtype == torch.bfloat16 and ours.args.learning_rate == 1e-6

@@ -56,7 +56,7 @@ def test_the_swap_list_names_every_default_that_differs_from_plain_trl():
     import trl
 
     from trl_moe_replay import MoEReplayGRPOConfig
-    from trl_moe_replay.trainer.routing_options import MODES
+    from trl_moe_replay.core.routing_options import MODES
 
     cpu = dict(output_dir="unused", use_cpu=True, bf16=False)
     plain = trl.GRPOConfig(**cpu)
@@ -99,7 +99,7 @@ def test_push_to_hub_leaves_out_the_reload_syncs_folder_and_the_card_names_the_m
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    from trl_moe_replay.engines.weight_reload import sync_dir_of
+    from trl_moe_replay.weight_sync.weight_reload import sync_dir_of
 
     trainer = tiny_trainer(tmp_path)
     sync = Path(sync_dir_of(trainer.args))

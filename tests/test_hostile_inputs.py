@@ -19,10 +19,10 @@ from transformers.utils import get_json_schema
 from trl import TrlParser
 
 from trl_moe_replay import MoEReplayGRPOConfig, OutputDirInUseError
-from trl_moe_replay.engines.tool_timeout import ToolTimeoutError, with_timeout
+from trl_moe_replay.core.output_lock import LOCK_NAME, OutputDirLock
+from trl_moe_replay.rollouts.tool_timeout import ToolTimeoutError, with_timeout
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.trainer.grpo_config import ConfigTypeError
-from trl_moe_replay.trainer.output_lock import LOCK_NAME, OutputDirLock
 
 from .test_cli import audit_server, one_line_error
 from .test_trainer import make_trainer

@@ -1,13 +1,13 @@
 """The launch configuration against what the trainer gets: precision follows the training arguments, and a run that
-asked for FSDP or DeepSpeed but got something else stops (``trl_moe_replay.trainer.launch``)."""
+asked for FSDP or DeepSpeed but got something else stops (``trl_moe_replay.core.launch``)."""
 
 from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DistributedType
 
+from trl_moe_replay.core.launch import LaunchMismatchError, check_launched_engine, check_launched_precision
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.trainer.launch import LaunchMismatchError, check_launched_engine, check_launched_precision
 
 from .test_trainer import make_trainer
 
@@ -44,7 +44,7 @@ def test_trainer_refuses_a_launch_that_does_not_match(tmp_path, monkeypatch, cap
     with pytest.raises(LaunchMismatchError, match="bf16=False"):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3")
     # routing_replay="none" is plain GRPOTrainer, which TRL would run: a loud warning, no refusal
-    with caplog.at_level("WARNING", logger="trl_moe_replay.trainer.launch"):
+    with caplog.at_level("WARNING", logger="trl_moe_replay.core.launch"):
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="none")
     assert "LAUNCH MISMATCH" in caplog.text and "bf16=False" in caplog.text
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
@@ -65,7 +65,7 @@ def closed_port_endpoint() -> str:
 
 
 def test_org_name_is_a_local_path_only_if_that_folder_exists(tmp_path, monkeypatch):
-    from trl_moe_replay.trainer.launch import HubModelError, ModelPathError, check_model_path
+    from trl_moe_replay.core.launch import HubModelError, ModelPathError, check_model_path
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "someorg").mkdir()  # a folder named like the org does not make "someorg/moe" a path
@@ -84,7 +84,7 @@ def test_an_unreachable_hub_is_one_error_naming_offline_mode_and_a_local_folder(
 
     from huggingface_hub import constants
 
-    from trl_moe_replay.trainer.launch import HubModelError, check_model_path
+    from trl_moe_replay.core.launch import HubModelError, check_model_path
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -10,9 +10,9 @@ import pytest
 
 import trl_moe_replay
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+from trl_moe_replay.core.launch import HubModelError, ModelPathError, check_model_path
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
-from trl_moe_replay.trainer.launch import HubModelError, ModelPathError, check_model_path
 
 from .helpers import load_script
 from .test_async_grpo import DATASET, reward, settings

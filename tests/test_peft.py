@@ -62,13 +62,13 @@ def test_router_in_modules_to_save_is_replayed_and_trained(hooks_before_wrapping
             assert not torch.equal(peft_model(input_ids=x).logits, base)
 
 
-# ------------------------------------------------------------------ setups refused under replay (trainer/peft_replay.py)
+# ------------------------------------------------------------------ setups refused under replay (core/peft_replay.py)
 ROUTER_AND_EXPERTS = dict(target_modules=["q_proj", "gate"],
                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
 def test_the_adapted_routing_modules_are_the_routers_and_experts_only():
-    from trl_moe_replay.trainer.peft_replay import adapted_routing_modules
+    from trl_moe_replay.core.peft_replay import adapted_routing_modules
 
     attention_only = get_peft_model(tiny_moe_model("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"]))
     assert adapted_routing_modules(attention_only) == []
@@ -84,7 +84,7 @@ def test_the_adapted_routing_modules_are_the_routers_and_experts_only():
     (dict(target_modules=["gate"]), "r2", False),  # R2 replays the trainer's own routes, not the engine's
 ])
 def test_r3_with_adapter_only_vllm_sync_is_refused_when_the_adapter_touches_routing(lora, mode, refused):
-    from trl_moe_replay.trainer.peft_replay import UnfaithfulPeftReplayError, check_peft_replay
+    from trl_moe_replay.core.peft_replay import UnfaithfulPeftReplayError, check_peft_replay
 
     model = get_peft_model(tiny_moe_model("qwen3_moe"), LoraConfig(r=4, **lora))
     check_peft_replay(model, mode, adapter_only_sync=False)  # merged sync: always faithful
@@ -100,7 +100,7 @@ def test_r3_with_adapter_only_vllm_sync_is_refused_when_the_adapter_touches_rout
 def test_a_prompt_learning_adapter_is_refused_at_construction_under_replay(tmp_path, mode):
     from peft import PromptTuningConfig, TaskType
 
-    from trl_moe_replay.trainer.peft_replay import UnfaithfulPeftReplayError
+    from trl_moe_replay.core.peft_replay import UnfaithfulPeftReplayError
 
     from .test_trainer import make_trainer
 
@@ -119,9 +119,9 @@ def test_the_async_trainer_refuses_r3_with_adapter_only_sync_on_the_router(tmp_p
     --enable-lora; here TRL's choice is forced)."""
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from trl_moe_replay.async_grpo import async_grpo_trainer
+    from trl_moe_replay.core.peft_replay import UnfaithfulPeftReplayError
     from trl_moe_replay.testing import tiny_tokenizer
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
-    from trl_moe_replay.trainer.peft_replay import UnfaithfulPeftReplayError
 
     from .test_async_grpo import DATASET, reward, settings
 

@@ -46,7 +46,7 @@ THIRD_PARTY = {
     "huggingface_hub": ("huggingface-hub", "via transformers"),
     "packaging": ("packaging", "via transformers"),
     "yaml": ("pyyaml", "via transformers"),
-    # vLLM server mode (engines/server_requests.py, engines/weight_reload.py); TRL's server client needs it too
+    # vLLM server mode (weight_sync/server_requests.py, weight_sync/weight_reload.py); TRL's server client needs it too
     "requests": ("requests", "vllm"),
     "pybase64": ("pybase64", "vllm"),  # optional: the route codec uses it when present
     "vllm": ("vllm", "vllm"),  # the plugin runs inside vLLM's own processes
@@ -55,7 +55,7 @@ THIRD_PARTY = {
     # needs `pip install deepspeed`)
     "deepspeed": ("deepspeed", "deepspeed"),
 }
-# import-by-name probes guarded by ImportError (trainer/launch.py: huggingface_hub's HTTP library, whichever it is)
+# import-by-name probes guarded by ImportError (core/launch.py: huggingface_hub's HTTP library, whichever it is)
 PROBED = {"httpx", "httpx2"}
 
 
@@ -155,8 +155,8 @@ def test_each_installed_extras_modules_import_here(extra):
 
 
 def test_server_mode_without_requests_is_one_line(monkeypatch):
-    from trl_moe_replay.engines.server_requests import ServerModeDependencyError, post_to_server
-    from trl_moe_replay.engines.weight_reload import ReloadWeightTransfer
+    from trl_moe_replay.weight_sync.server_requests import ServerModeDependencyError, post_to_server
+    from trl_moe_replay.weight_sync.weight_reload import ReloadWeightTransfer
 
     monkeypatch.setitem(sys.modules, "requests", None)  # `import requests` raises ImportError, as without it
     with pytest.raises(ServerModeDependencyError) as raised:

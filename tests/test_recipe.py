@@ -192,7 +192,7 @@ def test_a_hub_id_without_network_is_one_line_at_once(recipe, tmp_path, capsys, 
 def test_a_live_runs_output_dir_is_refused_first_and_nothing_else_runs(recipe, tmp_path, capsys):
     import socket
 
-    from trl_moe_replay.trainer.output_lock import LOCK_NAME
+    from trl_moe_replay.core.output_lock import LOCK_NAME
 
     output_dir = tmp_path / "run"
     checkpoint = output_dir / "checkpoint-1"
@@ -350,7 +350,7 @@ def test_tiny_overrides_build_the_requested_moe(recipe, family):
 
 
 def test_server_mode_without_requests_ends_the_recipe_in_one_line(recipe, capsys, monkeypatch):
-    from trl_moe_replay.engines.server_requests import ServerModeDependencyError, http_client
+    from trl_moe_replay.weight_sync.server_requests import ServerModeDependencyError, http_client
 
     def main(*args):
         return http_client()  # as the first request to a vLLM server would

@@ -5,7 +5,7 @@ import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-from trl_moe_replay.engines import RoutesUnavailableError
+from trl_moe_replay.rollouts import RoutesUnavailableError
 from trl_moe_replay.routing import encode_routed_experts
 from trl_moe_replay.testing import TransformersEngine, tiny_moe_model, tiny_tokenizer
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import trl_moe_replay
-from trl_moe_replay.engines import RoutesUnavailableError
-from trl_moe_replay.engines.route_intake import RouteIntake
-from trl_moe_replay.engines.turns import RolloutTurns
+from trl_moe_replay.rollouts import RoutesUnavailableError
+from trl_moe_replay.rollouts.route_intake import RouteIntake
+from trl_moe_replay.rollouts.turns import RolloutTurns
 from trl_moe_replay.routing import RouteLayout, encode_routed_experts
-from trl_moe_replay.routing.engine import EngineTurn
+from trl_moe_replay.routing.codec import EngineTurn
 from trl_moe_replay.testing import (
     CORRUPTIONS,
     RouteFuzzer,
@@ -55,10 +55,10 @@ def _calls_to(name: str) -> dict[str, int]:
 
 def test_only_the_route_intake_aligns_engine_rows():
     # routes_from_engine (and its per-sample helpers) is called in exactly one place in the package: RouteIntake
-    assert _calls_to("routes_from_engine") == {"routing/engine.py": 1}  # inside checked_routes_from_engine
-    assert _calls_to("checked_routes_from_engine") == {"engines/route_intake.py": 1}
+    assert _calls_to("routes_from_engine") == {"routing/codec.py": 1}  # inside checked_routes_from_engine
+    assert _calls_to("checked_routes_from_engine") == {"rollouts/route_intake.py": 1}
     for helper in ("_place_turns", "_sample_rows"):
-        assert set(_calls_to(helper)) == {"routing/engine.py"}, helper
+        assert set(_calls_to(helper)) == {"routing/codec.py"}, helper
     # and every engine's rows are handed to the intake: the trainer (vLLM, colocate, rollout_func, generate) and
     # the audit command, and the async trainer (rows its rollout worker carried through TRL's queue)
     sources = {"trainer/grpo_trainer.py", "async_grpo/async_grpo_trainer.py", "cli/audit.py"}
@@ -135,7 +135,7 @@ def test_fuzzed_rollout_func_routes_never_end_the_run_and_fallback_frac_is_exact
     fuzzer = RouteFuzzer(seed=7, num_experts=8, moe_layers=[1, 2], rate=0.5)
     rollout = FuzzedRollout(fuzzer)
     RolloutSpy.batches = []
-    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.engines.route_intake"):
+    with caplog.at_level(logging.WARNING, logger="trl_moe_replay.rollouts.route_intake"):
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **MODEL), cls=RolloutSpy, max_steps=4,
                                per_device_train_batch_size=16, trainer_kwargs={"rollout_func": rollout})
         trainer.train()

@@ -1,4 +1,4 @@
-"""The routing options both trainers share: declared once, resolved alike, and the mode a type (trainer/routing_options.py)."""
+"""The routing options both trainers share: declared once, resolved alike, and the mode a type (core/routing_options.py)."""
 
 import ast
 import dataclasses
@@ -10,7 +10,7 @@ from transformers import HfArgumentParser
 
 import trl_moe_replay
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig
-from trl_moe_replay.trainer.routing_options import (
+from trl_moe_replay.core.routing_options import (
     ASYNC_TRAINER,
     MODES,
     SYNC_TRAINER,
@@ -106,7 +106,7 @@ def test_a_plain_trl_config_reads_the_declared_defaults():
     fields), for a plain TRL config that lacks the field; our config's own value wins."""
     from trl import GRPOConfig
 
-    from trl_moe_replay.trainer.routing_options import option
+    from trl_moe_replay.core.routing_options import option
 
     plain = GRPOConfig(**BASE)
     declared = {f.name: f.default for f in dataclasses.fields(MoEReplayGRPOConfig)}

@@ -9,9 +9,9 @@ import torch
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.core.route_flow import ROUTE_ROWS, RouteBuffer, StaleRouteRowsError
 from trl_moe_replay.routing import RouteLayout, RouterReplay, check_routes, has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.trainer.route_flow import ROUTE_ROWS, RouteBuffer, StaleRouteRowsError
 
 from .helpers import run_two_ranks
 
@@ -267,7 +267,7 @@ def test_r2_trains_with_continuous_batching_and_beam_search_when_nothing_is_reco
 def test_r3_checks_routes_once_per_generation_batch_not_at_every_forward(tmp_path, monkeypatch):
     """The routes are checked where they enter (``RouteIntake.align``, once per generation batch) and that fact
     travels through TRL's buffer, shuffle and micro-batch split: no forward runs ``validate_routes``' host pass."""
-    from trl_moe_replay.engines.route_intake import RouteIntake
+    from trl_moe_replay.rollouts.route_intake import RouteIntake
     from trl_moe_replay.routing import routes as routes_module
 
     aligned, host_passes, replayed = [], [], []

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.engines.turns import RolloutTurns
+from trl_moe_replay.rollouts.turns import RolloutTurns
 from trl_moe_replay.routing import EngineTurn, RouteAlignmentError, routes_from_engine
-from trl_moe_replay.routing.engine import encode_routed_experts
+from trl_moe_replay.routing.codec import encode_routed_experts
 
 from .helpers import no_route
 

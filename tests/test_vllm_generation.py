@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
-from trl_moe_replay.engines import RoutesUnavailableError
+from trl_moe_replay.rollouts import RoutesUnavailableError
 from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import (
     FakeVLLMServer,
@@ -208,7 +208,7 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
         trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
                                vllm_server_base_url=server.url)
-        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.engines.vllm_routes"):
+        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.rollouts.vllm_routes"):
             trainer.train()
 
     assert trainer.state.global_step == 2  # the run went on

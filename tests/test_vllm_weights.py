@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_moe_replay.engines.vllm_weights import checkpoint_named_tensors
 from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.weight_sync.vllm_weights import checkpoint_named_tensors
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])

@@ -1,5 +1,5 @@
-"""The one reload weight sync and the one engine sync check, reached by both trainers (engines/weight_reload.py,
-engines/sync_check.py).
+"""The one reload weight sync and the one engine sync check, reached by both trainers (weight_sync/weight_reload.py,
+weight_sync/sync_check.py).
 
 Both trainers sync into the same stand-in server: TRL's vLLM contract (trl_moe_replay.testing.FakeVLLMServer) plus
 what a dev-mode vLLM server answers to the reload and the check: ``/collective_rpc reload_weights`` reads the written
@@ -19,18 +19,18 @@ from transformers import AutoModelForCausalLM
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
 from trl_moe_replay.async_grpo.async_grpo_trainer import cpu_tree_attention
-from trl_moe_replay.engines import sync_check, weight_reload
-from trl_moe_replay.engines.sync_check import (
+from trl_moe_replay.core import routing_options
+from trl_moe_replay.core.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
+from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
+from trl_moe_replay.testing.async_workers import ScriptedRolloutWorker
+from trl_moe_replay.weight_sync import sync_check, weight_reload
+from trl_moe_replay.weight_sync.sync_check import (
     EngineWeightsChangedError,
     SyncCheck,
     SyncCheckUnavailableError,
     WeightSyncNotDeliveredError,
 )
-from trl_moe_replay.engines.weight_reload import WeightReload, WeightSyncDirError
-from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
-from trl_moe_replay.testing.async_workers import ScriptedRolloutWorker
-from trl_moe_replay.trainer import routing_options
-from trl_moe_replay.trainer.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
+from trl_moe_replay.weight_sync.weight_reload import WeightReload, WeightSyncDirError
 
 from .test_trainer import make_trainer
 

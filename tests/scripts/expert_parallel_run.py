@@ -199,7 +199,7 @@ def all_reduce_replay(checkpoint: str) -> dict:
 def vllm_run(checkpoint: str, **engine) -> dict:
     """R3 against a real vLLM CPU engine (a server, or colocated in each rank), weights synced from the EP trainer by
     vLLM's reload, each sync checked by the engine probe."""
-    from trl_moe_replay.engines.sync_check import SyncCheck
+    from trl_moe_replay.weight_sync.sync_check import SyncCheck
 
     syncs = []
 

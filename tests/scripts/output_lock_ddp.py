@@ -11,8 +11,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.core.output_lock import LOCK_NAME
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.trainer.output_lock import LOCK_NAME
 
 
 class LockProbe(TrainerCallback):

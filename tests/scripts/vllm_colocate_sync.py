@@ -55,7 +55,7 @@ def score(llm):
 
 
 def sync(llm, model):
-    from trl_moe_replay.engines.vllm_weights import checkpoint_named_tensors
+    from trl_moe_replay.weight_sync.vllm_weights import checkpoint_named_tensors
 
     # In-process engine: collective_rpc calls the worker directly, the tensors are not copied.
     llm.collective_rpc(

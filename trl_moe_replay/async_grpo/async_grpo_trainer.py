@@ -1,6 +1,6 @@
 """``MoEReplayAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` with R3 (routes tagged with the version that sampled them).
 
-How the routes travel (docs/async.md has the picture; ``trainer/route_flow.py`` the shared steps):
+How the routes travel (docs/async.md has the picture; ``core/route_flow.py`` the shared steps):
 
 1. Rollout child (``async_rollout_worker.py``): every ``/v1/completions`` choice's ``routed_experts`` is decoded to
    its compact dtype and kept per turn; each training row (``RoutedRolloutSample``) carries the turns that produced its
@@ -32,14 +32,8 @@ import torch
 from transformers.utils import logging
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
-from ..engines.route_intake import RouteIntake
-from ..engines.sync_check import build_sync_check, checked_weight_sync
-from ..engines.weight_reload import ReloadWeightTransfer, build_weight_sync
-from ..parallel.expert_parallel import refuse_async_sharded_at_load
-from ..routing import RouterReplay
-from ..routing.routes import CheckedRoutes, check_routes
-from ..trainer.launch import checked_model_name
-from ..trainer.metrics import (
+from ..core.launch import checked_model_name
+from ..core.metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
     MISMATCH_RATIOS,
@@ -47,12 +41,16 @@ from ..trainer.metrics import (
     logprob_mismatch_sums,
     routing_agreement_sums,
 )
-from ..trainer.model_card import write_model_card
-from ..trainer.output_lock import claim_output_dir, hold_output_dir
-from ..trainer.peft_replay import check_peft_replay
-from ..trainer.precision import attach_update_probe
-from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
-from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from ..core.model_card import write_model_card
+from ..core.output_lock import claim_output_dir, hold_output_dir
+from ..core.peft_replay import check_peft_replay
+from ..core.precision import attach_update_probe
+from ..core.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
+from ..core.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from ..parallel.expert_parallel import refuse_async_sharded_at_load
+from ..rollouts.route_intake import RouteIntake
+from ..routing import RouterReplay
+from ..routing.routes import CheckedRoutes, check_routes
 from ..upstream import (
     AsyncGRPOTrainer,
     DataCollatorForRollout,
@@ -68,6 +66,8 @@ from ..upstream import (
     tree_attention_kernel,
     worker_loop_kwargs,
 )
+from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
+from ..weight_sync.weight_reload import ReloadWeightTransfer, build_weight_sync
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_rollout_worker import RoutedAsyncRolloutWorker
 from .packing import RoutedTreeRow, TorchVarlenAttention
@@ -285,7 +285,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
 
     def train(self, *args, **kwargs):
         """``AsyncGRPOTrainer.train``, after claiming ``output_dir`` for this run
-        (:mod:`trl_moe_replay.trainer.output_lock`): ``OutputDirInUseError`` on every rank when another live trainer
+        (:mod:`trl_moe_replay.core.output_lock`): ``OutputDirInUseError`` on every rank when another live trainer
         writes there (with ``routing_replay="none"``, plain TRL, a loud warning instead)."""
         claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
@@ -380,7 +380,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
 
 
 def _no_rows(length: int):
-    from ..routing.engine import EngineTurn
+    from ..routing.codec import EngineTurn
 
     return EngineTurn(None, length, 0, 0)
 

@@ -14,7 +14,7 @@ through the worker's ``_loop_cls``) changes three things, all inside that child:
 * ``_score_group`` emits :class:`RoutedRolloutSample` s: TRL's sample plus those turns.
 
 Nothing is validated here: rows that are missing, undecodable or of the wrong shape reach the trainer as they are and
-fall back there, per sample, in the one entry point (:class:`~trl_moe_replay.engines.route_intake.RouteIntake`).
+fall back there, per sample, in the one entry point (:class:`~trl_moe_replay.rollouts.route_intake.RouteIntake`).
 
 This module must stay importable by name: the spawned child unpickles the loop class and the samples by reference.
 """
@@ -30,7 +30,7 @@ import numpy as np
 from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
-from ..routing.engine import EngineTurn, decode_routed_experts
+from ..routing.codec import EngineTurn, decode_routed_experts
 from ..upstream import async_worker_classes
 
 

@@ -507,7 +507,7 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
                   "log-softmax, gradient)"))
     route_bytes = 1 if model.experts <= 256 else 2
     routes_rank = batch["rollout"] / n * s * model.moe_layers * k * route_bytes
-    from ..trainer.routing_options import ReplayMode
+    from ..core.routing_options import ReplayMode
 
     if ReplayMode.parse(values["routing_replay"]).replays:  # the config's value, or the declared default
         lines.append(("routes of the rollout batch", routes_rank / GB,

@@ -4,7 +4,7 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 ``decode_routed_experts`` and ``routes_from_engine``, which place them in TRL's padded token layout.
 """
 
-from .engine import (
+from .codec import (
     EngineTurn,
     checked_routes_from_engine,
     decode_routed_experts,

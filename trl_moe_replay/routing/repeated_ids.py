@@ -1,4 +1,4 @@
-"""The search for a route that names an expert twice, shared by the engine alignment (``routing.engine``) and the
+"""The search for a route that names an expert twice, shared by the engine alignment (``routing.codec``) and the
 routes check (``routing.routes``); it imports neither, so that neither imports the other."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 
 
 BLOCK_ROUTES = 1 << 16
-"""Routes per block of the search by default (``routing.engine._CHECK_CHUNK_ROWS`` explains the size)."""
+"""Routes per block of the search by default (``routing.codec._CHECK_CHUNK_ROWS`` explains the size)."""
 
 
 def first_repeated_row(

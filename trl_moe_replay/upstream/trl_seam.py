@@ -32,8 +32,7 @@ import torch
 import trl
 from trl import GRPOTrainer
 
-# re-exported: the rest of the package imports these from the seam (upstream/__init__.py, entries trl_public_apis and
-# trl_utilities)
+# TRL utilities from modules `trl` does not export, re-exported to the package (entry trl_utilities below)
 from trl.chat_template_utils import add_response_schema, parse_response, qwen3_template  # noqa: F401
 from trl.extras.profiling import profiling_context  # noqa: F401
 from trl.models.utils import disable_gradient_checkpointing  # noqa: F401
@@ -88,7 +87,7 @@ GRPO_PRIVATE_METHODS = _trl_entry(
 # ---------------------------------------------------------------------------------------------------------------
 # padded_width: GRPOTrainer._generate_and_score_completions pads the prompts (left) and the completions (right) with
 #    trl.trainer.utils.pad(..., pad_to_multiple_of=self.pad_to_multiple_of): the longest, rounded up to the multiple.
-#    The routes are aligned once, right after generation, at that width (trainer/route_flow.py); every forward then
+#    The routes are aligned once, right after generation, at that width (core/route_flow.py); every forward then
 #    compares the width it is fed with, O(1), so a TRL that pads otherwise fails there, loudly, never silently.
 # ---------------------------------------------------------------------------------------------------------------
 PADDED_WIDTH = _trl_entry("padded_width")
@@ -383,7 +382,7 @@ TOOL_LOOP_METHODS: dict[str, tuple[str, ...]] = {
 # ---------------------------------------------------------------------------------------------------------------
 # model_card_identity: TRL's create_model_card (trl/trainer/base_trainer.py, every TRL trainer's) names the trainer
 #    from `self._name` and cites `self._paper["citation"]` (GRPOTrainer's: DeepSeekMath), both class attributes. The
-#    model card records the routing mode and cites the methods a run used (trainer/model_card.py) by giving the
+#    model card records the routing mode and cites the methods a run used (core/model_card.py) by giving the
 #    trainer instance its own two for the duration of the call.
 # ---------------------------------------------------------------------------------------------------------------
 MODEL_CARD_IDENTITY = _trl_entry("model_card_identity", inherited=("_name", "_paper"))

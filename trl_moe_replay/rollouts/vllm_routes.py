@@ -1,7 +1,7 @@
 """vLLM generation that keeps the routes (R3): TRL's server mode and colocate mode.
 
 vLLM returns, per completion, the experts it routed every forwarded token to (``enable_return_routed_experts``;
-layout in ``trl_moe_replay.routing.engine``). TRL 1.16 drops them on both paths; this module keeps them with the
+layout in ``trl_moe_replay.routing.codec``). TRL 1.16 drops them on both paths; this module keeps them with the
 least reach into TRL:
 
 * **Server mode** (``trl vllm-serve --model M --enable-return-routed-experts``). Only the main process talks to

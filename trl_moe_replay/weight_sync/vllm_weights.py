@@ -33,7 +33,7 @@ def engine_weights(
     """The weights a vLLM engine is sent at a weight sync: ``named_tensors`` under the checkpoint's names and layout.
 
     The one place where the weights are collected for the engine: the reload sync of both trainers
-    (``engines/weight_reload.py``) streams or writes exactly what this yields. ``named_tensors`` is what TRL's own
+    (``weight_sync/weight_reload.py``) streams or writes exactly what this yields. ``named_tensors`` is what TRL's own
     sync would send, one parameter at a time (``VLLMGeneration._iter_named_params``, or the async trainer's
     ``_streaming_iter``: gathered under DeepSpeed ZeRO-3 and FSDP, a PEFT adapter merged, vLLM's names). A model sharded
     at load time (expert parallelism) has that iterator wrapped once, at the trainer's construction, to gather its

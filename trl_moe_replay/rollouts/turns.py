@@ -6,7 +6,7 @@ called a tool. Each turn's engine returns routes for the positions it forwarded:
 rows for its own prompt of ``p_t`` tokens (from ``routed_experts_prompt_start = s_t``) and its ``c_t`` new tokens.
 
 :class:`RolloutTurns` keeps, per sample, every turn's rows with the token counts they cover
-(:class:`~trl_moe_replay.routing.engine.EngineTurn`), so that in the final multi-segment sequence every position
+(:class:`~trl_moe_replay.routing.codec.EngineTurn`), so that in the final multi-segment sequence every position
 replays the route of the *first* turn that forwarded it: a generated token's route from the turn that sampled it,
 a tool-result token's (and a turn's last generated token's) from the prefill of the turn that read it. A later turn
 never overwrites an earlier one's routes (the failure mode of engines that keep only the last turn's array).
@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers.utils import logging
 
-from ..routing.engine import EngineTurn
+from ..routing.codec import EngineTurn
 
 
 logger = logging.get_logger(__name__)

@@ -1,6 +1,6 @@
 """Requests to a vLLM server's HTTP endpoints outside TRL's client, with one error for a server that fails them.
 
-The reload weight sync (``engines/weight_reload.py``) and the sync check (``engines/sync_check.py``) of both trainers
+The reload weight sync (``weight_sync/weight_reload.py``) and the sync check (``weight_sync/sync_check.py``) of both trainers
 talk to the server through :func:`post_to_server` and :func:`served_model_name`: a server that is down, restarting or
 refusing a request stops the run with :class:`VLLMServerUnavailableError`, never a hang or a bare ``requests`` error.
 

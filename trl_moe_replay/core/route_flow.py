@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..engines.route_intake import RouteIntake
-from ..engines.turns import RolloutTurns
+from ..rollouts.route_intake import RouteIntake
+from ..rollouts.turns import RolloutTurns
 from ..routing import RouterReplay
 from ..routing.errors import RouteAlignmentError, RouteValidationError
 from ..routing.routes import CheckedRoutes

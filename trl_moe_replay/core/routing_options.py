@@ -15,7 +15,7 @@ import inspect
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
-from ..engines.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
+from ..weight_sync.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
 
 
 ASYNC_TRAINER = "async"
@@ -162,7 +162,7 @@ def default_routing_metrics(mode: ReplayMode) -> bool:
 
 def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: str) -> bool:
     """``vllm_sync_check`` resolved, the same rule for both trainers: an explicit value wins; unset (``None``), the
-    engine sync check (``engines/sync_check.py``) is on wherever a vLLM engine samples the routes the trainer carries
+    engine sync check (``weight_sync/sync_check.py``) is on wherever a vLLM engine samples the routes the trainer carries
     (``routing_replay`` other than ``"none"``, or ``routing_metrics``), and off for plain TRL.
 
     Where it cannot run: a colocated engine with ``vllm_enable_sleep_mode`` discards its weights and its KV cache
@@ -183,7 +183,7 @@ def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, train
 
 
 def resolve_weight_sync(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: str) -> str | None:
-    """``vllm_weight_sync`` resolved: ``"trl"`` (TRL's own transfer) or ``"reload"`` (``engines/weight_reload.py``);
+    """``vllm_weight_sync`` resolved: ``"trl"`` (TRL's own transfer) or ``"reload"`` (``weight_sync/weight_reload.py``);
     ``None`` for the sync trainer without vLLM.
 
     ``"auto"`` is ``"reload"`` where TRL's own transfer cannot run, which depends on the trainer: the sync trainer's

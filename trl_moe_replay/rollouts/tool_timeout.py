@@ -7,7 +7,7 @@ rollout goes on. Python cannot stop a thread: a sync tool that never returns kee
 holding what it holds, until the process ends (use a subprocess inside the tool if it must be killed). Environment
 methods (``environment_factory``) are not wrapped by this; bound their work inside the method.
 
-    from trl_moe_replay.engines.tool_timeout import with_timeout
+    from trl_moe_replay.rollouts.tool_timeout import with_timeout
     trainer = MoEReplayGRPOTrainer(..., tools=[with_timeout(search, 30)])
 """
 

@@ -5,7 +5,7 @@ TRL 1.16 syncs weights parameter by parameter: ``model.load_weights`` on a coloc
 CUDA, and the CPU backend replaces parameters after loading, so a direct ``load_weights`` fails. A transformers-5
 Mixtral's fused names are also rejected by vLLM 0.28-0.31's Mixtral loader on any device. ``vllm_weight_sync="reload"``
 sends the weights the way a fresh engine reads a checkpoint instead: under the checkpoint's names and layout
-(:func:`~trl_moe_replay.engines.vllm_weights.engine_weights`) through vLLM's ``reload_weights``, which re-runs the
+(:func:`~trl_moe_replay.weight_sync.vllm_weights.engine_weights`) through vLLM's ``reload_weights``, which re-runs the
 backend's weight processing (on CPU with the plugin's re-pack, ``trl_moe_replay_vllm_plugin``).
 
 :class:`WeightReload` does it, once for both trainers:
@@ -240,7 +240,7 @@ class ReloadWeightTransfer:
 def build_weight_sync(method: str | None, args: Any, *, asynchronous: bool, vllm_generation: Any = None,
                       model: torch.nn.Module | None = None) -> ReloadWeightSync | ReloadWeightTransfer | None:
     """The reload weight sync of a trainer, or ``None`` where TRL's own transfer is used (``method``: the resolved
-    ``vllm_weight_sync``, ``trainer.routing_options.resolve_weight_sync``, the same rule for both trainers).
+    ``vllm_weight_sync``, ``core.routing_options.resolve_weight_sync``, the same rule for both trainers).
 
     The sync trainer calls it after TRL built its ``VLLMGeneration`` (``vllm_generation``, and the unwrapped
     ``model``): a :class:`ReloadWeightSync`. The async trainer calls it before TRL's constructor, which takes the

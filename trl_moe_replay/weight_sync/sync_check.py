@@ -17,7 +17,7 @@ sync) with the engine (``prompt_logprobs``) and, after the sync, with the traine
 * a NaN or infinite engine log-prob would pass both comparisons (NaN compares false): :class:`EngineProbeNotFiniteError`.
 
 All three are :class:`EngineSyncError`. Both trainers run a sync through :func:`checked_weight_sync`, built by
-:func:`build_sync_check`; whether the check is on is ``trainer.routing_options.resolve_sync_check``'s to say (one rule
+:func:`build_sync_check`; whether the check is on is ``core.routing_options.resolve_sync_check``'s to say (one rule
 for both trainers). The engine is scored by the process that drives it (each process in colocate mode, the main process for a server); the trainer's probe
 forward runs on every process, so that a sharded model's forward has all its ranks. An error is raised on the process
 that measured it and ends the run there (a launcher such as ``torchrun`` then stops the other processes).
@@ -260,7 +260,7 @@ def checked_weight_sync(check: SyncCheck | None, sync: Callable[[], None], model
 def build_sync_check(enabled: bool, *, asynchronous: bool, accelerator: Any, vllm_generation: Any = None,
                      base_url: str | None = None, tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
     """The sync check of a trainer (every process builds one), or ``None`` when not ``enabled`` (``vllm_sync_check``
-    as ``trainer.routing_options.resolve_sync_check`` resolves it, the same rule for both trainers).
+    as ``core.routing_options.resolve_sync_check`` resolves it, the same rule for both trainers).
 
     The sync trainer passes TRL's ``VLLMGeneration`` (colocated ``LLM`` or server client); the async trainer the
     server's ``base_url``. Only the process that drives the engine scores it: each one in colocate mode, the main

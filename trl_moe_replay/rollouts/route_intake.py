@@ -29,7 +29,7 @@ import torch
 from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
-from ..routing.engine import EngineTurn, checked_routes_from_engine
+from ..routing.codec import EngineTurn, checked_routes_from_engine
 from ..routing.errors import RouteAlignmentError
 from ..routing.routes import CheckedRoutes, RouteLayout
 
