@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import itertools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -112,7 +113,6 @@ def async_trainer_globals(**values: Any) -> Iterator[None]:
 #    every next()), and any other batcher, in this thread or another, still builds TRL's rows. The probe runs both
 #    batchers so and checks that every row they yield is the class given.
 # ---------------------------------------------------------------------------------------------------------------
-ROW_BUILDING_BATCHERS = ("FixedCountBatcher", "TokenBudgetBatcher")
 ASYNC_BATCHER_ROWS = entry("async_batcher_rows", "trl", TRL_READ, TRL_VERIFIED)
 
 
@@ -325,7 +325,9 @@ def _probe_batcher_rows(trainer: Any, packing: Any) -> str | None:
     for name, batcher in batchers.items():
         if "TreeRow" not in _global_names(vars(type(batcher))["__iter__"].__code__):
             return f"{name}.__iter__ no longer builds its rows by the module global TreeRow"
-        rows = [row for micro_batch in batcher_rows(batcher.__iter__, marker) for row in micro_batch]
+        # at most 4 micro-batches: a TRL whose rows never fit would yield empty ones forever
+        rows = [row for micro_batch in itertools.islice(batcher_rows(batcher.__iter__, marker), 4)
+                for row in micro_batch]
         if not rows or not all(type(row) is marker for row in rows):
             return f"{name}.__iter__ yielded rows not built from the row class batcher_rows gave it"
     return None
