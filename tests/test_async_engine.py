@@ -148,19 +148,26 @@ def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, serve
 
 def test_multi_turn_tool_rollouts_replay_each_position_from_the_first_turn_that_forwarded_it(tmp_path, server,
                                                                                                checkpoint):
-    """TRL's tool loop through the async path: vLLM writes a calculator call (a regex keeps the format, the engine
-    picks the tokens), the tool answers, vLLM answers after the result. TRL chains the two turns into one row; the
-    check compares every trained position with the row of the first turn that forwarded it."""
+    """TRL's tool loop through the async path, 8 turns: vLLM writes 7 calculator calls (a regex keeps the format, the
+    engine picks the tokens), the tool answers each, vLLM answers after the last result. TRL chains the turns into
+    one row; the check compares every trained position with the row of the first turn that forwarded it. Each later
+    turn asks the engine only for the positions the conversation does not hold yet, so a sample receives one engine
+    row per position (asking for the whole prefix at every turn would be about 8 / 2 = 4 times that)."""
     reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "tools=true", "max_steps=3")
+    report = train(tmp_path, server, checkpoint, "tools=true", "turns=8", "max_steps=3")
     assert report["error"] is None, report["error"]
     logs = steps(report)
-    assert len(logs) == 3 and all(entry["tools/call_frequency"] == 1.0 for entry in logs)
+    assert len(logs) == 3 and all(entry["tools/call_frequency"] > 0 for entry in logs)
     assert all(entry["tools/failure_frequency"] == 0.0 for entry in logs)
-    # most rows carry both turns (a row keeps only the turns whose tokens it holds: a re-tokenized turn is not its)
-    assert sum(count == 2 for count in report["route_turns_per_sample"]) > len(report["route_turns_per_sample"]) // 2
+    # most rows carry all 8 turns (a row keeps only the turns whose tokens it holds: a re-tokenized turn is not its)
+    turns = report["route_turns_per_sample"]
+    assert sum(count == 8 for count in turns) > len(turns) // 2, turns
+    # the bytes: each position's row arrives once (a turn whose rows could not be decoded would be asked again)
+    assert report["rows_per_position"] and max(report["rows_per_position"]) <= 1.0 + 1e-9, report["rows_per_position"]
+    assert all(entry["vllm/route_bytes"] > 0 for entry in logs if "vllm/route_bytes" in entry)
+    assert any("vllm/route_bytes" in entry for entry in report["log_history"])
     assert [found for found, _, _ in report["checks"]] == [6] * 3
-    assert all(checked > 6 * 60 and mismatched == 0 for _, checked, mismatched in report["checks"])
+    assert all(checked > 6 * 150 and mismatched == 0 for _, checked, mismatched in report["checks"])
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
 
 

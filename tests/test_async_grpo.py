@@ -24,7 +24,12 @@ from trl_moe_replay import (
     upstream,
 )
 from trl_moe_replay.async_grpo import cpu_tree_attention
-from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutSample, _TurnRoutes, turns_for_row
+from trl_moe_replay.async_grpo.async_rollout_worker import (
+    RoutedRolloutSample,
+    _TurnRoutes,
+    held_positions,
+    turns_for_row,
+)
 from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
 from trl_moe_replay.core.output_lock import LOCK_NAME, OutputDirInUseError
 from trl_moe_replay.routing.codec import EngineTurn
@@ -487,6 +492,24 @@ def test_rows_keep_the_turns_that_made_their_tokens():
     # a fork re-tokenized the first turn's output: that turn is not this row's
     kept, prompt = turns_for_row([1, 2, 7, 4, 9, 5], [first, _TurnRoutes([1, 2, 7, 4, 9], [5], "r", (1, 1))])
     assert prompt == 5 and [t.rows for t in kept] == ["r"]
+
+
+def test_a_later_turn_asks_only_for_the_positions_the_conversation_does_not_hold():
+    rows = lambda n: np.zeros((n, 2, 2), dtype=np.uint8)  # noqa: E731 - [positions, layers, top-k]
+    first = _TurnRoutes([1, 2], [3, 4], rows(3), (0, 0))  # prompt 2 + output 2: positions 0..2 forwarded
+    assert held_positions([1, 2, 3, 4, 9], [first]) == 3  # the last output token was never forwarded
+    second = _TurnRoutes([1, 2, 3, 4, 9], [5, 6], rows(6 - 3), (0, 0), prompt_start=3)
+    assert held_positions([1, 2, 3, 4, 9, 5, 6, 7], [first, second]) == 6
+    # a fork (TRL re-tokenized the first turn's output): nothing of this prompt is held
+    assert held_positions([1, 2, 7, 4, 9], [first]) == 0
+    # rows that did not decode, or of the wrong length, hold nothing: the next turn asks for those positions again
+    assert held_positions([1, 2, 3, 4, 9], [_TurnRoutes([1, 2], [3, 4], "not base64", (0, 0))]) == 0
+    assert held_positions([1, 2, 3, 4, 9], [_TurnRoutes([1, 2], [3, 4], rows(2), (0, 0))]) == 0
+    # a turn whose rows start after what was held leaves a gap: it does not count
+    assert held_positions([1, 2, 3, 4, 9, 5, 6, 7], [_TurnRoutes([1, 2, 3, 4, 9], [5, 6], rows(3), (0, 0), 3)]) == 0
+    # the turn's prompt_start reaches the trainer's alignment with its rows
+    kept, prompt = turns_for_row([1, 2, 3, 4, 9, 5, 6], [first, second])
+    assert prompt == 2 and [t.prompt_start for t in kept] == [0, 3]
 
 
 # --------------------------------------------------------------------------------------------- golden
