@@ -1,10 +1,10 @@
-"""The `trl-moe-replay` CLI: `plot` writes one PNG per metric family, `audit` measures engine/trainer mismatch."""
+"""`trl-moe-replay audit` measures engine/trainer mismatch: in process, against vLLM-contract servers, and in one line
+for every bad argument or unreachable server. (`plot`: tests/cli/test_plotting.py.)"""
 
 import json
 import math
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -16,163 +16,14 @@ import torch
 
 from trl_moe_replay.cli import main
 from trl_moe_replay.cli.audit import AuditReport, AuditRow, run_audit
-from trl_moe_replay.cli.plotting import (
-    MAX_FIGURES_PER_FAMILY,
-    MAX_PANELS_PER_FIGURE,
-    group_metrics,
-    load_log_history,
-    metric_series,
-    plan_figures,
-)
 from trl_moe_replay.routing.codec import decode_routed_experts, encode_routed_experts
 from trl_moe_replay.routing.errors import RouteAlignmentError
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
 
+from tests.cli.test_plotting import one_line_error
 from tests.helpers import silent_server
 
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def png_size(path) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk; fails if the file is not a PNG."""
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
-
-
-def write_state(folder, history):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"log_history": history, "global_step": len(history)}))
-
-
-def fake_history(steps=5):
-    history = []
-    for step in range(1, steps + 1):
-        history.append({
-            "step": step, "epoch": step / 10, "learning_rate": 1e-3, "loss": 0.1 / step, "grad_norm": 1.0,
-            "reward": 0.2 + 0.1 * step, "reward_std": 0.3, "rewards/accuracy_reward/mean": 0.2 + 0.1 * step,
-            "mismatch/kl_k3": 1e-4 / step, "mismatch/kl_k1": 1e-4, "sampling/sampling_logp_difference/mean": 1e-3,
-            "routing/mismatch_frac": 0.02, "routing/topk_agreement": 0.99, "clip_ratio/low_mean": 0.0,
-            "completions/mean_length": 4.0, "rspo/router_shift_mean": 0.9,  # a family added by a later loss
-            "kl": float("nan"),  # NaN is skipped, not drawn
-        })
-    history.append({"step": steps, "eval_reward": 0.55, "eval_mismatch/kl_k3": 1e-5})
-    history.append({"step": steps, "train_runtime": 3.2, "train_loss": 0.05})
-    return history
-
-
-def test_the_command_and_the_package_import_without_trl():
-    """`trl-moe-replay --help` and `plot` load neither TRL nor torch: the package's top level is lazy (PEP 562).
-    (tests/cross_cutting/test_layout.py checks that its public names still import from it.)"""
-    code = "import sys, trl_moe_replay.cli; print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["[]"]
-
-
-def test_metrics_are_grouped_by_family_with_eval_in_the_training_panel():
-    series = metric_series(fake_history())
-    assert "kl" not in series and "learning_rate" not in series and "train_runtime" not in series
-    groups = group_metrics(series)
-    assert list(groups)[:5] == ["reward", "mismatch", "routing", "loss", "completions"]
-    assert "rspo" in groups and groups["rspo"] == ["rspo/router_shift_mean"]
-    assert "sampling/sampling_logp_difference/mean" in groups["mismatch"]
-    assert "eval_reward" not in groups["reward"]  # drawn in the `reward` panel
-    assert series["reward"] == ([1, 2, 3, 4, 5], pytest.approx([0.3, 0.4, 0.5, 0.6, 0.7]))
-
-
-def test_plot_writes_one_png_per_family(tmp_path, capsys):
-    run = tmp_path / "run"
-    write_state(run, fake_history())
-    assert main(["plot", str(run)]) == 0
-    printed = capsys.readouterr().out.split()
-    names = sorted(p.name for p in (run / "plots").iterdir())
-    assert names == sorted(["reward.png", "mismatch.png", "routing.png", "loss.png", "completions.png", "rspo.png"])
-    assert len(printed) == len(names)
-    for path in (run / "plots").iterdir():
-        width, height = png_size(path)
-        assert width >= 300 and height >= 200
-
-
-def test_plot_reads_the_latest_checkpoint_and_custom_out(tmp_path):
-    run = tmp_path / "run"
-    write_state(run / "checkpoint-2", fake_history(2))
-    write_state(run / "checkpoint-10", fake_history(10))
-    assert len(load_log_history(run)) == 12  # checkpoint-10, not checkpoint-2 (string order would pick it)
-    out = tmp_path / "charts"
-    assert main(["plot", str(run), "--out", str(out)]) == 0
-    assert (out / "reward.png").is_file() and not (run / "plots").exists()
-
-
-def one_line_error(capsys, argv) -> str:
-    """Run the CLI; it must fail with exit status 2 and exactly one line on stderr, and no traceback."""
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    assert lines[0].startswith(f"trl-moe-replay {argv[0]}: error: ")
-    return lines[0]
-
-
-def test_plot_without_state_explains(tmp_path, capsys):
-    assert "save_state" in one_line_error(capsys, ["plot", str(tmp_path)])
-
-
-def test_plot_without_matplotlib_says_how_to_install_it_in_one_line(tmp_path, capsys, monkeypatch):
-    """matplotlib is optional (the `plot` extra): only `plot` needs it."""
-    run = tmp_path / "run"
-    write_state(run, fake_history())
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
-    assert "pip install 'trl-moe-replay[plot]'" in one_line_error(capsys, ["plot", str(run)])
-
-
-def test_plot_errors_are_one_line_and_say_what_to_do(tmp_path, capsys):
-    missing = tmp_path / "no-such-run"
-    assert f"{missing} does not exist" in one_line_error(capsys, ["plot", str(missing)])
-
-    not_object = tmp_path / "list"
-    not_object.mkdir()
-    (not_object / "trainer_state.json").write_text("[1, 2, 3]")
-    assert "not a JSON object" in one_line_error(capsys, ["plot", str(not_object)])
-
-    truncated = tmp_path / "truncated"
-    write_state(truncated, fake_history())
-    text = (truncated / "trainer_state.json").read_text()
-    (truncated / "trainer_state.json").write_text(text[: len(text) // 2])
-    line = one_line_error(capsys, ["plot", str(truncated)])
-    assert "not valid JSON" in line and "truncated" in line
-
-    run, out_file = tmp_path / "run", tmp_path / "charts.png"
-    write_state(run, fake_history())
-    out_file.write_text("not a folder")
-    assert "is a file" in one_line_error(capsys, ["plot", str(run), "--out", str(out_file)])
-    assert out_file.read_text() == "not a folder"
-
-
-@pytest.mark.slow  # the CLI in a subprocess
-def test_plot_of_thousands_of_metrics_in_one_family_is_split_and_capped(tmp_path):
-    run = tmp_path / "run"
-    write_state(run, [{"step": step, **{f"routing/layer_{i}/expert_frac": i * step / 1e4 for i in range(2000)},
-                       "reward": 0.1 * step} for step in (1, 2, 3)])
-    figures = plan_figures(metric_series(load_log_history(run)))
-    assert [f.name for f in figures] == ["reward", "routing", "routing-2"]
-    routing = [f for f in figures if f.family == "routing"]
-    assert [len(f.metrics) for f in routing] == [MAX_PANELS_PER_FIGURE] * MAX_FIGURES_PER_FAMILY
-    assert [f.not_drawn for f in routing] == [0, 2000 - MAX_PANELS_PER_FIGURE * MAX_FIGURES_PER_FAMILY]
-    assert len({m for f in routing for m in f.metrics}) == MAX_PANELS_PER_FIGURE * MAX_FIGURES_PER_FAMILY
-    # the CLI draws them in bounded time (a safety bound for a loaded machine, not a benchmark)
-    result = subprocess.run([sys.executable, "-m", "trl_moe_replay.cli", "plot", str(run)], capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(f"{f.name}.png" for f in figures)
-    assert "1952 routing metrics not drawn" in result.stderr
-
-
-# ----------------------------------------------------------------------------- audit
 @pytest.fixture(scope="module")
 def bf16_audit():
     return run_audit("tiny:qwen3_moe", num_prompts=3, num_generations=2, max_new_tokens=12, seed=0)

@@ -24,7 +24,8 @@ from trl_moe_replay.rollouts.tool_timeout import ToolTimeoutError, with_timeout
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.trainer.grpo_config import ConfigTypeError
 
-from tests.cli.test_audit import audit_server, one_line_error
+from tests.cli.test_audit import audit_server
+from tests.cli.test_plotting import one_line_error
 from tests.trainer.test_grpo_trainer import make_trainer
 
 

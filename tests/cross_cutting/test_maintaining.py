@@ -34,3 +34,34 @@ def test_every_line_names_test_files_that_exist():
         assert named, f"{module}: no test file named"
         missing = [path for path in named if not (ROOT / path).is_file()]
         assert missing == [], f"{module}: {missing}"
+
+
+def mirror_of(module: str) -> Path:
+    """``trl_moe_replay/<package>/<module>.py`` -> ``tests/<package>/test_<module>.py``."""
+    package, name = Path(module).relative_to("trl_moe_replay").parent, Path(module).name
+    return Path("tests") / package / f"test_{name}"
+
+
+def test_a_module_with_a_test_file_of_its_own_names_it_first():
+    for module, tests in map_rows().items():
+        mirror = mirror_of(module)
+        if (ROOT / mirror).is_file():
+            assert re.findall(r"`(tests/[\w/]+\.py)`", tests)[0] == mirror.as_posix(), module
+
+
+def test_the_test_folders_mirror_the_package():
+    """A test file under tests/<package>/ is named after a module of trl_moe_replay/<package>/ (test_<module>.py, or
+    test_<module>_<aspect>.py); tests of no one module live in tests/cross_cutting/ (docs/maintaining.md)."""
+    own_folders = {"cross_cutting", "vllm_plugin", "scripts", "data"}  # not package mirrors
+    strays = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        folder = path.parent.relative_to(ROOT / "tests")
+        if folder.parts and folder.parts[0] in own_folders:
+            continue
+        package = ROOT / "trl_moe_replay" / folder
+        modules = {p.stem for p in package.glob("*.py")} if package.is_dir() else set()
+        stem = path.stem.removeprefix("test_")
+        if not any(stem == m or stem.startswith(f"{m}_") for m in modules):
+            strays.append(path.relative_to(ROOT).as_posix())
+    assert len(list((ROOT / "tests").rglob("test_*.py"))) > 50  # the scan sees the tests
+    assert strays == [], "test files named after no module of the package folder they mirror"
