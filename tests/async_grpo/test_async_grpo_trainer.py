@@ -352,7 +352,7 @@ def test_use_cpu_builds_on_a_machine_with_cuda(tmp_path, checkpoint, monkeypatch
 
 
 def test_a_second_async_run_on_a_held_output_dir_is_refused_and_end_releases_the_lock(tmp_path, checkpoint):
-    """The sync trainer's lock (tests/cross_cutting/test_fail_safe.py), by the same code: a live run of another process holds
+    """The sync trainer's lock (tests/core/test_output_lock.py), by the same code: a live run of another process holds
     output_dir (its lock names the parent process of this one, alive on this host): train() refuses in one line."""
     lock_path = tmp_path / LOCK_NAME
     lock_path.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "token": "theirs",
