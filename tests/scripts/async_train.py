@@ -1,4 +1,4 @@
-"""Async R3 against a real vLLM CPU server (tests/test_async_engine.py runs this in a subprocess).
+"""Async R3 against a real vLLM CPU server (tests/cross_cutting/test_async_engine.py runs this in a subprocess).
 
     python tests/scripts/async_train.py OUT.json URL CHECKPOINT [routing_replay=r3|none] [max_steps=N]
         [fault=none|kill_worker|kill_server|restart_server|noop_transfer] [server_pid=PID] [tools=true]
@@ -107,12 +107,13 @@ def first_forward_rows(turns, length: int, disagreements: list | None = None):
 def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     import torch
     from datasets import Dataset
-    from tests.async_checks import capture_used_experts, check_row, packed_row
     from transformers import AutoTokenizer, TrainerCallback
     from trl.chat_template_utils import qwen3_template
 
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
+
+    from tests.async_checks import capture_used_experts, check_row, packed_row
 
     options = dict(item.split("=", 1) for item in overrides)
     fault = options.pop("fault", "none")
