@@ -467,7 +467,7 @@ def test_with_several_processes_the_collator_sends_the_other_rows_routes_padded(
     routes = batch["replay_routes"]
     assert routes.shape == (2, 5, 2, 2)
     assert torch.equal(routes[1, :3], rows[1].packed_routes.tensor()[0])
-    assert (routes[1, 3:] == 0).all()  # padding past the row's end, stripped with the attention mask's padding in compute_loss
+    assert (routes[1, 3:] == 0).all()  # past the row's end: compute_loss strips it with the attention mask
     assert collator.metrics["routing/version_lag_max"] == [1.0]
 
 
