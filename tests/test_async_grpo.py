@@ -490,7 +490,7 @@ def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
                        tree_max_seqlen_k=int(packed["tree_max_seqlens"][1])).logits[0]
         model.config._attn_implementation = "sdpa"
         kv, cu = packed["tree_kv_index"].tolist(), packed["tree_cu_seqlens_k"].tolist()
-        leaves = [kv[a:b] for a, b in zip(cu[:-1], cu[1:])]
+        leaves = [kv[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
         for ids in samples:
             path = next(p for p in leaves if packed["input_ids"][p].tolist() == ids)
             alone = model(input_ids=torch.tensor([ids])).logits[0]
@@ -543,7 +543,7 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
     for name, param in ours.model.named_parameters():
         assert torch.equal(param, theirs_params[name]), name
     assert any(not torch.equal(p, q) for (_, p), q in zip(ours.model.named_parameters(),
-                                                          tiny_moe_model("qwen3_moe").parameters()))
+                                                          tiny_moe_model("qwen3_moe").parameters(), strict=True))
 
 
 # --------------------------------------------------------------------------------------------- sync check
