@@ -57,7 +57,7 @@ class RoutedTreeRow(TreeRow):
         A class, not a factory function: TRL's code also uses the name as a type (``TokenBudgetBatcher._place``
         annotates with ``TreeRow | None``, evaluated when it runs)."""
 
-        class RoutedTreeRowForLayout(cls):
+        class RoutedTreeRowForLayout(cls):  # type: ignore[valid-type,misc]  # cls: the calling class, at run time
             def __init__(self):
                 super().__init__(layout)
 
