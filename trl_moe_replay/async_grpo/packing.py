@@ -21,7 +21,7 @@ from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_rout
 from ..upstream import async_tree_row_class
 
 
-TreeRow = async_tree_row_class()
+TreeRow: Any = async_tree_row_class()  # Any: TRL's class, looked up at run time (see the seam)
 
 
 def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:

@@ -133,7 +133,7 @@ def cohere2_moe_selected_logits(router: nn.Module, logits: torch.Tensor, ids: to
     elif router.expert_selection_fn == "sigmoid":
         weights = F.sigmoid(selected)
         if router.norm_topk_prob:
-            weights = weights / torch.sum(weights, dim=-1, keepdims=True)
+            weights = weights / torch.sum(weights, dim=-1, keepdim=True)
     else:
         raise ValueError(f"unknown expert_selection_fn {router.expert_selection_fn!r}")
     return weights.to(_router_input_dtype(router))
