@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl.experimental.async_grpo import packing as trl_packing
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing as trl_packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_moe_replay import (
