@@ -21,7 +21,11 @@ from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_rout
 from ..upstream import keyed_tree_row_class
 
 
+<<<<<<< HEAD
 KeyedTreeRow = keyed_tree_row_class()  # TRL's TreeRow, its trie key a method (seam entry ``async_packing``)
+=======
+TreeRow: Any = async_tree_row_class()  # Any: TRL's class, looked up at run time (see the seam)
+>>>>>>> main
 
 
 def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:
@@ -57,7 +61,7 @@ class RoutedTreeRow(KeyedTreeRow):
         no argument, as they build rows; a class, not a factory function, so it stands wherever TRL's code uses the
         name as a type too."""
 
-        class RoutedTreeRowForLayout(cls):
+        class RoutedTreeRowForLayout(cls):  # type: ignore[valid-type,misc]  # cls: the calling class, at run time
             def __init__(self):
                 super().__init__(layout)
 
