@@ -60,10 +60,7 @@ from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
-<<<<<<< HEAD
     batcher_rows,
-=======
->>>>>>> main
     pad,
     quiet_upstream_notices,
     tree_attention_kernel,

@@ -21,11 +21,7 @@ from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_rout
 from ..upstream import keyed_tree_row_class
 
 
-<<<<<<< HEAD
-KeyedTreeRow = keyed_tree_row_class()  # TRL's TreeRow, its trie key a method (seam entry ``async_packing``)
-=======
-TreeRow: Any = async_tree_row_class()  # Any: TRL's class, looked up at run time (see the seam)
->>>>>>> main
+KeyedTreeRow: Any = keyed_tree_row_class()  # TRL's TreeRow, its trie key a method (seam entry ``async_packing``)
 
 
 def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:
