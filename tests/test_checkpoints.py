@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trl_moe_replay import MoEReplayGRPOTrainer
+from trl_moe_replay.pr2.state import PREDICTORS_FILE, PR2CheckpointError, PR2StateError
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PR2CheckpointError, PR2StateError
 
 from .test_pr2 import OFF_POLICY, predictor_state
 from .test_trainer import logged, make_trainer

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.pr2.predictor import RoutePredictors, predictor_kl
+from trl_moe_replay.pr2.state import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
 from trl_moe_replay.routing import RouterReplay
-from trl_moe_replay.routing.predictor import RoutePredictors, predictor_kl
 from trl_moe_replay.testing import supported_model_types, tiny_moe_model
-from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
 
 from .helpers import no_route, random_ids, run_two_ranks
 from .test_trainer import logged, make_trainer

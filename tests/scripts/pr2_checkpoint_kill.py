@@ -24,7 +24,7 @@ import safetensors.torch  # noqa: E402
 from tests.test_trainer import make_trainer  # noqa: E402
 from transformers import Trainer, TrainerState  # noqa: E402
 
-import trl_moe_replay.trainer.pr2 as pr2  # noqa: E402
+import trl_moe_replay.pr2.state as pr2  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model  # noqa: E402
 
 

@@ -141,7 +141,7 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # keys_ignored_on_save: PreTrainedModel._keys_to_ignore_on_save (a class attribute, None or a set of state-dict
 #    names) is what save_pretrained leaves out of the weights it writes. PR2 adds its predictors to it on the model
-#    instance (trl_moe_replay/trainer/pr2.py); resume integrity expects no checkpoint to hold them
+#    instance (trl_moe_replay/pr2/state.py); resume integrity expects no checkpoint to hold them
 #    (trl_moe_replay/checkpointing/checkpoint_weights.py). Read from transformers 5.23.0.
 # ---------------------------------------------------------------------------------------------------------------
 KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0"))
