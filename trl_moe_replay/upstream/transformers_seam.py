@@ -110,8 +110,8 @@ def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any
 
 # ---------------------------------------------------------------------------------------------------------------
 # trainer_private_methods: transformers.Trainer's private methods both trainers override or call
-#    (trl_moe_replay/trainer/grpo_trainer.py, checkpoint_weights.py). An override forwards these by name, so a
-#    renamed or reordered parameter must fail here rather than shift arguments:
+#    (trl_moe_replay/trainer/grpo_trainer.py, pr2/trainer_mixin.py, checkpoint_weights.py). An override forwards these
+#    by name, so a renamed or reordered parameter must fail here rather than shift arguments:
 #    _save_checkpoint / _load_optimizer_and_scheduler (PR2 checkpoints its predictors next to the Trainer's files,
 #    in the directory _get_output_dir(trial) names; a model sharded at load time saves and loads its optimizer state
 #    with torch's distributed checkpoint through _save_optimizer_and_scheduler / _load_optimizer_and_scheduler,
