@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
+from trl_moe_replay.pr2.trainer_mixin import PR2TrainerMixin
 from trl_moe_replay.routing.errors import TransformersChangedError
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
@@ -113,7 +114,7 @@ def test_a_router_returning_another_order_fails_by_entry_name():
 
 def test_every_private_method_we_override_is_declared_by_an_entry():
     declared = {name for entry in upstream.all_entries().values() for name in entry.inherited}
-    ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin) for name in cls.__dict__}
+    ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin, PR2TrainerMixin) for name in cls.__dict__}
     overridden_private = {
         name for name in ours
         if name.startswith("_") and not name.startswith("__") and callable(getattr(GRPOTrainer, name, None))
