@@ -19,7 +19,7 @@ from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE
 
 from .helpers import CPU_ONLY_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes per launch (accelerate's default port)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"
