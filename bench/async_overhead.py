@@ -20,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+
 # Waiting OpenMP threads sleep instead of spinning (as in tests/conftest.py): the trainer shares the cores with the
 # vLLM server and the rollout worker, and spinning threads would time the contention, not the step.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -28,6 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 warnings.filterwarnings("ignore")
@@ -108,7 +109,6 @@ def main(argv=None) -> int:
         return relaunch(args)
     import torch
     import transformers
-
     from _harness import bench_moe
 
     transformers.logging.set_verbosity_error()

@@ -62,15 +62,17 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _harness, real_shapes (also when imported by a test)
 
 from _harness import abba_pairs, bench_moe, interleaved_ratio, one_cycle, pair_spread, timer  # noqa: E402
 from real_shapes import MODELS  # noqa: E402
 
+from trl_moe_replay.core.metrics import logprob_mismatch_sums, routing_agreement_sums  # noqa: E402
 from trl_moe_replay.routing import RouterReplay  # noqa: E402
 from trl_moe_replay.routing.routes import has_route  # noqa: E402
 from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model, tiny_tokenizer  # noqa: E402
-from trl_moe_replay.trainer.metrics import logprob_mismatch_sums, routing_agreement_sums  # noqa: E402
+
 
 NO_CUDA_EXIT = 2
 DEFAULT_EXPERTS = "grouped_mm"  # transformers' default experts implementation, timed and sync-counted
@@ -595,7 +597,7 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
         for trainer, _, output_dir in built.values():
             trainer.end()  # releases the output_dir lock before the folder goes
             output_dir.cleanup()
-        del built
+        built.clear()  # drops the trainers before the cache empties
         if device.type == "cuda":
             torch.cuda.empty_cache()
     hidden, layers, experts, top_k = sizes.gen_model
@@ -644,7 +646,7 @@ def environment(device) -> dict:
     import trl_moe_replay
 
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "trl": trl.__version__, "accelerate": accelerate.__version__, "trl_moe_replay": trl_moe_replay.__version__,

@@ -24,12 +24,11 @@ import argparse
 import time
 
 import torch
+from _harness import bench_moe, interleaved_ratio, report, timer
 
-from trl_moe_replay.trainer.pr2 import PredictiveRoutingReplay
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
-
-from _harness import bench_moe, interleaved_ratio, report, timer
+from trl_moe_replay.trainer.pr2 import PredictiveRoutingReplay
 
 
 def cpu_timer(fn):

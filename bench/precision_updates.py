@@ -25,11 +25,13 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+
 sys.path.insert(0, str(Path(__file__).parent))
 from _harness import bench_moe  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
 from trl_moe_replay.testing import tiny_tokenizer  # noqa: E402
+
 
 SIDES = {"bf16 in place": torch.bfloat16, "fp32 masters": torch.float32}
 

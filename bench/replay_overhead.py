@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _harness import bench_moe, interleaved_ratio, report, timer
 
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
-
-from _harness import bench_moe, interleaved_ratio, report, timer
 
 
 def main() -> None:

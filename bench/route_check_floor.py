@@ -5,8 +5,8 @@ Not a target of its own: the numbers behind "Where the alignment's floor is". On
 
   idle      ``routes_from_engine`` on a batch, with the thread pool and with one thread, each after the pool's threads
             sat idle for ``--idle`` seconds (as after ``gc.collect()`` or a wait for the engine), and back to back
-  blocks    the repeated-id search (``engine._first_repeated_row``) over the batch by the pool's threads, called back
-            to back, for several block sizes (``engine._CHECK_CHUNK_ROWS``)
+  blocks    the repeated-id search (``codec._first_repeated_row``) over the batch by the pool's threads, called back
+            to back, for several block sizes (``codec._CHECK_CHUNK_ROWS``)
   parts     one block of the search taken apart: the K - 1 shifted comparisons, the OR-reduction, the range check,
             against a copy of the block
   variants  other exact formulations of the search on one sample, against the present one: XOR with a min-reduction,
@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 import torch
-
-from trl_moe_replay.routing import engine
-from trl_moe_replay.routing.engine import routes_from_engine
-
 from route_transport import engine_batch, pool_off
+
+from trl_moe_replay.routing import codec
+from trl_moe_replay.routing.codec import routes_from_engine
+
 
 LAYERS, TOP_K, EXPERTS = 48, 8, 128
 
@@ -110,10 +110,10 @@ def main() -> None:
     moe = list(range(LAYERS))
     print(f"load average at start: {'/'.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cpus); "
           f"{args.batch} samples x ~{counts[0]} tokens x {LAYERS} x top-{TOP_K} uint8 = {flat.nbytes / 2**20:.0f} MiB; "
-          f"block {engine._CHECK_CHUNK_ROWS} routes")
+          f"block {codec._CHECK_CHUNK_ROWS} routes")
 
     def copy_batch():
-        for r, o in zip(rows, offsets[:-1]):
+        for r, o in zip(rows, offsets[:-1], strict=True):
             copy_dst[o : o + r.size] = r.reshape(-1)
 
     def align():
@@ -130,15 +130,15 @@ def main() -> None:
     show("idle: back to back", busy, busy["copy"])
 
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    default_block = engine._CHECK_CHUNK_ROWS
+    default_block = codec._CHECK_CHUNK_ROWS
     blocks = {"copy": copy_batch}
     for block in (1 << 13, 1 << 15, 1 << 16, 1 << 17):
         def search(block=block):
-            engine._CHECK_CHUNK_ROWS = block
+            codec._CHECK_CHUNK_ROWS = block
             try:
-                list(pool.map(lambda r: engine._first_repeated_row(r, moe), rows))
+                list(pool.map(lambda r: codec._first_repeated_row(r, moe), rows))
             finally:
-                engine._CHECK_CHUNK_ROWS = default_block
+                codec._CHECK_CHUNK_ROWS = default_block
         blocks[f"search, 2 threads, {block >> 10}k-route blocks"] = search
     found = medians(blocks, args.repeats)
     show("blocks: the repeated-id search alone, back to back", found, found["copy"])
@@ -163,7 +163,7 @@ def main() -> None:
     sample_flat, sample_copy = sample.reshape(-1), np.empty_like(sample)
     variants = {
         "copy of the sample": lambda: np.copyto(sample_copy, sample),
-        "present search": lambda: engine._first_repeated_row(sample, moe),
+        "present search": lambda: codec._first_repeated_row(sample, moe),
         "XOR + min": lambda: xor_min_search(sample_flat, 1 << 18, TOP_K),
         "slot-major": lambda: slot_major_search(sample_flat.reshape(-1, TOP_K), 1 << 14, TOP_K),
     }
@@ -184,7 +184,7 @@ def main() -> None:
         assert not fn() or name.startswith("copy"), name
     planted = sample_flat.copy()
     planted[TOP_K * 1000 + 3] = planted[TOP_K * 1000 + 5]  # and each finds one planted repeat
-    assert engine._first_repeated_row(planted.reshape(sample.shape), moe) == divmod(1000, LAYERS)
+    assert codec._first_repeated_row(planted.reshape(sample.shape), moe) == divmod(1000, LAYERS)
     assert xor_min_search(planted, 1 << 18, TOP_K) and slot_major_search(planted.reshape(-1, TOP_K), 1 << 14, TOP_K)
     variant_times = medians(variants, 2 * args.repeats)
     show(f"variants: one sample ({sample.shape[0]} x {LAYERS} routes)", variant_times,

@@ -43,12 +43,15 @@ import time
 
 import numpy as np
 import torch
-
-from trl_moe_replay.routing import engine
-from trl_moe_replay.routing import route_dtype
-from trl_moe_replay.routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype, routes_from_engine
-
 from _harness import report
+
+from trl_moe_replay.routing import codec, route_dtype
+from trl_moe_replay.routing.codec import (
+    decode_routed_experts,
+    encode_routed_experts,
+    engine_dtype,
+    routes_from_engine,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,19 +89,19 @@ def engine_batch(rng: np.random.Generator, counts: list[int], layers: int, top_k
     each sample's ``[count, layers, top_k]`` engine rows are a view of it, starting at ``offsets[i]`` ids."""
     flat = distinct_routes(rng, sum(counts) * layers, top_k, experts, engine_dtype(experts)).reshape(-1)
     offsets = np.cumsum([0, *counts]) * layers * top_k
-    rows = [flat[a:b].reshape(n, layers, top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
+    rows = [flat[a:b].reshape(n, layers, top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts, strict=True)]
     return flat, offsets, rows
 
 
 @contextlib.contextmanager
 def pool_off():
     """``routes_from_engine`` with its thread pool off: samples placed one after another, on one core."""
-    threaded_bytes = engine._THREADED_BYTES
-    engine._THREADED_BYTES = float("inf")
+    threaded_bytes = codec._THREADED_BYTES
+    codec._THREADED_BYTES = float("inf")
     try:
         yield
     finally:
-        engine._THREADED_BYTES = threaded_bytes
+        codec._THREADED_BYTES = threaded_bytes
 
 
 def main() -> None:
@@ -109,7 +112,7 @@ def main() -> None:
         completion_lengths = rng.integers(args.completion * 7 // 8, args.completion + 1, args.batch).tolist()
     else:
         completion_lengths = [args.completion] * args.batch
-    counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
+    counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths, strict=True)]
     flat, offsets, rows = engine_batch(rng, counts, args.layers, args.top_k, args.experts)
     payloads = [encode_routed_experts(r) for r in rows]
 
@@ -139,7 +142,7 @@ def main() -> None:
     starts = offsets[:-1] * flat.itemsize
 
     def copy_warm():
-        for r, o in zip(rows, starts):
+        for r, o in zip(rows, starts, strict=True):
             copy_dst[o : o + r.nbytes] = np.frombuffer(r.data, dtype=np.uint8)
 
     def copy_cold():
@@ -201,7 +204,7 @@ def main() -> None:
     )
     print(
         f"host: {platform.machine()}, {os.cpu_count()} cpus, numpy {np.__version__}, torch {torch.__version__}, "
-        f"base64 codec {'pybase64' if engine._pybase64 is not None else 'binascii'}; "
+        f"base64 codec {'pybase64' if codec._pybase64 is not None else 'binascii'}; "
         f"repeats={args.repeats}, medians"
     )
     print(f"wire: {wire_bytes / tokens:.1f} B per routed token in base64 ({raw_bytes / tokens:.0f} B raw)")

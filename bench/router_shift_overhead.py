@@ -20,14 +20,16 @@ import os
 import time
 import warnings
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from _harness import build_trainer, interleaved_ratio, one_cycle, report  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from _harness import build_trainer, interleaved_ratio, one_cycle, report  # noqa: E402
+
 
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(1)  # one thread: no OpenMP spin-waiting in the CPU-time measurement

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+
 HERE = Path(__file__).resolve().parent
 LINE = re.compile(r"^ratio: (?P<name>.+) = (?P<value>-?[0-9.]+|nan|inf) \(target (?P<op><=|>=) (?P<target>[0-9.]+)\)$")
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=sorted(SCRIPTS), help="run these scripts only")
     args = parser.parse_args()
 
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     load_before = load()
     rows, failed = [], []
     for script in args.only or list(SCRIPTS):

@@ -71,8 +71,10 @@ import tempfile
 import time
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_mismatch_study import ENGINE_ENV, digit_reward, finite, free_port, shrink_png, versions  # noqa: E402
+
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "r2", "r3", "pr2")
@@ -512,10 +514,10 @@ def figures(report: dict, path: Path) -> list[Path]:
                     label, style = label + f" noise={f['noise']}", ":"
             else:
                 continue
-            for ax, name in zip(axes, ("reward", "entropy", "mismatch/kl_k3")):
+            for ax, name in zip(axes, ("reward", "entropy", "mismatch/kl_k3"), strict=True):
                 points = [(s, v) for s, v in entry["history"].get(name, []) if v is not None]
                 if points:
-                    ax.plot(*zip(*points), style, label=label, linewidth=1)
+                    ax.plot(*zip(*points, strict=True), style, label=label, linewidth=1)
                 ax.set_title(name, fontsize=9)
                 ax.set_xlabel("optimizer step")
         axes[2].set_yscale("log")

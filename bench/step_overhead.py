@@ -16,14 +16,16 @@ import argparse
 import os
 import warnings
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 
 import transformers  # noqa: E402
+from _harness import build_trainer, interleaved_ratio, one_cycle, report  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer  # noqa: E402
-from _harness import build_trainer, interleaved_ratio, one_cycle, report  # noqa: E402
+
 
 transformers.logging.set_verbosity_error()
 

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Waiting OpenMP threads sleep instead of spinning: the trainer shares the CPU with the vLLM server and the rollout
@@ -65,8 +66,10 @@ def train(checkpoint: str, server_url: str, **overrides):
     from trl.chat_template_utils import qwen3_template
 
     # the two-import swap:
-    from trl_moe_replay import MoEReplayAsyncGRPOConfig as AsyncGRPOConfig
-    from trl_moe_replay import MoEReplayAsyncGRPOTrainer as AsyncGRPOTrainer
+    from trl_moe_replay import (
+        MoEReplayAsyncGRPOConfig as AsyncGRPOConfig,
+        MoEReplayAsyncGRPOTrainer as AsyncGRPOTrainer,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.response_template = qwen3_template  # the tiny ChatML template is not one TRL recognises by itself

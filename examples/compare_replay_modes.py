@@ -17,6 +17,7 @@ hidden states closer, so later routers disagree a little less too).
 
 import os
 
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see recipes/grpo_r3.py: keeps 2 busy cores usable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -41,6 +42,7 @@ from trl_moe_replay.extras.math.cold_start import (  # noqa: E402
 from trl_moe_replay.extras.math.data import BOXED_INSTRUCTION, synthetic_math_dataset  # noqa: E402
 from trl_moe_replay.extras.math.rewards import accuracy_reward  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
+
 
 METRICS = [
     "mismatch/kl_k3", "mismatch/extreme_frac", "routing/mismatch_frac",

@@ -22,6 +22,7 @@ records routes like vLLM returns them), kept in sync with the trainer's weights 
 import argparse
 import os
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 

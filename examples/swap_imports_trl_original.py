@@ -15,8 +15,8 @@ import sys
 
 import torch
 from datasets import Dataset
-
 from trl import GRPOConfig, GRPOTrainer
+
 
 if len(sys.argv) != 2:
     sys.exit(f"usage: python {sys.argv[0]} MODEL, a Hub id (e.g. ibm-granite/granite-3.1-1b-a400m-instruct) or a "

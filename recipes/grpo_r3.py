@@ -81,7 +81,7 @@ from trl_moe_replay.checkpointing.checkpoints import (  # noqa: E402
     generation_period,
     resolve_resume,
 )
-from trl_moe_replay.trainer.config_checks import ConfigTypeError, ConfigValueError, check_config_file  # noqa: E402
+from trl_moe_replay.core.config_checks import ConfigTypeError, ConfigValueError, check_config_file  # noqa: E402
 
 
 class RecipeArgumentError(ValueError):
@@ -590,7 +590,7 @@ def train(script_args, training_args, model_args):
         )
     from accelerate import PartialState
 
-    from trl_moe_replay.trainer.output_lock import OutputDirLock, claim_output_dir
+    from trl_moe_replay.core.output_lock import OutputDirLock, claim_output_dir
 
     state = PartialState()
     # First, before anything is printed or run: a live run's output_dir is refused. The trainer takes this lock over
@@ -615,7 +615,7 @@ def _train(script_args, training_args, model_args, state):
 
     from trl_moe_replay import MoEReplayGRPOTrainer
     from trl_moe_replay.cli.progress import KEY_METRICS, CompactProgressCallback
-    from trl_moe_replay.trainer.launch import check_model_path
+    from trl_moe_replay.core.launch import check_model_path
 
     if model_args.model_name_or_path is not None:  # a mistyped path or an unreachable Hub id: one line, now
         model_args.model_name_or_path = check_model_path(model_args.model_name_or_path, model_args.model_revision)
@@ -766,15 +766,15 @@ def reward_summary(log_history: list[dict], window: int = 10, key: str = "reward
 def run(argv: list[str] | None = None) -> int:
     """The script: parse, train; a mistake is one line on stderr (exit status 2), Ctrl-C exits with 130, SIGTERM
     with 143 (both after saving a checkpoint)."""
-    from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.checkpointing.checkpoint_files import CheckpointError
     from trl_moe_replay.checkpointing.distributed_checkpoint import DistributedCheckpointError
-    from trl_moe_replay.engines.server_requests import ServerModeDependencyError
+    from trl_moe_replay.core.launch import LaunchMismatchError, ModelPathError
+    from trl_moe_replay.core.output_lock import OutputDirInUseError
     from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
-    from trl_moe_replay.trainer.launch import LaunchMismatchError, ModelPathError
+    from trl_moe_replay.routing import UnsupportedModelError
     from trl_moe_replay.trainer.pr2 import PR2CheckpointError
-    from trl_moe_replay.trainer.output_lock import OutputDirInUseError
     from trl_moe_replay.upstream import quiet_upstream_notices
+    from trl_moe_replay.weight_sync.server_requests import ServerModeDependencyError
 
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
     user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,

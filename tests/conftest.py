@@ -1,5 +1,6 @@
 import os
 
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,14 +18,15 @@ if WORKERS > 1:
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+
 transformers.logging.set_verbosity_error()
 torch.set_num_threads(min(2, SHARE))
 
 
 # ----------------------------------------------------------------------------- a real vLLM CPU server
-# One pair for the real-engine modules (tests/test_vllm_engine.py, tests/test_async_engine.py). Module-scoped: each
+# One pair for the real-engine modules (tests/cross_cutting/test_vllm_engine.py, tests/cross_cutting/test_async_engine.py). Module-scoped: each
 # module starts its own server, as before (the async faults kill and restart theirs); a module with its own
-# ``checkpoint`` fixture (tests/test_async_grpo.py) overrides these.
+# ``checkpoint`` fixture (tests/async_grpo/test_async_grpo_trainer.py) overrides these.
 import pytest  # noqa: E402
 
 
@@ -43,7 +45,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """A real vLLM CPU server on ``checkpoint`` (tests/vllm_server.py); its URL, ``.pid``, ``.server.restart()``."""
-    from .vllm_server import vllm_server
+    from tests.vllm_server import vllm_server
 
     with vllm_server(checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
         yield url

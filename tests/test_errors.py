@@ -11,6 +11,7 @@ import pytest
 import trl_moe_replay
 from trl_moe_replay.errors import TrlMoeReplayError
 
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_moe_replay"
 
@@ -125,9 +126,9 @@ def test_the_base_is_exported_and_catches_the_exported_errors():
 
 
 def test_a_builtin_based_error_is_still_caught_and_built_as_before():
-    from trl_moe_replay.routing.errors import RouteValidationError
     from trl_moe_replay.checkpointing.checkpoints import NoCheckpointError
-    from trl_moe_replay.trainer.config_checks import ConfigTypeError
+    from trl_moe_replay.core.config_checks import ConfigTypeError
+    from trl_moe_replay.routing.errors import RouteValidationError
 
     with pytest.raises(ValueError, match="bad routes"):
         raise RouteValidationError("bad routes")

@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 
+
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 

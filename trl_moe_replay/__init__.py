@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+
 __version__ = "0.1.0.dev0"
 
 # The public names load on first use (PEP 562), so that `trl-moe-replay --help`, `trl-moe-replay plot` and
@@ -14,16 +15,16 @@ _PUBLIC = {
     "CheckpointError": "trl_moe_replay.checkpointing.checkpoint_files",
     "CheckpointWeightsError": "trl_moe_replay.checkpointing.checkpoint_weights",
     "DistributedCheckpointError": "trl_moe_replay.checkpointing.checkpoint_files",
-    "LaunchMismatchError": "trl_moe_replay.trainer.launch",
+    "LaunchMismatchError": "trl_moe_replay.core.launch",
     "MoEReplayAsyncGRPOConfig": "trl_moe_replay.async_grpo",
     "MoEReplayAsyncGRPOTrainer": "trl_moe_replay.async_grpo",
     "MoEReplayGRPOConfig": "trl_moe_replay.trainer",
     "MoEReplayGRPOTrainer": "trl_moe_replay.trainer",
-    "OutputDirInUseError": "trl_moe_replay.trainer.output_lock",
+    "OutputDirInUseError": "trl_moe_replay.core.output_lock",
     "RouteAlignmentError": "trl_moe_replay.routing",
     "RouteValidationError": "trl_moe_replay.routing",
     "RouterReplay": "trl_moe_replay.routing",
-    "RoutesUnavailableError": "trl_moe_replay.engines",
+    "RoutesUnavailableError": "trl_moe_replay.rollouts",
     "TrlMoeReplayError": "trl_moe_replay.errors",
     "UnsupportedModelError": "trl_moe_replay.routing",
     "decode_routed_experts": "trl_moe_replay.routing",
@@ -32,8 +33,13 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from .engines import RoutesUnavailableError
+    from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+    from .checkpointing.checkpoint_files import CheckpointError, DistributedCheckpointError
+    from .checkpointing.checkpoint_weights import CheckpointWeightsError
+    from .core.launch import LaunchMismatchError
+    from .core.output_lock import OutputDirInUseError
     from .errors import TrlMoeReplayError
+    from .rollouts import RoutesUnavailableError
     from .routing import (
         RouteAlignmentError,
         RouterReplay,
@@ -44,11 +50,6 @@ if TYPE_CHECKING:
         routes_from_engine,
     )
     from .trainer import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
-    from .async_grpo import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
-    from .checkpointing.checkpoint_files import CheckpointError, DistributedCheckpointError
-    from .checkpointing.checkpoint_weights import CheckpointWeightsError
-    from .trainer.launch import LaunchMismatchError
-    from .trainer.output_lock import OutputDirInUseError
 
 __all__ = [
     "CheckpointError",

@@ -6,7 +6,7 @@ Python object about 27 times its size, so 256 MiB of empty objects needs about 7
 a memory limit). :func:`read_json_file` counts, before parsing, the bytes that can start a value or a key (``[``,
 ``{``, ``,`` and ``:``; a count that can only over-estimate, as those inside strings count too) and refuses a file
 with more than ``max_values`` of them, so parsing builds at most that many objects. It is the one reader of
-``plot`` (cli/plotting.py), ``describe_run`` (checkpointing/checkpoints.py), the output-dir lock (trainer/output_lock.py)
+``plot`` (cli/plotting.py), ``describe_run`` (checkpointing/checkpoints.py), the output-dir lock (core/output_lock.py)
 and the resume pre-flight's ``trainer_state.json`` (checkpointing/checkpoint_files.py); it imports nothing of the package
 but ``errors.py`` (which imports nothing), so ``plot`` still runs without TRL or torch.
 
@@ -23,6 +23,7 @@ import stat
 from typing import Any
 
 from .errors import TrlMoeReplayError
+
 
 #: Largest file read (bytes): a long run's trainer_state.json (every step logged) stays far below it.
 MAX_JSON_BYTES = 256 * 2**20

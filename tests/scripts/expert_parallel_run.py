@@ -1,5 +1,5 @@
 """Routing replay on a model sharded at load time with expert parallelism, against DDP on the same data; two CPU
-processes (gloo). Launched by ``tests/test_expert_parallel.py`` as a user launches it:
+processes (gloo). Launched by ``tests/parallel/test_expert_parallel.py`` as a user launches it:
 
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR train
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR server URL CHECKPOINT
@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a colocated vLLM CPU engine (scenario "colocate")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -35,12 +36,14 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharded_run import ExpertsWatch, Spy, flat, logged, reward_len  # noqa: E402  (the same route check)
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 from trl_moe_replay.parallel.sharded import full_tensor, is_sharded_at_load  # noqa: E402
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
+
 
 OUT = Path(sys.argv[1])
 EP = {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}
@@ -196,7 +199,7 @@ def all_reduce_replay(checkpoint: str) -> dict:
 def vllm_run(checkpoint: str, **engine) -> dict:
     """R3 against a real vLLM CPU engine (a server, or colocated in each rank), weights synced from the EP trainer by
     vLLM's reload, each sync checked by the engine probe."""
-    from trl_moe_replay.engines.sync_check import SyncCheck
+    from trl_moe_replay.weight_sync.sync_check import SyncCheck
 
     syncs = []
 
@@ -230,7 +233,7 @@ def precision_runs(checkpoint: str) -> dict:
         model = trainer.accelerator.unwrap_model(trainer.model)
         computed = set()
         handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda module, args, output: computed.add(str(output.dtype)))
+            lambda module, args, output, computed=computed: computed.add(str(output.dtype)))
         trainer.train()
         handle.remove()
         result[dtype] = {"updated_frac": logged(trainer, "precision/updated_frac"),

@@ -1,6 +1,6 @@
 """Two ranks (torchrun, gloo) train into one output_dir: prints, per rank, which pid owns the lock during training.
 
-Used by tests/test_fail_safe.py; argv[1] is the shared output_dir.
+Used by tests/core/test_output_lock.py; argv[1] is the shared output_dir.
 """
 
 import json
@@ -11,8 +11,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.core.output_lock import LOCK_NAME
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.trainer.output_lock import LOCK_NAME
 
 
 class LockProbe(TrainerCallback):

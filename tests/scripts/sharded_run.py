@@ -1,5 +1,5 @@
 """Routing replay (none, R2, R3, PR2) under one distributed engine, two CPU processes (gloo). Launched by
-``tests/test_sharded.py``:
+``tests/parallel/test_sharded.py``:
 
     accelerate launch --config_file recipes/accelerate/{ddp,zero2,zero3,fsdp2}.yaml --num_processes 2 \\
         tests/scripts/sharded_run.py OUT_DIR
@@ -24,9 +24,10 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.parallel.sharded import is_dtensor, is_zero3_partitioned, local_numel
 from trl_moe_replay.routing.routes import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.parallel.sharded import is_dtensor, is_zero3_partitioned, local_numel
+
 
 OUT = Path(sys.argv[1])
 # 16 experts: each router and predictor (16 x 64) is above ZeRO-3's "auto" persistence threshold (10 x hidden),
@@ -227,7 +228,7 @@ def main():
     # (partitioned at creation, as from_pretrained does under zero3_init_flag); the runs compare exact weights
     models = [tiny_moe_model(**MODEL) for _ in range(5)]
     # none and R2: an on-policy and an off-policy update; R3 and PR2: also the next generation batch's first update
-    runs = zip(("none", "r2", "r3"), models, (2, 2, 3))
+    runs = zip(("none", "r2", "r3"), models[:3], (2, 2, 3), strict=True)
     result = {mode: run_mode(mode, model, steps) for mode, model, steps in runs}
     result["pr2"], trainer = run_pr2(models[3], models[4])
     if trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == 3:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,10 +53,11 @@ def main():
     import torch
     from datasets import Dataset
 
-    from tests.route_checks import RouteCheckingTrainer, RouteOracle
     from trl_moe_replay import MoEReplayGRPOConfig
     from trl_moe_replay.routing import has_route
     from trl_moe_replay.testing import tiny_tokenizer
+
+    from tests.route_checks import RouteCheckingTrainer, RouteOracle
 
     out, mode = sys.argv[1], sys.argv[2]
     rest = sys.argv[4:] if mode == "colocate" else sys.argv[5:]

@@ -9,6 +9,7 @@ not pay for the trainer.
 
 import importlib
 
+
 _LAZY = {
     "MoEReplayAsyncGRPOConfig": "async_grpo_config",
     "MoEReplayAsyncGRPOTrainer": "async_grpo_trainer",

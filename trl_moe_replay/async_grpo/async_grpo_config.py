@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..trainer.config_checks import check_config
-from ..trainer.routing_options import (
+from ..core.config_checks import check_config
+from ..core.routing_options import (
     ASYNC_TRAINER,
     ReplayMode,
     RoutingOptions,
@@ -21,7 +21,7 @@ class MoEReplayAsyncGRPOConfig(RoutingOptions, AsyncGRPOConfig):
 
     The routing options both trainers have (``routing_replay``, ``routing_metrics``, ``extreme_token_threshold``,
     ``vllm_weight_sync``, ``vllm_sync_dir``, ``vllm_sync_check``) are declared once
-    (``trl_moe_replay.trainer.routing_options.RoutingOptions``) and resolve alike; docs/async.md has the table of
+    (``trl_moe_replay.core.routing_options.RoutingOptions``) and resolve alike; docs/async.md has the table of
     where this trainer differs, and why. Here:
 
     Parameters:
@@ -35,11 +35,11 @@ class MoEReplayAsyncGRPOConfig(RoutingOptions, AsyncGRPOConfig):
             routes) without replaying them. Defaults to on under R3, off under `"none"`.
         vllm_weight_sync (`str`, *optional*, defaults to `"auto"`):
             `"reload"`: write the weights as a checkpoint and have the server reload them
-            (`trl_moe_replay.engines.weight_reload.ReloadWeightTransfer`; works on vLLM's CPU build). `"trl"`: TRL's
+            (`trl_moe_replay.weight_sync.weight_reload.ReloadWeightTransfer`; works on vLLM's CPU build). `"trl"`: TRL's
             NCCL transfer (GPU). `"auto"`: reload when the trainer is not on CUDA (no CUDA, or `use_cpu`). A
             `weight_transfer=` passed to the trainer wins.
         vllm_sync_check (`bool`, *optional*):
-            Score a fixed probe with the engine around every sync (`engines/sync_check.py`, the same check as the
+            Score a fixed probe with the engine around every sync (`weight_sync/sync_check.py`, the same check as the
             sync trainer's): a sync that did not reach the engine, or engine weights that changed between syncs (a
             restarted server), end the run with a clear error; logs `vllm/sync_max_logprob_diff`. Defaults to on
             whenever routes are carried.

@@ -1,6 +1,6 @@
 """``MoEReplayAsyncGRPOTrainer``: TRL's ``AsyncGRPOTrainer`` with R3 (routes tagged with the version that sampled them).
 
-How the routes travel (docs/async.md has the picture; ``trainer/route_flow.py`` the shared steps):
+How the routes travel (docs/async.md has the picture; ``core/route_flow.py`` the shared steps):
 
 1. Rollout child (``async_rollout_worker.py``): every ``/v1/completions`` choice's ``routed_experts`` is decoded to
    its compact dtype and kept per turn; each training row (``RoutedRolloutSample``) carries the turns that produced its
@@ -32,16 +32,8 @@ import torch
 from transformers.utils import logging
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
-from ..engines.route_intake import RouteIntake
-from ..engines.sync_check import build_sync_check, checked_weight_sync
-from ..engines.weight_reload import ReloadWeightTransfer, build_weight_sync
-from ..parallel.expert_parallel import refuse_async_sharded_at_load
-from ..routing import RouterReplay
-from ..routing.routes import CheckedRoutes, check_routes
-from ..trainer.launch import checked_model_name
-from ..trainer.model_card import write_model_card
-from ..trainer.output_lock import claim_output_dir, hold_output_dir
-from ..trainer.metrics import (
+from ..core.launch import checked_model_name
+from ..core.metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
     MISMATCH_RATIOS,
@@ -49,10 +41,16 @@ from ..trainer.metrics import (
     logprob_mismatch_sums,
     routing_agreement_sums,
 )
-from ..trainer.peft_replay import check_peft_replay
-from ..trainer.precision import attach_update_probe
-from ..trainer.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
-from ..trainer.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from ..core.model_card import write_model_card
+from ..core.output_lock import claim_output_dir, hold_output_dir
+from ..core.peft_replay import check_peft_replay
+from ..core.precision import attach_update_probe
+from ..core.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
+from ..core.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from ..parallel.expert_parallel import refuse_async_sharded_at_load
+from ..rollouts.route_intake import RouteIntake
+from ..routing import RouterReplay
+from ..routing.routes import CheckedRoutes, check_routes
 from ..upstream import (
     AsyncGRPOTrainer,
     DataCollatorForRollout,
@@ -62,13 +60,17 @@ from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
+    pad,
     quiet_upstream_notices,
     tree_attention_kernel,
     worker_loop_kwargs,
 )
+from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
+from ..weight_sync.weight_reload import ReloadWeightTransfer, build_weight_sync
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_rollout_worker import RoutedAsyncRolloutWorker
 from .packing import RoutedTreeRow, TorchVarlenAttention
+
 
 logger = logging.get_logger(__name__)
 
@@ -271,7 +273,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
         if not carries_routes:
             return
-        attempts = getattr(args, "vllm_request_attempts", None)
+        attempts = option(args, "vllm_request_attempts")
         if isinstance(self.rollout_worker, RoutedAsyncRolloutWorker) and attempts is not None:
             worker_loop_kwargs(self.rollout_worker)["max_request_attempts"] = attempts
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
@@ -280,7 +282,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._route_intake = RouteIntake(
             _MainProcessOnly(self.accelerator), source="vLLM", required=mode.needs_engine_routes,
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
-            batch_samples=samples_per_step, max_fallback_batches=getattr(args, "max_route_fallback_steps", None),
+            batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
         )
         if mode.replays and self.aux_loss_enabled:
             logger.warning(
@@ -295,7 +297,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
 
     def train(self, *args, **kwargs):
         """``AsyncGRPOTrainer.train``, after claiming ``output_dir`` for this run
-        (:mod:`trl_moe_replay.trainer.output_lock`): ``OutputDirInUseError`` on every rank when another live trainer
+        (:mod:`trl_moe_replay.core.output_lock`): ``OutputDirInUseError`` on every rank when another live trainer
         writes there (with ``routing_replay="none"``, plain TRL, a loud warning instead)."""
         claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
@@ -390,7 +392,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
 
 
 def _no_rows(length: int):
-    from ..routing.engine import EngineTurn
+    from ..routing.codec import EngineTurn
 
     return EngineTurn(None, length, 0, 0)
 

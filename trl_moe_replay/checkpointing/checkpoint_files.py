@@ -65,6 +65,7 @@ from ..bounded_json import JSONFileError, read_json_file
 from ..errors import TrlMoeReplayError
 from ..upstream import DCPMetadataUnpickler, dcp_storage_info_class
 
+
 MODEL_WEIGHT_NAMES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 ADAPTER_NAMES = (ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
 _NUMBER = (int, float)
@@ -196,7 +197,13 @@ def read_distributed_metadata(folder: str | os.PathLike, refuse) -> Any:
 def _metadata_problem(metadata) -> str | None:
     """What in ``metadata`` is not of the types DCP's load reads (and our restore reads: ``size``, ``dtype``)."""
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     if not isinstance(getattr(metadata, "storage_meta", None), StorageMeta | None):
         return f"holds storage_meta {type(metadata.storage_meta).__name__}, where a StorageMeta or None is read"

@@ -60,6 +60,7 @@ from transformers.utils import (
 
 from ..bounded_json import JSONFileError, read_json_file
 from ..upstream.transformers_seam import keys_ignored_on_save, saved_weight_layout
+from . import distributed_checkpoint
 from .checkpoint_files import (
     CheckpointError,
     check_checkpoint_files,
@@ -68,7 +69,7 @@ from .checkpoint_files import (
     short_message,
     shown,
 )
-from . import distributed_checkpoint
+
 
 logger = logging.get_logger(__name__)
 

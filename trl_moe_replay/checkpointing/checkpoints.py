@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
 from transformers.utils import logging
 
 from ..bounded_json import read_json_file
 from ..errors import TrlMoeReplayError
 from .checkpoint_files import check_checkpoint_files
+
 
 logger = logging.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Checkpoints that resume a model sharded at load time (expert parallelism), with torch's distributed checkpoint.
+r"""Checkpoints that resume a model sharded at load time (expert parallelism), with torch's distributed checkpoint.
 
 transformers' Trainer cannot resume a model that ``from_pretrained(distributed_config=...)`` sharded: it refuses any
 checkpoint with optimizer state for one. The Trainer's own save and resume entry points stay the ones that run
@@ -34,14 +34,15 @@ import os
 
 import torch
 
-from ..upstream import checked_dcp_planner, checked_dcp_reader, dcp_placements
 from ..parallel.sharded import is_sharded_at_load
+from ..upstream import checked_dcp_planner, checked_dcp_reader, dcp_placements
 from .checkpoint_files import (
     DCP_METADATA_NAME,
     DISTRIBUTED_FOLDER,
     DistributedCheckpointError,
     read_distributed_metadata,
 )
+
 
 FOLDER = DISTRIBUTED_FOLDER
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it

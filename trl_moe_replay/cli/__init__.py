@@ -7,4 +7,5 @@ too). ``commands`` imports ``audit`` and ``plotting`` only inside their sub-comm
 
 from .commands import main
 
+
 __all__ = ["main"]

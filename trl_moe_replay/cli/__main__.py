@@ -4,4 +4,5 @@ import sys
 
 from .commands import main
 
+
 sys.exit(main())

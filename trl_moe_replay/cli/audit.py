@@ -3,9 +3,9 @@
 The engine is either
 
 - transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded by
-  :class:`~trl_moe_replay.engines.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
+  :class:`~trl_moe_replay.rollouts.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
 - a running vLLM server (``trl vllm-serve --model M --enable-return-routed-experts``), sampled through TRL's own
-  ``VLLMClient`` (with :class:`~trl_moe_replay.engines.CompletionRoutesHook` on its session, which keeps each
+  ``VLLMClient`` (with :class:`~trl_moe_replay.rollouts.CompletionRoutesHook` on its session, which keeps each
   choice's ``routed_experts``), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
   tokens, i.e. ``log_softmax(logits / temperature)``.
 
@@ -18,8 +18,8 @@ forward, as TRL's old-logprob pass does. Two trainer passes are compared with th
 - ``r3``: the trainer replays the engine's routes (:meth:`RouterReplay.replay`).
 
 For each: the sampler-vs-trainer KL estimators and the fraction of extreme tokens over the completion tokens
-(:func:`~trl_moe_replay.trainer.metrics.logprob_mismatch_sums`), and how the routes the trainer *used* compare with the
-engine's over every routable position and MoE layer (:func:`~trl_moe_replay.trainer.metrics.routing_agreement_sums`).
+(:func:`~trl_moe_replay.core.metrics.logprob_mismatch_sums`), and how the routes the trainer *used* compare with the
+engine's over every routable position and MoE layer (:func:`~trl_moe_replay.core.metrics.routing_agreement_sums`).
 Under ``r3`` the used routes are the engine's by construction (mismatch 0 unless a position lacked a route: see
 ``fallback_frac``); its ``natural_mismatch`` column says how often the trainer's router would have chosen otherwise.
 
@@ -42,21 +42,22 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from ..engines import TransformersRolloutRecorder
-from ..errors import TrlMoeReplayError
-from ..routing import RouterReplay, has_route
-from ..engines.route_intake import RouteIntake, RoutesUnavailableError
-from ..routing.engine import EngineTurn, decode_routed_experts
-from ..routing.errors import RouteAlignmentError
-from ..trainer.launch import check_model_path
-from ..trainer.routing_options import ReplayMode
-from ..trainer.metrics import (
+from ..core.launch import check_model_path
+from ..core.metrics import (
     check_extreme_threshold,
     logprob_mismatch_sums,
     routable_positions,
     routing_agreement_sums,
 )
+from ..core.routing_options import ReplayMode
+from ..errors import TrlMoeReplayError
+from ..rollouts import TransformersRolloutRecorder
+from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
+from ..routing import RouterReplay, has_route
+from ..routing.codec import EngineTurn, decode_routed_experts
+from ..routing.errors import RouteAlignmentError
 from ..upstream import pad
+
 
 TINY_PREFIX = "tiny:"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,12 +119,13 @@ class AuditReport:
         columns = ["mode", "kl_k1", "kl_k3", "extreme_frac", "max|logratio|", "route_mismatch", "topk_agree",
                    "natural_mismatch", "fallback"]
         widths = [max(len(c), 10) for c in columns[1:]]
-        lines = [head, "", "  ".join([f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths))])]
+        header = [f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths, strict=True))]
+        lines = [head, "", "  ".join(header)]
         for r in self.rows:
             values = [r.kl_k1, r.kl_k3, r.extreme_frac, r.max_abs_log_ratio, r.route_mismatch_frac,
                       r.topk_agreement, r.natural_mismatch_frac, r.fallback_frac]
             lines.append("  ".join([f"{r.mode:<6}", *(f"{'n/a':>{w}}" if v is None else f"{v:>{w}.4g}"
-                                                        for v, w in zip(values, widths))]))
+                                                        for v, w in zip(values, widths, strict=True))]))
         if not self.routes_available:
             lines.append(f"{'r3':<6}  unavailable: the engine returned no routes")
         lines += ["", self.verdict()]
@@ -365,7 +367,7 @@ def run_audit(
     # ---- engine: sample, with routes and sampling log-probs
     server_cmd = None
     if vllm_server_url is not None:
-        from ..engines.vllm_routes import server_command
+        from ..rollouts.vllm_routes import server_command
 
         server_cmd = server_command(model)
         samples, engine_dtype = _within(
@@ -538,7 +540,7 @@ def _sample_with_vllm_server(
     prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
     position's list. No communicator is opened (no weight sync).
     """
-    from ..engines.vllm_routes import install_routes_hook
+    from ..rollouts.vllm_routes import install_routes_hook
     from ..upstream import http_vllm_client
 
     client = http_vllm_client(url)

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..errors import TrlMoeReplayError
 
+
 GB = 1e9
 MARGIN = 0.10  # of each GPU's memory, kept free: allocator fragmentation, unmodelled buffers (docs/recipes.md)
 FIXED_GB = 3.0  # per training GPU: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
@@ -42,7 +43,7 @@ class PlanError(TrlMoeReplayError, ValueError):
 
 # ------------------------------------------------------------------------------------------------------ the model
 # config.json values of the models the recipes name (read from each repository's config.json on the Hub), so that
-# the plan runs without the checkpoint. The model cards' counts, for the check in tests/test_plan.py:
+# the plan runs without the checkpoint. The model cards' counts, for the check in tests/cli/test_plan.py:
 #   Qwen3-30B-A3B: "30.5B in total and 3.3B activated" (huggingface.co/Qwen/Qwen3-30B-A3B);
 #   OLMoE-1B-7B: "1B active and 7B total parameters" (6.9B, arXiv 2409.02060 Table 1);
 #   Granite-3.1-1B-A400M: "1.3B" total, "400M" active (huggingface.co/ibm-granite/granite-3.1-1b-a400m-instruct);
@@ -281,7 +282,7 @@ def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_O
 
 def _parallel_sizes(values: Mapping[str, Any]) -> dict[str, Any]:
     """The recipe's ``ep_size``/``fsdp_size``/... keys over ``model_init_kwargs.distributed_config``."""
-    sizes = dict(((values.get("model_init_kwargs") or {}).get("distributed_config") or {}))
+    sizes = dict((values.get("model_init_kwargs") or {}).get("distributed_config") or {})
     sizes.update({k: values[k] for k in ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_implementation")
                   if values.get(k) is not None})
     return sizes
@@ -506,7 +507,7 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
                   "log-softmax, gradient)"))
     route_bytes = 1 if model.experts <= 256 else 2
     routes_rank = batch["rollout"] / n * s * model.moe_layers * k * route_bytes
-    from ..trainer.routing_options import ReplayMode
+    from ..core.routing_options import ReplayMode
 
     if ReplayMode.parse(values["routing_replay"]).replays:  # the config's value, or the declared default
         lines.append(("routes of the rollout batch", routes_rank / GB,

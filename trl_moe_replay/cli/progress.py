@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from transformers import ProgressCallback
 
+
 #: Metrics shown (when logged), with their short names: the reward, then the signals that say replay is working
 #: (docs/metrics.md, "What healthy looks like"): the share of positions that had no route to replay and fell back to
 #: the router's own choice, the sampler-vs-trainer KL, and (vLLM with ``vllm_sync_check``) the largest log-prob

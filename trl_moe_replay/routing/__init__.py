@@ -4,7 +4,7 @@ Engine routes (vLLM's ``routed_experts``, SGLang's routed experts in the same la
 ``decode_routed_experts`` and ``routes_from_engine``, which place them in TRL's padded token layout.
 """
 
-from .engine import (
+from .codec import (
     EngineTurn,
     checked_routes_from_engine,
     decode_routed_experts,
@@ -13,7 +13,7 @@ from .engine import (
     routes_from_engine,
 )
 from .errors import RouteAlignmentError, RouteValidationError, TransformersTooOldError, UnsupportedModelError
-from .replay import RouteRecording, RouterCall, RouterReplay
+from .replay import RouterCall, RouteRecording, RouterReplay
 from .router_probs import RouterProbes
 from .routers import ROUTER_FAMILIES, RouterFamily, family_of
 from .routes import (
@@ -27,6 +27,7 @@ from .routes import (
     route_dtype,
     validate_routes,
 )
+
 
 __all__ = [
     "NO_ROUTE",

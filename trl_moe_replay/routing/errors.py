@@ -9,6 +9,7 @@ raises.
 from ..errors import TrlMoeReplayError
 from ..upstream.entries import TransformersChangedError
 
+
 __all__ = ["RouteAlignmentError", "RouteValidationError", "TransformersChangedError", "TransformersTooOldError",
            "UnsupportedModelError"]
 

@@ -1,4 +1,4 @@
-"""The search for a route that names an expert twice, shared by the engine alignment (``routing.engine``) and the
+"""The search for a route that names an expert twice, shared by the engine alignment (``routing.codec``) and the
 routes check (``routing.routes``); it imports neither, so that neither imports the other."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import threading
 
 import numpy as np
 
+
 BLOCK_ROUTES = 1 << 16
-"""Routes per block of the search by default (``routing.engine._CHECK_CHUNK_ROWS`` explains the size)."""
+"""Routes per block of the search by default (``routing.codec._CHECK_CHUNK_ROWS`` explains the size)."""
 
 
 def first_repeated_row(
@@ -78,7 +79,7 @@ def _scratch(name: str, size: int, dtype) -> np.ndarray:
     return buffer[: size * dtype.itemsize].view(dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _same_route_masks(k: int) -> np.ndarray:
     """``[k - 1, lcm(k, 8) / 8]`` uint64: byte ``b`` of row ``s - 1`` is 1 where comparing flat id ``b`` with the id
     ``s`` places later stays inside one route (``b % k + s < k``)."""

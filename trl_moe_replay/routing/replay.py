@@ -39,6 +39,7 @@ from .errors import RouteValidationError, UnsupportedModelError
 from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
 from .routes import CheckedRoutes, RouteLayout, check_routes, has_route, no_route_value, route_dtype
 
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # PEFT's ModulesToSaveWrapper keeps the router twice: the frozen original and the trainable copy.
 _PEFT_COPIES = (".original_module", ".modules_to_save.")

@@ -32,6 +32,7 @@ from .tiny_models import (
     unavailable_model_types,
 )
 
+
 __all__ = [
     "CHAT_TEMPLATE",
     "CORRUPTIONS",

@@ -45,9 +45,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..engines.hf_generate import TransformersRolloutRecorder
+from ..rollouts.hf_generate import TransformersRolloutRecorder
 from ..routing import RouterReplay, has_route
-from ..routing.engine import decode_routed_experts, encode_routed_experts, engine_dtype
+from ..routing.codec import decode_routed_experts, encode_routed_experts, engine_dtype
+
 
 __all__ = [
     "CORRUPTIONS",

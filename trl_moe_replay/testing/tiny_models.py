@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+
 # ----------------------------------------------------------------------------- tokenizer
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>"]
 # Whole-word tokens for the chat roles and the answer format; everything else is one printable character a token.

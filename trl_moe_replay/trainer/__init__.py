@@ -1,10 +1,11 @@
 """The trainer side: ``MoEReplayGRPOTrainer`` (a ``trl.GRPOTrainer`` subclass), its config, losses, PR2 and metrics.
 
-Depends on :mod:`trl_moe_replay.routing` (replay, route layout), :mod:`trl_moe_replay.engines` (where rollouts and
+Depends on :mod:`trl_moe_replay.routing` (replay, route layout), :mod:`trl_moe_replay.rollouts` (where rollouts and
 their routes come from) and :mod:`trl_moe_replay.upstream` (every private upstream name); nothing below depends on it.
 """
 
 from .grpo_config import MoEReplayGRPOConfig
 from .grpo_trainer import MoEReplayGRPOTrainer
+
 
 __all__ = ["MoEReplayGRPOConfig", "MoEReplayGRPOTrainer"]

@@ -8,22 +8,22 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..errors import TrlMoeReplayError
-from .config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES  # noqa: F401  (kept importable from here)
-from .config_checks import ConfigTypeError, ConfigValueError, check_config
-from .routing_options import (
+from ..core.config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES, ConfigTypeError, ConfigValueError, check_config  # noqa: F401  (kept importable from here)
+from ..core.routing_options import (
     MODES,
-    RouteSource,
     SYNC_TRAINER,
     ReplayMode,
     ReplaySettings,
+    RouteSource,
     RoutingOptions,
     declare_defaults,
     default_routing_metrics,
+    default_transformers_correction,
     option,
     resolve_sync_check,
-    default_transformers_correction,
 )
+from ..errors import TrlMoeReplayError
+
 
 ROUTING_REPLAY_MODES = MODES
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
@@ -211,7 +211,7 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
         vllm_sync_check (`bool`, *optional*):
             Around each weight sync, score a fixed probe (16 token ids) with vLLM and with the trainer, log the largest
             log-prob difference as `vllm/sync_max_logprob_diff` (~1e-6 in fp32 when the weights arrived), and stop a
-            run whose sync did not reach the engine or whose engine changed between syncs (`engines/sync_check.py`,
+            run whose sync did not reach the engine or whose engine changed between syncs (`weight_sync/sync_check.py`,
             the async trainer's check too). Unset: on wherever routes are carried from vLLM, as in the async trainer.
         extreme_token_threshold (`float`, *optional*, defaults to `2.0`):
             A completion token counts as extreme in `mismatch/extreme_frac` when its sampler/trainer probability

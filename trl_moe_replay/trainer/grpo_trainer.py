@@ -1,12 +1,12 @@
 """``MoEReplayGRPOTrainer``: TRL's ``GRPOTrainer`` with expert-routing replay (R2/R3/PR2) and mismatch metrics.
 
 The overrides are thin; the routing work lives in ``trl_moe_replay.routing``, and the routes' path through the
-trainer, from intake to every forward, in ``trl_moe_replay.trainer.route_flow`` (read it top to bottom). Per
+trainer, from intake to every forward, in ``trl_moe_replay.core.route_flow`` (read it top to bottom). Per
 generation batch:
 
 1. ``_generate_single_turn`` (transformers path): ``generate`` runs inside a ``TransformersRolloutRecorder``,
    which records the routes and the sampling log-probs, like an inference engine would return them. With vLLM
-   (server or colocate), ``engines/vllm_routes.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
+   (server or colocate), ``rollouts/vllm_routes.py`` keeps the ``routed_experts`` vLLM returns, this rank's only.
 2. ``_generate``: right after generation, the engine's rows are checked once, at the widths TRL pads to
    (``GenerationBatch.align``: ``RouteIntake``, per-sample fallback, first-batch rule).
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
@@ -37,13 +37,29 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
-from ..engines import TransformersRolloutRecorder
-from ..engines.route_intake import RouteIntake, RoutesUnavailableError
-from ..engines.turns import RolloutTurns
-from ..engines.vllm_routes import VLLMRouteSource, llm_returning_routes
-from ..engines.sync_check import build_sync_check, checked_weight_sync
-from ..engines.weight_reload import build_weight_sync, client_without_communicator
+from ..core.launch import check_launched_engine, check_launched_precision, checked_model_name
+from ..core.metrics import (
+    AGREEMENT_RATIOS,
+    FALLBACK_RATIOS,
+    MISMATCH_RATIOS,
+    fallback_sums,
+    global_sums,
+    log_ratio_metrics,
+    logprob_mismatch_sums,
+    routable_positions,
+    routing_agreement_sums,
+)
+from ..core.model_card import write_model_card
+from ..core.output_lock import claim_output_dir, hold_output_dir
+from ..core.peft_replay import check_peft_replay
+from ..core.precision import attach_update_probe
+from ..core.route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
+from ..core.routing_options import SYNC_TRAINER, ReplaySettings, RouteSource, option, resolve_weight_sync
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
+from ..rollouts import TransformersRolloutRecorder
+from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
+from ..rollouts.turns import RolloutTurns
+from ..rollouts.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes
 from ..upstream import (
@@ -61,29 +77,18 @@ from ..upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
+from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
+from ..weight_sync.weight_reload import build_weight_sync, client_without_communicator
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
-from .peft_replay import check_peft_replay
-from .precision import attach_update_probe
-from .launch import check_launched_engine, check_launched_precision, checked_model_name
-from .model_card import write_model_card
-from .metrics import (
-    AGREEMENT_RATIOS,
-    FALLBACK_RATIOS,
-    MISMATCH_RATIOS,
-    fallback_sums,
-    global_sums,
-    log_ratio_metrics,
-    logprob_mismatch_sums,
-    routable_positions,
-    routing_agreement_sums,
-)
 from .objectives import MoEObjectivesMixin
-from .output_lock import claim_output_dir, hold_output_dir
-from .pr2 import MODULE_NAME as PR2_MODULE_NAME
-from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
-from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
-from .route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
-from .routing_options import SYNC_TRAINER, ReplaySettings, RouteSource, option, resolve_weight_sync
+from .pr2 import (
+    MODULE_NAME as PR2_MODULE_NAME,
+    PREDICTORS_FILE as PR2_PREDICTORS_FILE,
+    PR2CheckpointError,
+    PR2StateError,
+    PredictiveRoutingReplay,
+)
+
 
 logger = logging.get_logger(__name__)
 
@@ -138,7 +143,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         hooks_needed = settings.carries_routes or bool(option(args, "router_shift_weighting"))
         self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
         self._ref_route_replay = RouterReplay(self.ref_model) if self.ref_model is not None and mode.replays else None
-        # R3 with vLLM (or routing metrics): keep the routes vLLM returns (engines/vllm_routes.py), this rank's only
+        # R3 with vLLM (or routing metrics): keep the routes vLLM returns (rollouts/vllm_routes.py), this rank's only
         self._vllm_routes = None
         if args.use_vllm and settings.generation_routes:
             self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator,
@@ -262,7 +267,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
 
     def _sync_vllm_weights(self) -> None:
         """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own sync,
-        inside the engine sync check (``vllm_sync_check``, ``engines/sync_check.py``)."""
+        inside the engine sync check (``vllm_sync_check``, ``weight_sync/sync_check.py``)."""
         def sync():
             with profiling_context(self, "sync_weights"):
                 if self._weight_sync is not None:
@@ -461,7 +466,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
     def train(self, *args, **kwargs):
-        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.trainer.output_lock`).
+        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`).
 
         Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
         ``routing_replay="none"``, plain TRL, a loud warning instead).

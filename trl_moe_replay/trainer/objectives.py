@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..core.routing_options import option
 from ..routing.router_probs import RouterProbes
 from ..upstream import MINIRL_TRL_BRANCH, nanmax, nanmin, run_loss_on_trl_branch, set_old_logps_for_loss
 from .grpo_config import MOE_LOSS_TYPES
@@ -32,7 +33,7 @@ from .losses import (
     router_shift_gamma,
     shift_old_logps,
 )
-from .routing_options import option
+
 
 # The TRL loss branch each of our names runs on: GSPO is TRL's "grpo" loss (mean over sequences of the per-sequence
 # mean) with importance_sampling_level="sequence" (TRL's docs reproduce the GSPO paper this way); MiniRL is TRL's

@@ -45,11 +45,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import TrlMoeReplayError
+from ..parallel.sharded import full_tensors, is_dtensor
 from ..routing import RouterCall, RouterReplay, RouteValidationError
 from ..routing.predictor import RoutePredictors, predictor_kl
 from ..upstream.torch_seam import ignore_in_ddp
 from ..upstream.transformers_seam import ignore_on_save
-from ..parallel.sharded import full_tensors, is_dtensor
+
 
 PREDICTORS_FILE = "pr2_predictors.safetensors"
 CACHE_KEYS = ("pr2_positions", "pr2_router_inputs", "pr2_old_logits")

@@ -24,7 +24,7 @@ touching the private name, and the part's check.
 ``torch_seam`` and ``transformers_seam`` import no TRL (the routing package uses them), and neither does this index:
 the TRL parts load on first use of one of their names (PEP 562), so ``from trl_moe_replay.upstream import
 engine_logprob_correction`` works as an eager import would. :func:`check_upstream` runs every part's check.
-``tests/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name is imported
+``tests/cross_cutting/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name is imported
 from anywhere but ``trl`` itself. vLLM's private names live in
 ``trl_moe_replay_vllm_plugin`` (loaded by vLLM in its own processes; it imports nothing of ours).
 """
@@ -35,6 +35,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .entries import ENTRIES, Entry, Finding, TransformersChangedError, UpstreamChangedError
+
 
 PARTS = ("torch_seam", "transformers_seam", "trl_seam", "trl_async_seam")
 
@@ -75,9 +76,9 @@ if TYPE_CHECKING:
     )
     from .transformers_seam import (
         checkpoint_run_dir,
+        dcp_placements,
         ignore_on_save,
         keys_ignored_on_save,
-        dcp_placements,
         lift_sharded_resume_refusal,
         parallel_plan_styles,
         save_pretrained_weights,
@@ -101,26 +102,27 @@ if TYPE_CHECKING:
     )
     from .trl_seam import (
         MINIRL_TRL_BRANCH,
+        TRL_RANGE,
+        TRL_READ,
         add_response_schema,
+        assert_trl_compatible,
+        check_trl,
+        client_session,
         disable_gradient_checkpointing,
+        engine_logprob_correction,
+        exclude_from_weight_sync,
+        http_vllm_client,
+        is_reference_forward,
+        map_weight_sync_tensors,
+        mark_vllm_weights_synced,
+        model_card_identity,
         nanmax,
         nanmin,
         pad,
         parse_response,
         profiling_context,
-        qwen3_template,
-        TRL_RANGE,
-        TRL_READ,
-        assert_trl_compatible,
-        check_trl,
-        client_session,
-        engine_logprob_correction,
-        exclude_from_weight_sync,
-        map_weight_sync_tensors,
-        http_vllm_client,
-        is_reference_forward,
-        mark_vllm_weights_synced,
         quiet_upstream_notices,
+        qwen3_template,
         run_loss_on_trl_branch,
         set_old_logps_for_loss,
         trl_named_params,
@@ -129,7 +131,6 @@ if TYPE_CHECKING:
         vllm_request_fields,
         vllm_sampling_params_class,
         vllm_weights_stale,
-        model_card_identity,
         wake_colocated_weights,
     )
 

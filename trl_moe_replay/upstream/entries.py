@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import TrlMoeReplayError
 
+
 ENTRIES: dict[str, Entry] = {}
 """Every entry of the seam by name, filled as the parts are imported (``trl_moe_replay.upstream.all_entries()``)."""
 
@@ -24,7 +25,7 @@ class Entry:
 
     ``read_from``: the version its code was read from; ``verified_on``: the versions the entry's check passed and the
     test suite ran green on. ``inherited``: private names of an upstream class that our subclasses override or use
-    as ``self._name`` (declared here so that ``tests/test_layout.py`` can tell a declared use from a leak).
+    as ``self._name`` (declared here so that ``tests/cross_cutting/test_layout.py`` can tell a declared use from a leak).
     """
 
     name: str

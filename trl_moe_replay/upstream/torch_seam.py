@@ -20,6 +20,7 @@ import torch
 
 from .entries import Finding, entry
 
+
 TORCH_READ = "2.13.0"
 
 
@@ -110,7 +111,7 @@ def ignore_in_ddp(model: torch.nn.Module, names: list[str]) -> None:
 #    original_state_dict (the private torch.distributed.checkpoint._traverse.set_element). The probe, with no save
 #    and no device: every allowed global resolves to itself, the metadata classes are the ones the metadata module
 #    exports, our reader reads a Metadata as FileSystemReader.read_metadata does, and our planner puts a bytes entry
-#    where DefaultLoadPlanner.load_bytes does. tests/test_distributed_checkpoint_preflight.py reads a real dcp.save's
+#    where DefaultLoadPlanner.load_bytes does. tests/checkpointing/test_distributed_checkpoint.py reads a real dcp.save's
 #    .metadata back through the unpickler.
 DCP_METADATA_PICKLE = entry("dcp_metadata_pickle", "torch", TORCH_READ)
 
@@ -253,8 +254,7 @@ def check_torch() -> tuple[Finding, ...]:
     def dcp_metadata():
         import importlib
 
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint import metadata as dcp_metadata_module
+        from torch.distributed.checkpoint import FileSystemReader, metadata as dcp_metadata_module
         from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
         for (module, name), value in dcp_metadata_globals().items():

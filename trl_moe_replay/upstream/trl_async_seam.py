@@ -6,7 +6,7 @@ and its rollout worker (trl_moe_replay/async_grpo/async_rollout_worker.py) rely 
 where a stand-in suffices (the packing trie, the attention kernel lookup); the trainer calls it when it is built.
 What needs a running worker and trainer (the dataset yielding the sample it last took, the padding stripped in
 ``compute_loss``, the version bump in ``_sync_weight``) is probed by the scripted-worker tests of
-``tests/test_async_grpo.py``, among them the bit-for-bit comparison with TRL's own trainer.
+``tests/async_grpo/test_async_grpo_trainer.py``, among them the bit-for-bit comparison with TRL's own trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
 from .trl_seam import TRL_READ, TRL_VERIFIED
+
 
 ASYNC_PACKAGE = "trl.experimental.async_grpo"
 
@@ -55,8 +56,9 @@ ASYNC_ROLLOUT_WORKER = entry("async_rollout_worker", "trl", TRL_READ, TRL_VERIFI
                              inherited=(*LOOP_METHODS, *WORKER_ATTRIBUTES))
 
 
-def async_worker_classes() -> tuple[type, type, type]:
-    """``(_AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample)`` of TRL's async rollout worker."""
+def async_worker_classes() -> tuple[Any, Any, Any]:
+    """``(_AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample)`` of TRL's async rollout worker (``Any``: our classes
+    derive from them, and a type checker takes an ``Any`` as a base class, not a ``type``)."""
     worker = _async_module("async_rollout_worker")
     return worker._AsyncRolloutLoop, worker.AsyncRolloutWorker, worker.RolloutSample
 
@@ -106,7 +108,7 @@ def async_adapter_only_sync(trainer: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # async_grpo_classes: the classes the async trainer subclasses or hands TRL in place of its own, loaded here and only
-#    here (tests/test_layout.py), on first use (importing trl.experimental warns): AsyncGRPOTrainer and
+#    here (tests/cross_cutting/test_layout.py), on first use (importing trl.experimental warns): AsyncGRPOTrainer and
 #    AsyncGRPOConfig (exported by trl.experimental.async_grpo), RolloutQueueDataset, FixedCountBatcher,
 #    TokenBudgetBatcher and DataCollatorForRollout (module globals of async_grpo_trainer the package does not export;
 #    their replacement is entry async_trainer_globals).
@@ -134,7 +136,7 @@ def __getattr__(name: str) -> Any:
 ASYNC_PACKING = entry("async_packing", "trl", TRL_READ, TRL_VERIFIED)
 
 
-def async_tree_row_class() -> type:
+def async_tree_row_class() -> Any:  # Any: a base class of ours (see async_worker_classes)
     return _async_module("packing").TreeRow
 
 
@@ -154,7 +156,7 @@ def tree_attention_kernel(kernel: Any) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_async_trl() -> tuple[Finding, ...]:
     """The entries above against the installed TRL; returns what no longer holds (empty: all good)."""
     findings: list[Finding] = []

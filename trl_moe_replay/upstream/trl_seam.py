@@ -6,7 +6,7 @@ also depend on how TRL's code behaves inside them. :func:`check_trl` verifies ev
 by signature (``inspect.signature``) and, where an entry depends on the order or form of TRL's code, by a small
 behavioural probe: TRL's own function run on a tiny input and a stand-in ``self``, and the effect the package relies
 on observed. The trainer calls it when it is built, so an upstream change fails loudly, naming the entry, instead of
-training silently wrong. ``tests/test_upstream.py`` runs the same checks in CI, and shows each probe failing on a TRL
+training silently wrong. ``tests/upstream/test_entries.py`` runs the same checks in CI, and shows each probe failing on a TRL
 whose code behaves otherwise; what needs a real run (the tool loop's rendering, the vLLM client and request fields)
 is checked here by signature and by the tests each entry names.
 
@@ -31,15 +31,18 @@ from typing import Any
 import torch
 import trl
 from trl import GRPOTrainer
-from trl.chat_template_utils import add_response_schema, parse_response, qwen3_template
-from trl.extras.profiling import profiling_context
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import nanmax, nanmin, pad
+
+# TRL utilities from modules `trl` does not export, re-exported to the package (entry trl_utilities below)
+from trl.chat_template_utils import add_response_schema, parse_response, qwen3_template  # noqa: F401
+from trl.extras.profiling import profiling_context  # noqa: F401
+from trl.models.utils import disable_gradient_checkpointing  # noqa: F401
+from trl.trainer.utils import nanmax, nanmin, pad  # noqa: F401
 
 from ..errors import TrlMoeReplayError
 from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
+
 
 TRL_READ = "1.16.0"
 """The TRL version every entry below was read from."""
@@ -84,7 +87,7 @@ GRPO_PRIVATE_METHODS = _trl_entry(
 # ---------------------------------------------------------------------------------------------------------------
 # padded_width: GRPOTrainer._generate_and_score_completions pads the prompts (left) and the completions (right) with
 #    trl.trainer.utils.pad(..., pad_to_multiple_of=self.pad_to_multiple_of): the longest, rounded up to the multiple.
-#    The routes are aligned once, right after generation, at that width (trainer/route_flow.py); every forward then
+#    The routes are aligned once, right after generation, at that width (core/route_flow.py); every forward then
 #    compares the width it is fed with, O(1), so a TRL that pads otherwise fails there, loudly, never silently.
 # ---------------------------------------------------------------------------------------------------------------
 PADDED_WIDTH = _trl_entry("padded_width")
@@ -202,7 +205,7 @@ MINIRL_TRL_BRANCH = "vespo"
 #    VLLMClient keeps its HTTP session in the public attribute `session` (a requests.Session) and posts every
 #    request through it; VLLMClient.generate sends one POST /v1/completions and reads "choices" in completion
 #    order. A requests response hook (a supported requests mechanism) sees each response. (Behaviour tested with the
-#    stand-in server: tests/test_vllm_generation.py.)
+#    stand-in server: tests/rollouts/test_vllm_routes.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_CLIENT_SESSION = _trl_entry("vllm_client_session")
 
@@ -241,7 +244,7 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 #    `self.llm.generate(...)` and keeps only token ids and log-probs from the returned RequestOutputs. To get
 #    `enable_return_routed_experts=True` and the outputs (colocate), or a client without TRL's NCCL communicator
 #    (server mode, weight sync by vLLM's reload), the classes are chosen at construction: the trainer builds TRL's
-#    VLLMGeneration while those names refer to subclasses. (Behaviour tested: tests/test_vllm_generation.py.)
+#    VLLMGeneration while those names refer to subclasses. (Behaviour tested: tests/rollouts/test_vllm_routes.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_GENERATION_CLASSES = _trl_entry("vllm_generation_classes")
 _VLLM_GENERATION_MODULE = "trl.generation.vllm_generation"
@@ -276,7 +279,7 @@ def vllm_sampling_params_class() -> type:
 #    VLLMGeneration.generate merges its `generation_kwargs` attribute (GRPOConfig.generation_kwargs) into every
 #    request: the /v1/completions body (server mode, through VLLMClient.generate) or SamplingParams (colocate).
 #    A later tool turn asks vLLM (`routed_experts_prompt_start`) not to resend the routes of the prefix it holds.
-#    (Behaviour tested: tests/test_tools.py and tests/test_turns.py.)
+#    (Behaviour tested: tests/rollouts/test_turns_tools.py and tests/rollouts/test_turns.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_REQUEST_FIELDS = _trl_entry("vllm_request_fields")
 
@@ -365,7 +368,7 @@ def wake_colocated_weights(vllm_generation: Any) -> None:
 #    offline cold start. trl_moe_replay.extras.math.cold_start teaches the tiny demo model tool calls with sequences
 #    built as TRL 1.16's _tool_call_loop builds them at train time: `prompt + completion +
 #    _get_tool_suffix_ids(tool_messages)`, the suffix cut from a dummy conversation after its last EOS, and a failing
-#    tool's result `{"error": str(e)}`. Checked here by signature; tests/test_tool_recipe.py checks a real trainer run
+#    tool's result `{"error": str(e)}`. Checked here by signature; tests/extras/math/test_tools.py checks a real trainer run
 #    against the cold start's sequences token for token (the behavioural probe).
 # ---------------------------------------------------------------------------------------------------------------
 TOOL_TURN_RENDERING = _trl_entry("tool_turn_rendering")
@@ -379,7 +382,7 @@ TOOL_LOOP_METHODS: dict[str, tuple[str, ...]] = {
 # ---------------------------------------------------------------------------------------------------------------
 # model_card_identity: TRL's create_model_card (trl/trainer/base_trainer.py, every TRL trainer's) names the trainer
 #    from `self._name` and cites `self._paper["citation"]` (GRPOTrainer's: DeepSeekMath), both class attributes. The
-#    model card records the routing mode and cites the methods a run used (trainer/model_card.py) by giving the
+#    model card records the routing mode and cites the methods a run used (core/model_card.py) by giving the
 #    trainer instance its own two for the duration of the call.
 # ---------------------------------------------------------------------------------------------------------------
 MODEL_CARD_IDENTITY = _trl_entry("model_card_identity", inherited=("_name", "_paper"))
@@ -426,7 +429,7 @@ PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # ---------------------------------------------------------------------------------------------------------------
 # trl_utilities: TRL functions the package calls from modules `trl` does not export, imported here and only here
-#    (tests/test_layout.py), so that a TRL which moves or changes one fails this check by name: pad
+#    (tests/cross_cutting/test_layout.py), so that a TRL which moves or changes one fails this check by name: pad
 #    (trl/trainer/utils.py; checked and probed by entry padded_width), nanmin(tensor)/nanmax(tensor)
 #    (trl/trainer/utils.py: the minimum/maximum ignoring NaN, NaN when every value is; the sync trainer logs its clip
 #    ratios with them as TRL does), profiling_context(trainer, name) (trl/extras/profiling.py: times the block into
@@ -474,7 +477,7 @@ SIGNATURES: dict[Entry, dict[str, tuple[str, tuple[str, ...]]]] = {
 # ---------------------------------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_trl(trainer_class: type = GRPOTrainer) -> tuple[Finding, ...]:
     """Verify every entry against the installed TRL (and the torch and transformers parts); returns what no longer
     holds (empty: all good). ``trainer_class`` is the GRPOTrainer whose methods are checked (tests pass a changed
@@ -638,10 +641,10 @@ def _probe_minirl_on_vespo(trainer_class: type) -> str | None:
 
 
 def _probe_padded_width(trainer_class: type) -> str | None:
-    pad = _import("trl.trainer.utils").pad
+    trl_pad = _import("trl.trainer.utils").pad
     for lengths, multiple in (([3, 5], None), ([3, 5], 4), ([1], 8), ([0, 2], 2)):
         for side in ("left", "right"):
-            padded = pad([torch.ones(n) for n in lengths], padding_side=side, pad_to_multiple_of=multiple).shape[1]
+            padded = trl_pad([torch.ones(n) for n in lengths], padding_side=side, pad_to_multiple_of=multiple).shape[1]
             if padded != trl_padded_width(lengths, multiple):
                 return (f"trl.trainer.utils.pad pads {lengths} ({side}, multiple {multiple}) to {padded}, not to "
                         f"{trl_padded_width(lengths, multiple)} (trl_padded_width)")
@@ -739,7 +742,9 @@ def _probe_vllm_sync_trigger(trainer_class: type) -> str | None:
 def _probe_weight_sync_params(trainer_class: type) -> str | None:
     from trl.generation.vllm_generation import VLLMGeneration
 
-    loaded, sent, woken = [], [], []
+    loaded: list[str] = []
+    sent: list[str] = []
+    woken: list = []
     model = SimpleNamespace(load_weights=lambda weights: loaded.extend(name for name, _ in weights))
     llm = SimpleNamespace(
         wake_up=lambda tags: woken.append(tags), reset_prefix_cache=lambda: None,

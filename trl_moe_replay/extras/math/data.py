@@ -29,6 +29,7 @@ from datasets import Dataset, concatenate_datasets, load_dataset
 
 from .rewards import last_boxed_content
 
+
 #: Short answer-format instruction for the synthetic set (lowercase, in the tiny tokenizer's alphabet).
 BOXED_INSTRUCTION = "put the answer in \\boxed{}."
 #: The usual instruction for Hub math datasets (Qwen2.5-Math / DeepSeek-R1 style).

@@ -69,6 +69,7 @@ from typing import Any
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
+
 # Nothing of the package is imported here: the helper process (_WORKER_BOOT) loads this file alone, by its path,
 # with no package around it (a relative import there fails, the helper never starts, and the reward runs unbounded).
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ WORKER_START_TIMEOUT_S = 60.0
 
 _BOXED, _FBOX = "\\boxed", "\\fbox"
 # C0 controls (but tab, newline, carriage return), DEL and C1 controls become spaces.
-_CONTROL_TO_SPACE = {c: " " for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), *range(0x7F, 0xA0)]}
+_CONTROL_TO_SPACE = dict.fromkeys([*range(0, 9), 11, 12, *range(14, 32), *range(127, 160)], " ")
 _OPEN, _CLOSE = "([{", ")]}"
 _LATEX_COMMAND = re.compile(r"\\(?:begin|end)\{[^{}]*\}|\\[A-Za-z]+(?:\{[A-Za-z ]*\})?")
 _WORD = re.compile(r"[A-Za-z]{2,}")
@@ -435,7 +436,7 @@ def accuracy_reward(completions: list, solution: list, **kwargs) -> list[float |
     if len(completions) != len(solution):
         raise ValueError(f"accuracy_reward got {len(completions)} completions but {len(solution)} solutions.")
     rewards, answers, timeouts, unparsed = [], [], 0, 0
-    for completion, gold in zip(completions, solution):
+    for completion, gold in zip(completions, solution, strict=True):
         reward, status, shown = _score_safely(completion_text(completion), completion_text(gold))
         rewards.append(reward)
         answers.append(shown or "[none]")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+
 #: Longest expression the calculator evaluates (characters): bounds its time and the size of its numbers.
 MAX_EXPRESSION_CHARS = 200
 

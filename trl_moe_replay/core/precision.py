@@ -1,0 +1,155 @@
+"""Updates that round away: what the first optimizer steps actually changed, measured, logged and warned about (one
+implementation for both trainers, attached by :func:`attach_update_probe`).
+
+A bf16 weight holds 8 significant bits, so its half-ulp is ~0.2% of its value: an AdamW step of lr 1e-6 on a weight of
+~0.02 rounds back to the old value. A run that updates bf16 parameters in place (a bf16-loaded model without
+DeepSpeed's or FSDP's fp32 master weights) logs a falling loss and a non-zero grad norm and learns next to nothing
+(2% of the elements change per step at lr 1e-6). Plain TRL has the same trap; the probe only watches, so
+``routing_replay="none"`` stays TRL's math bit for bit.
+
+What is measured: on optimizer steps 1 to :data:`PROBE_STEPS` (by step number, so a run resumed inside that window
+logs what the uninterrupted run did, and one resumed after it nothing; 20 steps, so a run whose first steps have no
+gradient, e.g. every group's rewards equal, is still measured), those that have a learning rate and a non-zero
+gradient, for each parameter group: the fraction of the trainable elements with a non-zero gradient whose value changed. With
+fp32 parameters (fp32 load, bf16 autocast) Adam's first steps move each such element by about lr, far above fp32's
+resolution, so the fraction is ~1; bf16 parameters updated in place give ~2% at lr 1e-6. The measurement reads a
+strided sample of at most :data:`SAMPLE_ELEMENTS` elements of each parameter (all of a small one), so it costs a few
+MB whatever the dtype, and fp32 runs get a positive reading too (``precision/updated_frac`` >= 0.9) instead of a skip.
+Sharded parameters (FSDP2, transformers' ``DistributedConfig``: DTensors) are read on the local shard and the counts
+summed over ranks. Under DeepSpeed the probe is off: the fp32 masters live inside DeepSpeed's optimizer and the
+module's bf16 parameters are copies of them (and ZeRO keeps no ``param.grad``): nothing there to read that means it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import TrainerCallback
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+METRIC = "precision/updated_frac"
+PROBE_STEPS = 20  # optimizer steps 1-20 are measured (one with lr 0, no gradient or skipped by fp16's scaler logs nothing)
+SAMPLE_ELEMENTS = 4096  # elements read per parameter (its local shard): every one of a smaller parameter
+# of the elements with a non-zero gradient. fp32 parameters gave 0.987-1.0 (a tiny MoE on a CPU; 0.993-0.9995 over
+# steps 1-3 of a 405M MoE on an H200, bench/precision_updates.py); bf16 ones 0.02 at lr 1e-6, 0.15 at 1e-5, 0.57 at
+# 5e-5 (issue 42's table): below 0.8 a fifth of the updates rounded away, which fp32 never shows
+WARN_BELOW = 0.8
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2, EP), the tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    """A strided sample of at most ``SAMPLE_ELEMENTS`` of ``tensor``'s elements, always the same ones, as a copy."""
+    flat = _local(tensor).detach().reshape(-1)
+    stride = max(1, -(-flat.numel() // SAMPLE_ELEMENTS))
+    return flat[::stride].clone()
+
+
+def rounded_away_message(fraction: float, step: int, lr: float, dtype: torch.dtype) -> str:
+    """The one warning line: what was measured, the cause and the fix."""
+    measured = (f"{fraction:.1%} of the trainable elements with a non-zero gradient changed in optimizer step {step} "
+                f"at learning rate {lr:g}")
+    if dtype in (torch.bfloat16, torch.float16):
+        name = "bf16" if dtype == torch.bfloat16 else "fp16"
+        return (f"updates round away: {name} parameters updated in place (no fp32 master weights): {measured}. Load "
+                f"the model in float32 (model_init_kwargs={{'dtype': 'float32'}}; the recipe's dtype: float32) and "
+                f"train with bf16=True (autocast computes in bf16), or use DeepSpeed or FSDP2 mixed precision, which "
+                f"keep fp32 masters")
+    return (f"updates round away: {measured} ({str(dtype).removeprefix('torch.')} parameters); the steps are below "
+            f"the weights' resolution: raise the learning rate")
+
+
+class UpdateProbe(TrainerCallback):
+    """Measures, logs (``precision/updated_frac``, and ``precision/updated_frac/group{i}`` with several parameter
+    groups) and warns once (:func:`rounded_away_message`) on the first optimizer steps; see the module docstring."""
+
+    def __init__(self, accelerator, metrics: dict):
+        self.accelerator = accelerator
+        self.metrics = metrics  # the trainer's metric lists by mode, which TRL's log() averages
+        self.measured = 0
+        self.warned = False
+        # the samples taken before the step in progress; None when it is not measured (the same on every rank, which
+        # all take part in the sum over ranks, whatever their shard holds)
+        self._before: list[tuple[int, torch.nn.Parameter, torch.Tensor, torch.Tensor]] | None = None
+
+    def _active(self, state) -> bool:
+        # by step number, not by a count of this process's measurements: a resumed run measures the steps the
+        # uninterrupted one did (global_step counts the steps finished before this one)
+        return state.global_step < PROBE_STEPS
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self._before = None
+        if optimizer is None or not self._active(state):
+            return
+        before = []
+        for index, group in enumerate(optimizer.param_groups):
+            if not group.get("lr"):  # lr 0 (the first step of a warm-up): nothing is expected to change
+                continue
+            for param in group["params"]:
+                if param.requires_grad and param.grad is not None:
+                    before.append((index, param, _sample(param), _sample(param.grad) != 0))
+        self._before = before
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        before, self._before = self._before, None
+        if before is None or getattr(optimizer, "step_was_skipped", False):  # fp16: the scaler skipped an overflow
+            return
+        groups = len(optimizer.param_groups)
+        device = self.accelerator.device
+        # per group: changed, non-zero gradient; int64, which every backend has (MPS has no float64)
+        counts = torch.zeros(groups, 2, dtype=torch.int64, device=device)
+        dtypes: dict[int, torch.dtype] = {}
+        for index, param, old, nonzero in before:
+            changed = (_sample(param) != old) & nonzero
+            counts[index, 0] += changed.sum().to(device, torch.int64)  # on the device: no sync per parameter
+            counts[index, 1] += nonzero.sum().to(device, torch.int64)
+            dtypes.setdefault(index, param.dtype)
+        counts = self.accelerator.reduce(counts, reduction="sum").cpu().double()  # every rank's shard, every rank
+        if counts[:, 1].sum() == 0:  # no gradient anywhere: nothing to judge, the step does not count
+            return
+        self.measured += 1
+        overall = (counts[:, 0].sum() / counts[:, 1].sum()).item()
+        metrics = self.metrics["train"]
+        metrics[METRIC].append(overall)
+        if groups > 1:  # e.g. the Trainer's decay / no-decay groups, PR2's predictors
+            for index in range(groups):
+                if counts[index, 1] > 0:
+                    metrics[f"{METRIC}/group{index}"].append((counts[index, 0] / counts[index, 1]).item())
+        if overall < WARN_BELOW and not self.warned:
+            self.warned = True
+            if self.accelerator.is_main_process:
+                largest = int(counts[:, 1].argmax())  # the group that holds most of the measured elements
+                dtype = dtypes.get(largest, torch.float32)  # another rank's shard measured it if this one holds none
+                # global_step counts the steps finished before this one
+                logger.warning(rounded_away_message(overall, state.global_step + 1,
+                                                    optimizer.param_groups[largest]["lr"], dtype))
+
+
+def fp16_not_applied_message(accelerator) -> str | None:
+    """The one warning line for ``fp16=True`` that accelerate does not apply: it turns on fp16 autocast and its
+    GradScaler only on GPU-type devices, so on a CPU the run computes in float32 (``None`` when fp16 is applied or
+    not asked for)."""
+    if accelerator.mixed_precision != "fp16" or accelerator.native_amp:
+        return None
+    return (f"fp16=True, but accelerate runs fp16 autocast only on GPU-type devices: this run on "
+            f"{accelerator.device.type} computes in float32 (no fp16 autocast, no GradScaler). Train on a GPU for "
+            "fp16, or pass fp16=False to say float32.")
+
+
+def attach_update_probe(trainer, metrics: dict) -> UpdateProbe | None:
+    """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode); both trainers
+    call this at the end of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer.
+    Also says, in one line, when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
+    if trainer.is_deepspeed_enabled:  # DeepSpeed also applies fp16 itself
+        return None
+    if (message := fp16_not_applied_message(trainer.accelerator)) and trainer.accelerator.is_main_process:
+        logger.warning(message)
+    probe = UpdateProbe(trainer.accelerator, metrics)
+    trainer.add_callback(probe)
+    return probe

@@ -1,0 +1,267 @@
+"""The routing options both trainers share: the replay mode as a type, the options declared once, resolved once.
+
+* :class:`ReplayMode` is ``routing_replay``: a ``str`` enum (YAML, the command line and ``"r3"`` in Python all work, and
+  ``to_dict()``/JSON write the plain string), and what a mode implies lives here, with the mode.
+* :class:`RoutingOptions` declares the options both configs have, each with one default and one help text; both
+  ``MoEReplayGRPOConfig`` and ``MoEReplayAsyncGRPOConfig`` inherit it.
+* :class:`ReplaySettings` is one run's options resolved from a config (ours, or TRL's plain one with our defaults):
+  what a trainer reads, instead of restating defaults at each ``getattr``.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any
+
+from ..weight_sync.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
+
+
+ASYNC_TRAINER = "async"
+SYNC_TRAINER = "sync"
+
+
+class RouteSource(enum.Enum):
+    """Where the routes a mode replays come from."""
+
+    ENGINE = "the inference engine's routes of the rollout"
+    OLD_PASS = "the old policy's routes, recorded in the trainer's old-logprob pass"
+    PREDICTED = "routes predicted from the old router logits and a learned bias"
+
+
+class ReplayMode(enum.StrEnum):
+    """``routing_replay``: which expert routes the training forwards replay (the docs' mode table)."""
+
+    NONE = "none"
+    R2 = "r2"
+    R3 = "r3"
+    PR2 = "pr2"
+
+    def __repr__(self) -> str:  # messages say routing_replay='r3', as the user wrote it
+        return repr(self.value)
+
+    @classmethod
+    def parse(cls, value: Any, trainer: str = SYNC_TRAINER) -> ReplayMode:
+        """``value`` as a mode this trainer accepts, or ``ValueError`` in one line saying why not."""
+        try:
+            mode = cls(value)
+        except ValueError:
+            raise ValueError(f"routing_replay must be one of {[m.value for m in cls]}, got {value!r}") from None
+        if trainer == ASYNC_TRAINER and not mode.async_trainer_accepts:
+            raise ValueError(
+                f"routing_replay={mode!r} replays the routes of an old-policy forward, and TRL's AsyncGRPOTrainer runs "
+                "none (the sampler's log-probs are the old ones; the only forward is the training one, which R2 would "
+                "replay onto itself). Use 'r3' (the engine's routes) or 'none'."
+            )
+        return mode
+
+    @property
+    def replays(self) -> bool:
+        """Whether training forwards replay routes (``"none"`` is plain TRL)."""
+        return self is not ReplayMode.NONE
+
+    @property
+    def source(self) -> RouteSource | None:
+        return _SOURCES.get(self)
+
+    @property
+    def needs_engine_routes(self) -> bool:
+        """Whether the run cannot replay without the engine returning its routes (the first-batch rule applies)."""
+        return self.source is RouteSource.ENGINE
+
+    @property
+    def records_old_pass(self) -> bool:
+        """Whether the routes replayed are recorded in the trainer's old-logprob pass (R2; PR2's predicted ones)."""
+        return self.source in (RouteSource.OLD_PASS, RouteSource.PREDICTED)
+
+    @property
+    def async_trainer_accepts(self) -> bool:
+        """TRL's async trainer runs no old-policy forward: only the engine's routes (or none) can be replayed."""
+        return self.source in (None, RouteSource.ENGINE)
+
+
+_SOURCES = {ReplayMode.R2: RouteSource.OLD_PASS, ReplayMode.R3: RouteSource.ENGINE,
+            ReplayMode.PR2: RouteSource.PREDICTED}
+MODES = tuple(mode.value for mode in ReplayMode)
+WEIGHT_SYNC_METHODS = ("auto", "trl", "reload")
+
+
+@dataclass
+class RoutingOptions:
+    """The routing options of both configs (a dataclass mixin: one declaration, one default, one help text)."""
+
+    routing_replay: str = field(
+        default="r3",
+        metadata={
+            "help": "Expert routes replayed in training forwards: 'none', 'r2' (old-policy routes), 'r3' (rollout "
+            "routes from the inference engine) or 'pr2' (predicted routes, Predictive Routing Replay). The async "
+            "trainer takes 'r3' and 'none'.",
+            "choices": list(MODES),
+        },
+    )
+    routing_metrics: bool | None = field(
+        default=None,
+        metadata={"help": "Log routing/* agreement between engine and trainer. Unset: on with r2/r3/pr2, off with "
+                  "'none' (plain TRL, no hooks)."},
+    )
+    extreme_token_threshold: float = field(
+        default=2.0,
+        metadata={"help": "A completion token is 'extreme' (mismatch/extreme_frac) when its sampler/trainer "
+                  "probability ratio, either way, exceeds this value."},
+    )
+    vllm_weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach vLLM: 'trl' (TRL's sync), 'reload' (vLLM's reload_weights with checkpoint "
+            "names; works on vLLM's CPU build), 'auto' ('reload' when training on a CPU, except the sync trainer "
+            "under 'none', which stays plain TRL; else 'trl').",
+            "choices": list(WEIGHT_SYNC_METHODS),
+        },
+    )
+    vllm_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "vllm_weight_sync='reload' with a server: directory the server reads the weights from. "
+                  "Unset: <output_dir>/_vllm_sync (push_to_hub leaves out names that start with _)."},
+    )
+    vllm_sync_check: bool | None = field(
+        default=None,
+        metadata={"help": "Around each weight sync, score a fixed probe with the engine and the trainer: log "
+                  "vllm/sync_max_logprob_diff, and stop a run whose sync did not arrive or whose engine changed "
+                  "between syncs. Unset: on wherever a vLLM engine samples the routes the trainer carries."},
+    )
+
+
+    sync_check_tolerance: float = field(
+        default=SYNC_CHECK_TOLERANCE,
+        metadata={"help": "Nats the engine's probe log-probs may move with unchanged weights (batch noise) before the "
+                  "sync check counts it as a change."},
+    )
+
+
+_DEFAULTS = {f.name: f.default for f in fields(RoutingOptions) if f.default is not MISSING}
+
+
+def declare_defaults(config: type) -> None:
+    """Let :func:`option` fall back to the defaults ``config`` declares for fields of its own (neither inherited
+    nor overriding a base's): ``MoEReplayGRPOConfig`` adds its sync-only fields (PR2's, RSPO's, MiniRL's), which a
+    plain TRL config given to the sync trainer lacks."""
+    inherited = {f.name for base in config.__mro__[1:] if is_dataclass(base) for f in fields(base)}
+    own = set(inspect.get_annotations(config)) - inherited
+    _DEFAULTS.update({f.name: f.default for f in fields(config) if f.name in own and f.default is not MISSING})
+
+
+def option(args: Any, name: str) -> Any:
+    """``args.name``, or the option's declared default for a config that lacks it (TRL's plain configs)."""
+    return getattr(args, name, _DEFAULTS[name])
+
+
+def default_routing_metrics(mode: ReplayMode) -> bool:
+    return mode.replays
+
+
+def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: str) -> bool:
+    """``vllm_sync_check`` resolved, the same rule for both trainers: an explicit value wins; unset (``None``), the
+    engine sync check (``weight_sync/sync_check.py``) is on wherever a vLLM engine samples the routes the trainer carries
+    (``routing_replay`` other than ``"none"``, or ``routing_metrics``), and off for plain TRL.
+
+    Where it cannot run: a colocated engine with ``vllm_enable_sleep_mode`` discards its weights and its KV cache
+    after every generation, so there is nothing to probe before a sync; the default is off there and an explicit
+    ``True`` is refused (``SyncCheckUnavailableError``)."""
+    requested = option(args, "vllm_sync_check")
+    uses_vllm = trainer == ASYNC_TRAINER or bool(getattr(args, "use_vllm", False))
+    sleeping = getattr(args, "vllm_mode", None) == "colocate" and bool(getattr(args, "vllm_enable_sleep_mode", False))
+    if requested is None:
+        return uses_vllm and (mode.replays or routing_metrics) and not sleeping
+    if requested and uses_vllm and sleeping:
+        raise SyncCheckUnavailableError(
+            "vllm_sync_check=True cannot run with vllm_enable_sleep_mode=True in colocate mode: the sleeping engine "
+            "discards its weights and KV cache after every generation, so it cannot score the sync probe. Turn one "
+            "of them off."
+        )
+    return bool(requested) and uses_vllm
+
+
+def resolve_weight_sync(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: str) -> str | None:
+    """``vllm_weight_sync`` resolved: ``"trl"`` (TRL's own transfer) or ``"reload"`` (``weight_sync/weight_reload.py``);
+    ``None`` for the sync trainer without vLLM.
+
+    ``"auto"`` is ``"reload"`` where TRL's own transfer cannot run, which depends on the trainer: the sync trainer's
+    (in-process ``load_weights``, NCCL to a server) fails on vLLM's CPU build, the async trainer's (NCCL only) off
+    CUDA. The one difference (docs/async.md): the sync trainer without routes (``"none"``, no ``routing_metrics``) is
+    TRL's ``GRPOTrainer`` bit for bit, its own sync included, while TRL's async trainer does not run off CUDA at all,
+    so there is no TRL behaviour to keep."""
+    if trainer == SYNC_TRAINER and not args.use_vllm:
+        return None
+    method = option(args, "vllm_weight_sync")
+    if method != "auto":
+        return method
+    device = args.device.type
+    if trainer == ASYNC_TRAINER:
+        return "reload" if device != "cuda" else "trl"
+    return "reload" if device == "cpu" and (mode.replays or routing_metrics) else "trl"
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """One run's routing options, resolved once from its config (the same rules for both trainers)."""
+
+    mode: ReplayMode
+    routing_metrics: bool
+    extreme_token_threshold: float
+    vllm_sync_check: bool
+    # the sync trainer's own (fixed values in the async one, which has neither an old pass nor transformers generate)
+    replay_reference_model: bool = True
+    rollout_prediction: bool = False  # PR2: generate itself routes by the predicted routes
+    transformers_importance_sampling_correction: bool = False
+    records_generation: bool = False  # transformers generate runs inside the rollout recorder
+    generation_routes: bool = False  # the trainer keeps the engine's routes (recorded, or requested from vLLM)
+
+    @property
+    def carries_routes(self) -> bool:
+        """Whether the engine's routes are kept at all (to replay them, or for routing/* only)."""
+        return self.mode.replays or self.routing_metrics
+
+    @property
+    def replays_generation_routes(self) -> bool:
+        """The routes replayed are those generation used: R3's engine routes, or PR2's predicted ones when generate
+        itself was steered by the predictors."""
+        return self.mode.needs_engine_routes or (self.mode.source is RouteSource.PREDICTED and self.rollout_prediction)
+
+    @property
+    def records_old_pass(self) -> bool:
+        """The old-logprob pass records the natural routes (what R2/PR2 replay; the trainer's side of routing/*)."""
+        return self.routing_metrics or self.mode.records_old_pass
+
+    @classmethod
+    def from_args(cls, args: Any, trainer: str = SYNC_TRAINER) -> ReplaySettings:
+        mode = ReplayMode.parse(option(args, "routing_replay"), trainer)
+        metrics = option(args, "routing_metrics")
+        metrics = default_routing_metrics(mode) if metrics is None else bool(metrics)
+        sync_check = resolve_sync_check(args, mode, metrics, trainer)
+        common = dict(mode=mode, routing_metrics=metrics, extreme_token_threshold=option(args, "extreme_token_threshold"),
+                      vllm_sync_check=sync_check)
+        if trainer == ASYNC_TRAINER:
+            return cls(**common)
+        rollout_prediction = bool(option(args, "pr2_rollout_prediction"))
+        correction = option(args, "transformers_importance_sampling_correction")
+        correction = default_transformers_correction(args, mode) if correction is None else bool(correction)
+        engine_routes = mode.needs_engine_routes or rollout_prediction or metrics
+        transformers_generate = not args.use_vllm and not args.use_transformers_continuous_batching
+        return cls(
+            **common,
+            replay_reference_model=bool(option(args, "replay_reference_model")),
+            rollout_prediction=rollout_prediction,
+            transformers_importance_sampling_correction=correction and not args.use_vllm,
+            records_generation=transformers_generate and (engine_routes or correction),
+            generation_routes=engine_routes and not args.use_transformers_continuous_batching,
+        )
+
+
+def default_transformers_correction(args: Any, mode: ReplayMode) -> bool:
+    """``transformers_importance_sampling_correction`` when unset: on with replay or MiniRL on plain ``generate``."""
+    wanted = mode.replays or args.loss_type == "minirl"
+    return (
+        wanted and args.vllm_importance_sampling_correction and not args.use_vllm
+        and not args.use_transformers_continuous_batching
+    )

@@ -1,0 +1,263 @@
+"""vLLM generation that keeps the routes (R3): TRL's server mode and colocate mode.
+
+vLLM returns, per completion, the experts it routed every forwarded token to (``enable_return_routed_experts``;
+layout in ``trl_moe_replay.routing.codec``). TRL 1.16 drops them on both paths; this module keeps them with the
+least reach into TRL:
+
+* **Server mode** (``trl vllm-serve --model M --enable-return-routed-experts``). Only the main process talks to
+  the server. A ``requests`` response hook on the session of TRL's ``VLLMClient`` (:class:`CompletionRoutesHook`)
+  keeps each ``/v1/completions`` choice's ``routed_experts`` string while TRL's own ``generate`` runs unchanged.
+  TRL then broadcasts its token ids and log-probs to every rank as usual; the route payloads do not ride along.
+  :meth:`VLLMRouteSource.local_rows` scatters them instead: rank r receives only the base64 payloads of its own
+  samples (TRL's ``process_slice``), still encoded, and decodes them itself while aligning. Bytes moved per
+  generation batch: the payload bytes of the global batch once (each rank its own share), instead of world size
+  times that for a broadcast.
+* **Colocate mode** (``vllm.LLM`` inside each training process). TRL builds its ``LLM`` from a subclass chosen at
+  construction (:func:`llm_returning_routes`, installed through ``trl_moe_replay.upstream``) that adds
+  ``enable_return_routed_experts=True`` and keeps the ``RequestOutput``s of its last ``generate``; their
+  ``CompletionOutput.routed_experts`` arrays are this rank's rows (sliced like TRL's tensor-parallel slice when
+  ``vllm_tensor_parallel_size > 1``). Nothing moves between processes.
+
+Missing routes are handled in two ways. If the very first generation batch carries no route at all, the engine is
+not set up for R3 (flag off, prefix caching off, a model vLLM does not capture): :class:`RoutesUnavailableError`
+is raised on every rank with the exact command to run; likewise if none of its routes fits the trained model
+(another checkpoint). Later, a sample whose payload is missing or malformed (aborted request, wrong length,
+undecodable) is routed by the trainer's own router instead, with a warning; its positions count in
+``routing/fallback_frac``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from ..upstream import client_session
+from .route_intake import RoutesUnavailableError
+
+
+logger = logging.get_logger(__name__)
+
+SERVER_FLAG = "--enable-return-routed-experts"
+
+
+# What a vLLM needs to return routes, by version (docs/vllm.md, "vLLM versions").
+CAPTURE_CONDITIONS = (
+    "vLLM captures routes only with prefix caching on (the default: do not pass --no-enable-prefix-caching) and "
+    "Model Runner V2 (the default: do not set VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without "
+    "pipeline or context parallelism. vLLM >= 0.31 refuses to start when one of these is missing, so a server that "
+    "started and still returns no routes is older than 0.31 or was started without "
+    f"{SERVER_FLAG} (or --aux-output-config '{{\"enable_return_routed_experts\": true, \"max_bytes\": N}}', which "
+    "also caps the memory kept for routes). On vLLM 0.31 and 0.32 an evicted prefix-cache block ends the engine "
+    "with BlockObjectStoreError: upgrade to 0.33."
+)
+
+
+def server_command(model: str) -> str:
+    """The command that starts a vLLM server returning routes for ``model`` (TRL forwards the flag to vLLM)."""
+    return f"trl vllm-serve --model {model} {SERVER_FLAG}"
+
+
+# ----------------------------------------------------------------------------- server mode
+class CompletionRoutesHook:
+    """A ``requests`` response hook that keeps the ``routed_experts`` of every ``/v1/completions`` choice.
+
+    Installed once on the session of TRL's ``VLLMClient`` (main process); it records only between :meth:`start`
+    and :meth:`take`, i.e. around one ``VLLMClient.generate``, whose single response lists its choices in TRL's
+    completion order (prompt-major, ``n`` per prompt). Each entry is vLLM's base64 ``.npy`` string, or ``None``.
+    """
+
+    def __init__(self) -> None:
+        self._capturing: list[str | None] | None = None
+
+    def __call__(self, response, *args, **kwargs) -> None:
+        if self._capturing is None or not response.ok or response.request.method != "POST":
+            return None
+        if not response.request.path_url.split("?")[0].endswith("/v1/completions"):
+            return None
+        body = response.json()
+        if isinstance(body, dict):
+            self._capturing.extend(choice.get("routed_experts") for choice in body.get("choices", ()))
+        return None
+
+    def start(self) -> None:
+        self._capturing = []
+
+    def take(self) -> list[str | None] | None:
+        """The payloads captured since :meth:`start` (``None`` if not started), and stop capturing."""
+        captured, self._capturing = self._capturing, None
+        return captured
+
+
+def install_routes_hook(vllm_client: Any) -> CompletionRoutesHook:
+    """Add a :class:`CompletionRoutesHook` to the session of TRL's (already connected) ``VLLMClient``."""
+    hook = CompletionRoutesHook()
+    client_session(vllm_client).hooks["response"].append(hook)
+    return hook
+
+
+# ----------------------------------------------------------------------------- colocate mode
+def llm_returning_routes(llm_class: type) -> type:
+    """A subclass of ``llm_class`` (vLLM's ``LLM``) built with ``enable_return_routed_experts=True`` that keeps the
+    ``RequestOutput``s of its last ``generate`` in :attr:`last_outputs` (TRL's ``VLLMGeneration`` keeps only token
+    ids and log-probs)."""
+
+    class RoutedExpertsLLM(llm_class):
+        last_outputs = None
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("enable_return_routed_experts", True)
+            super().__init__(*args, **kwargs)
+
+        def generate(self, *args, **kwargs):
+            outputs = super().generate(*args, **kwargs)
+            self.last_outputs = outputs
+            return outputs
+
+    RoutedExpertsLLM.__qualname__ = RoutedExpertsLLM.__name__ = f"RoutedExperts{llm_class.__name__}"
+    return RoutedExpertsLLM
+
+
+# ----------------------------------------------------------------------------- per-rank rows
+@dataclass
+class RouteTransfer:
+    """What this rank received for its last generation batch (server mode: over the wire, still base64)."""
+
+    samples: int = 0
+    payloads: int = 0  # samples that came with a payload
+    payload_bytes: int = 0
+
+
+class VLLMRouteSource:
+    """Engine route rows of this rank's samples, one generation batch at a time.
+
+    Built after TRL's ``VLLMGeneration`` exists (``trainer.vllm_generation``); installs the capture for its mode.
+    Every rank calls :meth:`local_rows` right after ``VLLMGeneration.generate`` (in server mode it is a collective,
+    like TRL's broadcast before it); the rows then go to the trainer's :class:`~.route_intake.RouteIntake`.
+    """
+
+    def __init__(self, vllm_generation: Any, accelerator: Any, *, required: bool = True):
+        self.mode = vllm_generation.mode
+        self.accelerator = accelerator
+        self.required = required  # R3 stops when the engine returns no routes; metrics alone do without them
+        self._generation = vllm_generation
+        self.prompt_start = _prompt_start(vllm_generation.generation_kwargs)
+        self.received_routes = False  # has any batch carried a route yet (fail fast only before that)
+        self._warned_no_routes = False
+        self.last_transfer = RouteTransfer()
+        self._hook: CompletionRoutesHook | None = None
+        if self.mode == "server":
+            self.client = vllm_generation.vllm_client if accelerator.is_main_process else None
+            if self.client is not None:
+                self._hook = install_routes_hook(self.client)
+        elif self.mode != "colocate":
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
+
+    @property
+    def can_skip(self) -> bool:
+        """Whether one request serves only this rank's samples, so a later tool turn can ask vLLM to skip the
+        routes of the prefix they hold (server mode with one training process; colocate without tensor parallelism:
+        otherwise the request mixes other ranks' samples, whose held prefixes this rank does not know)."""
+        if self.mode == "server":
+            return self.accelerator.num_processes == 1
+        return self._generation.tensor_parallel_size == 1
+
+    def begin_batch(self) -> None:
+        """Call right before TRL's ``VLLMGeneration.generate``: capture this batch's server response."""
+        if self._hook is not None:
+            self._hook.start()
+
+    # ------------------------------------------------------------------ rows
+    def local_rows(self, num_local: int) -> list[Any]:
+        """This rank's ``num_local`` engine rows (base64 str, array or ``None``), in TRL's completion order."""
+        rows = self._server_rows(num_local) if self.mode == "server" else self._colocate_rows(num_local)
+        payloads = [row for row in rows if row is not None]
+        if not self.required and not payloads and not self._warned_no_routes:  # routing metrics only
+            self._warned_no_routes = True
+            logger.warning(
+                "routing_metrics: vLLM returned no routed experts, so routing/* against the engine cannot be logged. "
+                f"Start the server with {SERVER_FLAG} (colocate: a vLLM that returns routes) to get them."
+            )
+        self.last_transfer = RouteTransfer(
+            samples=len(rows),
+            payloads=len(payloads),
+            payload_bytes=sum(len(row) if isinstance(row, str) else getattr(row, "nbytes", 0) for row in payloads),
+        )
+        return rows
+
+    def _server_rows(self, num_local: int) -> list[Any]:
+        accelerator = self.accelerator
+        world = accelerator.num_processes
+        if accelerator.is_main_process:
+            payloads = self._hook.take()
+            error = self._batch_error(payloads, num_local * world)
+            shares = [
+                (None if error else payloads[rank * num_local : (rank + 1) * num_local], error)
+                for rank in range(world)
+            ]
+        else:
+            shares = None
+        if world > 1:
+            # Each rank gets its own share only: TRL's broadcast sends everything everywhere, routes are too big.
+            received = [None]
+            torch.distributed.scatter_object_list(received, shares, src=0)
+            rows, error = received[0]
+        else:
+            rows, error = shares[0]
+        if error:
+            raise RoutesUnavailableError(error)
+        if any(row is not None for row in rows):
+            self.received_routes = True
+        return rows
+
+    def _batch_error(self, payloads: list | None, expected: int) -> str | None:
+        """On the main process: why this batch's routes cannot be used at all, or None."""
+        if payloads is None:
+            return "the vLLM client returned no routed_experts list: was generation done by another client?"
+        if len(payloads) != expected:
+            return (
+                f"the vLLM server returned routed_experts for {len(payloads)} completions, expected {expected} "
+                "(one per completion)"
+            )
+        if self.required and not self.received_routes and all(payload is None for payload in payloads):
+            model = self.client.model
+            return (
+                f"routing_replay='r3' needs the experts vLLM routed each token to, but the server at "
+                f"{self.client.base_url} returned none for the first batch ({expected} completions). Start it "
+                f"with:\n\n    {server_command(model)}\n\n{CAPTURE_CONDITIONS} Or train with routing_replay='r2' (no engine routes "
+                "needed)."
+            )
+        return None
+
+    def _colocate_rows(self, num_local: int) -> list[Any]:
+        llm = self._generation.llm
+        outputs, llm.last_outputs = getattr(llm, "last_outputs", None), None
+        if outputs is None:
+            raise RoutesUnavailableError("the colocated vLLM engine's outputs were not captured for this batch")
+        rows = [getattr(completion, "routed_experts", None) for request in outputs for completion in request.outputs]
+        tp_size = self._generation.tensor_parallel_size
+        if tp_size > 1:  # every rank of a TP group generated the group's prompts: keep this rank's (as TRL does)
+            rank_in_group = torch.distributed.get_rank(group=self._generation.tp_group)
+            rows = rows[rank_in_group * num_local : (rank_in_group + 1) * num_local]
+        if len(rows) != num_local:
+            raise RoutesUnavailableError(f"vLLM returned {len(rows)} completions on this rank, expected {num_local}")
+        if self.required and not self.received_routes and all(row is None for row in rows):
+            raise RoutesUnavailableError(
+                "routing_replay='r3' needs the experts vLLM routed each token to, but the colocated engine "
+                f"returned no routed_experts for the first batch ({num_local} completions on this rank), although "
+                f"it was built with LLM(..., enable_return_routed_experts=True). {CAPTURE_CONDITIONS} Or train with "
+                "routing_replay='r2' (no engine routes needed)."
+            )
+        if any(row is not None for row in rows):
+            self.received_routes = True
+        return rows
+
+
+def _prompt_start(generation_kwargs: dict | None) -> int:
+    """vLLM's ``routed_experts_prompt_start`` as the user set it through ``generation_kwargs`` (default 0)."""
+    start = (generation_kwargs or {}).get("routed_experts_prompt_start", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"generation_kwargs['routed_experts_prompt_start'] must be an int >= 0, got {start!r}")
+    return start
