@@ -56,6 +56,7 @@ def main():
 
     from trl_moe_replay import MoEReplayGRPOConfig
     from trl_moe_replay.routing import has_route
+    from trl_moe_replay.routing.codec import decode_routed_experts
     from trl_moe_replay.testing import tiny_tokenizer
 
     out, mode = sys.argv[1], sys.argv[2]
@@ -63,6 +64,7 @@ def main():
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
     fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
     with_tools = overrides.pop("tools", False)  # tool-calling rollouts (TRL's tool loop), forced by a regex
+    turns = overrides.pop("turns", None)  # with tools: N turns per sample (a tool call in each of the first N - 1)
     with_lora = overrides.pop("lora", False)  # a PEFT LoRA policy on attention, the router and the fused experts
     count_only = overrides.pop("count_mismatches", False)  # count positions off the engine's routes, don't assert
     if mode == "colocate":
@@ -82,6 +84,7 @@ def main():
         syncs: list = []
         batches: list = []
         later_turns = 0  # tool turns generated (a sample's second or third turn)
+        rows_received: list = []  # per sample of each generation batch: [engine rows, positions, turns]
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
@@ -97,6 +100,17 @@ def main():
                         tokens = sequence[: turn.prompt_length + turn.completion_length]
                         self.oracle.add(tokens, turn.rows, start=turn.prompt_start)
             return completion_ids, logprobs
+
+        def _generate(self, prompts):
+            output = super()._generate(prompts)
+            state = self._routes.batch if self._routes is not None else None
+            if state is not None and state.turns is not None and fuzz_seed is None:
+                for turns, sequence in zip(state.turns.turns, state.turns._sequences, strict=True):
+                    rows = [decode_routed_experts(t.rows) if isinstance(t.rows, str) else t.rows for t in turns]
+                    # engine rows received for this sample over all its turns, and its routable positions
+                    self.rows_received.append([sum(len(r) for r in rows if r is not None), len(sequence) - 1,
+                                               len(turns)])
+            return output
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -134,6 +148,8 @@ def main():
             r'"[0-9]\+[0-9]"\}\}\n</tool_call>|\\boxed\{[0-9]{1,2}\})',
             max_completion_length=96, max_tool_calling_iterations=2,
         )
+        if turns is not None:  # long conversations: room for N turns of ~50 tokens
+            settings.update(max_completion_length=64 * int(turns), max_tool_calling_iterations=int(turns) - 1)
     if with_lora:
         from peft import LoraConfig
 
@@ -151,6 +167,18 @@ def main():
         train_dataset=Dataset.from_dict({"prompt": prompts}), **tool_kwargs,
     )
     rr = trainer._route_replay
+    client = getattr(trainer.vllm_generation, "vllm_client", None)
+    if turns is not None and client is not None:  # server mode, main process: the one request of each turn
+        call, answer = settings["vllm_structured_outputs_regex"][1:-1].split("|", 1)
+        tool_result = trainer.processing_class.convert_tokens_to_ids("<tool_response>")
+        generate = client.generate
+
+        def generate_turn(prompts, **kwargs):  # a call while fewer than N - 1 tool results are in the prompt
+            results = min(list(prompt).count(tool_result) for prompt in prompts)
+            return generate(prompts, **{**kwargs, "structured_outputs_regex": call if results < int(turns) - 1
+                                        else answer})
+
+        client.generate = generate_turn
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
     fuzzer = None
     if fuzz_seed is not None:  # corrupt payloads as they arrive, before the trainer sees them
@@ -183,7 +211,10 @@ def main():
         "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
                               if "lora_B" in n), default=None),
         "peft": type(trainer.model).__name__,
+        "rows_received": trainer.rows_received,
     }
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one report per rank
+        out = f"{out}.rank{os.environ['RANK']}"
     Path(out).write_text(json.dumps(report))
     trainer.end()
 
