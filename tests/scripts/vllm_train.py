@@ -148,8 +148,8 @@ def main():
             r'"[0-9]\+[0-9]"\}\}\n</tool_call>|\\boxed\{[0-9]{1,2}\})',
             max_completion_length=96, max_tool_calling_iterations=2,
         )
-        if turns is not None:  # long conversations: room for N turns of ~50 tokens
-            settings.update(max_completion_length=64 * int(turns), max_tool_calling_iterations=int(turns) - 1)
+        if turns is not None:  # long conversations: room for N turns of ~60 tokens (a call and its tool result)
+            settings.update(max_completion_length=56 * int(turns), max_tool_calling_iterations=int(turns) - 1)
     if with_lora:
         from peft import LoraConfig
 
@@ -170,13 +170,20 @@ def main():
     client = getattr(trainer.vllm_generation, "vllm_client", None)
     if turns is not None and client is not None:  # server mode, main process: the one request of each turn
         call, answer = settings["vllm_structured_outputs_regex"][1:-1].split("|", 1)
-        tool_result = trainer.processing_class.convert_tokens_to_ids("<tool_response>")
+        tokenizer = trainer.processing_class
+        tool_result = tokenizer.convert_tokens_to_ids("<tool_response>")
+        # the markup's word tokens get a logit bias (as in async_train.py): the engine writes a call in ~45 tokens
+        markup = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", '"name": ', '"arguments": '])
         generate = client.generate
 
         def generate_turn(prompts, **kwargs):  # a call while fewer than N - 1 tool results are in the prompt
             results = min(list(prompt).count(tool_result) for prompt in prompts)
-            return generate(prompts, **{**kwargs, "structured_outputs_regex": call if results < int(turns) - 1
-                                        else answer})
+            kwargs["structured_outputs_regex"] = call if results < int(turns) - 1 else answer
+            kwargs["generation_kwargs"] = {**(kwargs.get("generation_kwargs") or {}),
+                                           "logit_bias": {str(token): 30.0 for token in markup}}
+            # the test server's --max-model-len is 512 (tests/vllm_server.py); the regex bounds the output anyway
+            kwargs["max_tokens"] = min(kwargs["max_tokens"], 512 - max(len(prompt) for prompt in prompts))
+            return generate(prompts, **kwargs)
 
         client.generate = generate_turn
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
