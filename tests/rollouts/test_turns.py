@@ -1,14 +1,10 @@
 """Multi-turn engine routes: EngineTurn lists in routes_from_engine, and RolloutTurns' bookkeeping."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
-from trl_moe_replay.rollouts import vllm_routes
 from trl_moe_replay.rollouts.turns import RolloutTurns
-from trl_moe_replay.rollouts.vllm_routes import VLLMRouteSource
 from trl_moe_replay.routing import EngineTurn, RouteAlignmentError, routes_from_engine
 from trl_moe_replay.routing.codec import encode_routed_experts
 
@@ -132,57 +128,3 @@ def test_held_positions_is_what_every_given_sample_already_has_routes_for():
     turns.add_turn([[1, 2, 3, 5, 6, 0]], [[1, 1, 1]], rows=[turn_rows(6, 3, start=4)], prompt_start=4)
     assert turns.held_positions([0]) == 6 + 3 - 1
     assert turns.held_positions([None]) is None and turns.held_positions([]) is None  # no bound
-
-
-# ----------------------------------------------------------------------------- one start per request
-def route_source(mode, *, processes=1, tp_size=1):
-    """A VLLMRouteSource on a non-main rank (no client to hook) of a TRL VLLMGeneration stand-in."""
-    generation = SimpleNamespace(mode=mode, generation_kwargs={}, tensor_parallel_size=tp_size, tp_group="tp-group")
-    accelerator = SimpleNamespace(num_processes=processes, is_main_process=False)
-    return VLLMRouteSource(generation, accelerator)
-
-
-def test_server_mode_asks_for_what_every_rank_holds(monkeypatch):
-    """TRL's main process sends every rank's prompts in one request: its start is the minimum over all ranks, and a
-    rank without samples in the turn (None) does not pull it to 0."""
-    gathered = []
-
-    def gather_object(values):  # accelerate's gather_object: every rank's list, concatenated in rank order
-        gathered.append(values)
-        return [40, *values, None, 25]
-
-    monkeypatch.setattr(vllm_routes, "gather_object", gather_object)
-    source = route_source("server", processes=4)
-    assert source.request_prompt_start(31) == 25 and gathered == [[31]]
-    assert source.request_prompt_start(None) == 25  # no samples here: the others decide
-    assert source.request_prompt_start(7) == 7
-
-
-def test_server_mode_with_no_rank_holding_anything_asks_for_everything(monkeypatch):
-    monkeypatch.setattr(vllm_routes, "gather_object", lambda values: [None, *values])
-    assert route_source("server", processes=2).request_prompt_start(None) == 0
-
-
-def test_one_process_and_colocate_without_tp_use_their_own_held_positions_with_no_collective(monkeypatch):
-    def no_collective(*args, **kwargs):
-        raise AssertionError("one request serves this rank's samples only: nothing to gather")
-
-    monkeypatch.setattr(vllm_routes, "gather_object", no_collective)
-    monkeypatch.setattr(torch.distributed, "all_gather_object", no_collective)
-    for source in (route_source("server"), route_source("colocate", processes=8)):
-        assert source.request_prompt_start(12) == 12 and source.request_prompt_start(None) == 0
-
-
-def test_colocate_with_tensor_parallelism_takes_the_minimum_within_the_tp_group(monkeypatch):
-    calls = []
-
-    def all_gather_object(output, value, group=None):  # TRL's idiom: fills one entry per rank of the group
-        calls.append(group)
-        output[:] = [value, 18, None][: len(output)]
-
-    monkeypatch.setattr(vllm_routes, "gather_object", lambda values: pytest.fail("not the global gather"))
-    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
-    source = route_source("colocate", processes=6, tp_size=3)
-    assert source.request_prompt_start(30) == 18 and source.request_prompt_start(9) == 9
-    assert source.request_prompt_start(None) == 18
-    assert calls == ["tp-group"] * 3  # within the group that shares one engine, never across groups
