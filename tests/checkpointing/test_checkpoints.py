@@ -31,8 +31,8 @@ from trl_moe_replay.checkpointing.checkpoints import (
 from trl_moe_replay.testing import tiny_moe_model
 
 from tests.helpers import CPU_ONLY_ENV, load_script, run_two_ranks
+from tests.pr2.test_state import OFF_POLICY
 from tests.trainer.test_grpo_trainer import make_trainer
-from tests.trainer.test_pr2 import OFF_POLICY
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -278,7 +278,7 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
 
     full, resumed = trained_logs(tmp_path / "full"), trained_logs(tmp_path / "cut")
     assert [entry["step"] for entry in resumed] == [entry["step"] for entry in full]
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
 
 

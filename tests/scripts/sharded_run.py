@@ -207,8 +207,8 @@ def predictor_shapes_under_zero_init() -> dict:
     """PR2 predictors for a model whose weights ZeRO-3 partitioned at creation: the predictors' real shapes."""
     from transformers import AutoConfig
 
+    from trl_moe_replay.pr2.predictor import RoutePredictors
     from trl_moe_replay.routing import RouterReplay
-    from trl_moe_replay.routing.predictor import RoutePredictors
 
     config = AutoConfig.for_model(**MODEL, vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32)
@@ -228,7 +228,7 @@ def main():
     # (partitioned at creation, as from_pretrained does under zero3_init_flag); the runs compare exact weights
     models = [tiny_moe_model(**MODEL) for _ in range(5)]
     # none and R2: an on-policy and an off-policy update; R3 and PR2: also the next generation batch's first update
-    runs = zip(("none", "r2", "r3"), models, (2, 2, 3))
+    runs = zip(("none", "r2", "r3"), models[:3], (2, 2, 3), strict=True)
     result = {mode: run_mode(mode, model, steps) for mode, model, steps in runs}
     result["pr2"], trainer = run_pr2(models[3], models[4])
     if trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == 3:

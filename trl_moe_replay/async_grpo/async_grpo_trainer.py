@@ -60,6 +60,8 @@ from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
+    batcher_rows,
+    pad,
     quiet_upstream_notices,
     tree_attention_kernel,
     worker_loop_kwargs,
@@ -146,29 +148,16 @@ class _RoutedQueueDataset(RolloutQueueDataset):
             yield item
 
 
-def _scoped_rows(make_iterator: Callable[[], Any], row_class: type):
-    """Iterate a TRL batcher with its ``TreeRow`` replaced by ``row_class`` only while the batcher's own code runs."""
-    iterator = None
-    while True:
-        with async_trainer_globals(TreeRow=row_class):
-            if iterator is None:
-                iterator = make_iterator()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-        yield item
-
-
 class _RoutedRows:
-    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes; :func:`_scoped_rows`)."""
+    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes), built by TRL's own
+    ``__iter__`` (seam entry ``async_batcher_rows``: TRL's module global ``TreeRow`` is never replaced)."""
 
     def __init__(self, *args, row_class, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_class = row_class
 
     def __iter__(self):
-        return _scoped_rows(super().__iter__, self.row_class)
+        return batcher_rows(super().__iter__, self.row_class)
 
 
 class _RoutedFixedCountBatcher(_RoutedRows, FixedCountBatcher):
@@ -272,7 +261,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
         if not carries_routes:
             return
-        attempts = getattr(args, "vllm_request_attempts", None)
+        attempts = option(args, "vllm_request_attempts")
         if isinstance(self.rollout_worker, RoutedAsyncRolloutWorker) and attempts is not None:
             worker_loop_kwargs(self.rollout_worker)["max_request_attempts"] = attempts
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
@@ -281,7 +270,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._route_intake = RouteIntake(
             _MainProcessOnly(self.accelerator), source="vLLM", required=mode.needs_engine_routes,
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
-            batch_samples=samples_per_step, max_fallback_batches=getattr(args, "max_route_fallback_steps", None),
+            batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
         )
         if mode.replays and self.aux_loss_enabled:
             logger.warning(
