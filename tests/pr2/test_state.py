@@ -439,6 +439,7 @@ def test_pr2_config_errors():
 
 
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_predictors_stay_identical_across_ddp_ranks(tmp_path):
     script = Path(__file__).parents[1] / "scripts" / "pr2_ddp.py"
     run_two_ranks(script, tmp_path)

@@ -339,6 +339,7 @@ def test_r2_and_none_with_vllm_need_no_routes(tmp_path):
 
 # ----------------------------------------------------------------------------- two processes
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_two_ranks_each_receive_only_their_own_route_payloads():
     script = Path(__file__).parents[1] / "scripts" / "grpo_vllm_server.py"
     result = run_two_ranks(script)

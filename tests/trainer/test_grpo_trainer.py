@@ -152,6 +152,7 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
 
 
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_import_swap_script_runs_on_two_processes():
     script = Path(__file__).parents[1] / "scripts" / "grpo_swap.py"
     result = run_two_ranks(script)
