@@ -102,6 +102,32 @@ def test_server_r3_trains_on_the_real_server(tmp_path, server, checkpoint):
     assert_r3_verified(report)
 
 
+def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sample_holds(tmp_path, server,
+                                                                                            checkpoint):
+    """Issue 45: on 2 training processes one request carries both ranks' samples, and an 8-turn tool conversation
+    receives about one engine row per position (the start is the minimum over both ranks' held prefixes), not the
+    whole prefix again at every turn (~turns / 2 rows per position). Every position still replays the engine's
+    route (the check of vllm_train.py), and vllm/route_bytes is logged."""
+    reload_weights(server, checkpoint)
+    out = tmp_path / "report.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(SCRIPT), str(out), "server", server, checkpoint, "tools=true", "turns=8", "max_steps=2",
+                          "beta=0.0"], env=env, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-5000:]
+    for rank in (0, 1):
+        report = json.loads(Path(f"{out}.rank{rank}").read_text())
+        logs = steps(report)
+        assert len(logs) == 2 and report["checked_positions"] > 0
+        assert report["mismatched_positions"] == 0  # every position's route is the engine's, as before
+        assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+        assert all(entry["vllm/route_bytes"] > 0 for entry in logs)
+        samples = report["rows_received"]
+        assert samples and all(turns == 8 for _, _, turns in samples), samples  # 8 turns each
+        for rows, positions, _ in samples:  # ~one row per position (the full prefix each turn: ~4.5x)
+            assert positions <= rows <= 1.2 * positions, samples
+
+
 @pytest.mark.oldest_end
 def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, server, checkpoint):
     reload_weights(server, checkpoint)

@@ -11,13 +11,15 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
-from trl_moe_replay.rollouts import RoutesUnavailableError
+from trl_moe_replay.rollouts import RoutesUnavailableError, vllm_routes
+from trl_moe_replay.rollouts.vllm_routes import VLLMRouteSource
 from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import (
     FakeVLLMServer,
@@ -358,3 +360,57 @@ def test_two_ranks_each_receive_only_their_own_route_payloads():
     for metrics in reports[0]["metrics"]:  # routes stayed with their samples on both ranks
         assert metrics["routing/mismatch_frac"] == 0.0 and metrics["routing/fallback_frac"] == 0.0
         assert metrics["mismatch/kl_k3"] < 1e-6
+
+
+# ----------------------------------------------------------------------------- one start per request
+def route_source(mode, *, processes=1, tp_size=1):
+    """A VLLMRouteSource on a non-main rank (no client to hook) of a TRL VLLMGeneration stand-in."""
+    generation = SimpleNamespace(mode=mode, generation_kwargs={}, tensor_parallel_size=tp_size, tp_group="tp-group")
+    accelerator = SimpleNamespace(num_processes=processes, is_main_process=False)
+    return VLLMRouteSource(generation, accelerator)
+
+
+def test_server_mode_asks_for_what_every_rank_holds(monkeypatch):
+    """TRL's main process sends every rank's prompts in one request: its start is the minimum over all ranks, and a
+    rank without samples in the turn (None) does not pull it to 0."""
+    gathered = []
+
+    def gather_object(values):  # accelerate's gather_object: every rank's list, concatenated in rank order
+        gathered.append(values)
+        return [40, *values, None, 25]
+
+    monkeypatch.setattr(vllm_routes, "gather_object", gather_object)
+    source = route_source("server", processes=4)
+    assert source.request_prompt_start(31) == 25 and gathered == [[31]]
+    assert source.request_prompt_start(None) == 25  # no samples here: the others decide
+    assert source.request_prompt_start(7) == 7
+
+
+def test_server_mode_with_no_rank_holding_anything_asks_for_everything(monkeypatch):
+    monkeypatch.setattr(vllm_routes, "gather_object", lambda values: [None, *values])
+    assert route_source("server", processes=2).request_prompt_start(None) == 0
+
+
+def test_one_process_and_colocate_without_tp_use_their_own_held_positions_with_no_collective(monkeypatch):
+    def no_collective(*args, **kwargs):
+        raise AssertionError("one request serves this rank's samples only: nothing to gather")
+
+    monkeypatch.setattr(vllm_routes, "gather_object", no_collective)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", no_collective)
+    for source in (route_source("server"), route_source("colocate", processes=8)):
+        assert source.request_prompt_start(12) == 12 and source.request_prompt_start(None) == 0
+
+
+def test_colocate_with_tensor_parallelism_takes_the_minimum_within_the_tp_group(monkeypatch):
+    calls = []
+
+    def all_gather_object(output, value, group=None):  # TRL's idiom: fills one entry per rank of the group
+        calls.append(group)
+        output[:] = [value, 18, None][: len(output)]
+
+    monkeypatch.setattr(vllm_routes, "gather_object", lambda values: pytest.fail("not the global gather"))
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    source = route_source("colocate", processes=6, tp_size=3)
+    assert source.request_prompt_start(30) == 18 and source.request_prompt_start(9) == 9
+    assert source.request_prompt_start(None) == 18
+    assert calls == ["tp-group"] * 3  # within the group that shares one engine, never across groups

@@ -203,8 +203,9 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start = source.prompt_start
-            if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
-                start = batch.turns.held_positions(samples) if batch.turns is not None and source.can_skip else 0
+            if later_turn:  # ask only for the positions every sample of the request does not hold yet
+                start = source.request_prompt_start(batch.turns.held_positions(samples) if batch.turns is not None
+                                                    else 0)
             source.begin_batch()
             with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if later_turn else \
                     contextlib.nullcontext():
@@ -251,6 +252,10 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
             self._take_rollout_func_routes(batch, prompt_ids, completion_ids, extra_fields)
         if self._route_intake is not None:  # the batch's routes enter here, once (route_flow step 2)
             batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, self.pad_to_multiple_of)
+        if self._vllm_routes is not None:  # every turn's route bytes, summed over ranks (server: what the main got)
+            received = torch.tensor([float(self._vllm_routes.take_received_bytes())], device=self.accelerator.device)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["vllm/route_bytes"].append(self.accelerator.reduce(received, "sum").item())
         return output
 
     def _sync_vllm_weights(self) -> None:
