@@ -680,8 +680,9 @@ def corrupt_route_payload(
     elif kind == "id-negative":
         rows = rows.astype(np.int16)
         rows[t, layer, int(rng.integers(top_k))] = -int(rng.integers(1, 100))
-    elif kind == "id-repeated":
-        a, b = rng.choice(top_k, 2, replace=False)
+    elif kind == "id-repeated":  # a non-zero id twice: [0, 0] would be a never-written mark, not a repeat
+        a = int(rng.choice(np.flatnonzero(rows[t, layer])))
+        b = int(rng.choice([slot for slot in range(top_k) if slot != a]))
         rows[t, layer, b] = rows[t, layer, a]
     elif kind == "route-never-written":
         rows[t, layer] = 0
