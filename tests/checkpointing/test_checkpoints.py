@@ -31,8 +31,8 @@ from trl_moe_replay.checkpointing.checkpoints import (
 from trl_moe_replay.testing import tiny_moe_model
 
 from tests.helpers import CPU_ONLY_ENV, load_script, run_two_ranks
+from tests.pr2.test_state import OFF_POLICY
 from tests.trainer.test_grpo_trainer import make_trainer
-from tests.trainer.test_pr2 import OFF_POLICY
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -163,3 +163,26 @@ def test_the_route_buffer_keeps_one_batch_per_slot_and_gives_each_micro_batch_it
     buffer.gather(taken, take=True)
     with pytest.raises(StaleRouteRowsError):
         buffer.gather(taken)
+
+
+def test_the_route_buffer_keeps_per_sample_inputs_beside_the_routes_and_gives_each_micro_batch_its_rows():
+    """PR2's cache rides with route_rows, not in TRL's batch dict: gathered at the same rows as the routes."""
+    layout = RouteLayout(num_layers=1, top_k=2, num_experts=4, moe_layers=(0,))
+    routes = check_routes(torch.tensor([[[[0, 1]]], [[[2, 3]]], [[[1, 3]]]], dtype=torch.uint8), layout)
+    cache = {"pr2_positions": torch.tensor([[5, -1], [6, 7], [8, -1]]), "pr2_old_logits": torch.randn(3, 2, 1, 4)}
+    buffer = RouteBuffer()
+    rows = buffer.store(routes, slot="train", per_sample=cache)
+    micro = rows[[2, 0]]  # shuffled and split, as TRL does
+    assert torch.equal(buffer.gather(micro).tensor(), routes.tensor()[[2, 0]])
+    gathered = buffer.gather_per_sample(micro)
+    assert gathered.keys() == cache.keys() and all(torch.equal(gathered[k], cache[k][[2, 0]]) for k in cache)
+    alone = buffer.store(None, slot="eval", per_sample=cache)  # no routes to replay: the inputs alone
+    assert buffer.gather(alone[:1]) is None and torch.equal(buffer.gather_per_sample(alone[:1])["pr2_positions"],
+                                                            cache["pr2_positions"][:1])
+    assert buffer.gather_per_sample(buffer.store(routes, slot="train")) == {}
+    with pytest.raises(StaleRouteRowsError, match="name generation batch"):  # the replaced batch's inputs too
+        buffer.gather_per_sample(rows)
+    with pytest.raises(ValueError, match=r"one batch size, got \{2, 3\}"):
+        buffer.store(routes, per_sample={"pr2_positions": cache["pr2_positions"][:2]})
+    with pytest.raises(ValueError, match="routes or per-sample tensors"):
+        buffer.store(None)

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE
+from trl_moe_replay.pr2.state import PREDICTORS_FILE
 
 from tests.helpers import CPU_ONLY_ENV
 

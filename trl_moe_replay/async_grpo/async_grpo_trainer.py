@@ -60,6 +60,7 @@ from ..upstream import (
     assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
+    batcher_rows,
     pad,
     quiet_upstream_notices,
     tree_attention_kernel,
@@ -147,29 +148,16 @@ class _RoutedQueueDataset(RolloutQueueDataset):
             yield item
 
 
-def _scoped_rows(make_iterator: Callable[[], Any], row_class: type):
-    """Iterate a TRL batcher with its ``TreeRow`` replaced by ``row_class`` only while the batcher's own code runs."""
-    iterator = None
-    while True:
-        with async_trainer_globals(TreeRow=row_class):
-            if iterator is None:
-                iterator = make_iterator()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-        yield item
-
-
 class _RoutedRows:
-    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes; :func:`_scoped_rows`)."""
+    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes), built by TRL's own
+    ``__iter__`` (seam entry ``async_batcher_rows``: TRL's module global ``TreeRow`` is never replaced)."""
 
     def __init__(self, *args, row_class, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_class = row_class
 
     def __iter__(self):
-        return _scoped_rows(super().__iter__, self.row_class)
+        return batcher_rows(super().__iter__, self.row_class)
 
 
 class _RoutedFixedCountBatcher(_RoutedRows, FixedCountBatcher):

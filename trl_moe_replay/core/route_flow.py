@@ -9,11 +9,13 @@ Read top to bottom, this module is that path (the trainers' overrides call it; n
 3. **Scoring forwards** (:meth:`RouteFlow.plan`): the old-logprob pass replays the rollout's routes (R3) and/or records
    the natural ones (R2/PR2's routes, the trainer's side of ``routing/*``; checked by construction); the reference
    pass replays the policy's.
-4. **Buffer** (:class:`RouteBuffer`): the routes to replay stay with the trainer; the batch dict carries only
+4. **Buffer** (:class:`RouteBuffer`): the routes to replay stay with the trainer, and so do the batch's other
+   per-sample inputs (``GenerationBatch.per_sample``: PR2's predictor cache); the batch dict carries only
    ``route_rows`` (batch serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code
    that could write into it.
 5. **Training forward** (:meth:`RouteFlow.begin_micro_batch` -> :meth:`RouteFlow.plan`): each micro-batch gathers its
-   own rows (a stale index is refused) and replays them until its backward has returned (:class:`MicroBatchReplay`).
+   own rows (a stale index is refused) and replays them until its backward has returned (:class:`MicroBatchReplay`);
+   its per-sample inputs are :attr:`RouteFlow.micro_inputs` meanwhile.
 
 The async trainer enters at 2 (one sample at a time) and 4 (packed rows; ``trl_moe_replay.async_grpo``).
 """
@@ -56,6 +58,8 @@ class GenerationBatch:
     generation: CheckedRoutes | None = None  # the engine's routes in TRL's padded layout (step 2)
     natural: CheckedRoutes | None = None  # the trainer's natural routes of its old-logprob (or metrics) pass
     old_router: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # RSPO: ids, probs per chunk
+    # per-sample tensors ([B, ...], the batch's row order) kept with the routes in the buffer (step 4): PR2's cache
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def add_turn(self, prompt_ids, completion_ids, rows, prompt_start: Any, samples) -> None:
         """One generation turn's rows (the batch's first turn, or a later one of TRL's tool loop)."""
@@ -121,44 +125,63 @@ class ForwardPlan:
 class RouteBuffer:
     """Routes the trainer holds for batches in flight, by batch serial; a batch dict carries only their ``route_rows``.
 
-    ``store`` keeps a batch's routes and returns its ``route_rows``: under a ``slot``, until the next batch of that slot
-    (the sync trainer's current training and evaluation batches, reused over ``num_iterations``), or without one until
-    taken (the async trainer's packed rows, each trained once). ``gather`` gives a micro-batch's own rows (a gather of
-    the held routes: owned, checked by construction); a serial no longer held is refused in one line."""
+    ``store`` keeps a batch's routes (and per-sample tensors beside them, or those alone) and returns its
+    ``route_rows``: under a ``slot``, until the next batch of that slot (the sync trainer's current training and
+    evaluation batches, reused over ``num_iterations``), or without one until taken (the async trainer's packed rows,
+    each trained once). ``gather`` gives a micro-batch's own rows (a gather of the held routes: owned, checked by
+    construction), ``gather_per_sample`` its per-sample tensors; a serial no longer held is refused in one line."""
 
     MAX_UNSLOTTED = 8  # rows stored ahead of their forward (the dataloader prefetches); older ones are dropped
 
     def __init__(self):
-        self._held: dict[Any, tuple[int, CheckedRoutes]] = {}
+        self._held: dict[Any, tuple[int, CheckedRoutes | None, dict[str, torch.Tensor]]] = {}
         self._serial = 0
 
-    def store(self, routes: CheckedRoutes, slot: str | None = None) -> torch.Tensor:
+    def store(self, routes: CheckedRoutes | None, slot: str | None = None,
+              per_sample: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Keep ``routes`` and ``per_sample`` (``[B, ...]`` tensors, one row per sample; at least one of the two)."""
+        per_sample = dict(per_sample or {})
+        samples = {len(value) for value in per_sample.values()} | ({len(routes)} if routes is not None else set())
+        if len(samples) != 1:
+            raise ValueError(f"a batch to store needs routes or per-sample tensors of one batch size, got {samples}")
         self._serial += 1
-        self._held[slot if slot is not None else self._serial] = (self._serial, routes)
+        self._held[slot if slot is not None else self._serial] = (self._serial, routes, per_sample)
         unslotted = [key for key in self._held if not isinstance(key, str)]
         for key in unslotted[: max(0, len(unslotted) - self.MAX_UNSLOTTED)]:
             del self._held[key]
-        rows = torch.arange(len(routes))
+        rows = torch.arange(samples.pop())
         return torch.stack([torch.full_like(rows, self._serial), rows], dim=1)
 
-    def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes:
-        """The rows ``route_rows`` name; ``take``: the batch is not needed again, and is let go."""
+    def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes | None:
+        """The rows ``route_rows`` name (None: the batch was stored without routes); ``take``: the batch is not
+        needed again, and is let go."""
+        routes, _, rows = self._lookup(route_rows, take)
+        return None if routes is None else routes.rows(rows)
+
+    def gather_per_sample(self, route_rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-sample tensors stored with the batch, at the rows ``route_rows`` name (on each tensor's device)."""
+        _, per_sample, rows = self._lookup(route_rows, take=False)
+        return {key: value[rows.to(value.device)] for key, value in per_sample.items()}
+
+    def _lookup(self, route_rows: torch.Tensor, take: bool
+                ) -> tuple[CheckedRoutes | None, dict[str, torch.Tensor], torch.Tensor]:
         if not isinstance(route_rows, torch.Tensor) or route_rows.dim() != 2 or route_rows.shape[1] != 2:
             raise StaleRouteRowsError(f"{ROUTE_ROWS} must be a [batch, 2] tensor (serial, row), got "
                                       f"{getattr(route_rows, 'shape', type(route_rows).__name__)}")
         serials = set(route_rows[:, 0].tolist())
-        by_serial = {serial: key for key, (serial, _) in self._held.items()}
+        by_serial = {serial: key for key, (serial, _, _) in self._held.items()}
         if len(serials) != 1 or not serials <= by_serial.keys():
             raise StaleRouteRowsError(
                 f"{ROUTE_ROWS} name generation batch(es) {sorted(serials)}, but the trainer holds the routes of "
                 f"{sorted(by_serial)} only: a (micro-)batch must be trained while its generation batch is the current one"
             )
         key = by_serial[serials.pop()]
-        routes = self._held.pop(key)[1] if take else self._held[key][1]
+        _, routes, per_sample = self._held.pop(key) if take else self._held[key]
+        samples = len(routes) if routes is not None else len(next(iter(per_sample.values())))
         rows = route_rows[:, 1]
-        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(routes):
-            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(routes)} samples")
-        return routes.rows(rows)
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < samples:
+            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {samples} samples")
+        return routes, per_sample, rows
 
 
 # ---------------------------------------------------------------------------------------------- 5. replay through backward
@@ -200,6 +223,7 @@ class RouteFlow:
         self.buffer = RouteBuffer()
         self.batch: GenerationBatch | None = None
         self._micro: CheckedRoutes | None = None
+        self.micro_inputs: dict[str, torch.Tensor] = {}  # the micro-batch's per-sample inputs (PR2's cache)
         self.micro_replay = MicroBatchReplay()
 
     @contextlib.contextmanager
@@ -211,19 +235,25 @@ class RouteFlow:
             self.batch = None
 
     def store(self, batch: GenerationBatch, mode: str) -> torch.Tensor | None:
-        """Step 4: keep the routes the policy's forwards replay; the batch's ``route_rows`` (None: nothing to replay)."""
+        """Step 4: keep the routes the policy's forwards replay and the batch's per-sample inputs; the batch's
+        ``route_rows`` (None: nothing to keep)."""
         routes = batch.to_replay(self.settings)
-        return None if routes is None else self.buffer.store(routes, slot=mode)
+        if routes is None and not batch.per_sample:
+            return None
+        return self.buffer.store(routes, slot=mode, per_sample=batch.per_sample)
 
     def begin_micro_batch(self, inputs: dict) -> None:
         self.end_micro_batch()
         route_rows = inputs.get(ROUTE_ROWS)
-        self._micro = None if route_rows is None else self.buffer.gather(route_rows)
+        if route_rows is not None:
+            self._micro = self.buffer.gather(route_rows)
+            self.micro_inputs = self.buffer.gather_per_sample(route_rows)
 
     def end_micro_batch(self) -> None:
         """Only once the micro-batch's backward (and any recompute in it) has returned."""
         self.micro_replay.end()
         self._micro = None
+        self.micro_inputs = {}
 
     def plan(self, is_reference: bool, is_ref_model: bool) -> ForwardPlan | None:
         """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward)."""

@@ -20,19 +20,18 @@ The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come f
 ``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
-by the predicted routes; its state and predictor training live in ``trl_moe_replay.trainer.pr2``, called from 3. and 4.
+by the predicted routes; it lives beside the trainer in ``trl_moe_replay.pr2``, whose ``PR2TrainerMixin`` this class
+mixes in and calls at its named points (``_setup_pr2``, ``_pr2_generate``, ``_pr2_old_pass_chunk``,
+``_pr2_on_generation_batch``) in 1. and 3.; its Trainer overrides hand straight on without PR2.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
@@ -54,8 +53,9 @@ from ..core.output_lock import claim_output_dir, hold_output_dir
 from ..core.peft_replay import check_peft_replay
 from ..core.precision import attach_update_probe
 from ..core.route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
-from ..core.routing_options import SYNC_TRAINER, ReplaySettings, RouteSource, option, resolve_weight_sync
+from ..core.routing_options import SYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
+from ..pr2.trainer_mixin import PR2TrainerMixin
 from ..rollouts import TransformersRolloutRecorder
 from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
 from ..rollouts.turns import RolloutTurns
@@ -64,10 +64,8 @@ from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes
 from ..upstream import (
     assert_trl_compatible,
-    checkpoint_run_dir,
     disable_gradient_checkpointing,
     engine_logprob_correction,
-    exclude_from_weight_sync,
     is_reference_forward,
     mark_vllm_weights_synced,
     pad,
@@ -81,19 +79,12 @@ from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
 from ..weight_sync.weight_reload import build_weight_sync, client_without_communicator
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .objectives import MoEObjectivesMixin
-from .pr2 import (
-    MODULE_NAME as PR2_MODULE_NAME,
-    PREDICTORS_FILE as PR2_PREDICTORS_FILE,
-    PR2CheckpointError,
-    PR2StateError,
-    PredictiveRoutingReplay,
-)
 
 
 logger = logging.get_logger(__name__)
 
 
-class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
+class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -108,8 +99,6 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
 
     _tag_names = ["trl", "grpo", "moe-routing-replay"]
     _name = "MoE Replay GRPO"
-    _pr2: PredictiveRoutingReplay | None = None  # set in __init__ when routing_replay="pr2"
-    _pr2_averages_gradients = False  # PR2 under plain data parallelism (DDP ignores the predictors)
     # set in __init__; class defaults keep the generation overrides usable on a trainer built without it (TRL's own
     # unit tests build one with object.__new__ and set only what TRL's methods read)
     _weight_sync = None
@@ -155,7 +144,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                 "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
             )
             self.aux_loss_enabled = False
-        self._pr2 = self._build_pr2(args) if mode.source is RouteSource.PREDICTED else None
+        self._setup_pr2(args)
         vllm_generation = self.vllm_generation if args.use_vllm else None
         self._weight_sync = build_weight_sync(sync_method, args, asynchronous=False, vllm_generation=vllm_generation,
                                               model=self.accelerator.unwrap_model(self.model))
@@ -232,8 +221,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             causal_lm = causal_lm.get_base_model()
         routes = self._route_replay if self.replay_settings.generation_routes else None
         recorder = TransformersRolloutRecorder(routes, causal_lm, self.temperature)
-        predicting = self._pr2 is not None and self._pr2.rollout_prediction
-        with recorder, (self._pr2.steering() if predicting else contextlib.nullcontext()):
+        with recorder, self._pr2_generate():
             completion_ids, _ = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         recorder.finish_with(completion_ids, pad_token_id=self._tokenizer.pad_token_id)
         completion_lengths = [len(ids) for ids in completion_ids]
@@ -326,7 +314,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                                 else ".")
                 )
             # route_flow step 4: the batch dict carries rows, not routes (taken before the metrics pass, whose
-            # recorded routes are for routing/* only)
+            # recorded routes are for routing/* only); PR2's cache is kept beside the routes
+            self._pr2_on_generation_batch(batch)
             route_rows = self._routes.store(batch, mode)
             if route_rows is not None:
                 output[ROUTE_ROWS] = route_rows
@@ -336,8 +325,6 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             if batch.old_router:  # ride through TRL's buffer, shuffle and split with their samples
                 output["old_router_ids"] = torch.cat([ids for ids, _ in batch.old_router], dim=0)
                 output["old_router_probs"] = torch.cat([probs for _, probs in batch.old_router], dim=0)
-            if self._pr2 is not None:
-                output.update(self._pr2.take_old_pass_cache(self.state.global_step))
             self._log_mismatch_metrics(output, batch, trainer_logps)
         return output
 
@@ -345,7 +332,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         """A copy of the routes the forwards of ``inputs`` (a generation batch or a micro-batch of it, while its
         generation batch is the current one) replay, ``[B, S, num_layers, top_k]``; None when they replay none."""
         route_rows = inputs.get(ROUTE_ROWS)
-        return None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows).tensor()
+        routes = None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows)
+        return None if routes is None else routes.tensor()
 
     def _metrics_pass(self, output: dict, batch: GenerationBatch) -> torch.Tensor | None:
         """The trainer's side of the comparison for a batch TRL ran no old-logprob pass on, or None.
@@ -408,9 +396,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                 if plan.replay is not None:
                     stack.enter_context(rr.replay(plan.replay.rows(slice(start, end))))
                 if plan.pr2:  # predicted routes (unless replayed) + predictor cache
-                    stack.enter_context(self._pr2.old_pass_chunk(
-                        attention_mask[start:end], logits_to_keep, steer=plan.replay is None, cache=self.model.training
-                    ))
+                    stack.enter_context(self._pr2_old_pass_chunk(attention_mask[start:end], logits_to_keep,
+                                                                 steer=plan.replay is None))
                 recording = stack.enter_context(rr.record()) if plan.record else None
                 capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), plan.old_router))
                 chunk_logps, chunk_entropies, chunk_aux = parent(
@@ -435,21 +422,12 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
     def _compute_loss(self, model, inputs):
         if self._routes is not None:
             self._routes.begin_micro_batch(inputs)  # its rows of the buffer (route_flow step 5)
-        with self._engine_correction():
-            if self._pr2 is not None and self.model.training:
-                with self._pr2.watch_training_forward(inputs):
-                    loss = super()._compute_loss(model, inputs)
-                return self._add_pr2_predictor_loss(loss)
+        with self._engine_correction():  # PR2TrainerMixin adds the predictor loss inside
             return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        try:
-            if self._pr2 is not None:
-                self._pr2.begin_micro_step(self.state.global_step)
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            if self._pr2_averages_gradients and self.accelerator.sync_gradients:
-                self._pr2.average_gradients(self.accelerator.num_processes)  # before the Trainer clips them
-            return loss
+        try:  # PR2TrainerMixin's step window and gradient averaging run inside
+            return super().training_step(model, inputs, num_items_in_batch)
         finally:
             if self._routes is not None:
                 self._routes.end_micro_batch()  # only now: the backward (and any recompute in it) has returned
@@ -490,124 +468,6 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             time.sleep(0.2)
         # what Trainer.end does (transformers >= 5.18); called directly, as transformers 5.16-5.17 have no end()
         self.accelerator.end_training()
-
-    # ------------------------------------------------------------------ PR2
-    def _build_pr2(self, args) -> PredictiveRoutingReplay:
-        if self.optimizer is not None:
-            raise NotImplementedError(
-                "routing_replay='pr2' adds the predictors' param group in create_optimizer; pass no optimizer (or "
-                "subclass and call PredictiveRoutingReplay.add_to_optimizer yourself)."
-            )
-        pr2 = PredictiveRoutingReplay(
-            self._route_replay,
-            cached_tokens_per_sequence=option(args, "pr2_cached_tokens_per_sequence"),
-            rollout_prediction=option(args, "pr2_rollout_prediction"),
-        )
-        # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
-        engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        self._pr2_averages_gradients = self.accelerator.num_processes > 1 and not engine_reduces
-        if self.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
-            exclude_from_weight_sync(self.vllm_generation, lambda name: name.split(".")[0] == PR2_MODULE_NAME)
-        return pr2
-
-    def create_optimizer(self, model=None):
-        if self._pr2 is None:
-            return super().create_optimizer(model)
-        with self._pr2.hidden_from_optimizer():  # not in the Trainer's groups (weight decay, lr) ...
-            optimizer = super().create_optimizer(model)
-        lr = self.args.learning_rate * option(self.args, "pr2_lr_multiplier")
-        # ... but in their own; checked for NaN after each step where every rank holds them whole (DeepSpeed and
-        # FSDP: through the predictor loss and at each checkpoint)
-        self._pr2.add_to_optimizer(optimizer, lr, check_finite=not (self.is_deepspeed_enabled or self.is_fsdp_enabled))
-        return optimizer
-
-    def _add_pr2_predictor_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` plus the predictor loss of the micro-batch in the graph: the value stays the policy loss (what
-        TRL logs as ``loss``), the one backward also trains the predictors."""
-        # DeepSpeed keeps a parameter's previous gradient when a backward gives it none (measured under ZeRO-3:
-        # the on-policy step's grad norm still held the last off-policy step's predictor gradient), so there the
-        # predictors take part in every backward, with a zero gradient on the steps they do not train
-        result = self._pr2.training_loss(
-            self.state.global_step, grad_scale=1.0 / self.current_gradient_accumulation_steps,
-            always_in_graph=self.is_deepspeed_enabled,
-        )
-        if result is None:
-            return loss
-        predictor_loss, sums = result
-        totals = self._global_sums(sums, self.accelerator.device)
-        if "kl" in totals and not torch.isfinite(totals["kl"]):  # summed over ranks: every rank stops together
-            raise PR2StateError(
-                f"the PR2 predictor loss is {totals['kl'].item()} at step {self.state.global_step}: the predictors' "
-                "weights or their cached inputs are not finite, and every route they predict would be garbage. "
-                "Resume from an earlier checkpoint with a lower pr2_lr_multiplier, or train with routing_replay='r2'."
-            )
-        for name, value in self._pr2.metrics(totals).items():
-            self._metrics["train"][name].append(value)
-        if predictor_loss is None:
-            return loss
-        # x - x.detach() is exactly 0 in value and carries x's gradient; the predictor loss reaches only the
-        # predictors (detached inputs), and the policy loss never reaches them (they steer no-grad forwards only)
-        return loss + (predictor_loss - predictor_loss.detach()).to(loss.device)
-
-    def _clip_grad_norm(self, model):
-        """Clip the policy's gradients by their own norm and the predictors' by theirs (both to ``max_grad_norm``):
-        the two losses are independent, so neither gradient scales the other's update, and PR2 with frozen
-        predictors clips exactly like R2. The returned (logged) ``grad_norm`` is the policy's; ``pr2/grad_norm``
-        the predictors'. DeepSpeed clips every parameter it holds by one norm, predictors included."""
-        if self._pr2 is None or self.is_deepspeed_enabled:
-            return super()._clip_grad_norm(model)
-        # the Trainer's clipping (fp16 unscaling of every gradient included) over the model's other parameters
-        grad_norm = super()._clip_grad_norm(self._pr2.without_predictors(model))
-        predictor_norm = self._pr2.clip_gradients(self.args.max_grad_norm)
-        if predictor_norm is not None:
-            self._metrics["train"]["pr2/grad_norm"].append(predictor_norm)
-        return grad_norm
-
-    def _save_checkpoint(self, model, trial):
-        # PR2: the predictors first (atomically), then TRL's files, whose trainer_state.json comes last: a checkpoint
-        # that has it has its predictors too, whenever the process is killed
-        if self._pr2 is not None:
-            state = self._pr2.full_state_dict()  # every rank: a collective under FSDP2 and ZeRO-3
-            self._pr2.check_finite(state, "at a checkpoint")  # every rank holds the same full weights: all stop
-            if self.args.should_save:
-                checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
-                self._pr2.save(os.path.join(checkpoint_run_dir(self, trial), checkpoint), state)
-        super()._save_checkpoint(model, trial)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
-            self._check_pr2_checkpoint(checkpoint)
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if self._pr2 is None or checkpoint is None:
-            return
-        restored_by_engine = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        self._pr2.load(checkpoint, restored_by_engine=restored_by_engine)
-
-    def _check_pr2_checkpoint(self, checkpoint: str) -> None:
-        """Refuse to resume PR2 state from a checkpoint without it, or a PR2 checkpoint without PR2 (before torch's
-        optimizer load fails on the predictors' extra param group with a generic message)."""
-        has_predictors = os.path.isfile(os.path.join(checkpoint, PR2_PREDICTORS_FILE))
-        complete = os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME))  # the Trainer writes it last
-        if self._pr2 is not None and not complete:
-            raise PR2CheckpointError(
-                f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {TRAINER_STATE_NAME}, which the "
-                "Trainer writes last, so the run was stopped while saving it (or it is no checkpoint folder). Resume "
-                "from an earlier checkpoint-N."
-            )
-        if self._pr2 is not None and not has_predictors:
-            raise PR2CheckpointError(
-                f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {PR2_PREDICTORS_FILE}. Either the "
-                "run that saved it did not use PR2 (resume it with its own routing_replay, or start a new PR2 run "
-                "from its weights without resume_from_checkpoint), or it was stopped while saving this checkpoint "
-                "(resume from an earlier checkpoint-N). Restarting the predictors from zero under their restored "
-                "optimizer state would train them wrongly."
-            )
-        if self._pr2 is None and has_predictors:
-            raise PR2CheckpointError(
-                f"{checkpoint} was saved by a routing_replay='pr2' run (it holds {PR2_PREDICTORS_FILE} and the "
-                f"predictors' optimizer state), but this run uses routing_replay={self.routing_replay!r}. Resume it "
-                "with routing_replay='pr2', or start a new run from its weights without resume_from_checkpoint."
-            )
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, batch: GenerationBatch | None,
