@@ -249,6 +249,9 @@ def test_malformed_routes_fall_back_per_sample_and_the_run_goes_on(tmp_path, che
     assert len(logs) == STEPS
     assert 0 < logs[0]["routing/fallback_frac"] < 0.3 and 0 < logs[1]["routing/fallback_frac"] < 0.3
     assert trainer._route_intake.fallback_samples == 2
+    # whole samples, counted as they are aligned (leaving the queue, which runs ahead of the training forwards)
+    whole = [entry["routing/fallback_samples_frac"] for entry in logs]
+    assert 0 < max(whole) and all(0 <= value < 0.3 for value in whole)
 
 
 def test_r3_without_any_routes_in_the_first_sample_stops_with_a_clear_error(tmp_path, checkpoint):

@@ -19,6 +19,8 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setu
 # LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
+from trl_moe_replay.testing import NEVER_WRITTEN  # noqa: E402
+
 from tests.vllm_server import free_port, reload_weights, vllm_server  # noqa: E402
 
 
@@ -146,17 +148,21 @@ def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, se
 
 @pytest.mark.oldest_end
 def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, server, checkpoint):
-    """The fuzz of tests/cross_cutting/test_fail_safe.py on the real server's payloads: random corruptions of bytes, dtypes,
-    shapes and ids in half the samples; no run ends, and routing/fallback_frac is exactly their share."""
+    """The fuzz of tests/cross_cutting/test_fail_safe.py on the real server's payloads: random corruptions of bytes,
+    dtypes, shapes and ids in half the samples; no run ends, and routing/fallback_frac is exactly their share (one
+    position for a never-written route, the whole sample for the others)."""
     reload_weights(server, checkpoint)
     report, _ = train(tmp_path, "server", server, checkpoint, "fuzz=5", "beta=0.0", "max_steps=4")
     logs, corrupted = steps(report), report["corrupted"]
     assert len(logs) == 4 and len(report["batches"]) == 4 and len(corrupted) >= 4
     for call, (entry, batch) in enumerate(zip(logs, report["batches"], strict=True)):
-        bad = sorted(choice for c, choice, _ in corrupted if c == call)
+        bad = sorted(choice for c, choice, kind in corrupted if c == call and kind != NEVER_WRITTEN)
+        unwritten = [choice for c, choice, kind in corrupted if c == call and kind == NEVER_WRITTEN]
         routable = batch["routable"]
-        assert [i for i, routed in enumerate(batch["routed"]) if routed == 0] == bad  # exactly these fell back
-        assert entry["routing/fallback_frac"] == pytest.approx(sum(routable[i] for i in bad) / sum(routable), abs=1e-6)
+        assert [i for i, routed in enumerate(batch["routed"]) if routed == 0] == bad  # exactly these fell back whole
+        assert all(batch["routed"][i] == routable[i] - 1 for i in unwritten)  # these at one position
+        expected = (sum(routable[i] for i in bad) + len(unwritten)) / sum(routable)
+        assert entry["routing/fallback_frac"] == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.oldest_end

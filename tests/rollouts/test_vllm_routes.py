@@ -234,16 +234,18 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6  # natural routing in fp32 matches the engine anyway
 
 
-def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_instead_of_ending_the_run(tmp_path):
-    # each payload decodes and has the right shape and length; the problem is inside the rows (issue 16)
+def test_repeated_ids_and_time_dtypes_fall_back_whole_and_never_written_rows_per_position_mid_run(tmp_path):
+    # each payload decodes and has the right shape and length; the problem is inside the rows (issues 16, 45)
+    unwritten = {4: [0, -1], 6: [1, 2, 3]}  # rows vLLM never wrote (all zeros at a MoE layer), by sample
+
     def tamper(call, choice, payload):
-        if call != 1 or choice not in (2, 4, 7):
+        if call != 1 or choice not in (2, 4, 6, 7):
             return payload
         rows = npy_b64decode(payload).copy()
         if choice == 2:
             rows[len(rows) // 2, 1, 1] = rows[len(rows) // 2, 1, 0]  # an expert named twice in one route
-        elif choice == 4:
-            rows[len(rows) // 2, 0] = 0  # a route in the middle vLLM never wrote
+        elif choice in unwritten:
+            rows[unwritten[choice], choice % 2] = 0  # at one MoE layer: the whole position falls back
         else:
             rows = rows.astype("m8[s]")  # passes np.issubdtype(..., np.integer)
         return npy_b64encode(rows)
@@ -254,17 +256,29 @@ def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_inste
         trainer.train()
 
     assert trainer.state.global_step == 2  # the run went on
-    bad = [2, 4, 7]
+    bad = [2, 7]
     batch = trainer.batches[1]
     assert no_route(batch["replay_routes"][bad]).all()
+    # every other sample replays the server's routes, the never-written positions excepted (the router's own choice)
     good = [i for i in range(8) if i not in bad]
-    assert has_route(batch["replay_routes"][good]).any(dim=(1, 2)).all()
+    rows = [npy_b64decode(server.batches[1].payloads[i]).copy() for i in good]
+    for i, sample_rows in zip(good, rows, strict=True):
+        if i in unwritten:
+            assert len(sample_rows) > 3 and not sample_rows[unwritten[i], i % 2].any()
+            sample_rows[unwritten[i]] = 0  # expected_routes -> "no route" below
+    expected = expected_routes({k: batch[k][good] for k in ("prompt_mask", "completion_mask")}, rows, [0] * 6,
+                               trainer._route_replay.moe_layers)
+    expected[~expected.bool().any(-1).any(-1)] = -1  # an all-zero position: no route, at every layer
+    torch.testing.assert_close(as_signed(batch["replay_routes"][good]), expected, rtol=0, atol=0)
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
-    expected_frac = (routable[bad].sum() / routable.sum()).item()  # exactly the bad samples' positions
+    marked = sum(len(positions) for positions in unwritten.values())
+    assert (~has_route(batch["replay_routes"][good]).all(-1)).logical_and(
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)[good].bool()).sum() == marked + len(good)
+    # counted per position: the bad samples' routable positions and the 5 never-written ones; whole samples: 2 of 8
+    expected_frac = ((routable[bad].sum() + marked) / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
-    routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
-    expected_frac = (routable[bad].sum() / routable.sum()).item()
-    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
+    assert logged(trainer, "routing/fallback_samples_frac") == [0.0, 2 / 8]
+    assert trainer._route_intake.unwritten_positions == marked and trainer._route_intake.fallback_samples == 2
 
 
 def test_fallback_frac_and_the_comparison_are_logged_without_an_old_logprob_pass(tmp_path):

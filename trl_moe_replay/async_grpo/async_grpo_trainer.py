@@ -363,6 +363,7 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         """``routing/*`` and ``mismatch/*`` of one training forward, by the sync trainer's code (metrics.py)."""
         metrics = self._metrics["train"]
         agreement = routing_agreement_sums(natural.tensor(), routes.tensor(), expected, self._route_replay.moe_layers)
+        agreement.update(self._route_intake.take_sample_sums())  # the samples aligned since: fallback_samples_frac
         log_ratio_metrics(metrics, self.accelerator, agreement, {**FALLBACK_RATIOS, **AGREEMENT_RATIOS}, as_rate=True)
         selected = inputs["token_index"] >= 0
         token_index = inputs["token_index"][selected]

@@ -501,11 +501,12 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         positions = routable_positions(attention_mask).cpu()
         moe_layers = self._route_replay.moe_layers
+        samples = self._route_intake.take_sample_sums()  # routing/fallback_samples_frac
         if batch.natural is None:  # no trainer pass to compare: fallback only
-            log_ratio_metrics(metrics, self.accelerator, fallback_sums(reference, positions, moe_layers),
+            log_ratio_metrics(metrics, self.accelerator, {**fallback_sums(reference, positions, moe_layers), **samples},
                               FALLBACK_RATIOS)
             return
-        sums = routing_agreement_sums(batch.natural.tensor(), reference, positions, moe_layers)
+        sums = {**routing_agreement_sums(batch.natural.tensor(), reference, positions, moe_layers), **samples}
         log_ratio_metrics(metrics, self.accelerator, sums, {**AGREEMENT_RATIOS, **FALLBACK_RATIOS})
 
     def _global_sums(self, sums: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
