@@ -64,8 +64,8 @@ from ..upstream import (
     tree_attention_kernel,
     worker_loop_kwargs,
 )
-from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
-from ..weight_sync.weight_reload import ReloadWeightTransfer, build_weight_sync
+from ..weight_sync.sync_check import async_trainer_check, checked_weight_sync
+from ..weight_sync.weight_reload import ReloadWeightTransfer, async_trainer_weight_transfer
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_rollout_worker import RoutedAsyncRolloutWorker
 from .packing import RoutedTreeRow, TorchVarlenAttention
@@ -241,8 +241,8 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         on_cpu = args.device.type != "cuda"
         self._on_cpu = on_cpu
         if weight_transfer is None:
-            weight_transfer = build_weight_sync(resolve_weight_sync(args, mode, settings.routing_metrics, ASYNC_TRAINER),
-                                                args, asynchronous=True)
+            method = resolve_weight_sync(args, mode, settings.routing_metrics, ASYNC_TRAINER)
+            weight_transfer = async_trainer_weight_transfer(method, args)
         swaps: dict[str, Any] = {}
         if on_cpu:
             swaps["get_peak_flops_per_device"] = _no_peak_flops  # TRL asks CUDA for the name of the trainer's device
@@ -264,9 +264,9 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._micro_replay = MicroBatchReplay()
         self._sync_check = None
         if weight_transfer is not None or not async_adapter_only_sync(self):  # the main process has a transfer
-            self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=True, accelerator=self.accelerator,
-                                                base_url=args.vllm_server_base_url,
-                                                tolerance=option(args, "sync_check_tolerance"))
+            self._sync_check = async_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
+                                                   base_url=args.vllm_server_base_url,
+                                                   tolerance=option(args, "sync_check_tolerance"))
         # one run per output_dir, as the sync trainer: claimed by the main process in train(), held until end() or GC
         self._output_lock = hold_output_dir(self)
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing

@@ -77,8 +77,8 @@ from ..upstream import (
     vllm_request_fields,
     vllm_weights_stale,
 )
-from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
-from ..weight_sync.weight_reload import build_weight_sync, client_without_communicator
+from ..weight_sync.sync_check import checked_weight_sync, sync_trainer_check
+from ..weight_sync.weight_reload import WeightSyncMethod, client_without_communicator, sync_trainer_weight_sync
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .objectives import MoEObjectivesMixin
 from .pr2 import MODULE_NAME as PR2_MODULE_NAME
@@ -128,7 +128,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
         if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
             vllm_classes["LLM"] = llm_returning_routes
-        if args.use_vllm and args.vllm_mode == "server" and sync_method == "reload":
+        if args.use_vllm and args.vllm_mode == "server" and sync_method is WeightSyncMethod.RELOAD:
             vllm_classes["VLLMClient"] = client_without_communicator
         with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
@@ -153,11 +153,11 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             self.aux_loss_enabled = False
         self._pr2 = self._build_pr2(args) if mode.source is RouteSource.PREDICTED else None
         vllm_generation = self.vllm_generation if args.use_vllm else None
-        self._weight_sync = build_weight_sync(sync_method, args, asynchronous=False, vllm_generation=vllm_generation,
-                                              model=self.accelerator.unwrap_model(self.model))
-        self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=False, accelerator=self.accelerator,
-                                            vllm_generation=vllm_generation,
-                                            tolerance=option(args, "sync_check_tolerance"))
+        self._weight_sync = sync_trainer_weight_sync(sync_method, args, vllm_generation=vllm_generation,
+                                                     model=self.accelerator.unwrap_model(self.model))
+        self._sync_check = sync_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
+                                              vllm_generation=vllm_generation,
+                                              tolerance=option(args, "sync_check_tolerance"))
         self._warned_on_policy = False
         self._setup_objectives(self.args)
         # the routes' one state: None when there is nothing to record or replay (every override hands to TRL)
