@@ -29,8 +29,9 @@ from trl import GRPOConfig, TrlParser
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig
+from trl_moe_replay.core import config_checks
 from trl_moe_replay.core.config_checks import UPSTREAM_REFUSALS, ConfigTypeError, UpstreamValueError
-from trl_moe_replay.trainer import config_checks, grpo_config
+from trl_moe_replay.trainer import grpo_config
 from trl_moe_replay.trainer.grpo_config import UnrecordableGenerationError
 
 

@@ -20,10 +20,10 @@ from trl_moe_replay import (
     MoEReplayGRPOConfig,
     MoEReplayGRPOTrainer,
 )
+from trl_moe_replay.core import precision
 from trl_moe_replay.core.precision import METRIC, UpdateProbe, attach_update_probe
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
-from trl_moe_replay.trainer import precision
 
 from .test_async_grpo import DATASET as ASYNC_DATASET
 from .test_async_grpo import checkpoint, script, settings  # noqa: F401 - checkpoint is a fixture

@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 
 from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
 from trl_moe_replay.async_grpo.async_grpo_trainer import cpu_tree_attention
+from trl_moe_replay.core import routing_options
 from trl_moe_replay.core.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
-from trl_moe_replay.rollouts import sync_check, weight_reload
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
 from trl_moe_replay.testing.async_workers import ScriptedRolloutWorker
-from trl_moe_replay.trainer import routing_options
+from trl_moe_replay.weight_sync import sync_check, weight_reload
 from trl_moe_replay.weight_sync.sync_check import (
     EngineWeightsChangedError,
     SyncCheck,
