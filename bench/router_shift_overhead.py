@@ -41,7 +41,7 @@ def one_update(trainer) -> float:
     start = time.process_time()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    trainer._routes.end_micro_batch()
+    trainer._end_micro_batch()
     elapsed = time.process_time() - start
     trainer.model.zero_grad(set_to_none=True)
     return elapsed

@@ -40,7 +40,7 @@ def loss_and_grads(trainer, compute):
     trainer.model.zero_grad()
     loss = compute()
     loss.backward()
-    trainer._routes.end_micro_batch()
+    trainer._end_micro_batch()
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
@@ -119,8 +119,8 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - math.log(0.8))
 
     def trl_with_replay():
-        trainer._routes.begin_micro_batch(micro)
-        return trl_compute_loss(trainer, by_hand)
+        with trainer._micro_batch_of(micro):
+            return trl_compute_loss(trainer, by_hand)
 
     assert_same(ours, loss_and_grads(trainer, trl_with_replay), exact=False)
     # ratio·γ = 0.8 < 1 - 0.2: every negative-advantage token is clipped on the low side
@@ -142,16 +142,16 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
     offsets = torch.tensor([0.0, 0.3, -0.3, 0.01, -0.01, 0.5])[:completion]
     micro = dict(micro, sampling_per_token_logps=micro["sampling_per_token_logps"] + offsets,
                  old_per_token_logps=micro["old_per_token_logps"] - offsets.flip(0))
-    trainer._routes.begin_micro_batch(micro)
     flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
     logs = flush_logs(trainer)
 
     def by_hand():
-        trainer._routes.begin_micro_batch(micro)
         input_ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
         attention_mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, completion)
+        with trainer._micro_batch_of(micro):
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
+                                                                      completion)
         advantages = micro["advantages"].unsqueeze(1)
         weights = minirl_token_weights(logps, logps - micro["old_per_token_logps"],
                                        micro["sampling_per_token_logps"], advantages, 0.2, 0.27, 1.001)

@@ -12,8 +12,9 @@ Read top to bottom, this module is that path (the trainers' overrides call it; n
 4. **Buffer** (:class:`RouteBuffer`): the routes to replay stay with the trainer; the batch dict carries only
    ``route_rows`` (batch serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code
    that could write into it.
-5. **Training forward** (:meth:`RouteFlow.begin_micro_batch` -> :meth:`RouteFlow.plan`): each micro-batch gathers its
-   own rows (a stale index is refused) and replays them until its backward has returned (:class:`MicroBatchReplay`).
+5. **Training forward** (:class:`MicroBatch`, :meth:`RouteFlow.micro_routes` -> :meth:`RouteFlow.plan`): each
+   micro-batch gathers its own rows (a stale index is refused) and replays them until its backward has returned
+   (:class:`MicroBatchReplay`; ``core/trainer_base.py`` ends it).
 
 The async trainer enters at 2 (one sample at a time) and 4 (packed rows; ``trl_moe_replay.async_grpo``).
 """
@@ -48,7 +49,9 @@ class StaleRouteRowsError(RouteValidationError):
 # ---------------------------------------------------------------------------------------------- 1-2. generation, intake
 @dataclass
 class GenerationBatch:
-    """What one ``_generate_and_score_completions`` call learns about routes; lives exactly as long as that call."""
+    """What one ``_generate_and_score_completions`` call learns about routes; lives exactly as long as that call.
+
+    Filled through its methods, each for one step of generation and scoring (the trainer writes no field)."""
 
     turns: RolloutTurns | None = None  # the engine's rows per sample and turn (None: no engine routes)
     generated_turns: int = 0  # _generate_single_turn calls so far (TRL's tool loop calls it again per turn)
@@ -56,6 +59,28 @@ class GenerationBatch:
     generation: CheckedRoutes | None = None  # the engine's routes in TRL's padded layout (step 2)
     natural: CheckedRoutes | None = None  # the trainer's natural routes of its old-logprob (or metrics) pass
     old_router: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # RSPO: ids, probs per chunk
+
+    def begin_turn(self) -> bool:
+        """One more ``_generate_single_turn`` call (TRL's tool loop calls it again per turn): whether it is a later
+        turn of the batch."""
+        self.generated_turns += 1
+        return self.generated_turns > 1
+
+    def take_turns(self, turns: RolloutTurns) -> None:
+        """The batch's rows, whole (a ``rollout_func``'s ``routed_experts``)."""
+        self.turns = turns
+
+    def record_sampling_logprobs(self, logprobs: list[list[float]] | None) -> None:
+        """The sampler's log-probs, for the metrics only (``None``: nothing to compare with)."""
+        self.sampling_logprobs = logprobs
+
+    def add_old_router(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        """RSPO: one old-pass chunk's router ids and probabilities at the experts used."""
+        self.old_router.append((ids, probs))
+
+    def record_natural(self, chunks: list[CheckedRoutes]) -> None:
+        """The trainer's natural routes of its old-logprob (or metrics) pass, chunk by chunk."""
+        self.natural = CheckedRoutes.cat(chunks)
 
     def add_turn(self, prompt_ids, completion_ids, rows, prompt_start: Any, samples) -> None:
         """One generation turn's rows (the batch's first turn, or a later one of TRL's tool loop)."""
@@ -83,6 +108,23 @@ class GenerationBatch:
         if settings.replays_generation_routes:
             return self.generation
         return self.natural if settings.mode.records_old_pass else None
+
+
+# ---------------------------------------------------------------------------------------------- 5. one micro-batch
+@dataclass
+class MicroBatch:
+    """One micro-batch's training forward as a value (the sync trainer's ``_compute_loss`` builds it, and holds it only
+    while it runs): what the forward replays and what the loss reads, instead of per-batch attributes of the trainer."""
+
+    inputs: dict  # TRL's loss inputs: a shallow copy of the micro-batch (RSPO shifts its old log-probs by γ)
+    routes: CheckedRoutes | None = None  # replayed in the training forward (its rows of the buffer)
+    old_logps: torch.Tensor | None = None  # the unshifted old log-probs
+    gamma: torch.Tensor | None = None  # RSPO's router-shift weight, once the training forward has measured it
+
+    @classmethod
+    def of(cls, inputs: dict, routes: CheckedRoutes | None = None) -> MicroBatch:
+        inputs = dict(inputs)
+        return cls(inputs, routes, inputs.get("old_per_token_logps"))
 
 
 # ---------------------------------------------------------------------------------------------- 3, 5. forward plans
@@ -185,10 +227,10 @@ class MicroBatchReplay:
 
 # ---------------------------------------------------------------------------------------------- the trainer's one object
 class RouteFlow:
-    """The routes' state in one sync trainer: the generation batch being scored, the buffer, the micro-batch being
-    trained. Opened and closed in one place each: :meth:`generation_batch` (a context around TRL's
-    ``_generate_and_score_completions``), :meth:`begin_micro_batch`/:meth:`end_micro_batch` (``_compute_loss`` and
-    the end of ``training_step``/``prediction_step``: the replay must outlive the loss, through its backward)."""
+    """The routes' state in one sync trainer: the generation batch being scored and the buffer. The batch is opened
+    and closed in one place: :meth:`generation_batch` (a context around TRL's ``_generate_and_score_completions``); a
+    micro-batch's routes are a value (:class:`MicroBatch`), replayed through its backward (:class:`MicroBatchReplay`,
+    ended by ``core/trainer_base.py``)."""
 
     def __init__(self, settings: ReplaySettings, route_replay: RouterReplay | None,
                  reference_replay: RouterReplay | None, *, pr2: bool, router_shift: bool):
@@ -199,8 +241,6 @@ class RouteFlow:
         self.router_shift = router_shift
         self.buffer = RouteBuffer()
         self.batch: GenerationBatch | None = None
-        self._micro: CheckedRoutes | None = None
-        self.micro_replay = MicroBatchReplay()
 
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[GenerationBatch]:
@@ -215,25 +255,21 @@ class RouteFlow:
         routes = batch.to_replay(self.settings)
         return None if routes is None else self.buffer.store(routes, slot=mode)
 
-    def begin_micro_batch(self, inputs: dict) -> None:
-        self.end_micro_batch()
+    def micro_routes(self, inputs: dict) -> CheckedRoutes | None:
+        """Step 5: a micro-batch's own rows of the buffer (None: it carries none)."""
         route_rows = inputs.get(ROUTE_ROWS)
-        self._micro = None if route_rows is None else self.buffer.gather(route_rows)
+        return None if route_rows is None else self.buffer.gather(route_rows)
 
-    def end_micro_batch(self) -> None:
-        """Only once the micro-batch's backward (and any recompute in it) has returned."""
-        self.micro_replay.end()
-        self._micro = None
-
-    def plan(self, is_reference: bool, is_ref_model: bool) -> ForwardPlan | None:
-        """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward)."""
+    def plan(self, is_reference: bool, is_ref_model: bool, micro: MicroBatch | None = None) -> ForwardPlan | None:
+        """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward); ``micro``:
+        the micro-batch whose training forward runs, if any."""
         settings, rr, batch = self.settings, self.route_replay, self.batch
         if rr is None:
             return None
         if batch is None:  # outside scoring: the training (or evaluation) forward of a micro-batch
-            if self._micro is None:
+            if micro is None or micro.routes is None:
                 return None
-            return ForwardPlan(Forward.TRAINING, rr, replay=self._micro)
+            return ForwardPlan(Forward.TRAINING, rr, replay=micro.routes)
         if is_reference:  # replays the policy's routes, unless told not to
             replay = batch.to_replay(settings) if settings.mode.replays and settings.replay_reference_model else None
             return ForwardPlan(Forward.REFERENCE, self.reference_replay if is_ref_model else rr, replay=replay)
