@@ -200,7 +200,7 @@ class _RoutedCollator(DataCollatorForRollout):
         return batch
 
 
-class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, MoEReplayTrainerMixin, AsyncGRPOTrainer):
+class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` with R3 for Mixture-of-Experts models (see the module docstring).
 
     Same constructor as ``trl.experimental.async_grpo.AsyncGRPOTrainer``; configure it with

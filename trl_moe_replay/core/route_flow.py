@@ -9,9 +9,10 @@ Read top to bottom, this module is that path (the trainers' overrides call it; n
 3. **Scoring forwards** (:meth:`RouteFlow.plan`): the old-logprob pass replays the rollout's routes (R3) and/or records
    the natural ones (R2/PR2's routes, the trainer's side of ``routing/*``; checked by construction); the reference
    pass replays the policy's.
-4. **Buffer** (:class:`RouteBuffer`): the routes to replay stay with the trainer; the batch dict carries only
-   ``route_rows`` (batch serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code
-   that could write into it.
+4. **Buffer** (:class:`RouteBuffer`): the routes to replay, and the other per-sample values of ours (RSPO's old router
+   ids and probabilities: :class:`HeldRows`), stay with the trainer; the batch dict carries only ``route_rows`` (batch
+   serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code that could write into
+   it, and TRL's batch holds only TRL's keys and ``route_rows``.
 5. **Training forward** (:class:`MicroBatch`, :meth:`RouteFlow.micro_routes` -> :meth:`RouteFlow.plan`): each
    micro-batch gathers its own rows (a stale index is refused) and replays them until its backward has returned
    (:class:`MicroBatchReplay`; ``core/trainer_base.py`` ends it).
@@ -78,6 +79,13 @@ class GenerationBatch:
         """RSPO: one old-pass chunk's router ids and probabilities at the experts used."""
         self.old_router.append((ids, probs))
 
+    def old_router_inputs(self) -> dict[str, torch.Tensor]:
+        """RSPO's per-sample inputs of the loss (held with the batch's routes), or none."""
+        if not self.old_router:
+            return {}
+        return {"old_router_ids": torch.cat([ids for ids, _ in self.old_router], dim=0),
+                "old_router_probs": torch.cat([probs for _, probs in self.old_router], dim=0)}
+
     def record_natural(self, chunks: list[CheckedRoutes]) -> None:
         """The trainer's natural routes of its old-logprob (or metrics) pass, chunk by chunk."""
         self.natural = CheckedRoutes.cat(chunks)
@@ -117,14 +125,18 @@ class MicroBatch:
     while it runs): what the forward replays and what the loss reads, instead of per-batch attributes of the trainer."""
 
     inputs: dict  # TRL's loss inputs: a shallow copy of the micro-batch (RSPO shifts its old log-probs by γ)
-    routes: CheckedRoutes | None = None  # replayed in the training forward (its rows of the buffer)
+    held: HeldRows = field(default_factory=lambda: HeldRows())  # its rows of the buffer: routes, RSPO's old router
     old_logps: torch.Tensor | None = None  # the unshifted old log-probs
     gamma: torch.Tensor | None = None  # RSPO's router-shift weight, once the training forward has measured it
 
     @classmethod
-    def of(cls, inputs: dict, routes: CheckedRoutes | None = None) -> MicroBatch:
+    def of(cls, inputs: dict, held: HeldRows | None = None) -> MicroBatch:
         inputs = dict(inputs)
-        return cls(inputs, routes, inputs.get("old_per_token_logps"))
+        return cls(inputs, held if held is not None else HeldRows(), inputs.get("old_per_token_logps"))
+
+    @property
+    def routes(self) -> CheckedRoutes | None:
+        return self.held.routes
 
 
 # ---------------------------------------------------------------------------------------------- 3, 5. forward plans
@@ -160,6 +172,24 @@ class ForwardPlan:
 
 
 # ---------------------------------------------------------------------------------------------- 4. the buffer
+@dataclass(frozen=True)
+class HeldRows:
+    """A batch's per-sample values the trainer holds for it, row for row: the routes its forwards replay, and other
+    per-sample inputs of ours by name (RSPO's ``old_router_ids``/``old_router_probs``), each ``[B, ...]``."""
+
+    routes: CheckedRoutes | None = None
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        if self.routes is not None:
+            return len(self.routes)
+        return next(iter(self.per_sample.values())).shape[0]
+
+    def rows(self, index: torch.Tensor) -> HeldRows:
+        return HeldRows(None if self.routes is None else self.routes.rows(index),
+                        {name: value[index.to(value.device)] for name, value in self.per_sample.items()})
+
+
 class RouteBuffer:
     """Routes the trainer holds for batches in flight, by batch serial; a batch dict carries only their ``route_rows``.
 
@@ -171,20 +201,25 @@ class RouteBuffer:
     MAX_UNSLOTTED = 8  # rows stored ahead of their forward (the dataloader prefetches); older ones are dropped
 
     def __init__(self):
-        self._held: dict[Any, tuple[int, CheckedRoutes]] = {}
+        self._held: dict[Any, tuple[int, HeldRows]] = {}
         self._serial = 0
 
-    def store(self, routes: CheckedRoutes, slot: str | None = None) -> torch.Tensor:
+    def store(self, routes: CheckedRoutes | HeldRows, slot: str | None = None) -> torch.Tensor:
+        held = routes if isinstance(routes, HeldRows) else HeldRows(routes)
         self._serial += 1
-        self._held[slot if slot is not None else self._serial] = (self._serial, routes)
+        self._held[slot if slot is not None else self._serial] = (self._serial, held)
         unslotted = [key for key in self._held if not isinstance(key, str)]
         for key in unslotted[: max(0, len(unslotted) - self.MAX_UNSLOTTED)]:
             del self._held[key]
-        rows = torch.arange(len(routes))
+        rows = torch.arange(len(held))
         return torch.stack([torch.full_like(rows, self._serial), rows], dim=1)
 
-    def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes:
-        """The rows ``route_rows`` name; ``take``: the batch is not needed again, and is let go."""
+    def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes | None:
+        """The routes of the rows ``route_rows`` name; ``take``: the batch is not needed again, and is let go."""
+        return self.gather_held(route_rows, take).routes
+
+    def gather_held(self, route_rows: torch.Tensor, take: bool = False) -> HeldRows:
+        """Everything held for the rows ``route_rows`` name (routes and per-sample inputs)."""
         if not isinstance(route_rows, torch.Tensor) or route_rows.dim() != 2 or route_rows.shape[1] != 2:
             raise StaleRouteRowsError(f"{ROUTE_ROWS} must be a [batch, 2] tensor (serial, row), got "
                                       f"{getattr(route_rows, 'shape', type(route_rows).__name__)}")
@@ -196,11 +231,11 @@ class RouteBuffer:
                 f"{sorted(by_serial)} only: a (micro-)batch must be trained while its generation batch is the current one"
             )
         key = by_serial[serials.pop()]
-        routes = self._held.pop(key)[1] if take else self._held[key][1]
+        held = self._held.pop(key)[1] if take else self._held[key][1]
         rows = route_rows[:, 1]
-        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(routes):
-            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(routes)} samples")
-        return routes.rows(rows)
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(held):
+            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(held)} samples")
+        return held.rows(rows)
 
 
 # ---------------------------------------------------------------------------------------------- 5. replay through backward
@@ -251,14 +286,17 @@ class RouteFlow:
             self.batch = None
 
     def store(self, batch: GenerationBatch, mode: str) -> torch.Tensor | None:
-        """Step 4: keep the routes the policy's forwards replay; the batch's ``route_rows`` (None: nothing to replay)."""
-        routes = batch.to_replay(self.settings)
-        return None if routes is None else self.buffer.store(routes, slot=mode)
+        """Step 4: keep the routes the policy's forwards replay and RSPO's old router; the batch's ``route_rows``
+        (None: nothing to hold)."""
+        held = HeldRows(batch.to_replay(self.settings), batch.old_router_inputs())
+        if held.routes is None and not held.per_sample:
+            return None
+        return self.buffer.store(held, slot=mode)
 
-    def micro_routes(self, inputs: dict) -> CheckedRoutes | None:
+    def micro_rows(self, inputs: dict) -> HeldRows | None:
         """Step 5: a micro-batch's own rows of the buffer (None: it carries none)."""
         route_rows = inputs.get(ROUTE_ROWS)
-        return None if route_rows is None else self.buffer.gather(route_rows)
+        return None if route_rows is None else self.buffer.gather_held(route_rows)
 
     def plan(self, is_reference: bool, is_ref_model: bool, micro: MicroBatch | None = None) -> ForwardPlan | None:
         """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward); ``micro``:

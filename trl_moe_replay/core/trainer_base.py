@@ -1,7 +1,8 @@
 """``MoEReplayTrainerMixin``: what both trainers do around TRL's, written once.
 
-``MoEReplayGRPOTrainer`` (TRL's ``GRPOTrainer``) and ``MoEReplayAsyncGRPOTrainer`` (TRL's ``AsyncGRPOTrainer``) mix it
-in right before TRL's class, so its ``super()`` calls are TRL's:
+``MoEReplayGRPOTrainer`` (TRL's ``GRPOTrainer``) and ``MoEReplayAsyncGRPOTrainer`` (TRL's ``AsyncGRPOTrainer``) name it
+first in their bases (so ``train`` claims ``output_dir`` before anything else runs); the other mixins and TRL's class
+follow:
 
 * the init preamble (:meth:`_resolve_replay_settings`: TRL checked, its notices quieted, the options resolved once)
   and the aux-loss rule (:meth:`_aux_loss_under_replay`);
@@ -47,7 +48,7 @@ __all__ = ["MoEReplayTrainerMixin"]
 
 
 class MoEReplayTrainerMixin:
-    """The shared part of both MoE replay trainers (module docstring); mixed in right before TRL's trainer class."""
+    """The shared part of both MoE replay trainers (module docstring); the first of their bases."""
 
     replay_settings: ReplaySettings
     _route_replay: RouterReplay | None = None

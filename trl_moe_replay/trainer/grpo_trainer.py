@@ -90,7 +90,7 @@ from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
 logger = logging.get_logger(__name__)
 
 
-class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, MoEReplayTrainerMixin, GRPOTrainer):
+class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -317,17 +317,14 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, MoEReplayTra
                     "policy" + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None
                                 else ".")
                 )
-            # route_flow step 4: the batch dict carries rows, not routes (taken before the metrics pass, whose
-            # recorded routes are for routing/* only)
+            # route_flow step 4: the batch dict carries rows, not routes nor RSPO's old router (taken before the
+            # metrics pass, whose recorded routes are for routing/* only)
             route_rows = self._routes.store(batch, mode)
             if route_rows is not None:
                 output[ROUTE_ROWS] = route_rows
             trainer_logps = None
             if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
                 trainer_logps = self._metrics_pass(output, batch)
-            if batch.old_router:  # ride through TRL's buffer, shuffle and split with their samples
-                output["old_router_ids"] = torch.cat([ids for ids, _ in batch.old_router], dim=0)
-                output["old_router_probs"] = torch.cat([probs for _, probs in batch.old_router], dim=0)
             if self._pr2 is not None:
                 output.update(self._pr2.take_old_pass_cache(self.state.global_step))
             self._log_mismatch_metrics(output, batch, trainer_logps)
@@ -337,7 +334,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, MoEReplayTra
         """A copy of the routes the forwards of ``inputs`` (a generation batch or a micro-batch of it, while its
         generation batch is the current one) replay, ``[B, S, num_layers, top_k]``; None when they replay none."""
         route_rows = inputs.get(ROUTE_ROWS)
-        return None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows).tensor()
+        routes = None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows)
+        return None if routes is None else routes.tensor()
 
     def _metrics_pass(self, output: dict, batch: GenerationBatch) -> torch.Tensor | None:
         """The trainer's side of the comparison for a batch TRL ran no old-logprob pass on, or None.
@@ -437,8 +435,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, MoEReplayTra
         """``inputs`` as the micro-batch whose training forward runs within the context (route_flow step 5): its rows
         of the buffer, a copy of its loss inputs (γ). Its routes stay replayed until ``training_step`` ends it."""
         self._end_micro_batch()  # a micro-batch whose training_step did not end it (compute_loss called directly)
-        routes = self._routes.micro_routes(inputs) if self._routes is not None else None
-        self._micro_batch = MicroBatch.of(inputs, routes)
+        held = self._routes.micro_rows(inputs) if self._routes is not None else None
+        self._micro_batch = MicroBatch.of(inputs, held)
         try:
             yield self._micro_batch
         finally:

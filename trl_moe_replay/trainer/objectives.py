@@ -113,7 +113,7 @@ class MoEObjectivesMixin:
             yield
             return
         inputs = micro.inputs
-        old_ids = inputs.get("old_router_ids")
+        old_ids = micro.held.per_sample.get("old_router_ids")  # held with the routes (route_flow step 4)
         if old_ids is None:
             # No old-logprob pass: TRL treats the batch as on-policy (old = current, detached), so the router has
             # not moved either: Δ = 0, γ = 1.
@@ -123,11 +123,11 @@ class MoEObjectivesMixin:
             if old_ids.shape[:2] != input_ids.shape:
                 raise ValueError(
                     f"old_router_ids {tuple(old_ids.shape)} do not match the forward's input_ids "
-                    f"{tuple(input_ids.shape)}: they must travel with their samples through TRL's buffer, shuffle and split"
+                    f"{tuple(input_ids.shape)}: they must be gathered by the micro-batch's route_rows"
                 )
             with options.router_probes.at(old_ids) as reading:
                 yield
-            old_probs = inputs["old_router_probs"].to(reading.probs.device)
+            old_probs = micro.held.per_sample["old_router_probs"].to(reading.probs.device)
             per_position = router_shift(old_probs, reading.probs, old_ids.to(reading.probs.device))
             delta = completion_aligned(per_position, logits_to_keep)
         gamma = micro.gamma = router_shift_gamma(delta, options.router_shift_gamma_min)
