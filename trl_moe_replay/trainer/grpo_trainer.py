@@ -20,8 +20,9 @@ What both trainers share (init preamble, aux-loss rule, output-dir lock, sync ch
 is ``MoEReplayTrainerMixin`` (``trl_moe_replay.core.trainer_base``).
 
 The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
-(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
-``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
+(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its
+``_get_per_token_logps_and_entropies`` (and ``get_gamma_weights``, ``log``) wrap TRL's and read the current
+``MicroBatch``, so this class's ``super()`` calls go through it.
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
 by the predicted routes; its state and predictor training live in ``trl_moe_replay.trainer.pr2``, called from 3. and 4.
