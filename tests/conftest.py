@@ -17,9 +17,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 # ----------------------------------------------------------------------------- a real vLLM CPU server
-# One pair for the real-engine modules (tests/test_vllm_engine.py, tests/test_async_engine.py). Module-scoped: each
+# One pair for the real-engine modules (tests/cross_cutting/test_vllm_engine.py, tests/cross_cutting/test_async_engine.py). Module-scoped: each
 # module starts its own server, as before (the async faults kill and restart theirs); a module with its own
-# ``checkpoint`` fixture (tests/test_async_grpo.py) overrides these.
+# ``checkpoint`` fixture (tests/async_grpo/test_async_grpo_trainer.py) overrides these.
 import pytest  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """A real vLLM CPU server on ``checkpoint`` (tests/vllm_server.py); its URL, ``.pid``, ``.server.restart()``."""
-    from .vllm_server import vllm_server
+    from tests.vllm_server import vllm_server
 
     with vllm_server(checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
         yield url

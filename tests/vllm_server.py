@@ -43,7 +43,7 @@ def free_port() -> int:
 def server_command(checkpoint: str, port: int, *, routes: bool = True, extra_args: tuple[str, ...] = ()) -> list[str]:
     """TRL's `trl vllm-serve` flags (build_command), for the CPU build's OpenAI server. ``--enforce-eager`` only
     shortens the tests' start-up (no torch.compile warm-up); the compiled engine's capture is tested in
-    tests/test_vllm_cpu_capture.py and by the colocated runs."""
+    tests/vllm_plugin/test_capture.py and by the colocated runs."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", "512", "--logprobs-mode", "processed_logprobs", "--max-logprobs",

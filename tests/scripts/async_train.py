@@ -1,4 +1,4 @@
-"""Async R3 against a real vLLM CPU server (tests/test_async_engine.py runs this in a subprocess).
+"""Async R3 against a real vLLM CPU server (tests/cross_cutting/test_async_engine.py runs this in a subprocess).
 
     python tests/scripts/async_train.py OUT.json URL CHECKPOINT [routing_replay=r3|none] [max_steps=N]
         [fault=none|kill_worker|kill_server|restart_server|noop_transfer] [server_pid=PID] [tools=true]
@@ -11,8 +11,9 @@ file (the reward function and the tool loop are pickled by reference).
 
 ``fault=restart_server``: when step 3 begins (after the second sync) the run writes ``OUT.json.paused`` and waits for
 ``OUT.json.resume``; the test restarts the server in between.
-``tools=true``: TRL's tool loop with the calculator; vLLM's structured outputs make every first turn a calculator call
-and every later turn an answer (the engine picks the tokens, a regex keeps the format).
+``tools=true [turns=N]``: TRL's tool loop with a short adding tool (short names keep 8 turns inside the server's 512
+tokens); vLLM's structured outputs make each of the first N - 1 turns (default 2) a tool call and the last one an
+answer (the engine picks the tokens, a regex keeps the format).
 """
 
 from __future__ import annotations
@@ -43,21 +44,34 @@ def even_tokens(completions, completion_ids, **kwargs):
     return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-TOOL_CALL = (r'<tool_call>\n\{"name": "calculator", "arguments": \{"expression": "[0-9]\+[0-9]"\}\}\n'
-             r'</tool_call>')
+TOOL_CALL = r'<tool_call>\n\{"name": "add", "arguments": \{"x": "[0-9]\+[0-9]"\}\}\n</tool_call>'
+
+
+def add(x: str) -> str:
+    """Add two digits.
+
+    Args:
+        x: two digits joined by a plus sign, for example "3+4".
+    """
+    first, second = x.split("+")
+    return str(int(first) + int(second))
 ANSWER = r"\\boxed\{[0-9]{1,2}\}"
 
 
 class ToolCallingLoop(RoutedRolloutLoop):
-    """Our rollout loop; every request asks vLLM for a calculator call (first turn) or an answer (after a tool
-    result), by regex. The tool markup's word tokens get a logit bias, so the engine writes the markup as the chat
+    """Our rollout loop; every request asks vLLM for a tool call (the first ``tool_turns - 1`` turns) or an answer
+    (the last), by regex. The tool markup's word tokens get a logit bias, so the engine writes the markup as the chat
     template renders it and TRL chains the turns into one row (a clean append) instead of re-aligning them."""
+
+    def __init__(self, *, tool_turns: int = 2, **kwargs):
+        super().__init__(**kwargs)
+        self.tool_turns = tool_turns
 
     async def _post(self, path, payload, timeout, max_retries=3):
         if path == "/v1/completions":
             markup = self.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", '"name": ', '"arguments": '])
-            after_tool = self.tokenizer.convert_tokens_to_ids("<tool_response>") in payload["prompt"]
-            payload = {**payload, "structured_outputs": {"regex": ANSWER if after_tool else TOOL_CALL},
+            results = payload["prompt"].count(self.tokenizer.convert_tokens_to_ids("<tool_response>"))
+            payload = {**payload, "structured_outputs": {"regex": ANSWER if results >= self.tool_turns - 1 else TOOL_CALL},
                        "logit_bias": {str(token): 30.0 for token in markup}}
         return await super()._post(path, payload, timeout, max_retries)
 
@@ -75,35 +89,42 @@ def first_forward_rows(turns, length: int, disagreements: list | None = None):
             return None
         if expected is None:
             expected = np.full((length - 1, *turn.rows.shape[1:]), -1, dtype=np.int64)
-        forwarded = min(turn.prompt_length + turn.completion_length - 1, len(turn.rows), length - 1)
-        new = ~filled[:forwarded]
+        covered = turn.prompt_length + turn.completion_length - 1
+        # the rows start at the turn's routed_experts_prompt_start, or at 0 where the engine ignored it
+        first = turn.prompt_start if len(turn.rows) == covered - turn.prompt_start else 0
+        rows = turn.rows[: max(min(covered, length - 1) - first, 0)]
+        span = slice(first, first + len(rows))
+        new = ~filled[span]
         if disagreements is not None and not new.all():
             again = ~new
-            other = np.sort(turn.rows[:forwarded][again], -1) != np.sort(expected[:forwarded][again], -1)
+            other = np.sort(rows[again], -1) != np.sort(expected[span][again], -1)
             disagreements.append(int(other.any(axis=(-2, -1)).sum()))
-        expected[:forwarded][new] = turn.rows[:forwarded][new]
-        filled[:forwarded] = True
+        expected[span][new] = rows[new]
+        filled[span] = True
     return expected
 
 
 def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     import torch
     from datasets import Dataset
-    from tests.async_checks import capture_used_experts, check_row, packed_row
     from transformers import AutoTokenizer, TrainerCallback
     from trl.chat_template_utils import qwen3_template
 
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
 
+    from tests.async_checks import capture_used_experts, check_row, packed_row
+
     options = dict(item.split("=", 1) for item in overrides)
     fault = options.pop("fault", "none")
     server_pid = int(options.pop("server_pid", 0))
     with_tools = options.pop("tools", "false") == "true"
+    tool_turns = int(options.pop("turns", 2))  # with tools: the turns of a conversation (calls, then an answer)
     with_lora = options.pop("lora", "false") == "true"  # a PEFT LoRA policy: attention, router, fused experts
     engine_rows: dict[tuple, list] = {}
     consumed: list[int] = []
     turn_counts: list[int] = []
+    rows_per_position: list[float] = []  # engine rows received for a sample over its positions (1.0: each once)
     disagreements: list[int] = []  # per later turn: re-forwarded positions routed unlike their first forward
 
     class RecordingQueue:
@@ -117,6 +138,8 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
             consumed.append(sample.model_version)
             turns = getattr(sample, "route_turns", [])
             turn_counts.append(len(turns))
+            if turns and all(hasattr(turn.rows, "shape") for turn in turns):
+                rows_per_position.append(sum(len(turn.rows) for turn in turns) / (len(sample.input_ids) - 1))
             expected = first_forward_rows(turns, len(sample.input_ids), disagreements) if turns else None
             if expected is not None:
                 engine_rows.setdefault(tuple(sample.input_ids.tolist()), []).append(expected)
@@ -154,7 +177,6 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
                 os.killpg(server_pid, signal.SIGKILL)
 
     if with_tools:
-        from trl_moe_replay.extras.math.tools import calculator
         from trl_moe_replay.testing import tiny_tokenizer
 
         tokenizer = tiny_tokenizer(tools=True)  # the tool template, TRL's Qwen3 parser, one token per markup word
@@ -169,8 +191,9 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         max_inflight_tasks=4, queue_maxsize=2, token_budget=0, gradient_checkpointing=True, vllm_server_timeout=60,
         request_timeout=120, vllm_request_attempts=2, heartbeat_stale_after_s=120,
     )
-    if with_tools:  # two turns: the call, then the answer after the tool result
-        settings.update(max_completion_length=64, max_tool_calling_iterations=1)
+    if with_tools:  # tool_turns - 1 calls, then the answer after the last tool result
+        # max_completion_length is each request's max_tokens: every turn's prompt plus it must fit the server's 512
+        settings.update(max_completion_length=48, max_tool_calling_iterations=tool_turns - 1)
     for key, value in options.items():
         if value == "none" and isinstance(settings.get(key), int):  # e.g. vllm_request_attempts=none: TRL's count
             settings[key] = None
@@ -190,10 +213,11 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     trainer = CheckedTrainer(model=checkpoint, reward_funcs=even_tokens, args=args, processing_class=tokenizer,
                              train_dataset=Dataset.from_dict({"prompt": prompts}), weight_transfer=transfer,
-                             callbacks=[Faults()], tools=[calculator] if with_tools else None,
+                             callbacks=[Faults()], tools=[add] if with_tools else None,
                              peft_config=peft_config)
     if with_tools:
         trainer.rollout_worker._loop_cls = ToolCallingLoop
+        trainer.rollout_worker._loop_kwargs["tool_turns"] = tool_turns  # the loop is built in the spawned child
     trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
     # small buffers (one group in flight, one being scored, two samples queued), and 1.5 groups per micro-batch:
     # micro-batches then hold samples of the versions before and after a sync
@@ -209,7 +233,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     report = {
         "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
         "checks": checks, "consumed_versions": consumed, "model_version": trainer.model_version,
-        "route_turns_per_sample": turn_counts, "reforwarded_positions_routed_otherwise": disagreements,
+        "route_turns_per_sample": turn_counts, "rows_per_position": rows_per_position, "reforwarded_positions_routed_otherwise": disagreements,
         "max_param_change": max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()),
         "weight_transfer": type(trainer.weight_transfer).__name__,
         "delivered": getattr(trainer.weight_transfer, "delivered", None),

@@ -1,5 +1,5 @@
 """Routing replay on a model sharded at load time with expert parallelism, against DDP on the same data; two CPU
-processes (gloo). Launched by ``tests/test_expert_parallel.py`` as a user launches it:
+processes (gloo). Launched by ``tests/parallel/test_expert_parallel.py`` as a user launches it:
 
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR train
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR server URL CHECKPOINT

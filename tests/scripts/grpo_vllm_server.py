@@ -1,6 +1,6 @@
 """R3 in TRL's vLLM server mode on 2 CPU processes, against the vLLM-contract stand-in server (rank 0 hosts it).
 
-Run by tests/test_vllm_generation.py under `torchrun --nproc_per_node 2` (`accelerate launch --cpu --num_processes 2`
+Run by tests/rollouts/test_vllm_routes.py under `torchrun --nproc_per_node 2` (`accelerate launch --cpu --num_processes 2`
 starts a single process unless MPI is set up); `use_cpu=True` makes accelerate use gloo. Each rank prints one
 `REPORT {json}` line: what route payloads it received per generation batch (count, bytes, sha256), and on rank 0
 what the server sent, cut into the two ranks' shares, plus the logged metrics.

@@ -1,6 +1,6 @@
 """Two ranks (torchrun, gloo) train into one output_dir: prints, per rank, which pid owns the lock during training.
 
-Used by tests/test_fail_safe.py; argv[1] is the shared output_dir.
+Used by tests/core/test_output_lock.py; argv[1] is the shared output_dir.
 """
 
 import json

@@ -1,5 +1,5 @@
 """Routing replay (none, R2, R3, PR2) under one distributed engine, two CPU processes (gloo). Launched by
-``tests/test_sharded.py``:
+``tests/parallel/test_sharded.py``:
 
     accelerate launch --config_file recipes/accelerate/{ddp,zero2,zero3,fsdp2}.yaml --num_processes 2 \\
         tests/scripts/sharded_run.py OUT_DIR

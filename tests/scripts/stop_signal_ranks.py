@@ -1,7 +1,7 @@
 """Two ranks (torchrun, gloo) drive SaveOnInterrupt through steps 1-8 as the Trainer does; rank 1 alone gets SIGTERM
 in step 3. Prints one ``REPORT {json}`` line per rank: the step at which it stopped and the checkpoint it names.
 
-Used by tests/test_resume.py; argv[1] is the shared output_dir. The generation period is 2 steps (steps_per_generation
+Used by tests/checkpointing/test_checkpoints.py; argv[1] is the shared output_dir. The generation period is 2 steps (steps_per_generation
 4, gradient_accumulation_steps 2), so both ranks must stop at step 4, the end of the generation batch.
 """
 

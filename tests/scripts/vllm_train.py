@@ -52,11 +52,12 @@ def parse(value: str):
 def main():
     import torch
     from datasets import Dataset
-    from tests.route_checks import RouteCheckingTrainer, RouteOracle
 
     from trl_moe_replay import MoEReplayGRPOConfig
     from trl_moe_replay.routing import has_route
     from trl_moe_replay.testing import tiny_tokenizer
+
+    from tests.route_checks import RouteCheckingTrainer, RouteOracle
 
     out, mode = sys.argv[1], sys.argv[2]
     rest = sys.argv[4:] if mode == "colocate" else sys.argv[5:]

@@ -4,6 +4,9 @@ TRL's ``AsyncRolloutWorker`` runs an ``_AsyncRolloutLoop`` in a spawned child pr
 at ``/v1/completions`` and pushes scored ``RolloutSample`` s into an ``mp.Queue``. :class:`RoutedRolloutLoop` (chosen
 through the worker's ``_loop_cls``) changes three things, all inside that child:
 
+* every ``/v1/completions`` request of a later turn asks only for the positions the conversation does not hold yet
+  (``routed_experts_prompt_start``, :func:`held_positions`), so a conversation of T turns moves about one route row
+  per position instead of the whole prefix again at every turn;
 * every ``/v1/completions`` response is seen in ``_post``: the choice's ``routed_experts`` (vLLM's base64 ``.npy``,
   ``[prompt + completion - 1, L, K]``, returned when the server runs with ``--enable-return-routed-experts``) is
   decoded there, once, to its compact numpy dtype (uint8 up to 256 experts), together with the policy version read
@@ -64,6 +67,28 @@ class _TurnRoutes:
     output_ids: list[int]
     rows: Any  # compact numpy array, or what the engine sent when it could not be decoded (the trainer reports it)
     versions: tuple[int, int]
+    prompt_start: int = 0  # the routed_experts_prompt_start this turn's request asked for
+
+
+def held_positions(prompt_ids: list[int], turns: list[_TurnRoutes]) -> int:
+    """How many leading positions of ``prompt_ids`` the conversation's earlier turns hold routes for.
+
+    A turn counts when its prompt and output are a prefix of ``prompt_ids`` (TRL realigned or forked nothing away),
+    its rows decoded to exactly the positions it asked for, and they start where the positions held before it end
+    (or earlier): then positions ``[0, prompt + output - 1)`` are held. The last token of a turn was never forwarded,
+    so its route comes from the next turn's prefill. A turn whose rows are missing or malformed holds nothing, and
+    the next request asks for its positions again."""
+    held = 0
+    for turn in turns:
+        covered = len(turn.prompt_ids) + len(turn.output_ids)
+        rows = turn.rows
+        if (covered - 1 <= held or turn.prompt_start > held or covered > len(prompt_ids)
+                or not isinstance(rows, np.ndarray) or rows.ndim != 3
+                or rows.shape[0] != covered - 1 - turn.prompt_start
+                or prompt_ids[:covered] != turn.prompt_ids + turn.output_ids):
+            continue
+        held = covered - 1
+    return held
 
 
 def _decoded(payload: Any) -> Any:
@@ -87,7 +112,7 @@ def turns_for_row(input_ids: list[int], turns: list[_TurnRoutes]) -> tuple[list[
             continue
         if kept and len(turn.prompt_ids) < kept[0].prompt_length:
             continue  # the first kept turn's prompt is the row's prompt
-        kept.append(EngineTurn(turn.rows, len(turn.prompt_ids), len(turn.output_ids), 0))
+        kept.append(EngineTurn(turn.rows, len(turn.prompt_ids), len(turn.output_ids), turn.prompt_start))
     return kept, (kept[0].prompt_length if kept else 0)
 
 
@@ -108,12 +133,20 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
 
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
         before = self.model_version
-        content = await super()._post(path, payload, timeout, max_retries)
         turns = self._task_turns.get(id(asyncio.current_task()))
+        start = 0
+        if path == "/v1/completions" and turns:
+            start = held_positions(list(payload["prompt"]), turns)
+            if start:  # a later turn: only the positions this conversation does not hold yet
+                payload = {**payload, "routed_experts_prompt_start": start}
+        content = await super()._post(path, payload, timeout, max_retries)
         if path == "/v1/completions" and turns is not None:
             choice = content["choices"][0]
-            turns.append(_TurnRoutes(list(payload["prompt"]), list(choice["token_ids"]),
-                                     _decoded(choice.get("routed_experts")), (before, self.model_version)))
+            routes = choice.get("routed_experts")
+            if isinstance(routes, str):
+                self._counters["vllm/route_bytes"] += len(routes)
+            turns.append(_TurnRoutes(list(payload["prompt"]), list(choice["token_ids"]), _decoded(routes),
+                                     (before, self.model_version), start))
             if before != self.model_version:
                 self._counters["routes/turns_spanning_sync_total"] += 1
         return content

@@ -3,7 +3,7 @@ versions its test suite ran on.
 
 The declared ranges are the package's own metadata (pyproject.toml's dependency lines, as installed; an extra's pin,
 such as the test extra's deepspeed, counts as the one version the suite ran). The tested ends are
-docs/install.md's "Tested versions" table, :data:`TESTED` here (``tests/test_health.py`` checks the two agree).
+docs/install.md's "Tested versions" table, :data:`TESTED` here (``tests/cross_cutting/test_health.py`` checks the two agree).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class PlanError(TrlMoeReplayError, ValueError):
 
 # ------------------------------------------------------------------------------------------------------ the model
 # config.json values of the models the recipes name (read from each repository's config.json on the Hub), so that
-# the plan runs without the checkpoint. The model cards' counts, for the check in tests/test_plan.py:
+# the plan runs without the checkpoint. The model cards' counts, for the check in tests/cli/test_plan.py:
 #   Qwen3-30B-A3B: "30.5B in total and 3.3B activated" (huggingface.co/Qwen/Qwen3-30B-A3B);
 #   OLMoE-1B-7B: "1B active and 7B total parameters" (6.9B, arXiv 2409.02060 Table 1);
 #   Granite-3.1-1B-A400M: "1.3B" total, "400M" active (huggingface.co/ibm-granite/granite-3.1-1b-a400m-instruct);

@@ -3,8 +3,8 @@
 With vLLM, TRL syncs the *merged* weights ``W + BA`` to the engine (the async trainer too, unless the server runs
 with ``--enable-lora``), so the engine routes with the merged router while the trainer replays those routes into
 ``W`` plus the adapter: the same function, so replay is faithful for LoRA on attention, on the router (PEFT wraps
-its weight) and on transformers' fused expert weights (``target_parameters``); tests/test_vllm_engine.py and
-tests/test_async_engine.py check it token by token on the real CPU engine. What is refused here:
+its weight) and on transformers' fused expert weights (``target_parameters``); tests/cross_cutting/test_vllm_engine.py and
+tests/cross_cutting/test_async_engine.py check it token by token on the real CPU engine. What is refused here:
 
 * a prompt-learning adapter (prompt, prefix or p-tuning) under any replay mode: its virtual tokens are positions
   that neither the engine nor the recorded routes have, so no route lines up with the token it belongs to;

@@ -5,7 +5,7 @@ distributed_config=DistributedConfig(ep_size=..., fsdp_size=..., tp_size=..., ep
 holds a share of the experts (DTensors) and tokens travel to them (``all_to_all``), FSDP2 shards the rest, and its
 Trainer takes the model as it is ("sharded at load time": no DDP or FSDP wrapping by accelerate). Routing replay
 needs nothing more: the routers run on every rank before the dispatch, so the replay hooks choose the experts the
-dispatch sends each token to (tested against DDP in tests/test_expert_parallel.py).
+dispatch sends each token to (tested against DDP in tests/parallel/test_expert_parallel.py).
 
 This module is the launch side:
 

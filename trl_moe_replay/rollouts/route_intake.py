@@ -17,7 +17,7 @@ recorder, and any later one -- hands its rows, per sample and turn (:class:`~trl
 
 The routes it returns are :class:`~trl_moe_replay.routing.routes.CheckedRoutes`: checked here, once, and replayed
 from there without another pass. A new route source plugs in *before* this call, never beside it
-(``tests/test_route_intake.py`` checks that nothing else in the package calls ``routes_from_engine``).
+(``tests/rollouts/test_route_intake.py`` checks that nothing else in the package calls ``routes_from_engine``).
 """
 
 from __future__ import annotations

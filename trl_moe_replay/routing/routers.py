@@ -4,7 +4,7 @@ Every supported transformers router returns ``(router_logits [N, E], gate_weight
 for ``N`` flattened tokens. Replay keeps the logits and the router's own normalisation, and only swaps the
 expert ids; so each family needs one *gate-weight function*: a line-by-line copy of the tail of the router's
 ``forward`` with ``torch.topk(...)`` replaced by ``.gather(1, ids)``. For the router's own ids it reproduces
-the router's gate weights bit for bit, dtype included (``tests/test_families.py`` checks this for every row,
+the router's gate weights bit for bit, dtype included (``tests/routing/test_routers.py`` checks this for every row,
 which guards against transformers changing a router's internals).
 
 Adding a family is one ``RouterFamily`` row plus a tiny config in ``trl_moe_replay.testing``.

@@ -24,7 +24,7 @@ touching the private name, and the part's check.
 ``torch_seam`` and ``transformers_seam`` import no TRL (the routing package uses them), and neither does this index:
 the TRL parts load on first use of one of their names (PEP 562), so ``from trl_moe_replay.upstream import
 engine_logprob_correction`` works as an eager import would. :func:`check_upstream` runs every part's check.
-``tests/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name is imported
+``tests/cross_cutting/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name is imported
 from anywhere but ``trl`` itself. vLLM's private names live in
 ``trl_moe_replay_vllm_plugin`` (loaded by vLLM in its own processes; it imports nothing of ours).
 """

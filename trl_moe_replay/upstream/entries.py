@@ -25,7 +25,7 @@ class Entry:
 
     ``read_from``: the version its code was read from; ``verified_on``: the versions the entry's check passed and the
     test suite ran green on. ``inherited``: private names of an upstream class that our subclasses override or use
-    as ``self._name`` (declared here so that ``tests/test_layout.py`` can tell a declared use from a leak).
+    as ``self._name`` (declared here so that ``tests/cross_cutting/test_layout.py`` can tell a declared use from a leak).
     """
 
     name: str

@@ -111,7 +111,7 @@ def ignore_in_ddp(model: torch.nn.Module, names: list[str]) -> None:
 #    original_state_dict (the private torch.distributed.checkpoint._traverse.set_element). The probe, with no save
 #    and no device: every allowed global resolves to itself, the metadata classes are the ones the metadata module
 #    exports, our reader reads a Metadata as FileSystemReader.read_metadata does, and our planner puts a bytes entry
-#    where DefaultLoadPlanner.load_bytes does. tests/test_distributed_checkpoint_preflight.py reads a real dcp.save's
+#    where DefaultLoadPlanner.load_bytes does. tests/checkpointing/test_distributed_checkpoint.py reads a real dcp.save's
 #    .metadata back through the unpickler.
 DCP_METADATA_PICKLE = entry("dcp_metadata_pickle", "torch", TORCH_READ)
 

@@ -61,7 +61,7 @@ def stack_cache(kwargs: dict) -> Any:
 #    Every router in the family table returns (router_logits [N, E], gate_weights [N, K], expert_ids [N, K]), except,
 #    before transformers 5.21, the GraniteMoe(-Shared, -Hybrid) and Aria routers, which return
 #    (expert_ids, gate_weights, router_logits). Read from transformers 5.16.1 through 5.24.0 (every minor release);
-#    verified by tests/test_families.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
+#    verified by tests/routing/test_routers.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
 #    through these two functions, which check the dtypes (integer ids, floating logits) so that a router whose
 #    order changed again fails loudly with this entry's name instead of replaying logits as ids.
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
 #    setting save_only_model for the duration of __init__ only (lift_sharded_resume_refusal).
 #    transformers.distributed.checkpoint._redistribute_state_dict(state_dict, reference_state_dict): strided DTensor
 #    shards to plain ones before a DCP save or load, and back (dcp_placements). Checked by signature here; the lift
-#    itself is exercised by tests/test_expert_parallel.py (a save, a stop and an exact resume on an EP model).
+#    itself is exercised by tests/parallel/test_expert_parallel.py (a save, a stop and an exact resume on an EP model).
 # ---------------------------------------------------------------------------------------------------------------
 SHARDED_AT_LOAD_RESUME = entry("sharded_at_load_resume", "transformers", "5.24.0")
 

@@ -6,7 +6,7 @@ and its rollout worker (trl_moe_replay/async_grpo/async_rollout_worker.py) rely 
 where a stand-in suffices (the packing trie, the attention kernel lookup); the trainer calls it when it is built.
 What needs a running worker and trainer (the dataset yielding the sample it last took, the padding stripped in
 ``compute_loss``, the version bump in ``_sync_weight``) is probed by the scripted-worker tests of
-``tests/test_async_grpo.py``, among them the bit-for-bit comparison with TRL's own trainer.
+``tests/async_grpo/test_async_grpo_trainer.py``, among them the bit-for-bit comparison with TRL's own trainer.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def async_adapter_only_sync(trainer: Any) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # async_grpo_classes: the classes the async trainer subclasses or hands TRL in place of its own, loaded here and only
-#    here (tests/test_layout.py), on first use (importing trl.experimental warns): AsyncGRPOTrainer and
+#    here (tests/cross_cutting/test_layout.py), on first use (importing trl.experimental warns): AsyncGRPOTrainer and
 #    AsyncGRPOConfig (exported by trl.experimental.async_grpo), RolloutQueueDataset, FixedCountBatcher,
 #    TokenBudgetBatcher and DataCollatorForRollout (module globals of async_grpo_trainer the package does not export;
 #    their replacement is entry async_trainer_globals).

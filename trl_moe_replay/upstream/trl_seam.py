@@ -6,7 +6,7 @@ also depend on how TRL's code behaves inside them. :func:`check_trl` verifies ev
 by signature (``inspect.signature``) and, where an entry depends on the order or form of TRL's code, by a small
 behavioural probe: TRL's own function run on a tiny input and a stand-in ``self``, and the effect the package relies
 on observed. The trainer calls it when it is built, so an upstream change fails loudly, naming the entry, instead of
-training silently wrong. ``tests/test_upstream.py`` runs the same checks in CI, and shows each probe failing on a TRL
+training silently wrong. ``tests/upstream/test_entries.py`` runs the same checks in CI, and shows each probe failing on a TRL
 whose code behaves otherwise; what needs a real run (the tool loop's rendering, the vLLM client and request fields)
 is checked here by signature and by the tests each entry names.
 
@@ -205,7 +205,7 @@ MINIRL_TRL_BRANCH = "vespo"
 #    VLLMClient keeps its HTTP session in the public attribute `session` (a requests.Session) and posts every
 #    request through it; VLLMClient.generate sends one POST /v1/completions and reads "choices" in completion
 #    order. A requests response hook (a supported requests mechanism) sees each response. (Behaviour tested with the
-#    stand-in server: tests/test_vllm_generation.py.)
+#    stand-in server: tests/rollouts/test_vllm_routes.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_CLIENT_SESSION = _trl_entry("vllm_client_session")
 
@@ -244,7 +244,7 @@ def http_vllm_client(base_url: str, **kwargs: Any) -> Any:
 #    `self.llm.generate(...)` and keeps only token ids and log-probs from the returned RequestOutputs. To get
 #    `enable_return_routed_experts=True` and the outputs (colocate), or a client without TRL's NCCL communicator
 #    (server mode, weight sync by vLLM's reload), the classes are chosen at construction: the trainer builds TRL's
-#    VLLMGeneration while those names refer to subclasses. (Behaviour tested: tests/test_vllm_generation.py.)
+#    VLLMGeneration while those names refer to subclasses. (Behaviour tested: tests/rollouts/test_vllm_routes.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_GENERATION_CLASSES = _trl_entry("vllm_generation_classes")
 _VLLM_GENERATION_MODULE = "trl.generation.vllm_generation"
@@ -279,7 +279,7 @@ def vllm_sampling_params_class() -> type:
 #    VLLMGeneration.generate merges its `generation_kwargs` attribute (GRPOConfig.generation_kwargs) into every
 #    request: the /v1/completions body (server mode, through VLLMClient.generate) or SamplingParams (colocate).
 #    A later tool turn asks vLLM (`routed_experts_prompt_start`) not to resend the routes of the prefix it holds.
-#    (Behaviour tested: tests/test_tools.py and tests/test_turns.py.)
+#    (Behaviour tested: tests/rollouts/test_turns_tools.py and tests/rollouts/test_turns.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_REQUEST_FIELDS = _trl_entry("vllm_request_fields")
 
@@ -368,7 +368,7 @@ def wake_colocated_weights(vllm_generation: Any) -> None:
 #    offline cold start. trl_moe_replay.extras.math.cold_start teaches the tiny demo model tool calls with sequences
 #    built as TRL 1.16's _tool_call_loop builds them at train time: `prompt + completion +
 #    _get_tool_suffix_ids(tool_messages)`, the suffix cut from a dummy conversation after its last EOS, and a failing
-#    tool's result `{"error": str(e)}`. Checked here by signature; tests/test_tool_recipe.py checks a real trainer run
+#    tool's result `{"error": str(e)}`. Checked here by signature; tests/extras/math/test_tools.py checks a real trainer run
 #    against the cold start's sequences token for token (the behavioural probe).
 # ---------------------------------------------------------------------------------------------------------------
 TOOL_TURN_RENDERING = _trl_entry("tool_turn_rendering")
@@ -429,7 +429,7 @@ PUBLIC_APIS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # ---------------------------------------------------------------------------------------------------------------
 # trl_utilities: TRL functions the package calls from modules `trl` does not export, imported here and only here
-#    (tests/test_layout.py), so that a TRL which moves or changes one fails this check by name: pad
+#    (tests/cross_cutting/test_layout.py), so that a TRL which moves or changes one fails this check by name: pad
 #    (trl/trainer/utils.py; checked and probed by entry padded_width), nanmin(tensor)/nanmax(tensor)
 #    (trl/trainer/utils.py: the minimum/maximum ignoring NaN, NaN when every value is; the sync trainer logs its clip
 #    ratios with them as TRL does), profiling_context(trainer, name) (trl/extras/profiling.py: times the block into

@@ -116,7 +116,7 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict[str, Any]]) -> list[int]
     the next assistant header. Made exactly as TRL 1.16's ``GRPOTrainer._get_tool_suffix_ids`` makes them for a
     text model with the tokenizer's own (prefix-preserving) template: a dummy conversation whose assistant calls
     the first result's tool, rendered with and without the results (no tools in the system prompt), the shorter
-    one cut after its last EOS. ``tests/test_tool_recipe.py`` checks it against TRL's loop."""
+    one cut after its last EOS. ``tests/extras/math/test_tools.py`` checks it against TRL's loop."""
     dummy = _DUMMY_USER + [{
         "role": "assistant", "content": "",
         "tool_calls": [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}],

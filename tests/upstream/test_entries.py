@@ -1,0 +1,265 @@
+"""The versioned seam: every reliance on a private upstream name or on the form of upstream code is a named entry,
+checked against the installed libraries by signature and by behaviour."""
+
+import re
+
+import pytest
+import torch
+import trl
+from peft import LoraConfig, get_peft_model
+from trl import GRPOTrainer
+
+from trl_moe_replay import MoEReplayGRPOTrainer, upstream
+from trl_moe_replay.routing.errors import TransformersChangedError
+from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
+from trl_moe_replay.upstream import torch_seam, transformers_seam, trl_async_seam, trl_seam
+
+from tests.trainer.test_grpo_trainer import make_trainer
+
+
+def entries(findings) -> set[str]:
+    return {finding.entry.name for finding in findings}
+
+
+def test_the_installed_libraries_match_every_entry():
+    from packaging.specifiers import SpecifierSet
+
+    assert trl.__version__ in SpecifierSet(upstream.TRL_RANGE)
+    declared = upstream.all_entries()
+    assert all(trl.__version__ in e.verified_on for e in declared.values() if e.library == "trl")
+    assert upstream.check_upstream() == ()
+
+
+def test_entries_are_named_and_versioned_and_cited_by_name():
+    declared = upstream.all_entries()
+    assert len(declared) >= 25
+    for name, entry in declared.items():
+        assert re.fullmatch(r"[a-z][a-z0-9_]+[a-z0-9]", name) and entry.name == name, name
+        assert entry.library in ("torch", "transformers", "trl") and re.fullmatch(r"\d+\.\d+\.\d+", entry.read_from)
+        assert entry.verified_on and entry.read_from in entry.verified_on
+    # every entry a comment, docstring or message of the package cites exists; no citation by number is left
+    from pathlib import Path
+
+    package = Path(upstream.__file__).parent.parent
+    cited, numbered = set(), []
+    for path in [*package.rglob("*.py"), *(package.parent / "docs").glob("*.md")]:
+        text = path.read_text()
+        cited |= set(re.findall(r"seam entry `{0,2}([a-z_]+)", text))
+        numbered += [f"{path.name}: {m}" for m in re.findall(r"\bentr(?:y|ies) (?:[0-9]+|T[0-9])\b", text)]
+    assert cited and cited <= set(declared), cited - set(declared)
+    assert not numbered, numbered
+
+
+def test_the_declared_trl_range_is_the_one_in_pyproject():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert f"trl{upstream.TRL_RANGE}" in project["dependencies"]
+
+
+def test_the_index_names_every_entry_and_loads_trl_parts_lazily():
+    for name, entry in upstream.all_entries().items():
+        assert f"``{name}``" in upstream.__doc__, name
+    for name in upstream._LAZY:
+        assert getattr(upstream, name) is getattr(getattr(upstream, upstream._LAZY[name]), name)
+
+
+def test_a_trl_lacking_a_public_api_we_call_is_reported(monkeypatch):
+    """TRL 1.15.0 matches the other entries but has no VLLMClient.get_server_info and no parse_response(tools=)."""
+    from trl import chat_template_utils
+    from trl.generation.vllm_client import VLLMClient
+
+    monkeypatch.delattr(VLLMClient, "get_server_info")
+    monkeypatch.setattr(chat_template_utils, "parse_response", lambda tokenizer, ids, prefix=None: None)
+    findings = trl_seam.check_trl.__wrapped__(GRPOTrainer)
+    assert entries(findings) == {"trl_public_apis"}
+    assert {"get_server_info" in str(f) for f in findings} == {True, False}
+    assert all("verified on 1.16.0" in str(f) for f in findings)
+
+
+def test_a_missing_method_is_a_finding_not_a_crash():
+    class Changed(GRPOTrainer):
+        _tool_call_loop = None  # as if TRL had removed it
+
+    findings = trl_seam.check_trl.__wrapped__(Changed)
+    assert any(f.entry.name == "tool_turn_rendering" and "_tool_call_loop does not exist" in f.problem
+               for f in findings)
+
+
+def test_a_decoder_stack_without_a_known_cache_keyword_is_refused_by_name():
+    class Stack(torch.nn.Module):
+        def forward(self, input_ids, kv_state=None):
+            return input_ids
+
+    with pytest.raises(TransformersChangedError, match=r"\[stack_cache_keyword\] Stack.forward takes neither"):
+        transformers_seam.check_stack_cache_keyword(Stack())
+    assert transformers_seam.stack_cache({"cache": "c"}) == "c"
+    assert transformers_seam.stack_cache({"past_key_values": "p"}) == "p"
+    assert transformers_seam.stack_cache({"past_key_values": None}) is None
+
+
+def test_a_router_returning_another_order_fails_by_entry_name():
+    logits, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long)
+    assert transformers_seam.split_router_output((ids, weights, logits), True, "r")[2] is ids
+    assert transformers_seam.split_router_output((logits, weights, ids), False, "r")[0] is logits
+    with pytest.raises(TransformersChangedError, match=r"\[router_output_order\] router layers.0.gate"):
+        transformers_seam.split_router_output((ids, weights, logits), False, "layers.0.gate")
+    assert transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
+
+
+def test_every_private_method_we_override_is_declared_by_an_entry():
+    declared = {name for entry in upstream.all_entries().values() for name in entry.inherited}
+    ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin) for name in cls.__dict__}
+    overridden_private = {
+        name for name in ours
+        if name.startswith("_") and not name.startswith("__") and callable(getattr(GRPOTrainer, name, None))
+    }
+    assert overridden_private <= declared, overridden_private - declared
+
+
+def test_a_changed_signature_is_reported():
+    class Changed(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, num_generations, images=None):  # parameters reordered
+            raise AssertionError
+
+    findings = [f for f in trl_seam.check_trl(Changed) if f.entry.name == "grpo_private_methods"]
+    assert len(findings) == 1 and "_generate_single_turn" in str(findings[0])
+
+
+# Each a TRL whose code behaves differently in the way an entry relies on; the probe of that entry reports it.
+class OldLogpsReadFromACopy(GRPOTrainer):
+    def _compute_loss(self, model, inputs):  # reads the micro-batch as it was before the forward: γ put in it is lost
+        return super()._compute_loss(model, dict(inputs))
+
+
+class CorrectionKeyedOnAnotherFlag(GRPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        use_vllm, self.use_vllm = self.use_vllm, False
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.use_vllm = use_vllm
+
+
+class LossBranchOnArgs(GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        self.loss_type = self.args.loss_type
+        return super()._compute_loss(model, inputs)
+
+
+class VespoWithTheEngineFactor(GRPOTrainer):
+    def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
+        return loss * inputs["importance_sampling_ratio"].mean() if self.loss_type == "vespo" else loss
+
+
+class NoReferenceForward(GRPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        self.beta = 0.0
+        return super()._generate_and_score_completions(inputs)
+
+
+class SyncsBeforeEveryGeneration(GRPOTrainer):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        self._last_loaded_step = -1
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+
+@pytest.mark.parametrize("changed, entry", [
+    (OldLogpsReadFromACopy, "old_logps_after_forward"),
+    (CorrectionKeyedOnAnotherFlag, "engine_logprob_correction"),
+    (LossBranchOnArgs, "loss_branch"),
+    (VespoWithTheEngineFactor, "minirl_on_vespo"),
+    (NoReferenceForward, "reference_forward"),
+    (SyncsBeforeEveryGeneration, "vllm_sync_trigger"),
+])
+def test_a_trl_whose_code_behaves_otherwise_is_reported_by_the_entry(changed, entry):
+    findings = trl_seam.check_trl(changed)
+    assert entry in entries(findings), [str(f) for f in findings]
+    assert trl_seam.check_trl(GRPOTrainer) == ()
+
+
+def test_a_weight_sync_that_bypasses_the_parameter_iterator_is_reported(monkeypatch):
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    monkeypatch.setattr(VLLMGeneration, "sync_weights", lambda self: None)
+    assert entries(trl_seam.check_trl.__wrapped__(GRPOTrainer)) == {"weight_sync_params"}
+
+
+def test_torch_and_async_probes_report_a_changed_upstream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: -1)
+    assert entries(torch_seam.check_torch()) == {"autograd_graph_task"}
+    monkeypatch.undo()
+    from trl.experimental.async_grpo import packing
+
+    monkeypatch.setattr(packing.TreeRow, "fits", lambda self, sample, budget: False)
+    assert entries(trl_async_seam.check_async_trl.__wrapped__()) == {"async_packing"}
+
+
+def test_the_trainer_refuses_to_build_on_a_trl_that_changed(tmp_path, monkeypatch):
+    finding = upstream.Finding(trl_seam.OLD_LOGPS_AFTER_FORWARD, "_compute_loss no longer reads the old log-probs")
+    monkeypatch.setattr(trl_seam, "check_trl", lambda trainer_class=GRPOTrainer: (finding,))
+    with pytest.raises(upstream.UpstreamChangedError, match=r"\[old_logps_after_forward\] _compute_loss no longer"):
+        make_trainer(tmp_path, tiny_moe_model("qwen3_moe"))
+
+
+def test_engine_logprob_correction_is_scoped_and_restored(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"))
+    assert trainer.use_vllm is False
+    with upstream.engine_logprob_correction(trainer, True):
+        assert trainer.use_vllm is True
+        with upstream.engine_logprob_correction(trainer, False):
+            assert trainer.use_vllm is False
+        assert trainer.use_vllm is True
+    assert trainer.use_vllm is False
+    with pytest.raises(RuntimeError), upstream.engine_logprob_correction(trainer, True):
+        raise RuntimeError
+    assert trainer.use_vllm is False
+
+
+def test_reference_forward_is_told_by_the_model_and_the_adapter_state(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"))
+    assert trainer.ref_model is None and not upstream.is_reference_forward(trainer, trainer.model)
+
+    class FakeTrainer:  # a trainer with a separate reference model
+        ref_model = torch.nn.Linear(1, 1)
+        accelerator = trainer.accelerator
+
+    assert upstream.is_reference_forward(FakeTrainer, FakeTrainer.ref_model)
+    assert not upstream.is_reference_forward(FakeTrainer, trainer.model)
+
+    peft_model = get_peft_model(tiny_moe_model("qwen3_moe"), LoraConfig(r=2, target_modules=["q_proj"]))
+
+    class PeftTrainer:
+        ref_model = None
+        accelerator = trainer.accelerator
+
+    assert not upstream.is_reference_forward(PeftTrainer, peft_model)
+    with peft_model.disable_adapter():  # TRL's use_adapter(model, None): the reference forward
+        assert upstream.is_reference_forward(PeftTrainer, peft_model)
+    assert not upstream.is_reference_forward(PeftTrainer, peft_model)
+    peft_model.add_adapter("ref", LoraConfig(r=2, target_modules=["q_proj"]))
+    peft_model.set_adapter("ref")  # TRL's use_adapter(model, "ref") when re-training an existing adapter
+    assert upstream.is_reference_forward(PeftTrainer, peft_model)
+
+
+def test_a_trl_that_pads_otherwise_is_reported_by_padded_width(monkeypatch):
+    import trl.trainer.utils as trl_utils
+
+    pad = trl_utils.pad
+
+    def pad_to_a_power_of_two(tensors, *args, pad_to_multiple_of=None, **kwargs):
+        padded = pad(tensors, *args, pad_to_multiple_of=pad_to_multiple_of, **kwargs)
+        width = 1 << max(padded.shape[1] - 1, 0).bit_length()
+        return pad(tensors, *args, pad_to_multiple_of=width, **kwargs) if width != padded.shape[1] else padded
+
+    monkeypatch.setattr(trl_utils, "pad", pad_to_a_power_of_two)
+    trl_seam.check_trl.cache_clear()
+    try:
+        assert "padded_width" in entries(trl_seam.check_trl(GRPOTrainer))
+    finally:
+        monkeypatch.undo()
+        trl_seam.check_trl.cache_clear()
+    assert trl_seam.check_trl(GRPOTrainer) == ()
