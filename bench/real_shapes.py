@@ -99,11 +99,11 @@ def router_timer(replay: RouterReplay):
     spent = [0.0]
     handles = []
     for router in replay.routers().values():
-        starts = []
-        handles.append(router.register_forward_pre_hook(lambda m, a: starts.append(time.perf_counter()),
-                                                        prepend=True))
+        starts = []  # this router's own (bound per hook: each router pairs its start with its end)
+        handles.append(router.register_forward_pre_hook(
+            lambda m, a, starts=starts: starts.append(time.perf_counter()), prepend=True))
         handles.append(router.register_forward_hook(
-            lambda m, a, o: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop())))
+            lambda m, a, o, starts=starts: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop())))
     return spent, handles
 
 
@@ -187,7 +187,7 @@ def measure_model(key: str, args) -> dict:
                               timer(lambda: routes_from_engine([rows], **layout, out=out)), 7)
     print(f"  validate_routes at full depth: {validate * 1e3:.2f} ms per forward; align one sample "
           f"{align.candidate * 1e3:.2f} ms = {align.median:.2f}x a copy", flush=True)
-    del model, replay
+    model = replay = None  # frees the model before the next one is built (not del: the closures above share them)
     gc.collect()
 
     per_token = {  # seconds per token, whole model

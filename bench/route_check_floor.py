@@ -113,7 +113,7 @@ def main() -> None:
           f"block {codec._CHECK_CHUNK_ROWS} routes")
 
     def copy_batch():
-        for r, o in zip(rows, offsets[:-1]):
+        for r, o in zip(rows, offsets[:-1], strict=True):
             copy_dst[o : o + r.size] = r.reshape(-1)
 
     def align():

@@ -89,7 +89,7 @@ def engine_batch(rng: np.random.Generator, counts: list[int], layers: int, top_k
     each sample's ``[count, layers, top_k]`` engine rows are a view of it, starting at ``offsets[i]`` ids."""
     flat = distinct_routes(rng, sum(counts) * layers, top_k, experts, engine_dtype(experts)).reshape(-1)
     offsets = np.cumsum([0, *counts]) * layers * top_k
-    rows = [flat[a:b].reshape(n, layers, top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts)]
+    rows = [flat[a:b].reshape(n, layers, top_k) for a, b, n in zip(offsets[:-1], offsets[1:], counts, strict=True)]
     return flat, offsets, rows
 
 
@@ -112,7 +112,7 @@ def main() -> None:
         completion_lengths = rng.integers(args.completion * 7 // 8, args.completion + 1, args.batch).tolist()
     else:
         completion_lengths = [args.completion] * args.batch
-    counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths)]
+    counts = [p + c - 1 for p, c in zip(prompt_lengths, completion_lengths, strict=True)]
     flat, offsets, rows = engine_batch(rng, counts, args.layers, args.top_k, args.experts)
     payloads = [encode_routed_experts(r) for r in rows]
 
@@ -142,7 +142,7 @@ def main() -> None:
     starts = offsets[:-1] * flat.itemsize
 
     def copy_warm():
-        for r, o in zip(rows, starts):
+        for r, o in zip(rows, starts, strict=True):
             copy_dst[o : o + r.nbytes] = np.frombuffer(r.data, dtype=np.uint8)
 
     def copy_cold():

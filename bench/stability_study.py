@@ -514,10 +514,10 @@ def figures(report: dict, path: Path) -> list[Path]:
                     label, style = label + f" noise={f['noise']}", ":"
             else:
                 continue
-            for ax, name in zip(axes, ("reward", "entropy", "mismatch/kl_k3")):
+            for ax, name in zip(axes, ("reward", "entropy", "mismatch/kl_k3"), strict=True):
                 points = [(s, v) for s, v in entry["history"].get(name, []) if v is not None]
                 if points:
-                    ax.plot(*zip(*points), style, label=label, linewidth=1)
+                    ax.plot(*zip(*points, strict=True), style, label=label, linewidth=1)
                 ax.set_title(name, fontsize=9)
                 ax.set_xlabel("optimizer step")
         axes[2].set_yscale("log")

@@ -198,7 +198,7 @@ def summarize(runs: dict[str, dict], completions_per_batch: int) -> dict:
             ratios[f"none/{other}"] = {m: ratio(means["none"][m], means[other][m]) for m in METRICS}
             first_ratios[f"none/{other}"] = {m: ratio(first["none"][m], first[other][m]) for m in METRICS}
     counts = {mode: dict(zip(("extreme", "completion_tokens"), extreme_tokens(run["log_history"],
-                                                                            completions_per_batch)))
+                                                                            completions_per_batch), strict=True))
               for mode, run in runs.items()}
     return dict(means=means, ratios=ratios, first_batch=first, first_batch_ratios=first_ratios,
                 extreme_token_counts=counts)

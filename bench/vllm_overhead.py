@@ -206,13 +206,14 @@ def bench_generation(args, checkpoint: str) -> None:
 
         # what the last round returned: same tokens, routes only from the capturing engine
         same_tokens = all(
-            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(last["off"], last["on"])
+            list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+            for a, b in zip(last["off"], last["on"], strict=True)
         )
         routes = [out.outputs[0].routed_experts for out in last["on"]]
         shapes_ok = all(
             r is not None and r.shape == (len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1,
                                           args.layers, args.top_k)
-            for r, out in zip(routes, last["on"])
+            for r, out in zip(routes, last["on"], strict=True)
         )
         dtypes = sorted({str(np.asarray(r).dtype) for r in routes if r is not None})
         off_routes = sum(out.outputs[0].routed_experts is not None for out in last["off"])

@@ -66,8 +66,10 @@ def train(checkpoint: str, server_url: str, **overrides):
     from trl.chat_template_utils import qwen3_template
 
     # the two-import swap:
-    from trl_moe_replay import MoEReplayAsyncGRPOConfig as AsyncGRPOConfig
-    from trl_moe_replay import MoEReplayAsyncGRPOTrainer as AsyncGRPOTrainer
+    from trl_moe_replay import (
+        MoEReplayAsyncGRPOConfig as AsyncGRPOConfig,
+        MoEReplayAsyncGRPOTrainer as AsyncGRPOTrainer,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.response_template = qwen3_template  # the tiny ChatML template is not one TRL recognises by itself

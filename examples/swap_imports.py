@@ -16,9 +16,7 @@ import sys
 import torch
 from datasets import Dataset
 
-from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig
-from trl_moe_replay import MoEReplayGRPOTrainer as GRPOTrainer
-
+from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer
 
 if len(sys.argv) != 2:
     sys.exit(f"usage: python {sys.argv[0]} MODEL, a Hub id (e.g. ibm-granite/granite-3.1-1b-a400m-instruct) or a "

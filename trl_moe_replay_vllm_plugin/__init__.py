@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 
 __all__ = [
@@ -67,6 +68,8 @@ __all__ = [
 
 # A child of vLLM's own logger, so the message shows with vLLM's formatting in vLLM's processes.
 logger = logging.getLogger("vllm.plugins.trl_moe_replay_cpu_capture")
+# vLLM's classes, patched by attribute name (methods that `type` does not declare): Any to a type checker
+VllmClass = Any
 
 ENTRY_POINT_NAME = "trl_moe_replay_cpu_capture"
 _WRAPPED = "__trl_moe_replay_capture__"  # marks what this plugin wrapped (idempotence)
@@ -76,7 +79,7 @@ _EXPERTS = "_trl_moe_replay_experts"  # per vLLM MoE layer (RoutedExperts): its 
 _NAMED = "__trl_moe_replay_named__"  # marks the _setup_kernel wrapper that names the experts (idempotence)
 
 
-def add_routing_replay_capture(experts_cls: type, monolithic_base: type) -> bool:
+def add_routing_replay_capture(experts_cls: VllmClass, monolithic_base: VllmClass) -> bool:
     """Give ``experts_cls`` (and its subclasses) routed-experts capture; return whether anything was patched.
 
     ``experts_cls`` must compute its routing in ``_select_experts(self, ...) -> (topk_weights, topk_ids)``.
@@ -127,7 +130,7 @@ def register() -> None:
         logger.info("trl-moe-replay: CPU MoE experts are re-packed after weight updates (reload_weights)")
 
 
-def repack_cpu_experts_on_weight_update(method_cls: type, experts_cls: type) -> bool:
+def repack_cpu_experts_on_weight_update(method_cls: VllmClass, experts_cls: VllmClass) -> bool:
     """Re-pack CPU MoE expert weights when vLLM reloads weights into a running engine; return whether it patched.
 
     ``UnquantizedFusedMoEMethod._setup_kernel`` runs the CPU experts' ``process_weights_after_loading`` (pad the
@@ -166,7 +169,7 @@ def repack_cpu_experts_on_weight_update(method_cls: type, experts_cls: type) -> 
     return True
 
 
-def _with_subclasses(cls: type) -> list[type]:
+def _with_subclasses(cls: VllmClass) -> list[VllmClass]:
     found, todo = [], [cls]
     while todo:
         current = todo.pop()
@@ -206,7 +209,7 @@ def _layer_name(experts) -> str:
     return name
 
 
-def name_cpu_experts(method_cls: type, experts_cls: type) -> bool:
+def name_cpu_experts(method_cls: VllmClass, experts_cls: VllmClass) -> bool:
     """After ``method_cls._setup_kernel`` builds the CPU experts of a MoE layer, link the two: the experts learn the
     layer's name (the constant the compiled graph passes to ``record_routes``) and the layer its experts (which the
     op finds at run time through vLLM's forward context). Return whether it patched."""

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from trl.experimental.async_grpo import packing as trl_packing
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, packing as trl_packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 from trl_moe_replay import (
@@ -24,6 +23,7 @@ from trl_moe_replay import (
     upstream,
 )
 from trl_moe_replay.async_grpo import cpu_tree_attention
+from trl_moe_replay.async_grpo.async_grpo_trainer import _RoutedCollator
 from trl_moe_replay.async_grpo.async_rollout_worker import (
     RoutedRolloutSample,
     _TurnRoutes,
@@ -32,6 +32,7 @@ from trl_moe_replay.async_grpo.async_rollout_worker import (
 )
 from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
 from trl_moe_replay.core.output_lock import LOCK_NAME, OutputDirInUseError
+from trl_moe_replay.core.route_flow import ROUTE_ROWS, RouteBuffer
 from trl_moe_replay.routing.codec import EngineTurn
 from trl_moe_replay.routing.routes import RouteLayout, check_routes
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
@@ -456,6 +457,24 @@ def test_a_packed_row_is_built_from_checked_routes_and_a_plain_tensor_is_checked
         packed(routes_of([3, 4], 5), raw)
 
 
+def test_with_several_processes_the_collator_sends_the_other_rows_routes_padded():
+    """Row i goes to rank i: the main process keeps its own row's routes (route_rows), the others travel in the batch
+    as ``replay_routes``, one row per rank, padded with "no route" to the longest row."""
+    rows = [RoutedTreeRow(LAYOUT), RoutedTreeRow(LAYOUT)]
+    rows[0].add({**row_sample([5, 6, 7, 8, 9], routes_of([1, 2], 5)), "model_version": 2, "metrics": {}})
+    rows[1].add({**row_sample([5, 6, 7], routes_of([3, 4], 3)), "model_version": 3, "metrics": {}})
+    buffer = RouteBuffer()
+    collator = _RoutedCollator(pad_token_id=0, num_processes=2, version_fn=lambda: 3, route_buffer=buffer)
+    batch = collator.torch_call([rows])
+    assert batch[ROUTE_ROWS][1].tolist() == [-1, -1]  # the other rank's row is not in this process's buffer
+    assert torch.equal(buffer.gather(batch[ROUTE_ROWS][:1]).tensor(), rows[0].packed_routes.tensor())
+    routes = batch["replay_routes"]
+    assert routes.shape == (2, 5, 2, 2)
+    assert torch.equal(routes[1, :3], rows[1].packed_routes.tensor()[0])
+    assert (routes[1, 3:] == 0).all()  # past the row's end: compute_loss strips it with the attention mask
+    assert collator.metrics["routing/version_lag_max"] == [1.0]
+
+
 def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo.packing import TREE_ATTENTION, register_tree_attention
@@ -475,7 +494,7 @@ def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
                        tree_max_seqlen_k=int(packed["tree_max_seqlens"][1])).logits[0]
         model.config._attn_implementation = "sdpa"
         kv, cu = packed["tree_kv_index"].tolist(), packed["tree_cu_seqlens_k"].tolist()
-        leaves = [kv[a:b] for a, b in zip(cu[:-1], cu[1:])]
+        leaves = [kv[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
         for ids in samples:
             path = next(p for p in leaves if packed["input_ids"][p].tolist() == ids)
             alone = model(input_ids=torch.tensor([ids])).logits[0]
@@ -546,7 +565,7 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
     for name, param in ours.model.named_parameters():
         assert torch.equal(param, theirs_params[name]), name
     assert any(not torch.equal(p, q) for (_, p), q in zip(ours.model.named_parameters(),
-                                                          tiny_moe_model("qwen3_moe").parameters()))
+                                                          tiny_moe_model("qwen3_moe").parameters(), strict=True))
 
 
 # --------------------------------------------------------------------------------------------- sync check

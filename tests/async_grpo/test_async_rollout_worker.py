@@ -143,7 +143,8 @@ def test_failing_workers_raise_and_stop_within_a_bound_under_cpu_load(endpoint, 
     url = closed_port_url() if endpoint == "closed_port" else server_400
     workers = [failing_worker(url) for _ in range(RUNS)]
     outcomes = [{} for _ in workers]
-    threads = [threading.Thread(target=run_to_failure, args=pair, daemon=True) for pair in zip(workers, outcomes)]
+    threads = [threading.Thread(target=run_to_failure, args=pair, daemon=True)
+               for pair in zip(workers, outcomes, strict=True)]
     try:
         for thread in threads:
             thread.start()

@@ -87,7 +87,8 @@ def resumes_exactly(trainer, folder: Path, checkpoint: Path) -> None:
     trainer.train(resume_from_checkpoint=str(folder))
     reference = tiny_moe_model("qwen3_moe", seed=5)
     restore_checkpoint_weights(reference, checkpoint)
-    assert all(torch.equal(a, b) for a, b in zip(weights(reference).values(), weights(trainer.model).values()))
+    assert all(torch.equal(a, b)
+               for a, b in zip(weights(reference).values(), weights(trainer.model).values(), strict=True))
 
 
 def refused_by_train(trainer, folder: Path) -> str:
@@ -300,7 +301,7 @@ def test_restore_checkpoint_weights_reads_only_the_weights_beside_a_stray_adapte
     restore_checkpoint_weights(model, folder)
     reference = tiny_moe_model("qwen3_moe", seed=4)
     restore_checkpoint_weights(reference, checkpoint)
-    assert all(torch.equal(a, b) for a, b in zip(weights(reference).values(), weights(model).values()))
+    assert all(torch.equal(a, b) for a, b in zip(weights(reference).values(), weights(model).values(), strict=True))
 
 
 # ----------------------------------------------------------------------------------------------- tied embeddings
@@ -341,7 +342,7 @@ def test_a_tied_checkpoint_with_both_names_equal_resumes_a_tied_model(tmp_path):
     own_names(saved)(tmp_path / "checkpoint")
     model = tiny_moe_model("qwen3_moe", seed=1, tie_word_embeddings=True)
     restore_checkpoint_weights(model, tmp_path / "checkpoint")
-    assert all(torch.equal(a, b) for a, b in zip(weights(saved).values(), weights(model).values()))
+    assert all(torch.equal(a, b) for a, b in zip(weights(saved).values(), weights(model).values(), strict=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 

@@ -278,7 +278,7 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
 
     full, resumed = trained_logs(tmp_path / "full"), trained_logs(tmp_path / "cut")
     assert [entry["step"] for entry in resumed] == [entry["step"] for entry in full]
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
 
 

@@ -183,8 +183,8 @@ def test_a_real_dcp_checkpoint_is_read_as_torch_reads_it_and_resumes(resumer, sh
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
-def test_a_damaged_shard_checkpoint_is_refused_by_the_trainers_resume_in_one_line(resumer, sharded, tmp_path,
-                                                                                 case):  # noqa: F811
+def test_a_damaged_shard_checkpoint_is_refused_by_the_trainers_resume_in_one_line(
+        resumer, sharded, tmp_path, case):  # noqa: F811
     damage, expected = DAMAGE[case]
     folder = copied(sharded, tmp_path, damage)
     message = refused_by_train(resumer, folder)

@@ -25,8 +25,7 @@ from trl_moe_replay.core.precision import METRIC, UpdateProbe, attach_update_pro
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 
-from tests.async_grpo.test_async_grpo_trainer import DATASET as ASYNC_DATASET
-from tests.async_grpo.test_async_grpo_trainer import checkpoint, script, settings  # noqa: F401 - checkpoint is a fixture
+from tests.async_grpo.test_async_grpo_trainer import DATASET as ASYNC_DATASET, checkpoint, script, settings  # noqa: F401 - checkpoint is a fixture
 
 
 LOGGER = "trl_moe_replay.core.precision"

@@ -137,7 +137,10 @@ def _getattr_defaults(path: Path) -> list[str]:
     return hits
 
 
-def test_no_config_default_is_restated_in_a_getattr_in_the_sync_trainer():
-    """The sync trainer reads our fields through ``option`` (one declared default), never ``getattr(args, name, x)``."""
-    found = [hit for path in sorted((PACKAGE / "trainer").glob("*.py")) for hit in _getattr_defaults(path)]
+def test_no_config_default_is_restated_in_a_getattr_in_the_trainers_or_their_core():
+    """The trainers and what they share read our fields through ``option`` (one declared default), never
+    ``getattr(args, name, x)``."""
+    paths = [path for part in ("trainer", "core", "async_grpo") for path in sorted((PACKAGE / part).glob("*.py"))]
+    assert len(paths) > 15  # the scan sees the packages
+    found = [hit for path in paths for hit in _getattr_defaults(path)]
     assert found == []

@@ -244,4 +244,5 @@ def check_a_plain_install(tmp_path):
     assert skipped == [f'plots: skipped, matplotlib is not installed; to draw them after the run: pip install '
                        f'"trl-moe-replay[plot]", then trl-moe-replay plot {work / "run"}'], result.stdout[-2000:]
     assert "Traceback" not in result.stderr and not (work / "run" / "plots").exists()
-    print(f"plain install: {installed:.0f} s to install, {time.monotonic() - started:.0f} s in all")
+    # the timing, shown by `pytest -s` (a passing test's output is not shown otherwise)
+    print(f"plain install: {installed:.0f} s to install, {time.monotonic() - started:.0f} s in all")  # noqa: T201

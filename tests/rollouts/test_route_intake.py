@@ -27,9 +27,7 @@ from trl_moe_replay.testing import (
 )
 
 from tests.helpers import no_route
-from tests.rollouts.test_route_intake_rollout_func import EngineRollout
-from tests.rollouts.test_route_intake_rollout_func import Spy as RolloutSpy
-from tests.rollouts.test_route_intake_rollout_func import train as train_with_rollout
+from tests.rollouts.test_route_intake_rollout_func import EngineRollout, Spy as RolloutSpy, train as train_with_rollout
 from tests.rollouts.test_vllm_routes import BatchSpy, restored_environ  # noqa: F401 - a fixture
 from tests.trainer.test_grpo_trainer import logged, make_trainer
 

@@ -166,7 +166,7 @@ def test_tool_rollouts_with_a_vllm_server_ask_only_for_the_routes_they_lack(tmp_
         trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
                                vllm_weight_sync="trl")
         run_checked(trainer, server.engine.model, server.engine.router_replay)
-    first, *later = [batch for batch in server.batches]
+    first, *later = list(server.batches)
     assert first.request.get("routed_experts_prompt_start", 0) == 0
     starts = [batch.request["routed_experts_prompt_start"] for batch in later]
     assert later and all(start > 0 for start in starts)

@@ -28,8 +28,7 @@ from trl_moe_replay.testing import (
 )
 
 from tests.helpers import as_signed, no_route, run_two_ranks, with_routes
-from tests.trainer.test_grpo_trainer import logged
-from tests.trainer.test_grpo_trainer import make_trainer as make_tiny_trainer
+from tests.trainer.test_grpo_trainer import logged, make_trainer as make_tiny_trainer
 
 
 class BatchSpy(MoEReplayGRPOTrainer):

@@ -233,7 +233,7 @@ def precision_runs(checkpoint: str) -> dict:
         model = trainer.accelerator.unwrap_model(trainer.model)
         computed = set()
         handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda module, args, output: computed.add(str(output.dtype)))
+            lambda module, args, output, computed=computed: computed.add(str(output.dtype)))
         trainer.train()
         handle.remove()
         result[dtype] = {"updated_frac": logged(trainer, "precision/updated_frac"),

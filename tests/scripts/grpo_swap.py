@@ -10,8 +10,7 @@ import tempfile
 
 from datasets import Dataset
 
-from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig  # the swap
-from trl_moe_replay import MoEReplayGRPOTrainer as GRPOTrainer
+from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer  # the swap
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
 

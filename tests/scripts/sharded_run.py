@@ -228,7 +228,7 @@ def main():
     # (partitioned at creation, as from_pretrained does under zero3_init_flag); the runs compare exact weights
     models = [tiny_moe_model(**MODEL) for _ in range(5)]
     # none and R2: an on-policy and an off-policy update; R3 and PR2: also the next generation batch's first update
-    runs = zip(("none", "r2", "r3"), models, (2, 2, 3))
+    runs = zip(("none", "r2", "r3"), models[:3], (2, 2, 3), strict=True)
     result = {mode: run_mode(mode, model, steps) for mode, model, steps in runs}
     result["pr2"], trainer = run_pr2(models[3], models[4])
     if trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == 3:

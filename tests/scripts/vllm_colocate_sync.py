@@ -50,7 +50,8 @@ def score(llm):
     llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     request = llm.generate([{"prompt_token_ids": SCORED_PROMPT}], params, use_tqdm=False)[0]
-    logprobs = [entry[token].logprob for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:])]
+    logprobs = [entry[token].logprob
+                for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:], strict=True)]
     return {"logprobs": logprobs, "routes": request.outputs[0].routed_experts.tolist()}
 
 
@@ -79,7 +80,7 @@ def main():
     )
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
     generations = []
-    for prompt, request in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)):
+    for prompt, request in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params), strict=True):
         completion = request.outputs[0]
         tokens = prompt + list(completion.token_ids)
         rows = completion.routed_experts

@@ -172,7 +172,8 @@ def router_logits_probs(model, input_ids) -> dict[int, torch.Tensor]:
         out = model(input_ids=input_ids, output_router_logits=True)
     rr = RouterReplay(model)
     rr.remove()
-    return {layer: torch.softmax(logits.float(), -1) for layer, logits in zip(rr.moe_layers, out.router_logits)}
+    return {layer: torch.softmax(logits.float(), -1)
+            for layer, logits in zip(rr.moe_layers, out.router_logits, strict=True)}
 
 
 def test_capture_stores_the_ids_actually_used_and_their_probabilities():

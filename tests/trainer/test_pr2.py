@@ -133,8 +133,7 @@ def test_predictor_loss_falls_and_predicted_routes_follow_a_synthetic_router_dri
         loss.backward()
         losses.append(pr2.metrics(sums)["pr2/loss"])
         optimizer.step()
-    print(f"predictor loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    assert losses[-1] < 0.2 * losses[0]
+    assert losses[-1] < 0.2 * losses[0], f"predictor loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     # back at the old weights, the predicted routes anticipate the drifted router's choice
     with torch.no_grad():
         for layer, router in routers.items():
@@ -145,8 +144,7 @@ def test_predictor_loss_falls_and_predicted_routes_follow_a_synthetic_router_dri
         return (a[..., :, None] == b[..., None, :]).sum(-1).float().mean().item()
 
     before, after = agreement(old_natural, drifted_natural), agreement(predicted, drifted_natural)
-    print(f"top-k agreement with the drifted router: natural {before:.3f}, predicted {after:.3f}")
-    assert after > before + 0.1
+    assert after > before + 0.1, f"top-k overlap with the drifted router: natural {before:.3f}, predicted {after:.3f}"
 
 
 def test_predictor_kl_is_zero_on_a_match_and_only_the_shift_gets_gradient():

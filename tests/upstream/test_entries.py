@@ -60,7 +60,7 @@ def test_the_declared_trl_range_is_the_one_in_pyproject():
 
 
 def test_the_index_names_every_entry_and_loads_trl_parts_lazily():
-    for name, entry in upstream.all_entries().items():
+    for name in upstream.all_entries():
         assert f"``{name}``" in upstream.__doc__, name
     for name in upstream._LAZY:
         assert getattr(upstream, name) is getattr(getattr(upstream, upstream._LAZY[name]), name)

@@ -376,7 +376,7 @@ def assert_routes_equal(rows, expected):
 def test_engine_routes_equal_transformers_top_k(engine):
     model, _, outputs = engine
     config = model.config
-    for prompt, request in zip(PROMPTS, outputs):
+    for prompt, request in zip(PROMPTS, outputs, strict=True):
         completion = request.outputs[0]
         rows = completion.routed_experts
         tokens = prompt + list(completion.token_ids)
@@ -394,7 +394,8 @@ def score(llm):
     llm.reset_prefix_cache()  # cached prompt routes and KV would come from the previous weights
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     request = llm.generate([{"prompt_token_ids": SCORED_PROMPT}], params, use_tqdm=False)[0]
-    logprobs = [entry[token].logprob for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:])]
+    logprobs = [entry[token].logprob
+                for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:], strict=True)]
     return np.array(logprobs), request.outputs[0].routed_experts
 
 

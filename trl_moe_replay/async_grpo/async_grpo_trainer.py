@@ -263,7 +263,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
         if not carries_routes:
             return
-        attempts = getattr(args, "vllm_request_attempts", None)
+        attempts = option(args, "vllm_request_attempts")
         if isinstance(self.rollout_worker, RoutedAsyncRolloutWorker) and attempts is not None:
             worker_loop_kwargs(self.rollout_worker)["max_request_attempts"] = attempts
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
@@ -272,7 +272,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         self._route_intake = RouteIntake(
             _MainProcessOnly(self.accelerator), source="vLLM", required=mode.needs_engine_routes,
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
-            batch_samples=samples_per_step, max_fallback_batches=getattr(args, "max_route_fallback_steps", None),
+            batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
         )
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):

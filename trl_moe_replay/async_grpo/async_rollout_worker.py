@@ -37,6 +37,10 @@ from ..routing.codec import EngineTurn, decode_routed_experts
 from ..upstream import async_worker_classes
 
 
+# Any: TRL's classes, looked up at run time (see the seam)
+_AsyncRolloutLoop: Any
+AsyncRolloutWorker: Any
+RolloutSample: Any
 _AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample = async_worker_classes()
 logger = logging.get_logger(__name__)
 

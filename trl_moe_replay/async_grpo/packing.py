@@ -21,7 +21,7 @@ from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_rout
 from ..upstream import async_tree_row_class
 
 
-TreeRow = async_tree_row_class()
+TreeRow: Any = async_tree_row_class()  # Any: TRL's class, looked up at run time (see the seam)
 
 
 def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:
@@ -57,7 +57,7 @@ class RoutedTreeRow(TreeRow):
         A class, not a factory function: TRL's code also uses the name as a type (``TokenBudgetBatcher._place``
         annotates with ``TreeRow | None``, evaluated when it runs)."""
 
-        class RoutedTreeRowForLayout(cls):
+        class RoutedTreeRowForLayout(cls):  # type: ignore[valid-type,misc]  # cls: the calling class, at run time
             def __init__(self):
                 super().__init__(layout)
 

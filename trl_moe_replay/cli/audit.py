@@ -119,12 +119,13 @@ class AuditReport:
         columns = ["mode", "kl_k1", "kl_k3", "extreme_frac", "max|logratio|", "route_mismatch", "topk_agree",
                    "natural_mismatch", "fallback"]
         widths = [max(len(c), 10) for c in columns[1:]]
-        lines = [head, "", "  ".join([f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths))])]
+        header = [f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths, strict=True))]
+        lines = [head, "", "  ".join(header)]
         for r in self.rows:
             values = [r.kl_k1, r.kl_k3, r.extreme_frac, r.max_abs_log_ratio, r.route_mismatch_frac,
                       r.topk_agreement, r.natural_mismatch_frac, r.fallback_frac]
             lines.append("  ".join([f"{r.mode:<6}", *(f"{'n/a':>{w}}" if v is None else f"{v:>{w}.4g}"
-                                                        for v, w in zip(values, widths))]))
+                                                        for v, w in zip(values, widths, strict=True))]))
         if not self.routes_available:
             lines.append(f"{'r3':<6}  unavailable: the engine returned no routes")
         lines += ["", self.verdict()]

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -387,7 +388,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
         names = figure.metrics
         rows, columns = _grid(len(names))
         fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
-        for ax, name in zip(axes.flat, names):
+        for ax, name in zip(axes.flat, names, strict=False):  # spare cells: hidden below
             steps, values = series[name]
             smooth = moving_average(values)
             if smooth is None:
@@ -412,7 +413,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
             heading += f" ({figure.not_drawn} more {figure.family} metrics not drawn)"
         fig.suptitle(_title(heading), fontsize=10)
         fig.tight_layout()
-        path = write_new_file(out_dir / f"{figure.name}.png", lambda f: fig.savefig(f, format="png", dpi=100))
+        path = write_new_file(out_dir / f"{figure.name}.png", partial(fig.savefig, format="png", dpi=100))
         plt.close(fig)
         written.append(path)
     return written
@@ -438,7 +439,7 @@ def plot_comparison(
     per_run = {label: metric_series(history) for label, history in runs.items()}
     rows, columns = _grid(len(metrics))
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
-    for ax, name in zip(axes.flat, metrics):
+    for ax, name in zip(axes.flat, metrics, strict=False):  # spare cells: hidden below
         drawn = False
         for label, series in per_run.items():
             if name in series:

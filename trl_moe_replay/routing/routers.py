@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,10 @@ from ..upstream import transformers_seam
 from .errors import TransformersTooOldError
 
 
-GateWeightFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# A family's router module: read by duck typing (each family names its own attributes: norm_topk_prob,
+# routed_scaling_factor, score_fn, ...), which nn.Module's typed __getattr__ (Tensor | Module) cannot express
+Router = Any
+GateWeightFn = Callable[[Router, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,13 @@ class RouterFamily:
     ``use_kernels=True``; such models are refused."""
 
 
-def softmax_then_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def softmax_then_renormalise(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Mixtral: fp32 softmax over all experts, gather, always renormalise; weights stay fp32."""
     weights = F.softmax(logits.float(), dim=-1).gather(1, ids)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
-def softmax_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def softmax_optional_renormalise(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Qwen2/Qwen3-MoE, Qwen3-Next, OLMoE, FlexOlmo, Mellum, Qwen4-Exp: fp32 softmax, gather, renormalise iff
     ``norm_topk_prob``, cast back to the logits dtype."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
@@ -63,7 +67,7 @@ def softmax_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: t
     return weights.to(logits.dtype)
 
 
-def sigmoid_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sigmoid_scaled(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3 and its copies (DeepSeek-V3.2, dots.llm1, dots3-note, GLM-4-MoE(-Lite), GLM-MoE-DSA, EXAONE-MoE,
     MiMo-V2-Flash, Nemotron-H, A.X-K1/K2, Bailing-Hybrid, HY-V4, Kimi-Linear, Solar-Open): sigmoid of the fp32
     logits *without* the correction bias (the bias and the group mask only steer the choice), renormalised
@@ -74,14 +78,14 @@ def sigmoid_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -
     return weights * router.routed_scaling_factor
 
 
-def softmax_over_selected_logits(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def softmax_over_selected_logits(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """GPT-OSS, Aria: softmax over the k selected raw logits in their dtype (GPT-OSS's bias is included in the
     logits; Aria's ``F.softmax`` without ``dtype`` is the same op)."""
     selected = logits.gather(1, ids)
     return F.softmax(selected, dim=1, dtype=selected.dtype)
 
 
-def _router_input_dtype(router: nn.Module) -> torch.dtype:
+def _router_input_dtype(router: Router) -> torch.dtype:
     """The dtype of the hidden states the router was called with, for routers that cast their weights to it
     (``.to(hidden_states.dtype)``), which a gate-weight function does not see.
 
@@ -94,7 +98,7 @@ def _router_input_dtype(router: nn.Module) -> torch.dtype:
     return router.weight.dtype
 
 
-def softmax_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def softmax_scaled(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V2: fp32 softmax over all experts (the logits are fp32), gather, never renormalised, times
     ``routed_scaling_factor``. ``group_limited_greedy`` zeroes the other groups' scores before the top-k, which
     only steers the choice as long as ``top_k <= topk_group * n_experts / n_group`` (true of every config)."""
@@ -102,21 +106,21 @@ def softmax_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -
     return weights * router.routed_scaling_factor
 
 
-def softmax_renormalise_cast(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def softmax_renormalise_cast(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Qwen3.5-MoE: the Qwen3-MoE tail with renormalisation always on (the router has no ``norm_topk_prob``)."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype)
 
 
-def softmax_then_cast_to_input(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def softmax_then_cast_to_input(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Jamba: fp32 softmax over all experts, gather, never renormalised, cast to the router input's dtype."""
     weights = F.softmax(logits, dim=-1, dtype=torch.float).gather(1, ids)
     return weights.to(_router_input_dtype(router))
 
 
 def softmax_over_selected_logits_cast_to_input(
-    router: nn.Module, logits: torch.Tensor, ids: torch.Tensor
+    router: Router, logits: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """GraniteMoe (and its -Shared, -Hybrid, -SWA variants): softmax over the k selected fp32 logits, cast to the
     router input's dtype."""
@@ -124,7 +128,7 @@ def softmax_over_selected_logits_cast_to_input(
     return torch.softmax(selected, dim=-1).type(_router_input_dtype(router))
 
 
-def cohere2_moe_selected_logits(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def cohere2_moe_selected_logits(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Cohere2-MoE: on the k selected logits, either an fp32 softmax (``expert_selection_fn="softmax"``) or a
     sigmoid renormalised iff ``norm_topk_prob`` (``"sigmoid"``); cast to the router input's dtype."""
     selected = logits.gather(1, ids)
@@ -133,13 +137,13 @@ def cohere2_moe_selected_logits(router: nn.Module, logits: torch.Tensor, ids: to
     elif router.expert_selection_fn == "sigmoid":
         weights = F.sigmoid(selected)
         if router.norm_topk_prob:
-            weights = weights / torch.sum(weights, dim=-1, keepdims=True)
+            weights = weights / torch.sum(weights, dim=-1, keepdim=True)
     else:
         raise ValueError(f"unknown expert_selection_fn {router.expert_selection_fn!r}")
     return weights.to(_router_input_dtype(router))
 
 
-def lfm2_moe_sigmoid(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def lfm2_moe_sigmoid(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """LFM2-MoE: sigmoid in the logits dtype (the expert bias only steers the choice), renormalised (+1e-6) iff
     ``norm_topk_prob``, times ``routed_scaling_factor``."""
     weights = logits.sigmoid().gather(1, ids)
@@ -148,14 +152,14 @@ def lfm2_moe_sigmoid(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor)
     return weights * router.routed_scaling_factor
 
 
-def sigmoid_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sigmoid_renormalise(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """MiniMax-M3-VL (text): fp32 sigmoid (the correction bias only steers the choice), gather, always renormalised
     (no epsilon); weights stay fp32. The block's ``routed_scaling_factor`` is applied after the experts."""
     weights = F.sigmoid(logits.float()).gather(1, ids)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
-def sigmoid_renormalise_cast_to_input(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sigmoid_renormalise_cast_to_input(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Laguna: sigmoid of the fp32 (optionally soft-capped: the returned logits are the capped ones) logits, the
     bias only steers the choice, always renormalised (no epsilon), cast to the router input's dtype. The block's
     ``routed_scaling_factor`` is applied after the experts."""
@@ -164,7 +168,7 @@ def sigmoid_renormalise_cast_to_input(router: nn.Module, logits: torch.Tensor, i
     return weights.to(_router_input_dtype(router))
 
 
-def sigmoid_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sigmoid_optional_renormalise(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Flint: sigmoid of all fp32 logits, gather, renormalised (no epsilon) iff ``norm_topk_prob``; weights stay
     fp32."""
     weights = logits.sigmoid().gather(1, ids)
@@ -174,7 +178,7 @@ def sigmoid_optional_renormalise(router: nn.Module, logits: torch.Tensor, ids: t
 
 
 def sigmoid_of_selected_logits_optional_renormalise(
-    router: nn.Module, logits: torch.Tensor, ids: torch.Tensor
+    router: Router, logits: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """Kolibri1: gather the fp32 logits, *then* sigmoid (the bias only steers the choice), renormalised (no
     epsilon) iff ``norm_topk_prob``; weights stay fp32. The order matters: a CPU sigmoid over ``[N, E]`` and over
@@ -185,7 +189,7 @@ def sigmoid_of_selected_logits_optional_renormalise(
     return weights
 
 
-def sigmoid_optional_renormalise_eps(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sigmoid_optional_renormalise_eps(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Beam: the DeepSeek-V3 tail without the scaling (the block applies ``routed_scaling_factor`` after the
     experts): fp32 sigmoid, gather, renormalised (+1e-20) iff ``norm_topk_prob``."""
     weights = logits.sigmoid().gather(1, ids)
@@ -194,7 +198,7 @@ def sigmoid_optional_renormalise_eps(router: nn.Module, logits: torch.Tensor, id
     return weights
 
 
-def scored_renormalise_scaled(router: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def scored_renormalise_scaled(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V4: the router's ``score_fn`` (``scoring_func``: sqrtsoftplus, sigmoid, ...) on the logits in their
     dtype (the bias only steers the choice), gather, always renormalised (+1e-20), times ``routed_scaling_factor``.
     Hash-routed layers (``mlp_layer_types="hash_moe"``, ``DeepseekV4HashRouter``: experts from the token id) are

@@ -194,6 +194,9 @@ class CheckedRoutes:
     """
 
     __slots__ = ("_routes", "layout", "_on_device")
+    _routes: torch.Tensor
+    layout: RouteLayout
+    _on_device: dict[torch.device, torch.Tensor]  # the routes' copies on devices, made once each
 
     def __init__(self, *args, **kwargs):
         raise TypeError("CheckedRoutes are made by check_routes(routes, layout), not by their constructor")

@@ -83,9 +83,13 @@ from ..weight_sync.sync_check import sync_trainer_check
 from ..weight_sync.weight_reload import WeightSyncMethod, client_without_communicator, sync_trainer_weight_sync
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .objectives import MoEObjectivesMixin
-from .pr2 import MODULE_NAME as PR2_MODULE_NAME
-from .pr2 import PREDICTORS_FILE as PR2_PREDICTORS_FILE
-from .pr2 import PR2CheckpointError, PR2StateError, PredictiveRoutingReplay
+from .pr2 import (
+    MODULE_NAME as PR2_MODULE_NAME,
+    PREDICTORS_FILE as PR2_PREDICTORS_FILE,
+    PR2CheckpointError,
+    PR2StateError,
+    PredictiveRoutingReplay,
+)
 
 
 logger = logging.get_logger(__name__)

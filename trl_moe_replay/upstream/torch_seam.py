@@ -254,8 +254,7 @@ def check_torch() -> tuple[Finding, ...]:
     def dcp_metadata():
         import importlib
 
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint import metadata as dcp_metadata_module
+        from torch.distributed.checkpoint import FileSystemReader, metadata as dcp_metadata_module
         from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
         for (module, name), value in dcp_metadata_globals().items():

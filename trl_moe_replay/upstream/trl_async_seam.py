@@ -56,8 +56,9 @@ ASYNC_ROLLOUT_WORKER = entry("async_rollout_worker", "trl", TRL_READ, TRL_VERIFI
                              inherited=(*LOOP_METHODS, *WORKER_ATTRIBUTES))
 
 
-def async_worker_classes() -> tuple[type, type, type]:
-    """``(_AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample)`` of TRL's async rollout worker."""
+def async_worker_classes() -> tuple[Any, Any, Any]:
+    """``(_AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample)`` of TRL's async rollout worker (``Any``: our classes
+    derive from them, and a type checker takes an ``Any`` as a base class, not a ``type``)."""
     worker = _async_module("async_rollout_worker")
     return worker._AsyncRolloutLoop, worker.AsyncRolloutWorker, worker.RolloutSample
 
@@ -135,7 +136,7 @@ def __getattr__(name: str) -> Any:
 ASYNC_PACKING = entry("async_packing", "trl", TRL_READ, TRL_VERIFIED)
 
 
-def async_tree_row_class() -> type:
+def async_tree_row_class() -> Any:  # Any: a base class of ours (see async_worker_classes)
     return _async_module("packing").TreeRow
 
 

@@ -742,7 +742,9 @@ def _probe_vllm_sync_trigger(trainer_class: type) -> str | None:
 def _probe_weight_sync_params(trainer_class: type) -> str | None:
     from trl.generation.vllm_generation import VLLMGeneration
 
-    loaded, sent, woken = [], [], []
+    loaded: list[str] = []
+    sent: list[str] = []
+    woken: list = []
     model = SimpleNamespace(load_weights=lambda weights: loaded.extend(name for name, _ in weights))
     llm = SimpleNamespace(
         wake_up=lambda tags: woken.append(tags), reset_prefix_cache=lambda: None,

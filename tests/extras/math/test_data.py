@@ -65,7 +65,7 @@ def solve(question: str) -> Fraction:
 def test_synthetic_answers_are_correct(difficulty):
     ds = synthetic_math_dataset(300, seed=difficulty, difficulty=difficulty)
     assert ds.column_names == ["prompt", "solution"]
-    for prompt, solution in zip(ds["prompt"], ds["solution"]):
+    for prompt, solution in zip(ds["prompt"], ds["solution"], strict=True):
         assert isinstance(prompt, str) and isinstance(solution, str)
         assert ALPHABET.match(prompt), prompt
         assert len(prompt) <= 42, prompt
@@ -82,7 +82,8 @@ def test_synthetic_expressions_compute_the_answers_and_change_nothing_else(diffi
     with_expressions = synthetic_math_dataset(200, seed=difficulty, difficulty=difficulty, expressions=True)
     assert with_expressions.column_names == ["prompt", "solution", "expression"]
     assert with_expressions["prompt"] == plain["prompt"] and with_expressions["solution"] == plain["solution"]
-    for prompt, solution, expression in zip(*(with_expressions[c] for c in ("prompt", "solution", "expression"))):
+    columns = (with_expressions[c] for c in ("prompt", "solution", "expression"))
+    for prompt, solution, expression in zip(*columns, strict=True):
         assert evaluate(expression) == int(solution), (prompt, expression)
         if prompt.endswith("="):
             assert expression == prompt[:-1]
@@ -119,7 +120,7 @@ def test_synthetic_conversational_and_instruction():
     ds = synthetic_math_dataset(
         5, seed=1, conversational=True, instruction=BOXED_INSTRUCTION, system_prompt="be brief"
     )
-    for prompt, plain in zip(ds["prompt"], synthetic_math_dataset(5, seed=1)["prompt"]):
+    for prompt, plain in zip(ds["prompt"], synthetic_math_dataset(5, seed=1)["prompt"], strict=True):
         assert prompt == [
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": f"{plain} put the answer in \\boxed{{}}."},

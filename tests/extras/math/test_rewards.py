@@ -278,13 +278,13 @@ def test_off_main_thread_is_bounded(short_timeouts):
     names = list(HOSTILE)
     completions = [HOSTILE[n] for n in names]
     hostile = in_thread(accuracy_reward, completions, ["12"] * len(completions))  # returns: bounded
-    for name, value in zip(names, hostile):
+    for name, value in zip(names, hostile, strict=True):
         assert_reward_type(value), name
-    assert dict(zip(names, hostile))[NEVER_IN_TIME] == 0.0
+    assert dict(zip(names, hostile, strict=True))[NEVER_IN_TIME] == 0.0
 
 
 def test_off_main_thread_is_correct():
-    completions, golds = zip(*CORRECT, *WRONG)
+    completions, golds = zip(*CORRECT, *WRONG, strict=True)
     expected = [1.0] * len(CORRECT) + [0.0] * len(WRONG)
     assert in_thread(accuracy_reward, list(completions), list(golds)) == expected
     assert in_thread(accuracy_reward, [r"\boxed{12}"], [None]) == [None]

@@ -436,7 +436,7 @@ def accuracy_reward(completions: list, solution: list, **kwargs) -> list[float |
     if len(completions) != len(solution):
         raise ValueError(f"accuracy_reward got {len(completions)} completions but {len(solution)} solutions.")
     rewards, answers, timeouts, unparsed = [], [], 0, 0
-    for completion, gold in zip(completions, solution):
+    for completion, gold in zip(completions, solution, strict=True):
         reward, status, shown = _score_safely(completion_text(completion), completion_text(gold))
         rewards.append(reward)
         answers.append(shown or "[none]")
