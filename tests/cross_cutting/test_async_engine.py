@@ -18,6 +18,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setu
 # one real server for the module, one training subprocess per test
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
+from tests.helpers import run_two_ranks  # noqa: E402
 from tests.vllm_server import reload_weights  # noqa: E402
 
 
@@ -195,6 +196,35 @@ def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, ch
     assert "was it restarted" in report["error"]["message"]
     assert len(steps(report)) >= 2 and stopped_after < RUN_TIMEOUT
     assert all(mismatched == 0 for _, _, mismatched in report["checks"])
+
+
+def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(tmp_path, server, checkpoint):
+    """Two CPU training processes (torchrun, gloo): rank 0 runs the rollout worker and packs each micro-batch into two
+    rows; TRL's dispatcher sends row 1 to rank 1, whose routes cross the process boundary as ``replay_routes`` and are
+    checked where they enter. Each rank checks its own forwards token by token against the engine's rows.
+
+    Not compared with a single-process run: TRL's rollout worker samples unseeded and on its own clock (see above), so
+    two runs train on different completions; the ranks' weights are compared with each other instead (DDP)."""
+    reload_weights(server, checkpoint)
+    out = tmp_path / "report.json"
+    run_two_ranks(SCRIPT, out, server, checkpoint, "max_steps=3")
+    ranks = [json.loads(out.read_text()), json.loads(out.with_suffix(".rank1.json").read_text())]
+    assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+    for report in ranks:
+        assert report["error"] is None, report["error"]
+        # every forwarded position of the rank's own row routed as the engine did, stale steps included
+        assert len(report["checks"]) == 3
+        assert all(checked > 50 and mismatched == 0 for _, checked, mismatched in report["checks"]), report["checks"]
+        assert report["max_param_change"] > 1e-3
+    # TRL splits each micro-batch of 2 x 6 samples into two rows by attention cost (whole groups: 8 + 4 measured);
+    # every sample found on one rank or the other
+    assert [a[0] + b[0] for a, b in zip(ranks[0]["checks"], ranks[1]["checks"], strict=True)] == [12] * 3
+    assert all(a[0] > 0 and b[0] > 0 for a, b in zip(ranks[0]["checks"], ranks[1]["checks"], strict=True))
+    logs = steps(ranks[0])
+    assert len(logs) == 3 and all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    diffs = [entry["vllm/sync_max_logprob_diff"] for entry in logs]
+    assert all(diff < 0.05 for diff in diffs), diffs  # every sync reached the engine (see the first test)
+    assert ranks[0]["final_params"] == ranks[1]["final_params"]  # one model, trained on both ranks' rows
 
 
 def test_a_dead_server_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):

@@ -11,6 +11,10 @@ file (the reward function and the tool loop are pickled by reference).
 
 ``fault=restart_server``: when step 3 begins (after the second sync) the run writes ``OUT.json.paused`` and waits for
 ``OUT.json.resume``; the test restarts the server in between.
+Under ``torchrun --nproc_per_node 2`` (CPU, gloo) rank 0 runs the rollout worker and TRL's dispatcher sends row i of
+each micro-batch to rank i: every rank records its own forwards, rank 0 broadcasts the engine rows after training, and
+each rank checks its own forwards and writes its report (rank 0 to ``OUT.json``, rank r to ``OUT.rank<r>.json``).
+
 ``tools=true [turns=N]``: TRL's tool loop with a short adding tool (short names keep 8 turns inside the server's 512
 tokens); vLLM's structured outputs make each of the first N - 1 turns (default 2) a tool call and the last one an
 answer (the engine picks the tokens, a regex keeps the format).
@@ -148,14 +152,14 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    checks = []
+    forwards = []  # (packed row, experts used) of this rank's training forwards, checked after training
 
     class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             row = packed_row(inputs)
             with capture_used_experts(self.accelerator.unwrap_model(model)) as used:
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            checks.append(check_row(row, used, engine_rows, self._route_replay.moe_layers))
+            forwards.append((row, used))
             return loss
 
     class Faults(TrainerCallback):
@@ -215,13 +219,15 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
                              train_dataset=Dataset.from_dict({"prompt": prompts}), weight_transfer=transfer,
                              callbacks=[Faults()], tools=[add] if with_tools else None,
                              peft_config=peft_config)
-    if with_tools:
-        trainer.rollout_worker._loop_cls = ToolCallingLoop
-        trainer.rollout_worker._loop_kwargs["tool_turns"] = tool_turns  # the loop is built in the spawned child
-    trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
-    # small buffers (one group in flight, one being scored, two samples queued), and 1.5 groups per micro-batch:
-    # micro-batches then hold samples of the versions before and after a sync
-    trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = 1
+    rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    if trainer.rollout_worker is not None:  # the main process only
+        if with_tools:
+            trainer.rollout_worker._loop_cls = ToolCallingLoop
+            trainer.rollout_worker._loop_kwargs["tool_turns"] = tool_turns  # the loop is built in the spawned child
+        trainer.rollout_queue = RecordingQueue(trainer.rollout_queue)
+        # small buffers (one group in flight, one being scored, two samples queued), and 1.5 groups per micro-batch:
+        # micro-batches then hold samples of the versions before and after a sync
+        trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = 1
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     start = time.monotonic()
     error = None
@@ -230,8 +236,13 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     except Exception as exc:  # the fault runs report what ended them
         error = {"type": type(exc).__name__, "message": str(exc)[:2000],
                  "cause": repr(exc.__cause__)[:2000] if exc.__cause__ else None}
+    if world > 1:  # the engine rows live where the queue is: rank 0
+        shared = [engine_rows]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        engine_rows.update(shared[0])
+    checks = [check_row(row, used, engine_rows, trainer._route_replay.moe_layers) for row, used in forwards]
     report = {
-        "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
+        "rank": rank, "world": world, "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
         "checks": checks, "consumed_versions": consumed, "model_version": trainer.model_version,
         "route_turns_per_sample": turn_counts, "rows_per_position": rows_per_position, "reforwarded_positions_routed_otherwise": disagreements,
         "max_param_change": max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()),
@@ -241,7 +252,10 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
                               if "lora_B" in n), default=None),
     }
-    Path(out).write_text(json.dumps(report, indent=1, default=str))
+    if world > 1:
+        report["final_params"] = {n: p.detach().flatten()[:8].tolist() for n, p in trainer.model.named_parameters()}
+    Path(out if rank == 0 else str(Path(out).with_suffix(f".rank{rank}.json"))).write_text(
+        json.dumps(report, indent=1, default=str))
     if trainer.rollout_worker is not None:
         trainer.rollout_worker.stop()
     del torch
