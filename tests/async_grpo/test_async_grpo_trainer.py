@@ -675,3 +675,44 @@ def test_the_async_trainers_model_card_names_the_mode_and_cites_r3(tmp_path, che
     card = (tmp_path / "README.md").read_text()
     assert "trained with MoE Replay Async GRPO (routing_replay=r3, loss_type=" in card
     assert "routing-replay-r3" in card and "arXiv:2402.03300" in card and "arXiv:2510.11370" in card
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # two processes (torchrun's default port)
+def test_two_training_processes_train_the_weights_of_one_and_replay_each_rank_row(tmp_path, checkpoint):
+    """tests/scripts/async_scripted_ranks.py on one process, then under torchrun on two (gloo): the same scripted
+    samples, 8 per micro-batch (one row of 8, or a row of 4 per rank, rank 1's routes crossing the process boundary).
+    TRL normalizes each rank's loss by the global token count, so the two runs take the same steps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import CPU_ONLY_ENV, run_two_ranks
+
+    script_path = Path(__file__).parents[1] / "scripts" / "async_scripted_ranks.py"
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **CPU_ONLY_ENV}
+    single = subprocess.run([sys.executable, str(script_path), str(one), checkpoint], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run_two_ranks(script_path, two, checkpoint)
+    (alone,) = [json.loads((one / "rank0.json").read_text())]
+    ranks = [json.loads((two / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+    # each rank trained its own group of 4 at both steps, every position routed as the engine did (step 2 on stale
+    # routes: the trained router picks otherwise on most of them)
+    for report in ranks:
+        assert [found for found, _, _ in report["checks"]] == [4] * STEPS
+        assert all(checked > 20 and mismatched == 0 for _, checked, mismatched in report["checks"])
+    assert [found for found, _, _ in alone["checks"]] == [8] * STEPS
+    assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(alone["loss"], ranks[0]["loss"], strict=True))
+    weights_one, weights_two = torch.load(one / "weights.pt"), torch.load(two / "weights.pt")
+    from transformers import AutoModelForCausalLM
+
+    initial = dict(AutoModelForCausalLM.from_pretrained(checkpoint).named_parameters())
+    assert min(float((weights_one[name] - initial[name].detach()).abs().max()) for name in initial) > 5e-3
+    differ = max(float((weights_one[name] - weights_two[name]).abs().max()) for name in weights_one)
+    # the ranks' gradients are summed in another order than one process sums them; Adam's step for a gradient near
+    # its eps amplifies that fp32 rounding: 6.4e-6 measured, against steps of about the learning rate (1e-2)
+    assert differ < 5e-5, differ

@@ -204,7 +204,8 @@ def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(
     checked where they enter. Each rank checks its own forwards token by token against the engine's rows.
 
     Not compared with a single-process run: TRL's rollout worker samples unseeded and on its own clock (see above), so
-    two runs train on different completions; the ranks' weights are compared with each other instead (DDP)."""
+    two runs train on different completions; the ranks' weights are compared with each other (DDP), and the weights
+    equal one process's on the same scripted samples in tests/async_grpo/test_async_grpo_trainer.py."""
     reload_weights(server, checkpoint)
     out = tmp_path / "report.json"
     run_two_ranks(SCRIPT, out, server, checkpoint, "max_steps=3")
