@@ -25,6 +25,7 @@ def main(out: str, checkpoint: str) -> None:
     import torch
 
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+    from trl_moe_replay.parallel.sharded import full_tensor
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 
     from tests.async_checks import capture_used_experts, check_row, packed_row
@@ -53,8 +54,9 @@ def main(out: str, checkpoint: str) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "checks": checks,
                                                           "loss": losses}))
+    weights = {n: full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}  # every rank gathers
     if rank == 0:
-        torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, Path(out, "weights.pt"))
+        torch.save(weights, Path(out, "weights.pt"))
 
 
 if __name__ == "__main__":
