@@ -115,6 +115,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     from trl.chat_template_utils import qwen3_template
 
     from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
+    from trl_moe_replay.parallel.sharded import full_tensor
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
 
     from tests.async_checks import capture_used_experts, check_row, packed_row
@@ -228,7 +229,8 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         # small buffers (one group in flight, one being scored, two samples queued), and 1.5 groups per micro-batch:
         # micro-batches then hold samples of the versions before and after a sync
         trainer.rollout_worker._loop_kwargs["score_queue_maxsize"] = 1
-    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    # full values (a collective on every rank where the model is sharded at load time)
+    before = {name: full_tensor(p.detach()).clone() for name, p in trainer.model.named_parameters()}
     start = time.monotonic()
     error = None
     try:
@@ -245,7 +247,8 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         "rank": rank, "world": world, "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
         "checks": checks, "consumed_versions": consumed, "model_version": trainer.model_version,
         "route_turns_per_sample": turn_counts, "rows_per_position": rows_per_position, "reforwarded_positions_routed_otherwise": disagreements,
-        "max_param_change": max(float((p.detach() - before[n]).abs().max()) for n, p in trainer.model.named_parameters()),
+        "max_param_change": max(float((full_tensor(p.detach()) - before[n]).abs().max())
+                                for n, p in trainer.model.named_parameters()),
         "weight_transfer": type(trainer.weight_transfer).__name__,
         "delivered": getattr(trainer.weight_transfer, "delivered", None),
         "peft": type(trainer.model).__name__,
@@ -253,7 +256,8 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
                               if "lora_B" in n), default=None),
     }
     if world > 1:
-        report["final_params"] = {n: p.detach().flatten()[:8].tolist() for n, p in trainer.model.named_parameters()}
+        report["final_params"] = {n: full_tensor(p.detach()).flatten()[:8].tolist()
+                                  for n, p in trainer.model.named_parameters()}
     Path(out if rank == 0 else str(Path(out).with_suffix(f".rank{rank}.json"))).write_text(
         json.dumps(report, indent=1, default=str))
     if trainer.rollout_worker is not None:
