@@ -233,7 +233,7 @@ def test_the_predictor_cache_stays_with_the_trainer_and_the_batch_dict_carries_o
             return output
 
         def _add_pr2_predictor_loss(self, loss):
-            cache = self._routes.micro_inputs
+            cache = self._micro_batch.held.per_sample  # the micro-batch's own rows of the buffer
             seen["cached"].append(sorted(cache) == sorted(CACHE_KEYS)
                                   and len(cache["pr2_positions"]) == self.args.per_device_train_batch_size)
             return super()._add_pr2_predictor_loss(loss)

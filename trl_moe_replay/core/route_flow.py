@@ -9,13 +9,13 @@ Read top to bottom, this module is that path (the trainers' overrides call it; n
 3. **Scoring forwards** (:meth:`RouteFlow.plan`): the old-logprob pass replays the rollout's routes (R3) and/or records
    the natural ones (R2/PR2's routes, the trainer's side of ``routing/*``; checked by construction); the reference
    pass replays the policy's.
-4. **Buffer** (:class:`RouteBuffer`): the routes to replay stay with the trainer, and so do the batch's other
-   per-sample inputs (``GenerationBatch.per_sample``: PR2's predictor cache); the batch dict carries only
-   ``route_rows`` (batch serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code
-   that could write into it.
-5. **Training forward** (:meth:`RouteFlow.begin_micro_batch` -> :meth:`RouteFlow.plan`): each micro-batch gathers its
-   own rows (a stale index is refused) and replays them until its backward has returned (:class:`MicroBatchReplay`);
-   its per-sample inputs are :attr:`RouteFlow.micro_inputs` meanwhile.
+4. **Buffer** (:class:`RouteBuffer`): the routes to replay, and the other per-sample values of ours (RSPO's old router
+   ids and probabilities, PR2's predictor cache: :class:`HeldRows`), stay with the trainer; the batch dict carries only ``route_rows`` (batch
+   serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code that could write into
+   it, and TRL's batch holds only TRL's keys and ``route_rows``.
+5. **Training forward** (:class:`MicroBatch`, :meth:`RouteFlow.micro_routes` -> :meth:`RouteFlow.plan`): each
+   micro-batch gathers its own rows (a stale index is refused) and replays them until its backward has returned
+   (:class:`MicroBatchReplay`; ``core/trainer_base.py`` ends it).
 
 The async trainer enters at 2 (one sample at a time) and 4 (packed rows; ``trl_moe_replay.async_grpo``).
 """
@@ -50,7 +50,9 @@ class StaleRouteRowsError(RouteValidationError):
 # ---------------------------------------------------------------------------------------------- 1-2. generation, intake
 @dataclass
 class GenerationBatch:
-    """What one ``_generate_and_score_completions`` call learns about routes; lives exactly as long as that call."""
+    """What one ``_generate_and_score_completions`` call learns about routes; lives exactly as long as that call.
+
+    Filled through its methods, each for one step of generation and scoring (the trainer writes no field)."""
 
     turns: RolloutTurns | None = None  # the engine's rows per sample and turn (None: no engine routes)
     generated_turns: int = 0  # _generate_single_turn calls so far (TRL's tool loop calls it again per turn)
@@ -58,8 +60,37 @@ class GenerationBatch:
     generation: CheckedRoutes | None = None  # the engine's routes in TRL's padded layout (step 2)
     natural: CheckedRoutes | None = None  # the trainer's natural routes of its old-logprob (or metrics) pass
     old_router: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # RSPO: ids, probs per chunk
-    # per-sample tensors ([B, ...], the batch's row order) kept with the routes in the buffer (step 4): PR2's cache
+    # other per-sample tensors ([B, ...], the batch's row order) held with the routes in the buffer (step 4): PR2's cache
     per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def begin_turn(self) -> bool:
+        """One more ``_generate_single_turn`` call (TRL's tool loop calls it again per turn): whether it is a later
+        turn of the batch."""
+        self.generated_turns += 1
+        return self.generated_turns > 1
+
+    def take_turns(self, turns: RolloutTurns) -> None:
+        """The batch's rows, whole (a ``rollout_func``'s ``routed_experts``)."""
+        self.turns = turns
+
+    def record_sampling_logprobs(self, logprobs: list[list[float]] | None) -> None:
+        """The sampler's log-probs, for the metrics only (``None``: nothing to compare with)."""
+        self.sampling_logprobs = logprobs
+
+    def add_old_router(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        """RSPO: one old-pass chunk's router ids and probabilities at the experts used."""
+        self.old_router.append((ids, probs))
+
+    def old_router_inputs(self) -> dict[str, torch.Tensor]:
+        """RSPO's per-sample inputs of the loss (held with the batch's routes), or none."""
+        if not self.old_router:
+            return {}
+        return {"old_router_ids": torch.cat([ids for ids, _ in self.old_router], dim=0),
+                "old_router_probs": torch.cat([probs for _, probs in self.old_router], dim=0)}
+
+    def record_natural(self, chunks: list[CheckedRoutes]) -> None:
+        """The trainer's natural routes of its old-logprob (or metrics) pass, chunk by chunk."""
+        self.natural = CheckedRoutes.cat(chunks)
 
     def add_turn(self, prompt_ids, completion_ids, rows, prompt_start: Any, samples) -> None:
         """One generation turn's rows (the batch's first turn, or a later one of TRL's tool loop)."""
@@ -87,6 +118,27 @@ class GenerationBatch:
         if settings.replays_generation_routes:
             return self.generation
         return self.natural if settings.mode.records_old_pass else None
+
+
+# ---------------------------------------------------------------------------------------------- 5. one micro-batch
+@dataclass
+class MicroBatch:
+    """One micro-batch's training forward as a value (the sync trainer's ``_compute_loss`` builds it, and holds it only
+    while it runs): what the forward replays and what the loss reads, instead of per-batch attributes of the trainer."""
+
+    inputs: dict  # TRL's loss inputs: a shallow copy of the micro-batch (RSPO shifts its old log-probs by γ)
+    held: HeldRows = field(default_factory=lambda: HeldRows())  # its rows of the buffer: routes, RSPO's old router
+    old_logps: torch.Tensor | None = None  # the unshifted old log-probs
+    gamma: torch.Tensor | None = None  # RSPO's router-shift weight, once the training forward has measured it
+
+    @classmethod
+    def of(cls, inputs: dict, held: HeldRows | None = None) -> MicroBatch:
+        inputs = dict(inputs)
+        return cls(inputs, held if held is not None else HeldRows(), inputs.get("old_per_token_logps"))
+
+    @property
+    def routes(self) -> CheckedRoutes | None:
+        return self.held.routes
 
 
 # ---------------------------------------------------------------------------------------------- 3, 5. forward plans
@@ -122,66 +174,70 @@ class ForwardPlan:
 
 
 # ---------------------------------------------------------------------------------------------- 4. the buffer
+@dataclass(frozen=True)
+class HeldRows:
+    """A batch's per-sample values the trainer holds for it, row for row: the routes its forwards replay, and other
+    per-sample inputs of ours by name (RSPO's ``old_router_ids``/``old_router_probs``), each ``[B, ...]``."""
+
+    routes: CheckedRoutes | None = None
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        if self.routes is not None:
+            return len(self.routes)
+        return next(iter(self.per_sample.values())).shape[0]
+
+    def rows(self, index: torch.Tensor) -> HeldRows:
+        return HeldRows(None if self.routes is None else self.routes.rows(index),
+                        {name: value[index.to(value.device)] for name, value in self.per_sample.items()})
+
+
 class RouteBuffer:
     """Routes the trainer holds for batches in flight, by batch serial; a batch dict carries only their ``route_rows``.
 
-    ``store`` keeps a batch's routes (and per-sample tensors beside them, or those alone) and returns its
-    ``route_rows``: under a ``slot``, until the next batch of that slot (the sync trainer's current training and
-    evaluation batches, reused over ``num_iterations``), or without one until taken (the async trainer's packed rows,
-    each trained once). ``gather`` gives a micro-batch's own rows (a gather of the held routes: owned, checked by
-    construction), ``gather_per_sample`` its per-sample tensors; a serial no longer held is refused in one line."""
+    ``store`` keeps a batch's routes and returns its ``route_rows``: under a ``slot``, until the next batch of that slot
+    (the sync trainer's current training and evaluation batches, reused over ``num_iterations``), or without one until
+    taken (the async trainer's packed rows, each trained once). ``gather`` gives a micro-batch's own rows (a gather of
+    the held routes: owned, checked by construction); a serial no longer held is refused in one line."""
 
     MAX_UNSLOTTED = 8  # rows stored ahead of their forward (the dataloader prefetches); older ones are dropped
 
     def __init__(self):
-        self._held: dict[Any, tuple[int, CheckedRoutes | None, dict[str, torch.Tensor]]] = {}
+        self._held: dict[Any, tuple[int, HeldRows]] = {}
         self._serial = 0
 
-    def store(self, routes: CheckedRoutes | None, slot: str | None = None,
-              per_sample: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Keep ``routes`` and ``per_sample`` (``[B, ...]`` tensors, one row per sample; at least one of the two)."""
-        per_sample = dict(per_sample or {})
-        samples = {len(value) for value in per_sample.values()} | ({len(routes)} if routes is not None else set())
-        if len(samples) != 1:
-            raise ValueError(f"a batch to store needs routes or per-sample tensors of one batch size, got {samples}")
+    def store(self, routes: CheckedRoutes | HeldRows, slot: str | None = None) -> torch.Tensor:
+        held = routes if isinstance(routes, HeldRows) else HeldRows(routes)
         self._serial += 1
-        self._held[slot if slot is not None else self._serial] = (self._serial, routes, per_sample)
+        self._held[slot if slot is not None else self._serial] = (self._serial, held)
         unslotted = [key for key in self._held if not isinstance(key, str)]
         for key in unslotted[: max(0, len(unslotted) - self.MAX_UNSLOTTED)]:
             del self._held[key]
-        rows = torch.arange(samples.pop())
+        rows = torch.arange(len(held))
         return torch.stack([torch.full_like(rows, self._serial), rows], dim=1)
 
     def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes | None:
-        """The rows ``route_rows`` name (None: the batch was stored without routes); ``take``: the batch is not
-        needed again, and is let go."""
-        routes, _, rows = self._lookup(route_rows, take)
-        return None if routes is None else routes.rows(rows)
+        """The routes of the rows ``route_rows`` name; ``take``: the batch is not needed again, and is let go."""
+        return self.gather_held(route_rows, take).routes
 
-    def gather_per_sample(self, route_rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The per-sample tensors stored with the batch, at the rows ``route_rows`` name (on each tensor's device)."""
-        _, per_sample, rows = self._lookup(route_rows, take=False)
-        return {key: value[rows.to(value.device)] for key, value in per_sample.items()}
-
-    def _lookup(self, route_rows: torch.Tensor, take: bool
-                ) -> tuple[CheckedRoutes | None, dict[str, torch.Tensor], torch.Tensor]:
+    def gather_held(self, route_rows: torch.Tensor, take: bool = False) -> HeldRows:
+        """Everything held for the rows ``route_rows`` name (routes and per-sample inputs)."""
         if not isinstance(route_rows, torch.Tensor) or route_rows.dim() != 2 or route_rows.shape[1] != 2:
             raise StaleRouteRowsError(f"{ROUTE_ROWS} must be a [batch, 2] tensor (serial, row), got "
                                       f"{getattr(route_rows, 'shape', type(route_rows).__name__)}")
         serials = set(route_rows[:, 0].tolist())
-        by_serial = {serial: key for key, (serial, _, _) in self._held.items()}
+        by_serial = {serial: key for key, (serial, _) in self._held.items()}
         if len(serials) != 1 or not serials <= by_serial.keys():
             raise StaleRouteRowsError(
                 f"{ROUTE_ROWS} name generation batch(es) {sorted(serials)}, but the trainer holds the routes of "
                 f"{sorted(by_serial)} only: a (micro-)batch must be trained while its generation batch is the current one"
             )
         key = by_serial[serials.pop()]
-        _, routes, per_sample = self._held.pop(key) if take else self._held[key]
-        samples = len(routes) if routes is not None else len(next(iter(per_sample.values())))
+        held = self._held.pop(key)[1] if take else self._held[key][1]
         rows = route_rows[:, 1]
-        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < samples:
-            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {samples} samples")
-        return routes, per_sample, rows
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(held):
+            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(held)} samples")
+        return held.rows(rows)
 
 
 # ---------------------------------------------------------------------------------------------- 5. replay through backward
@@ -208,10 +264,10 @@ class MicroBatchReplay:
 
 # ---------------------------------------------------------------------------------------------- the trainer's one object
 class RouteFlow:
-    """The routes' state in one sync trainer: the generation batch being scored, the buffer, the micro-batch being
-    trained. Opened and closed in one place each: :meth:`generation_batch` (a context around TRL's
-    ``_generate_and_score_completions``), :meth:`begin_micro_batch`/:meth:`end_micro_batch` (``_compute_loss`` and
-    the end of ``training_step``/``prediction_step``: the replay must outlive the loss, through its backward)."""
+    """The routes' state in one sync trainer: the generation batch being scored and the buffer. The batch is opened
+    and closed in one place: :meth:`generation_batch` (a context around TRL's ``_generate_and_score_completions``); a
+    micro-batch's routes are a value (:class:`MicroBatch`), replayed through its backward (:class:`MicroBatchReplay`,
+    ended by ``core/trainer_base.py``)."""
 
     def __init__(self, settings: ReplaySettings, route_replay: RouterReplay | None,
                  reference_replay: RouterReplay | None, *, pr2: bool, router_shift: bool):
@@ -222,9 +278,6 @@ class RouteFlow:
         self.router_shift = router_shift
         self.buffer = RouteBuffer()
         self.batch: GenerationBatch | None = None
-        self._micro: CheckedRoutes | None = None
-        self.micro_inputs: dict[str, torch.Tensor] = {}  # the micro-batch's per-sample inputs (PR2's cache)
-        self.micro_replay = MicroBatchReplay()
 
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[GenerationBatch]:
@@ -235,35 +288,28 @@ class RouteFlow:
             self.batch = None
 
     def store(self, batch: GenerationBatch, mode: str) -> torch.Tensor | None:
-        """Step 4: keep the routes the policy's forwards replay and the batch's per-sample inputs; the batch's
-        ``route_rows`` (None: nothing to keep)."""
-        routes = batch.to_replay(self.settings)
-        if routes is None and not batch.per_sample:
+        """Step 4: keep the routes the policy's forwards replay and RSPO's old router; the batch's ``route_rows``
+        (None: nothing to hold)."""
+        held = HeldRows(batch.to_replay(self.settings), {**batch.old_router_inputs(), **batch.per_sample})
+        if held.routes is None and not held.per_sample:
             return None
-        return self.buffer.store(routes, slot=mode, per_sample=batch.per_sample)
+        return self.buffer.store(held, slot=mode)
 
-    def begin_micro_batch(self, inputs: dict) -> None:
-        self.end_micro_batch()
+    def micro_rows(self, inputs: dict) -> HeldRows | None:
+        """Step 5: a micro-batch's own rows of the buffer (None: it carries none)."""
         route_rows = inputs.get(ROUTE_ROWS)
-        if route_rows is not None:
-            self._micro = self.buffer.gather(route_rows)
-            self.micro_inputs = self.buffer.gather_per_sample(route_rows)
+        return None if route_rows is None else self.buffer.gather_held(route_rows)
 
-    def end_micro_batch(self) -> None:
-        """Only once the micro-batch's backward (and any recompute in it) has returned."""
-        self.micro_replay.end()
-        self._micro = None
-        self.micro_inputs = {}
-
-    def plan(self, is_reference: bool, is_ref_model: bool) -> ForwardPlan | None:
-        """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward)."""
+    def plan(self, is_reference: bool, is_ref_model: bool, micro: MicroBatch | None = None) -> ForwardPlan | None:
+        """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward); ``micro``:
+        the micro-batch whose training forward runs, if any."""
         settings, rr, batch = self.settings, self.route_replay, self.batch
         if rr is None:
             return None
         if batch is None:  # outside scoring: the training (or evaluation) forward of a micro-batch
-            if self._micro is None:
+            if micro is None or micro.routes is None:
                 return None
-            return ForwardPlan(Forward.TRAINING, rr, replay=self._micro)
+            return ForwardPlan(Forward.TRAINING, rr, replay=micro.routes)
         if is_reference:  # replays the policy's routes, unless told not to
             replay = batch.to_replay(settings) if settings.mode.replays and settings.replay_reference_model else None
             return ForwardPlan(Forward.REFERENCE, self.reference_replay if is_ref_model else rr, replay=replay)

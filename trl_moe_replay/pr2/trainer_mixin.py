@@ -92,8 +92,9 @@ class PR2TrainerMixin:
     def _compute_loss(self, model, inputs):
         if self._pr2 is None or not self.model.training:
             return super()._compute_loss(model, inputs)
-        # the micro-batch's cache, gathered by its route_rows in the trainer's _compute_loss (route_flow step 5)
-        with self._pr2.watch_training_forward(self._routes.micro_inputs):
+        # the micro-batch's own rows of the cache, held with its routes (route_flow step 4) and named by its route_rows
+        held = self._routes.micro_rows(inputs)
+        with self._pr2.watch_training_forward(held.per_sample if held is not None else {}):
             loss = super()._compute_loss(model, inputs)
         return self._add_pr2_predictor_loss(loss)
 

@@ -12,12 +12,17 @@ generation batch:
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
    ``_get_per_token_logps_and_entropies``, which does what ``RouteFlow.plan`` says (replay, record, steer); the routes
    to replay stay in the trainer's buffer and the batch dict carries their ``route_rows``.
-4. ``_compute_loss``/``training_step``: each micro-batch gathers its rows, replays them in the training forward and
-   keeps them in force until its backward has returned (gradient checkpointing recomputes the routers in backward).
+4. ``_compute_loss``/``training_step``: each micro-batch (a ``MicroBatch`` value) gathers its rows, replays them in the
+   training forward and keeps them in force until its backward has returned (gradient checkpointing recomputes the
+   routers in backward; ``MoEReplayTrainerMixin.training_step`` ends it).
+
+What both trainers share (init preamble, aux-loss rule, output-dir lock, sync check, micro-batch lifecycle, metrics)
+is ``MoEReplayTrainerMixin`` (``trl_moe_replay.core.trainer_base``).
 
 The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
-(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
-``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
+(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its
+``_get_per_token_logps_and_entropies`` (and ``get_gamma_weights``, ``log``) wrap TRL's and read the current
+``MicroBatch``, so this class's ``super()`` calls go through it.
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
 by the predicted routes; it lives beside the trainer in ``trl_moe_replay.pr2``, whose ``PR2TrainerMixin`` this class
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 from accelerate.utils import is_peft_model
@@ -37,23 +43,22 @@ from trl import GRPOTrainer
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..core.launch import check_launched_engine, check_launched_precision, checked_model_name
-from ..core.metrics import (
-    AGREEMENT_RATIOS,
-    FALLBACK_RATIOS,
-    MISMATCH_RATIOS,
-    fallback_sums,
-    global_sums,
-    log_ratio_metrics,
-    logprob_mismatch_sums,
-    routable_positions,
-    routing_agreement_sums,
-)
+from ..core.metrics import global_sums, routable_positions
 from ..core.model_card import write_model_card
-from ..core.output_lock import claim_output_dir, hold_output_dir
+from ..core.output_lock import hold_output_dir
 from ..core.peft_replay import check_peft_replay
 from ..core.precision import attach_update_probe
-from ..core.route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
-from ..core.routing_options import SYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from ..core.route_flow import (
+    ROUTE_ROWS,
+    Forward,
+    ForwardPlan,
+    GenerationBatch,
+    MicroBatch,
+    MicroBatchReplay,
+    RouteFlow,
+)
+from ..core.routing_options import TrainerKind, option, resolve_weight_sync
+from ..core.trainer_base import MoEReplayTrainerMixin
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..pr2.trainer_mixin import PR2TrainerMixin
 from ..rollouts import TransformersRolloutRecorder
@@ -61,22 +66,19 @@ from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
 from ..rollouts.turns import RolloutTurns
 from ..rollouts.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..routing import RouterReplay
-from ..routing.routes import CheckedRoutes
 from ..upstream import (
-    assert_trl_compatible,
     disable_gradient_checkpointing,
     engine_logprob_correction,
     is_reference_forward,
     mark_vllm_weights_synced,
     pad,
     profiling_context,
-    quiet_upstream_notices,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
 )
-from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
-from ..weight_sync.weight_reload import build_weight_sync, client_without_communicator
+from ..weight_sync.sync_check import sync_trainer_check
+from ..weight_sync.weight_reload import WeightSyncMethod, client_without_communicator, sync_trainer_weight_sync
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .objectives import MoEObjectivesMixin
 
@@ -84,7 +86,7 @@ from .objectives import MoEObjectivesMixin
 logger = logging.get_logger(__name__)
 
 
-class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
+class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -109,19 +111,17 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         if args is None:
             name = model if isinstance(model, str) else model.config.name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
-        assert_trl_compatible()
-        quiet_upstream_notices()
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         check_generation_support(args)
-        settings = self.replay_settings = ReplaySettings.from_args(args)
-        mode = self.routing_replay = settings.mode
+        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.SYNC)
+        mode = settings.mode
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
         check_launched_precision(args, strict=mode.replays)
-        sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, SYNC_TRAINER)
+        sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, TrainerKind.SYNC)
         vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
         if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
             vllm_classes["LLM"] = llm_returning_routes
-        if args.use_vllm and args.vllm_mode == "server" and sync_method == "reload":
+        if args.use_vllm and args.vllm_mode == "server" and sync_method is WeightSyncMethod.RELOAD:
             vllm_classes["VLLMClient"] = client_without_communicator
         with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
@@ -138,26 +138,22 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
             self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator,
                                                 required=mode.needs_engine_routes)
         self._route_intake = self._build_route_intake(args) if settings.generation_routes else None
-        if mode.replays and self.aux_loss_enabled:
-            logger.warning(
-                "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
-                "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
-            )
-            self.aux_loss_enabled = False
+        self.aux_loss_enabled = self._aux_loss_under_replay()
         self._setup_pr2(args)
         vllm_generation = self.vllm_generation if args.use_vllm else None
-        self._weight_sync = build_weight_sync(sync_method, args, asynchronous=False, vllm_generation=vllm_generation,
-                                              model=self.accelerator.unwrap_model(self.model))
-        self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=False, accelerator=self.accelerator,
-                                            vllm_generation=vllm_generation,
-                                            tolerance=option(args, "sync_check_tolerance"))
+        self._weight_sync = sync_trainer_weight_sync(sync_method, args, vllm_generation=vllm_generation,
+                                                     model=self.accelerator.unwrap_model(self.model))
+        self._sync_check = sync_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
+                                              vllm_generation=vllm_generation,
+                                              tolerance=option(args, "sync_check_tolerance"))
         self._warned_on_policy = False
-        self._setup_objectives(self.args)
+        self._objectives = self._setup_objectives(self.args)
         # the routes' one state: None when there is nothing to record or replay (every override hands to TRL)
         self._routes = None
         if not self._is_plain_trl:
             self._routes = RouteFlow(settings, self._route_replay, self._ref_route_replay, pr2=self._pr2 is not None,
-                                     router_shift=self._router_probes is not None)
+                                     router_shift=self._objectives.router_probes is not None)
+        self._micro_replay = MicroBatchReplay()  # a micro-batch's routes, from its training forward through backward
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = hold_output_dir(self)
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
@@ -197,8 +193,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         batch = self._routes.batch if self._routes is not None else None
         if batch is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        later_turn = batch.generated_turns > 0
-        batch.generated_turns += 1
+        later_turn = batch.begin_turn()
         samples = batch.turns.match(prompt_ids) if later_turn and batch.turns is not None else None
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
@@ -236,7 +231,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         # multi-turn log-probs only when it receives them. A replaced generate (a test stub) runs no forward, so its
         # rows fall short of the completions: there is no sampler to compare with then.
         covered = all(len(row) == length for row, length in zip(logprobs, completion_lengths, strict=True))
-        batch.sampling_logprobs = logprobs if covered and not later_turn else None
+        batch.record_sampling_logprobs(logprobs if covered and not later_turn else None)
         return completion_ids, None
 
     def _generate(self, prompts):
@@ -259,8 +254,8 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         return output
 
     def _sync_vllm_weights(self) -> None:
-        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own sync,
-        inside the engine sync check (``vllm_sync_check``, ``weight_sync/sync_check.py``)."""
+        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own
+        sync, inside the engine sync check (``vllm_sync_check``, ``weight_sync/sync_check.py``)."""
         def sync():
             with profiling_context(self, "sync_weights"):
                 if self._weight_sync is not None:
@@ -269,9 +264,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
                     self.vllm_generation.sync_weights()
             mark_vllm_weights_synced(self)
 
-        mode = "train" if self.model.training else "eval"
-        checked_weight_sync(self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator,
-                            self._metrics[mode])
+        self._checked_weight_sync(sync, self._metrics_mode())
 
     def _take_rollout_func_routes(self, batch: GenerationBatch, prompt_ids, completion_ids, extra_fields: dict) -> None:
         """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
@@ -296,7 +289,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
                 "completions: return a list with one entry per completion (an array, a base64 payload or None)"
             )
         try:  # a bad value for one sample only loses that sample's routes (RouteIntake); a wrong count is a bug
-            batch.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
+            batch.take_turns(RolloutTurns(prompt_ids, completion_ids, rows, starts))
         except ValueError as exc:
             raise RoutesUnavailableError(f"rollout_func returned {exc}") from None
 
@@ -318,8 +311,8 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
                     "policy" + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None
                                 else ".")
                 )
-            # route_flow step 4: the batch dict carries rows, not routes (taken before the metrics pass, whose
-            # recorded routes are for routing/* only); PR2's cache is kept beside the routes
+            # route_flow step 4: the batch dict carries rows, not routes nor RSPO's old router nor PR2's cache (taken
+            # before the metrics pass, whose recorded routes are for routing/* only)
             self._pr2_on_generation_batch(batch)
             route_rows = self._routes.store(batch, mode)
             if route_rows is not None:
@@ -327,9 +320,6 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
             trainer_logps = None
             if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
                 trainer_logps = self._metrics_pass(output, batch)
-            if batch.old_router:  # ride through TRL's buffer, shuffle and split with their samples
-                output["old_router_ids"] = torch.cat([ids for ids, _ in batch.old_router], dim=0)
-                output["old_router_probs"] = torch.cat([probs for _, probs in batch.old_router], dim=0)
             self._log_mismatch_metrics(output, batch, trainer_logps)
         return output
 
@@ -374,7 +364,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         plan = None
         if self._routes is not None:
             plan = self._routes.plan(is_reference=self._routes.batch is not None and is_reference_forward(self, model),
-                                     is_ref_model=model is self.ref_model)
+                                     is_ref_model=model is self.ref_model, micro=self._micro_batch)
         if plan is None or plan.is_plain:
             return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                           compute_aux_loss, **multimodal)
@@ -390,7 +380,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         plan.check_width(input_ids.size(1))
         rr = plan.route_replay
         if plan.forward is Forward.TRAINING:  # in force through the backward: training_step ends it
-            with self._routes.micro_replay.replay(rr, plan.replay):
+            with self._micro_replay.replay(rr, plan.replay):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
         batch_size = batch_size or input_ids.size(0)
@@ -415,9 +405,9 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
             if recording is not None:
                 natural.append(recording.checked)
             if capture is not None:
-                self._routes.batch.old_router.append((capture.ids, capture.probs))
+                self._routes.batch.add_old_router(capture.ids, capture.probs)
         if plan.record:  # recorded, so checked by construction (R2/PR2 replay them in every micro-batch)
-            self._routes.batch.natural = CheckedRoutes.cat(natural)
+            self._routes.batch.record_natural(natural)
         return (
             torch.cat(logps, dim=0),
             torch.cat(entropies, dim=0) if compute_entropy else None,
@@ -425,54 +415,37 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         )
 
     def _compute_loss(self, model, inputs):
-        if self._routes is not None:
-            self._routes.begin_micro_batch(inputs)  # its rows of the buffer (route_flow step 5)
-        with self._engine_correction():  # PR2TrainerMixin adds the predictor loss inside
-            return super()._compute_loss(model, inputs)
+        with self._micro_batch_of(inputs) as micro, self._engine_correction():  # PR2TrainerMixin adds its loss inside
+            return super()._compute_loss(model, micro.inputs)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        try:  # PR2TrainerMixin's step window and gradient averaging run inside
-            return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            if self._routes is not None:
-                self._routes.end_micro_batch()  # only now: the backward (and any recompute in it) has returned
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    @contextlib.contextmanager
+    def _micro_batch_of(self, inputs: dict) -> Iterator[MicroBatch]:
+        """``inputs`` as the micro-batch whose training forward runs within the context (route_flow step 5): its rows
+        of the buffer, a copy of its loss inputs (γ). Its routes stay replayed until ``training_step`` ends it."""
+        self._end_micro_batch()  # a micro-batch whose training_step did not end it (compute_loss called directly)
+        held = self._routes.micro_rows(inputs) if self._routes is not None else None
+        self._micro_batch = MicroBatch.of(inputs, held)
         try:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            yield self._micro_batch
         finally:
-            if self._routes is not None:
-                self._routes.end_micro_batch()
+            self._micro_batch = None
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
-    def train(self, *args, **kwargs):
-        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`).
-
-        Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
-        ``routing_replay="none"``, plain TRL, a loud warning instead).
-        """
-        self._claim_output_dir()
-        return super().train(*args, **kwargs)
-
-    def _claim_output_dir(self) -> None:
-        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
-
     def end(self):
-        """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
+        """``Trainer.end`` (release ``output_dir``, destroy the process group), after letting gloo's worker threads
+        settle.
 
         On CPU data parallelism (gloo), destroying the group while a worker thread still drops a Python-owned tensor
         deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
         interpreter at shutdown; a barrier and a short pause first avoid both.
         """
-        self._output_lock.release()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()
             time.sleep(0.2)
-        # what Trainer.end does (transformers >= 5.18); called directly, as transformers 5.16-5.17 have no end()
-        self.accelerator.end_training()
+        super().end()
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, batch: GenerationBatch | None,
@@ -481,7 +454,6 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
         recorded for the metrics: ``trainer_logps`` from ``_metrics_pass``), ``routing/*`` wherever the engine's routes
         and the trainer's natural ones exist (``metrics.log_ratio_metrics``: NaN for no data, as in the async trainer).
         """
-        metrics = self._metrics["train" if self.model.training else "eval"]
         old = output.get("old_per_token_logps", trainer_logps)
         sampling = output.get("sampling_per_token_logps")
         if sampling is None and batch is not None and batch.sampling_logprobs is not None:
@@ -493,21 +465,13 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMi
             mask = output["completion_mask"]
             if "tool_mask" in output:  # tool results are not sampled: TRL gives them log-prob 0 and masks them out
                 mask = mask * output["tool_mask"]
-            sums = logprob_mismatch_sums(sampling, old, mask, self.replay_settings.extreme_token_threshold)
-            log_ratio_metrics(metrics, self.accelerator, sums, MISMATCH_RATIOS)
+            self._log_logprob_mismatch(sampling, old, mask)
         if batch is None or batch.generation is None:
             return
-        reference = batch.generation.tensor()
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         positions = routable_positions(attention_mask).cpu()
-        moe_layers = self._route_replay.moe_layers
-        samples = self._route_intake.take_sample_sums()  # routing/fallback_samples_frac
-        if batch.natural is None:  # no trainer pass to compare: fallback only
-            log_ratio_metrics(metrics, self.accelerator, {**fallback_sums(reference, positions, moe_layers), **samples},
-                              FALLBACK_RATIOS)
-            return
-        sums = {**routing_agreement_sums(batch.natural.tensor(), reference, positions, moe_layers), **samples}
-        log_ratio_metrics(metrics, self.accelerator, sums, {**AGREEMENT_RATIOS, **FALLBACK_RATIOS})
+        natural = batch.natural.tensor() if batch.natural is not None else None  # None: no trainer pass, fallback only
+        self._log_routing_agreement(natural, batch.generation.tensor(), positions)
 
     def _global_sums(self, sums: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
         return global_sums(self.accelerator, sums)
