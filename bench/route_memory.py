@@ -73,13 +73,59 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _PrototypeHook:
+    """Not the package's hook: a sketch of the bounded one (``--prototype``). One parse of the body, each choice's
+    payload decoded as the choice is built, and TRL handed a replacement response without the payloads."""
+
+    def __init__(self, vllm_client):
+        self.rows = None
+        vllm_client.session.hooks["response"].insert(0, self)
+
+    def start(self):
+        self.rows = []
+
+    def take(self):
+        rows, self.rows = self.rows, None
+        return rows
+
+    def __call__(self, response, *args, **kwargs):
+        import io
+        import json
+
+        import requests
+
+        from trl_moe_replay.routing.codec import decode_routed_experts
+
+        if self.rows is None or not response.request.path_url.endswith("/v1/completions"):
+            return None
+
+        def choice_hook(pairs):
+            obj = dict(pairs)
+            if "routed_experts" in obj and "index" in obj:
+                payload = obj.pop("routed_experts")
+                try:
+                    self.rows.append(decode_routed_experts(payload) if payload is not None else None)
+                except Exception:
+                    self.rows.append(payload)
+            return obj
+
+        body = json.loads(response.content, object_pairs_hook=choice_hook)
+        replacement = requests.Response()
+        replacement.raw = io.BytesIO(json.dumps(body).encode())
+        del body
+        for name in ("status_code", "headers", "url", "request", "reason", "elapsed", "encoding"):
+            setattr(replacement, name, getattr(response, name))
+        response._content = b""  # the sketch frees the body; the package would do this through the seam
+        return replacement
+
+
 def client(args: argparse.Namespace, url: str, result_queue) -> None:
     from trl_moe_replay.rollouts.vllm_routes import install_routes_hook
     from trl_moe_replay.routing.codec import decode_routed_experts
     from trl_moe_replay.upstream.trl_seam import http_vllm_client
 
     vllm_client = http_vllm_client(url, connection_timeout=60)
-    hook = install_routes_hook(vllm_client)
+    hook = install_routes_hook(vllm_client) if not args.prototype else _PrototypeHook(vllm_client)
     prompts = [[1 + (i % 500)] * args.prompt for i in range(args.batch)]
     vllm_client.generate(prompts=prompts[:1], n=1, max_tokens=args.completion)  # warm: imports, pools
     hook.start()
@@ -89,7 +135,7 @@ def client(args: argparse.Namespace, url: str, result_queue) -> None:
     hook.start()
     out = vllm_client.generate(prompts=prompts, n=1, max_tokens=args.completion)
     rows = hook.take()
-    decoded = [None if row is None else decode_routed_experts(row) for row in rows]
+    decoded = [row if row is None or isinstance(row, np.ndarray) else decode_routed_experts(row) for row in rows]
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     decoded_bytes = sum(0 if a is None else a.nbytes for a in decoded)
@@ -106,6 +152,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--prototype", action="store_true", help="a sketch of the bounded hook, not the package's")
     parser.add_argument("--no-routes", action="store_true", help="server without routes: TRL's own cost alone")
     args = parser.parse_args()
 
@@ -132,7 +179,7 @@ def main() -> None:
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs; python {platform.python_version()}, "
           f"trl {trl.__version__}, requests {requests.__version__}, numpy {np.__version__}")
     print(f"batch {args.batch} x ({args.prompt} + {args.completion}) tokens, {args.layers} layers, top-{args.top_k}, "
-          f"{args.experts} experts{' (no routes)' if args.no_routes else ''}")
+          f"{args.experts} experts{' (no routes)' if args.no_routes else ''}{' (prototype hook)' if args.prototype else ''}")
     print(f"decoded route bytes : {decoded / mib:9.1f} MiB  (base64 payloads {chars / mib:.1f} MiB)")
     print(f"peak extra memory   : {extra / mib:9.1f} MiB")
     if decoded:
