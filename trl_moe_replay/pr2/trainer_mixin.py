@@ -1,5 +1,6 @@
-"""PR2 beside the sync trainer: ``MoEReplayGRPOTrainer`` mixes :class:`PR2TrainerMixin` in (after the base both trainers share, before
-``RestoresEveryWeight``, whose distributed-checkpoint resume would otherwise skip PR2's checkpoint load).
+"""PR2 beside the sync trainer: ``MoEReplayGRPOTrainer`` mixes :class:`PR2TrainerMixin` in, after the base both
+trainers share and before ``RestoresEveryWeight`` (whose distributed-checkpoint resume would otherwise skip PR2's
+checkpoint load).
 
 The trainer calls PR2 at four named points of a generation batch, each a no-op (or ``contextlib.nullcontext``) without
 PR2:
