@@ -679,10 +679,12 @@ def test_the_async_trainers_model_card_names_the_mode_and_cites_r3(tmp_path, che
 
 @pytest.mark.slow
 @pytest.mark.serial  # two processes (torchrun's default port)
-def test_two_training_processes_train_the_weights_of_one_and_replay_each_rank_row(tmp_path, checkpoint):
+@pytest.mark.parametrize("parallel", ["ddp", "ep"])
+def test_two_training_processes_train_the_weights_of_one_and_replay_each_rank_row(tmp_path, checkpoint, parallel):
     """tests/scripts/async_scripted_ranks.py on one process, then under torchrun on two (gloo): the same scripted
     samples, 8 per micro-batch (one row of 8, or a row of 4 per rank, rank 1's routes crossing the process boundary).
-    TRL normalizes each rank's loss by the global token count, so the two runs take the same steps."""
+    TRL normalizes each rank's loss by the global token count, so the two runs take the same steps. ``ep``: the
+    model sharded at load time, experts split between the ranks (ep_size 2, fsdp_size 2, all_to_all dispatch)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -696,10 +698,11 @@ def test_two_training_processes_train_the_weights_of_one_and_replay_each_rank_ro
     single = subprocess.run([sys.executable, str(script_path), str(one), checkpoint], env=env, capture_output=True,
                             text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
-    run_two_ranks(script_path, two, checkpoint)
+    run_two_ranks(script_path, two, checkpoint, *(["ep"] if parallel == "ep" else []))
     (alone,) = [json.loads((one / "rank0.json").read_text())]
     ranks = [json.loads((two / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+    assert [r["sharded"] for r in ranks] == [parallel == "ep"] * 2 and not alone["sharded"]
     # each rank trained its own group of 4 at both steps, every position routed as the engine did (step 2 on stale
     # routes: the trained router picks otherwise on most of them)
     for report in ranks:
@@ -714,5 +717,6 @@ def test_two_training_processes_train_the_weights_of_one_and_replay_each_rank_ro
     assert min(float((weights_one[name] - initial[name].detach()).abs().max()) for name in initial) > 5e-3
     differ = max(float((weights_one[name] - weights_two[name]).abs().max()) for name in weights_one)
     # the ranks' gradients are summed in another order than one process sums them; Adam's step for a gradient near
-    # its eps amplifies that fp32 rounding: 6.4e-6 measured, against steps of about the learning rate (1e-2)
+    # its eps amplifies that fp32 rounding: 6.4e-6 measured (1.0e-5 with ep), against steps of about the learning
+    # rate (1e-2)
     assert differ < 5e-5, differ

@@ -198,17 +198,20 @@ def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, ch
     assert all(mismatched == 0 for _, _, mismatched in report["checks"])
 
 
-def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(tmp_path, server, checkpoint):
+@pytest.mark.parametrize("parallel", ["ddp", "ep"])
+def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(tmp_path, server, checkpoint,
+                                                                               parallel):
     """Two CPU training processes (torchrun, gloo): rank 0 runs the rollout worker and packs each micro-batch into two
     rows; TRL's dispatcher sends row 1 to rank 1, whose routes cross the process boundary as ``replay_routes`` and are
-    checked where they enter. Each rank checks its own forwards token by token against the engine's rows.
+    checked where they enter. Each rank checks its own forwards token by token against the engine's rows. ``ep``:
+    the model sharded at load time, experts split between the ranks; TRL streams each parameter's full tensor.
 
     Not compared with a single-process run: TRL's rollout worker samples unseeded and on its own clock (see above), so
     two runs train on different completions; the ranks' weights are compared with each other (DDP), and the weights
     equal one process's on the same scripted samples in tests/async_grpo/test_async_grpo_trainer.py."""
     reload_weights(server, checkpoint)
     out = tmp_path / "report.json"
-    run_two_ranks(SCRIPT, out, server, checkpoint, "max_steps=3")
+    run_two_ranks(SCRIPT, out, server, checkpoint, "max_steps=3", f"ep={str(parallel == 'ep').lower()}")
     ranks = [json.loads(out.read_text()), json.loads(out.with_suffix(".rank1.json").read_text())]
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     for report in ranks:

@@ -6,7 +6,7 @@ the all_reduce dispatch's replay), once against a real vLLM CPU server and once 
 each rank (R3, weights synced from the sharded experts, each sync checked by the engine probe). Each launch writes
 one JSON file per rank, which several tests read. One more launches the recipe itself, stops it with Ctrl-C and
 resumes it with the command it printed. The fast tests check the launch-side refusals (sizes, the oldest
-transformers, the async trainer) without loading a model.
+transformers) without loading a model.
 """
 
 import dataclasses
@@ -412,17 +412,6 @@ def test_the_trainer_refuses_bad_sizes_before_loading_the_model(tmp_path, monkey
     with pytest.raises(ParallelSizesError, match=expected):
         MoEReplayGRPOTrainer(model=str(tmp_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                              args=args_with({"ep_size": 2, "fsdp_size": 2}))
-
-
-def test_the_async_trainer_refuses_an_expert_parallel_model_in_one_line():
-    from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
-
-    args = MoEReplayAsyncGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none",
-                                    model_init_kwargs={"distributed_config": {"ep_size": 2, "fsdp_size": 2}})
-    with pytest.raises(expert_parallel.ShardedAtLoadUnsupportedError, match="MoEReplayAsyncGRPOTrainer does not") \
-            as refused:
-        MoEReplayAsyncGRPOTrainer(model="unused", reward_funcs=lambda completions, **kw: [0.0], args=args)
-    assert "\n" not in str(refused.value)
 
 
 def test_every_weight_sync_reads_full_tensors_through_one_function():

@@ -15,6 +15,8 @@ Under ``torchrun --nproc_per_node 2`` (CPU, gloo) rank 0 runs the rollout worker
 each micro-batch to rank i: every rank records its own forwards, rank 0 broadcasts the engine rows after training, and
 each rank checks its own forwards and writes its report (rank 0 to ``OUT.json``, rank r to ``OUT.rank<r>.json``).
 
+``ep=true`` (two ranks): the model sharded at load time, experts split between the ranks (``distributed_config``).
+
 ``tools=true [turns=N]``: TRL's tool loop with a short adding tool (short names keep 8 turns inside the server's 512
 tokens); vLLM's structured outputs make each of the first N - 1 turns (default 2) a tool call and the last one an
 answer (the engine picks the tokens, a regex keeps the format).
@@ -41,6 +43,7 @@ from trl_moe_replay.async_grpo.async_rollout_worker import RoutedRolloutLoop  # 
 
 
 RESTART_WAIT = 900  # seconds the run waits for the test to restart the server
+EXPERT_PARALLEL = {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}  # ep=true, two ranks
 
 
 def even_tokens(completions, completion_ids, **kwargs):
@@ -126,6 +129,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     with_tools = options.pop("tools", "false") == "true"
     tool_turns = int(options.pop("turns", 2))  # with tools: the turns of a conversation (calls, then an answer)
     with_lora = options.pop("lora", "false") == "true"  # a PEFT LoRA policy: attention, router, fused experts
+    expert_parallel = options.pop("ep", "false") == "true"  # two ranks: experts sharded at load (ep 2, fsdp 2)
     engine_rows: dict[tuple, list] = {}
     consumed: list[int] = []
     turn_counts: list[int] = []
@@ -208,6 +212,8 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
             settings[key] = type(settings[key])(value)
         else:
             settings[key] = value
+    if expert_parallel:
+        settings["model_init_kwargs"] = {"dtype": "float32", "distributed_config": EXPERT_PARALLEL}
     args = MoEReplayAsyncGRPOConfig(**settings)
     transfer = NoOpWeightTransfer() if fault == "noop_transfer" else None
     peft_config = None

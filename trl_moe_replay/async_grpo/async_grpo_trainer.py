@@ -40,7 +40,7 @@ from ..core.precision import attach_update_probe
 from ..core.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
 from ..core.routing_options import TrainerKind, option, resolve_weight_sync
 from ..core.trainer_base import MoEReplayTrainerMixin
-from ..parallel.expert_parallel import refuse_async_sharded_at_load
+from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..rollouts.route_intake import RouteIntake
 from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
@@ -208,7 +208,6 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
                  optimizers=(None, None), peft_config=None, tools=None, environment_factory=None, rollout_worker=None,
                  weight_transfer=None):
         # a configuration this trainer cannot run is refused before the model is looked at
-        refuse_async_sharded_at_load(args, model)  # expert parallelism (distributed_config): one-line refusal
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         if args is None:
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
@@ -226,9 +225,11 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
             swaps["get_peak_flops_per_device"] = _no_peak_flops  # TRL asks CUDA for the name of the trainer's device
         if carries_routes:
             swaps["AsyncRolloutWorker"] = RoutedAsyncRolloutWorker  # TRL builds it when no rollout_worker is given
-        with async_trainer_globals(**swaps):
+        # expert parallelism (distributed_config): as in the sync trainer; TRL streams each DTensor's full_tensor()
+        with async_trainer_globals(**swaps), sharded_at_load_construction(args, model):
             super().__init__(model, reward_funcs, args, train_dataset, processing_class, callbacks, optimizers,
                              peft_config, tools, environment_factory, rollout_worker, weight_transfer)
+        check_sharded_at_load(self)  # a PEFT adapter on such a model: refused in one line
 
         unwrapped = self.accelerator.unwrap_model(self.model)
         check_peft_replay(unwrapped, mode, adapter_only_sync=async_adapter_only_sync(self))

@@ -19,7 +19,7 @@ This module is the launch side:
   ``DistributedConfig`` built from that mapping, and lets transformers' Trainer accept checkpointing for a model
   sharded at load time (it refuses it, since it cannot resume one; :mod:`.distributed_checkpoint` does).
 * :func:`check_sharded_at_load`: after it: what is not supported on such a model is refused in one line (PEFT
-  adapters; the async trainer), and TRL's vLLM weight sync is given full tensors.
+  adapters), and TRL's vLLM weight sync is given full tensors.
 """
 
 from __future__ import annotations
@@ -221,15 +221,3 @@ def check_sharded_at_load(trainer: Any) -> None:
         )
     if getattr(trainer, "vllm_generation", None) is not None:
         map_weight_sync_tensors(trainer.vllm_generation, full_tensor)
-
-
-def refuse_async_sharded_at_load(args: Any, model: Any) -> None:
-    """The async trainer on a model sharded at load time: refused in one line (its weight streaming and packed
-    micro-batches were not written for DTensor experts; docs/sharded_training.md)."""
-    requested = args is not None and requested_distributed_config(args) is not None
-    if requested or (not isinstance(model, str) and is_sharded_at_load(model)):
-        raise ShardedAtLoadUnsupportedError(
-            "MoEReplayAsyncGRPOTrainer does not support a model sharded at load time (distributed_config, expert "
-            "parallelism): train it with MoEReplayGRPOTrainer (vLLM server or colocate), or the async trainer "
-            "without distributed_config"
-        )
