@@ -178,7 +178,9 @@ class SyncCheck:
     def _engine_answer(self, when: str) -> torch.Tensor:
         """The engine's probe log-probs, refused unless finite: NaN compares false with every tolerance, so a NaN
         answer would pass both checks."""
-        engine = self.engine(self.probe)
+        scorer = self.engine
+        assert scorer is not None  # its callers return first on a process that drives no engine
+        engine = scorer(self.probe)
         bad = (~torch.isfinite(engine)).nonzero().flatten().tolist()
         if bad:
             raise EngineProbeNotFiniteError(
@@ -272,6 +274,9 @@ def build_sync_check(enabled: bool, *, asynchronous: bool, accelerator: Any, vll
     if vllm_generation is not None and vllm_generation.mode == "colocate":
         engine, name = colocated_scorer(vllm_generation.llm), "colocated vLLM engine"
     elif accelerator.is_main_process:
-        engine = server_scorer(base_url if vllm_generation is None else vllm_generation.vllm_client.base_url)
+        url = base_url if vllm_generation is None else vllm_generation.vllm_client.base_url
+        if url is None:  # what url.rstrip would fail on, named
+            raise ValueError("build_sync_check: a vLLM server's check needs the server's base_url")
+        engine = server_scorer(url)
     return SyncCheck(engine, packed_row_logprobs if asynchronous else causal_lm_logprobs,
                      tolerance=tolerance, engine_name=name)
