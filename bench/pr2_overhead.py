@@ -26,9 +26,9 @@ import time
 import torch
 from _harness import bench_moe, interleaved_ratio, report, timer
 
+from trl_moe_replay.pr2.state import PredictiveRoutingReplay
 from trl_moe_replay.routing import RouterReplay
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
-from trl_moe_replay.trainer.pr2 import PredictiveRoutingReplay
 
 
 def cpu_timer(fn):

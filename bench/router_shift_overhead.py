@@ -41,15 +41,16 @@ def one_update(trainer) -> float:
     start = time.process_time()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
-    trainer._routes.end_micro_batch()
+    trainer._end_micro_batch()
     elapsed = time.process_time() - start
     trainer.model.zero_grad(set_to_none=True)
     return elapsed
 
 
-def batch_bytes(trainer, *keys) -> int:
-    buffered = trainer._buffered_inputs[0]
-    return sum(buffered[k].numel() * buffered[k].element_size() for k in keys if k in buffered)
+def held_bytes(trainer, *keys) -> int:
+    """Bytes of the per-sample inputs ``keys`` the trainer holds for its first buffered micro-batch (with its routes)."""
+    held = trainer._routes.buffer.gather_held(trainer._buffered_inputs[0]["route_rows"]).per_sample
+    return sum(held[k].numel() * held[k].element_size() for k in keys if k in held)
 
 
 def main():
@@ -81,7 +82,7 @@ def main():
           f"ratio rspo/gspo median {step.median:.3f} (min {step.low:.3f}, max {step.high:.3f})")
     replayed = rspo.replayed_routes(rspo._buffered_inputs[0])  # held by the trainer; the batch carries route_rows
     routes = replayed.numel() * replayed.element_size() if replayed is not None else 0
-    extra = batch_bytes(rspo, "old_router_ids", "old_router_probs")
+    extra = held_bytes(rspo, "old_router_ids", "old_router_probs")
     print(f"per micro-batch: replayed routes {routes} bytes, old_router_ids + old_router_probs {extra} bytes "
           f"({extra / max(routes, 1):.1f}x)")
 

@@ -37,6 +37,7 @@ SCRIPTS = {
     "pr2_overhead": (["--quick"], []),
     # 9 rounds: on 2 shared cores, 3 rounds do not resolve differences below ~15 %
     "vllm_overhead": (["--rounds", "9", "--max-tokens", "32", "--step-rounds", "9"], []),
+    "multi_turn_routes": (["--quick"], []),
 }
 
 

@@ -771,8 +771,8 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.core.launch import LaunchMismatchError, ModelPathError
     from trl_moe_replay.core.output_lock import OutputDirInUseError
     from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, ShardedAtLoadUnsupportedError
+    from trl_moe_replay.pr2.state import PR2CheckpointError
     from trl_moe_replay.routing import UnsupportedModelError
-    from trl_moe_replay.trainer.pr2 import PR2CheckpointError
     from trl_moe_replay.upstream import quiet_upstream_notices
     from trl_moe_replay.weight_sync.server_requests import ServerModeDependencyError
 

@@ -7,13 +7,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Waiting OpenMP threads sleep instead of spinning: on a busy 2-core machine spinning threads steal the cores the
 # working ones need (a tiny-MoE forward+backward measured 17 s spinning vs 0.2 s passive). Read when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist (make test: -n 2) each worker gets its share of the cores, in its own threads and in the processes
+# its tests start (unless a test sets OMP_NUM_THREADS itself): two workers of two threads each would put four busy
+# threads on a 2-core machine. Without xdist, as before: up to two threads, subprocesses left to their defaults.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+SHARE = max(1, (os.cpu_count() or 1) // WORKERS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(SHARE))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 
 transformers.logging.set_verbosity_error()
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(min(2, SHARE))
 
 
 # ----------------------------------------------------------------------------- a real vLLM CPU server

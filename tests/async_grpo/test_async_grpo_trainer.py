@@ -249,6 +249,9 @@ def test_malformed_routes_fall_back_per_sample_and_the_run_goes_on(tmp_path, che
     assert len(logs) == STEPS
     assert 0 < logs[0]["routing/fallback_frac"] < 0.3 and 0 < logs[1]["routing/fallback_frac"] < 0.3
     assert trainer._route_intake.fallback_samples == 2
+    # whole samples, counted as they are aligned (leaving the queue, which runs ahead of the training forwards)
+    whole = [entry["routing/fallback_samples_frac"] for entry in logs]
+    assert 0 < max(whole) and all(0 <= value < 0.3 for value in whole)
 
 
 def test_r3_without_any_routes_in_the_first_sample_stops_with_a_clear_error(tmp_path, checkpoint):
@@ -424,6 +427,34 @@ def test_without_routes_the_row_is_trl_row():
     theirs, mine = trl_row.pack(), ours.pack()
     for key, value in theirs.items():
         assert torch.equal(mine[key], value), key
+
+
+def test_routed_batchers_build_routed_rows_and_leave_trl_module_alone():
+    """TRL's batchers build the routed rows through their own code (seam entry ``async_batcher_rows``) while TRL's
+    module keeps its own ``TreeRow``: nothing is swapped while they run (another batcher, in any thread, builds TRL's
+    rows)."""
+    import collections
+    import sys
+
+    from trl_moe_replay.async_grpo.async_grpo_trainer import _RoutedFixedCountBatcher, _RoutedTokenBudgetBatcher
+
+    trl_module = sys.modules[upstream.TokenBudgetBatcher.__module__]
+    trl_row, row_class = upstream.async_tree_row_class(), RoutedTreeRow.for_layout(LAYOUT)
+    seen = []
+
+    def samples():
+        for ids in ([5, 6, 7, 8, 9], [5, 6, 7, 11, 12], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]):
+            seen.append(trl_module.TreeRow)  # what TRL's module holds while its batcher runs
+            yield row_sample(ids, routes_of([1, 2], len(ids)))
+
+    budget = _RoutedTokenBudgetBatcher(samples(), 1, 10, collections.defaultdict(list), row_class=row_class)
+    fixed = _RoutedFixedCountBatcher(samples(), 1, 2, row_class=row_class)
+    for batcher, micro_batches in ((budget, 1), (fixed, 2)):
+        seen.clear()
+        rows = [row for micro_batch in batcher for row in micro_batch]
+        assert len(rows) == micro_batches and all(type(row) is row_class for row in rows)
+        assert len(rows[0].samples) == 2 and len(rows[0].tokens) == 8  # the first two share a prefix of two
+        assert seen == [trl_row] * 4 and trl_module.TreeRow is trl_row
 
 
 def test_a_packed_row_is_built_from_checked_routes_and_a_plain_tensor_is_checked_as_it_enters(route_checks):

@@ -31,8 +31,8 @@ from trl_moe_replay.checkpointing.checkpoints import (
 from trl_moe_replay.testing import tiny_moe_model
 
 from tests.helpers import CPU_ONLY_ENV, load_script, run_two_ranks
+from tests.pr2.test_state import OFF_POLICY
 from tests.trainer.test_grpo_trainer import make_trainer
-from tests.trainer.test_pr2 import OFF_POLICY
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -392,6 +392,7 @@ def test_a_sigterm_whose_line_cannot_be_built_still_saves(tmp_path, capsys, monk
         callback.on_train_end(args, state, control)
 
 
+@pytest.mark.serial  # torchrun, two processes
 def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
     """SLURM and torchrun signal every process, a Kubernetes pod only its own: a SIGTERM to rank 1 alone stops both
     ranks at the end of the generation batch (the all-reduce), each naming the same checkpoint."""
@@ -406,6 +407,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
 
 
 @pytest.mark.slow  # the recipe under torchrun on two CPU processes, SIGTERM to the process group, resumed (~1-2 min)
+@pytest.mark.serial
 def test_sigterm_under_torchrun_saves_and_the_printed_command_resumes(tmp_path):
     """docs/demo.md, "Preemption": SIGTERM to the launcher and both ranks (torchrun forwards its own, too) saves one
     checkpoint at the same step on both ranks, prints the resume command, and that command resumes to the next step."""
@@ -472,13 +474,15 @@ def test_a_refused_resume_is_one_line_on_the_recipe(recipe, saved_tiny_model, tm
 
 
 # accelerate's launchers: one process (its simple launcher, a Popen), several (torchrun's agent, which forwards the
-# signal to every rank; with --multi_gpu on a CPU machine the ranks train on the CPU, as the recipe's use_cpu default)
-ACCELERATE_LAUNCHES = {"one process": ["--num_processes", "1", "--cpu"],
-                       "two processes": ["--num_processes", "2", "--multi_gpu"]}
+# signal to every rank; with --multi_gpu on a CPU machine the ranks train on the CPU, as the recipe's use_cpu default;
+# two processes take accelerate's default port, so that one runs serially)
+ACCELERATE_LAUNCHES = [pytest.param(["--num_processes", "1", "--cpu"], id="one process"),
+                       pytest.param(["--num_processes", "2", "--multi_gpu"], id="two processes",
+                                    marks=pytest.mark.serial)]
 
 
 @pytest.mark.slow  # the recipe under `accelerate launch`, stopped with a real Ctrl-C (~1-2 min)
-@pytest.mark.parametrize("launch", ACCELERATE_LAUNCHES.values(), ids=ACCELERATE_LAUNCHES.keys())
+@pytest.mark.parametrize("launch", ACCELERATE_LAUNCHES)
 def test_ctrl_c_under_accelerate_launch_saves_and_prints_the_resume_command(tmp_path, launch):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",

@@ -113,6 +113,7 @@ def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
 
 
 @pytest.mark.slow  # torchrun, two processes, twice
+@pytest.mark.serial
 def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
     result = run_two_ranks(Path(__file__).parents[1] / "scripts" / "output_lock_ddp.py", tmp_path / "run")
     # raw_decode: print() writes text and newline separately, so the other rank's output may follow on the same line

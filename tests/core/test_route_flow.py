@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
-from trl_moe_replay.core.route_flow import ROUTE_ROWS, RouteBuffer, StaleRouteRowsError
+from trl_moe_replay.core.route_flow import (
+    ROUTE_ROWS,
+    GenerationBatch,
+    HeldRows,
+    MicroBatch,
+    RouteBuffer,
+    StaleRouteRowsError,
+)
 from trl_moe_replay.routing import RouteLayout, RouterReplay, check_routes, has_route
 from trl_moe_replay.testing import tiny_moe_model
 
@@ -163,3 +170,33 @@ def test_the_route_buffer_keeps_one_batch_per_slot_and_gives_each_micro_batch_it
     buffer.gather(taken, take=True)
     with pytest.raises(StaleRouteRowsError):
         buffer.gather(taken)
+
+
+def test_per_sample_inputs_are_held_with_the_routes_row_for_row():
+    """RSPO's old router ids/probs stay with the trainer, keyed by the same route_rows as the routes (not in TRL's
+    batch dict); a batch with per-sample inputs and no routes to replay still gets its rows."""
+    layout = RouteLayout(num_layers=1, top_k=2, num_experts=4, moe_layers=(0,))
+    routes = check_routes(torch.tensor([[[[0, 1]]], [[[2, 3]]], [[[1, 3]]]], dtype=torch.uint8), layout)
+    probs = torch.tensor([[0.1], [0.2], [0.3]])
+    buffer = RouteBuffer()
+    rows = buffer.store(HeldRows(routes, {"old_router_probs": probs}), slot="train")
+    micro = buffer.gather_held(rows[[2, 0]])
+    assert torch.equal(micro.routes.tensor(), routes.tensor()[[2, 0]])
+    assert torch.equal(micro.per_sample["old_router_probs"], probs[[2, 0]])
+    only_inputs = buffer.store(HeldRows(None, {"old_router_probs": probs}), slot="eval")
+    assert only_inputs.shape == (3, 2) and buffer.gather(only_inputs) is None  # nothing to replay
+    assert torch.equal(buffer.gather_held(only_inputs[1:]).per_sample["old_router_probs"], probs[1:])
+    batch = GenerationBatch()
+    assert batch.old_router_inputs() == {}
+    batch.add_old_router(torch.zeros(2, 1, dtype=torch.uint8), probs[:2])
+    batch.add_old_router(torch.ones(1, 1, dtype=torch.uint8), probs[2:])
+    assert torch.equal(batch.old_router_inputs()["old_router_probs"], probs)
+    assert batch.old_router_inputs()["old_router_ids"].flatten().tolist() == [0, 0, 1]
+
+
+def test_a_micro_batch_is_a_value_with_a_copy_of_its_loss_inputs():
+    inputs = {"old_per_token_logps": torch.zeros(2, 3), "advantages": torch.ones(2)}
+    micro = MicroBatch.of(inputs)
+    micro.inputs["old_per_token_logps"] = torch.ones(2, 3)  # what RSPO's γ shift does to the loss inputs
+    assert torch.equal(inputs["old_per_token_logps"], torch.zeros(2, 3))  # the buffered batch is untouched
+    assert torch.equal(micro.old_logps, torch.zeros(2, 3)) and micro.routes is None and micro.gamma is None

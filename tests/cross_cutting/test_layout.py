@@ -27,18 +27,20 @@ MAY_IMPORT = {
     "checkpointing": {"parallel", "upstream", "bounded_json", "errors"},
     # what both trainers share; it imports neither trainer
     "core": {"rollouts", "weight_sync", "routing", "upstream", "bounded_json", "errors"},
-    "trainer": {"core", "checkpointing", "rollouts", "weight_sync", "parallel", "routing", "upstream", "bounded_json",
-                "errors"},
+    # PR2 beside the sync trainer (its config fields, predictor, state, trainer mixin); only trainer and cli import it
+    "pr2": {"core", "parallel", "routing", "upstream", "errors"},
+    "trainer": {"pr2", "core", "checkpointing", "rollouts", "weight_sync", "parallel", "routing", "upstream",
+                "bounded_json", "errors"},
     "async_grpo": {"core", "checkpointing", "rollouts", "weight_sync", "parallel", "routing", "upstream", "errors"},
     "testing": {"rollouts", "routing", "upstream", "errors"},
-    "cli": {"async_grpo", "checkpointing", "core", "rollouts", "extras", "parallel", "routing", "testing", "trainer",
-            "upstream", "bounded_json", "errors"},
+    "cli": {"async_grpo", "checkpointing", "core", "rollouts", "extras", "parallel", "pr2", "routing", "testing",
+            "trainer", "upstream", "bounded_json", "errors"},
     "__init__": {"async_grpo", "checkpointing", "core", "rollouts", "errors", "routing", "trainer"},
 }
 
 
 def part_of(module: str) -> str:
-    """``trl_moe_replay.trainer.pr2`` -> ``trainer``; the package itself -> ``__init__``."""
+    """``trl_moe_replay.pr2.state`` -> ``pr2``; the package itself -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -102,6 +102,7 @@ def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
 
 
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
     result = run_two_ranks(RECIPE, *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2",
                                                    "--plot", "false"), cwd=tmp_path)

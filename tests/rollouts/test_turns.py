@@ -127,4 +127,4 @@ def test_held_positions_is_what_every_given_sample_already_has_routes_for():
     assert turns.held_positions([0, 1]) == 0  # sample 1's first turn brought no rows
     turns.add_turn([[1, 2, 3, 5, 6, 0]], [[1, 1, 1]], rows=[turn_rows(6, 3, start=4)], prompt_start=4)
     assert turns.held_positions([0]) == 6 + 3 - 1
-    assert turns.held_positions([None]) == 0
+    assert turns.held_positions([None]) is None and turns.held_positions([]) is None  # no bound

@@ -11,13 +11,15 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from trl_moe_replay import MoEReplayGRPOTrainer
-from trl_moe_replay.rollouts import RoutesUnavailableError
+from trl_moe_replay.rollouts import RoutesUnavailableError, vllm_routes
+from trl_moe_replay.rollouts.vllm_routes import VLLMRouteSource
 from trl_moe_replay.routing import has_route
 from trl_moe_replay.testing import (
     FakeVLLMServer,
@@ -232,16 +234,18 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     assert max(logged(trainer, "mismatch/kl_k3")) < 1e-6  # natural routing in fp32 matches the engine anyway
 
 
-def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_instead_of_ending_the_run(tmp_path):
-    # each payload decodes and has the right shape and length; the problem is inside the rows (issue 16)
+def test_repeated_ids_and_time_dtypes_fall_back_whole_and_never_written_rows_per_position_mid_run(tmp_path):
+    # each payload decodes and has the right shape and length; the problem is inside the rows (issues 16, 45)
+    unwritten = {4: [0, -1], 6: [1, 2, 3]}  # rows vLLM never wrote (all zeros at a MoE layer), by sample
+
     def tamper(call, choice, payload):
-        if call != 1 or choice not in (2, 4, 7):
+        if call != 1 or choice not in (2, 4, 6, 7):
             return payload
         rows = npy_b64decode(payload).copy()
         if choice == 2:
             rows[len(rows) // 2, 1, 1] = rows[len(rows) // 2, 1, 0]  # an expert named twice in one route
-        elif choice == 4:
-            rows[len(rows) // 2, 0] = 0  # a route in the middle vLLM never wrote
+        elif choice in unwritten:
+            rows[unwritten[choice], choice % 2] = 0  # at one MoE layer: the whole position falls back
         else:
             rows = rows.astype("m8[s]")  # passes np.issubdtype(..., np.integer)
         return npy_b64encode(rows)
@@ -252,17 +256,29 @@ def test_repeated_ids_never_written_rows_and_time_dtypes_mid_run_fall_back_inste
         trainer.train()
 
     assert trainer.state.global_step == 2  # the run went on
-    bad = [2, 4, 7]
+    bad = [2, 7]
     batch = trainer.batches[1]
     assert no_route(batch["replay_routes"][bad]).all()
+    # every other sample replays the server's routes, the never-written positions excepted (the router's own choice)
     good = [i for i in range(8) if i not in bad]
-    assert has_route(batch["replay_routes"][good]).any(dim=(1, 2)).all()
+    rows = [npy_b64decode(server.batches[1].payloads[i]).copy() for i in good]
+    for i, sample_rows in zip(good, rows, strict=True):
+        if i in unwritten:
+            assert len(sample_rows) > 3 and not sample_rows[unwritten[i], i % 2].any()
+            sample_rows[unwritten[i]] = 0  # expected_routes -> "no route" below
+    expected = expected_routes({k: batch[k][good] for k in ("prompt_mask", "completion_mask")}, rows, [0] * 6,
+                               trainer._route_replay.moe_layers)
+    expected[~expected.bool().any(-1).any(-1)] = -1  # an all-zero position: no route, at every layer
+    torch.testing.assert_close(as_signed(batch["replay_routes"][good]), expected, rtol=0, atol=0)
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
-    expected_frac = (routable[bad].sum() / routable.sum()).item()  # exactly the bad samples' positions
+    marked = sum(len(positions) for positions in unwritten.values())
+    assert (~has_route(batch["replay_routes"][good]).all(-1)).logical_and(
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)[good].bool()).sum() == marked + len(good)
+    # counted per position: the bad samples' routable positions and the 5 never-written ones; whole samples: 2 of 8
+    expected_frac = ((routable[bad].sum() + marked) / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
-    routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
-    expected_frac = (routable[bad].sum() / routable.sum()).item()
-    assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
+    assert logged(trainer, "routing/fallback_samples_frac") == [0.0, 2 / 8]
+    assert trainer._route_intake.unwritten_positions == marked and trainer._route_intake.fallback_samples == 2
 
 
 def test_fallback_frac_and_the_comparison_are_logged_without_an_old_logprob_pass(tmp_path):
@@ -337,6 +353,7 @@ def test_r2_and_none_with_vllm_need_no_routes(tmp_path):
 
 # ----------------------------------------------------------------------------- two processes
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_two_ranks_each_receive_only_their_own_route_payloads():
     script = Path(__file__).parents[1] / "scripts" / "grpo_vllm_server.py"
     result = run_two_ranks(script)
@@ -357,3 +374,57 @@ def test_two_ranks_each_receive_only_their_own_route_payloads():
     for metrics in reports[0]["metrics"]:  # routes stayed with their samples on both ranks
         assert metrics["routing/mismatch_frac"] == 0.0 and metrics["routing/fallback_frac"] == 0.0
         assert metrics["mismatch/kl_k3"] < 1e-6
+
+
+# ----------------------------------------------------------------------------- one start per request
+def route_source(mode, *, processes=1, tp_size=1):
+    """A VLLMRouteSource on a non-main rank (no client to hook) of a TRL VLLMGeneration stand-in."""
+    generation = SimpleNamespace(mode=mode, generation_kwargs={}, tensor_parallel_size=tp_size, tp_group="tp-group")
+    accelerator = SimpleNamespace(num_processes=processes, is_main_process=False)
+    return VLLMRouteSource(generation, accelerator)
+
+
+def test_server_mode_asks_for_what_every_rank_holds(monkeypatch):
+    """TRL's main process sends every rank's prompts in one request: its start is the minimum over all ranks, and a
+    rank without samples in the turn (None) does not pull it to 0."""
+    gathered = []
+
+    def gather_object(values):  # accelerate's gather_object: every rank's list, concatenated in rank order
+        gathered.append(values)
+        return [40, *values, None, 25]
+
+    monkeypatch.setattr(vllm_routes, "gather_object", gather_object)
+    source = route_source("server", processes=4)
+    assert source.request_prompt_start(31) == 25 and gathered == [[31]]
+    assert source.request_prompt_start(None) == 25  # no samples here: the others decide
+    assert source.request_prompt_start(7) == 7
+
+
+def test_server_mode_with_no_rank_holding_anything_asks_for_everything(monkeypatch):
+    monkeypatch.setattr(vllm_routes, "gather_object", lambda values: [None, *values])
+    assert route_source("server", processes=2).request_prompt_start(None) == 0
+
+
+def test_one_process_and_colocate_without_tp_use_their_own_held_positions_with_no_collective(monkeypatch):
+    def no_collective(*args, **kwargs):
+        raise AssertionError("one request serves this rank's samples only: nothing to gather")
+
+    monkeypatch.setattr(vllm_routes, "gather_object", no_collective)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", no_collective)
+    for source in (route_source("server"), route_source("colocate", processes=8)):
+        assert source.request_prompt_start(12) == 12 and source.request_prompt_start(None) == 0
+
+
+def test_colocate_with_tensor_parallelism_takes_the_minimum_within_the_tp_group(monkeypatch):
+    calls = []
+
+    def all_gather_object(output, value, group=None):  # TRL's idiom: fills one entry per rank of the group
+        calls.append(group)
+        output[:] = [value, 18, None][: len(output)]
+
+    monkeypatch.setattr(vllm_routes, "gather_object", lambda values: pytest.fail("not the global gather"))
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    source = route_source("colocate", processes=6, tp_size=3)
+    assert source.request_prompt_start(30) == 18 and source.request_prompt_start(9) == 9
+    assert source.request_prompt_start(None) == 18
+    assert calls == ["tp-group"] * 3  # within the group that shares one engine, never across groups

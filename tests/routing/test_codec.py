@@ -334,11 +334,15 @@ def test_negative_ids_are_rejected():
         _batch_with_bad_sample(rows)
 
 
-def test_all_zero_last_row_in_a_moe_layer_is_rejected():
+def test_an_all_zero_last_row_in_a_moe_layer_falls_back_at_that_position_only():
     rows = engine_rows(3, 4)
-    rows[-1, 2] = 0
-    with pytest.raises(RouteAlignmentError, match="sample 1: layer 2 is in moe_layers but position 5 has an all-zero"):
-        _batch_with_bad_sample(rows)
+    rows[-1, 2] = 0  # never written, at one MoE layer: the whole position (every layer) falls back
+    reports = []
+    out = _batch_with_bad_sample(rows, on_unwritten=reports.append)
+    assert [(r.sample, r.count, r.first) for r in reports] == [(1, 1, 5)]
+    expected = reference([(*GOOD, True), (3, 4, 0, True)], 4, 5)
+    expected[1, 4 - 3 + 5] = -1  # column of position 5
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_uint16_ids_beyond_int16_are_rejected():
@@ -444,15 +448,58 @@ def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
     assert error.value.sample == 0
 
 
-def test_an_all_zero_row_in_the_middle_is_rejected_as_never_written(monkeypatch):
+@pytest.mark.parametrize("chunk", [5, 1 << 16], ids=["many blocks", "one block"])
+def test_never_written_rows_anywhere_fall_back_one_position_at_a_time(monkeypatch, chunk):
+    """vLLM's all-zero rows, and rows of -1s, at MoE layers: exactly those positions lose their routes, at every
+    layer; every other position of the sample keeps the engine's, and the sample is no error."""
     from trl_moe_replay.routing import codec
 
-    monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", 5, raising=False)
-    rows = engine_rows(40, 60)
+    monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", chunk, raising=False)
+    rows = engine_rows(40, 60, dense=(0,), dtype=np.int16)
     rows[50, 3] = 0  # vLLM's capture buffer is zeros where it never wrote
-    with pytest.raises(RouteAlignmentError, match="sample 1: layer 3 is in moe_layers but position 50 has an "
-                                                  "all-zero top-2 route"):
-        align([engine_rows(40, 60), rows], [(40, 60, 0, True)] * 2, prompt_width=40, completion_width=60)
+    rows[[7, 8, 98], 1] = 0  # the very last row too
+    rows[60, 2] = -1  # a peer's "never written" mark (NeMo-RL's -1)
+    rows[61, 1:] = -1  # every MoE layer of the position
+    rows[61, 0] = -1  # and its dense layer: the position is the engine's "nothing here"
+    rows[7, 2, 1] = rows[7, 2, 0]  # garbage at another layer of a never-written position is not judged
+    reports, errors = [], []
+    out = align([engine_rows(40, 60, dense=(0,)), rows], [(40, 60, 0, True)] * 2, prompt_width=40,
+                completion_width=60, moe_layers=[1, 2, 3], num_experts=E, on_error=errors.append,
+                on_unwritten=reports.append)
+    assert errors == [] and [(r.sample, r.count, r.first) for r in reports] == [(1, 6, 7)]
+    expected = reference([(40, 60, 0, True)] * 2, 40, 60, dense=(0,)).long()
+    expected[1, [7, 8, 50, 60, 61, 98]] = -1
+    assert torch.equal(out.long(), expected.where(expected >= 0, 255))  # uint8 routes: 255 = no route
+    assert (~has_route(out[1, :99, 1:]).all(-1)).sum() == 6
+
+
+@pytest.mark.parametrize("mark", [0, -1], ids=["zeros", "minus one"])
+def test_a_sample_whose_every_row_is_never_written_falls_back_whole(mark):
+    """Nothing left to replay: the sample is an error (and, with on_error, a whole-sample fallback), as before."""
+    rows = engine_rows(3, 4, dtype=np.int16)
+    rows[:, 1 + np.arange(6) % 3] = mark  # a different MoE layer at each position
+    with pytest.raises(RouteAlignmentError, match="sample 1: layer 1 is in moe_layers but position 0 has .*and so has "
+                                                  "every other of its 6 positions"):
+        _batch_with_bad_sample(rows)
+    errors, reports = [], []
+    out = _batch_with_bad_sample(rows, on_error=errors.append, on_unwritten=reports.append)
+    assert [e.sample for e in errors] == [1] and reports == [] and no_route(out[1]).all()
+
+
+def test_a_partial_mark_is_malformed_and_top1_minus_one_is_a_mark():
+    """A route mixing ids and -1 is no mark: the sample falls back whole. With top-1, zeros are expert 0 (real),
+    while a -1 marks the position."""
+    rows = engine_rows(3, 4, dtype=np.int16)
+    rows[4, 2, 1] = -1
+    with pytest.raises(RouteAlignmentError, match="sample 1: negative expert id -1 at position 4, layer 2"):
+        _batch_with_bad_sample(rows)
+    top1 = engine_rows(3, 4, top_k=1, dtype=np.int16)
+    top1[2] = 0
+    top1[3, 1] = -1
+    reports = []
+    out = align([top1], [(3, 4, 0, True)], prompt_width=3, completion_width=4, top_k=1, on_unwritten=reports.append)
+    assert [(r.count, r.first) for r in reports] == [(1, 3)]
+    assert out[0, 2].eq(0).all() and no_route(out[0, 3]).all() and has_route(out[0, [0, 1, 2, 4, 5]]).all()
 
 
 def test_rows_are_checked_at_the_moe_layers_only_contiguous_or_not(monkeypatch):
@@ -490,9 +537,11 @@ def test_on_error_falls_back_for_repeated_and_never_written_rows():
     errors = []
     out = align([engine_rows(3, 4), repeated, zero, engine_rows(3, 4)], samples, prompt_width=3, completion_width=4,
                 on_error=errors.append)
-    assert [e.sample for e in errors] == [1, 2]
-    assert no_route(out[[1, 2]]).all()
-    torch.testing.assert_close(out[[0, 3]], reference([samples[0]] * 2, 3, 4), rtol=0, atol=0)
+    assert [e.sample for e in errors] == [1]  # a repeated id is malformed data: the whole sample falls back
+    assert no_route(out[1]).all()
+    expected = reference([samples[0]] * 3, 3, 4)
+    expected[1, 2] = -1  # a never-written position: that one alone
+    torch.testing.assert_close(out[[0, 2, 3]], expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", ["m8[s]", "M8[s]", "m8[ns]", bool])
@@ -587,29 +636,34 @@ def test_threaded_alignment_equals_sequential_with_errors_in_sample_order(monkey
     def run(threaded_bytes):
         monkeypatch.setattr(codec, "_THREADED_BYTES", threaded_bytes)
         monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", 16)  # many blocks per sample
-        errors, threads = [], set()
+        errors, threads, reports = [], set(), []
 
         def recording(*args, **kwargs):
             threads.add(threading.current_thread().name)
             return sample_rows(*args, **kwargs)
 
         monkeypatch.setattr(codec, "_sample_rows", recording)
-        out = align(rows, samples, prompt_width=12, completion_width=30, num_experts=E, on_error=errors.append)
+        out = align(rows, samples, prompt_width=12, completion_width=30, num_experts=E, on_error=errors.append,
+                    on_unwritten=reports.append)
         with pytest.raises(RouteAlignmentError) as first:
             align(rows, samples, prompt_width=12, completion_width=30, num_experts=E)
-        return out, [(e.sample, str(e)) for e in errors], str(first.value), threads
+        return out, [(e.sample, str(e)) for e in errors], str(first.value), threads, reports
 
-    seq_out, seq_errors, seq_first, seq_threads = run(1 << 60)
-    thr_out, thr_errors, thr_first, thr_threads = run(0)
+    seq_out, seq_errors, seq_first, seq_threads, seq_reports = run(1 << 60)
+    thr_out, thr_errors, thr_first, thr_threads, thr_reports = run(0)
     assert seq_threads == {threading.current_thread().name}
     assert any(name.startswith("trl_moe_replay-routes") for name in thr_threads)
     assert torch.equal(thr_out, seq_out)
-    assert [sample for sample, _ in seq_errors] == [1, 5, 7]
+    assert [sample for sample, _ in seq_errors] == [1, 5]
     assert thr_errors == seq_errors and thr_first == seq_first == seq_errors[0][1]
-    assert no_route(seq_out[[1, 4, 5, 7]]).all()
+    assert thr_reports == seq_reports and [(r.sample, r.first) for r in seq_reports] == [(7, 10)]
+    assert no_route(seq_out[[1, 4, 5]]).all()
     expected = reference([samples[0]], 12, 30)[0].long()  # int16, -1 = no route; uint8 out: 255
-    for good in (0, 2, 3, 6, 8):
-        assert torch.equal(seq_out[good].long(), expected.where(expected >= 0, 255))
+    for good in (0, 2, 3, 6, 7, 8):
+        sample = expected.clone()
+        if good == 7:  # its never-written position alone falls back
+            sample[10] = -1
+        assert torch.equal(seq_out[good].long(), sample.where(sample >= 0, 255))
 
 
 def test_checked_engine_routes_hold_what_was_checked_for_their_layout():

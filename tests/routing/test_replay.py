@@ -71,6 +71,32 @@ def test_minus_one_rows_keep_the_routers_own_choice():
             assert torch.equal(model(x).logits, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16], ids=["255 rows", "-1 rows"])
+def test_positions_without_a_route_route_naturally_while_the_others_replay(dtype):
+    """Issue 45's per-position fallback relies on this: in one replayed forward, a position of "no route" at every
+    layer uses the router's own choice in that forward (RouterCall.natural, from the hidden states the replayed
+    positions before it produced), every other position exactly the replayed experts."""
+    model = tiny_moe_model("qwen3_moe")
+    rr = RouterReplay(model)
+    x = random_ids(2, 9, seed=4)
+    with torch.no_grad(), rr.record() as rec:
+        model(x)
+    routes = shifted(rec.routes, rr.num_experts).to(dtype)  # never the natural choice where replayed
+    marked = torch.zeros(2, 9, dtype=torch.bool)
+    marked[0, [0, 4]] = marked[1, [3, 7, 8]] = True  # never written by the engine: the router chooses
+    routes[marked] = 255 if dtype == torch.uint8 else -1
+    calls = []
+    with torch.no_grad(), rr.replay(routes), rr.observe(calls.append):
+        model(x)
+    assert sorted(call.layer for call in calls) == rr.moe_layers
+    for call in calls:
+        used, natural = call.used.view(2, 9, -1), call.natural.view(2, 9, -1)
+        assert torch.equal(used[marked], natural[marked])
+        replayed = routes[:, :, call.layer].long()[~marked]
+        assert torch.equal(used[~marked].sort(-1).values, replayed.sort(-1).values)
+        assert not (natural[~marked].sort(-1).values == replayed.sort(-1).values).all(-1).all()
+
+
 def test_left_padded_batch_replays_each_sequence_like_alone():
     model = tiny_moe_model("qwen3_moe")
     rr = RouterReplay(model)

@@ -23,7 +23,7 @@ torch.set_num_threads(1)  # no OpenMP pool in the parent: forked children start 
 import safetensors.torch  # noqa: E402
 from transformers import Trainer, TrainerState  # noqa: E402
 
-import trl_moe_replay.trainer.pr2 as pr2  # noqa: E402
+import trl_moe_replay.pr2.state as pr2  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model  # noqa: E402
 
 from tests.trainer.test_grpo_trainer import make_trainer  # noqa: E402

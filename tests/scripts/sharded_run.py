@@ -207,8 +207,8 @@ def predictor_shapes_under_zero_init() -> dict:
     """PR2 predictors for a model whose weights ZeRO-3 partitioned at creation: the predictors' real shapes."""
     from transformers import AutoConfig
 
+    from trl_moe_replay.pr2.predictor import RoutePredictors
     from trl_moe_replay.routing import RouterReplay
-    from trl_moe_replay.routing.predictor import RoutePredictors
 
     config = AutoConfig.for_model(**MODEL, vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32)

@@ -55,6 +55,7 @@ def main():
 
     from trl_moe_replay import MoEReplayGRPOConfig
     from trl_moe_replay.routing import has_route
+    from trl_moe_replay.routing.codec import decode_routed_experts
     from trl_moe_replay.testing import tiny_tokenizer
 
     from tests.route_checks import RouteCheckingTrainer, RouteOracle
@@ -64,6 +65,7 @@ def main():
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
     fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
     with_tools = overrides.pop("tools", False)  # tool-calling rollouts (TRL's tool loop), forced by a regex
+    turns = overrides.pop("turns", None)  # with tools: N turns per sample (a tool call in each of the first N - 1)
     with_lora = overrides.pop("lora", False)  # a PEFT LoRA policy on attention, the router and the fused experts
     count_only = overrides.pop("count_mismatches", False)  # count positions off the engine's routes, don't assert
     if mode == "colocate":
@@ -83,6 +85,7 @@ def main():
         syncs: list = []
         batches: list = []
         later_turns = 0  # tool turns generated (a sample's second or third turn)
+        rows_received: list = []  # per sample of each generation batch: [engine rows, positions, turns]
 
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
@@ -98,6 +101,17 @@ def main():
                         tokens = sequence[: turn.prompt_length + turn.completion_length]
                         self.oracle.add(tokens, turn.rows, start=turn.prompt_start)
             return completion_ids, logprobs
+
+        def _generate(self, prompts):
+            output = super()._generate(prompts)
+            state = self._routes.batch if self._routes is not None else None
+            if state is not None and state.turns is not None and fuzz_seed is None:
+                for turns, sequence in zip(state.turns.turns, state.turns._sequences, strict=True):
+                    rows = [decode_routed_experts(t.rows) if isinstance(t.rows, str) else t.rows for t in turns]
+                    # engine rows received for this sample over all its turns, and its routable positions
+                    self.rows_received.append([sum(len(r) for r in rows if r is not None), len(sequence) - 1,
+                                               len(turns)])
+            return output
 
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -135,6 +149,8 @@ def main():
             r'"[0-9]\+[0-9]"\}\}\n</tool_call>|\\boxed\{[0-9]{1,2}\})',
             max_completion_length=96, max_tool_calling_iterations=2,
         )
+        if turns is not None:  # long conversations: room for N turns of ~60 tokens (a call and its tool result)
+            settings.update(max_completion_length=56 * int(turns), max_tool_calling_iterations=int(turns) - 1)
     if with_lora:
         from peft import LoraConfig
 
@@ -152,6 +168,25 @@ def main():
         train_dataset=Dataset.from_dict({"prompt": prompts}), **tool_kwargs,
     )
     rr = trainer._route_replay
+    client = getattr(trainer.vllm_generation, "vllm_client", None)
+    if turns is not None and client is not None:  # server mode, main process: the one request of each turn
+        call, answer = settings["vllm_structured_outputs_regex"][1:-1].split("|", 1)
+        tokenizer = trainer.processing_class
+        tool_result = tokenizer.convert_tokens_to_ids("<tool_response>")
+        # the markup's word tokens get a logit bias (as in async_train.py): the engine writes a call in ~45 tokens
+        markup = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", '"name": ', '"arguments": '])
+        generate = client.generate
+
+        def generate_turn(prompts, **kwargs):  # a call while fewer than N - 1 tool results are in the prompt
+            results = min(list(prompt).count(tool_result) for prompt in prompts)
+            kwargs["structured_outputs_regex"] = call if results < int(turns) - 1 else answer
+            kwargs["generation_kwargs"] = {**(kwargs.get("generation_kwargs") or {}),
+                                           "logit_bias": {str(token): 30.0 for token in markup}}
+            # the test server's --max-model-len is 512 (tests/vllm_server.py); the regex bounds the output anyway
+            kwargs["max_tokens"] = min(kwargs["max_tokens"], 512 - max(len(prompt) for prompt in prompts))
+            return generate(prompts, **kwargs)
+
+        client.generate = generate_turn
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
     fuzzer = None
     if fuzz_seed is not None:  # corrupt payloads as they arrive, before the trainer sees them
@@ -184,7 +219,10 @@ def main():
         "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
                               if "lora_B" in n), default=None),
         "peft": type(trainer.model).__name__,
+        "rows_received": trainer.rows_received,
     }
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one report per rank
+        out = f"{out}.rank{os.environ['RANK']}"
     Path(out).write_text(json.dumps(report))
     trainer.end()
 

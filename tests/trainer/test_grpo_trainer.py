@@ -16,7 +16,7 @@ from tests.helpers import run_two_ranks
 
 METRICS = [
     "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/extreme_frac", "routing/mismatch_frac",
-    "routing/token_any_mismatch", "routing/topk_agreement", "routing/fallback_frac",
+    "routing/token_any_mismatch", "routing/topk_agreement", "routing/fallback_frac", "routing/fallback_samples_frac",
 ]
 
 
@@ -68,6 +68,7 @@ def test_a_few_steps_log_finite_metrics_and_update_the_model(tmp_path, model_typ
         assert max(abs(v) for v in logged(trainer, "mismatch/kl_k1")) < 1e-5
         assert logged(trainer, "routing/mismatch_frac") == [0.0, 0.0]
         assert logged(trainer, "routing/fallback_frac") == [0.0, 0.0]
+        assert logged(trainer, "routing/fallback_samples_frac") == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("mode", ["none", "r3"])
@@ -152,6 +153,7 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
 
 
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_import_swap_script_runs_on_two_processes():
     script = Path(__file__).parents[1] / "scripts" / "grpo_swap.py"
     result = run_two_ranks(script)

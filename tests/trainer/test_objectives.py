@@ -1,5 +1,6 @@
 """Loss options in the trainer: gspo / rspo (router-shift weighting) / minirl, against TRL and hand computations."""
 
+import dataclasses
 import math
 
 import pytest
@@ -30,6 +31,19 @@ def first_micro_batch(trainer) -> dict:
     return split_tensor_dict(batch, 2)[0]
 
 
+def held(trainer, micro) -> dict:
+    """RSPO's per-sample inputs of ``micro``, held by the trainer with its routes (route_flow step 4), not in the
+    batch dict."""
+    return trainer._routes.buffer.gather_held(micro["route_rows"]).per_sample
+
+
+def with_old_router_probs(trainer, micro, probs) -> dict:
+    """``micro`` naming held rows whose old router probabilities are ``probs`` (as if the old router had given them)."""
+    rows = trainer._routes.buffer.gather_held(micro["route_rows"])
+    moved = dataclasses.replace(rows, per_sample={**rows.per_sample, "old_router_probs": probs})
+    return dict(micro, route_rows=trainer._routes.buffer.store(moved))
+
+
 def trl_compute_loss(trainer, inputs):
     """TRL's own _compute_loss on ``inputs``, under the same engine correction our trainer applies."""
     with trainer._engine_correction():
@@ -40,7 +54,7 @@ def loss_and_grads(trainer, compute):
     trainer.model.zero_grad()
     loss = compute()
     loss.backward()
-    trainer._routes.end_micro_batch()
+    trainer._end_micro_batch()
     return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
 
@@ -72,9 +86,11 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     assert trainer.loss_type == "grpo" and trainer.importance_sampling_level == "sequence"
     assert (trainer.epsilon_low, trainer.epsilon_high) == (3e-4, 4e-4)
     micro = first_micro_batch(trainer)
-    assert micro["old_router_ids"].dtype == torch.uint8 and micro["old_router_probs"].dtype == torch.float16
-    assert micro["old_router_ids"].shape == micro["old_router_probs"].shape
-    assert micro["old_router_ids"].shape[:2] == (4, micro["prompt_ids"].shape[1] + micro["completion_ids"].shape[1])
+    assert "old_router_ids" not in micro and "old_router_probs" not in micro  # TRL's batch holds TRL's keys
+    old = held(trainer, micro)
+    assert old["old_router_ids"].dtype == torch.uint8 and old["old_router_probs"].dtype == torch.float16
+    assert old["old_router_ids"].shape == old["old_router_probs"].shape
+    assert old["old_router_ids"].shape[:2] == (4, micro["prompt_ids"].shape[1] + micro["completion_ids"].shape[1])
 
     def trl_loss(inputs):  # TRL's own _compute_loss on the same inputs, without our γ
         return loss_and_grads(trainer, lambda: trl_compute_loss(trainer, inputs))
@@ -86,15 +102,15 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
 
     # Let the old router have given half the probability at layer 0 on every even position: Δ = ln2 / 2 there
     # (mean over the 2 MoE layers), γ = 2^-1/2; odd positions keep γ = 1.
-    moved = dict(micro)
-    moved["old_router_probs"] = micro["old_router_probs"].clone()
-    moved["old_router_probs"][:, ::2, 0] *= 2
+    probs = old["old_router_probs"].clone()
+    probs[:, ::2, 0] *= 2
+    moved = with_old_router_probs(trainer, micro, probs)
     old_before = micro["old_per_token_logps"].clone()
     flush_logs(trainer)  # TRL's own loss above logs too
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, moved))
     logs = flush_logs(trainer)
     assert torch.equal(moved["old_per_token_logps"], old_before)  # the buffered batch is never shifted in place
-    seq = micro["old_router_ids"].shape[1]
+    seq = old["old_router_ids"].shape[1]
     gamma_at_position = torch.tensor([2 ** -0.5 if p % 2 == 0 else 1.0 for p in range(seq)]).expand(4, seq)
     gamma = completion_aligned(gamma_at_position, micro["completion_ids"].shape[1])
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - gamma.log())
@@ -110,7 +126,7 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
     trainer = make_trainer(tmp_path, tiny_moe_model("mixtral"), loss_type="dapo", router_shift_weighting=True,
                            routing_replay="r3", router_shift_gamma_min=0.8)
     micro = first_micro_batch(trainer)
-    moved = dict(micro, old_router_probs=micro["old_router_probs"] * 2)  # Δ = ln2 everywhere: γ floored at 0.8
+    moved = with_old_router_probs(trainer, micro, held(trainer, micro)["old_router_probs"] * 2)  # Δ = ln2: γ floored
     flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, moved))
     logs = flush_logs(trainer)
@@ -119,8 +135,8 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - math.log(0.8))
 
     def trl_with_replay():
-        trainer._routes.begin_micro_batch(micro)
-        return trl_compute_loss(trainer, by_hand)
+        with trainer._micro_batch_of(micro):
+            return trl_compute_loss(trainer, by_hand)
 
     assert_same(ours, loss_and_grads(trainer, trl_with_replay), exact=False)
     # ratio·γ = 0.8 < 1 - 0.2: every negative-advantage token is clipped on the low side
@@ -142,16 +158,16 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
     offsets = torch.tensor([0.0, 0.3, -0.3, 0.01, -0.01, 0.5])[:completion]
     micro = dict(micro, sampling_per_token_logps=micro["sampling_per_token_logps"] + offsets,
                  old_per_token_logps=micro["old_per_token_logps"] - offsets.flip(0))
-    trainer._routes.begin_micro_batch(micro)
     flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
     logs = flush_logs(trainer)
 
     def by_hand():
-        trainer._routes.begin_micro_batch(micro)
         input_ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
         attention_mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, completion)
+        with trainer._micro_batch_of(micro):
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
+                                                                      completion)
         advantages = micro["advantages"].unsqueeze(1)
         weights = minirl_token_weights(logps, logps - micro["old_per_token_logps"],
                                        micro["sampling_per_token_logps"], advantages, 0.2, 0.27, 1.001)
@@ -215,7 +231,8 @@ def test_without_an_old_logprob_pass_gamma_is_one(tmp_path):
     original = trainer._compute_loss
 
     def spy(model, inputs):
-        seen.append("old_router_ids" in inputs or "old_per_token_logps" in inputs)
+        rows = trainer._routes.micro_rows(inputs)
+        seen.append("old_per_token_logps" in inputs or (rows is not None and "old_router_ids" in rows.per_sample))
         return original(model, inputs)
 
     trainer._compute_loss = spy

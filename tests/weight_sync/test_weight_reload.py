@@ -242,6 +242,23 @@ def test_auto_weight_sync_resolves_where_trl_transfer_cannot_run(device, mode, m
     assert resolve_weight_sync(args(use_vllm=False), asynchronous=False) is None
 
 
+def test_each_trainer_builds_its_sync_by_its_own_constructor_from_the_typed_method(tmp_path):
+    """One named constructor per trainer (no ``asynchronous=`` switch), from the method resolved once."""
+    config = args(output_dir=str(tmp_path), vllm_server_base_url="http://127.0.0.1:1/", weight_sync_timeout=7)
+    method = resolve_weight_sync(config, asynchronous=True)
+    assert method is weight_reload.WeightSyncMethod.RELOAD
+    transfer = weight_reload.async_trainer_weight_transfer(method, config)
+    assert isinstance(transfer, weight_reload.ReloadWeightTransfer) and transfer.model is None
+    assert (transfer.base_url, transfer.timeout) == ("http://127.0.0.1:1", 7.0)
+    assert transfer.sync_dir == str(tmp_path / weight_reload.DEFAULT_SYNC_FOLDER)
+    trl = weight_reload.WeightSyncMethod.TRL
+    assert weight_reload.async_trainer_weight_transfer(trl, config) is None  # TRL's own transfer
+    assert weight_reload.sync_trainer_weight_sync(trl, config, vllm_generation=None, model=None) is None
+    assert weight_reload.sync_trainer_weight_sync(None, config, vllm_generation=None, model=None) is None  # no vLLM
+    assert sync_check.async_trainer_check(False, accelerator=None, base_url="http://127.0.0.1:1") is None
+    assert sync_check.sync_trainer_check(False, accelerator=None, vllm_generation=None) is None
+
+
 def test_a_process_without_the_engine_joins_the_trainer_forward_only():
     """A server's non-main processes score nothing with the engine but run the probe forward (a sharded model's
     forward needs every rank), and log what the main process measured."""

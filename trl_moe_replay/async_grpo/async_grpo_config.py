@@ -9,6 +9,7 @@ from ..core.routing_options import (
     ASYNC_TRAINER,
     ReplayMode,
     RoutingOptions,
+    declare_defaults,
     default_routing_metrics,
     resolve_sync_check,
 )
@@ -72,3 +73,6 @@ class MoEReplayAsyncGRPOConfig(RoutingOptions, AsyncGRPOConfig):
     def carries_routes(self) -> bool:
         """Whether samples carry the engine's routes (R3, or routing metrics)."""
         return ReplayMode(self.routing_replay).replays or bool(self.routing_metrics)  # a ReplayMode after init
+
+
+declare_defaults(MoEReplayAsyncGRPOConfig)

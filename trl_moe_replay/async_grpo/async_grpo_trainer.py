@@ -33,20 +33,13 @@ from transformers.utils import logging
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..core.launch import checked_model_name
-from ..core.metrics import (
-    AGREEMENT_RATIOS,
-    FALLBACK_RATIOS,
-    MISMATCH_RATIOS,
-    log_ratio_metrics,
-    logprob_mismatch_sums,
-    routing_agreement_sums,
-)
 from ..core.model_card import write_model_card
-from ..core.output_lock import claim_output_dir, hold_output_dir
+from ..core.output_lock import hold_output_dir
 from ..core.peft_replay import check_peft_replay
 from ..core.precision import attach_update_probe
 from ..core.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
-from ..core.routing_options import ASYNC_TRAINER, ReplaySettings, option, resolve_weight_sync
+from ..core.routing_options import TrainerKind, option, resolve_weight_sync
+from ..core.trainer_base import MoEReplayTrainerMixin
 from ..parallel.expert_parallel import refuse_async_sharded_at_load
 from ..rollouts.route_intake import RouteIntake
 from ..routing import RouterReplay
@@ -57,16 +50,15 @@ from ..upstream import (
     FixedCountBatcher,
     RolloutQueueDataset,
     TokenBudgetBatcher,
-    assert_async_trl_compatible,
     async_adapter_only_sync,
     async_trainer_globals,
+    batcher_rows,
     pad,
-    quiet_upstream_notices,
     tree_attention_kernel,
     worker_loop_kwargs,
 )
-from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
-from ..weight_sync.weight_reload import ReloadWeightTransfer, build_weight_sync
+from ..weight_sync.sync_check import async_trainer_check
+from ..weight_sync.weight_reload import ReloadWeightTransfer, async_trainer_weight_transfer
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
 from .async_rollout_worker import RoutedAsyncRolloutWorker
 from .packing import RoutedTreeRow, TorchVarlenAttention
@@ -147,29 +139,16 @@ class _RoutedQueueDataset(RolloutQueueDataset):
             yield item
 
 
-def _scoped_rows(make_iterator: Callable[[], Any], row_class: type):
-    """Iterate a TRL batcher with its ``TreeRow`` replaced by ``row_class`` only while the batcher's own code runs."""
-    iterator = None
-    while True:
-        with async_trainer_globals(TreeRow=row_class):
-            if iterator is None:
-                iterator = make_iterator()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-        yield item
-
-
 class _RoutedRows:
-    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes; :func:`_scoped_rows`)."""
+    """Mixed into TRL's two batchers: their rows are ``row_class`` (rows that carry routes), built by TRL's own
+    ``__iter__`` (seam entry ``async_batcher_rows``: TRL's module global ``TreeRow`` is never replaced)."""
 
     def __init__(self, *args, row_class, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_class = row_class
 
     def __iter__(self):
-        return _scoped_rows(super().__iter__, self.row_class)
+        return batcher_rows(super().__iter__, self.row_class)
 
 
 class _RoutedFixedCountBatcher(_RoutedRows, FixedCountBatcher):
@@ -209,7 +188,7 @@ class _RoutedCollator(DataCollatorForRollout):
         return batch
 
 
-class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
+class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` with R3 for Mixture-of-Experts models (see the module docstring).
 
     Same constructor as ``trl.experimental.async_grpo.AsyncGRPOTrainer``; configure it with
@@ -233,17 +212,15 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         if args is None:
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
-        assert_async_trl_compatible()
-        quiet_upstream_notices()
-        settings = self.replay_settings = ReplaySettings.from_args(args, ASYNC_TRAINER)
-        mode = self.routing_replay = settings.mode
+        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.ASYNC)
+        mode = settings.mode
         carries_routes = settings.carries_routes
         # the device the trainer will train on, not whether the machine has CUDA: use_cpu on a CUDA machine is CPU
         on_cpu = args.device.type != "cuda"
         self._on_cpu = on_cpu
         if weight_transfer is None:
-            weight_transfer = build_weight_sync(resolve_weight_sync(args, mode, settings.routing_metrics, ASYNC_TRAINER),
-                                                args, asynchronous=True)
+            method = resolve_weight_sync(args, mode, settings.routing_metrics, TrainerKind.ASYNC)
+            weight_transfer = async_trainer_weight_transfer(method, args)
         swaps: dict[str, Any] = {}
         if on_cpu:
             swaps["get_peak_flops_per_device"] = _no_peak_flops  # TRL asks CUDA for the name of the trainer's device
@@ -262,12 +239,13 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._route_replay = RouterReplay(unwrapped) if carries_routes else None
         self._route_intake = None
         self._route_buffer = RouteBuffer()
-        self._micro_replay = MicroBatchReplay()
+        self._micro_replay = MicroBatchReplay()  # a packed row's routes, from its training forward through backward
+        self.aux_loss_enabled = self._aux_loss_under_replay()
         self._sync_check = None
         if weight_transfer is not None or not async_adapter_only_sync(self):  # the main process has a transfer
-            self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=True, accelerator=self.accelerator,
-                                                base_url=args.vllm_server_base_url,
-                                                tolerance=option(args, "sync_check_tolerance"))
+            self._sync_check = async_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
+                                                   base_url=args.vllm_server_base_url,
+                                                   tolerance=option(args, "sync_check_tolerance"))
         # one run per output_dir, as the sync trainer: claimed by the main process in train(), held until end() or GC
         self._output_lock = hold_output_dir(self)
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
@@ -284,32 +262,16 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
             remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
             batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
         )
-        if mode.replays and self.aux_loss_enabled:
-            logger.warning(
-                "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
-                "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
-            )
-            self.aux_loss_enabled = False
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
     def train(self, *args, **kwargs):
-        """``AsyncGRPOTrainer.train``, after claiming ``output_dir`` for this run
-        (:mod:`trl_moe_replay.core.output_lock`): ``OutputDirInUseError`` on every rank when another live trainer
-        writes there (with ``routing_replay="none"``, plain TRL, a loud warning instead)."""
-        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
+        """``MoEReplayTrainerMixin.train`` (claims ``output_dir``), with the packed tree attention in plain torch off
+        CUDA."""
         with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
             return super().train(*args, **kwargs)
-
-    def end(self):
-        """``Trainer.end``, after releasing ``output_dir`` (a transformers without ``Trainer.end``, 5.16 at the oldest
-        end of the range, has nothing more to end)."""
-        self._output_lock.release()
-        parent_end = getattr(super(), "end", None)
-        if parent_end is not None:
-            parent_end()
 
     # ------------------------------------------------------------------ rollout samples -> rows
     def _align_sample(self, sample) -> CheckedRoutes:
@@ -365,30 +327,20 @@ class MoEReplayAsyncGRPOTrainer(RestoresEveryWeight, AsyncGRPOTrainer):
         self._log_route_metrics(recording.checked, routes, expected, inputs, log_probs)
         return loss
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        try:
-            return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            self._micro_replay.end()  # only now: the backward (and any recompute in it) has returned
-
     def _log_route_metrics(self, natural: CheckedRoutes, routes: CheckedRoutes, expected, inputs, log_probs) -> None:
-        """``routing/*`` and ``mismatch/*`` of one training forward, by the sync trainer's code (metrics.py)."""
-        metrics = self._metrics["train"]
-        agreement = routing_agreement_sums(natural.tensor(), routes.tensor(), expected, self._route_replay.moe_layers)
-        log_ratio_metrics(metrics, self.accelerator, agreement, {**FALLBACK_RATIOS, **AGREEMENT_RATIOS}, as_rate=True)
+        """``routing/*`` and ``mismatch/*`` of one training forward, as rates over the logging window (the sync
+        trainer's code: ``MoEReplayTrainerMixin``)."""
+        self._log_routing_agreement(natural.tensor(), routes.tensor(), expected, as_rate=True)
         selected = inputs["token_index"] >= 0
         token_index = inputs["token_index"][selected]
         sampling = inputs["old_log_probs"][selected]
         trainer = log_probs[0].flatten()[token_index] if log_probs else torch.full_like(sampling, float("nan"))
-        mismatch = logprob_mismatch_sums(sampling, trainer, torch.ones_like(sampling),
-                                          self.replay_settings.extreme_token_threshold)
-        log_ratio_metrics(metrics, self.accelerator, mismatch, MISMATCH_RATIOS, as_rate=True)
+        self._log_logprob_mismatch(sampling, trainer, torch.ones_like(sampling), as_rate=True)
 
     # ------------------------------------------------------------------ resume
     # ------------------------------------------------------------------ weight sync
     def _sync_weight(self):
-        checked_weight_sync(self._sync_check, super()._sync_weight, self.accelerator.unwrap_model(self.model),
-                            self.accelerator, self._metrics["train"])
+        self._checked_weight_sync(super()._sync_weight, "train")
 
 
 def _no_rows(length: int):

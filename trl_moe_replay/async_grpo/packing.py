@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from ..routing.routes import CheckedRoutes, RouteLayout, check_routes, pack_routes
-from ..upstream import async_tree_row_class
+from ..upstream import keyed_tree_row_class
 
 
-TreeRow: Any = async_tree_row_class()  # Any: TRL's class, looked up at run time (see the seam)
+KeyedTreeRow: Any = keyed_tree_row_class()  # TRL's TreeRow, its trie key a method (seam entry ``async_packing``)
 
 
 def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:
@@ -36,14 +36,14 @@ def route_keys(routes: CheckedRoutes | None, length: int) -> list[Any]:
     return [row.tobytes() if keep else None for row, keep in zip(flat, routed, strict=True)]
 
 
-class RoutedTreeRow(TreeRow):
+class RoutedTreeRow(KeyedTreeRow):
     """``TreeRow`` whose trie is keyed on (token, next token, route): see the module docstring.
 
     A sample dict may carry ``replay_routes`` (its :class:`CheckedRoutes` ``[1, len(input_ids), L, K]`` from the
     intake, "no route" rows where the router chooses; a plain tensor is checked in full as it enters the row); without
-    it the row behaves exactly like TRL's. ``fits``/``add``
-    are TRL 1.16's with the longer key (seam entry ``async_packing`` checks TRL's still key on (token, next token)).
-    ``layout`` is the replaying ``RouterReplay``'s.
+    it the row behaves exactly like TRL's. Only the key is ours (``trie_keys``): ``fits``/``add`` are TRL's, copied
+    into the seam because TRL has no hook for the key (seam entry ``async_packing``, whose probe checks the copy
+    against TRL's own). ``layout`` is the replaying ``RouterReplay``'s.
     """
 
     def __init__(self, layout: RouteLayout):
@@ -53,9 +53,9 @@ class RoutedTreeRow(TreeRow):
 
     @classmethod
     def for_layout(cls, layout: RouteLayout) -> type[RoutedTreeRow]:
-        """The row class to put in TRL's place of ``TreeRow``: built with no argument, as TRL's batchers build rows.
-        A class, not a factory function: TRL's code also uses the name as a type (``TokenBudgetBatcher._place``
-        annotates with ``TreeRow | None``, evaluated when it runs)."""
+        """The row class TRL's batchers build in place of ``TreeRow`` (seam entry ``async_batcher_rows``): built with
+        no argument, as they build rows; a class, not a factory function, so it stands wherever TRL's code uses the
+        name as a type too."""
 
         class RoutedTreeRowForLayout(cls):  # type: ignore[valid-type,misc]  # cls: the calling class, at run time
             def __init__(self):
@@ -63,40 +63,14 @@ class RoutedTreeRow(TreeRow):
 
         return RoutedTreeRowForLayout
 
-    def _keys(self, sample: dict[str, Any]) -> list[tuple]:
+    def trie_keys(self, sample: dict[str, Any]) -> list[tuple]:
+        """(token, next token, route) per position: TRL's key and the position's route (``None``: no route)."""
         input_ids = sample["input_ids"].tolist()
         routes = sample.get("replay_routes")
         if routes is not None and not isinstance(routes, CheckedRoutes):  # not the intake's: checked in full, here
             routes = sample["replay_routes"] = check_routes(routes, self.layout)
         routes = route_keys(routes, len(input_ids))
         return list(zip(input_ids, [*input_ids[1:], None], routes, strict=True))
-
-    def fits(self, sample: dict[str, Any], budget: int) -> bool:
-        keys = self._keys(sample)
-        children, shared = self.roots, 0
-        for key in keys:
-            if key not in children:
-                break
-            children = self.children[children[key]]
-            shared += 1
-        novel = len(keys) - shared
-        return len(self.tokens) + novel <= budget and self.trained + int(sample["completion_mask"].sum()) <= budget
-
-    def add(self, sample: dict[str, Any]) -> None:
-        children = self.roots
-        nodes = []
-        for depth, key in enumerate(self._keys(sample)):
-            if key not in children:
-                children[key] = len(self.tokens)
-                self.tokens.append(key[0])
-                self.children.append({})
-                self.load += depth + 1
-            nodes.append(children[key])
-            children = self.children[nodes[-1]]
-        self.samples.append(sample)
-        self.sample_nodes.append(nodes)
-        self.groups.add(sample["group_id"])
-        self.trained += int(sample["completion_mask"].sum())
 
     def packed_positions(self) -> list[int]:
         """Node -> packed position, in the DFS pre-order of ``TreeRow.pack``."""

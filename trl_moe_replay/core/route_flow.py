@@ -9,11 +9,13 @@ Read top to bottom, this module is that path (the trainers' overrides call it; n
 3. **Scoring forwards** (:meth:`RouteFlow.plan`): the old-logprob pass replays the rollout's routes (R3) and/or records
    the natural ones (R2/PR2's routes, the trainer's side of ``routing/*``; checked by construction); the reference
    pass replays the policy's.
-4. **Buffer** (:class:`RouteBuffer`): the routes to replay stay with the trainer; the batch dict carries only
-   ``route_rows`` (batch serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code
-   that could write into it.
-5. **Training forward** (:meth:`RouteFlow.begin_micro_batch` -> :meth:`RouteFlow.plan`): each micro-batch gathers its
-   own rows (a stale index is refused) and replays them until its backward has returned (:class:`MicroBatchReplay`).
+4. **Buffer** (:class:`RouteBuffer`): the routes to replay, and the other per-sample values of ours (RSPO's old router
+   ids and probabilities, PR2's predictor cache: :class:`HeldRows`), stay with the trainer; the batch dict carries only ``route_rows`` (batch
+   serial, row) through TRL's buffer, shuffle and split, so no routes tensor is handed to code that could write into
+   it, and TRL's batch holds only TRL's keys and ``route_rows``.
+5. **Training forward** (:class:`MicroBatch`, :meth:`RouteFlow.micro_routes` -> :meth:`RouteFlow.plan`): each
+   micro-batch gathers its own rows (a stale index is refused) and replays them until its backward has returned
+   (:class:`MicroBatchReplay`; ``core/trainer_base.py`` ends it).
 
 The async trainer enters at 2 (one sample at a time) and 4 (packed rows; ``trl_moe_replay.async_grpo``).
 """
@@ -48,7 +50,9 @@ class StaleRouteRowsError(RouteValidationError):
 # ---------------------------------------------------------------------------------------------- 1-2. generation, intake
 @dataclass
 class GenerationBatch:
-    """What one ``_generate_and_score_completions`` call learns about routes; lives exactly as long as that call."""
+    """What one ``_generate_and_score_completions`` call learns about routes; lives exactly as long as that call.
+
+    Filled through its methods, each for one step of generation and scoring (the trainer writes no field)."""
 
     turns: RolloutTurns | None = None  # the engine's rows per sample and turn (None: no engine routes)
     generated_turns: int = 0  # _generate_single_turn calls so far (TRL's tool loop calls it again per turn)
@@ -56,6 +60,37 @@ class GenerationBatch:
     generation: CheckedRoutes | None = None  # the engine's routes in TRL's padded layout (step 2)
     natural: CheckedRoutes | None = None  # the trainer's natural routes of its old-logprob (or metrics) pass
     old_router: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # RSPO: ids, probs per chunk
+    # other per-sample tensors ([B, ...], the batch's row order) held with the routes in the buffer (step 4): PR2's cache
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def begin_turn(self) -> bool:
+        """One more ``_generate_single_turn`` call (TRL's tool loop calls it again per turn): whether it is a later
+        turn of the batch."""
+        self.generated_turns += 1
+        return self.generated_turns > 1
+
+    def take_turns(self, turns: RolloutTurns) -> None:
+        """The batch's rows, whole (a ``rollout_func``'s ``routed_experts``)."""
+        self.turns = turns
+
+    def record_sampling_logprobs(self, logprobs: list[list[float]] | None) -> None:
+        """The sampler's log-probs, for the metrics only (``None``: nothing to compare with)."""
+        self.sampling_logprobs = logprobs
+
+    def add_old_router(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
+        """RSPO: one old-pass chunk's router ids and probabilities at the experts used."""
+        self.old_router.append((ids, probs))
+
+    def old_router_inputs(self) -> dict[str, torch.Tensor]:
+        """RSPO's per-sample inputs of the loss (held with the batch's routes), or none."""
+        if not self.old_router:
+            return {}
+        return {"old_router_ids": torch.cat([ids for ids, _ in self.old_router], dim=0),
+                "old_router_probs": torch.cat([probs for _, probs in self.old_router], dim=0)}
+
+    def record_natural(self, chunks: list[CheckedRoutes]) -> None:
+        """The trainer's natural routes of its old-logprob (or metrics) pass, chunk by chunk."""
+        self.natural = CheckedRoutes.cat(chunks)
 
     def add_turn(self, prompt_ids, completion_ids, rows, prompt_start: Any, samples) -> None:
         """One generation turn's rows (the batch's first turn, or a later one of TRL's tool loop)."""
@@ -83,6 +118,27 @@ class GenerationBatch:
         if settings.replays_generation_routes:
             return self.generation
         return self.natural if settings.mode.records_old_pass else None
+
+
+# ---------------------------------------------------------------------------------------------- 5. one micro-batch
+@dataclass
+class MicroBatch:
+    """One micro-batch's training forward as a value (the sync trainer's ``_compute_loss`` builds it, and holds it only
+    while it runs): what the forward replays and what the loss reads, instead of per-batch attributes of the trainer."""
+
+    inputs: dict  # TRL's loss inputs: a shallow copy of the micro-batch (RSPO shifts its old log-probs by γ)
+    held: HeldRows = field(default_factory=lambda: HeldRows())  # its rows of the buffer: routes, RSPO's old router
+    old_logps: torch.Tensor | None = None  # the unshifted old log-probs
+    gamma: torch.Tensor | None = None  # RSPO's router-shift weight, once the training forward has measured it
+
+    @classmethod
+    def of(cls, inputs: dict, held: HeldRows | None = None) -> MicroBatch:
+        inputs = dict(inputs)
+        return cls(inputs, held if held is not None else HeldRows(), inputs.get("old_per_token_logps"))
+
+    @property
+    def routes(self) -> CheckedRoutes | None:
+        return self.held.routes
 
 
 # ---------------------------------------------------------------------------------------------- 3, 5. forward plans
@@ -118,6 +174,24 @@ class ForwardPlan:
 
 
 # ---------------------------------------------------------------------------------------------- 4. the buffer
+@dataclass(frozen=True)
+class HeldRows:
+    """A batch's per-sample values the trainer holds for it, row for row: the routes its forwards replay, and other
+    per-sample inputs of ours by name (RSPO's ``old_router_ids``/``old_router_probs``), each ``[B, ...]``."""
+
+    routes: CheckedRoutes | None = None
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        if self.routes is not None:
+            return len(self.routes)
+        return next(iter(self.per_sample.values())).shape[0]
+
+    def rows(self, index: torch.Tensor) -> HeldRows:
+        return HeldRows(None if self.routes is None else self.routes.rows(index),
+                        {name: value[index.to(value.device)] for name, value in self.per_sample.items()})
+
+
 class RouteBuffer:
     """Routes the trainer holds for batches in flight, by batch serial; a batch dict carries only their ``route_rows``.
 
@@ -129,20 +203,25 @@ class RouteBuffer:
     MAX_UNSLOTTED = 8  # rows stored ahead of their forward (the dataloader prefetches); older ones are dropped
 
     def __init__(self):
-        self._held: dict[Any, tuple[int, CheckedRoutes]] = {}
+        self._held: dict[Any, tuple[int, HeldRows]] = {}
         self._serial = 0
 
-    def store(self, routes: CheckedRoutes, slot: str | None = None) -> torch.Tensor:
+    def store(self, routes: CheckedRoutes | HeldRows, slot: str | None = None) -> torch.Tensor:
+        held = routes if isinstance(routes, HeldRows) else HeldRows(routes)
         self._serial += 1
-        self._held[slot if slot is not None else self._serial] = (self._serial, routes)
+        self._held[slot if slot is not None else self._serial] = (self._serial, held)
         unslotted = [key for key in self._held if not isinstance(key, str)]
         for key in unslotted[: max(0, len(unslotted) - self.MAX_UNSLOTTED)]:
             del self._held[key]
-        rows = torch.arange(len(routes))
+        rows = torch.arange(len(held))
         return torch.stack([torch.full_like(rows, self._serial), rows], dim=1)
 
-    def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes:
-        """The rows ``route_rows`` name; ``take``: the batch is not needed again, and is let go."""
+    def gather(self, route_rows: torch.Tensor, take: bool = False) -> CheckedRoutes | None:
+        """The routes of the rows ``route_rows`` name; ``take``: the batch is not needed again, and is let go."""
+        return self.gather_held(route_rows, take).routes
+
+    def gather_held(self, route_rows: torch.Tensor, take: bool = False) -> HeldRows:
+        """Everything held for the rows ``route_rows`` name (routes and per-sample inputs)."""
         if not isinstance(route_rows, torch.Tensor) or route_rows.dim() != 2 or route_rows.shape[1] != 2:
             raise StaleRouteRowsError(f"{ROUTE_ROWS} must be a [batch, 2] tensor (serial, row), got "
                                       f"{getattr(route_rows, 'shape', type(route_rows).__name__)}")
@@ -154,11 +233,11 @@ class RouteBuffer:
                 f"{sorted(by_serial)} only: a (micro-)batch must be trained while its generation batch is the current one"
             )
         key = by_serial[serials.pop()]
-        routes = self._held.pop(key)[1] if take else self._held[key][1]
+        held = self._held.pop(key)[1] if take else self._held[key][1]
         rows = route_rows[:, 1]
-        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(routes):
-            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(routes)} samples")
-        return routes.rows(rows)
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < len(held):
+            raise StaleRouteRowsError(f"{ROUTE_ROWS} name rows {rows.tolist()} of a batch of {len(held)} samples")
+        return held.rows(rows)
 
 
 # ---------------------------------------------------------------------------------------------- 5. replay through backward
@@ -185,10 +264,10 @@ class MicroBatchReplay:
 
 # ---------------------------------------------------------------------------------------------- the trainer's one object
 class RouteFlow:
-    """The routes' state in one sync trainer: the generation batch being scored, the buffer, the micro-batch being
-    trained. Opened and closed in one place each: :meth:`generation_batch` (a context around TRL's
-    ``_generate_and_score_completions``), :meth:`begin_micro_batch`/:meth:`end_micro_batch` (``_compute_loss`` and
-    the end of ``training_step``/``prediction_step``: the replay must outlive the loss, through its backward)."""
+    """The routes' state in one sync trainer: the generation batch being scored and the buffer. The batch is opened
+    and closed in one place: :meth:`generation_batch` (a context around TRL's ``_generate_and_score_completions``); a
+    micro-batch's routes are a value (:class:`MicroBatch`), replayed through its backward (:class:`MicroBatchReplay`,
+    ended by ``core/trainer_base.py``)."""
 
     def __init__(self, settings: ReplaySettings, route_replay: RouterReplay | None,
                  reference_replay: RouterReplay | None, *, pr2: bool, router_shift: bool):
@@ -199,8 +278,6 @@ class RouteFlow:
         self.router_shift = router_shift
         self.buffer = RouteBuffer()
         self.batch: GenerationBatch | None = None
-        self._micro: CheckedRoutes | None = None
-        self.micro_replay = MicroBatchReplay()
 
     @contextlib.contextmanager
     def generation_batch(self) -> Iterator[GenerationBatch]:
@@ -211,29 +288,28 @@ class RouteFlow:
             self.batch = None
 
     def store(self, batch: GenerationBatch, mode: str) -> torch.Tensor | None:
-        """Step 4: keep the routes the policy's forwards replay; the batch's ``route_rows`` (None: nothing to replay)."""
-        routes = batch.to_replay(self.settings)
-        return None if routes is None else self.buffer.store(routes, slot=mode)
+        """Step 4: keep the routes the policy's forwards replay and RSPO's old router; the batch's ``route_rows``
+        (None: nothing to hold)."""
+        held = HeldRows(batch.to_replay(self.settings), {**batch.old_router_inputs(), **batch.per_sample})
+        if held.routes is None and not held.per_sample:
+            return None
+        return self.buffer.store(held, slot=mode)
 
-    def begin_micro_batch(self, inputs: dict) -> None:
-        self.end_micro_batch()
+    def micro_rows(self, inputs: dict) -> HeldRows | None:
+        """Step 5: a micro-batch's own rows of the buffer (None: it carries none)."""
         route_rows = inputs.get(ROUTE_ROWS)
-        self._micro = None if route_rows is None else self.buffer.gather(route_rows)
+        return None if route_rows is None else self.buffer.gather_held(route_rows)
 
-    def end_micro_batch(self) -> None:
-        """Only once the micro-batch's backward (and any recompute in it) has returned."""
-        self.micro_replay.end()
-        self._micro = None
-
-    def plan(self, is_reference: bool, is_ref_model: bool) -> ForwardPlan | None:
-        """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward)."""
+    def plan(self, is_reference: bool, is_ref_model: bool, micro: MicroBatch | None = None) -> ForwardPlan | None:
+        """Which forward this is, and what it does with routes (None: no routes at all, TRL's forward); ``micro``:
+        the micro-batch whose training forward runs, if any."""
         settings, rr, batch = self.settings, self.route_replay, self.batch
         if rr is None:
             return None
         if batch is None:  # outside scoring: the training (or evaluation) forward of a micro-batch
-            if self._micro is None:
+            if micro is None or micro.routes is None:
                 return None
-            return ForwardPlan(Forward.TRAINING, rr, replay=self._micro)
+            return ForwardPlan(Forward.TRAINING, rr, replay=micro.routes)
         if is_reference:  # replays the policy's routes, unless told not to
             replay = batch.to_replay(settings) if settings.mode.replays and settings.replay_reference_model else None
             return ForwardPlan(Forward.REFERENCE, self.reference_replay if is_ref_model else rr, replay=replay)

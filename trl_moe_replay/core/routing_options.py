@@ -16,10 +16,18 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from ..weight_sync.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
+from ..weight_sync.weight_reload import WeightSyncMethod
 
 
-ASYNC_TRAINER = "async"
-SYNC_TRAINER = "sync"
+class TrainerKind(enum.StrEnum):
+    """Which trainer a rule is resolved for: TRL's ``GRPOTrainer`` or its ``AsyncGRPOTrainer``."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+SYNC_TRAINER = TrainerKind.SYNC
+ASYNC_TRAINER = TrainerKind.ASYNC
 
 
 class RouteSource(enum.Enum):
@@ -42,7 +50,7 @@ class ReplayMode(enum.StrEnum):
         return repr(self.value)
 
     @classmethod
-    def parse(cls, value: Any, trainer: str = SYNC_TRAINER) -> ReplayMode:
+    def parse(cls, value: Any, trainer: TrainerKind = TrainerKind.SYNC) -> ReplayMode:
         """``value`` as a mode this trainer accepts, or ``ValueError`` in one line saying why not."""
         try:
             mode = cls(value)
@@ -160,7 +168,7 @@ def default_routing_metrics(mode: ReplayMode) -> bool:
     return mode.replays
 
 
-def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: str) -> bool:
+def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: TrainerKind) -> bool:
     """``vllm_sync_check`` resolved, the same rule for both trainers: an explicit value wins; unset (``None``), the
     engine sync check (``weight_sync/sync_check.py``) is on wherever a vLLM engine samples the routes the trainer carries
     (``routing_replay`` other than ``"none"``, or ``routing_metrics``), and off for plain TRL.
@@ -182,7 +190,8 @@ def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, train
     return bool(requested) and uses_vllm
 
 
-def resolve_weight_sync(args: Any, mode: ReplayMode, routing_metrics: bool, trainer: str) -> str | None:
+def resolve_weight_sync(args: Any, mode: ReplayMode, routing_metrics: bool,
+                        trainer: TrainerKind) -> WeightSyncMethod | None:
     """``vllm_weight_sync`` resolved: ``"trl"`` (TRL's own transfer) or ``"reload"`` (``weight_sync/weight_reload.py``);
     ``None`` for the sync trainer without vLLM.
 
@@ -195,11 +204,13 @@ def resolve_weight_sync(args: Any, mode: ReplayMode, routing_metrics: bool, trai
         return None
     method = option(args, "vllm_weight_sync")
     if method != "auto":
-        return method
+        return WeightSyncMethod(method)
     device = args.device.type
     if trainer == ASYNC_TRAINER:
-        return "reload" if device != "cuda" else "trl"
-    return "reload" if device == "cpu" and (mode.replays or routing_metrics) else "trl"
+        reload = device != "cuda"
+    else:
+        reload = device == "cpu" and (mode.replays or routing_metrics)
+    return WeightSyncMethod.RELOAD if reload else WeightSyncMethod.TRL
 
 
 @dataclass(frozen=True)
@@ -234,7 +245,7 @@ class ReplaySettings:
         return self.routing_metrics or self.mode.records_old_pass
 
     @classmethod
-    def from_args(cls, args: Any, trainer: str = SYNC_TRAINER) -> ReplaySettings:
+    def from_args(cls, args: Any, trainer: TrainerKind = TrainerKind.SYNC) -> ReplaySettings:
         mode = ReplayMode.parse(option(args, "routing_replay"), trainer)
         metrics = option(args, "routing_metrics")
         metrics = default_routing_metrics(mode) if metrics is None else bool(metrics)

@@ -4,11 +4,15 @@ Every source of engine routes -- vLLM (server and colocate), a ``rollout_func``,
 recorder, and any later one -- hands its rows, per sample and turn (:class:`~trl_moe_replay.routing.EngineTurn`), to
 :meth:`RouteIntake.align`. That one call owns the guarantees the rest of the package relies on:
 
-* **Per-sample fallback.** A sample whose rows are missing or malformed (wrong length, id out of range, repeated ids,
-  undecodable payload) is routed by the trainer's own router instead of ending the run; its positions count in
-  ``routing/fallback_frac`` and a warning names the first problem.
+* **Per-position fallback.** A position the engine marks as never written (vLLM's all-zero route at a MoE layer, or
+  a route of ``-1`` s) is routed by the trainer's own router, at every layer, while the sample's other positions
+  replay their routes; it counts in ``routing/fallback_frac`` and a warning says how many there were.
+* **Per-sample fallback.** A sample (or a turn of one) whose rows cannot be placed (missing, wrong length, layer count,
+  top-k or dtype, id out of range, repeated ids, undecodable payload, every row never written) is routed by the
+  trainer's own router instead of ending the run; its positions count in ``routing/fallback_frac``, the sample in
+  ``routing/fallback_samples_frac`` when none of its turns could be placed, and a warning names the first problem.
 * **First-batch rule.** When replay needs engine routes (``required``) and no sample of the whole first batch (all
-  ranks) fits, the engine and the trainer disagree about the model or the engine is not set up to return routes:
+  ranks) fits (a sample fits when at least one of its turns was placed: some never-written positions do not matter), the engine and the trainer disagree about the model or the engine is not set up to return routes:
   :class:`RoutesUnavailableError` is raised instead of silently training without replay. A trainer that aligns
   sample by sample (the async one) says how many samples make its first batch; the rule waits for all of them, so one
   bad sample that happens to arrive first never ends the run.
@@ -29,7 +33,7 @@ import torch
 from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
-from ..routing.codec import EngineTurn, checked_routes_from_engine
+from ..routing.codec import EngineTurn, UnwrittenPositions, checked_routes_from_engine
 from ..routing.errors import RouteAlignmentError
 from ..routing.routes import CheckedRoutes, RouteLayout
 
@@ -71,6 +75,9 @@ class RouteIntake:
         self.max_fallback_batches = max_fallback_batches
         self.warn_fallback_batches = warn_fallback_batches
         self.fallback_samples = 0  # samples routed natively for want of usable engine rows, since start
+        self.unwritten_positions = 0  # positions routed natively because the engine never wrote them, since start
+        self.aligned_samples = 0  # samples aligned, since start
+        self._taken = (0, 0)  # (fallback_samples, aligned_samples) at the last take_sample_sums()
         self._first_batch = {"pending": required, "seen": 0, "usable": 0, "problem": None}
         self._fallback_streak = 0  # samples in a row, up to now, that all fell back
         self._warned_streak = False
@@ -80,26 +87,53 @@ class RouteIntake:
         """This rank's samples (each a list of :class:`EngineTurn`, one per generation turn) in TRL's padded
         ``[B, prompt_width + completion_width]`` layout, checked for the model's ``layout``
         (``routes_from_engine``). A sample or turn with missing or malformed rows falls back to the router's own
-        choice, with a warning."""
+        choice, with a warning; a position the engine never wrote falls back alone."""
         failures: list[RouteAlignmentError] = []
+        unwritten: list[UnwrittenPositions] = []
         routes = checked_routes_from_engine(
             samples, layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
             prompt_width=prompt_width, completion_width=completion_width, on_error=failures.append,
+            on_unwritten=unwritten.append,
         )
-        missing = sum(all(turn.rows is None for turn in turns) for turns in samples)
-        malformed = len({error.sample for error in failures})  # a multi-turn sample may fail in several turns
-        usable = len(samples) - missing - malformed
+        failed_turns = [0] * len(samples)  # a multi-turn sample may fail in several turns
+        for error in failures:
+            failed_turns[error.sample] += 1
+        given = [sum(turn.rows is not None for turn in turns) for turns in samples]
+        missing = sum(count == 0 for count in given)
+        malformed = sum(0 < count <= failed for count, failed in zip(given, failed_turns, strict=True))
+        partial = sum(0 < failed < count for count, failed in zip(given, failed_turns, strict=True))
+        usable = len(samples) - missing - malformed  # at least one turn placed
         self._first_batch_rule(usable, len(samples), failures, layout)
         self._fallback_streak_rule(usable, len(samples), failures)
-        if missing or malformed:
-            self.fallback_samples += missing + malformed
+        self.fallback_samples += missing + malformed
+        self.aligned_samples += len(samples)
+        if missing or malformed or partial:
             detail = f"; first problem: {failures[0]}" if failures else ""
+            turns = f"; {partial} more lost the routes of some of their turns" if partial else ""
             logger.warning(
                 f"routing replay: {missing + malformed} of {len(samples)} samples on this rank have no usable "
                 f"{self.source} routes ({missing} missing, {malformed} malformed) and use the trainer's own "
-                f"routing instead (counted in routing/fallback_frac){detail}"
+                f"routing instead{turns} (counted in routing/fallback_frac){detail}"
+            )
+        if unwritten:
+            positions = sum(report.count for report in unwritten)
+            self.unwritten_positions += positions
+            first = unwritten[0]
+            logger.warning(
+                f"routing replay: {positions} positions in {len(unwritten)} of {len(samples)} samples on this rank "
+                f"were never written by {self.source} (all-zero or -1 routes) and use the trainer's own routing "
+                f"there, the rest of those samples replaying their routes (counted in routing/fallback_frac); first: "
+                f"sample {first.sample}, position {first.first}"
             )
         return routes
+
+    def take_sample_sums(self) -> dict[str, torch.Tensor]:
+        """The samples aligned since the last call, and those of them that fell back whole (no turn placed), as the
+        ``samples`` / ``fallback_samples`` sums of ``routing/fallback_samples_frac`` (``core.metrics``)."""
+        now = (self.fallback_samples, self.aligned_samples)  # totals only grow: a concurrent align is never lost
+        fallback, samples = (total - taken for total, taken in zip(now, self._taken, strict=True))
+        self._taken = now
+        return {"fallback_samples": torch.tensor(float(fallback)), "samples": torch.tensor(float(samples))}
 
     def _first_batch_rule(self, usable: int, count: int, failures: list[RouteAlignmentError],
                           layout: RouteLayout) -> None:

@@ -62,11 +62,12 @@ class RolloutTurns:
             sample += 1
         return matched
 
-    def held_positions(self, samples: Sequence[int | None]) -> int:
+    def held_positions(self, samples: Sequence[int | None]) -> int | None:
         """Positions every given sample already holds routes for from its earlier turns (the common prefix a later
-        turn need not send again: vLLM's ``routed_experts_prompt_start`` for that turn's request)."""
+        turn need not send again: vLLM's ``routed_experts_prompt_start`` for that turn's request). ``None`` when no
+        given sample is one of this batch's (no bound: the request's other samples decide)."""
         held = [self._held(sample) for sample in samples if sample is not None]
-        return min(held, default=0)
+        return min(held, default=None)
 
     def _held(self, sample: int) -> int:
         covered = 0

@@ -18,6 +18,11 @@ least reach into TRL:
   ``CompletionOutput.routed_experts`` arrays are this rank's rows (sliced like TRL's tensor-parallel slice when
   ``vllm_tensor_parallel_size > 1``). Nothing moves between processes.
 
+A later tool turn asks the engine only for the positions its samples do not hold yet (vLLM's
+``routed_experts_prompt_start``, one value per request): :meth:`VLLMRouteSource.request_prompt_start` takes the
+minimum over every rank whose samples share the request (all ranks in server mode, the tensor-parallel group in
+colocate mode). ``vllm/route_bytes`` logs the route bytes received per generation batch, summed over ranks.
+
 Missing routes are handled in two ways. If the very first generation batch carries no route at all, the engine is
 not set up for R3 (flag off, prefix caching off, a model vLLM does not capture): :class:`RoutesUnavailableError`
 is raised on every rank with the exact command to run; likewise if none of its routes fits the trained model
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from transformers.utils import logging
 
 from ..upstream import client_session
@@ -147,6 +153,7 @@ class VLLMRouteSource:
         self.received_routes = False  # has any batch carried a route yet (fail fast only before that)
         self._warned_no_routes = False
         self.last_transfer = RouteTransfer()
+        self.received_bytes = 0  # this rank's route bytes since take_received_bytes: vllm/route_bytes
         self._hook: CompletionRoutesHook | None = None
         if self.mode == "server":
             self.client = vllm_generation.vllm_client if accelerator.is_main_process else None
@@ -155,14 +162,23 @@ class VLLMRouteSource:
         elif self.mode != "colocate":
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
 
-    @property
-    def can_skip(self) -> bool:
-        """Whether one request serves only this rank's samples, so a later tool turn can ask vLLM to skip the
-        routes of the prefix they hold (server mode with one training process; colocate without tensor parallelism:
-        otherwise the request mixes other ranks' samples, whose held prefixes this rank does not know)."""
-        if self.mode == "server":
-            return self.accelerator.num_processes == 1
-        return self._generation.tensor_parallel_size == 1
+    def request_prompt_start(self, local_held: int | None) -> int:
+        """vLLM's ``routed_experts_prompt_start`` for a later tool turn's request: the positions that every sample
+        in the request already holds routes for, so the engine returns only the rest.
+
+        ``local_held`` is this rank's :meth:`~.turns.RolloutTurns.held_positions` (``None``: no sample of this rank
+        continues into the request, so it sets no bound). One request serves the samples of several ranks in server
+        mode (TRL's main process sends every rank's prompts) and of a tensor-parallel group in colocate mode, and it
+        carries one value: the minimum over those ranks, gathered where TRL gathers the prompts (a collective
+        exactly where TRL's own ``generate`` is one). Every rank returns the same value, the one sent."""
+        if self.mode == "server" and self.accelerator.num_processes > 1:
+            held = gather_object([local_held])
+        elif self.mode == "colocate" and self._generation.tensor_parallel_size > 1:
+            held = [None] * self._generation.tensor_parallel_size
+            torch.distributed.all_gather_object(held, local_held, group=self._generation.tp_group)
+        else:
+            held = [local_held]
+        return min((value for value in held if value is not None), default=0)
 
     def begin_batch(self) -> None:
         """Call right before TRL's ``VLLMGeneration.generate``: capture this batch's server response."""
@@ -185,7 +201,14 @@ class VLLMRouteSource:
             payloads=len(payloads),
             payload_bytes=sum(len(row) if isinstance(row, str) else getattr(row, "nbytes", 0) for row in payloads),
         )
+        self.received_bytes += self.last_transfer.payload_bytes
         return rows
+
+    def take_received_bytes(self) -> int:
+        """This rank's route bytes received since the last call (server mode: base64 characters of its payloads;
+        colocate: bytes of its route arrays), and reset the count."""
+        received, self.received_bytes = self.received_bytes, 0
+        return received
 
     def _server_rows(self, num_local: int) -> list[Any]:
         accelerator = self.accelerator

@@ -17,7 +17,8 @@ in one contiguous slice. Example, ``prompt_width=5``, ``completion_width=6``, ``
                             ^ skipped (s=1)                 ^ final token: never forwarded
 
 ``-1`` (shown for int16 routes; a row of 255s in one-byte routes) means "no route: let the router choose" (pads,
-skipped prefix, final token, samples without rows, and every layer not in ``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
+skipped prefix, final token, samples without rows, positions the engine never wrote, and every layer not in
+``moe_layers``). The wire codec uses ``pybase64`` (vLLM's own codec,
 several times faster) when it is installed, else the standard library.
 """
 
@@ -49,6 +50,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = [
     "NO_ROUTE",
     "EngineTurn",
+    "UnwrittenPositions",
     "checked_routes_from_engine",
     "decode_routed_experts",
     "encode_routed_experts",
@@ -74,6 +76,17 @@ def _is_index(value: Any) -> bool:
 def _holds_ids(dtype: np.dtype) -> bool:
     """Signed or unsigned integers only: ``np.issubdtype(timedelta64, np.integer)`` is True, and bool is no id."""
     return dtype.kind in "iu"
+
+
+@dataclass(frozen=True)
+class UnwrittenPositions:
+    """What ``routes_from_engine(on_unwritten=...)`` reports of one sample: ``count`` of its positions had a route
+    the engine marks as never written (all zeros, or all ``-1``, at a MoE layer) and got "no route" (the router's own
+    choice) while its other positions kept theirs; ``first`` is the first such position."""
+
+    sample: int
+    count: int
+    first: int
 
 
 @dataclass(frozen=True)
@@ -223,11 +236,13 @@ def _as_numpy(row: Any, i: int) -> np.ndarray:
 def _sample_rows(
     row: Any, i: int, p: int, c: int, s: int, num_layers: int, top_k: int, moe: list[int], dense: list[int], limit: int,
     copy_to: np.ndarray | None = None,
-) -> np.ndarray:
-    """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array; every error names the sample.
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array, and the indices of the rows the engine
+    never wrote (:func:`_check_values`); every error names the sample.
 
     With ``copy_to`` (at least as long as the rows), the rows are also copied there, block by block as they pass
-    the checks; after an error its content is undefined."""
+    the checks, the never-written ones included (the caller overwrites them); after an error its content is
+    undefined."""
     row = _as_numpy(row, i)
     expected = p + c - 1 - s
     if not _holds_ids(row.dtype):
@@ -247,8 +262,7 @@ def _sample_rows(
             "or None to fall back to the router's own choice",
             sample=i,
         )
-    _check_values(row, i, s, moe, dense, top_k, limit, copy_to=copy_to)
-    return row
+    return row, _check_values(row, i, s, moe, dense, top_k, limit, copy_to=copy_to)
 
 
 def routes_from_engine(
@@ -265,6 +279,7 @@ def routes_from_engine(
     num_experts: int | None = None,
     out: torch.Tensor | None = None,
     on_error: Callable[[RouteAlignmentError], None] | None = None,
+    on_unwritten: Callable[[UnwrittenPositions], None] | None = None,
 ) -> torch.Tensor:
     """Place per-sample engine rows into TRL's ``[B, prompt_width + completion_width, L, K]`` layout.
 
@@ -282,11 +297,16 @@ def routes_from_engine(
     up to 256 experts, else ``int16`` ("no route" ``-1``); without ``num_experts``, ``int16``. Layers not
     in ``moe_layers`` (default: all layers are MoE) become "no route" and must be all-zero in the
     engine rows, as vLLM writes them. Every route of a MoE layer must name ``top_k`` distinct
-    experts: a repeated id, or (``top_k >= 2``) an all-zero route (vLLM's "never written"; also what
-    a dense layer missing from ``moe_layers`` looks like) is rejected; with ``top_k == 1`` expert 0
-    is a real route. Ids must be >= 0 and fit int16, and be ``< num_experts`` when that is given;
+    experts; a repeated id is rejected. Ids must be >= 0 and fit int16, and be ``< num_experts`` when that is given;
     the dtype must be a signed or unsigned integer. Any mismatch raises
-    :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently. ``moe_layers`` must be
+    :class:`RouteAlignmentError` naming the sample; nothing is padded or cut silently.
+
+    A position the engine marks as never written -- an all-zero route at a MoE layer (vLLM's capture buffer where it
+    never wrote; ``top_k >= 2``: with ``top_k == 1`` expert 0 is a real route) or a route of ``-1`` s (signed
+    rows) -- is no error: that position gets "no route" at every layer (the router's own choice) and the sample's
+    other positions keep their routes; ``on_unwritten`` (optional) receives an :class:`UnwrittenPositions` per such
+    sample. Only when every row of a sample (or turn) is so marked -- nothing left to replay; also what a dense layer
+    missing from ``moe_layers`` looks like -- is it rejected like a malformed one. ``moe_layers`` must be
     distinct ints (a float such as ``1.7`` is refused, not truncated). :func:`checked_routes_from_engine` returns
     the result as :class:`~trl_moe_replay.routing.routes.CheckedRoutes`, which ``RouterReplay.replay`` takes without a
     second pass.
@@ -295,8 +315,8 @@ def routes_from_engine(
     reused or pinned buffer; every element is overwritten, so it needs no clearing.
 
     ``on_error`` (optional) turns a bad sample into a fallback instead of an exception: when one
-    sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids, repeated or
-    never-written routes), that sample gets "no route" everywhere (the router's own choice) and ``on_error`` receives the
+    sample's rows cannot be decoded or do not fit its tokens (shape, length, dtype, ids, repeated ids, or every
+    route never written), that sample gets "no route" everywhere (the router's own choice) and ``on_error`` receives the
     :class:`RouteAlignmentError` (``.sample`` is its index); so does a sample or turn whose prompt start lies outside
     its prompt (or, in an :class:`EngineTurn`, is no int). Errors in the caller's own arguments (widths, lengths,
     ``moe_layers``, the length or types of ``prompt_starts``) always raise.
@@ -356,24 +376,28 @@ def routes_from_engine(
                 f"sample {i}: completion has {c} tokens but completion_width is {completion_width}", sample=i
             )
 
-    def place(i: int) -> RouteAlignmentError | None:
-        """Decode, check and copy sample i's rows into its row of ``out`` ("no route" where it has none)."""
+    def place(i: int) -> RouteAlignmentError | UnwrittenPositions | None:
+        """Decode, check and copy sample i's rows into its row of ``out`` ("no route" where it has none); returns
+        the sample's error, or its never-written positions."""
         p, c, s, row = prompts[i], completions[i], starts[i], rows[i]
         lo = prompt_width - p + s
         if s > p:  # the engine's rows cannot start past the prompt: this sample falls back
             out_np[i] = no_route
             return RouteAlignmentError(f"sample {i}: prompt_start={s} is outside [0, prompt length {p}]", sample=i)
-        if row is not None:
-            try:
-                row = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit, copy_to=out_np[i, lo:])
-            except RouteAlignmentError as exc:
-                out_np[i] = no_route
-                return exc
         if row is None:
             out_np[i] = no_route
             return None
+        try:
+            row, unwritten = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit,
+                                          copy_to=out_np[i, lo:])
+        except RouteAlignmentError as exc:
+            out_np[i] = no_route
+            return exc
         out_np[i, :lo] = no_route
         out_np[i, lo + row.shape[0] :] = no_route
+        if unwritten.size:
+            out_np[i, lo + unwritten] = no_route
+            return UnwrittenPositions(i, int(unwritten.size), s + int(unwritten[0]))
         return None
 
     # Samples are independent: a large batch is placed by a few threads (numpy releases the GIL in its loops), while
@@ -387,14 +411,16 @@ def routes_from_engine(
             if _is_turn_list(rows[i]):
                 p, c = prompts[i], completions[i]
                 out_np[i] = no_route
-                _place_turns(out_np[i, prompt_width - p :], rows[i], i, p, c, num_layers, top_k, moe, dense, limit,
-                             on_error)
-                continue
-            error = next(results)
-            if error is not None:
+                report = _place_turns(out_np[i, prompt_width - p :], rows[i], i, p, c, num_layers, top_k, moe, dense,
+                                      limit, on_error, no_route)
+            else:
+                report = next(results)
+            if isinstance(report, RouteAlignmentError):
                 if on_error is None:
-                    raise error
-                on_error(error)
+                    raise report
+                on_error(report)
+            elif report is not None and on_unwritten is not None:
+                on_unwritten(report)
     finally:  # on an exception, no thread may still write into ``out`` once we return
         for future in futures:
             future.cancel()
@@ -407,6 +433,7 @@ def routes_from_engine(
 def checked_routes_from_engine(
     rows: Sequence[Any], layout: RouteLayout, *, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
     prompt_width: int, completion_width: int, on_error: Callable[[RouteAlignmentError], None] | None = None,
+    on_unwritten: Callable[[UnwrittenPositions], None] | None = None,
 ) -> CheckedRoutes:
     """:func:`routes_from_engine` for a model's ``layout``, as :class:`CheckedRoutes`: every row placed passed its
     checks (or is "no route"), and the fresh tensor it returns is held by no one else, so replaying it needs no
@@ -414,7 +441,7 @@ def checked_routes_from_engine(
     routes = routes_from_engine(
         rows, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths, prompt_width=prompt_width,
         completion_width=completion_width, num_layers=layout.num_layers, top_k=layout.top_k,
-        moe_layers=layout.moe_layers, num_experts=layout.num_experts, on_error=on_error,
+        moe_layers=layout.moe_layers, num_experts=layout.num_experts, on_error=on_error, on_unwritten=on_unwritten,
     )
     return CheckedRoutes._own(routes, layout)
 
@@ -426,10 +453,13 @@ def _is_turn_list(entry: Any) -> bool:
 def _place_turns(
     target: np.ndarray, turns: Sequence[EngineTurn], i: int, p: int, c: int, num_layers: int, top_k: int,
     moe: list[int], dense: list[int], limit: int, on_error: Callable[[RouteAlignmentError], None] | None,
-) -> None:
-    """Write a multi-turn sample's routes into ``target`` (its row of the output, from its position 0)."""
+    no_route: int,
+) -> UnwrittenPositions | None:
+    """Write a multi-turn sample's routes into ``target`` (its row of the output, from its position 0, "no route"
+    already); returns the never-written positions it left "no route", if any."""
     end = p + c - 1  # positions of the final sequence that were forwarded (the last token never was)
     covered = 0  # positions [0, covered) already hold the route of the first turn that forwarded them
+    unwritten: list[np.ndarray] = []  # positions left "no route" because the engine never wrote their rows
     for t, turn in enumerate(turns):
         if not isinstance(turn, EngineTurn):
             raise RouteAlignmentError(f"sample {i}: turn {t} must be an EngineTurn, got {type(turn).__name__}", sample=i)
@@ -449,7 +479,7 @@ def _place_turns(
             rows = _as_numpy(turn.rows, i)
             if st and rows.ndim == 3 and rows.shape[0] == pt + ct - 1:
                 st = 0  # the engine ignored routed_experts_prompt_start and sent every row
-            rows = _sample_rows(rows, i, pt, ct, st, num_layers, top_k, moe, dense, limit)
+            rows, marked = _sample_rows(rows, i, pt, ct, st, num_layers, top_k, moe, dense, limit)
         except RouteAlignmentError as exc:
             if on_error is None:
                 raise RouteAlignmentError(f"{exc} (turn {t})", sample=i) from None
@@ -458,7 +488,16 @@ def _place_turns(
         lo, hi = max(st, covered), min(pt + ct - 1, end)
         if hi > lo:
             np.copyto(target[lo:hi], rows[lo - st : hi - st], casting="unsafe")
+            marked = marked + st
+            marked = marked[(marked >= lo) & (marked < hi)]
+            if marked.size:
+                target[marked] = no_route
+                unwritten.append(marked)
         covered = max(covered, hi)
+    if not unwritten:
+        return None
+    positions = np.concatenate(unwritten)
+    return UnwrittenPositions(i, int(positions.size), int(positions.min()))
 
 
 def _prompt_start(value: Any, i: int, t: int, prompt_length: int) -> int:
@@ -480,23 +519,77 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
 def _check_values(
     row: np.ndarray, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int,
     copy_to: np.ndarray | None = None,
-) -> None:
+) -> np.ndarray:
     """Per-sample id checks, block by block of tokens (range checks only where the dtype could violate them); with
-    ``copy_to``, each block is copied there once checked, while it is still in the cache."""
+    ``copy_to``, each block is copied there once checked, while it is still in the cache.
+
+    Returns the indices of the rows the engine marked as never written (:func:`_never_written`): those positions
+    fall back to the router one by one, the others keep their routes. When every row is so marked, nothing is left
+    to replay and the sample fails whole (most often a dense layer missing from ``moe_layers``)."""
     num_tokens = row.shape[0]
     step = max(1, _CHECK_CHUNK_ROWS // max(1, len(moe)))
+    unwritten = []
     for lo in range(0, num_tokens, step):
         hi = min(lo + step, num_tokens)
-        _check_block(row, lo, hi, i, start, moe, dense, top_k, limit)
+        marked = _check_block(row, lo, hi, i, start, moe, dense, top_k, limit)
+        if marked is not None:
+            unwritten.append(marked)
         if copy_to is not None:
             np.copyto(copy_to[lo:hi], row[lo:hi], casting="unsafe")
+    unwritten = np.concatenate(unwritten) if unwritten else np.empty(0, dtype=np.int64)
+    if num_tokens and unwritten.size == num_tokens:
+        _raise_never_written(row, i, start, moe, top_k)
+    return unwritten
+
+
+def _never_written(block: np.ndarray, moe: list[int], top_k: int) -> np.ndarray:
+    """``[n, L, K] -> [n, len(moe)]``: the MoE-layer routes the engine marks as never written: all zeros (vLLM's
+    capture buffer where it never wrote; ``top_k >= 2``, as a top-1 route of expert 0 is real) or all ``-1``."""
+    ids = block[:, moe]
+    marked = np.zeros(ids.shape[:2], dtype=bool)
+    if top_k >= 2:
+        marked |= ~ids.any(axis=-1)
+    if _iinfo(block.dtype).min < 0:
+        marked |= (ids == -1).all(axis=-1)
+    return marked
+
+
+def _raise_never_written(row: np.ndarray, i: int, start: int, moe: list[int], top_k: int) -> None:
+    """The error of a sample whose every row is marked never written, naming its first such route."""
+    marked = _never_written(row[:1], moe, top_k)[0]
+    layer = moe[int(np.argmax(marked))]
+    zeros = not row[0, layer].any()
+    what = f"an all-zero top-{top_k} route (vLLM leaves rows it never wrote as zeros" if zeros else "a route of -1s ("
+    dense_hint = f"; every row of layer {layer} is zero: is it a dense layer? pass moe_layers" if zeros and not \
+        row[:, layer].any() else ""
+    raise RouteAlignmentError(
+        f"sample {i}: layer {layer} is in moe_layers but position {start} has {what}{dense_hint}), and so has every "
+        f"other of its {row.shape[0]} positions: no route is left to replay",
+        sample=i,
+    )
 
 
 def _check_block(
     row: np.ndarray, lo: int, hi: int, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int
-) -> None:
-    """The checks of ``row[lo:hi]``; positions in messages are ``start`` + the row index."""
+) -> np.ndarray | None:
+    """The checks of ``row[lo:hi]``; positions in messages are ``start`` + the row index. Returns the indices (in
+    ``row``) of the block's never-written positions, or None: a position with a never-written route at any MoE
+    layer falls back whole (every layer), and its other rows are not judged."""
     block = row[lo:hi]
+    info = _iinfo(block.dtype)
+    repeated = _first_repeated_row(row, moe, lo, hi) if top_k >= 2 and moe else None
+    unwritten = None
+    if repeated is not None or (info.min < 0 and block.min() < 0):  # never-written marks are repeats or negative
+        marked = _never_written(block, moe, top_k).any(axis=1)
+        if marked.any():
+            unwritten = lo + np.flatnonzero(marked)
+            # the other positions are judged as usual: the marked ones, in a copy, become a valid route
+            filler = np.zeros(block.shape[1:], dtype=block.dtype)
+            filler[moe] = np.arange(top_k) % max(1, limit)
+            block = block.copy()
+            block[marked] = filler
+            repeated = first_repeated_row(block, moe) if top_k >= 2 and moe else None
+            repeated = None if repeated is None else (lo + repeated[0], repeated[1])
     if dense:
         dense_rows = block[:, dense]
         if dense_rows.any():
@@ -506,33 +599,20 @@ def _check_block(
                 f"there (vLLM leaves dense layers all-zero); check moe_layers",
                 sample=i,
             )
-    if top_k >= 2 and moe:  # a top-k route names k distinct experts; vLLM's never-written rows are all zeros
-        bad = _first_repeated_row(row, moe, lo, hi)
-        if bad is not None:
-            j, layer = bad
-            ids = row[j, layer]
-            if not ids.any():
-                dense_hint = (
-                    f"; every row of layer {layer} is zero: is it a dense layer? pass moe_layers"
-                    if not row[:, layer].any() else ""
-                )
-                raise RouteAlignmentError(
-                    f"sample {i}: layer {layer} is in moe_layers but position {start + j} has an all-zero "
-                    f"top-{top_k} route (vLLM leaves rows it never wrote as zeros{dense_hint})",
-                    sample=i,
-                )
-            values, counts = np.unique(ids, return_counts=True)
-            raise RouteAlignmentError(
-                f"sample {i}: position {start + j}, layer {layer} names expert {values[counts > 1][0]} twice "
-                f"({ids.tolist()}); a top-{top_k} route names {top_k} distinct experts",
-                sample=i,
-            )
-    info = _iinfo(block.dtype)
+    if repeated is not None:  # a top-k route names k distinct experts: a repeat that is no never-written mark
+        j, layer = repeated
+        ids = row[j, layer]
+        values, counts = np.unique(ids, return_counts=True)
+        raise RouteAlignmentError(
+            f"sample {i}: position {start + j}, layer {layer} names expert {values[counts > 1][0]} twice "
+            f"({ids.tolist()}); a top-{top_k} route names {top_k} distinct experts",
+            sample=i,
+        )
     if info.min < 0 and block.min() < 0:
         j, layer, _ = np.argwhere(block < 0)[0]
         raise RouteAlignmentError(
             f"sample {i}: negative expert id {block[j, layer].min()} at position {start + lo + j}, layer {layer}; "
-            "expected logical ids >= 0",
+            "expected logical ids >= 0 (a route of -1s marks a position never written)",
             sample=i,
         )
     if info.max >= limit and block.max() >= limit:
@@ -543,6 +623,7 @@ def _check_block(
             + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)"),
             sample=i,
         )
+    return unwritten
 
 
 def _first_repeated_row(

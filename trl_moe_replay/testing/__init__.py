@@ -10,6 +10,7 @@ Import from here: ``from trl_moe_replay.testing import tiny_moe_model, tiny_toke
 
 from .fake_vllm import (
     CORRUPTIONS,
+    NEVER_WRITTEN,
     EngineCompletion,
     FakeVLLMServer,
     RouteFuzzer,
@@ -36,6 +37,7 @@ from .tiny_models import (
 __all__ = [
     "CHAT_TEMPLATE",
     "CORRUPTIONS",
+    "NEVER_WRITTEN",
     "TINY_CONFIGS",
     "TINY_VOCAB",
     "TINY_VOCAB_SIZE",

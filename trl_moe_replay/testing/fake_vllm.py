@@ -598,12 +598,16 @@ def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- corrupted route payloads
-#: Corruption kinds of :func:`corrupt_route_payload`, by what they break.
+#: Corruption kinds of :func:`corrupt_route_payload`, by what they break. All but :data:`NEVER_WRITTEN` cost the
+#: sample its routes; that one costs one position.
 CORRUPTIONS = (
     "missing", "not-a-string", "base64-garbage", "base64-truncated", "npy-truncated", "npy-magic",
     "dtype", "rows", "layers", "top-k", "ndim", "id-out-of-range", "id-negative", "id-repeated",
     "route-never-written", "dense-layer-routed",
 )
+#: The corruption that ``routes_from_engine`` falls back from at one position only: one position's route at one MoE
+#: layer zeroed, vLLM's "never written" (the sample keeps its other positions' routes).
+NEVER_WRITTEN = "route-never-written"
 
 
 def _npy_base64(array: np.ndarray) -> str:
@@ -617,14 +621,16 @@ def corrupt_route_payload(
     payload: str, rng: np.random.Generator, *, num_experts: int, moe_layers: Sequence[int] | None = None,
     kind: str | None = None,
 ) -> tuple[str, Any]:
-    """``(kind, corrupted)``: ``payload`` (one completion's base64 ``.npy`` routes, ``[T, L, K]``) broken so that no
-    engine could have sent it for that completion and ``routes_from_engine`` must reject it.
+    """``(kind, corrupted)``: ``payload`` (one completion's base64 ``.npy`` routes, ``[T, L, K]``) broken so that
+    ``routes_from_engine`` must reject it (no engine could have sent it for that completion), or, for
+    :data:`NEVER_WRITTEN`, fall back at the one position the engine left unwritten.
 
     ``kind`` is one of :data:`CORRUPTIONS` (random among those that apply when None): the payload missing or not a
     string; invalid or truncated base64; a truncated ``.npy`` or a broken magic; a non-integer dtype (float, bool,
     time, complex, text, object); one row, layer or top-k slot too many or too few, or another number of dimensions;
-    one id out of ``[0, num_experts)`` or negative; a route naming an expert twice or never written (all zeros, top-k
-    >= 2); a dense layer (not in ``moe_layers``) routed.
+    one id out of ``[0, num_experts)`` or negative; a route naming an expert twice; a dense layer (not in
+    ``moe_layers``) routed; a route never written (all zeros, top-k >= 2, in routes of two rows or more: one row would
+    leave nothing to replay).
     """
     rows = decode_routed_experts(payload)
     tokens, layers, top_k = rows.shape
@@ -635,6 +641,7 @@ def corrupt_route_payload(
         or (k == "dense-layer-routed" and not dense)
         or (k in ("id-out-of-range", "id-negative", "id-repeated", "route-never-written", "dense-layer-routed")
             and tokens == 0)
+        or (k == NEVER_WRITTEN and tokens < 2)
     )]
     kind = kind or str(rng.choice(applicable))
     if kind not in applicable:
@@ -679,8 +686,9 @@ def corrupt_route_payload(
     elif kind == "id-negative":
         rows = rows.astype(np.int16)
         rows[t, layer, int(rng.integers(top_k))] = -int(rng.integers(1, 100))
-    elif kind == "id-repeated":
-        a, b = rng.choice(top_k, 2, replace=False)
+    elif kind == "id-repeated":  # a non-zero id twice: [0, 0] would be a never-written mark, not a repeat
+        a = int(rng.choice(np.flatnonzero(rows[t, layer])))
+        b = int(rng.choice([slot for slot in range(top_k) if slot != a]))
         rows[t, layer, b] = rows[t, layer, a]
     elif kind == "route-never-written":
         rows[t, layer] = 0
@@ -706,6 +714,14 @@ class RouteFuzzer:
         self.rate = rate
         self.keep_first = keep_first
         self.corrupted: dict[tuple[int, int], str] = {}
+
+    def whole(self, call: int) -> list[int]:
+        """The choices of ``call`` whose corruption costs the whole sample its routes (sorted)."""
+        return sorted(choice for (c, choice), kind in self.corrupted.items() if c == call and kind != NEVER_WRITTEN)
+
+    def unwritten(self, call: int) -> list[int]:
+        """The choices of ``call`` with one never-written position (:data:`NEVER_WRITTEN`; sorted)."""
+        return sorted(choice for (c, choice), kind in self.corrupted.items() if c == call and kind == NEVER_WRITTEN)
 
     def __call__(self, call: int, choice: int, payload: str | None) -> Any:
         if payload is None or (self.keep_first and call == 0 and choice == 0) or self.rng.random() >= self.rate:

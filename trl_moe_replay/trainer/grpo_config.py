@@ -14,7 +14,6 @@ from ..core.routing_options import (
     SYNC_TRAINER,
     ReplayMode,
     ReplaySettings,
-    RouteSource,
     RoutingOptions,
     declare_defaults,
     default_routing_metrics,
@@ -23,6 +22,7 @@ from ..core.routing_options import (
     resolve_sync_check,
 )
 from ..errors import TrlMoeReplayError
+from ..pr2.options import PR2Options
 
 
 ROUTING_REPLAY_MODES = MODES
@@ -172,7 +172,7 @@ def check_generation_support(args: GRPOConfig) -> None:
 
 
 @dataclass
-class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
+class MoEReplayGRPOConfig(PR2Options, RoutingOptions, GRPOConfig):
     r"""
     Configuration for [`MoEReplayGRPOTrainer`]: every [`~trl.GRPOConfig`] field plus the options below.
 
@@ -272,25 +272,6 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
             "correction to them. Unset: on with r2/r3/pr2 or loss_type='minirl', off with 'none'."
         },
     )
-    pr2_lr_multiplier: float = field(
-        default=1e3,
-        metadata={"help": "PR2 predictor learning rate = learning_rate * this (paper: 50 to 1e4)."},
-    )
-    pr2_cached_tokens_per_sequence: int = field(
-        default=2048,
-        metadata={
-            "help": "Completion tokens per sequence cached (evenly spaced) in the old-logprob pass to train the PR2 "
-            "predictors."
-        },
-    )
-    pr2_rollout_prediction: bool = field(
-        default=False,
-        metadata={
-            "help": "PR2 on transformers generation: route generate itself with the predictors and replay those "
-            "routes (the paper's full form)."
-        },
-    )
-
     loss_type: str = field(
         default="dapo",
         metadata={
@@ -339,15 +320,9 @@ class MoEReplayGRPOConfig(RoutingOptions, GRPOConfig):
         self.routing_replay = ReplayMode.parse(self.routing_replay)
         super().__post_init__()
         self._resolve_loss_options()
-        if self.pr2_rollout_prediction and self.routing_replay.source is not RouteSource.PREDICTED:
-            raise ValueError(f"pr2_rollout_prediction needs routing_replay='pr2', got {self.routing_replay!r}")
+        self._check_pr2_mode()
         self._resolve_generation_options()
-        if self.pr2_rollout_prediction and self.use_vllm:
-            raise ValueError(
-                "pr2_rollout_prediction routes transformers `generate` with the predictors; vLLM cannot run them. "
-                "Set use_vllm=False, or keep use_vllm and pr2_rollout_prediction=False (predicted routes are then "
-                "chosen in the trainer's old-logprob pass)."
-            )
+        self._check_pr2_generation()
 
     def _resolve_generation_options(self) -> None:
         """Fill routing_metrics, vllm_sync_check and transformers_importance_sampling_correction when unset (see

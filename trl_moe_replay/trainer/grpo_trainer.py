@@ -12,88 +12,81 @@ generation batch:
 3. ``_generate_and_score_completions``: TRL's old-logprob and reference passes run through our
    ``_get_per_token_logps_and_entropies``, which does what ``RouteFlow.plan`` says (replay, record, steer); the routes
    to replay stay in the trainer's buffer and the batch dict carries their ``route_rows``.
-4. ``_compute_loss``/``training_step``: each micro-batch gathers its rows, replays them in the training forward and
-   keeps them in force until its backward has returned (gradient checkpointing recomputes the routers in backward).
+4. ``_compute_loss``/``training_step``: each micro-batch (a ``MicroBatch`` value) gathers its rows, replays them in the
+   training forward and keeps them in force until its backward has returned (gradient checkpointing recomputes the
+   routers in backward; ``MoEReplayTrainerMixin.training_step`` ends it).
+
+What both trainers share (init preamble, aux-loss rule, output-dir lock, sync check, micro-batch lifecycle, metrics)
+is ``MoEReplayTrainerMixin`` (``trl_moe_replay.core.trainer_base``).
 
 The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
-(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its ``_compute_loss`` and
-``_get_per_token_logps_and_entropies`` wrap TRL's, so this class's ``super()`` calls go through it.
+(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its
+``_get_per_token_logps_and_entropies`` (and ``get_gamma_weights``, ``log``) wrap TRL's and read the current
+``MicroBatch``, so this class's ``super()`` calls go through it.
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
-by the predicted routes; its state and predictor training live in ``trl_moe_replay.trainer.pr2``, called from 3. and 4.
+by the predicted routes; it lives beside the trainer in ``trl_moe_replay.pr2``, whose ``PR2TrainerMixin`` this class
+mixes in and calls at its named points (``_setup_pr2``, ``_pr2_generate``, ``_pr2_old_pass_chunk``,
+``_pr2_on_generation_batch``) in 1. and 3.; its Trainer overrides hand straight on without PR2.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
+from collections.abc import Iterator
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..core.launch import check_launched_engine, check_launched_precision, checked_model_name
-from ..core.metrics import (
-    AGREEMENT_RATIOS,
-    FALLBACK_RATIOS,
-    MISMATCH_RATIOS,
-    fallback_sums,
-    global_sums,
-    log_ratio_metrics,
-    logprob_mismatch_sums,
-    routable_positions,
-    routing_agreement_sums,
-)
+from ..core.metrics import global_sums, routable_positions
 from ..core.model_card import write_model_card
-from ..core.output_lock import claim_output_dir, hold_output_dir
+from ..core.output_lock import hold_output_dir
 from ..core.peft_replay import check_peft_replay
 from ..core.precision import attach_update_probe
-from ..core.route_flow import ROUTE_ROWS, Forward, ForwardPlan, GenerationBatch, RouteFlow
-from ..core.routing_options import SYNC_TRAINER, ReplaySettings, RouteSource, option, resolve_weight_sync
+from ..core.route_flow import (
+    ROUTE_ROWS,
+    Forward,
+    ForwardPlan,
+    GenerationBatch,
+    MicroBatch,
+    MicroBatchReplay,
+    RouteFlow,
+)
+from ..core.routing_options import TrainerKind, option, resolve_weight_sync
+from ..core.trainer_base import MoEReplayTrainerMixin
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
+from ..pr2.trainer_mixin import PR2TrainerMixin
 from ..rollouts import TransformersRolloutRecorder
 from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
 from ..rollouts.turns import RolloutTurns
 from ..rollouts.vllm_routes import VLLMRouteSource, llm_returning_routes
 from ..routing import RouterReplay
-from ..routing.routes import CheckedRoutes
 from ..upstream import (
-    assert_trl_compatible,
-    checkpoint_run_dir,
     disable_gradient_checkpointing,
     engine_logprob_correction,
-    exclude_from_weight_sync,
     is_reference_forward,
     mark_vllm_weights_synced,
     pad,
     profiling_context,
-    quiet_upstream_notices,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
 )
-from ..weight_sync.sync_check import build_sync_check, checked_weight_sync
-from ..weight_sync.weight_reload import build_weight_sync, client_without_communicator
+from ..weight_sync.sync_check import sync_trainer_check
+from ..weight_sync.weight_reload import WeightSyncMethod, client_without_communicator, sync_trainer_weight_sync
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
 from .objectives import MoEObjectivesMixin
-from .pr2 import (
-    MODULE_NAME as PR2_MODULE_NAME,
-    PREDICTORS_FILE as PR2_PREDICTORS_FILE,
-    PR2CheckpointError,
-    PR2StateError,
-    PredictiveRoutingReplay,
-)
 
 
 logger = logging.get_logger(__name__)
 
 
-class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
+class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -108,8 +101,6 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
 
     _tag_names = ["trl", "grpo", "moe-routing-replay"]
     _name = "MoE Replay GRPO"
-    _pr2: PredictiveRoutingReplay | None = None  # set in __init__ when routing_replay="pr2"
-    _pr2_averages_gradients = False  # PR2 under plain data parallelism (DDP ignores the predictors)
     # set in __init__; class defaults keep the generation overrides usable on a trainer built without it (TRL's own
     # unit tests build one with object.__new__ and set only what TRL's methods read)
     _weight_sync = None
@@ -120,19 +111,17 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         if args is None:
             name = model if isinstance(model, str) else model.config.name_or_path
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
-        assert_trl_compatible()
-        quiet_upstream_notices()
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         check_generation_support(args)
-        settings = self.replay_settings = ReplaySettings.from_args(args)
-        mode = self.routing_replay = settings.mode
+        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.SYNC)
+        mode = settings.mode
         # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
         check_launched_precision(args, strict=mode.replays)
-        sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, SYNC_TRAINER)
+        sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, TrainerKind.SYNC)
         vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
         if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
             vllm_classes["LLM"] = llm_returning_routes
-        if args.use_vllm and args.vllm_mode == "server" and sync_method == "reload":
+        if args.use_vllm and args.vllm_mode == "server" and sync_method is WeightSyncMethod.RELOAD:
             vllm_classes["VLLMClient"] = client_without_communicator
         with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
@@ -149,26 +138,22 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator,
                                                 required=mode.needs_engine_routes)
         self._route_intake = self._build_route_intake(args) if settings.generation_routes else None
-        if mode.replays and self.aux_loss_enabled:
-            logger.warning(
-                "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
-                "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
-            )
-            self.aux_loss_enabled = False
-        self._pr2 = self._build_pr2(args) if mode.source is RouteSource.PREDICTED else None
+        self.aux_loss_enabled = self._aux_loss_under_replay()
+        self._setup_pr2(args)
         vllm_generation = self.vllm_generation if args.use_vllm else None
-        self._weight_sync = build_weight_sync(sync_method, args, asynchronous=False, vllm_generation=vllm_generation,
-                                              model=self.accelerator.unwrap_model(self.model))
-        self._sync_check = build_sync_check(settings.vllm_sync_check, asynchronous=False, accelerator=self.accelerator,
-                                            vllm_generation=vllm_generation,
-                                            tolerance=option(args, "sync_check_tolerance"))
+        self._weight_sync = sync_trainer_weight_sync(sync_method, args, vllm_generation=vllm_generation,
+                                                     model=self.accelerator.unwrap_model(self.model))
+        self._sync_check = sync_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
+                                              vllm_generation=vllm_generation,
+                                              tolerance=option(args, "sync_check_tolerance"))
         self._warned_on_policy = False
-        self._setup_objectives(self.args)
+        self._objectives = self._setup_objectives(self.args)
         # the routes' one state: None when there is nothing to record or replay (every override hands to TRL)
         self._routes = None
         if not self._is_plain_trl:
             self._routes = RouteFlow(settings, self._route_replay, self._ref_route_replay, pr2=self._pr2 is not None,
-                                     router_shift=self._router_probes is not None)
+                                     router_shift=self._objectives.router_probes is not None)
+        self._micro_replay = MicroBatchReplay()  # a micro-batch's routes, from its training forward through backward
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = hold_output_dir(self)
         attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
@@ -208,14 +193,14 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         batch = self._routes.batch if self._routes is not None else None
         if batch is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        later_turn = batch.generated_turns > 0
-        batch.generated_turns += 1
+        later_turn = batch.begin_turn()
         samples = batch.turns.match(prompt_ids) if later_turn and batch.turns is not None else None
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start = source.prompt_start
-            if later_turn:  # ask only for the positions these samples do not hold yet, where one request can say so
-                start = batch.turns.held_positions(samples) if batch.turns is not None and source.can_skip else 0
+            if later_turn:  # ask only for the positions every sample of the request does not hold yet
+                start = source.request_prompt_start(batch.turns.held_positions(samples) if batch.turns is not None
+                                                    else 0)
             source.begin_batch()
             with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if later_turn else \
                     contextlib.nullcontext():
@@ -232,8 +217,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             causal_lm = causal_lm.get_base_model()
         routes = self._route_replay if self.replay_settings.generation_routes else None
         recorder = TransformersRolloutRecorder(routes, causal_lm, self.temperature)
-        predicting = self._pr2 is not None and self._pr2.rollout_prediction
-        with recorder, (self._pr2.steering() if predicting else contextlib.nullcontext()):
+        with recorder, self._pr2_generate():
             completion_ids, _ = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         recorder.finish_with(completion_ids, pad_token_id=self._tokenizer.pad_token_id)
         completion_lengths = [len(ids) for ids in completion_ids]
@@ -247,7 +231,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         # multi-turn log-probs only when it receives them. A replaced generate (a test stub) runs no forward, so its
         # rows fall short of the completions: there is no sampler to compare with then.
         covered = all(len(row) == length for row, length in zip(logprobs, completion_lengths, strict=True))
-        batch.sampling_logprobs = logprobs if covered and not later_turn else None
+        batch.record_sampling_logprobs(logprobs if covered and not later_turn else None)
         return completion_ids, None
 
     def _generate(self, prompts):
@@ -263,11 +247,15 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             self._take_rollout_func_routes(batch, prompt_ids, completion_ids, extra_fields)
         if self._route_intake is not None:  # the batch's routes enter here, once (route_flow step 2)
             batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, self.pad_to_multiple_of)
+        if self._vllm_routes is not None:  # every turn's route bytes, summed over ranks (server: what the main got)
+            received = torch.tensor([float(self._vllm_routes.take_received_bytes())], device=self.accelerator.device)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["vllm/route_bytes"].append(self.accelerator.reduce(received, "sum").item())
         return output
 
     def _sync_vllm_weights(self) -> None:
-        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own sync,
-        inside the engine sync check (``vllm_sync_check``, ``weight_sync/sync_check.py``)."""
+        """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own
+        sync, inside the engine sync check (``vllm_sync_check``, ``weight_sync/sync_check.py``)."""
         def sync():
             with profiling_context(self, "sync_weights"):
                 if self._weight_sync is not None:
@@ -276,9 +264,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                     self.vllm_generation.sync_weights()
             mark_vllm_weights_synced(self)
 
-        mode = "train" if self.model.training else "eval"
-        checked_weight_sync(self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator,
-                            self._metrics[mode])
+        self._checked_weight_sync(sync, self._metrics_mode())
 
     def _take_rollout_func_routes(self, batch: GenerationBatch, prompt_ids, completion_ids, extra_fields: dict) -> None:
         """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
@@ -303,7 +289,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                 "completions: return a list with one entry per completion (an array, a base64 payload or None)"
             )
         try:  # a bad value for one sample only loses that sample's routes (RouteIntake); a wrong count is a bug
-            batch.turns = RolloutTurns(prompt_ids, completion_ids, rows, starts)
+            batch.take_turns(RolloutTurns(prompt_ids, completion_ids, rows, starts))
         except ValueError as exc:
             raise RoutesUnavailableError(f"rollout_func returned {exc}") from None
 
@@ -325,19 +311,15 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                     "policy" + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None
                                 else ".")
                 )
-            # route_flow step 4: the batch dict carries rows, not routes (taken before the metrics pass, whose
-            # recorded routes are for routing/* only)
+            # route_flow step 4: the batch dict carries rows, not routes nor RSPO's old router nor PR2's cache (taken
+            # before the metrics pass, whose recorded routes are for routing/* only)
+            self._pr2_on_generation_batch(batch)
             route_rows = self._routes.store(batch, mode)
             if route_rows is not None:
                 output[ROUTE_ROWS] = route_rows
             trainer_logps = None
             if self.replay_settings.routing_metrics and "old_per_token_logps" not in output:
                 trainer_logps = self._metrics_pass(output, batch)
-            if batch.old_router:  # ride through TRL's buffer, shuffle and split with their samples
-                output["old_router_ids"] = torch.cat([ids for ids, _ in batch.old_router], dim=0)
-                output["old_router_probs"] = torch.cat([probs for _, probs in batch.old_router], dim=0)
-            if self._pr2 is not None:
-                output.update(self._pr2.take_old_pass_cache(self.state.global_step))
             self._log_mismatch_metrics(output, batch, trainer_logps)
         return output
 
@@ -345,7 +327,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         """A copy of the routes the forwards of ``inputs`` (a generation batch or a micro-batch of it, while its
         generation batch is the current one) replay, ``[B, S, num_layers, top_k]``; None when they replay none."""
         route_rows = inputs.get(ROUTE_ROWS)
-        return None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows).tensor()
+        routes = None if route_rows is None or self._routes is None else self._routes.buffer.gather(route_rows)
+        return None if routes is None else routes.tensor()
 
     def _metrics_pass(self, output: dict, batch: GenerationBatch) -> torch.Tensor | None:
         """The trainer's side of the comparison for a batch TRL ran no old-logprob pass on, or None.
@@ -381,7 +364,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         plan = None
         if self._routes is not None:
             plan = self._routes.plan(is_reference=self._routes.batch is not None and is_reference_forward(self, model),
-                                     is_ref_model=model is self.ref_model)
+                                     is_ref_model=model is self.ref_model, micro=self._micro_batch)
         if plan is None or plan.is_plain:
             return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                           compute_aux_loss, **multimodal)
@@ -397,7 +380,7 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         plan.check_width(input_ids.size(1))
         rr = plan.route_replay
         if plan.forward is Forward.TRAINING:  # in force through the backward: training_step ends it
-            with self._routes.micro_replay.replay(rr, plan.replay):
+            with self._micro_replay.replay(rr, plan.replay):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
         batch_size = batch_size or input_ids.size(0)
@@ -408,9 +391,8 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
                 if plan.replay is not None:
                     stack.enter_context(rr.replay(plan.replay.rows(slice(start, end))))
                 if plan.pr2:  # predicted routes (unless replayed) + predictor cache
-                    stack.enter_context(self._pr2.old_pass_chunk(
-                        attention_mask[start:end], logits_to_keep, steer=plan.replay is None, cache=self.model.training
-                    ))
+                    stack.enter_context(self._pr2_old_pass_chunk(attention_mask[start:end], logits_to_keep,
+                                                                 steer=plan.replay is None))
                 recording = stack.enter_context(rr.record()) if plan.record else None
                 capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), plan.old_router))
                 chunk_logps, chunk_entropies, chunk_aux = parent(
@@ -423,9 +405,9 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             if recording is not None:
                 natural.append(recording.checked)
             if capture is not None:
-                self._routes.batch.old_router.append((capture.ids, capture.probs))
+                self._routes.batch.add_old_router(capture.ids, capture.probs)
         if plan.record:  # recorded, so checked by construction (R2/PR2 replay them in every micro-batch)
-            self._routes.batch.natural = CheckedRoutes.cat(natural)
+            self._routes.batch.record_natural(natural)
         return (
             torch.cat(logps, dim=0),
             torch.cat(entropies, dim=0) if compute_entropy else None,
@@ -433,181 +415,37 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         )
 
     def _compute_loss(self, model, inputs):
-        if self._routes is not None:
-            self._routes.begin_micro_batch(inputs)  # its rows of the buffer (route_flow step 5)
-        with self._engine_correction():
-            if self._pr2 is not None and self.model.training:
-                with self._pr2.watch_training_forward(inputs):
-                    loss = super()._compute_loss(model, inputs)
-                return self._add_pr2_predictor_loss(loss)
-            return super()._compute_loss(model, inputs)
+        with self._micro_batch_of(inputs) as micro, self._engine_correction():  # PR2TrainerMixin adds its loss inside
+            return super()._compute_loss(model, micro.inputs)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    @contextlib.contextmanager
+    def _micro_batch_of(self, inputs: dict) -> Iterator[MicroBatch]:
+        """``inputs`` as the micro-batch whose training forward runs within the context (route_flow step 5): its rows
+        of the buffer, a copy of its loss inputs (γ). Its routes stay replayed until ``training_step`` ends it."""
+        self._end_micro_batch()  # a micro-batch whose training_step did not end it (compute_loss called directly)
+        held = self._routes.micro_rows(inputs) if self._routes is not None else None
+        self._micro_batch = MicroBatch.of(inputs, held)
         try:
-            if self._pr2 is not None:
-                self._pr2.begin_micro_step(self.state.global_step)
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            if self._pr2_averages_gradients and self.accelerator.sync_gradients:
-                self._pr2.average_gradients(self.accelerator.num_processes)  # before the Trainer clips them
-            return loss
+            yield self._micro_batch
         finally:
-            if self._routes is not None:
-                self._routes.end_micro_batch()  # only now: the backward (and any recompute in it) has returned
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        try:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        finally:
-            if self._routes is not None:
-                self._routes.end_micro_batch()
+            self._micro_batch = None
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
-    def train(self, *args, **kwargs):
-        """``Trainer.train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`).
-
-        Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
-        ``routing_replay="none"``, plain TRL, a loud warning instead).
-        """
-        self._claim_output_dir()
-        return super().train(*args, **kwargs)
-
-    def _claim_output_dir(self) -> None:
-        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
-
     def end(self):
-        """``Trainer.end`` (destroy the process group), after letting gloo's worker threads settle.
+        """``Trainer.end`` (release ``output_dir``, destroy the process group), after letting gloo's worker threads
+        settle.
 
         On CPU data parallelism (gloo), destroying the group while a worker thread still drops a Python-owned tensor
         deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
         interpreter at shutdown; a barrier and a short pause first avoid both.
         """
-        self._output_lock.release()
         if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
             torch.distributed.barrier()
             time.sleep(0.2)
-        # what Trainer.end does (transformers >= 5.18); called directly, as transformers 5.16-5.17 have no end()
-        self.accelerator.end_training()
-
-    # ------------------------------------------------------------------ PR2
-    def _build_pr2(self, args) -> PredictiveRoutingReplay:
-        if self.optimizer is not None:
-            raise NotImplementedError(
-                "routing_replay='pr2' adds the predictors' param group in create_optimizer; pass no optimizer (or "
-                "subclass and call PredictiveRoutingReplay.add_to_optimizer yourself)."
-            )
-        pr2 = PredictiveRoutingReplay(
-            self._route_replay,
-            cached_tokens_per_sequence=option(args, "pr2_cached_tokens_per_sequence"),
-            rollout_prediction=option(args, "pr2_rollout_prediction"),
-        )
-        # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
-        engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        self._pr2_averages_gradients = self.accelerator.num_processes > 1 and not engine_reduces
-        if self.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
-            exclude_from_weight_sync(self.vllm_generation, lambda name: name.split(".")[0] == PR2_MODULE_NAME)
-        return pr2
-
-    def create_optimizer(self, model=None):
-        if self._pr2 is None:
-            return super().create_optimizer(model)
-        with self._pr2.hidden_from_optimizer():  # not in the Trainer's groups (weight decay, lr) ...
-            optimizer = super().create_optimizer(model)
-        lr = self.args.learning_rate * option(self.args, "pr2_lr_multiplier")
-        # ... but in their own; checked for NaN after each step where every rank holds them whole (DeepSpeed and
-        # FSDP: through the predictor loss and at each checkpoint)
-        self._pr2.add_to_optimizer(optimizer, lr, check_finite=not (self.is_deepspeed_enabled or self.is_fsdp_enabled))
-        return optimizer
-
-    def _add_pr2_predictor_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` plus the predictor loss of the micro-batch in the graph: the value stays the policy loss (what
-        TRL logs as ``loss``), the one backward also trains the predictors."""
-        # DeepSpeed keeps a parameter's previous gradient when a backward gives it none (measured under ZeRO-3:
-        # the on-policy step's grad norm still held the last off-policy step's predictor gradient), so there the
-        # predictors take part in every backward, with a zero gradient on the steps they do not train
-        result = self._pr2.training_loss(
-            self.state.global_step, grad_scale=1.0 / self.current_gradient_accumulation_steps,
-            always_in_graph=self.is_deepspeed_enabled,
-        )
-        if result is None:
-            return loss
-        predictor_loss, sums = result
-        totals = self._global_sums(sums, self.accelerator.device)
-        if "kl" in totals and not torch.isfinite(totals["kl"]):  # summed over ranks: every rank stops together
-            raise PR2StateError(
-                f"the PR2 predictor loss is {totals['kl'].item()} at step {self.state.global_step}: the predictors' "
-                "weights or their cached inputs are not finite, and every route they predict would be garbage. "
-                "Resume from an earlier checkpoint with a lower pr2_lr_multiplier, or train with routing_replay='r2'."
-            )
-        for name, value in self._pr2.metrics(totals).items():
-            self._metrics["train"][name].append(value)
-        if predictor_loss is None:
-            return loss
-        # x - x.detach() is exactly 0 in value and carries x's gradient; the predictor loss reaches only the
-        # predictors (detached inputs), and the policy loss never reaches them (they steer no-grad forwards only)
-        return loss + (predictor_loss - predictor_loss.detach()).to(loss.device)
-
-    def _clip_grad_norm(self, model):
-        """Clip the policy's gradients by their own norm and the predictors' by theirs (both to ``max_grad_norm``):
-        the two losses are independent, so neither gradient scales the other's update, and PR2 with frozen
-        predictors clips exactly like R2. The returned (logged) ``grad_norm`` is the policy's; ``pr2/grad_norm``
-        the predictors'. DeepSpeed clips every parameter it holds by one norm, predictors included."""
-        if self._pr2 is None or self.is_deepspeed_enabled:
-            return super()._clip_grad_norm(model)
-        # the Trainer's clipping (fp16 unscaling of every gradient included) over the model's other parameters
-        grad_norm = super()._clip_grad_norm(self._pr2.without_predictors(model))
-        predictor_norm = self._pr2.clip_gradients(self.args.max_grad_norm)
-        if predictor_norm is not None:
-            self._metrics["train"]["pr2/grad_norm"].append(predictor_norm)
-        return grad_norm
-
-    def _save_checkpoint(self, model, trial):
-        # PR2: the predictors first (atomically), then TRL's files, whose trainer_state.json comes last: a checkpoint
-        # that has it has its predictors too, whenever the process is killed
-        if self._pr2 is not None:
-            state = self._pr2.full_state_dict()  # every rank: a collective under FSDP2 and ZeRO-3
-            self._pr2.check_finite(state, "at a checkpoint")  # every rank holds the same full weights: all stop
-            if self.args.should_save:
-                checkpoint = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"  # the folder super() writes next
-                self._pr2.save(os.path.join(checkpoint_run_dir(self, trial), checkpoint), state)
-        super()._save_checkpoint(model, trial)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
-            self._check_pr2_checkpoint(checkpoint)
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if self._pr2 is None or checkpoint is None:
-            return
-        restored_by_engine = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        self._pr2.load(checkpoint, restored_by_engine=restored_by_engine)
-
-    def _check_pr2_checkpoint(self, checkpoint: str) -> None:
-        """Refuse to resume PR2 state from a checkpoint without it, or a PR2 checkpoint without PR2 (before torch's
-        optimizer load fails on the predictors' extra param group with a generic message)."""
-        has_predictors = os.path.isfile(os.path.join(checkpoint, PR2_PREDICTORS_FILE))
-        complete = os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME))  # the Trainer writes it last
-        if self._pr2 is not None and not complete:
-            raise PR2CheckpointError(
-                f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {TRAINER_STATE_NAME}, which the "
-                "Trainer writes last, so the run was stopped while saving it (or it is no checkpoint folder). Resume "
-                "from an earlier checkpoint-N."
-            )
-        if self._pr2 is not None and not has_predictors:
-            raise PR2CheckpointError(
-                f"routing_replay='pr2' cannot resume from {checkpoint}: it has no {PR2_PREDICTORS_FILE}. Either the "
-                "run that saved it did not use PR2 (resume it with its own routing_replay, or start a new PR2 run "
-                "from its weights without resume_from_checkpoint), or it was stopped while saving this checkpoint "
-                "(resume from an earlier checkpoint-N). Restarting the predictors from zero under their restored "
-                "optimizer state would train them wrongly."
-            )
-        if self._pr2 is None and has_predictors:
-            raise PR2CheckpointError(
-                f"{checkpoint} was saved by a routing_replay='pr2' run (it holds {PR2_PREDICTORS_FILE} and the "
-                f"predictors' optimizer state), but this run uses routing_replay={self.routing_replay!r}. Resume it "
-                "with routing_replay='pr2', or start a new run from its weights without resume_from_checkpoint."
-            )
+        super().end()
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(self, output: dict, batch: GenerationBatch | None,
@@ -616,7 +454,6 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
         recorded for the metrics: ``trainer_logps`` from ``_metrics_pass``), ``routing/*`` wherever the engine's routes
         and the trainer's natural ones exist (``metrics.log_ratio_metrics``: NaN for no data, as in the async trainer).
         """
-        metrics = self._metrics["train" if self.model.training else "eval"]
         old = output.get("old_per_token_logps", trainer_logps)
         sampling = output.get("sampling_per_token_logps")
         if sampling is None and batch is not None and batch.sampling_logprobs is not None:
@@ -628,20 +465,13 @@ class MoEReplayGRPOTrainer(RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer)
             mask = output["completion_mask"]
             if "tool_mask" in output:  # tool results are not sampled: TRL gives them log-prob 0 and masks them out
                 mask = mask * output["tool_mask"]
-            sums = logprob_mismatch_sums(sampling, old, mask, self.replay_settings.extreme_token_threshold)
-            log_ratio_metrics(metrics, self.accelerator, sums, MISMATCH_RATIOS)
+            self._log_logprob_mismatch(sampling, old, mask)
         if batch is None or batch.generation is None:
             return
-        reference = batch.generation.tensor()
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         positions = routable_positions(attention_mask).cpu()
-        moe_layers = self._route_replay.moe_layers
-        if batch.natural is None:  # no trainer pass to compare: fallback only
-            log_ratio_metrics(metrics, self.accelerator, fallback_sums(reference, positions, moe_layers),
-                              FALLBACK_RATIOS)
-            return
-        sums = routing_agreement_sums(batch.natural.tensor(), reference, positions, moe_layers)
-        log_ratio_metrics(metrics, self.accelerator, sums, {**AGREEMENT_RATIOS, **FALLBACK_RATIOS})
+        natural = batch.natural.tensor() if batch.natural is not None else None  # None: no trainer pass, fallback only
+        self._log_routing_agreement(natural, batch.generation.tensor(), positions)
 
     def _global_sums(self, sums: dict[str, torch.Tensor], device=None) -> dict[str, torch.Tensor]:
         return global_sums(self.accelerator, sums)

@@ -4,8 +4,8 @@ loss, and ``minirl`` on TRL's loss code. The math lives in ``trl_moe_replay.trai
 ``trl_moe_replay.upstream``.
 
 * γ (seam entry ``old_logps_after_forward``): TRL builds every importance weight from
-  ``per_token_logps - old_per_token_logps``, read right after the training forward. ``_compute_loss`` hands TRL a
-  shallow copy of the micro-batch, the training forward measures the current router at the old experts
+  ``per_token_logps - old_per_token_logps``, read right after the training forward. The trainer's ``_compute_loss``
+  hands TRL a shallow copy of the micro-batch (``MicroBatch.inputs``, ``core/route_flow.py``), the training forward measures the current router at the old experts
   (``_measuring_router_shift``), and before TRL reads it the copy's ``old_per_token_logps`` becomes ``old - log γ``
   (``losses.shift_old_logps``): every TRL loss type then clips ``γ · ratio`` with its own code, and γ = 1 leaves TRL's
   computation bit for bit unchanged. The buffered batch itself is never modified.
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..core.route_flow import MicroBatch
 from ..core.routing_options import option
 from ..routing.router_probs import RouterProbes
 from ..upstream import MINIRL_TRL_BRANCH, nanmax, nanmin, run_loss_on_trl_branch, set_old_logps_for_loss
@@ -43,72 +46,74 @@ _TRL_LOSS_FOR = {"gspo": "grpo", "rspo": "grpo", "minirl": MINIRL_TRL_BRANCH}
 _VESPO_WEIGHT_METRIC = "vespo/phi_seq_mean"
 
 
+@dataclass(frozen=True)
+class MoEObjectives:
+    """The loss options of one run, resolved once (``MoEObjectivesMixin._setup_objectives``)."""
+
+    loss_type: str  # ours (gspo, rspo, minirl) or TRL's
+    router_shift_weighting: bool = False
+    router_shift_gamma_min: float = 0.0
+    minirl_is_cap: float | None = None
+    router_probes: RouterProbes | None = None  # the router's probabilities at the old experts (router-shift weighting)
+
+
 class MoEObjectivesMixin:
-    """Router-shift weighting, ``gspo``/``rspo`` and ``minirl`` for a ``GRPOTrainer`` subclass."""
+    """Router-shift weighting, ``gspo``/``rspo`` and ``minirl`` for a ``GRPOTrainer`` subclass.
 
-    _loss_inputs: dict | None = None  # the micro-batch copy while _compute_loss runs, else None
+    Reads the trainer's current :class:`~trl_moe_replay.core.route_flow.MicroBatch` (``_micro_batch``, set by the
+    trainer's ``_compute_loss`` only while it runs): the loss inputs, the unshifted old log-probs and γ."""
 
-    def _setup_objectives(self, args) -> None:
-        """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists."""
+    _objectives: MoEObjectives | None = None
+    _micro_batch: MicroBatch | None = None  # the micro-batch whose loss is being computed, else None
+
+    def _setup_objectives(self, args: Any) -> MoEObjectives:
+        """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists; assign the result to
+        ``self._objectives``."""
         name = args.loss_type
         if name in MOE_LOSS_TYPES and not hasattr(args, "minirl_is_cap"):
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
-        self.moe_loss_type = name
         run_loss_on_trl_branch(self, _TRL_LOSS_FOR.get(name, name))
-        self.router_shift_weighting = bool(option(args, "router_shift_weighting"))
-        self.router_shift_gamma_min = option(args, "router_shift_gamma_min")
-        self.minirl_is_cap = option(args, "minirl_is_cap")
-        self._router_probes = RouterProbes(self._route_replay) if self.router_shift_weighting else None
-        self._loss_inputs: dict | None = None
-        self._unshifted_old_logps: torch.Tensor | None = None
-        self._router_shift_gamma: torch.Tensor | None = None
+        weighting = bool(option(args, "router_shift_weighting"))
+        return MoEObjectives(
+            loss_type=name, router_shift_weighting=weighting,
+            router_shift_gamma_min=option(args, "router_shift_gamma_min"), minirl_is_cap=option(args, "minirl_is_cap"),
+            router_probes=RouterProbes(self._route_replay) if weighting else None,
+        )
+
+    @property
+    def moe_loss_type(self) -> str:
+        return self._objectives.loss_type
 
     # ------------------------------------------------------------------ old-logprob pass
     def _old_router_capture(self, batch: int, seq: int, is_old_pass: bool):
         """Context around one chunk's forward: in the old-logprob pass (with router-shift weighting), the old
         router's probabilities at the experts used; yields None otherwise."""
-        if self._router_probes is None or not is_old_pass:
+        probes = self._objectives.router_probes
+        if probes is None or not is_old_pass:
             return contextlib.nullcontext()
-        return self._router_probes.capture(batch, seq)
+        return probes.capture(batch, seq)
 
     # ------------------------------------------------------------------ loss and training forward
-    def _compute_loss(self, model, inputs):
-        inputs = self._begin_loss_inputs(inputs)  # a copy: the training forward may shift its old log-probs by γ
-        try:
-            return super()._compute_loss(model, inputs)
-        finally:
-            self._end_loss_inputs()
-
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **kwargs):
         """TRL's forward; inside ``_compute_loss`` (the training forward) it also measures the router shift."""
         parent = super()._get_per_token_logps_and_entropies
-        if self._loss_inputs is None:  # old-logprob and reference passes
+        if self._micro_batch is None:  # old-logprob and reference passes
             return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                           compute_aux_loss, **kwargs)
         with self._measuring_router_shift(input_ids, logits_to_keep):
             return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                           compute_aux_loss, **kwargs)
 
-    def _begin_loss_inputs(self, inputs: dict) -> dict:
-        """A shallow copy of the micro-batch that the training forward may put γ-shifted old log-probs in."""
-        inputs = dict(inputs)
-        self._loss_inputs = inputs
-        self._unshifted_old_logps = inputs.get("old_per_token_logps")
-        self._router_shift_gamma = None
-        return inputs
-
-    def _end_loss_inputs(self) -> None:
-        self._loss_inputs = self._unshifted_old_logps = self._router_shift_gamma = None
-
     @contextlib.contextmanager
     def _measuring_router_shift(self, input_ids: torch.Tensor, logits_to_keep: int) -> Iterator[None]:
-        """Around the training forward of ``_compute_loss``: measure γ and hand it to the loss."""
-        inputs = self._loss_inputs
-        if not self.router_shift_weighting or inputs is None:
+        """Around the training forward of ``_compute_loss``: measure γ and hand it to the loss (in the micro-batch)."""
+        micro, options = self._micro_batch, self._objectives
+        if not options.router_shift_weighting or micro is None:
             yield
             return
-        old_ids = inputs.get("old_router_ids")
+        inputs = micro.inputs
+        old_ids = micro.held.per_sample.get("old_router_ids")  # held with the routes (route_flow step 4)
         if old_ids is None:
             # No old-logprob pass: TRL treats the batch as on-policy (old = current, detached), so the router has
             # not moved either: Δ = 0, γ = 1.
@@ -118,28 +123,27 @@ class MoEObjectivesMixin:
             if old_ids.shape[:2] != input_ids.shape:
                 raise ValueError(
                     f"old_router_ids {tuple(old_ids.shape)} do not match the forward's input_ids "
-                    f"{tuple(input_ids.shape)}: they must travel with their samples through TRL's buffer, shuffle and split"
+                    f"{tuple(input_ids.shape)}: they must be gathered by the micro-batch's route_rows"
                 )
-            with self._router_probes.at(old_ids) as reading:
+            with options.router_probes.at(old_ids) as reading:
                 yield
-            old_probs = inputs["old_router_probs"].to(reading.probs.device)
+            old_probs = micro.held.per_sample["old_router_probs"].to(reading.probs.device)
             per_position = router_shift(old_probs, reading.probs, old_ids.to(reading.probs.device))
             delta = completion_aligned(per_position, logits_to_keep)
-        gamma = router_shift_gamma(delta, self.router_shift_gamma_min)
-        self._router_shift_gamma = gamma
+        gamma = micro.gamma = router_shift_gamma(delta, options.router_shift_gamma_min)
         # MiniRL applies γ inside its own weight (get_gamma_weights): its ratio is not TRL's clipped one
-        if self.moe_loss_type != "minirl" and self._unshifted_old_logps is not None:
-            set_old_logps_for_loss(inputs, shift_old_logps(self._unshifted_old_logps, gamma))
+        if options.loss_type != "minirl" and micro.old_logps is not None:
+            set_old_logps_for_loss(inputs, shift_old_logps(micro.old_logps, gamma))
             if self.off_policy_mask_threshold is not None and "sampling_per_token_logps" not in inputs:
                 # TRL's off-policy mask falls back to the old log-probs: keep it on the unshifted ones
-                inputs["sampling_per_token_logps"] = self._unshifted_old_logps
+                inputs["sampling_per_token_logps"] = micro.old_logps
         self._log_router_shift(delta, gamma, _loss_mask(inputs))
 
     def _log_router_shift(self, delta: torch.Tensor, gamma: torch.Tensor, mask: torch.Tensor) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         valid = mask.bool()
-        floored = torch.exp(-delta) < self.router_shift_gamma_min
+        floored = torch.exp(-delta) < self._objectives.router_shift_gamma_min
         sums = self._global_sums(
             {
                 "tokens": valid.sum(),
@@ -169,7 +173,8 @@ class MoEObjectivesMixin:
                 advantages=advantages, log_ratio_per_token=log_ratio_per_token, mask=mask,
                 importance_sampling_ratio=importance_sampling_ratio, **vespo,
             )
-        inputs = self._loss_inputs
+        micro = self._micro_batch
+        inputs = micro.inputs
         sampling_logps = inputs.get("sampling_per_token_logps")
         if sampling_logps is None:
             raise RuntimeError(
@@ -182,7 +187,7 @@ class MoEObjectivesMixin:
         current = log_ratio_per_token.detach() + old_logps  # TRL: log_ratio = per_token_logps - old (unshifted here)
         weights = minirl_token_weights(
             current, log_ratio_per_token, sampling_logps, advantages, self.epsilon_low, self.epsilon_high,
-            self.minirl_is_cap, gamma=self._router_shift_gamma,
+            self._objectives.minirl_is_cap, gamma=micro.gamma,
         )
         self._log_minirl(weights, _loss_mask(inputs))
         return weights.weight

@@ -1,5 +1,5 @@
-"""The one versioned seam: every private name of torch, transformers and TRL the package uses, and every reliance on
-the order or form of their code, as named entries, each with the version it was read from.
+"""The one versioned seam: every private name of torch, transformers, TRL and vLLM the package uses, and every
+reliance on the order or form of their code, as named entries, each with the version it was read from.
 
 One part per library, each a module of entries: a comment saying what is relied on and where, an
 ``entry(name, library, read_from, verified_on)`` declaration, the functions the rest of the package calls instead of
@@ -17,16 +17,19 @@ touching the private name, and the part's check.
                             ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
                             ``tool_turn_rendering``, ``trl_public_apis``, ``model_card_identity``,
                             ``trl_utilities``
-``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_grpo_classes``,
-                            ``async_packing``
+``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_batcher_rows``,
+                            ``async_grpo_classes``, ``async_packing``
+``vllm_seam``               ``cpu_experts_select``, ``routing_replay_capture``, ``unquantized_setup_kernel``,
+                            ``forward_context_layers`` (declared and checked in ``trl_moe_replay_vllm_plugin``)
 ==========================  ==========================================================================================
 
 ``torch_seam`` and ``transformers_seam`` import no TRL (the routing package uses them), and neither does this index:
 the TRL parts load on first use of one of their names (PEP 562), so ``from trl_moe_replay.upstream import
 engine_logprob_correction`` works as an eager import would. :func:`check_upstream` runs every part's check.
-``tests/cross_cutting/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name is imported
-from anywhere but ``trl`` itself. vLLM's private names live in
-``trl_moe_replay_vllm_plugin`` (loaded by vLLM in its own processes; it imports nothing of ours).
+``tests/cross_cutting/test_layout.py`` fails if a private upstream name is used outside this package, or a TRL name
+is imported from anywhere but ``trl`` itself. vLLM's private names are used only in ``trl_moe_replay_vllm_plugin``
+(loaded by vLLM in its own processes; it imports nothing of ours): it keeps its entries and their check itself, as
+light data, and ``vllm_seam`` registers them here.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from .entries import ENTRIES, Entry, Finding, TransformersChangedError, UpstreamChangedError
 
 
-PARTS = ("torch_seam", "transformers_seam", "trl_seam", "trl_async_seam")
+PARTS = ("torch_seam", "transformers_seam", "trl_seam", "trl_async_seam", "vllm_seam")
 
 # name -> the part that defines it, for the names the rest of the package imports from the seam
 _LAZY = {
@@ -52,6 +55,7 @@ _LAZY = {
                     "trl_seam"),
     **dict.fromkeys(("check_async_trl", "assert_async_trl_compatible", "async_worker_classes", "worker_loop_kwargs",
                      "async_trainer_globals", "async_adapter_only_sync", "async_tree_row_class",
+                     "keyed_tree_row_class", "batcher_rows",
                      "tree_attention_kernel", "AsyncGRPOTrainer", "AsyncGRPOConfig", "RolloutQueueDataset",
                      "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
@@ -96,7 +100,9 @@ if TYPE_CHECKING:
         async_trainer_globals,
         async_tree_row_class,
         async_worker_classes,
+        batcher_rows,
         check_async_trl,
+        keyed_tree_row_class,
         tree_attention_kernel,
         worker_loop_kwargs,
     )
@@ -146,11 +152,13 @@ def all_entries() -> dict[str, Entry]:
 
 
 def check_upstream() -> tuple[Finding, ...]:
-    """Every part's check against the installed libraries (TRL's includes torch's and transformers')."""
+    """Every part's check against the installed libraries (TRL's includes torch's and transformers'; vLLM's only
+    where vLLM is importable)."""
     from .trl_async_seam import check_async_trl
     from .trl_seam import check_trl
+    from .vllm_seam import check_vllm
 
-    return check_trl() + check_async_trl()
+    return check_trl() + check_async_trl() + check_vllm()
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,9 @@
 
 An entry is one reliance on an upstream library beyond its public API: a private name, or the order or form of
 upstream code the package depends on. Each part of the seam (``torch_seam``, ``transformers_seam``, ``trl_seam``,
-``trl_async_seam``) declares its entries with :func:`entry` next to the functions that use them; citations
-elsewhere in the package name the entry (``seam entry `old_logps_after_forward```), never a number.
+``trl_async_seam``) declares its entries with :func:`entry` next to the functions that use them (``vllm_seam``
+declares those the vLLM plugin keeps itself); citations elsewhere in the package name the entry (``seam entry
+`old_logps_after_forward```), never a number.
 """
 
 from __future__ import annotations

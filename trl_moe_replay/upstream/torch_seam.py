@@ -61,7 +61,7 @@ def assert_without_sync(condition: torch.Tensor, message: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # module_parameter_slot: nn.Module keeps its registered parameters in the dict Module._parameters, which
 #    Module.__getattr__ reads on every access. PR2 evaluates a router with a shifted weight by putting a (non-leaf)
-#    tensor in that slot for one forward (trl_moe_replay/routing/predictor.py): setattr would refuse a tensor that
+#    tensor in that slot for one forward (trl_moe_replay/pr2/predictor.py): setattr would refuse a tensor that
 #    is not a Parameter, and torch.func.functional_call does not reach a parametrization's stored weight.
 # ---------------------------------------------------------------------------------------------------------------
 MODULE_PARAMETER_SLOT = entry("module_parameter_slot", "torch", TORCH_READ)
@@ -83,7 +83,7 @@ def parameter_replaced(owner: torch.nn.Module, name: str, value: torch.Tensor) -
 # ddp_ignored_parameters: DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names) (a
 #    static method, stable since torch 1.8) records names in module._ddp_params_and_buffers_to_ignore, which DDP reads
 #    when it wraps the module: those parameters get no gradient bucket. PR2's predictors are averaged by the trainer
-#    itself (trl_moe_replay/trainer/pr2.py).
+#    itself (trl_moe_replay/pr2/state.py).
 # ---------------------------------------------------------------------------------------------------------------
 DDP_IGNORED_PARAMETERS = entry("ddp_ignored_parameters", "torch", TORCH_READ)
 

@@ -110,8 +110,8 @@ def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any
 
 # ---------------------------------------------------------------------------------------------------------------
 # trainer_private_methods: transformers.Trainer's private methods both trainers override or call
-#    (trl_moe_replay/trainer/grpo_trainer.py, checkpoint_weights.py). An override forwards these by name, so a
-#    renamed or reordered parameter must fail here rather than shift arguments:
+#    (trl_moe_replay/trainer/grpo_trainer.py, pr2/trainer_mixin.py, checkpoint_weights.py). An override forwards these
+#    by name, so a renamed or reordered parameter must fail here rather than shift arguments:
 #    _save_checkpoint / _load_optimizer_and_scheduler (PR2 checkpoints its predictors next to the Trainer's files,
 #    in the directory _get_output_dir(trial) names; a model sharded at load time saves and loads its optimizer state
 #    with torch's distributed checkpoint through _save_optimizer_and_scheduler / _load_optimizer_and_scheduler,
@@ -141,7 +141,7 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # keys_ignored_on_save: PreTrainedModel._keys_to_ignore_on_save (a class attribute, None or a set of state-dict
 #    names) is what save_pretrained leaves out of the weights it writes. PR2 adds its predictors to it on the model
-#    instance (trl_moe_replay/trainer/pr2.py); resume integrity expects no checkpoint to hold them
+#    instance (trl_moe_replay/pr2/state.py); resume integrity expects no checkpoint to hold them
 #    (trl_moe_replay/checkpointing/checkpoint_weights.py). Read from transformers 5.23.0.
 # ---------------------------------------------------------------------------------------------------------------
 KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0"))

@@ -3,7 +3,8 @@ and its rollout worker (trl_moe_replay/async_grpo/async_rollout_worker.py) rely 
 ``trl/experimental/async_grpo/`` beyond its public API, each one named entry (read from TRL 1.16.0).
 
 :func:`check_async_trl` verifies the entries by signature, by the names that must exist, and by behavioural probes
-where a stand-in suffices (the packing trie, the attention kernel lookup); the trainer calls it when it is built.
+where a stand-in suffices (the copy of the packing trie's fits/add against TRL's own, the batchers' row class,
+the attention kernel lookup); the trainer calls it when it is built.
 What needs a running worker and trainer (the dataset yielding the sample it last took, the padding stripped in
 ``compute_loss``, the version bump in ``_sync_weight``) is probed by the scripted-worker tests of
 ``tests/async_grpo/test_async_grpo_trainer.py``, among them the bit-for-bit comparison with TRL's own trainer.
@@ -11,10 +12,13 @@ What needs a running worker and trainer (the dataset yielding the sample it last
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib
 import inspect
+import itertools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,25 +75,25 @@ def worker_loop_kwargs(worker: Any) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 # async_trainer_globals: trl/experimental/async_grpo/async_grpo_trainer.py.
-#    The module globals AsyncRolloutWorker (built by AsyncGRPOTrainer.__init__), TreeRow (built by the batchers),
-#    get_peak_flops_per_device (called by __init__; it asks CUDA for the device name), RolloutQueueDataset,
-#    FixedCountBatcher, TokenBudgetBatcher and DataCollatorForRollout (built by get_train_dataloader) are replaced
-#    while the trainer builds them. RolloutQueueDataset.__iter__ yields right after its last `self.queue.get(`, and
-#    the dataset keeps .model_version_fn and .metrics (the trainer's metric sink); compute_loss strips the collator's
-#    padding with inputs["attention_mask"]; _sync_weight publishes the weights and bumps model_version;
-#    AsyncGRPOTrainer._lora_sync says whether __init__ chose adapter-only vLLM sync (a PEFT model and a server
-#    started with --enable-lora) instead of merged weights; _metrics is the metric sink log() averages.
+#    The module globals AsyncRolloutWorker (built by AsyncGRPOTrainer.__init__), get_peak_flops_per_device (called by
+#    __init__; it asks CUDA for the device name), RolloutQueueDataset, FixedCountBatcher, TokenBudgetBatcher and
+#    DataCollatorForRollout (built by get_train_dataloader) are replaced while the trainer builds them (once each, in
+#    __init__ and get_train_dataloader: never while it trains). RolloutQueueDataset.__iter__ yields right after its
+#    last `self.queue.get(`, and the dataset keeps .model_version_fn and .metrics (the trainer's metric sink);
+#    compute_loss strips the collator's padding with inputs["attention_mask"]; _sync_weight publishes the weights and
+#    bumps model_version; AsyncGRPOTrainer._lora_sync says whether __init__ chose adapter-only vLLM sync (a PEFT model
+#    and a server started with --enable-lora) instead of merged weights; _metrics is the metric sink log() averages.
 # ---------------------------------------------------------------------------------------------------------------
-TRAINER_GLOBALS = ("AsyncRolloutWorker", "TreeRow", "get_peak_flops_per_device", "RolloutQueueDataset",
-                   "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout")
+TRAINER_GLOBALS = ("AsyncRolloutWorker", "get_peak_flops_per_device", "RolloutQueueDataset", "FixedCountBatcher",
+                   "TokenBudgetBatcher", "DataCollatorForRollout")
 ASYNC_TRAINER_GLOBALS = entry("async_trainer_globals", "trl", TRL_READ, TRL_VERIFIED,
                               inherited=("_sync_weight", "_metrics"))
 
 
 @contextlib.contextmanager
 def async_trainer_globals(**values: Any) -> Iterator[None]:
-    """Within the context, the async trainer module's globals ``values`` (``AsyncRolloutWorker``, ``TreeRow``,
-    ``get_peak_flops_per_device``) are replaced; restored on exit."""
+    """Within the context, the async trainer module's globals ``values`` (``AsyncRolloutWorker``,
+    ``get_peak_flops_per_device``, the data pipeline's classes) are replaced; restored on exit."""
     module = _async_module("async_grpo_trainer")
     saved = {name: getattr(module, name) for name in values}
     for name, value in values.items():
@@ -99,6 +103,29 @@ def async_trainer_globals(**values: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# async_batcher_rows: trl/experimental/async_grpo/async_grpo_trainer.py.
+#    FixedCountBatcher.__iter__ and TokenBudgetBatcher.__iter__ build every row as `TreeRow()`, the module global,
+#    looked up when that line runs; TRL 1.16 takes no row class (no argument, no attribute, no factory method).
+#    batcher_rows() runs TRL's own __iter__ code with a globals dict of its own in which that one name is our row
+#    class: TRL's module is never written to, so nothing is swapped per item (the swap this replaced was redone on
+#    every next()), and any other batcher, in this thread or another, still builds TRL's rows. The probe runs both
+#    batchers so and checks that every row they yield is the class given.
+# ---------------------------------------------------------------------------------------------------------------
+ASYNC_BATCHER_ROWS = entry("async_batcher_rows", "trl", TRL_READ, TRL_VERIFIED)
+
+
+def batcher_rows(iterate: Any, row_class: type) -> Iterator[Any]:
+    """Iterate a TRL batcher, given its bound ``__iter__`` (``super().__iter__`` in a subclass), with every row it
+    builds a ``row_class()``: TRL's code as it is, run with its module's globals (as they are now) but for
+    ``TreeRow``."""
+    function = iterate.__func__
+    scope = {**function.__globals__, "TreeRow": row_class}
+    rebound = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
+                                 function.__closure__)
+    return rebound(iterate.__self__)
 
 
 def async_adapter_only_sync(trainer: Any) -> bool:
@@ -129,15 +156,67 @@ def __getattr__(name: str) -> Any:
 
 # ---------------------------------------------------------------------------------------------------------------
 # async_packing: trl/experimental/async_grpo/packing.py.
-#    TreeRow.fits/add key the trie on (token, next token) (our RoutedTreeRow adds the route), pack() lays nodes out
-#    in DFS pre-order; tree_attention looks the module global _flash_attn up at call time (FA3 through
-#    kernels.get_kernel; replaced on CPU).
+#    TreeRow.fits and TreeRow.add key the prefix trie on (token, next token), computed inline in both bodies; TRL 1.16
+#    has no hook for the key (no method, no argument), and none narrower than the two bodies can change it: a sample
+#    whose input_ids folded its routes into the tokens would reach TRL's add(), which stores key[0] as the node's token
+#    and the sample itself for pack() to read its tokens from, so folded ids would end in the packed row; the trie's
+#    child dicts are `{}` literals inside add(). So keyed_tree_row_class() is TreeRow with fits/add copied from TRL
+#    1.16 and the key taken out into one method, trie_keys(sample): the hook async_grpo/packing.py's RoutedTreeRow
+#    overrides to add the route. The copy is what this entry declares; its probe runs the copy and TRL's own TreeRow
+#    on the same samples and compares every answer of fits() and every attribute after each add(), so any change to
+#    TRL's two bodies or the state they keep is a finding. pack() lays nodes out in DFS pre-order (RoutedTreeRow.pack
+#    checks that on every row it packs). tree_attention looks the module global _flash_attn up at call time (FA3
+#    through kernels.get_kernel; replaced on CPU).
 # ---------------------------------------------------------------------------------------------------------------
 ASYNC_PACKING = entry("async_packing", "trl", TRL_READ, TRL_VERIFIED)
 
 
 def async_tree_row_class() -> Any:  # Any: a base class of ours (see async_worker_classes)
+    """TRL's ``TreeRow``."""
     return _async_module("packing").TreeRow
+
+
+@functools.cache
+def keyed_tree_row_class() -> Any:  # Any: a base class of ours
+    """TRL's ``TreeRow`` with its trie key as a method, ``trie_keys(sample)`` (see the entry above)."""
+
+    class KeyedTreeRow(async_tree_row_class()):
+        """``TreeRow``; ``fits``/``add`` are TRL 1.16's, keyed on ``trie_keys(sample)`` (seam entry
+        ``async_packing``)."""
+
+        def trie_keys(self, sample: dict[str, Any]) -> list[tuple]:
+            """One trie key per token of ``sample``: TRL's (token, next token), the last token's next ``None``."""
+            input_ids = sample["input_ids"].tolist()
+            return list(zip(input_ids, [*input_ids[1:], None], strict=True))
+
+        def fits(self, sample: dict[str, Any], budget: int) -> bool:
+            keys = self.trie_keys(sample)
+            children, shared = self.roots, 0
+            for key in keys:
+                if key not in children:
+                    break
+                children = self.children[children[key]]
+                shared += 1
+            novel = len(keys) - shared
+            return len(self.tokens) + novel <= budget and self.trained + int(sample["completion_mask"].sum()) <= budget
+
+        def add(self, sample: dict[str, Any]) -> None:
+            children = self.roots
+            nodes = []
+            for depth, key in enumerate(self.trie_keys(sample)):
+                if key not in children:
+                    children[key] = len(self.tokens)
+                    self.tokens.append(key[0])
+                    self.children.append({})
+                    self.load += depth + 1
+                nodes.append(children[key])
+                children = self.children[nodes[-1]]
+            self.samples.append(sample)
+            self.sample_nodes.append(nodes)
+            self.groups.add(sample["group_id"])
+            self.trained += int(sample["completion_mask"].sum())
+
+    return KeyedTreeRow
 
 
 @contextlib.contextmanager
@@ -190,26 +269,68 @@ def check_async_trl() -> tuple[Finding, ...]:
                     if (finding := method_finding(ASYNC_TRAINER_GLOBALS, trainer.AsyncGRPOTrainer, "AsyncGRPOTrainer",
                                                   name, params)))
     expect(ASYNC_PACKING, callable(getattr(packing, "_flash_attn", None)), "packing._flash_attn no longer exists")
-    for name, probe in (("the trie keys", _probe_tree_row_keys), ("the kernel lookup", _probe_tree_attention_kernel)):
+    probes = ((ASYNC_PACKING, "the copy of fits/add", lambda: _probe_keyed_tree_row(packing)),
+              (ASYNC_PACKING, "the kernel lookup", lambda: _probe_tree_attention_kernel(packing)),
+              (ASYNC_BATCHER_ROWS, "the batchers' rows", lambda: _probe_batcher_rows(trainer, packing)))
+    for declared, name, probe in probes:
         try:
-            problem = probe(packing)
+            problem = probe()
         except Exception as error:  # TRL's code now reads or does something the probe's stand-in lacks
             problem = f"the probe of {name} failed ({type(error).__name__}: {error}); re-read the entry"
-        expect(ASYNC_PACKING, problem is None, problem or "")
+        expect(declared, problem is None, problem or "")
     return tuple(findings)
 
 
-def _probe_tree_row_keys(packing: Any) -> str | None:
-    """Two samples agreeing on tokens 1, 2 but not on the token after 2 share only the node of token 1."""
-    row = packing.TreeRow()
-    for ids in ([1, 2, 3], [1, 2, 4]):
-        sample = {"input_ids": torch.tensor(ids), "completion_mask": torch.ones(3), "group_id": 0}
-        if not row.fits(sample, budget=16):
-            return "TreeRow.fits refuses a sample well within its budget"
-        row.add(sample)
-    if len(row.tokens) != 5:
-        return (f"TreeRow no longer keys its trie on (token, next token): two forking samples made "
-                f"{len(row.tokens)} nodes, expected 5")
+def _probe_samples() -> list[dict[str, Any]]:
+    """Samples that share a prompt, fork, repeat one another, and overrun small budgets (stand-ins for the queue's)."""
+    def sample(ids, group, trained):
+        return {"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0] * (len(ids) - trained) + [1] * trained),
+                "group_id": group}
+
+    return [sample([1, 2, 3, 4], 0, 2), sample([1, 2, 3, 5], 0, 2), sample([1, 2, 6], 1, 1), sample([1, 2, 3, 4], 0, 2),
+            sample([7, 8], 2, 1), sample([1, 9, 9, 9, 9, 9], 1, 5)]
+
+
+def _probe_keyed_tree_row(packing: Any) -> str | None:
+    """The copy of fits/add answers and keeps exactly what TRL's own does, sample by sample."""
+    theirs, ours = packing.TreeRow(), keyed_tree_row_class()()
+    for index, sample in enumerate(_probe_samples()):
+        for budget in (3, 4, 6, 8, 64):
+            if theirs.fits(sample, budget) != ours.fits(sample, budget):
+                return (f"TreeRow.fits no longer answers as the copy of it (keyed_tree_row_class) does: sample {index}, "
+                        f"budget {budget}")
+        theirs.add(sample)
+        ours.add(sample)
+        if vars(theirs) != vars(ours):
+            changed = sorted(name for name in {*vars(theirs), *vars(ours)}
+                             if vars(theirs).get(name, ...) != vars(ours).get(name, ...))
+            return (f"TreeRow.add no longer keeps what the copy of it (keyed_tree_row_class) keeps: {changed} differ "
+                    f"after sample {index}")
+    return None
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the code nested in it (comprehensions: their own code objects before Python 3.12)
+    look up."""
+    nested = (const for const in code.co_consts if isinstance(const, types.CodeType))
+    return set(code.co_names).union(*map(_global_names, nested))
+
+
+def _probe_batcher_rows(trainer: Any, packing: Any) -> str | None:
+    """Both batchers, run by batcher_rows with a marker row class, yield rows of that class only."""
+    marker = type("MarkerRow", (packing.TreeRow,), {})
+    samples = _probe_samples()[:3]  # the third overruns a budget of 6 after the first two (8 tokens)
+    batchers = {"FixedCountBatcher": trainer.FixedCountBatcher(samples, num_processes=1, microbatch_size=2),
+                "TokenBudgetBatcher": trainer.TokenBudgetBatcher(samples, num_processes=1, token_budget=6,
+                                                                 metrics=collections.defaultdict(list))}
+    for name, batcher in batchers.items():
+        if "TreeRow" not in _global_names(vars(type(batcher))["__iter__"].__code__):
+            return f"{name}.__iter__ no longer builds its rows by the module global TreeRow"
+        # at most 4 micro-batches: a TRL whose rows never fit would yield empty ones forever
+        rows = [row for micro_batch in itertools.islice(batcher_rows(batcher.__iter__, marker), 4)
+                for row in micro_batch]
+        if not rows or not all(type(row) is marker for row in rows):
+            return f"{name}.__iter__ yielded rows not built from the row class batcher_rows gave it"
     return None
 
 

@@ -17,7 +17,7 @@ sync) with the engine (``prompt_logprobs``) and, after the sync, with the traine
 * a NaN or infinite engine log-prob would pass both comparisons (NaN compares false): :class:`EngineProbeNotFiniteError`.
 
 All three are :class:`EngineSyncError`. Both trainers run a sync through :func:`checked_weight_sync`, built by
-:func:`build_sync_check`; whether the check is on is ``core.routing_options.resolve_sync_check``'s to say (one rule
+:func:`sync_trainer_check` or :func:`async_trainer_check`; whether the check is on is ``core.routing_options.resolve_sync_check``'s to say (one rule
 for both trainers). The engine is scored by the process that drives it (each process in colocate mode, the main process for a server); the trainer's probe
 forward runs on every process, so that a sharded model's forward has all its ranks. An error is raised on the process
 that measured it and ends the run there (a launcher such as ``torchrun`` then stops the other processes).
@@ -44,8 +44,9 @@ __all__ = [
     "SyncCheck",
     "SyncCheckUnavailableError",
     "WeightSyncNotDeliveredError",
-    "build_sync_check",
+    "async_trainer_check",
     "checked_weight_sync",
+    "sync_trainer_check",
 ]
 
 SYNC_CHECK_TOLERANCE = 0.05  # nats the engine's probe log-probs may move without a weight change (batch noise)
@@ -259,24 +260,25 @@ def checked_weight_sync(check: SyncCheck | None, sync: Callable[[], None], model
 
 
 # ------------------------------------------------------------------ which trainers get it, and how it is built
-def build_sync_check(enabled: bool, *, asynchronous: bool, accelerator: Any, vllm_generation: Any = None,
-                     base_url: str | None = None, tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
-    """The sync check of a trainer (every process builds one), or ``None`` when not ``enabled`` (``vllm_sync_check``
-    as ``core.routing_options.resolve_sync_check`` resolves it, the same rule for both trainers).
-
-    The sync trainer passes TRL's ``VLLMGeneration`` (colocated ``LLM`` or server client); the async trainer the
-    server's ``base_url``. Only the process that drives the engine scores it: each one in colocate mode, the main
-    process for a server.
-    """
+def sync_trainer_check(enabled: bool, *, accelerator: Any, vllm_generation: Any,
+                       tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
+    """The sync trainer's sync check (every process builds one), or ``None`` when not ``enabled`` (``vllm_sync_check``
+    as ``core.routing_options.resolve_sync_check`` resolves it). ``vllm_generation`` is TRL's ``VLLMGeneration``:
+    in colocate mode each process scores its own engine, with a server the main process alone."""
     if not enabled:
         return None
-    engine, name = None, "vLLM server"
-    if vllm_generation is not None and vllm_generation.mode == "colocate":
-        engine, name = colocated_scorer(vllm_generation.llm), "colocated vLLM engine"
-    elif accelerator.is_main_process:
-        url = base_url if vllm_generation is None else vllm_generation.vllm_client.base_url
-        if url is None:  # what url.rstrip would fail on, named
-            raise ValueError("build_sync_check: a vLLM server's check needs the server's base_url")
-        engine = server_scorer(url)
-    return SyncCheck(engine, packed_row_logprobs if asynchronous else causal_lm_logprobs,
-                     tolerance=tolerance, engine_name=name)
+    if vllm_generation.mode == "colocate":
+        return SyncCheck(colocated_scorer(vllm_generation.llm), causal_lm_logprobs, tolerance=tolerance,
+                         engine_name="colocated vLLM engine")
+    engine = server_scorer(vllm_generation.vllm_client.base_url) if accelerator.is_main_process else None
+    return SyncCheck(engine, causal_lm_logprobs, tolerance=tolerance)
+
+
+def async_trainer_check(enabled: bool, *, accelerator: Any, base_url: str,
+                        tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
+    """The async trainer's sync check of the server at ``base_url`` (scored by the main process), on packed rows; or
+    ``None`` when not ``enabled``."""
+    if not enabled:
+        return None
+    engine = server_scorer(base_url) if accelerator.is_main_process else None
+    return SyncCheck(engine, packed_row_logprobs, tolerance=tolerance)

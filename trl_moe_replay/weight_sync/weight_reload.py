@@ -19,13 +19,15 @@ backend's weight processing (on CPU with the plugin's re-pack, ``trl_moe_replay_
 
 Then the engine's prefix cache is reset, as TRL does, so cached prompt routes are recomputed under the new weights.
 
-Each trainer reaches it through a thin adapter, built by :func:`build_weight_sync`: :class:`ReloadWeightSync` is
-driven by the sync trainer through TRL's ``VLLMGeneration`` (server mode with :func:`client_without_communicator`),
-:class:`ReloadWeightTransfer` by the async trainer as TRL's ``WeightTransferProtocol``.
+Each trainer reaches it through a thin adapter with its own constructor: :class:`ReloadWeightSync`
+(:func:`sync_trainer_weight_sync`) is driven by the sync trainer through TRL's ``VLLMGeneration`` (server mode with
+:func:`client_without_communicator`), :class:`ReloadWeightTransfer` (:func:`async_trainer_weight_transfer`) by the
+async trainer as TRL's ``WeightTransferProtocol``.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -49,9 +51,11 @@ __all__ = [
     "VLLMServerUnavailableError",
     "WeightReload",
     "WeightSyncDirError",
-    "build_weight_sync",
+    "WeightSyncMethod",
+    "async_trainer_weight_transfer",
     "client_without_communicator",
     "sync_dir_of",
+    "sync_trainer_weight_sync",
 ]
 
 WEIGHTS_FILE = "model.safetensors"
@@ -239,21 +243,30 @@ class ReloadWeightTransfer:
         pass
 
 
-def build_weight_sync(method: str | None, args: Any, *, asynchronous: bool, vllm_generation: Any = None,
-                      model: torch.nn.Module | None = None) -> ReloadWeightSync | ReloadWeightTransfer | None:
-    """The reload weight sync of a trainer, or ``None`` where TRL's own transfer is used (``method``: the resolved
-    ``vllm_weight_sync``, ``core.routing_options.resolve_weight_sync``, the same rule for both trainers).
+class WeightSyncMethod(enum.StrEnum):
+    """``vllm_weight_sync`` resolved (``core.routing_options.resolve_weight_sync``): how weights reach vLLM."""
 
-    The sync trainer calls it after TRL built its ``VLLMGeneration`` (``vllm_generation``, and the unwrapped
-    ``model``): a :class:`ReloadWeightSync`. The async trainer calls it before TRL's constructor, which takes the
-    transfer: a :class:`ReloadWeightTransfer` for ``args.vllm_server_base_url``, whose ``model`` it sets once built.
-    Each request may take ``weight_sync_timeout`` seconds (TRL's async field), else :data:`WEIGHT_SYNC_TIMEOUT`.
-    """
-    if method != "reload":
+    TRL = "trl"  # TRL's own transfer
+    RELOAD = "reload"  # vLLM's reload_weights with the checkpoint's names (this module)
+
+
+def _timeout(args: Any) -> float:
+    """Each request may take ``weight_sync_timeout`` seconds (TRL's async field), else :data:`WEIGHT_SYNC_TIMEOUT`."""
+    return float(getattr(args, "weight_sync_timeout", None) or WEIGHT_SYNC_TIMEOUT)
+
+
+def sync_trainer_weight_sync(method: WeightSyncMethod | None, args: Any, *, vllm_generation: Any,
+                             model: torch.nn.Module) -> ReloadWeightSync | None:
+    """The sync trainer's reload weight sync, or ``None`` where TRL's own sync is used. Built after TRL's
+    ``VLLMGeneration`` (``vllm_generation``) exists; ``model`` is the unwrapped transformers model."""
+    if method != WeightSyncMethod.RELOAD:
         return None
-    timeout = float(getattr(args, "weight_sync_timeout", None) or WEIGHT_SYNC_TIMEOUT)
-    if asynchronous:
-        return ReloadWeightTransfer(args.vllm_server_base_url, sync_dir_of(args), model=model, timeout=timeout)
-    if model is None:
-        raise TypeError("build_weight_sync: the sync trainer's reload needs its model (it names the checkpoint)")
-    return ReloadWeightSync(vllm_generation, model, sync_dir_of(args), timeout=timeout)
+    return ReloadWeightSync(vllm_generation, model, sync_dir_of(args), timeout=_timeout(args))
+
+
+def async_trainer_weight_transfer(method: WeightSyncMethod | None, args: Any) -> ReloadWeightTransfer | None:
+    """The async trainer's reload transfer for ``args.vllm_server_base_url``, or ``None`` where TRL's own transfer
+    is used. Built before TRL's constructor, which takes it; the trainer sets its ``model`` once the model is built."""
+    if method != WeightSyncMethod.RELOAD:
+        return None
+    return ReloadWeightTransfer(args.vllm_server_base_url, sync_dir_of(args), timeout=_timeout(args))

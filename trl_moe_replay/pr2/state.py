@@ -1,14 +1,15 @@
-"""PR2 (Predictive Routing Replay) inside the trainer: predicted routes, the predictor cache, loss and bookkeeping.
+"""PR2's per-run state: predicted routes, the predictor cache, loss and bookkeeping.
 
-The predictors and their loss live in ``routing.predictor``; this module holds the per-run state and is called by
-``MoEReplayGRPOTrainer`` at a few points of each generation batch:
+The predictors and their loss live in ``pr2.predictor``; this module holds the per-run state, which
+``PR2TrainerMixin`` (``pr2.trainer_mixin``) calls at a few points of each generation batch:
 
 1. Old-logprob pass, per chunk (``old_pass_chunk``): the routers are steered to the predicted routes (unless the
    rollout's routes are replayed, ``pr2_rollout_prediction``), and router inputs and logits are cached at evenly
    spaced completion positions. The recorded routes are replayed in every update, exactly like R2's.
-2. ``take_old_pass_cache``: the cache as batch-dict tensors (``pr2_positions`` ``[B, T]``, ``pr2_router_inputs``
-   ``[B, T, L_moe, hidden]`` in the router-input dtype, ``pr2_old_logits`` ``[B, T, L_moe, E]`` fp32), which ride
-   with their samples through TRL's buffer, shuffle and split.
+2. ``take_old_pass_cache``: the cache as per-sample tensors (``pr2_positions`` ``[B, T]``, ``pr2_router_inputs``
+   ``[B, T, L_moe, hidden]`` in the router-input dtype, ``pr2_old_logits`` ``[B, T, L_moe, E]`` fp32), which the
+   trainer keeps in its route buffer beside the batch's routes; each micro-batch gathers its own rows by its
+   ``route_rows`` (``core/route_flow.py``), so they follow their samples through TRL's shuffle and split.
 3. Training forward of each micro-batch (``watch_training_forward``): the current router's logits, natural ids and
    replayed ids at the cached positions, taken from the forward the policy loss runs anyway.
 4. Right after that forward (``training_loss``): metric sums, and from the first update after the old-logprob
@@ -47,9 +48,9 @@ from torch import nn
 from ..errors import TrlMoeReplayError
 from ..parallel.sharded import full_tensors, is_dtensor
 from ..routing import RouterCall, RouterReplay, RouteValidationError
-from ..routing.predictor import RoutePredictors, predictor_kl
 from ..upstream.torch_seam import ignore_in_ddp
 from ..upstream.transformers_seam import ignore_on_save
+from .predictor import RoutePredictors, predictor_kl
 
 
 PREDICTORS_FILE = "pr2_predictors.safetensors"
@@ -203,7 +204,7 @@ class PredictiveRoutingReplay:
             self._chunks.append(collector.result())
 
     def take_old_pass_cache(self, global_step: int) -> dict[str, torch.Tensor]:
-        """The cached chunks as batch-dict tensors (empty dict when nothing was cached), and start a new schedule."""
+        """The cached chunks as per-sample tensors (empty dict when nothing was cached), and start a new schedule."""
         chunks, self._chunks = self._chunks, []
         if not chunks:
             return {}

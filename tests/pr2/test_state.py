@@ -11,10 +11,11 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.core.route_flow import ROUTE_ROWS
+from trl_moe_replay.pr2.predictor import RoutePredictors, predictor_kl
+from trl_moe_replay.pr2.state import CACHE_KEYS, PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
 from trl_moe_replay.routing import RouterReplay
-from trl_moe_replay.routing.predictor import RoutePredictors, predictor_kl
 from trl_moe_replay.testing import supported_model_types, tiny_moe_model
-from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PredictiveRoutingReplay, cached_positions
 
 from tests.helpers import no_route, random_ids, run_two_ranks
 from tests.trainer.test_grpo_trainer import logged, make_trainer
@@ -220,6 +221,31 @@ def test_predictors_train_on_off_policy_updates_only_and_log_their_metrics(tmp_p
     assert [id(p) for group in groups for p in group["params"]].count(id(predictors[0])) == 1
 
 
+def test_the_predictor_cache_stays_with_the_trainer_and_the_batch_dict_carries_only_route_rows(tmp_path):
+    """PR2's cache is kept beside the routes in the trainer's route buffer (core/route_flow.py), and each micro-batch
+    of an off-policy update gathers its own rows of it there."""
+    seen = {"keys": set(), "cached": []}
+
+    class Spy(MoEReplayGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            seen["keys"] |= set(output)
+            return output
+
+        def _add_pr2_predictor_loss(self, loss):
+            cache = self._micro_batch.held.per_sample  # the micro-batch's own rows of the buffer
+            seen["cached"].append(sorted(cache) == sorted(CACHE_KEYS)
+                                  and len(cache["pr2_positions"]) == self.args.per_device_train_batch_size)
+            return super()._add_pr2_predictor_loss(loss)
+
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, routing_replay="pr2", max_steps=2,
+                           **OFF_POLICY)
+    trainer.train()
+    assert ROUTE_ROWS in seen["keys"] and not [key for key in seen["keys"] if key.startswith("pr2_")]
+    assert seen["cached"] and all(seen["cached"])
+    assert len(logged(trainer, "pr2/loss")) == 1  # the gathered cache trained the predictors
+
+
 def test_no_gradient_crosses_between_policy_and_predictors(tmp_path):
     checks = {"policy": 0, "predictor": 0}
 
@@ -413,6 +439,7 @@ def test_pr2_config_errors():
 
 
 @pytest.mark.slow  # torchrun, two processes
+@pytest.mark.serial
 def test_predictors_stay_identical_across_ddp_ranks(tmp_path):
     script = Path(__file__).parents[1] / "scripts" / "pr2_ddp.py"
     run_two_ranks(script, tmp_path)

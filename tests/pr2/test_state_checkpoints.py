@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trl_moe_replay import MoEReplayGRPOTrainer
+from trl_moe_replay.pr2.state import PREDICTORS_FILE, PR2CheckpointError, PR2StateError
 from trl_moe_replay.testing import tiny_moe_model
-from trl_moe_replay.trainer.pr2 import PREDICTORS_FILE, PR2CheckpointError, PR2StateError
 
+from tests.pr2.test_state import OFF_POLICY, predictor_state
 from tests.trainer.test_grpo_trainer import logged, make_trainer
-from tests.trainer.test_pr2 import OFF_POLICY, predictor_state
 
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "pr2_checkpoint_kill.py"

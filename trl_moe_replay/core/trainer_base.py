@@ -1,0 +1,152 @@
+"""``MoEReplayTrainerMixin``: what both trainers do around TRL's, written once.
+
+``MoEReplayGRPOTrainer`` (TRL's ``GRPOTrainer``) and ``MoEReplayAsyncGRPOTrainer`` (TRL's ``AsyncGRPOTrainer``) name it
+first in their bases (so ``train`` claims ``output_dir`` before anything else runs); the other mixins and TRL's class
+follow:
+
+* the init preamble (:meth:`_resolve_replay_settings`: TRL checked, its notices quieted, the options resolved once)
+  and the aux-loss rule (:meth:`_aux_loss_under_replay`);
+* one run per ``output_dir`` (``core/output_lock.py``): held from ``__init__``, claimed in :meth:`train`, released
+  in :meth:`end`;
+* the engine sync check around each weight sync (:meth:`_checked_weight_sync`);
+* the micro-batch replay lifecycle: a micro-batch's routes stay replayed from its training forward until its
+  backward has returned, so ``training_step``/``prediction_step`` end it (:class:`~.route_flow.MicroBatchReplay`);
+* the ``mismatch/*`` and ``routing/*`` metrics (:meth:`_log_logprob_mismatch`, :meth:`_log_routing_agreement`).
+
+Each trainer's ``__init__`` sets what the mixin reads: ``replay_settings``, ``_route_replay``, ``_sync_check``,
+``_micro_replay`` and ``_output_lock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from ..routing import RouterReplay
+from ..upstream import assert_async_trl_compatible, assert_trl_compatible, quiet_upstream_notices
+from ..weight_sync.sync_check import SyncCheck, checked_weight_sync
+from .metrics import (
+    AGREEMENT_RATIOS,
+    FALLBACK_RATIOS,
+    MISMATCH_RATIOS,
+    fallback_sums,
+    log_ratio_metrics,
+    logprob_mismatch_sums,
+    routing_agreement_sums,
+)
+from .output_lock import OutputDirLock, claim_output_dir
+from .route_flow import MicroBatchReplay
+from .routing_options import ReplayMode, ReplaySettings, TrainerKind
+
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["MoEReplayTrainerMixin"]
+
+
+class MoEReplayTrainerMixin:
+    """The shared part of both MoE replay trainers (module docstring); the first of their bases."""
+
+    replay_settings: ReplaySettings
+    _route_replay: RouterReplay | None = None
+    _sync_check: SyncCheck | None = None
+    _micro_replay: MicroBatchReplay | None = None
+    _output_lock: OutputDirLock | None = None
+
+    @property
+    def routing_replay(self) -> ReplayMode:
+        """``routing_replay`` as resolved for this run."""
+        return self.replay_settings.mode
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _resolve_replay_settings(args: Any, kind: TrainerKind) -> ReplaySettings:
+        """The preamble both ``__init__`` run before TRL's: the installed TRL checked against the seams this trainer
+        relies on, TRL's notices quieted, and the routing options resolved once."""
+        (assert_async_trl_compatible if kind is TrainerKind.ASYNC else assert_trl_compatible)()
+        quiet_upstream_notices()
+        return ReplaySettings.from_args(args, kind)
+
+    def _aux_loss_under_replay(self) -> bool:
+        """TRL's ``aux_loss_enabled``, turned off (with a warning) under routing replay."""
+        if self.routing_replay.replays and self.aux_loss_enabled:
+            logger.warning(
+                "Router load-balancing aux loss turned OFF under routing replay: transformers' loss recounts the "
+                "router's natural top-k, not the replayed experts, so it would balance routes that are not used."
+            )
+            return False
+        return self.aux_loss_enabled
+
+    # ------------------------------------------------------------------ one run per output_dir
+    def train(self, *args, **kwargs):
+        """TRL's ``train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`).
+
+        Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
+        ``routing_replay="none"``, plain TRL, a loud warning instead).
+        """
+        self._claim_output_dir()
+        return super().train(*args, **kwargs)
+
+    def _claim_output_dir(self) -> None:
+        claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
+
+    def end(self):
+        """``Trainer.end`` (finish the trackers, destroy the process group), after releasing ``output_dir``.
+
+        Called as ``Trainer.end`` does it (transformers >= 5.18): transformers 5.16-5.17 have no ``end``.
+        """
+        self._output_lock.release()
+        self.accelerator.end_training()
+
+    # ------------------------------------------------------------------ weight sync
+    def _checked_weight_sync(self, sync: Callable[[], None], mode: str = "train") -> None:
+        """``sync`` (the trainer's weight sync) inside the engine sync check, if any (``weight_sync/sync_check.py``)."""
+        checked_weight_sync(self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator,
+                            self._metrics[mode])
+
+    # ------------------------------------------------------------------ micro-batch replay lifecycle
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._end_micro_batch()  # only now: the backward (and any recompute in it) has returned
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            self._end_micro_batch()
+
+    def _end_micro_batch(self) -> None:
+        """Let go of the micro-batch's replayed routes (no-op when none are held)."""
+        if self._micro_replay is not None:
+            self._micro_replay.end()
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics_mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    def _log_logprob_mismatch(self, sampling: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, *,
+                              as_rate: bool = False) -> None:
+        """``mismatch/*``: the sampler's against the trainer's log-probs over ``mask`` (``metrics.py``)."""
+        sums = logprob_mismatch_sums(sampling, trainer, mask, self.replay_settings.extreme_token_threshold)
+        log_ratio_metrics(self._metrics[self._metrics_mode()], self.accelerator, sums, MISMATCH_RATIOS,
+                          as_rate=as_rate)
+
+    def _log_routing_agreement(self, natural: torch.Tensor | None, reference: torch.Tensor, positions: torch.Tensor,
+                               *, as_rate: bool = False) -> None:
+        """``routing/*``: the trainer's ``natural`` top-k against the engine's (``reference``) at ``positions``;
+        without a natural routing to compare (``None``), the fallback fraction alone. NaN where nothing counted."""
+        metrics = self._metrics[self._metrics_mode()]
+        moe_layers = self._route_replay.moe_layers
+        # routing/fallback_samples_frac: the samples the intake aligned since the last log, and those that fell back whole
+        samples = self._route_intake.take_sample_sums() if self._route_intake is not None else {}
+        if natural is None:
+            log_ratio_metrics(metrics, self.accelerator, {**fallback_sums(reference, positions, moe_layers), **samples},
+                              FALLBACK_RATIOS, as_rate=as_rate)
+            return
+        sums = {**routing_agreement_sums(natural, reference, positions, moe_layers), **samples}
+        log_ratio_metrics(metrics, self.accelerator, sums, {**AGREEMENT_RATIOS, **FALLBACK_RATIOS}, as_rate=as_rate)
