@@ -409,6 +409,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEvery
             entropies.append(chunk_entropies)
             aux_losses.append(chunk_aux)
             if recording is not None:
+                assert recording.checked is not None  # set when record() exits
                 natural.append(recording.checked)
             if capture is not None:
                 assert routes.batch is not None  # the old pass runs inside the generation batch
