@@ -87,7 +87,8 @@ from .objectives import MoEObjectivesMixin
 logger = logging.get_logger(__name__)
 
 
-class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
+# type-ignore: MoEObjectivesMixin.get_gamma_weights replaces TRL's staticmethod with a method (TRL calls it on self)
+class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):  # type: ignore[misc]
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
