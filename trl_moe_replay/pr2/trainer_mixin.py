@@ -1,10 +1,12 @@
-"""PR2 beside the sync trainer: ``MoEReplayGRPOTrainer`` mixes :class:`PR2TrainerMixin` in (first in its bases).
+"""PR2 beside the sync trainer: ``MoEReplayGRPOTrainer`` mixes :class:`PR2TrainerMixin` in, after the base both
+trainers share and before ``RestoresEveryWeight`` (whose distributed-checkpoint resume would otherwise skip PR2's
+checkpoint load).
 
 The trainer calls PR2 at four named points of a generation batch, each a no-op (or ``contextlib.nullcontext``) without
 PR2:
 
-* ``_setup_pr2(args)``, in ``__init__`` after ``self._route_replay`` exists: builds the per-run state
-  (:class:`~trl_moe_replay.pr2.state.PredictiveRoutingReplay`) when ``routing_replay="pr2"``;
+* ``_new_pr2(args)``, in ``__init__`` after ``self._route_replay`` exists: the per-run state
+  (:class:`~trl_moe_replay.pr2.state.PredictiveRoutingReplay`) when ``routing_replay="pr2"``, else None;
 * ``_pr2_generate()``, around transformers ``generate``: routes it by the predicted routes
   (``pr2_rollout_prediction``);
 * ``_pr2_old_pass_chunk(...)``, around each chunk of the old-logprob pass: steers to the predicted routes (unless the
@@ -46,8 +48,7 @@ class PR2TrainerMixin:
     """PR2 (``routing_replay="pr2"``) for ``MoEReplayGRPOTrainer``: R2 whose old-logprob pass (or, with
     ``pr2_rollout_prediction``, ``generate``) routes by the predicted routes, with the predictors trained alongside."""
 
-    _pr2: PredictiveRoutingReplay | None = None  # set in _setup_pr2 when routing_replay="pr2"
-    _pr2_averages_gradients = False  # PR2 under plain data parallelism (DDP ignores the predictors)
+    _pr2: PredictiveRoutingReplay | None = None  # the trainer's __init__ sets it from _new_pr2
     # set by the trainer this mixes into (MoEReplayTrainerMixin, TRL's GRPOTrainer); declared for the type checker
     _route_replay: Any
     model: Any
@@ -63,10 +64,17 @@ class PR2TrainerMixin:
     _metrics: Any
     routing_replay: Any
 
+    @property
+    def _pr2_averages_gradients(self) -> bool:
+        """PR2 under plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), so the trainer
+        averages their gradients; DeepSpeed and FSDP reduce them themselves."""
+        return (self._pr2 is not None and self.accelerator.num_processes > 1
+                and not (self.is_deepspeed_enabled or self.is_fsdp_enabled))
+
     # ------------------------------------------------------------------ named points the trainer calls
-    def _setup_pr2(self, args) -> None:
-        """In ``__init__``, once ``self._route_replay`` exists."""
-        self._pr2 = self._build_pr2(args) if self.routing_replay.source is RouteSource.PREDICTED else None
+    def _new_pr2(self, args) -> PredictiveRoutingReplay | None:
+        """In ``__init__``, once ``self._route_replay`` exists: PR2's state (None without PR2)."""
+        return self._build_pr2(args) if self.routing_replay.source is RouteSource.PREDICTED else None
 
     def _pr2_generate(self) -> contextlib.AbstractContextManager:
         """Around transformers ``generate``: the predicted routes (``pr2_rollout_prediction``), else nothing."""
@@ -97,9 +105,6 @@ class PR2TrainerMixin:
             cached_tokens_per_sequence=option(args, "pr2_cached_tokens_per_sequence"),
             rollout_prediction=option(args, "pr2_rollout_prediction"),
         )
-        # plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), the trainer averages them
-        engine_reduces = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        self._pr2_averages_gradients = self.accelerator.num_processes > 1 and not engine_reduces
         if self.use_vllm:  # vLLM's model has no predictors: keep them out of the weight sync
             exclude_from_weight_sync(self.vllm_generation, lambda name: name.split(".")[0] == MODULE_NAME)
         return pr2

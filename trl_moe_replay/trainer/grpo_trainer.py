@@ -26,7 +26,7 @@ The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come f
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
 by the predicted routes; it lives beside the trainer in ``trl_moe_replay.pr2``, whose ``PR2TrainerMixin`` this class
-mixes in and calls at its named points (``_setup_pr2``, ``_pr2_generate``, ``_pr2_old_pass_chunk``,
+mixes in and calls at its named points (``_new_pr2``, ``_pr2_generate``, ``_pr2_old_pass_chunk``,
 ``_pr2_on_generation_batch``) in 1. and 3.; its Trainer overrides hand straight on without PR2.
 """
 
@@ -88,7 +88,7 @@ logger = logging.get_logger(__name__)
 
 
 # type-ignore: MoEObjectivesMixin.get_gamma_weights replaces TRL's staticmethod with a method (TRL calls it on self)
-class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):  # type: ignore[misc]
+class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):  # type: ignore[misc]
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -141,7 +141,7 @@ class MoEReplayGRPOTrainer(PR2TrainerMixin, MoEReplayTrainerMixin, RestoresEvery
                                                 required=mode.needs_engine_routes)
         self._route_intake = self._build_route_intake(args) if settings.generation_routes else None
         self.aux_loss_enabled = self._aux_loss_under_replay()
-        self._setup_pr2(args)
+        self._pr2 = self._new_pr2(args)
         vllm_generation = self.vllm_generation if args.use_vllm else None
         self._weight_sync = sync_trainer_weight_sync(sync_method, args, vllm_generation=vllm_generation,
                                                      model=self.accelerator.unwrap_model(self.model))
