@@ -177,20 +177,20 @@ def check_vllm() -> list[tuple[str, str]]:
         if problem:
             problems.append((entry, problem))
 
-    names = VLLM_ENTRIES
-    params("cpu_experts_select", names["cpu_experts_select"][0], ("self", "hidden_states", "router_logits"))
+    entries = VLLM_ENTRIES
+    params("cpu_experts_select", entries["cpu_experts_select"][0], ("self", "hidden_states", "router_logits"))
     probe("cpu_experts_select", _probe_select_experts)
-    params("routing_replay_capture", names["routing_replay_capture"][1], ("self", "capture_fn"))
-    params("routing_replay_capture", names["routing_replay_capture"][2], ("self",))
+    params("routing_replay_capture", entries["routing_replay_capture"][1], ("self", "capture_fn"))
+    params("routing_replay_capture", entries["routing_replay_capture"][2], ("self",))
     probe("routing_replay_capture", _probe_capture_interface)
-    params("unquantized_setup_kernel", names["unquantized_setup_kernel"][0], ("self", "layer"))
-    params("unquantized_setup_kernel", names["unquantized_setup_kernel"][1], ("self", "layer"))
-    if not isinstance(resolve(names["unquantized_setup_kernel"][2]), property):
+    params("unquantized_setup_kernel", entries["unquantized_setup_kernel"][0], ("self", "layer"))
+    params("unquantized_setup_kernel", entries["unquantized_setup_kernel"][1], ("self", "layer"))
+    if not isinstance(resolve(entries["unquantized_setup_kernel"][2]), property):
         problems.append(("unquantized_setup_kernel", "FusedMoEKernel.fused_experts is no longer a property"))
-    params("unquantized_setup_kernel", names["unquantized_setup_kernel"][3] + ".__init__", ("self", "layer_name"))
-    if "no_compile_layers" not in {field.name for field in dataclasses.fields(resolve(names["forward_context_layers"][1]))}:
+    params("unquantized_setup_kernel", entries["unquantized_setup_kernel"][3] + ".__init__", ("self", "layer_name"))
+    if "no_compile_layers" not in {field.name for field in dataclasses.fields(resolve(entries["forward_context_layers"][1]))}:
         problems.append(("forward_context_layers", "ForwardContext no longer has the field no_compile_layers"))
-    runner_params = tuple(inspect.signature(resolve(names["forward_context_layers"][2])).parameters)
+    runner_params = tuple(inspect.signature(resolve(entries["forward_context_layers"][2])).parameters)
     if not {"layer_name", "routed_experts"} <= set(runner_params):
         problems.append(("forward_context_layers", f"MoERunner{runner_params} no longer takes layer_name and "
                                                    "routed_experts"))
@@ -205,7 +205,7 @@ def _probe_select_experts() -> str | None:
     import torch
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
-    experts = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))
+    experts: Any = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))
     experts.__dict__.update(moe_config=types.SimpleNamespace(experts_per_token=2), use_grouped_topk=False,
                             renormalize=True, scoring_func="softmax", custom_routing_function=None,
                             routing_replay_capture_fn=None)
@@ -228,7 +228,7 @@ def _probe_capture_interface() -> str | None:
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
 
     base = inspect.getattr_static(FusedMoEExpertsMonolithic, "supports_routing_replay_capture")
-    stand_in = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))  # a concrete monolithic kernel
+    stand_in: Any = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))  # a concrete monolithic kernel
     if base(stand_in) is not False or FusedMoEExpertsMonolithic.routing_replay_capture_fn is not None:
         return "FusedMoEExpertsMonolithic no longer defaults to no capture (supports False, no hook bound)"
     if "supports_routing_replay_capture" not in inspect.getsource(routed_experts_capturer.bind_routed_experts_capturer):

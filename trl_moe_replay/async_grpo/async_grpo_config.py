@@ -72,7 +72,7 @@ class MoEReplayAsyncGRPOConfig(RoutingOptions, AsyncGRPOConfig):
     @property
     def carries_routes(self) -> bool:
         """Whether samples carry the engine's routes (R3, or routing metrics)."""
-        return self.routing_replay.replays or bool(self.routing_metrics)
+        return ReplayMode(self.routing_replay).replays or bool(self.routing_metrics)  # a ReplayMode after init
 
 
 declare_defaults(MoEReplayAsyncGRPOConfig)

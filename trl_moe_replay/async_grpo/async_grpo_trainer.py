@@ -83,7 +83,7 @@ def _version_problem(version: Any, current: int) -> str | None:
     """Why a sample's ``model_version`` cannot be the policy version that sampled it, or ``None``."""
     if isinstance(version, bool) or not isinstance(version, numbers.Integral):
         return f"model_version {version!r} is not an integer"
-    if not 0 <= version <= current:
+    if not 0 <= int(version) <= current:  # int: exact for an Integral
         return f"model_version {version} is outside 0..{current}, the versions this trainer has published"
     return None
 
@@ -280,10 +280,11 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         turns = list(getattr(sample, "route_turns", None) or [])
         length = len(sample.input_ids)
         prompt = getattr(sample, "route_prompt_length", 0) or 0
-        rr = self._route_replay
+        rr, intake = self._route_replay, self._route_intake
+        assert rr is not None and intake is not None  # built by __init__ wherever samples carry routes
         if not turns:
             turns, prompt = [_no_rows(length)], length  # "no routes": counted as a fallback by the intake
-        return self._route_intake.align(
+        return intake.align(
             [turns], rr.layout, prompt_lengths=[prompt], completion_lengths=[length - prompt], prompt_width=prompt,
             completion_width=length - prompt,
         )

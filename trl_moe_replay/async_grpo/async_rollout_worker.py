@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from transformers.utils import logging
@@ -35,6 +35,10 @@ from transformers.utils import logging
 from ..errors import TrlMoeReplayError
 from ..routing.codec import EngineTurn, decode_routed_experts
 from ..upstream import async_worker_classes
+
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 
 # Any: TRL's classes, looked up at run time (see the seam)
@@ -192,6 +196,7 @@ class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
     at once (TRL's notices only a reported exception, or a heartbeat older than ``heartbeat_stale_after_s``)."""
 
     _loop_cls = RoutedRolloutLoop
+    _process: BaseProcess | None  # TRL's child process, set by its start() (the base class is found at import time)
 
     def _raise_if_dead(self) -> None:
         process = self._process
@@ -228,7 +233,8 @@ class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
         dies in between (a failed rollout loop exits at once) never wakes, and ``set`` waits forever (seen: 8 of 8
         failing runs under CPU load). Here the event is set from a daemon thread nobody waits for, and the child is
         joined with timeouts, then terminated, then killed."""
-        process, self._process = self._process, None
+        process = self._process
+        self._process = None
         if process is None or process.pid is None:  # never started (start() failed before the spawn)
             return
         if process.is_alive():

@@ -129,11 +129,14 @@ def check_checkpoint_files(folder: str | os.PathLike) -> None:
             folder, problem, "Resume from another checkpoint-N of the run; nothing was loaded",
             DistributedCheckpointError))
     for name in sorted(entry.name for entry in folder.iterdir()):
-        if _RNG_FILE.match(name):
-            with safe_globals():  # the numpy types of the RNG state, which the Trainer allows the same way
-                _check_torch_file(checkpoint_file(folder, name, refuse), _RNG_KEYS, refuse)
-        elif name in _TORCH_FILES:
-            _check_torch_file(checkpoint_file(folder, name, refuse), _TORCH_FILES[name], refuse)
+        if _RNG_FILE.match(name) or name in _TORCH_FILES:
+            path = checkpoint_file(folder, name, refuse)
+            assert path is not None  # iterdir just listed it
+            if _RNG_FILE.match(name):
+                with safe_globals():  # the numpy types of the RNG state, which the Trainer allows the same way
+                    _check_torch_file(path, _RNG_KEYS, refuse)
+            else:
+                _check_torch_file(path, _TORCH_FILES[name], refuse)
 
 
 def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:

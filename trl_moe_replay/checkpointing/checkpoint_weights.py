@@ -41,6 +41,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from accelerate.utils import is_peft_model
@@ -141,11 +142,13 @@ def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike
     two different values for one tied weight, a file that cannot be read or is not the checkpoint's own (a link out of
     its folder)."""
     folder = Path(folder)
-    kind = type(model.get_base_model() if is_peft_model(model) else model).__name__
+    base = model.get_base_model() if is_peft_model(model) else model  # type: ignore[operator]  # a PeftModel's method
+    kind = type(base).__name__
 
     def refuse(problem: str) -> CheckpointWeightsError:
-        return refusal(folder, problem, "Resume from another checkpoint-N of the run, or with the model that wrote "
-                       "this one; the weights were left as they were", error=CheckpointWeightsError)
+        error = refusal(folder, problem, "Resume from another checkpoint-N of the run, or with the model that wrote "
+                        "this one; the weights were left as they were", error=CheckpointWeightsError)
+        return cast(CheckpointWeightsError, error)  # refusal builds an instance of the `error` class it is given
 
     files, index = _weight_files(folder, adapters=is_peft_model(model), refuse=refuse)
     layouts, aliases, buffers = _expected_layouts(model)
@@ -190,7 +193,8 @@ def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike
         for tensors in _files_read(files, aliases, refuse):
             model.load_state_dict(tensors, strict=False)
     else:
-        _load_converted(model, files, index, layouts["model"], aliases, refuse)
+        # a transformers model: the other layouts are its save_pretrained conversions (_expected_layouts)
+        _load_converted(cast(PreTrainedModel, model), files, index, layouts["model"], aliases, refuse)
 
 
 def _load_converted(model: PreTrainedModel, files: list[Path], index: Path | None, own: dict[str, tuple],
@@ -210,8 +214,9 @@ def _load_converted(model: PreTrainedModel, files: list[Path], index: Path | Non
         # falls back to config.json (transformers 5.24 fails with a TypeError where neither is present)
         config.to_json_file(os.path.join(view, "config.json"))
         try:
-            converted, info = type(model).from_pretrained(view, config=config, dtype=model.dtype,
-                                                          output_loading_info=True)
+            # output_loading_info=True: (model, info), which transformers' annotation does not say
+            loaded: Any = type(model).from_pretrained(view, config=config, dtype=model.dtype, output_loading_info=True)
+            converted, info = loaded
         except Exception as exc:  # noqa: BLE001 -- checked above: only a file changed meanwhile gets here
             raise refuse(f"transformers could not convert its weights ({type(exc).__name__}: "
                          f"{short_message(exc)})") from exc
@@ -297,8 +302,8 @@ def _weight_files(folder: Path, adapters: bool, refuse) -> tuple[list[Path], Pat
             if absent:
                 raise refuse(f"{index_name} names shard {absent[0]!r}, which is not in the folder")
             return [folder / shard for shard in shards], index
-    found = ", ".join(f for pair in MODEL_WEIGHT_FILES for f in pair)
-    raise refuse(f"it holds no model weights (one of {found}, or adapter_model.safetensors for a PEFT model)")
+    expected = ", ".join(f for pair in MODEL_WEIGHT_FILES for f in pair)
+    raise refuse(f"it holds no model weights (one of {expected}, or adapter_model.safetensors for a PEFT model)")
 
 
 def _shards(index: Path, suffix: str, refuse) -> list[str]:

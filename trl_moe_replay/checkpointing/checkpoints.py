@@ -60,7 +60,7 @@ FORCE_AFTER_S = 2.0
 #: forward to every rank. A repeated SIGTERM changes nothing: the scheduler's SIGKILL is the forced stop, and stopping
 #: at once would cut the save short.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+_NAMES: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -184,7 +184,9 @@ class SaveOnInterrupt(TrainerCallback):
         cover; empty where the signal reached another process only."""
         if self.requested_at is None:
             return ""
-        return f" ({time.monotonic() - self.requested_at:.0f} s after {_NAMES.get(self.signum, self.signum)})"
+        signum = self.signum
+        assert signum is not None  # _handle sets it with requested_at
+        return f" ({time.monotonic() - self.requested_at:.0f} s after {_NAMES.get(signum, signum)})"
 
     def _handle(self, signum, frame):
         now = time.monotonic()
@@ -213,7 +215,11 @@ class SaveOnInterrupt(TrainerCallback):
             return f"{name}: saving a checkpoint at the end of this generation batch, then stopping"
         at = _next_boundary(self._args, self._state.global_step)
         newest = newest_checkpoint(self._args.output_dir)
-        kept = int(_CHECKPOINT.match(newest.name).group(1)) if newest is not None else 0
+        kept = 0
+        if newest is not None:
+            numbered = _CHECKPOINT.match(newest.name)
+            assert numbered is not None  # newest_checkpoint lists checkpoint-N folders only
+            kept = int(numbered.group(1))
         where = f"the run resumes from {newest}" if newest is not None else "with no checkpoint yet the run restarts"
         lost = f" and step {at} is lost" if at == kept + 1 else f" and steps {kept + 1}-{at} are lost"
         if kept >= at:  # a checkpoint past this step already (resumed from an older one)

@@ -144,13 +144,15 @@ class AuditReport:
                 "Mixture-of-Experts model, without pipeline or context parallelism."
             )
         none, r3 = self.row("none"), self.row("r3")
-        if none.route_mismatch_frac == 0.0:
+        mismatch = none.route_mismatch_frac
+        assert mismatch is not None  # measured whenever the engine returned routes
+        if mismatch == 0.0:
             return (
                 "The trainer routes every token like the engine here: routing replay changes nothing on these prompts "
                 "(log-prob mismatch, if any, is numeric). Re-run with the real engine dtype and longer completions."
             )
         return (
-            f"Without replay the trainer routes {100 * none.route_mismatch_frac:.2f}% of (token, layer) pairs to other "
+            f"Without replay the trainer routes {100 * mismatch:.2f}% of (token, layer) pairs to other "
             f"experts than the engine; replaying the engine's routes (R3) changes kl_k3 from {none.kl_k3:.3g} to "
             f"{r3.kl_k3:.3g} ({_change(none.kl_k3, r3.kl_k3)}) and extreme tokens from "
             f"{100 * none.extreme_frac:.2f}% to {100 * r3.extreme_frac:.2f}%."
@@ -195,7 +197,7 @@ def _unreadable_weights_refused(model: str):
     try:
         yield
     except (SafetensorError, pickle.UnpicklingError, EOFError) as exc:
-        problem = exc
+        problem: Exception = exc
     except RuntimeError as exc:  # torch.load of a damaged .bin: its zip reader's error, the only RuntimeError kept
         if "PytorchStreamReader" not in str(exc):
             raise
@@ -228,7 +230,7 @@ def resolve_device(device: str | None) -> torch.device:
         raise ValueError("--device meta holds shapes, not numbers, and the audit measures numbers: pass cpu or cuda")
     backend = getattr(torch, parsed.type, None)
     is_available = getattr(backend, "is_available", None)
-    if not callable(is_available) or not is_available():
+    if backend is None or not callable(is_available) or not is_available():
         raise ValueError(
             f"--device {device}: this machine has no {parsed.type} device (torch {torch.__version__} finds none): "
             f"pass cpu{', or cuda' if torch.cuda.is_available() else ''}"
@@ -350,9 +352,9 @@ def run_audit(
                                      or not math.isfinite(vllm_timeout) or vllm_timeout < 0):
         raise ValueError(f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got "
                          f"{vllm_timeout!r}")
-    device = resolve_device(device)
+    run_device = resolve_device(device)
     trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
-    trainer_model.to(device).eval()
+    trainer_model.to(run_device).eval()
     if prompts is None:
         prompts = default_prompts(num_prompts, seed=seed)
     if not prompts:
@@ -384,7 +386,7 @@ def run_audit(
         samples = _sample_with_transformers(
             trainer_model, tokenizer, encoded, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
             num_generations=num_generations, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            pad_id=pad_id, device=device,
+            pad_id=pad_id, device=run_device,
         )
     _check_samples(samples, len(encoded) * num_generations)
     routes_available = any(rows is not None for rows in samples.routes)
@@ -430,8 +432,8 @@ def run_audit(
     for mode in (ReplayMode.NONE, ReplayMode.R3) if routes_available else (ReplayMode.NONE,):
         replayed = checked_routes if mode.replays else None
         trainer_logps, natural = _trainer_pass(
-            trainer_model, trainer_rr, input_ids.to(device), attention_mask.to(device), completion_ids.shape[1],
-            temperature, replayed,
+            trainer_model, trainer_rr, input_ids.to(run_device), attention_mask.to(run_device),
+            completion_ids.shape[1], temperature, replayed,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
         used = natural if replayed is None else torch.where(
@@ -581,7 +583,7 @@ def _sample_with_vllm_server(
     sampling_rows = [  # first entry of each position: the sampled token's (None where vLLM sent NaN)
         [math.nan if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]
     ]
-    routes = []
+    routes: list = []  # arrays, payloads as they came, None (EngineSamples.routes)
     for payload in payloads:
         try:
             routes.append(None if payload is None else decode_routed_experts(payload))

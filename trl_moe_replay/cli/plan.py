@@ -121,7 +121,7 @@ class ModelNumbers:
         attention = h * heads * d + 2 * h * kv * d + heads * d * h
         if values.get("attention_bias"):
             attention += heads * d + 2 * kv * d + h
-        qk_norm = {"qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(values.get("model_type"), 0)
+        qk_norm = {"qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(values.get("model_type", ""), 0)
         one_expert = 3 * h * inter
         shared = values.get("shared_expert_intermediate_size") or 0
         shared_params = 3 * h * shared + h if shared else 0

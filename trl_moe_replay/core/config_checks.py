@@ -375,6 +375,8 @@ def check_config(config, own_class: type) -> None:
             if isinstance(value, numbers.Real) and not holds(value):
                 raise ConfigValueError(f"{name} must be {expected}, got {value}")
     upstream = upstream_class(own_class)
+    if upstream is None:  # our configs derive from TRL's; fields(None) would raise this TypeError less clearly
+        raise TypeError(f"check_config: {own_class.__name__} derives from no TRL or transformers config")
     for name in field_types(upstream):
         value = getattr(config, name)
         refusal = upstream_refusal(upstream, name, value, config)
@@ -386,7 +388,7 @@ def check_config(config, own_class: type) -> None:
                                "file; name a folder")
 
 
-def check_config_file(config_classes, values: dict, path: str) -> None:
+def check_config_file(config_classes: typing.Iterable[type], values: dict, path: str) -> None:
     """Hold a config file's values for the classes' own fields (``{key: value}`` as ``yaml.safe_load`` gives them)
     to the standard before ``TrlParser`` turns their text into numbers and bools the way it reads the command
     line's: YAML has numbers and booleans, so ``routing_metrics: "yes"`` is a mistake, as it is from Python. The one

@@ -71,6 +71,8 @@ def check_launched_engine(
 ) -> None:
     """Raise (``strict``) or warn if the launch asked for FSDP or DeepSpeed and accelerate set up another engine."""
     requested = requested_engine(args, environ)
+    if requested is None:
+        return
     expected = {"DeepSpeed": DistributedType.DEEPSPEED, "FSDP": DistributedType.FSDP}.get(requested)
     if expected is None or distributed_type == expected:
         return
@@ -173,9 +175,10 @@ def check_hub_model(model: str, revision: str | None = None, token: str | bool |
             f"no copy of it{local_hint}: pass the local folder that holds config.json and the weights, or unset "
             "HF_HUB_OFFLINE on a machine that reaches the Hub to download it"
         )
+    unreachable: tuple[type[Exception], ...] = (*_network_errors(), OfflineModeIsEnabled)
     try:
         get_hf_file_metadata(hf_hub_url(model, "config.json", revision=revision), token=token, retry_on_errors=False)
-    except (*_network_errors(), OfflineModeIsEnabled) as exc:
+    except unreachable as exc:
         raise HubModelError(
             f"{model} is not a local folder and the Hub ({constants.ENDPOINT}) cannot be reached "
             f"({type(exc).__name__}: {' '.join(str(exc).split()) or 'no answer'}){local_hint}: pass the local folder "

@@ -52,7 +52,9 @@ CITATIONS: dict[str, str] = {
 }
 # R2 (vanilla routing replay) was introduced with GSPO and defined against R3 in the MiniRL paper.
 _MODE_PAPERS = {"r2": ("gspo", "minirl"), "r3": ("r3",), "pr2": ("pr2",)}
-_LOSS_PAPERS = {"gspo": ("gspo",), "rspo": ("rspo", "gspo"), "minirl": ("minirl",)}
+_LOSS_PAPERS: dict[str | None, tuple[str, ...]] = {
+    "gspo": ("gspo",), "rspo": ("rspo", "gspo"), "minirl": ("minirl",),
+}
 
 
 def methods_used(args: Any, mode: str) -> list[str]:

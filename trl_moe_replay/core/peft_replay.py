@@ -15,6 +15,8 @@ tests/cross_cutting/test_async_engine.py check it token by token on the real CPU
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from accelerate.utils import is_peft_model
 
@@ -46,7 +48,7 @@ def check_peft_replay(model: torch.nn.Module, routing_replay: str, *, adapter_on
     routing_replay = ReplayMode(routing_replay)
     if not routing_replay.replays or not is_peft_model(model):
         return
-    config = model.active_peft_config
+    config: Any = model.active_peft_config  # a PeftModel's PeftConfig (peft is untyped)
     if config.is_prompt_learning:
         raise UnfaithfulPeftReplayError(
             f"routing_replay={routing_replay!r} with a {config.peft_type.value} adapter: its virtual tokens are "

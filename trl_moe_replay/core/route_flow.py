@@ -154,7 +154,7 @@ class ForwardPlan:
     """What one forward does with routes: the one decision ``_get_per_token_logps_and_entropies`` acts on."""
 
     forward: Forward
-    route_replay: RouterReplay  # whose hooks (a separate reference model has its own)
+    route_replay: RouterReplay | None  # whose hooks (a separate reference model has its own; None: it replays nothing)
     replay: CheckedRoutes | None = None  # replayed, sliced by rows exactly as input_ids
     record: bool = False  # record the natural routes into the generation batch
     pr2: bool = False  # PR2's old pass: steer to the predicted routes (unless replayed) and cache predictor inputs
@@ -321,5 +321,7 @@ class RouteFlow:
     def metrics_plan(self) -> ForwardPlan:
         """The trainer's own no-grad pass for ``routing/*`` when TRL ran no old-logprob pass: routed like the old pass
         would be, recording the natural routes."""
-        replay = self.batch.generation if self.settings.replays_generation_routes else None
+        batch = self.batch
+        assert batch is not None  # asked while scoring, inside generation_batch()
+        replay = batch.generation if self.settings.replays_generation_routes else None
         return ForwardPlan(Forward.METRICS, self.route_replay, replay=replay, record=True)

@@ -20,7 +20,7 @@ Each trainer's ``__init__`` sets what the mixin reads: ``replay_settings``, ``_r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.utils import logging
@@ -42,6 +42,9 @@ from .route_flow import MicroBatchReplay
 from .routing_options import ReplayMode, ReplaySettings, TrainerKind
 
 
+if TYPE_CHECKING:
+    from ..rollouts.route_intake import RouteIntake
+
 logger = logging.get_logger(__name__)
 
 __all__ = ["MoEReplayTrainerMixin"]
@@ -55,6 +58,12 @@ class MoEReplayTrainerMixin:
     _sync_check: SyncCheck | None = None
     _micro_replay: MicroBatchReplay | None = None
     _output_lock: OutputDirLock | None = None
+    _route_intake: RouteIntake | None
+    # TRL's trainer, the host class, sets these (declared for the type checker only)
+    accelerator: Any
+    model: Any
+    _metrics: Any
+    aux_loss_enabled: bool
 
     @property
     def routing_replay(self) -> ReplayMode:
@@ -91,6 +100,7 @@ class MoEReplayTrainerMixin:
         return super().train(*args, **kwargs)
 
     def _claim_output_dir(self) -> None:
+        assert self._output_lock is not None  # each trainer's __init__ holds it
         claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
 
     def end(self):
@@ -141,6 +151,7 @@ class MoEReplayTrainerMixin:
         """``routing/*``: the trainer's ``natural`` top-k against the engine's (``reference``) at ``positions``;
         without a natural routing to compare (``None``), the fallback fraction alone. NaN where nothing counted."""
         metrics = self._metrics[self._metrics_mode()]
+        assert self._route_replay is not None  # routes are compared only where the trainer records them
         moe_layers = self._route_replay.moe_layers
         # routing/fallback_samples_frac: the samples the intake aligned since the last log, and those that fell back whole
         samples = self._route_intake.take_sample_sums() if self._route_intake is not None else {}

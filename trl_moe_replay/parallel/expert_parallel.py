@@ -55,11 +55,13 @@ def _distributed_config_class() -> type:
     """transformers' ``DistributedConfig``, or a one-line refusal where it lacks expert parallelism."""
     import transformers
 
+    names: set[str] = set()
     try:
         from transformers.distributed import DistributedConfig
     except ImportError:
-        DistributedConfig = None  # noqa: N806
-    names = {f.name for f in dataclasses.fields(DistributedConfig)} if DistributedConfig is not None else set()
+        pass
+    else:
+        names = {f.name for f in dataclasses.fields(DistributedConfig)}
     if "ep_size" not in names:
         raise ParallelSizesError(
             "model_init_kwargs.distributed_config asks transformers to shard the model at load time, but "

@@ -8,8 +8,14 @@ collective in both cases: every rank must call :func:`full_tensors` with the sam
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
+
 import torch
 from torch import nn
+
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def is_zero3_partitioned(param: torch.Tensor) -> bool:
@@ -17,7 +23,7 @@ def is_zero3_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def is_dtensor(param: torch.Tensor) -> bool:
+def is_dtensor(param: torch.Tensor) -> TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(param, DTensor)
@@ -56,7 +62,7 @@ def full_tensors(named_params: dict[str, nn.Parameter]) -> dict[str, torch.Tenso
 def local_numel(param: torch.Tensor) -> int:
     """Elements this rank stores for ``param``: its shard (FSDP2), its partition (ZeRO-3), or all of it."""
     if is_zero3_partitioned(param):
-        return param.ds_tensor.numel()
+        return cast(Any, param).ds_tensor.numel()  # DeepSpeed's attribute, unknown to torch's stubs
     if is_dtensor(param):
         return param.to_local().numel()
     return param.numel()

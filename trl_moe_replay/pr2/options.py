@@ -6,6 +6,7 @@ other field's; a plain TRL config given to the trainer reads these defaults thro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core.routing_options import RouteSource, declare_defaults
 
@@ -35,12 +36,14 @@ class PR2Options:
 
     def _check_pr2_mode(self) -> None:
         """Once ``routing_replay`` is parsed: ``pr2_rollout_prediction`` belongs to PR2."""
-        if self.pr2_rollout_prediction and self.routing_replay.source is not RouteSource.PREDICTED:
-            raise ValueError(f"pr2_rollout_prediction needs routing_replay='pr2', got {self.routing_replay!r}")
+        config: Any = self  # routing_replay is a field of the config this mixes into
+        if self.pr2_rollout_prediction and config.routing_replay.source is not RouteSource.PREDICTED:
+            raise ValueError(f"pr2_rollout_prediction needs routing_replay='pr2', got {config.routing_replay!r}")
 
     def _check_pr2_generation(self) -> None:
         """Once the generation options are resolved: the predictors can steer transformers ``generate`` only."""
-        if self.pr2_rollout_prediction and self.use_vllm:
+        config: Any = self  # use_vllm is TRL's field of the config this mixes into
+        if self.pr2_rollout_prediction and config.use_vllm:
             raise ValueError(
                 "pr2_rollout_prediction routes transformers `generate` with the predictors; vLLM cannot run them. "
                 "Set use_vllm=False, or keep use_vllm and pr2_rollout_prediction=False (predicted routes are then "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,7 @@ class RoutePredictors(nn.Module):
         self.moe_layers: list[int] = sorted(routers)
         self.layers = nn.ModuleDict()
         for layer in self.moe_layers:
-            weight = routers[layer].weight
+            weight = cast(torch.Tensor, routers[layer].weight)  # nn.Module's attributes are typed Tensor | Module
             # under DeepSpeed ZeRO-3 (zero.Init) a partitioned weight is empty; ds_shape is its real shape
             num_experts, hidden = getattr(weight, "ds_shape", weight.shape)
             self.layers[str(layer)] = RoutePredictor(num_experts, hidden, weight.device)
@@ -91,8 +92,9 @@ def _weight_shifted(router: nn.Module, shift: torch.Tensor) -> Iterator[None]:
     """Within the context the router's stored weight is ``W + shift``. Under a LoRA on the router (PEFT's
     ``ParamWrapper``), the weight is a parametrization ``W + BA`` while the router runs: the shift goes into the
     stored ``W``, so the router evaluates ``W + shift + BA`` (the adapted router, shifted)."""
+    owner: nn.Module
     if parametrize.is_parametrized(router, "weight"):
-        owner, name = router.parametrizations.weight, "original"
+        owner, name = cast(Any, router.parametrizations).weight, "original"
     else:
         owner, name = router, "weight"
     original = getattr(owner, name)

@@ -483,7 +483,7 @@ def _register_in_model(model: nn.Module, predictors: RoutePredictors) -> None:
     reducer does not allow for its own parameters; ``average_gradients`` reduces them instead. FSDP and DeepSpeed
     reduce them like any parameter.
     """
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = model.get_base_model() if is_peft_model(model) else model  # type: ignore[operator]  # a PeftModel's method
     if hasattr(base, MODULE_NAME):
         raise ValueError(f"the model already has a `{MODULE_NAME}` attribute; one PR2 trainer per model")
     base.add_module(MODULE_NAME, predictors)

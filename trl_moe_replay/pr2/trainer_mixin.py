@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 from transformers.trainer import TRAINER_STATE_NAME
@@ -48,6 +49,20 @@ class PR2TrainerMixin:
     ``pr2_rollout_prediction``, ``generate``) routes by the predicted routes, with the predictors trained alongside."""
 
     _pr2: PredictiveRoutingReplay | None = None  # the trainer's __init__ sets it from _new_pr2
+    # set by the trainer this mixes into (MoEReplayTrainerMixin, TRL's GRPOTrainer); declared for the type checker
+    _route_replay: Any
+    model: Any
+    state: Any
+    optimizer: Any
+    accelerator: Any
+    is_deepspeed_enabled: bool
+    is_fsdp_enabled: bool
+    use_vllm: bool
+    vllm_generation: Any
+    current_gradient_accumulation_steps: int
+    _global_sums: Any
+    _metrics: Any
+    routing_replay: Any
 
     @property
     def _pr2_averages_gradients(self) -> bool:
@@ -71,6 +86,7 @@ class PR2TrainerMixin:
                             ) -> contextlib.AbstractContextManager:
         """Around one chunk of the old-logprob pass: predicted routes (``steer``: unless the rollout's are replayed)
         and, in training, the predictors' inputs cached at the chunk's completion positions."""
+        assert self._pr2 is not None  # ForwardPlan.pr2 is set only with PR2 built
         return self._pr2.old_pass_chunk(attention_mask, logits_to_keep, steer=steer, cache=self.model.training)
 
     def _pr2_on_generation_batch(self, batch: GenerationBatch) -> None:
@@ -129,6 +145,7 @@ class PR2TrainerMixin:
         # DeepSpeed keeps a parameter's previous gradient when a backward gives it none (measured under ZeRO-3:
         # the on-policy step's grad norm still held the last off-policy step's predictor gradient), so there the
         # predictors take part in every backward, with a zero gradient on the steps they do not train
+        assert self._pr2 is not None  # the trainer adds the predictor loss only under PR2
         result = self._pr2.training_loss(
             self.state.global_step, grad_scale=1.0 / self.current_gradient_accumulation_steps,
             always_in_graph=self.is_deepspeed_enabled,

@@ -8,11 +8,17 @@ tokens' log-probabilities with vLLM's ``processed_logprobs`` semantics at the de
 
 from __future__ import annotations
 
+import contextlib
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ..routing import RouterReplay
 
+
+if TYPE_CHECKING:
+    from ..routing.replay import RouteRecording
 
 class TransformersRolloutRecorder:
     """Context manager around one ``model.generate`` call.
@@ -29,9 +35,9 @@ class TransformersRolloutRecorder:
         self.temperature = temperature
         self._pending: torch.Tensor | None = None
         self._logprobs: list[torch.Tensor] = []
-        self._handles = []
-        self._recording = None
-        self._record_ctx = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._recording: RouteRecording | None = None
+        self._record_ctx: contextlib.AbstractContextManager[RouteRecording] | None = None
 
     def __enter__(self) -> TransformersRolloutRecorder:
         if self.router_replay is not None:
@@ -60,7 +66,9 @@ class TransformersRolloutRecorder:
         self._pending = torch.log_softmax(logits / self.temperature, dim=-1)
 
     def _take(self, tokens: torch.Tensor) -> None:
-        self._logprobs.append(self._pending.gather(1, tokens.view(-1, 1).to(self._pending.device)).squeeze(1))
+        pending = self._pending
+        assert pending is not None  # both callers check that a forward left log-probs to take
+        self._logprobs.append(pending.gather(1, tokens.view(-1, 1).to(pending.device)).squeeze(1))
         self._pending = None
 
     def finish_with(self, completion_ids: list[list[int]], pad_token_id: int) -> None:
@@ -76,7 +84,7 @@ class TransformersRolloutRecorder:
 
     # ------------------------------------------------------------------ results
     @property
-    def routes(self) -> torch.Tensor:
+    def routes(self) -> torch.Tensor | None:
         """``[B, prompt_width + generated, num_layers, top_k]``, the generation batch's own layout (None when no
         forward ran)."""
         return None if self._recording is None else self._recording.routes

@@ -78,7 +78,7 @@ class RouteIntake:
         self.unwritten_positions = 0  # positions routed natively because the engine never wrote them, since start
         self.aligned_samples = 0  # samples aligned, since start
         self._taken = (0, 0)  # (fallback_samples, aligned_samples) at the last take_sample_sums()
-        self._first_batch = {"pending": required, "seen": 0, "usable": 0, "problem": None}
+        self._first_batch: dict[str, Any] = {"pending": required, "seen": 0, "usable": 0, "problem": None}
         self._fallback_streak = 0  # samples in a row, up to now, that all fell back
         self._warned_streak = False
 
@@ -97,6 +97,7 @@ class RouteIntake:
         )
         failed_turns = [0] * len(samples)  # a multi-turn sample may fail in several turns
         for error in failures:
+            assert error.sample is not None  # the codec names the sample of every failure it reports
             failed_turns[error.sample] += 1
         given = [sum(turn.rows is not None for turn in turns) for turns in samples]
         missing = sum(count == 0 for count in given)

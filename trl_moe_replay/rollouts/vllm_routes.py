@@ -213,21 +213,22 @@ class VLLMRouteSource:
     def _server_rows(self, num_local: int) -> list[Any]:
         accelerator = self.accelerator
         world = accelerator.num_processes
+        shares: list[tuple[Any, str | None]] | None = None
         if accelerator.is_main_process:
+            assert self._hook is not None  # server mode: installed on the main process
             payloads = self._hook.take()
             error = self._batch_error(payloads, num_local * world)
-            shares = [
-                (None if error else payloads[rank * num_local : (rank + 1) * num_local], error)
+            shares = [  # (payloads is None only with an error)
+                (None if error or payloads is None else payloads[rank * num_local : (rank + 1) * num_local], error)
                 for rank in range(world)
             ]
-        else:
-            shares = None
         if world > 1:
             # Each rank gets its own share only: TRL's broadcast sends everything everywhere, routes are too big.
-            received = [None]
+            received: list[Any] = [None]
             torch.distributed.scatter_object_list(received, shares, src=0)
             rows, error = received[0]
         else:
+            assert shares is not None  # one process: the main one
             rows, error = shares[0]
         if error:
             raise RoutesUnavailableError(error)
@@ -245,6 +246,7 @@ class VLLMRouteSource:
                 "(one per completion)"
             )
         if self.required and not self.received_routes and all(payload is None for payload in payloads):
+            assert self.client is not None  # asked on the main process, which holds the client
             model = self.client.model
             return (
                 f"routing_replay='r3' needs the experts vLLM routed each token to, but the server at "

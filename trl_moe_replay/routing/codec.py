@@ -32,7 +32,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ from .routes import NO_ROUTE, CheckedRoutes, RouteLayout, no_route_value, route_
 try:  # vLLM's own (SIMD) base64 codec; present wherever vLLM is installed
     import pybase64 as _pybase64
 except ImportError:  # pragma: no cover - depends on the environment
-    _pybase64 = None
+    _pybase64 = None  # type: ignore[assignment]  # the fallback below reads None as "not installed"
 
 __all__ = [
     "NO_ROUTE",
@@ -408,10 +408,11 @@ def routes_from_engine(
     results = (future.result() for future in futures) if pool is not None else (place(i) for i in single)
     try:
         for i in range(batch):
-            if _is_turn_list(rows[i]):
+            report: RouteAlignmentError | UnwrittenPositions | None
+            if _is_turn_list(turns := rows[i]):
                 p, c = prompts[i], completions[i]
                 out_np[i] = no_route
-                report = _place_turns(out_np[i, prompt_width - p :], rows[i], i, p, c, num_layers, top_k, moe, dense,
+                report = _place_turns(out_np[i, prompt_width - p :], turns, i, p, c, num_layers, top_k, moe, dense,
                                       limit, on_error, no_route)
             else:
                 report = next(results)
@@ -446,7 +447,7 @@ def checked_routes_from_engine(
     return CheckedRoutes._own(routes, layout)
 
 
-def _is_turn_list(entry: Any) -> bool:
+def _is_turn_list(entry: Any) -> TypeGuard[Sequence[EngineTurn]]:
     return isinstance(entry, (list, tuple)) and len(entry) > 0 and isinstance(entry[0], EngineTurn)
 
 
@@ -528,15 +529,15 @@ def _check_values(
     to replay and the sample fails whole (most often a dense layer missing from ``moe_layers``)."""
     num_tokens = row.shape[0]
     step = max(1, _CHECK_CHUNK_ROWS // max(1, len(moe)))
-    unwritten = []
+    marks = []
     for lo in range(0, num_tokens, step):
         hi = min(lo + step, num_tokens)
         marked = _check_block(row, lo, hi, i, start, moe, dense, top_k, limit)
         if marked is not None:
-            unwritten.append(marked)
+            marks.append(marked)
         if copy_to is not None:
             np.copyto(copy_to[lo:hi], row[lo:hi], casting="unsafe")
-    unwritten = np.concatenate(unwritten) if unwritten else np.empty(0, dtype=np.int64)
+    unwritten = np.concatenate(marks) if marks else np.empty(0, dtype=np.int64)
     if num_tokens and unwritten.size == num_tokens:
         _raise_never_written(row, i, start, moe, top_k)
     return unwritten

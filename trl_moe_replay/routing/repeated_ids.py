@@ -50,6 +50,7 @@ def first_repeated_row(
             # then checked on its own
             compared = n if flat.size >= n + k - 1 else n - k
         else:
+            assert buffer is not None  # allocated above when not in place
             flat = buffer
             np.copyto(buffer[:n].reshape(hi - lo, width, k), rows[lo:hi, select])
             compared = n

@@ -29,6 +29,7 @@ import contextlib
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -251,7 +252,7 @@ class RouterReplay:
         self.num_layers: int = int(config.num_hidden_layers)
         self.moe_layers: list[int] = [site.layer for site in sites]
         self.families: list[str] = sorted({site.family.name for site in sites})
-        first = sites[0].modules[0]
+        first: Any = sites[0].modules[0]  # a router: top_k and num_experts are ints, unknown to nn.Module's stubs
         self.top_k: int = int(first.top_k)
         self.num_experts: int = int(first.num_experts)
         self.layout = RouteLayout(self.num_layers, self.top_k, self.num_experts, tuple(self.moe_layers))
@@ -265,7 +266,7 @@ class RouterReplay:
             if site.layer >= self.num_layers:
                 raise UnsupportedModelError(f"router {site.name} sits in layer {site.layer} >= num_hidden_layers")
         if getattr(model, "use_kernels", False):
-            kernels = {site.family.hub_kernel for site in sites} - {None}
+            kernels = {kernel for site in sites if (kernel := site.family.hub_kernel) is not None}
             if kernels:
                 raise UnsupportedModelError(
                     f"this model runs with use_kernels=True, and the hub kernel(s) {sorted(kernels)} replace its router "
@@ -467,7 +468,9 @@ class RouterReplay:
         return hook
 
     def _steered_ids(self, layer, module, router_input, logits, natural) -> torch.Tensor:
-        ids = self._steer(layer, module, router_input, logits, natural)
+        steer = self._steer
+        assert steer is not None  # the hook calls this only while a steer() function is set
+        ids = steer(layer, module, router_input, logits, natural)
         if not isinstance(ids, torch.Tensor) or ids.shape != natural.shape or ids.dtype.is_floating_point:
             raise RouteValidationError(
                 f"steer() function returned {getattr(ids, 'dtype', type(ids).__name__)} "
@@ -510,6 +513,7 @@ def _block_path(router_path: str) -> str:
 
 def _stack_path(router_path: str) -> str:
     match = _LAYER_INDEX.search(router_path)
+    assert match is not None  # _discover_routers keeps only routers inside a `layers.N` decoder layer
     return router_path[: match.start()]
 
 

@@ -48,7 +48,11 @@ class _Collector:
                 f"the router of layer {layer} ran twice inside one forward; wrap each forward in its own context"
             )
 
-    def _assemble(self, fill_ids: bool, probs_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, call: RouterCall) -> None:
+        """Take one router call's rows (each collector keeps its own part of them)."""
+        raise NotImplementedError
+
+    def _assemble(self, fill_ids: bool, probs_dtype: torch.dtype, device) -> tuple[torch.Tensor | None, torch.Tensor]:
         probes = self.probes
         missing = sorted(set(probes.moe_layers) - set(self.layers))
         if missing:

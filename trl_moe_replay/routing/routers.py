@@ -292,7 +292,8 @@ def refuse_if_transformers_too_old(config, families: set[RouterFamily]) -> None:
     ``config``'s family, or of one of ``families`` (found in the model). Jamba before 5.21 and Aria before 5.18,
     for instance, exist but route inside their MoE block, with nothing to replay."""
     installed = transformers_seam.transformers_version()
-    by_type = _FAMILY_BY_MODEL_TYPE.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    by_type = _FAMILY_BY_MODEL_TYPE.get(model_type) if model_type is not None else None
     for family in sorted(families | ({by_type} if by_type else set()), key=lambda f: f.name):
         if Version(installed) < Version(family.min_transformers):
             raise TransformersTooOldError(

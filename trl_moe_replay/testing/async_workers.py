@@ -59,6 +59,7 @@ def sampled_routes(model: torch.nn.Module, input_ids: list[int]) -> np.ndarray:
             model(input_ids=torch.tensor([input_ids[:-1]]))
     finally:
         replay.remove()
+    assert recording.routes is not None  # record() sets them on exit
     routes = recording.routes[0]
     dense = [layer for layer in range(replay.num_layers) if layer not in replay.moe_layers]
     routes[:, dense] = 0

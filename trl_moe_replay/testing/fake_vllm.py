@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import numpy as np
@@ -78,10 +78,10 @@ class TransformersEngine:
     """Samples with transformers ``generate`` and returns what vLLM would, routed experts included."""
 
     def __init__(self, model: nn.Module):
-        self.model = model.eval()
+        self.model: Any = model.eval()  # a transformers causal LM (generate, generation_config)
         self.router_replay = RouterReplay(model)
         self.dtype = engine_dtype(self.router_replay.num_experts)
-        config = model.generation_config
+        config: Any = model.generation_config  # its GenerationConfig
         eos = config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -117,10 +117,10 @@ class TransformersEngine:
             logprobs = recorder.sampling_logprobs(completion_lengths)
         dense = [layer for layer in range(self.router_replay.num_layers) if layer not in self.router_replay.moe_layers]
         out = []
-        for i in range(len(batch)):
-            if not has_route(rows[i][:, self.router_replay.moe_layers]).all():
+        for i, row in enumerate(rows):
+            if row is None or not has_route(row[:, self.router_replay.moe_layers]).all():
                 raise RuntimeError(f"completion {i}: a forwarded position has no recorded route")
-            routes = rows[i].numpy().astype(self.dtype)
+            routes = row.numpy().astype(self.dtype)
             routes[:, dense] = 0  # vLLM's capture buffer is zeros and dense layers never write to it
             out.append(EngineCompletion(batch[i], completions[i], logprobs[i], routes, reasons[i]))
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -208,13 +208,16 @@ class FakeVLLMServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._httpd is not None and self._thread is not None  # __enter__ started them
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout=10)
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
+        assert self._httpd is not None, "the server runs inside its `with` block"
+        # an AF_INET server's address: (host text, port); typeshed allows bytes hosts for other families
+        host, port = cast(tuple[str, int], self._httpd.server_address[:2])
         return f"http://{host}:{port}"
 
     # ------------------------------------------------------------------ weights (the stubbed NCCL broadcast)
@@ -487,7 +490,8 @@ class FakeLLM:
         self.llm_engine = type("Engine", (), {})()
         self.llm_engine.model_executor = type("Executor", (), {})()
         self.llm_engine.model_executor.driver_worker = type("Worker", (), {"model_runner": runner})()
-        max_model_len = kwargs.get("max_model_len") or model_object.config.max_position_embeddings
+        config: Any = model_object.config  # a transformers PretrainedConfig
+        max_model_len = kwargs.get("max_model_len") or config.max_position_embeddings
         self.llm_engine.model_config = type("ModelConfig", (), {"max_model_len": max_model_len})()
         type(self).instances.append(self)
 
@@ -529,7 +533,9 @@ class FakeLLM:
     def _tampered(self, call: int, choice: int, rows: np.ndarray | None) -> Any:
         """``tamper`` works on wire payloads; in process vLLM hands arrays, so a payload that still decodes as a
         ``.npy`` comes back as its array (wrong shape, dtype, ids), anything else as the tampered object itself."""
-        tampered = self.tamper(call, choice, None if rows is None else encode_routed_experts(rows))
+        tamper = self.tamper
+        assert tamper is not None  # generate tampers only when one was given
+        tampered = tamper(call, choice, None if rows is None else encode_routed_experts(rows))
         if not isinstance(tampered, str):
             return tampered
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import string
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -387,7 +387,7 @@ class _ScriptedLogits(LogitsProcessor):
         for row, target in enumerate(self.targets):
             token = target[step] if step < len(target) else self.eos_token_id
             forced[row, token] = 0.0
-        return forced
+        return cast(torch.FloatTensor, forced)  # a float tensor; torch's stubs type FloatTensor as its own class
 
 
 @contextlib.contextmanager
@@ -413,7 +413,7 @@ def scripted_generation(model: torch.nn.Module, tokenizer, script: Callable[[str
         processor = _ScriptedLogits(targets, input_ids.shape[1], tokenizer.eos_token_id)
         return original(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
 
-    model.generate = generate
+    model.generate = generate  # type: ignore[assignment]  # an instance attribute over the method, for the context
     try:
         yield
     finally:

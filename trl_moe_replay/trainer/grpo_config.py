@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from trl import GRPOConfig
 
@@ -161,7 +162,8 @@ def check_generation_support(args: GRPOConfig) -> None:
                 "transformers_importance_sampling_correction=True needs the sampling log-probs of plain generate; "
                 "use_transformers_continuous_batching=True does not return them. Turn one of them off."
             )
-    beams = (args.generation_kwargs or {}).get("num_beams", 1) if settings.records_generation else 1
+    generation_kwargs = cast(dict, args.generation_kwargs or {})  # a dict: TRL's _VALID_DICT_FIELDS parse JSON text
+    beams = generation_kwargs.get("num_beams", 1) if settings.records_generation else 1
     if beams and beams > 1:
         raise UnrecordableGenerationError(
             f"generation_kwargs num_beams={beams}: beam search reorders and prunes the sequences between decode "
@@ -280,7 +282,7 @@ class MoEReplayGRPOConfig(PR2Options, RoutingOptions, GRPOConfig):
             "'minirl' (Qwen's MiniRL objective, Eq. 7)."
         },
     )
-    epsilon: float | None = field(
+    epsilon: float | None = field(  # type: ignore[assignment]  # None: unset, resolved by __post_init__
         default=None,
         metadata={"help": "Lower clipping bound. Unset: 3e-4 for gspo/rspo, 0.2 otherwise."},
     )
@@ -291,11 +293,11 @@ class MoEReplayGRPOConfig(PR2Options, RoutingOptions, GRPOConfig):
             "otherwise epsilon (TRL's rule; for cispo it is ε_max)."
         },
     )
-    importance_sampling_level: str | None = field(
+    importance_sampling_level: str | None = field(  # type: ignore[assignment]  # None: unset, as epsilon
         default=None,
         metadata={"help": "'token' or 'sequence'. Unset: 'sequence' for gspo/rspo, 'token' otherwise."},
     )
-    scale_rewards: str | None = field(
+    scale_rewards: str | None = field(  # type: ignore[assignment]  # None: unset, as epsilon
         default=None,
         metadata={"help": "'group', 'batch' or 'none' (True/False as in TRL). Unset: 'none' for minirl, else 'group'"},
     )
@@ -327,13 +329,14 @@ class MoEReplayGRPOConfig(PR2Options, RoutingOptions, GRPOConfig):
     def _resolve_generation_options(self) -> None:
         """Fill routing_metrics, vllm_sync_check and transformers_importance_sampling_correction when unset (see
         the docstring)."""
+        mode = ReplayMode(self.routing_replay)  # parsed by __post_init__ (the field is declared str)
         if self.routing_metrics is None:
-            self.routing_metrics = default_routing_metrics(self.routing_replay)
-        sync_check = resolve_sync_check(self, self.routing_replay, self.routing_metrics, SYNC_TRAINER)
+            self.routing_metrics = default_routing_metrics(mode)
+        sync_check = resolve_sync_check(self, mode, self.routing_metrics, SYNC_TRAINER)
         if self.vllm_sync_check is None:
             self.vllm_sync_check = sync_check
         if self.transformers_importance_sampling_correction is None:
-            self.transformers_importance_sampling_correction = default_transformers_correction(self, self.routing_replay)
+            self.transformers_importance_sampling_correction = default_transformers_correction(self, mode)
         elif self.transformers_importance_sampling_correction and not self.vllm_importance_sampling_correction:
             raise ValueError(
                 "transformers_importance_sampling_correction=True applies TRL's vllm_importance_sampling_* "
@@ -354,7 +357,8 @@ class MoEReplayGRPOConfig(PR2Options, RoutingOptions, GRPOConfig):
             self.importance_sampling_level = "sequence" if loss in ("gspo", "rspo") else "token"
         if self.scale_rewards is None:
             self.scale_rewards = "none" if loss == "minirl" else "group"
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        as_text: dict[Any, str] = {True: "group", False: "none"}  # TRL's booleans
+        self.scale_rewards = as_text.get(self.scale_rewards, self.scale_rewards)
         if self.router_shift_weighting is None:
             self.router_shift_weighting = loss == "rspo"
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from accelerate.utils import is_peft_model
@@ -86,7 +87,8 @@ from .objectives import MoEObjectivesMixin
 logger = logging.get_logger(__name__)
 
 
-class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):
+# type-ignore: MoEObjectivesMixin.get_gamma_weights replaces TRL's staticmethod with a method (TRL calls it on self)
+class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):  # type: ignore[misc]
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -351,8 +353,11 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         parent = GRPOTrainer._get_per_token_logps_and_entropies.__get__(self)
         # router jitter and dropout draw from the global RNG in a training-mode forward: fork it, so that the sampling
         # and training after this extra forward draw what they would without it (under "none": TRL's numbers)
+        assert self._routes is not None  # routing metrics are computed only where the trainer handles routes
+        # a dict or None: transformers' _VALID_DICT_FIELDS parse JSON text in __post_init__
+        checkpointing_kwargs = cast(dict | None, args.gradient_checkpointing_kwargs)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
-                disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                disable_gradient_checkpointing(self.model, checkpointing_kwargs):
             logps, _, _ = self._planned_forward(self._routes.metrics_plan(), parent, self.model, input_ids,
                                                 attention_mask, output["completion_ids"].size(1), batch_size)
         return logps
@@ -378,8 +383,10 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         """TRL's forward ``parent`` as ``plan`` says: replaying its routes, chunk by chunk like TRL's own batching,
         recording the natural routes, steering (PR2) or capturing the old router (RSPO)."""
         plan.check_width(input_ids.size(1))
-        rr = plan.route_replay
+        rr, routes = plan.route_replay, self._routes
+        assert rr is not None and routes is not None  # a plan that is not plain names its RouterReplay
         if plan.forward is Forward.TRAINING:  # in force through the backward: training_step ends it
+            assert self._micro_replay is not None and plan.replay is not None  # it replays the micro-batch's routes
             with self._micro_replay.replay(rr, plan.replay):
                 return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
                               compute_aux_loss)
@@ -403,11 +410,14 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
             entropies.append(chunk_entropies)
             aux_losses.append(chunk_aux)
             if recording is not None:
+                assert recording.checked is not None  # set when record() exits
                 natural.append(recording.checked)
             if capture is not None:
-                self._routes.batch.add_old_router(capture.ids, capture.probs)
+                assert routes.batch is not None  # the old pass runs inside the generation batch
+                routes.batch.add_old_router(capture.ids, capture.probs)
         if plan.record:  # recorded, so checked by construction (R2/PR2 replay them in every micro-batch)
-            self._routes.batch.record_natural(natural)
+            assert routes.batch is not None  # recording passes run inside the generation batch
+            routes.batch.record_natural(natural)
         return (
             torch.cat(logps, dim=0),
             torch.cat(entropies, dim=0) if compute_entropy else None,
@@ -458,8 +468,10 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         sampling = output.get("sampling_per_token_logps")
         if sampling is None and batch is not None and batch.sampling_logprobs is not None:
             sampling = pad(
-                [torch.tensor(row, dtype=torch.float32) for row in batch.sampling_logprobs], padding_value=0.0,
-                padding_side="right", pad_to_multiple_of=self.pad_to_multiple_of,
+                [torch.tensor(row, dtype=torch.float32) for row in batch.sampling_logprobs],
+                padding_value=0.0,  # type: ignore[arg-type]  # TRL's pad fills with any value; annotated int
+                padding_side="right",
+                pad_to_multiple_of=self.pad_to_multiple_of,  # type: ignore[arg-type]  # what TRL's own trainer passes
             ).to(self.accelerator.device)
         if old is not None and sampling is not None:
             mask = output["completion_mask"]

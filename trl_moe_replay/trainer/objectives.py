@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -65,6 +65,13 @@ class MoEObjectivesMixin:
 
     _objectives: MoEObjectives | None = None
     _micro_batch: MicroBatch | None = None  # the micro-batch whose loss is being computed, else None
+    # set by the trainer this mixes into (TRL's GRPOTrainer, MoEReplayTrainerMixin); declared for the type checker
+    _route_replay: Any
+    model: Any
+    accelerator: Any
+    _metrics: Any
+    _global_sums: Any
+    off_policy_mask_threshold: float | None
 
     def _setup_objectives(self, args: Any) -> MoEObjectives:
         """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists; assign the result to
@@ -72,7 +79,7 @@ class MoEObjectivesMixin:
         name = args.loss_type
         if name in MOE_LOSS_TYPES and not hasattr(args, "minirl_is_cap"):
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
-        run_loss_on_trl_branch(self, _TRL_LOSS_FOR.get(name, name))
+        run_loss_on_trl_branch(cast(Any, self), _TRL_LOSS_FOR.get(name, name))  # self: a GRPOTrainer subclass
         weighting = bool(option(args, "router_shift_weighting"))
         return MoEObjectives(
             loss_type=name, router_shift_weighting=weighting,
@@ -82,12 +89,14 @@ class MoEObjectivesMixin:
 
     @property
     def moe_loss_type(self) -> str:
+        assert self._objectives is not None  # set in __init__ (_setup_objectives)
         return self._objectives.loss_type
 
     # ------------------------------------------------------------------ old-logprob pass
     def _old_router_capture(self, batch: int, seq: int, is_old_pass: bool):
         """Context around one chunk's forward: in the old-logprob pass (with router-shift weighting), the old
         router's probabilities at the experts used; yields None otherwise."""
+        assert self._objectives is not None  # set in __init__ (_setup_objectives)
         probes = self._objectives.router_probes
         if probes is None or not is_old_pass:
             return contextlib.nullcontext()
@@ -109,6 +118,7 @@ class MoEObjectivesMixin:
     def _measuring_router_shift(self, input_ids: torch.Tensor, logits_to_keep: int) -> Iterator[None]:
         """Around the training forward of ``_compute_loss``: measure γ and hand it to the loss (in the micro-batch)."""
         micro, options = self._micro_batch, self._objectives
+        assert options is not None  # set in __init__ (_setup_objectives)
         if not options.router_shift_weighting or micro is None:
             yield
             return
@@ -125,10 +135,14 @@ class MoEObjectivesMixin:
                     f"old_router_ids {tuple(old_ids.shape)} do not match the forward's input_ids "
                     f"{tuple(input_ids.shape)}: they must be gathered by the micro-batch's route_rows"
                 )
-            with options.router_probes.at(old_ids) as reading:
+            probes = options.router_probes
+            assert probes is not None  # built with router_shift_weighting
+            with probes.at(old_ids) as reading:
                 yield
-            old_probs = micro.held.per_sample["old_router_probs"].to(reading.probs.device)
-            per_position = router_shift(old_probs, reading.probs, old_ids.to(reading.probs.device))
+            probs = reading.probs
+            assert probs is not None  # set when at() exits
+            old_probs = micro.held.per_sample["old_router_probs"].to(probs.device)
+            per_position = router_shift(old_probs, probs, old_ids.to(probs.device))
             delta = completion_aligned(per_position, logits_to_keep)
         gamma = micro.gamma = router_shift_gamma(delta, options.router_shift_gamma_min)
         # MiniRL applies γ inside its own weight (get_gamma_weights): its ratio is not TRL's clipped one
@@ -143,6 +157,7 @@ class MoEObjectivesMixin:
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         valid = mask.bool()
+        assert self._objectives is not None  # set in __init__ (_setup_objectives)
         floored = torch.exp(-delta) < self._objectives.router_shift_gamma_min
         sums = self._global_sums(
             {
@@ -222,7 +237,7 @@ class MoEObjectivesMixin:
             for mode_metrics in self._metrics.values():
                 if _VESPO_WEIGHT_METRIC in mode_metrics:
                     mode_metrics["minirl/token_weight_mean"] = mode_metrics.pop(_VESPO_WEIGHT_METRIC)
-        super().log(logs, start_time)
+        super().log(logs, start_time)  # type: ignore[misc]  # TRL's Trainer.log, next in the trainer's MRO
 
 
 def _loss_mask(inputs: dict) -> torch.Tensor:

@@ -14,11 +14,15 @@ import pathlib
 import pickle
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .entries import Finding, entry
+
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 
 TORCH_READ = "2.13.0"
@@ -68,7 +72,7 @@ def parameter_replaced(owner: torch.nn.Module, name: str, value: torch.Tensor) -
     """Within the context ``owner.<name>`` reads ``value`` (any tensor) instead of its registered parameter (entry
     ``module_parameter_slot``); the parameter is put back on exit."""
     original = owner._parameters[name]
-    owner._parameters[name] = value
+    owner._parameters[name] = value  # type: ignore[assignment]  # the point: any tensor in the Parameter's slot
     try:
         yield
     finally:
@@ -139,7 +143,7 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     return found
 
 
-def dcp_storage_info_class() -> type:
+def dcp_storage_info_class() -> type[_StorageInfo]:
     """The class of the values of a DCP ``Metadata.storage_data``: one shard's ``relative_path``, ``offset`` and
     ``length`` (entry ``dcp_metadata_pickle``)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -180,7 +180,9 @@ def async_tree_row_class() -> Any:  # Any: a base class of ours (see async_worke
 def keyed_tree_row_class() -> Any:  # Any: a base class of ours
     """TRL's ``TreeRow`` with its trie key as a method, ``trie_keys(sample)`` (see the entry above)."""
 
-    class KeyedTreeRow(async_tree_row_class()):
+    tree_row: Any = async_tree_row_class()
+
+    class KeyedTreeRow(tree_row):
         """``TreeRow``; ``fits``/``add`` are TRL 1.16's, keyed on ``trie_keys(sample)`` (seam entry
         ``async_packing``)."""
 

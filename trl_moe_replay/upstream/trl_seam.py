@@ -257,8 +257,8 @@ def vllm_generation_classes(**make_subclass: Callable[[type], type]) -> Iterator
     module = importlib.import_module(_VLLM_GENERATION_MODULE)
     saved = {name: getattr(module, name, None) for name in make_subclass}
     for name, make in make_subclass.items():
-        if saved[name] is not None:
-            setattr(module, name, make(saved[name]))
+        if (original := saved[name]) is not None:
+            setattr(module, name, make(original))
     try:
         yield
     finally:
@@ -552,8 +552,9 @@ class _Accelerator:
         return model
 
 
-def _stand_in_trainer(**attributes: Any) -> SimpleNamespace:
-    """A GRPOTrainer's state as TRL's methods read it, with GRPOConfig's defaults as ``args``."""
+def _stand_in_trainer(**attributes: Any) -> Any:
+    """A GRPOTrainer's state as TRL's methods read it, with GRPOConfig's defaults as ``args`` (a SimpleNamespace,
+    typed Any: it stands in for the trainer where TRL's methods take one)."""
     config = trl.GRPOConfig
     args = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     args.update(steps_per_generation=1, gradient_accumulation_steps=1, report_to=[], delta=None)
@@ -569,7 +570,7 @@ def _stand_in_trainer(**attributes: Any) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
-def _run_loss(trainer_class: type, forward_logps: float, on_forward: Callable[[dict], None] | None = None,
+def _run_loss(trainer_class: Any, forward_logps: float, on_forward: Callable[[dict], None] | None = None,
               **attributes: Any) -> tuple[float, SimpleNamespace]:
     """TRL's ``_compute_loss`` on one sequence of two completion tokens with advantage 1, whose training forward
     returns ``forward_logps`` everywhere (and runs ``on_forward(inputs)``)."""
@@ -651,7 +652,7 @@ def _probe_padded_width(trainer_class: type) -> str | None:
     return None
 
 
-def _score(trainer_class: type, *, use_vllm: bool, ref_model: Any = None, beta: float = 0.0,
+def _score(trainer_class: Any, *, use_vllm: bool, ref_model: Any = None, beta: float = 0.0,
            peft_model: Any = None) -> tuple[list, dict, SimpleNamespace]:
     """TRL's ``_generate_and_score_completions`` on two one-token completions; returns the events (generation and
     each scoring forward's model, in order), the output and the stand-in trainer."""
@@ -720,7 +721,7 @@ def _probe_reference_forward(trainer_class: type) -> str | None:
     return None
 
 
-def _probe_vllm_sync_trigger(trainer_class: type) -> str | None:
+def _probe_vllm_sync_trigger(trainer_class: Any) -> str | None:
     synced = []
 
     def generate(**kwargs):
@@ -754,7 +755,8 @@ def _probe_weight_sync_params(trainer_class: type) -> str | None:
                              reset_prefix_cache=lambda: None)
     for mode in ("colocate", "server"):
         params = [("kept", torch.ones(1)), ("left", torch.ones(1))]
-        generation = SimpleNamespace(mode=mode, enable_sleep_mode=True, llm=llm, vllm_client=client,
+        # stands in for a VLLMGeneration
+        generation: Any = SimpleNamespace(mode=mode, enable_sleep_mode=True, llm=llm, vllm_client=client,
                                      accelerator=_Accelerator(), _weight_metadata=None, _llm_weights_sleeping=True,
                                      _iter_named_params=lambda params=params: iter(params))
         exclude_from_weight_sync(generation, lambda name: name == "left")

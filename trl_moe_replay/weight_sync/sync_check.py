@@ -179,7 +179,9 @@ class SyncCheck:
     def _engine_answer(self, when: str) -> torch.Tensor:
         """The engine's probe log-probs, refused unless finite: NaN compares false with every tolerance, so a NaN
         answer would pass both checks."""
-        engine = self.engine(self.probe)
+        scorer = self.engine
+        assert scorer is not None  # its callers return first on a process that drives no engine
+        engine = scorer(self.probe)
         bad = (~torch.isfinite(engine)).nonzero().flatten().tolist()
         if bad:
             raise EngineProbeNotFiniteError(

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from accelerate.utils import is_peft_model
-from transformers import PreTrainedModel
 
 from ..upstream.transformers_seam import save_pretrained_weights
 
@@ -28,7 +27,7 @@ _LAYER_PREFIX = re.compile(r"^(.*?(?:^|\.)layers\.\d+\.)")
 
 
 def engine_weights(
-    model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights a vLLM engine is sent at a weight sync: ``named_tensors`` under the checkpoint's names and layout.
 
@@ -44,7 +43,7 @@ def engine_weights(
 
 
 def checkpoint_named_tensors(
-    model: PreTrainedModel, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None
+    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` in the naming and layout ``model.save_pretrained`` would write.
 
@@ -58,7 +57,7 @@ def checkpoint_named_tensors(
     names that vLLM's loaders do not read (the engine would keep its old experts).
     """
     if is_peft_model(model):
-        model = model.get_base_model()
+        model = model.get_base_model()  # type: ignore[operator]  # a PeftModel's method (peft is untyped)
     if named_tensors is None:
         named_tensors = ((name, param.detach()) for name, param in model.named_parameters())
     group: dict[str, torch.Tensor] = {}

@@ -139,19 +139,21 @@ class WeightReload:
         file. The folder must hold no other weights: vLLM loads every ``*.safetensors`` file in it, or only those an
         index names, and would mix them with (or prefer them to) the sync's.
         """
-        os.makedirs(self.sync_dir, exist_ok=True)
-        foreign = sorted(name for name in os.listdir(self.sync_dir)
+        sync_dir = self.sync_dir
+        assert sync_dir is not None  # __init__ requires it with base_url, and only a server's reload writes
+        os.makedirs(sync_dir, exist_ok=True)
+        foreign = sorted(name for name in os.listdir(sync_dir)
                          if name != WEIGHTS_FILE and name.endswith((".safetensors", ".safetensors.index.json")))
         if foreign:
             raise WeightSyncDirError(
-                f"the reload sync's folder {self.sync_dir} must hold no weights but its own {WEIGHTS_FILE}, and it "
+                f"the reload sync's folder {sync_dir} must hold no weights but its own {WEIGHTS_FILE}, and it "
                 f"holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}: vLLM would load those too. Set "
                 "vllm_sync_dir to an empty folder (not a checkpoint's)."
             )
         # gathered one parameter at a time by TRL's iterator, held on the host until written
         copy = self.copy_before_write
         host = {name: tensor.detach().to("cpu", copy=copy).contiguous() for name, tensor in tensors}
-        partial, path = os.path.join(self.sync_dir, _PARTIAL_FILE), os.path.join(self.sync_dir, WEIGHTS_FILE)
+        partial, path = os.path.join(sync_dir, _PARTIAL_FILE), os.path.join(sync_dir, WEIGHTS_FILE)
         save_file(host, partial)
         os.replace(partial, path)
         return path

@@ -241,6 +241,7 @@ def cold_start_sft(
             tool_part = None
             if demonstrates_tools and rng.random() < config.tool_call_fraction:  # no draw without tools
                 if i not in demonstrations:
+                    assert tool_call is not None  # demonstrates_tools needs it (refused above otherwise)
                     demonstrations[i] = tool_demonstration(tokenizer, tool_call(dataset[i]), tools)
                 tool_part = demonstrations[i]
             rows.append(demonstration(tokenizer, prompt_ids[i], config.answer_template.format(answer), tool_part))
@@ -322,7 +323,7 @@ def sampled_tool_rollouts(model, tokenizer, prompts, solutions, tools: Sequence[
     calls = failures = 0
     continued: list[tuple[int, list[int]]] = []  # (sample, prompt + first turn + tool results)
     for j, ids in enumerate(first):
-        tool_calls = parse_response(tokenizer, ids, prefix=prompt_ids[j], tools=tools).get("tool_calls")
+        tool_calls = parse_response(tokenizer, ids, prefix=prompt_ids[j], tools=list(tools)).get("tool_calls")
         if tool_calls:
             messages, failed = run_tool_calls(tool_calls, tools)
             calls, failures = calls + len(tool_calls), failures + failed

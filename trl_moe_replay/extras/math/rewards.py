@@ -328,11 +328,13 @@ class _Worker:
             encoding="utf-8",
         )
         replies: queue.Queue = queue.Queue()
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
 
         def pump() -> None:
-            for line in proc.stdout:
+            for line in stdout:
                 replies.put(line)
-            proc.stdout.close()
+            stdout.close()
             replies.put(None)  # EOF: the process ended
 
         threading.Thread(target=pump, name="accuracy-reward-worker-reader", daemon=True).start()
@@ -352,6 +354,7 @@ class _Worker:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdin is not None  # stdin=PIPE
         try:
             proc.stdin.close()
         except OSError:  # broken pipe: it is gone anyway
@@ -365,10 +368,12 @@ class _Worker:
             if self._proc is None or self._proc.poll() is not None:
                 self.close()
                 self._start()
+            proc, replies = self._proc, self._replies
+            assert proc is not None and proc.stdin is not None and replies is not None  # _start set them (stdin=PIPE)
             try:
-                self._proc.stdin.write(request)
-                self._proc.stdin.flush()
-                reply = self._replies.get(timeout=deadline_s)
+                proc.stdin.write(request)
+                proc.stdin.flush()
+                reply = replies.get(timeout=deadline_s)
             except (OSError, queue.Empty):
                 reply = None
             if reply is None:  # past the hard deadline, or the helper died (e.g. out of memory): restart next time
