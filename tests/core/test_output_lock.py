@@ -116,9 +116,8 @@ def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
 @pytest.mark.serial
 def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
     result = run_two_ranks(Path(__file__).parents[1] / "scripts" / "output_lock_ddp.py", tmp_path / "run")
-    # raw_decode: print() writes text and newline separately, so the other rank's output may follow on the same line
-    reports = [json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
-               for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    # print() writes text and newline separately, so one rank's report can land right after the other's on one line
+    reports = [json.JSONDecoder().raw_decode(chunk)[0] for chunk in result.stdout.split("REPORT ")[1:]]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     main = next(r for r in reports if r["rank"] == 0)
     for report in reports:  # during training both ranks see one lock, the main process's
