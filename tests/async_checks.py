@@ -67,3 +67,18 @@ def check_row(row: dict, used: dict[int, torch.Tensor], engine_rows: dict[tuple,
         checked += len(positions)
         mismatched += best
     return found, checked, mismatched
+
+
+def recording_trainer(base: type, forwards: list) -> type:
+    """``base`` (an async trainer class) whose every training forward appends ``(packed row, experts used)`` to
+    ``forwards``, for :func:`check_row` against the engine's rows after training."""
+
+    class RecordingTrainer(base):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            row = packed_row(inputs)
+            with capture_used_experts(self.accelerator.unwrap_model(model)) as used:
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            forwards.append((row, used))
+            return loss
+
+    return RecordingTrainer

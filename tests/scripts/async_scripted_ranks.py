@@ -29,7 +29,7 @@ def main(out: str, checkpoint: str, *mode: str) -> None:
     from trl_moe_replay.parallel.sharded import full_tensor
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 
-    from tests.async_checks import capture_used_experts, check_row, packed_row
+    from tests.async_checks import check_row, recording_trainer
     from tests.async_grpo.test_async_grpo_trainer import BATCH, DATASET, STEPS, reward, script, settings
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -37,13 +37,7 @@ def main(out: str, checkpoint: str, *mode: str) -> None:
     samples, engine_rows = script(checkpoint, [0] * (2 * (STEPS + 1)))
     forwards = []
 
-    class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            row = packed_row(inputs)
-            with capture_used_experts(self.accelerator.unwrap_model(model)) as used:
-                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            forwards.append((row, used))
-            return loss
+    CheckedTrainer = recording_trainer(MoEReplayAsyncGRPOTrainer, forwards)
 
     extra = {}
     if mode == ("ep",):

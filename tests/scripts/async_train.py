@@ -121,7 +121,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     from trl_moe_replay.parallel.sharded import full_tensor
     from trl_moe_replay.testing.async_workers import NoOpWeightTransfer
 
-    from tests.async_checks import capture_used_experts, check_row, packed_row
+    from tests.async_checks import check_row, recording_trainer
 
     options = dict(item.split("=", 1) for item in overrides)
     fault = options.pop("fault", "none")
@@ -159,13 +159,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
 
     forwards = []  # (packed row, experts used) of this rank's training forwards, checked after training
 
-    class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            row = packed_row(inputs)
-            with capture_used_experts(self.accelerator.unwrap_model(model)) as used:
-                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            forwards.append((row, used))
-            return loss
+    CheckedTrainer = recording_trainer(MoEReplayAsyncGRPOTrainer, forwards)
 
     class Faults(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
