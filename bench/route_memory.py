@@ -4,20 +4,21 @@ The stand-in server (``trl_moe_replay.testing.fake_vllm.FakeVLLMServer``, in its
 count) answers TRL's ``VLLMClient.generate`` with ``--batch`` completions of ``--prompt + --completion`` tokens, each
 with a ``routed_experts`` payload of the 30B recipe's shape (Qwen3-30B-A3B: 48 MoE layers, top-8, 128 experts, uint8
 rows, i.e. 384 B per token, 512 B as base64). Its engine is synthetic (random routes, no model): only the bytes
-matter here. In a fresh process per variant, the client then does what rank 0 does with one batch:
-``install_routes_hook`` on the client, ``begin``/``generate``/``take`` and ``decode_routed_experts`` of every payload
-(kept, as the trainer keeps them until alignment).
+matter here. ``--world`` fresh processes (a gloo group when more than one) then do what the trainer's ranks do with
+one batch: rank 0 runs TRL's ``generate`` with the trainer's hook installed by a ``VLLMRouteSource``, and every rank
+takes its share with ``VLLMRouteSource.local_rows`` (the scatter, with several ranks).
 
-Printed per variant: decoded route bytes, peak extra memory (``ru_maxrss`` growth over the RSS right before the
-request; whole process, so it includes TRL's own parse of tokens and log-probs, which ``--no-routes`` shows alone),
-the ratio peak / decoded, and the wall time of generate + decode.
+Printed: decoded route bytes, rank 0's peak extra memory (``ru_maxrss`` growth over the RSS right before the request;
+whole process, so it includes TRL's own parse of tokens and log-probs, which ``--no-routes`` shows alone: the routes'
+share is the difference), the ratio peak / decoded, and the wall time of generate + taking the routes.
 
-The recipe (512 completions of up to 8.4K tokens, ~1.65 GB decoded) does not fit a shared 24 GiB machine with room
-to spare, so the default is an eighth of the batch (``--batch 64``); the ratio does not depend on the batch size (every
-buffer involved scales with it), so the full-size peak is the ratio times the full decoded size.
+The recipe (512 completions of up to 8.4K tokens, ~1.54 GiB decoded) does not fit a shared 24 GiB machine with room
+to spare, so the default is an eighth of the batch (``--batch 64``); every buffer involved scales with the batch, so
+the full-size peak is the ratio times the full decoded size (``--batch 128`` checks that the ratio is flat).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/route_memory.py               # 1/8 of the recipe
-    PYTHONPATH=$PWD .venv/bin/python bench/route_memory.py --batch 128   # 1/4
+    PYTHONPATH=$PWD .venv/bin/python bench/route_memory.py                # 1/8 of the recipe, one rank
+    PYTHONPATH=$PWD .venv/bin/python bench/route_memory.py --world 8      # rank 0 scattering to 7 others
+    PYTHONPATH=$PWD .venv/bin/python bench/route_memory.py --no-routes    # TRL's own cost alone
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -73,75 +75,46 @@ def rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _PrototypeHook:
-    """Not the package's hook: a sketch of the bounded one (``--prototype``). One parse of the body, each choice's
-    payload decoded as the choice is built, and TRL handed a replacement response without the payloads."""
+def client(args: argparse.Namespace, url: str, rank: int, init_file: str, result_queue) -> None:
+    """Rank ``rank`` of ``--world``: rank 0 talks to the server, as the trainer's main process does; every rank then
+    takes its share through ``VLLMRouteSource.local_rows`` (with several ranks, the scatter)."""
+    from types import SimpleNamespace
 
-    def __init__(self, vllm_client):
-        self.rows = None
-        vllm_client.session.hooks["response"].insert(0, self)
+    import torch
 
-    def start(self):
-        self.rows = []
-
-    def take(self):
-        rows, self.rows = self.rows, None
-        return rows
-
-    def __call__(self, response, *args, **kwargs):
-        import io
-        import json
-
-        import requests
-
-        from trl_moe_replay.routing.codec import decode_routed_experts
-
-        if self.rows is None or not response.request.path_url.endswith("/v1/completions"):
-            return None
-
-        def choice_hook(pairs):
-            obj = dict(pairs)
-            if "routed_experts" in obj and "index" in obj:
-                payload = obj.pop("routed_experts")
-                try:
-                    self.rows.append(decode_routed_experts(payload) if payload is not None else None)
-                except Exception:
-                    self.rows.append(payload)
-            return obj
-
-        body = json.loads(response.content, object_pairs_hook=choice_hook)
-        replacement = requests.Response()
-        replacement.raw = io.BytesIO(json.dumps(body).encode())
-        del body
-        for name in ("status_code", "headers", "url", "request", "reason", "elapsed", "encoding"):
-            setattr(replacement, name, getattr(response, name))
-        response._content = b""  # the sketch frees the body; the package would do this through the seam
-        return replacement
-
-
-def client(args: argparse.Namespace, url: str, result_queue) -> None:
-    from trl_moe_replay.rollouts.vllm_routes import install_routes_hook
-    from trl_moe_replay.routing.codec import decode_routed_experts
+    from trl_moe_replay.rollouts.vllm_routes import VLLMRouteSource
     from trl_moe_replay.upstream.trl_seam import http_vllm_client
 
-    vllm_client = http_vllm_client(url, connection_timeout=60)
-    hook = install_routes_hook(vllm_client) if not args.prototype else _PrototypeHook(vllm_client)
-    prompts = [[1 + (i % 500)] * args.prompt for i in range(args.batch)]
-    vllm_client.generate(prompts=prompts[:1], n=1, max_tokens=args.completion)  # warm: imports, pools
-    hook.start()
-    hook.take()
+    if args.world > 1:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                             world_size=args.world)
+    main_process = rank == 0
+    vllm_client = http_vllm_client(url, connection_timeout=60) if main_process else None
+    generation = SimpleNamespace(mode="server", generation_kwargs={}, vllm_client=vllm_client)
+    accelerator = SimpleNamespace(num_processes=args.world, is_main_process=main_process, device=torch.device("cpu"))
+    source = VLLMRouteSource(generation, accelerator, required=not args.no_routes)
+    per_rank = args.batch // args.world
+    prompts = [[1 + (i % 500)] * args.prompt for i in range(per_rank * args.world)]
+    if main_process:
+        vllm_client.generate(prompts=prompts[:1], n=1, max_tokens=args.completion)  # warm: imports, pools
+    if args.world > 1:
+        torch.distributed.barrier()
     before = rss()
     start = time.perf_counter()
-    hook.start()
-    out = vllm_client.generate(prompts=prompts, n=1, max_tokens=args.completion)
-    rows = hook.take()
-    decoded = [row if row is None or isinstance(row, np.ndarray) else decode_routed_experts(row) for row in rows]
+    source.begin_batch()
+    if main_process:
+        out = vllm_client.generate(prompts=prompts, n=1, max_tokens=args.completion)
+        assert len(out["completion_ids"]) == len(prompts)
+        del out
+    rows = source.local_rows(per_rank)
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    decoded_bytes = sum(0 if a is None else a.nbytes for a in decoded)
-    payload_chars = sum(0 if r is None else len(r) for r in rows)
-    assert len(out["completion_ids"]) == args.batch
-    result_queue.put((decoded_bytes, payload_chars, peak - before, elapsed))
+    assert all(row is None or isinstance(row, np.ndarray) for row in rows) and len(rows) == per_rank
+    if args.world > 1:
+        torch.distributed.destroy_process_group()
+    if main_process:
+        result_queue.put((source.take_received_bytes(), peak - before, elapsed))
+    del rows
 
 
 def main() -> None:
@@ -152,7 +125,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--prototype", action="store_true", help="a sketch of the bounded hook, not the package's")
+    parser.add_argument("--world", type=int, default=1, help="training processes (rank 0 scatters the shares)")
     parser.add_argument("--no-routes", action="store_true", help="server without routes: TRL's own cost alone")
     args = parser.parse_args()
 
@@ -161,13 +134,17 @@ def main() -> None:
     server = ctx.Process(target=serve, args=(args, url_queue, stop_event), daemon=True)
     server.start()
     url = url_queue.get(timeout=300)
+    init_file = tempfile.mktemp(prefix="route_memory_pg_")
     try:
-        worker = ctx.Process(target=client, args=(args, url, result_queue))
-        worker.start()
-        worker.join()
-        if worker.exitcode != 0:
-            sys.exit(f"client failed with exit code {worker.exitcode}")
-        decoded, chars, extra, elapsed = result_queue.get(timeout=10)
+        ranks = [ctx.Process(target=client, args=(args, url, rank, init_file, result_queue))
+                 for rank in range(args.world)]
+        for rank in ranks:
+            rank.start()
+        for rank in ranks:
+            rank.join()
+        if any(rank.exitcode != 0 for rank in ranks):
+            sys.exit(f"a rank failed: exit codes {[rank.exitcode for rank in ranks]}")
+        chars, extra, elapsed = result_queue.get(timeout=10)
     finally:
         stop_event.set()
         server.join(timeout=30)
@@ -175,16 +152,20 @@ def main() -> None:
     import requests
     import trl
 
+    from trl_moe_replay.routing.codec import engine_dtype
+
     mib = 2**20
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs; python {platform.python_version()}, "
           f"trl {trl.__version__}, requests {requests.__version__}, numpy {np.__version__}")
+    decoded = (args.prompt + args.completion - 1) * args.layers * args.top_k * args.batch // args.world * args.world
+    decoded = 0 if args.no_routes else decoded * np.dtype(engine_dtype(args.experts)).itemsize
     print(f"batch {args.batch} x ({args.prompt} + {args.completion}) tokens, {args.layers} layers, top-{args.top_k}, "
-          f"{args.experts} experts{' (no routes)' if args.no_routes else ''}{' (prototype hook)' if args.prototype else ''}")
-    print(f"decoded route bytes : {decoded / mib:9.1f} MiB  (base64 payloads {chars / mib:.1f} MiB)")
-    print(f"peak extra memory   : {extra / mib:9.1f} MiB")
+          f"{args.experts} experts, {args.world} rank(s){' (no routes)' if args.no_routes else ''}")
+    print(f"decoded route bytes : {decoded / mib:9.1f} MiB  (base64 received {chars / mib:.1f} MiB)")
+    print(f"rank 0 peak extra   : {extra / mib:9.1f} MiB")
     if decoded:
         print(f"peak / decoded      : {extra / decoded:9.2f}")
-    print(f"time                : {elapsed:9.2f} s  (generate + decode)")
+    print(f"time                : {elapsed:9.2f} s  (generate + take{' + scatter' if args.world > 1 else ''})")
 
 
 if __name__ == "__main__":

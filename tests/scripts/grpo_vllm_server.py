@@ -2,7 +2,7 @@
 
 Run by tests/rollouts/test_vllm_routes.py under `torchrun --nproc_per_node 2` (`accelerate launch --cpu --num_processes 2`
 starts a single process unless MPI is set up); `use_cpu=True` makes accelerate use gloo. Each rank prints one
-`REPORT {json}` line: what route payloads it received per generation batch (count, bytes, sha256), and on rank 0
+`REPORT {json}` line: what route rows it received per generation batch (count, bytes, sha256), and on rank 0
 what the server sent, cut into the two ranks' shares, plus the logged metrics.
 """
 
@@ -11,9 +11,11 @@ import json
 import os
 import tempfile
 
+import numpy as np
 from datasets import Dataset
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.routing.codec import decode_routed_experts
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
 
 
@@ -24,8 +26,19 @@ def reward_len(completions, **kwargs):
     return [-abs(6 - len(c)) for c in completions]
 
 
-def digest(payloads):
-    return [hashlib.sha256(json.dumps(payloads).encode()).hexdigest(), sum(len(p) for p in payloads if p)]
+def digest(rows):
+    """[sha256, bytes] of a share's route arrays (the server's base64 payloads decoded, as the main process decodes
+    them before the scatter)."""
+    sha, total = hashlib.sha256(), 0
+    for row in rows:
+        array = decode_routed_experts(row) if isinstance(row, str) else row
+        if array is None:
+            sha.update(b"none")
+            continue
+        sha.update(repr((array.dtype.str, array.shape)).encode())
+        sha.update(np.ascontiguousarray(array).tobytes())
+        total += array.nbytes
+    return [sha.hexdigest(), total]
 
 
 def main():

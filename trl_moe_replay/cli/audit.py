@@ -5,8 +5,8 @@ The engine is either
 - transformers ``generate`` in the engine's dtype (``bfloat16``, as inference engines run), recorded by
   :class:`~trl_moe_replay.rollouts.TransformersRolloutRecorder` exactly as the trainer records rollouts, or
 - a running vLLM server (``trl vllm-serve --model M --enable-return-routed-experts``), sampled through TRL's own
-  ``VLLMClient`` (with :class:`~trl_moe_replay.rollouts.CompletionRoutesHook` on its session, which keeps each
-  choice's ``routed_experts``), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
+  ``VLLMClient`` (with :class:`~trl_moe_replay.rollouts.route_stream.CompletionRoutesHook` on its session, which
+  takes each choice's ``routed_experts``, decoded), with ``logprobs=0`` as TRL's trainer asks: vLLM's ``processed_logprobs`` of the sampled
   tokens, i.e. ``log_softmax(logits / temperature)``.
 
 Either gives, per completion, the prompt and completion token ids, the sampled tokens' log-probabilities and the
@@ -54,7 +54,7 @@ from ..errors import TrlMoeReplayError
 from ..rollouts import TransformersRolloutRecorder
 from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
 from ..routing import RouterReplay, has_route
-from ..routing.codec import EngineTurn, decode_routed_experts
+from ..routing.codec import EngineTurn
 from ..routing.errors import RouteAlignmentError
 from ..upstream import pad
 
@@ -542,7 +542,7 @@ def _sample_with_vllm_server(
     prompt, and ``logprobs=0`` as TRL's trainer requests them: the sampled token's log-prob comes first in each
     position's list. No communicator is opened (no weight sync).
     """
-    from ..rollouts.vllm_routes import install_routes_hook
+    from ..rollouts.route_stream import install_routes_hook
     from ..upstream import http_vllm_client
 
     client = http_vllm_client(url)
@@ -583,12 +583,7 @@ def _sample_with_vllm_server(
     sampling_rows = [  # first entry of each position: the sampled token's (None where vLLM sent NaN)
         [math.nan if lp[0] is None else float(lp[0]) for lp in seq] for seq in output["logprobs"]
     ]
-    routes: list = []  # arrays, payloads as they came, None (EngineSamples.routes)
-    for payload in payloads:
-        try:
-            routes.append(None if payload is None else decode_routed_experts(payload))
-        except RouteAlignmentError:
-            routes.append(payload)  # as it came: the route intake reports it and falls back for this completion
+    routes: list = payloads  # decoded arrays, payloads that did not decode (the intake reports them), None
     if len(routes) != len(completions):
         raise ValueError(
             f"the vLLM server returned routed_experts for {len(routes)} of {len(completions)} completions"

@@ -5,13 +5,13 @@ layout in ``trl_moe_replay.routing.codec``). TRL 1.16 drops them on both paths; 
 least reach into TRL:
 
 * **Server mode** (``trl vllm-serve --model M --enable-return-routed-experts``). Only the main process talks to
-  the server. A ``requests`` response hook on the session of TRL's ``VLLMClient`` (:class:`CompletionRoutesHook`)
-  keeps each ``/v1/completions`` choice's ``routed_experts`` string while TRL's own ``generate`` runs unchanged.
-  TRL then broadcasts its token ids and log-probs to every rank as usual; the route payloads do not ride along.
-  :meth:`VLLMRouteSource.local_rows` scatters them instead: rank r receives only the base64 payloads of its own
-  samples (TRL's ``process_slice``), still encoded, and decodes them itself while aligning. Bytes moved per
-  generation batch: the payload bytes of the global batch once (each rank its own share), instead of world size
-  times that for a broadcast.
+  the server. A ``requests`` response hook on the session of TRL's ``VLLMClient``
+  (:class:`~.route_stream.CompletionRoutesHook`) takes each ``/v1/completions`` choice's ``routed_experts`` out of the
+  body as it arrives, decoded, while TRL's own ``generate`` parses the rest unchanged. TRL then broadcasts its token
+  ids and log-probs to every rank as usual; the routes do not ride along. :meth:`VLLMRouteSource.local_rows`
+  scatters them instead (:func:`scatter_rows`): rank r receives only the arrays of its own samples (TRL's
+  ``process_slice``). Bytes moved per generation batch: the decoded bytes of the global batch once (each rank its own
+  share), instead of world size times that for a broadcast.
 * **Colocate mode** (``vllm.LLM`` inside each training process). TRL builds its ``LLM`` from a subclass chosen at
   construction (:func:`llm_returning_routes`, installed through ``trl_moe_replay.upstream``) that adds
   ``enable_return_routed_experts=True`` and keeps the ``RequestOutput``s of its last ``generate``; their
@@ -21,7 +21,8 @@ least reach into TRL:
 A later tool turn asks the engine only for the positions its samples do not hold yet (vLLM's
 ``routed_experts_prompt_start``, one value per request): :meth:`VLLMRouteSource.request_prompt_start` takes the
 minimum over every rank whose samples share the request (all ranks in server mode, the tensor-parallel group in
-colocate mode). ``vllm/route_bytes`` logs the route bytes received per generation batch, summed over ranks.
+colocate mode). ``vllm/route_bytes`` logs the route bytes received from the engine per generation batch (server
+mode: the base64 characters of the main process's responses; colocate mode: route array bytes, summed over ranks).
 
 Missing routes are handled in two ways. If the very first generation batch carries no route at all, the engine is
 not set up for R3 (flag off, prefix caching off, a model vLLM does not capture): :class:`RoutesUnavailableError`
@@ -34,14 +35,18 @@ undecodable) is routed by the trainer's own router instead, with a warning; its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 from transformers.utils import logging
 
-from ..upstream import client_session
 from .route_intake import RoutesUnavailableError
+
+
+if TYPE_CHECKING:
+    from .route_stream import CompletionRoutesHook
 
 
 logger = logging.get_logger(__name__)
@@ -67,43 +72,6 @@ def server_command(model: str) -> str:
 
 
 # ----------------------------------------------------------------------------- server mode
-class CompletionRoutesHook:
-    """A ``requests`` response hook that keeps the ``routed_experts`` of every ``/v1/completions`` choice.
-
-    Installed once on the session of TRL's ``VLLMClient`` (main process); it records only between :meth:`start`
-    and :meth:`take`, i.e. around one ``VLLMClient.generate``, whose single response lists its choices in TRL's
-    completion order (prompt-major, ``n`` per prompt). Each entry is vLLM's base64 ``.npy`` string, or ``None``.
-    """
-
-    def __init__(self) -> None:
-        self._capturing: list[str | None] | None = None
-
-    def __call__(self, response, *args, **kwargs) -> None:
-        if self._capturing is None or not response.ok or response.request.method != "POST":
-            return None
-        if not response.request.path_url.split("?")[0].endswith("/v1/completions"):
-            return None
-        body = response.json()
-        if isinstance(body, dict):
-            self._capturing.extend(choice.get("routed_experts") for choice in body.get("choices", ()))
-        return None
-
-    def start(self) -> None:
-        self._capturing = []
-
-    def take(self) -> list[str | None] | None:
-        """The payloads captured since :meth:`start` (``None`` if not started), and stop capturing."""
-        captured, self._capturing = self._capturing, None
-        return captured
-
-
-def install_routes_hook(vllm_client: Any) -> CompletionRoutesHook:
-    """Add a :class:`CompletionRoutesHook` to the session of TRL's (already connected) ``VLLMClient``."""
-    hook = CompletionRoutesHook()
-    client_session(vllm_client).hooks["response"].append(hook)
-    return hook
-
-
 # ----------------------------------------------------------------------------- colocate mode
 def llm_returning_routes(llm_class: type) -> type:
     """A subclass of ``llm_class`` (vLLM's ``LLM``) built with ``enable_return_routed_experts=True`` that keeps the
@@ -129,7 +97,7 @@ def llm_returning_routes(llm_class: type) -> type:
 # ----------------------------------------------------------------------------- per-rank rows
 @dataclass
 class RouteTransfer:
-    """What this rank received for its last generation batch (server mode: over the wire, still base64)."""
+    """What this rank received for its last generation batch (its share of the rows)."""
 
     samples: int = 0
     payloads: int = 0  # samples that came with a payload
@@ -158,6 +126,8 @@ class VLLMRouteSource:
         if self.mode == "server":
             self.client = vllm_generation.vllm_client if accelerator.is_main_process else None
             if self.client is not None:
+                from .route_stream import install_routes_hook  # server mode only: needs requests, as TRL's client does
+
                 self._hook = install_routes_hook(self.client)
         elif self.mode != "colocate":
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
@@ -201,35 +171,37 @@ class VLLMRouteSource:
             payloads=len(payloads),
             payload_bytes=sum(len(row) if isinstance(row, str) else getattr(row, "nbytes", 0) for row in payloads),
         )
-        self.received_bytes += self.last_transfer.payload_bytes
+        if self.mode == "colocate":  # server mode counts the base64 the main process received (_server_rows)
+            self.received_bytes += self.last_transfer.payload_bytes
         return rows
 
     def take_received_bytes(self) -> int:
-        """This rank's route bytes received since the last call (server mode: base64 characters of its payloads;
-        colocate: bytes of its route arrays), and reset the count."""
+        """This rank's route bytes received from the engine since the last call (server mode: the base64 characters
+        of the main process's responses, 0 on the other ranks; colocate: bytes of its route arrays), and reset the
+        count."""
         received, self.received_bytes = self.received_bytes, 0
         return received
 
     def _server_rows(self, num_local: int) -> list[Any]:
         accelerator = self.accelerator
         world = accelerator.num_processes
-        shares: list[tuple[Any, str | None]] | None = None
+        shares: list[list[Any]] | None = None
+        error: str | None = None
         if accelerator.is_main_process:
             assert self._hook is not None  # server mode: installed on the main process
             payloads = self._hook.take()
+            self.received_bytes += self._hook.payload_chars  # what came from the engine, counted once (main)
             error = self._batch_error(payloads, num_local * world)
-            shares = [  # (payloads is None only with an error)
-                (None if error or payloads is None else payloads[rank * num_local : (rank + 1) * num_local], error)
-                for rank in range(world)
-            ]
+            if error is None:
+                assert payloads is not None
+                shares = [payloads[rank * num_local : (rank + 1) * num_local] for rank in range(world)]
+            del payloads  # the shares alone hold the rows: scatter_rows frees each as it packs it
         if world > 1:
             # Each rank gets its own share only: TRL's broadcast sends everything everywhere, routes are too big.
-            received: list[Any] = [None]
-            torch.distributed.scatter_object_list(received, shares, src=0)
-            rows, error = received[0]
+            rows, error = scatter_rows(shares, error, is_main=accelerator.is_main_process,
+                                       device=_collective_device(accelerator))
         else:
-            assert shares is not None  # one process: the main one
-            rows, error = shares[0]
+            rows = shares[0] if shares is not None else []
         if error:
             raise RoutesUnavailableError(error)
         if any(row is not None for row in rows):
@@ -286,3 +258,80 @@ def _prompt_start(generation_kwargs: dict | None) -> int:
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"generation_kwargs['routed_experts_prompt_start'] must be an int >= 0, got {start!r}")
     return start
+
+
+# ----------------------------------------------------------------------------- server mode: the scatter
+#: Each array's offset in a rank's flat buffer is a multiple of this, so every view of it is aligned.
+_ALIGN = 8
+
+
+def scatter_rows(shares: list[list[Any]] | None, error: str | None, *, is_main: bool,
+                 device: torch.device) -> tuple[list[Any], str | None]:
+    """Every rank's share of the main process's rows -> this rank's ``(rows, error)``; every rank calls it.
+
+    ``shares`` (main process only) holds rank r's rows at ``shares[r]``: decoded arrays, payload texts that did not
+    decode, ``None``. The arrays travel as one flat ``uint8`` tensor per rank (``torch.distributed.scatter``, padded
+    to the largest share), packed share by share while the arrays are dropped from ``shares``, so the main process
+    holds the batch about once (plus one share) instead of twice as pickling it would; their dtypes, shapes and
+    offsets, the other rows and ``error`` travel by ``scatter_object_list``. A rank's rows are read-only views of its
+    received buffer."""
+    world = torch.distributed.get_world_size()
+    layouts: list[Any] | None = None
+    if is_main:
+        if error is not None or shares is None:
+            layouts = [(error or "no routes", 0, [])] * world
+        else:
+            cut = [_layout(share) for share in shares]
+            size = max((end for _, end in cut), default=0)
+            layouts = [(None, size, entries) for entries, _ in cut]
+    received: list[Any] = [None]
+    torch.distributed.scatter_object_list(received, layouts, src=0)
+    error, size, entries = received[0]
+    if error is not None:
+        return [], error
+    out = torch.empty(size, dtype=torch.uint8, device=device)
+    flats: list[torch.Tensor] | None = None
+    if is_main:
+        assert shares is not None and layouts is not None
+        flats = [_packed(share, layout[2], size).to(device) for share, layout in zip(shares, layouts, strict=True)]
+    torch.distributed.scatter(out, flats, src=0)
+    del flats
+    buffer = out.cpu().numpy()
+    rows = [np.ndarray(entry[1], np.dtype(entry[0]), buffer, entry[2]) if isinstance(entry, tuple) else entry
+            for entry in entries]
+    for row in rows:
+        if isinstance(row, np.ndarray):
+            row.flags.writeable = False  # as decode_routed_experts returns them: the intake copies what it keeps
+    return rows, None
+
+
+def _layout(share: list[Any]) -> tuple[list[Any], int]:
+    """A share's entries for the receiver (``(dtype, shape, offset)`` per array, the row itself otherwise) and the
+    bytes its arrays take in the flat buffer."""
+    entries: list[Any] = []
+    offset = 0
+    for row in share:
+        if isinstance(row, np.ndarray):
+            entries.append((row.dtype.str, row.shape, offset))
+            offset = -(-(offset + row.nbytes) // _ALIGN) * _ALIGN
+        else:
+            entries.append(row)
+    return entries, offset
+
+
+def _packed(share: list[Any], entries: list[Any], size: int) -> torch.Tensor:
+    """The share's arrays copied into one flat buffer of ``size`` bytes, each array dropped from ``share`` once
+    copied (the rows' only other holder is the caller's list, already gone)."""
+    flat = np.zeros(size, np.uint8)
+    for i, entry in enumerate(entries):
+        if isinstance(entry, tuple):
+            row = np.ascontiguousarray(share[i])
+            flat[entry[2] : entry[2] + row.nbytes] = row.reshape(-1).view(np.uint8)
+            share[i] = None
+            del row
+    return torch.from_numpy(flat)
+
+
+def _collective_device(accelerator: Any) -> torch.device:
+    """Where tensors of a collective live: the CPU under gloo, the accelerator otherwise (NCCL needs CUDA)."""
+    return torch.device("cpu") if torch.distributed.get_backend() == "gloo" else accelerator.device

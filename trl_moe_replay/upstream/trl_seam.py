@@ -204,8 +204,10 @@ MINIRL_TRL_BRANCH = "vespo"
 # vllm_client_session: vLLM server mode, the routes in TRL's client responses (trl/generation/vllm_client.py).
 #    VLLMClient keeps its HTTP session in the public attribute `session` (a requests.Session) and posts every
 #    request through it; VLLMClient.generate sends one POST /v1/completions and reads "choices" in completion
-#    order. A requests response hook (a supported requests mechanism) sees each response. (Behaviour tested with the
-#    stand-in server: tests/rollouts/test_vllm_routes.py.)
+#    order, parsing the body with `response.json()` (TRL's `_post`). A requests response hook (a supported requests
+#    mechanism) sees each response before requests reads a non-streamed body, and may return a replacement response
+#    (rollouts/route_stream.py reads the body as a stream and hands TRL one without the route payloads). (Behaviour
+#    tested with the stand-in server: tests/rollouts/test_route_stream.py, tests/rollouts/test_vllm_routes.py.)
 # ---------------------------------------------------------------------------------------------------------------
 VLLM_CLIENT_SESSION = _trl_entry("vllm_client_session")
 
