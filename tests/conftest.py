@@ -23,15 +23,36 @@ transformers.logging.set_verbosity_error()
 torch.set_num_threads(min(2, SHARE))
 
 
-# ----------------------------------------------------------------------------- a real vLLM CPU server
-# One pair for the real-engine modules (tests/cross_cutting/test_vllm_engine.py, tests/cross_cutting/test_async_engine.py). Module-scoped: each
-# module starts its own server, as before (the async faults kill and restart theirs); a module with its own
-# ``checkpoint`` fixture (tests/async_grpo/test_async_grpo_trainer.py) overrides these.
 import pytest  # noqa: E402
 
 
+# ----------------------------------------------------------------------------- saved tiny checkpoints
+# Two variants, read-only for every test: ``checkpoint``, the default tiny Qwen3-MoE of tiny_moe_model (2 layers,
+# head_dim 16), for trainers and stand-in engines in this process; ``vllm_checkpoint``, the variant a real vLLM CPU
+# engine runs (its attention needs head_dim >= 32; 3 layers), for the real-engine modules. (A module may still
+# define its own ``checkpoint`` for something else, e.g. tests/checkpointing/test_checkpoint_files.py's trainer
+# checkpoint folder.)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> str:
+    """The default tiny Qwen3-MoE and tiny tokenizer, saved once per session."""
+    from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("ckpt")
+    tiny_moe_model("qwen3_moe").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- a real vLLM CPU server
+# One pair for the real-engine modules (tests/cross_cutting/test_vllm_engine.py,
+# tests/cross_cutting/test_async_engine.py). Module-scoped: each module starts its own server, as before (the async
+# faults kill and restart theirs).
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def vllm_checkpoint(tmp_path_factory) -> str:
     """The tiny Qwen3-MoE (and tokenizer) the real-engine tests serve: tests/scripts/vllm_train.py's."""
     import sys
     from pathlib import Path
@@ -43,9 +64,9 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """A real vLLM CPU server on ``checkpoint`` (tests/vllm_server.py); its URL, ``.pid``, ``.server.restart()``."""
+def server(vllm_checkpoint, tmp_path_factory):
+    """A real vLLM CPU server on ``vllm_checkpoint`` (tests/vllm_server.py); its URL, ``.pid``, ``.server.restart()``."""
     from tests.vllm_server import vllm_server
 
-    with vllm_server(checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
+    with vllm_server(vllm_checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
         yield url

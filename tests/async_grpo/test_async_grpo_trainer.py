@@ -35,7 +35,7 @@ from trl_moe_replay.core.output_lock import LOCK_NAME, OutputDirInUseError
 from trl_moe_replay.core.route_flow import ROUTE_ROWS, RouteBuffer
 from trl_moe_replay.routing.codec import EngineTurn
 from trl_moe_replay.routing.routes import RouteLayout, check_routes
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
+from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
 
 from tests.async_checks import capture_used_experts, check_row, packed_row
@@ -49,14 +49,6 @@ TRL_FLASH_ATTN = trl_packing._flash_attn  # TRL's FlashAttention-3 lookup, as im
 
 def reward(completions, **kwargs):
     return [0.0] * len(completions)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    tiny_moe_model("qwen3_moe").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def perturbed(model, seed):

@@ -25,7 +25,7 @@ from trl_moe_replay.core.precision import METRIC, UpdateProbe, attach_update_pro
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 
-from tests.async_grpo.test_async_grpo_trainer import DATASET as ASYNC_DATASET, checkpoint, script, settings  # noqa: F401 - checkpoint is a fixture
+from tests.async_grpo.test_async_grpo_trainer import DATASET as ASYNC_DATASET, script, settings
 
 
 LOGGER = "trl_moe_replay.core.precision"
@@ -84,7 +84,7 @@ def test_fp32_parameters_under_bf16_autocast_keep_their_updates_and_do_not_warn(
     assert not warnings_of(caplog)
 
 
-def test_the_async_trainer_measures_through_the_same_probe(tmp_path, checkpoint, caplog):  # noqa: F811
+def test_the_async_trainer_measures_through_the_same_probe(tmp_path, checkpoint, caplog):
     samples, _ = script(checkpoint, versions=[0, 0, 0, 0], routes=False)
     args = MoEReplayAsyncGRPOConfig(**settings(tmp_path, routing_replay="none", vllm_sync_check=False,
                                                learning_rate=1e-6, per_device_train_batch_size=4,

@@ -71,9 +71,9 @@ def steps(report):
     return [entry for entry in report["log_history"] if "loss" in entry]
 
 
-def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_path, server, checkpoint):
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint)
+def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_path, server, vllm_checkpoint):
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint)
     assert report["error"] is None
     logs = steps(report)
     assert len(logs) == 6 and report["weight_transfer"] == "ReloadWeightTransfer" and report["delivered"] == 7
@@ -99,11 +99,11 @@ def test_async_r3_replays_the_engine_routes_of_every_sample_across_versions(tmp_
     assert report["max_param_change"] > 1e-3
 
 
-def test_async_r3_under_trls_default_token_budget_replays_the_engine_routes(tmp_path, server, checkpoint):
+def test_async_r3_under_trls_default_token_budget_replays_the_engine_routes(tmp_path, server, vllm_checkpoint):
     """TRL's default packing: ``token_budget`` unset is the server's max_model_len (512 here), so TRL's
     TokenBudgetBatcher packs whole queues of samples into one row; every position still routes as the engine did."""
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "token_budget=none", "max_steps=3")
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "token_budget=none", "max_steps=3")
     assert report["error"] is None, report["error"]
     logs = steps(report)
     assert len(logs) == 3
@@ -112,10 +112,10 @@ def test_async_r3_under_trls_default_token_budget_replays_the_engine_routes(tmp_
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
 
 
-def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, checkpoint):
+def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, vllm_checkpoint):
     """Negative control: the same token-by-token check, routes carried but not replayed."""
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "routing_replay=none", "routing_metrics=true", "max_steps=3")
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "routing_replay=none", "routing_metrics=true", "max_steps=3")
     assert report["error"] is None
     assert all(found == 6 for found, _, _ in report["checks"])
     # the stale engines routed otherwise: every sample of steps 2 and 3 is a sync old (see STALE_MISMATCH_FLOOR),
@@ -123,12 +123,12 @@ def test_without_replay_the_same_check_finds_the_mismatches(tmp_path, server, ch
     assert sum(mismatched for _, _, mismatched in report["checks"][1:]) > 50
 
 
-def test_lora_async_r3_replays_the_engine_routes_after_merged_reloads(tmp_path, server, checkpoint):
+def test_lora_async_r3_replays_the_engine_routes_after_merged_reloads(tmp_path, server, vllm_checkpoint):
     """A PEFT LoRA policy (attention, the router, the fused experts): TRL merges the adapter for each sync and
     ReloadWeightTransfer writes the merged weights under the base checkpoint's names for the server to reload; every
     trained position still routes as the engine did."""
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "lora=true", "max_steps=3")
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "lora=true", "max_steps=3")
     assert report["error"] is None, report["error"]
     logs = steps(report)
     assert len(logs) == 3 and report["peft"] == "PeftModel" and report["delivered"] >= 3
@@ -140,23 +140,23 @@ def test_lora_async_r3_replays_the_engine_routes_after_merged_reloads(tmp_path, 
     assert report["lora_b_change"] > 1e-3  # lora_B starts at zero: later reloads carried W + BA
 
 
-def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "fault=kill_worker", "max_steps=20")
+def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, server, vllm_checkpoint):
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "fault=kill_worker", "max_steps=20")
     assert report["error"]["type"] == "RolloutWorkerDiedError", report["error"]
     assert "exited with code -9" in report["error"]["message"]
     assert all(mismatched == 0 for _, _, mismatched in report["checks"])  # what trained before was aligned
 
 
 def test_multi_turn_tool_rollouts_replay_each_position_from_the_first_turn_that_forwarded_it(tmp_path, server,
-                                                                                               checkpoint):
+                                                                                               vllm_checkpoint):
     """TRL's tool loop through the async path, 8 turns: vLLM writes 7 calculator calls (a regex keeps the format, the
     engine picks the tokens), the tool answers each, vLLM answers after the last result. TRL chains the turns into
     one row; the check compares every trained position with the row of the first turn that forwarded it. Each later
     turn asks the engine only for the positions the conversation does not hold yet, so a sample receives one engine
     row per position (asking for the whole prefix at every turn would be about 8 / 2 = 4 times that)."""
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "tools=true", "turns=8", "max_steps=3")
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "tools=true", "turns=8", "max_steps=3")
     assert report["error"] is None, report["error"]
     logs = steps(report)
     assert len(logs) == 3 and all(entry["tools/call_frequency"] > 0 for entry in logs)
@@ -173,14 +173,15 @@ def test_multi_turn_tool_rollouts_replay_each_position_from_the_first_turn_that_
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
 
 
-def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
+def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, vllm_checkpoint):
     """The server crashes after the second sync and comes back on the same port from its checkpoint (what a
     supervisor does). The worker's requests wait for it and go on; the next sync finds the engine's weights changed
     behind the trainer's back and stops the run: the samples the new server produced carry a policy version whose
     weights it does not have. Nothing trained before that was misaligned."""
-    reload_weights(server, checkpoint)
+    reload_weights(server, vllm_checkpoint)
     # the worker retries long enough for the restart (TRL's own count, ~20 min at most)
-    run, out = start(tmp_path, server, checkpoint, "fault=restart_server", "max_steps=20", "vllm_request_attempts=none")
+    run, out = start(tmp_path, server, vllm_checkpoint, "fault=restart_server", "max_steps=20",
+                     "vllm_request_attempts=none")
     paused = Path(f"{out}.paused")
     deadline = time.monotonic() + RUN_TIMEOUT
     while not paused.exists():
@@ -199,7 +200,7 @@ def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, ch
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "ep"])
-def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(tmp_path, server, checkpoint,
+def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(tmp_path, server, vllm_checkpoint,
                                                                                parallel):
     """Two CPU training processes (torchrun, gloo): rank 0 runs the rollout worker and packs each micro-batch into two
     rows; TRL's dispatcher sends row 1 to rank 1, whose routes cross the process boundary as ``replay_routes`` and are
@@ -209,9 +210,9 @@ def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(
     Not compared with a single-process run: TRL's rollout worker samples unseeded and on its own clock (see above), so
     two runs train on different completions; the ranks' weights are compared with each other (DDP), and the weights
     equal one process's on the same scripted samples in tests/async_grpo/test_async_grpo_trainer.py."""
-    reload_weights(server, checkpoint)
+    reload_weights(server, vllm_checkpoint)
     out = tmp_path / "report.json"
-    run_two_ranks(SCRIPT, out, server, checkpoint, "max_steps=3", f"ep={str(parallel == 'ep').lower()}")
+    run_two_ranks(SCRIPT, out, server, vllm_checkpoint, "max_steps=3", f"ep={str(parallel == 'ep').lower()}")
     ranks = [json.loads(out.read_text()), json.loads(out.with_suffix(".rank1.json").read_text())]
     assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
     for report in ranks:
@@ -231,10 +232,10 @@ def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(
     assert ranks[0]["final_params"] == ranks[1]["final_params"]  # one model, trained on both ranks' rows
 
 
-def test_a_dead_server_ends_the_run_with_a_clear_error(tmp_path, server, checkpoint):
+def test_a_dead_server_ends_the_run_with_a_clear_error(tmp_path, server, vllm_checkpoint):
     """Last in the module: it kills the module's server for good."""
-    reload_weights(server, checkpoint)
-    report = train(tmp_path, server, checkpoint, "fault=kill_server", f"server_pid={server.pid}", "max_steps=20")
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "fault=kill_server", f"server_pid={server.pid}", "max_steps=20")
     assert report["error"] is not None
     assert report["error"]["type"] in ("VLLMServerUnavailableError", "RuntimeError"), report["error"]
     text = report["error"]["message"] + str(report["error"]["cause"])

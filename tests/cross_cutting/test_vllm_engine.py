@@ -97,25 +97,25 @@ def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
 
 
 @pytest.mark.oldest_end
-def test_server_r3_trains_on_the_real_server(tmp_path, server, checkpoint):
-    reload_weights(server, checkpoint)
-    report, _ = train(tmp_path, "server", server, checkpoint)
+def test_server_r3_trains_on_the_real_server(tmp_path, server, vllm_checkpoint):
+    reload_weights(server, vllm_checkpoint)
+    report, _ = train(tmp_path, "server", server, vllm_checkpoint)
     assert report["weight_sync"] == "ReloadWeightSync"
     assert_r3_verified(report)
 
 
 def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sample_holds(tmp_path, server,
-                                                                                            checkpoint):
+                                                                                            vllm_checkpoint):
     """Issue 45: on 2 training processes one request carries both ranks' samples, and an 8-turn tool conversation
     receives about one engine row per position (the start is the minimum over both ranks' held prefixes), not the
     whole prefix again at every turn (~turns / 2 rows per position). Every position still replays the engine's
     route (the check of vllm_train.py), and vllm/route_bytes is logged."""
-    reload_weights(server, checkpoint)
+    reload_weights(server, vllm_checkpoint)
     out = tmp_path / "report.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(SCRIPT), str(out), "server", server, checkpoint, "tools=true", "turns=8", "max_steps=2",
-                          "beta=0.0"], env=env, capture_output=True, text=True, timeout=1800)
+                          str(SCRIPT), str(out), "server", server, vllm_checkpoint, "tools=true", "turns=8",
+                          "max_steps=2", "beta=0.0"], env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-5000:]
     for rank in (0, 1):
         report = json.loads(Path(f"{out}.rank{rank}").read_text())
@@ -131,8 +131,8 @@ def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sa
 
 
 @pytest.mark.oldest_end
-def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, server, checkpoint):
-    reload_weights(server, checkpoint)
+def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, server, vllm_checkpoint):
+    reload_weights(server, vllm_checkpoint)
     other = tmp_path / "other"  # same weights' shapes, another top-k: not one route fits
     sys.path.insert(0, str(SCRIPT.parent))
     from vllm_train import FAMILIES
@@ -147,12 +147,12 @@ def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, se
 
 
 @pytest.mark.oldest_end
-def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, server, checkpoint):
+def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, server, vllm_checkpoint):
     """The fuzz of tests/cross_cutting/test_fail_safe.py on the real server's payloads: random corruptions of bytes,
     dtypes, shapes and ids in half the samples; no run ends, and routing/fallback_frac is exactly their share (one
     position for a never-written route, the whole sample for the others)."""
-    reload_weights(server, checkpoint)
-    report, _ = train(tmp_path, "server", server, checkpoint, "fuzz=5", "beta=0.0", "max_steps=4")
+    reload_weights(server, vllm_checkpoint)
+    report, _ = train(tmp_path, "server", server, vllm_checkpoint, "fuzz=5", "beta=0.0", "max_steps=4")
     logs, corrupted = steps(report), report["corrupted"]
     assert len(logs) == 4 and len(report["batches"]) == 4 and len(corrupted) >= 4
     for call, (entry, batch) in enumerate(zip(logs, report["batches"], strict=True)):
@@ -166,11 +166,11 @@ def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, 
 
 
 @pytest.mark.oldest_end
-def test_audit_of_the_real_server(server, checkpoint):
-    reload_weights(server, checkpoint)
+def test_audit_of_the_real_server(server, vllm_checkpoint):
+    reload_weights(server, vllm_checkpoint)
     from trl_moe_replay.cli.audit import run_audit
 
-    report = run_audit(checkpoint, vllm_server_url=server, num_prompts=4, num_generations=2, max_new_tokens=12)
+    report = run_audit(vllm_checkpoint, vllm_server_url=server, num_prompts=4, num_generations=2, max_new_tokens=12)
     none, r3 = report.row("none"), report.row("r3")
     assert report.routes_available and report.engine == "vllm" and report.engine_dtype == "bfloat16"
     assert r3.route_mismatch_frac == 0 and r3.fallback_frac == 0 and none.fallback_frac == 0
@@ -179,19 +179,19 @@ def test_audit_of_the_real_server(server, checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server_without_routes(checkpoint, tmp_path_factory):
+def server_without_routes(vllm_checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_no_routes") / "server.log"
-    with vllm_server(checkpoint, log, routes=False) as url:
+    with vllm_server(vllm_checkpoint, log, routes=False) as url:
         yield url
 
 
 @pytest.mark.oldest_end
 def test_a_server_without_the_flag_stops_r3_with_the_command_and_r2_trains(tmp_path, server_without_routes,
-                                                                           checkpoint):
-    report, run = train(tmp_path, "server", server_without_routes, checkpoint, check=False)
+                                                                           vllm_checkpoint):
+    report, run = train(tmp_path, "server", server_without_routes, vllm_checkpoint, check=False)
     assert run.returncode != 0 and report is None
     assert "RoutesUnavailableError" in run.stderr and "--enable-return-routed-experts" in run.stderr
-    report, _ = train(tmp_path, "server", server_without_routes, checkpoint, "routing_replay=r2", "max_steps=2",
+    report, _ = train(tmp_path, "server", server_without_routes, vllm_checkpoint, "routing_replay=r2", "max_steps=2",
                       "num_iterations=2", "beta=0.0")
     logs = steps(report)
     assert len(logs) == 2 and not any(name.startswith("routing/") for entry in logs for name in entry)
@@ -213,17 +213,17 @@ def test_lora_colocate_r3_replays_the_engine_routes_after_merged_syncs(tmp_path)
     assert_lora_trained(report)
 
 
-def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, server, checkpoint):
-    reload_weights(server, checkpoint)
-    report, _ = train(tmp_path, "server", server, checkpoint, "lora=true")
+def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, server, vllm_checkpoint):
+    reload_weights(server, vllm_checkpoint)
+    report, _ = train(tmp_path, "server", server, vllm_checkpoint, "lora=true")
     assert_r3_verified(report)
     assert_lora_trained(report)
     # the negative control: the same run under "none" (routes kept for the metrics only) scores some positions with
     # experts other than the engine's, which the hook check counts instead of failing on. Most are in the reference
     # forward (the adapter disabled: the base router, where the engine routed with W + BA); the old-logprob pass
     # differs only at bf16/fp32 near-ties, which a 2-step run may not hit (routing/mismatch_frac can read 0)
-    reload_weights(server, checkpoint)
-    control, _ = train(tmp_path, "server", server, checkpoint, "lora=true", "routing_replay=none",
+    reload_weights(server, vllm_checkpoint)
+    control, _ = train(tmp_path, "server", server, vllm_checkpoint, "lora=true", "routing_replay=none",
                        "routing_metrics=true", "vllm_weight_sync=reload", "count_mismatches=true", "max_steps=2")
     assert_lora_trained(control)
     assert control["checked_positions"] > 50 * 2 and control["mismatched_positions"] > 0

@@ -202,6 +202,17 @@ def test_capture_stores_the_ids_actually_used_and_their_probabilities():
     torch.testing.assert_close(replayed.probs[:, :, layer].reshape(-1, rr.top_k), expected.half())
 
 
+def test_capture_above_256_experts_holds_int16_ids_with_minus_one_in_dense_layers():
+    model = tiny_moe_model("glm4_moe", n_routed_experts=300).eval()  # layer 0 is dense
+    rr = RouterReplay(model)
+    probes = RouterProbes(rr)
+    with torch.no_grad(), rr.record() as rec, probes.capture(2, 5) as cap:
+        model(input_ids=random_ids(2, 5))
+    assert cap.ids.dtype == torch.int16 == rec.routes.dtype  # one byte no longer holds every id
+    assert (cap.ids[:, :, 0] == -1).all() and (cap.ids[:, :, 1] >= 0).all()
+    assert torch.equal(cap.ids, rec.routes)
+
+
 def test_reading_at_old_ids_gives_gamma_one_at_the_same_weights_and_skips_dense_layers():
     torch.manual_seed(0)
     model = tiny_moe_model("glm4_moe").eval()  # layer 0 is dense

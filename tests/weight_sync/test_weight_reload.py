@@ -21,7 +21,7 @@ from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayAsyncGRPOTrainer
 from trl_moe_replay.async_grpo.async_grpo_trainer import cpu_tree_attention
 from trl_moe_replay.core import routing_options
 from trl_moe_replay.core.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplayMode
-from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, tiny_tokenizer, trl_vllm_transport_stub
+from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model, trl_vllm_transport_stub
 from trl_moe_replay.testing.async_workers import ScriptedRolloutWorker
 from trl_moe_replay.weight_sync import sync_check, weight_reload
 from trl_moe_replay.weight_sync.sync_check import (
@@ -72,14 +72,6 @@ class ReloadingServer(FakeVLLMServer):
             entries = [None] + [{str(t): {"logprob": v}} for t, v in zip(probe[1:], logprobs, strict=True)]
             return 200, {"choices": [{"index": 0, "text": "", "prompt_logprobs": entries}]}
         return super().handle(method, path, body)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    tiny_moe_model("qwen3_moe").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def sync_trainer(tmp_path, server, checkpoint):

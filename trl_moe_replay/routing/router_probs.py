@@ -5,8 +5,9 @@ router's logits and the ids the block actually used (the replayed ids under R2/R
 router's natural ones otherwise). Two contexts, one active at a time:
 
 * ``with probes.capture(batch, seq) as cap:`` around one forward (the old-logprob pass, chunk by chunk) stores the
-  ids actually used and the router probabilities there: ``cap.ids`` int16 and ``cap.probs`` float16, both
-  ``[B, S, num_layers, top_k]`` on the CPU (dense layers: id ``-1``, probability 0).
+  ids actually used and the router probabilities there: ``cap.ids`` in the routes' compact dtype (``route_dtype``:
+  ``uint8`` up to 255 experts, or 256 with ``top_k >= 2``, else ``int16``) and ``cap.probs`` float16, both
+  ``[B, S, num_layers, top_k]`` on the CPU (dense layers: no route, probability 0).
 * ``with probes.at(ids) as reading:`` around one forward (a training forward) reads the current router's
   probabilities at the given ids: ``reading.probs`` float32 ``[B, S, num_layers, top_k]`` (0 where ``ids < 0``).
 
