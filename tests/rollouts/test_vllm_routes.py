@@ -168,6 +168,27 @@ def test_server_mode_replays_the_routes_the_server_sent(tmp_path, model_kwargs, 
         assert fallback == [0.0, 0.0]
 
 
+def test_a_user_start_at_or_past_a_prompts_length_is_sent_below_the_shortest_prompt(tmp_path, caplog):
+    """vLLM's engine dies on a routed_experts_prompt_start at or past a prompt's length (vLLM CPU 0.28's scheduler
+    asserts; the stand-in answers 500 as that server does): each request asks from one position before the end of its
+    shortest prompt instead, with one warning, and the routes still land where the engine's rows say."""
+    server = FakeVLLMServer(tiny_moe_model("qwen3_moe"))
+    with server, trl_vllm_transport_stub(server):
+        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
+                               vllm_server_base_url=server.url, generation_kwargs={"routed_experts_prompt_start": 1000})
+        with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.grpo_trainer"):
+            trainer.train()
+    starts = [batch.request["routed_experts_prompt_start"] for batch in server.batches]
+    assert starts == [min(map(len, batch.request["prompt"])) - 1 for batch in server.batches] and len(starts) == 2
+    assert sum("at or past the length of some prompts" in record.message for record in caplog.records) == 1
+    for batch, served, start in zip(trainer.batches, server.batches, starts, strict=True):
+        rows = [npy_b64decode(payload) for payload in served.payloads]
+        torch.testing.assert_close(as_signed(batch["replay_routes"]),
+                                   expected_routes(batch, rows, [start] * len(rows), trainer._route_replay.moe_layers),
+                                   rtol=0, atol=0)
+    assert logged(trainer, "routing/mismatch_frac") == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("routes_field", [True, False], ids=["flag-off-null", "no-such-field"])
 def test_server_without_routes_fails_at_the_first_batch_with_the_command(tmp_path, routes_field):
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False, routes_field=routes_field)
@@ -395,14 +416,16 @@ def test_server_mode_asks_for_what_every_rank_holds(monkeypatch):
 
     monkeypatch.setattr(vllm_routes, "gather_object", gather_object)
     source = route_source("server", processes=4)
-    assert source.request_prompt_start(31) == 25 and gathered == [[31]]
-    assert source.request_prompt_start(None) == 25  # no samples here: the others decide
-    assert source.request_prompt_start(7) == 7
+    assert source.request_prompt_start(31, [40, 60]) == 25 and gathered == [[31]]
+    assert source.request_prompt_start(None, []) == 25  # no samples here: the others decide
+    assert source.request_prompt_start(7, [8]) == 7
+    assert source.request_prompt_start(31, [40, 20]) == 19 and gathered[-1] == [19]  # below this rank's shortest
+    assert source.request_prompt_start(None, [12]) == 11 and gathered[-1] == [11]  # an unmatched prompt bounds it
 
 
 def test_server_mode_with_no_rank_holding_anything_asks_for_everything(monkeypatch):
     monkeypatch.setattr(vllm_routes, "gather_object", lambda values: [None, *values])
-    assert route_source("server", processes=2).request_prompt_start(None) == 0
+    assert route_source("server", processes=2).request_prompt_start(None, []) == 0
 
 
 def test_one_process_and_colocate_without_tp_use_their_own_held_positions_with_no_collective(monkeypatch):
@@ -412,7 +435,8 @@ def test_one_process_and_colocate_without_tp_use_their_own_held_positions_with_n
     monkeypatch.setattr(vllm_routes, "gather_object", no_collective)
     monkeypatch.setattr(torch.distributed, "all_gather_object", no_collective)
     for source in (route_source("server"), route_source("colocate", processes=8)):
-        assert source.request_prompt_start(12) == 12 and source.request_prompt_start(None) == 0
+        assert source.request_prompt_start(12, [30]) == 12 and source.request_prompt_start(None, []) == 0
+        assert source.request_prompt_start(12, [9, 30]) == 8
 
 
 def test_colocate_with_tensor_parallelism_takes_the_minimum_within_the_tp_group(monkeypatch):
@@ -425,6 +449,6 @@ def test_colocate_with_tensor_parallelism_takes_the_minimum_within_the_tp_group(
     monkeypatch.setattr(vllm_routes, "gather_object", lambda values: pytest.fail("not the global gather"))
     monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
     source = route_source("colocate", processes=6, tp_size=3)
-    assert source.request_prompt_start(30) == 18 and source.request_prompt_start(9) == 9
-    assert source.request_prompt_start(None) == 18
+    assert source.request_prompt_start(30, [31]) == 18 and source.request_prompt_start(9, [31]) == 9
+    assert source.request_prompt_start(None, []) == 18
     assert calls == ["tp-group"] * 3  # within the group that shares one engine, never across groups

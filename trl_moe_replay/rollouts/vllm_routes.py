@@ -34,6 +34,7 @@ undecodable) is routed by the trainer's own router instead, with a warning; its 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -132,15 +133,21 @@ class VLLMRouteSource:
         elif self.mode != "colocate":
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.mode!r}")
 
-    def request_prompt_start(self, local_held: int | None) -> int:
-        """vLLM's ``routed_experts_prompt_start`` for a later tool turn's request: the positions that every sample
-        in the request already holds routes for, so the engine returns only the rest.
+    def request_prompt_start(self, local_held: int | None, prompt_lengths: Sequence[int]) -> int:
+        """vLLM's ``routed_experts_prompt_start`` for a request: the positions that every sample in the request
+        already holds routes for, so the engine returns only the rest.
 
-        ``local_held`` is this rank's :meth:`~.turns.RolloutTurns.held_positions` (``None``: no sample of this rank
-        continues into the request, so it sets no bound). One request serves the samples of several ranks in server
-        mode (TRL's main process sends every rank's prompts) and of a tensor-parallel group in colocate mode, and it
-        carries one value: the minimum over those ranks, gathered where TRL gathers the prompts (a collective
-        exactly where TRL's own ``generate`` is one). Every rank returns the same value, the one sent."""
+        ``local_held`` is this rank's :meth:`~.turns.RolloutTurns.held_positions` on a later tool turn, or the
+        user's ``generation_kwargs`` start on a first turn (``None``: no sample of this rank continues into the
+        request, so it sets no bound). ``prompt_lengths`` are this rank's prompts in the request: the start stays
+        below the shortest, as vLLM's engine dies on a start at or past a prompt's length (0.28's scheduler asserts
+        it). One request serves the samples of several ranks in server mode (TRL's main process sends every rank's
+        prompts) and of a tensor-parallel group in colocate mode, and it carries one value: the minimum over those
+        ranks, gathered where TRL gathers the prompts (a collective exactly where TRL's own ``generate`` is one).
+        Every rank returns the same value, the one sent."""
+        if prompt_lengths:
+            below_every_prompt = max(min(prompt_lengths) - 1, 0)
+            local_held = below_every_prompt if local_held is None else min(local_held, below_every_prompt)
         if self.mode == "server" and self.accelerator.num_processes > 1:
             held = gather_object([local_held])
         elif self.mode == "colocate" and self._generation.tensor_parallel_size > 1:

@@ -280,8 +280,11 @@ class FakeVLLMServer:
             return 200, self._prompt_logprobs(prompts, bool(request.get("return_tokens_as_token_ids")))
         n = int(request.get("n", 1))
         start = int(request.get("routed_experts_prompt_start", 0))
-        if not all(0 <= start <= len(p) for p in prompts):  # vLLM's input processor rejects it the same way
-            return 400, {"error": {"message": f"routed_experts_prompt_start={start} outside [0, prompt length]"}}
+        if start < 0:  # vLLM's request validation (ge=0)
+            return 400, {"error": {"message": f"routed_experts_prompt_start={start} must be >= 0"}}
+        if not all(start < len(p) for p in prompts):  # vLLM CPU 0.28's scheduler asserts it; its engine dies
+            return 500, {"error": {"message": f"routed_experts_prompt_start={start} not below every prompt's "
+                                              "length: EngineCore encountered an issue"}}
         grouped = self.engine.generate(
             prompts, n=n, temperature=float(request.get("temperature", 1.0)),
             max_tokens=int(request.get("max_tokens", 16)), top_p=float(request.get("top_p", 1.0)),

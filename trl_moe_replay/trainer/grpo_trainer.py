@@ -199,12 +199,19 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         samples = batch.turns.match(prompt_ids) if later_turn and batch.turns is not None else None
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
-            start = source.prompt_start
+            start, sent = source.prompt_start, later_turn or source.prompt_start > 0
             if later_turn:  # ask only for the positions every sample of the request does not hold yet
-                start = source.request_prompt_start(batch.turns.held_positions(samples) if batch.turns is not None
-                                                    else 0)
+                held = batch.turns.held_positions(samples) if batch.turns is not None else 0
+                start = source.request_prompt_start(held, [len(ids) for ids in prompt_ids])
+            elif sent:  # the user's start, kept below every prompt's length (vLLM's engine dies on more)
+                start = source.request_prompt_start(start, [len(ids) for ids in prompt_ids])
+                if start < source.prompt_start:
+                    logger.warning_once(  # one message per run: the start sent varies with the prompts
+                        f"generation_kwargs['routed_experts_prompt_start']={source.prompt_start} is at or past the "
+                        "length of some prompts: requests with such a prompt ask from one position before the end of "
+                        "their shortest prompt instead (vLLM's engine stops on a start at or past a prompt's length)")
             source.begin_batch()
-            with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if later_turn else \
+            with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if sent else \
                     contextlib.nullcontext():
                 output = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
             rows = source.local_rows(len(prompt_ids))
