@@ -190,15 +190,21 @@ def main():
     trainer.oracle = RouteOracle(rr.num_layers, rr.top_k)
     fuzzer = None
     if fuzz_seed is not None:  # corrupt payloads as they arrive, before the trainer sees them
+        import numpy as np
+
+        from trl_moe_replay.routing.codec import encode_routed_experts
         from trl_moe_replay.testing import RouteFuzzer
 
         fuzzer = RouteFuzzer(int(fuzz_seed), num_experts=rr.num_experts, moe_layers=rr.moe_layers, rate=0.5)
         hook, calls = trainer._vllm_routes._hook, iter(range(1_000_000))
         take = hook.take
 
-        def take_corrupted():
+        def take_corrupted():  # the hook decodes as the body arrives: the fuzzer corrupts the payloads as sent
             payloads, call = take(), next(calls)
-            return None if payloads is None else [fuzzer(call, i, p) for i, p in enumerate(payloads)]
+            if payloads is None:
+                return None
+            sent = [encode_routed_experts(p) if isinstance(p, np.ndarray) else p for p in payloads]
+            return [fuzzer(call, i, p) for i, p in enumerate(sent)]
 
         hook.take = take_corrupted
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
