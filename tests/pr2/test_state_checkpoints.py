@@ -35,6 +35,8 @@ def killed_runs(root: Path, points: list[str]) -> dict[str, int]:
     assert result.returncode == 0, result.stderr[-3000:]
     statuses = dict(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT "))
     assert list(statuses) == points, result.stdout + result.stderr[-3000:]
+    # a run that was not killed must end cleanly: its traceback (the children share stderr) says why it did not
+    assert int(statuses.get("none", 0)) == 0, result.stderr[-6000:]
     return {point: int(status) for point, status in statuses.items()}
 
 

@@ -29,11 +29,16 @@ import secrets
 from typing import Any
 
 import numpy as np
-import requests
 
 from ..routing.codec import decode_routed_experts
 from ..routing.errors import RouteAlignmentError
 from ..upstream import client_session
+
+
+try:
+    from requests import Response
+except ImportError:  # a plain install (no vllm extra) lacks requests; this module is imported in server mode only
+    Response = object  # type: ignore[assignment,misc]
 
 
 ROUTES_KEY = "routed_experts"
@@ -203,12 +208,12 @@ class CompletionRoutesHook:
         return captured
 
 
-class RoutesTakenResponse(requests.Response):
+class RoutesTakenResponse(Response):
     """What the session hands TRL instead of vLLM's response: its status, headers and request, and its body without
     the route payloads. The first :meth:`json` (TRL's ``_post``) also gives the parsed body to ``on_parsed``, which
     matches the payloads taken to their choices."""
 
-    def __init__(self, original: requests.Response, body: bytes, on_parsed) -> None:
+    def __init__(self, original: Response, body: bytes, on_parsed) -> None:
         super().__init__()
         for name in ("status_code", "headers", "url", "encoding", "reason", "elapsed", "request", "history",
                      "cookies", "raw", "connection"):
