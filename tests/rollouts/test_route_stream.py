@@ -17,7 +17,7 @@ from trl_moe_replay.rollouts.route_stream import (
     RoutesTakenResponse,
     install_routes_hook,
 )
-from trl_moe_replay.rollouts.vllm_routes import scatter_rows
+from trl_moe_replay.rollouts.vllm_routes import cpu_group, scatter_rows
 from trl_moe_replay.routing.codec import encode_routed_experts
 from trl_moe_replay.testing import FakeVLLMServer, tiny_moe_model
 from trl_moe_replay.upstream import http_vllm_client
@@ -168,11 +168,38 @@ def test_scatter_rows_sends_arrays_of_any_dtype_and_the_other_rows_and_drops_wha
     odd = engine_arrays(7, layers=1, top_k=1)[0]  # 7 bytes: the next array starts aligned anyway
     share = [odd, None, "not base64!", wide, odd[::2]]  # a strided view too
     expected = [a.copy() if isinstance(a, np.ndarray) else a for a in share]
-    rows, error = scatter_rows([share], None, is_main=True, device=torch.device("cpu"))
+    rows, error = scatter_rows([share], None, is_main=True)
     assert error is None and len(rows) == 5 and rows[1] is None and rows[2] == "not base64!"
     for i in (0, 3, 4):
         assert rows[i].dtype == expected[i].dtype and np.array_equal(rows[i], expected[i])
         assert not rows[i].flags.writeable and rows[i].ctypes.data % 8 == 0
     assert share[0] is None and share[3] is None and share[4] is None  # the main process freed them as it packed
-    assert scatter_rows(None, "no routes for this batch", is_main=True, device=torch.device("cpu")) == (
-        [], "no routes for this batch")
+    assert scatter_rows(None, "no routes for this batch", is_main=True) == ([], "no routes for this batch")
+    assert scatter_rows([[None, "text"]], None, is_main=True) == ([None, "text"], None)  # no arrays: no scatter
+
+
+def test_a_share_the_main_process_cannot_pack_reaches_every_rank_as_its_error(one_process_group):
+    """Packing happens before the first collective, so a failure there (memory) is sent to every rank instead of
+    leaving the others waiting in the scatter."""
+
+    class Unreadable(np.ndarray):
+        @property
+        def nbytes(self):
+            raise MemoryError("no room for the flat buffer")
+
+    share = [np.zeros((2, 1, 1), np.uint8).view(Unreadable)]
+    rows, error = scatter_rows([share], None, is_main=True)
+    assert rows == [] and "could not pack the routes" in error and "MemoryError" in error
+
+
+def test_under_another_backend_the_rows_travel_over_a_gloo_group_of_their_own(one_process_group, monkeypatch):
+    """Under NCCL the scatter would stage every rank's buffer on the main process's GPU: the routes get a gloo
+    group (here the default backend is reported as NCCL; the group really is built and used)."""
+    assert cpu_group() is None  # gloo already: the default group
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+        group = cpu_group()
+    assert group is not None and torch.distributed.get_backend(group) == "gloo"
+    array = engine_arrays(3)[0]
+    rows, error = scatter_rows([[array]], None, is_main=True, group=group)
+    assert error is None and np.array_equal(rows[0], array)

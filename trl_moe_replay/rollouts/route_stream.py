@@ -156,7 +156,7 @@ def _decoded(text: bytes) -> np.ndarray | str:
         except ValueError:
             return text.decode("utf-8", "replace")
     else:
-        value = text.decode("ascii", "replace")
+        value = text.decode("utf-8", "replace")  # base64 is ASCII; anything else is reported as the server sent it
     try:
         return decode_routed_experts(value)
     except RouteAlignmentError:

@@ -10,8 +10,9 @@ least reach into TRL:
   body as it arrives, decoded, while TRL's own ``generate`` parses the rest unchanged. TRL then broadcasts its token
   ids and log-probs to every rank as usual; the routes do not ride along. :meth:`VLLMRouteSource.local_rows`
   scatters them instead (:func:`scatter_rows`): rank r receives only the arrays of its own samples (TRL's
-  ``process_slice``). Bytes moved per generation batch: the decoded bytes of the global batch once (each rank its own
-  share), instead of world size times that for a broadcast.
+  ``process_slice``), over a CPU (gloo) process group. Bytes moved per generation batch: about the decoded bytes of
+  the global batch once (each rank its own share, padded to the largest), instead of world size times that for a
+  broadcast.
 * **Colocate mode** (``vllm.LLM`` inside each training process). TRL builds its ``LLM`` from a subclass chosen at
   construction (:func:`llm_returning_routes`, installed through ``trl_moe_replay.upstream``) that adds
   ``enable_return_routed_experts=True`` and keeps the ``RequestOutput``s of its last ``generate``; their
@@ -124,6 +125,7 @@ class VLLMRouteSource:
         self.last_transfer = RouteTransfer()
         self.received_bytes = 0  # this rank's route bytes since take_received_bytes: vllm/route_bytes
         self._hook: CompletionRoutesHook | None = None
+        self._cpu_group: tuple[Any] | None = None  # (group,) once built: server mode's scatter (cpu_group)
         if self.mode == "server":
             self.client = vllm_generation.vllm_client if accelerator.is_main_process else None
             if self.client is not None:
@@ -205,8 +207,9 @@ class VLLMRouteSource:
             del payloads  # the shares alone hold the rows: scatter_rows frees each as it packs it
         if world > 1:
             # Each rank gets its own share only: TRL's broadcast sends everything everywhere, routes are too big.
-            rows, error = scatter_rows(shares, error, is_main=accelerator.is_main_process,
-                                       device=_collective_device(accelerator))
+            if self._cpu_group is None:  # built at the first batch: the first collective every rank reaches here
+                self._cpu_group = (cpu_group(),)
+            rows, error = scatter_rows(shares, error, is_main=accelerator.is_main_process, group=self._cpu_group[0])
         else:
             rows = shares[0] if shares is not None else []
         if error:
@@ -273,43 +276,57 @@ _ALIGN = 8
 
 
 def scatter_rows(shares: list[list[Any]] | None, error: str | None, *, is_main: bool,
-                 device: torch.device) -> tuple[list[Any], str | None]:
-    """Every rank's share of the main process's rows -> this rank's ``(rows, error)``; every rank calls it.
+                 group: Any = None) -> tuple[list[Any], str | None]:
+    """Every rank's share of the main process's rows -> this rank's ``(rows, error)``; every rank of ``group`` (a
+    CPU process group: :func:`cpu_group`) calls it, and the main process is its rank 0.
 
     ``shares`` (main process only) holds rank r's rows at ``shares[r]``: decoded arrays, payload texts that did not
-    decode, ``None``. The arrays travel as one flat ``uint8`` tensor per rank (``torch.distributed.scatter``, padded
-    to the largest share), packed share by share while the arrays are dropped from ``shares``, so the main process
-    holds the batch about once (plus one share) instead of twice as pickling it would; their dtypes, shapes and
-    offsets, the other rows and ``error`` travel by ``scatter_object_list``. A rank's rows are read-only views of its
-    received buffer."""
-    world = torch.distributed.get_world_size()
+    decode, ``None``. The arrays travel as one flat ``uint8`` CPU tensor per rank (``torch.distributed.scatter``,
+    each padded to the largest share), packed share by share while the arrays are dropped from ``shares``, so the
+    main process holds the batch about once (plus one share) instead of twice as pickling it would; their dtypes,
+    shapes and offsets, the other rows and ``error`` travel by ``scatter_object_list``. Everything the main process
+    can fail at (packing: memory) happens before the first collective, and its error reaches every rank through it,
+    so no rank is left waiting. A rank's rows are read-only views of its received buffer."""
+    world = torch.distributed.get_world_size(group)
     layouts: list[Any] | None = None
+    flats: list[torch.Tensor] | None = None
     if is_main:
+        if error is None and shares is not None:
+            try:
+                cut = [_layout(share) for share in shares]
+                size = max((end for _, end in cut), default=0)
+                flats = [_packed(share, entries, size) for share, (entries, _) in zip(shares, cut, strict=True)]
+                layouts = [(None, size, entries) for entries, _ in cut]
+            except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised there as one error
+                flats = None
+                error = f"the main process could not pack the routes for the other ranks ({type(exc).__name__}: {exc})"
         if error is not None or shares is None:
             layouts = [(error or "no routes", 0, [])] * world
-        else:
-            cut = [_layout(share) for share in shares]
-            size = max((end for _, end in cut), default=0)
-            layouts = [(None, size, entries) for entries, _ in cut]
     received: list[Any] = [None]
-    torch.distributed.scatter_object_list(received, layouts, src=0)
+    torch.distributed.scatter_object_list(received, layouts, src=0, group=group)
     error, size, entries = received[0]
     if error is not None:
         return [], error
-    out = torch.empty(size, dtype=torch.uint8, device=device)
-    flats: list[torch.Tensor] | None = None
-    if is_main:
-        assert shares is not None and layouts is not None
-        flats = [_packed(share, layout[2], size).to(device) for share, layout in zip(shares, layouts, strict=True)]
-    torch.distributed.scatter(out, flats, src=0)
+    out = torch.empty(size, dtype=torch.uint8)
+    if size:  # the same size on every rank: all scatter, or none does
+        torch.distributed.scatter(out, flats, src=0, group=group)
     del flats
-    buffer = out.cpu().numpy()
+    buffer = out.numpy()
     rows = [np.ndarray(entry[1], np.dtype(entry[0]), buffer, entry[2]) if isinstance(entry, tuple) else entry
             for entry in entries]
     for row in rows:
         if isinstance(row, np.ndarray):
             row.flags.writeable = False  # as decode_routed_experts returns them: the intake copies what it keeps
     return rows, None
+
+
+def cpu_group() -> Any:
+    """A process group over every rank whose collectives run on the CPU: the default one under gloo, else a gloo
+    group beside it (built once, by every rank). The routes are used on the CPU: under NCCL they would be staged on
+    the main process's GPU, world size x the largest share, while it trains."""
+    if torch.distributed.get_backend() == "gloo":
+        return None
+    return torch.distributed.new_group(backend="gloo")
 
 
 def _layout(share: list[Any]) -> tuple[list[Any], int]:
@@ -337,8 +354,3 @@ def _packed(share: list[Any], entries: list[Any], size: int) -> torch.Tensor:
             share[i] = None
             del row
     return torch.from_numpy(flat)
-
-
-def _collective_device(accelerator: Any) -> torch.device:
-    """Where tensors of a collective live: the CPU under gloo, the accelerator otherwise (NCCL needs CUDA)."""
-    return torch.device("cpu") if torch.distributed.get_backend() == "gloo" else accelerator.device
