@@ -26,6 +26,24 @@ torch.set_num_threads(min(2, SHARE))
 import pytest  # noqa: E402
 
 
+# ----------------------------------------------------------------------------- no launch variables left behind
+#: What a launcher sets. accelerate writes the first four into os.environ when it builds a CPU-distributed state,
+#: past any monkeypatch; left there, every later subprocess of the worker sees a distributed launch and opens a
+#: process group on MASTER_PORT, default 29500: the port of the serial tests' two-process launches running beside.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def no_launch_variables_left_behind():
+    saved = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 # ----------------------------------------------------------------------------- saved tiny checkpoints
 # Two variants, read-only for every test: ``checkpoint``, the default tiny Qwen3-MoE of tiny_moe_model (2 layers,
 # head_dim 16), for trainers and stand-in engines in this process; ``vllm_checkpoint``, the variant a real vLLM CPU
