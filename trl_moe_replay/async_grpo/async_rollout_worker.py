@@ -33,7 +33,7 @@ import numpy as np
 from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
-from ..routing.codec import EngineTurn, decode_routed_experts
+from ..routing.codec import EngineTurn, decoded_or_as_sent
 from ..upstream import async_worker_classes
 
 
@@ -100,12 +100,8 @@ def held_positions(prompt_ids: list[int], turns: list[_TurnRoutes]) -> int:
 
 
 def _decoded(payload: Any) -> Any:
-    if not isinstance(payload, str):
-        return payload
-    try:
-        return np.ascontiguousarray(decode_routed_experts(payload))  # own, writable copy: it is pickled to the parent
-    except Exception:  # noqa: BLE001 - malformed payloads are judged (and counted) by the trainer's RouteIntake
-        return payload
+    rows = decoded_or_as_sent(payload) if isinstance(payload, str) else payload
+    return np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows  # own copy: pickled to the parent
 
 
 def turns_for_row(input_ids: list[int], turns: list[_TurnRoutes]) -> tuple[list[EngineTurn], int]:

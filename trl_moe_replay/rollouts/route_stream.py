@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..routing.codec import decode_routed_experts
-from ..routing.errors import RouteAlignmentError
+from ..routing.codec import decoded_or_as_sent
 from ..upstream import client_session
 
 
@@ -43,10 +42,10 @@ except ImportError:  # a plain install (no vllm extra) lacks requests; this modu
 
 ROUTES_KEY = "routed_experts"
 #: A payload's key and the opening quote of its value (group 1: everything before that quote).
-_PAYLOAD_START = re.compile(rb'([{,][ \t\r\n]{0,16}"routed_experts"[ \t\r\n]{0,16}:[ \t\r\n]{0,16})"')
+_PAYLOAD_START = re.compile(rb'([{,][ \t\r\n]{0,16}"%s"[ \t\r\n]{0,16}:[ \t\r\n]{0,16})"' % ROUTES_KEY.encode())
 #: Bytes held back at a chunk's end: any start of a match that did not fit in the chunk (at most 66 bytes long).
 _TAIL = 80
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_BACKSLASH = ord("\\")
 
 
 class RoutesSplitter:
@@ -157,10 +156,7 @@ def _decoded(text: bytes) -> np.ndarray | str:
             return text.decode("utf-8", "replace")
     else:
         value = text.decode("utf-8", "replace")  # base64 is ASCII; anything else is reported as the server sent it
-    try:
-        return decode_routed_experts(value)
-    except RouteAlignmentError:
-        return value
+    return decoded_or_as_sent(value)
 
 
 class CompletionRoutesHook:

@@ -172,6 +172,15 @@ def decode_routed_experts(payload: str) -> np.ndarray:
     return array
 
 
+def decoded_or_as_sent(payload: str) -> np.ndarray | str:
+    """``payload`` decoded (:func:`decode_routed_experts`), or the payload itself where it does not decode: where
+    routes arrive nothing is judged; the route intake reports and counts a malformed payload for its sample."""
+    try:
+        return decode_routed_experts(payload)
+    except RouteAlignmentError:
+        return payload
+
+
 def _load_npy(raw: bytes) -> np.ndarray:
     fmt = np.lib.format
     stream = io.BytesIO(raw)

@@ -201,11 +201,10 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
             source = self._vllm_routes
             start, sent = source.prompt_start, later_turn or source.prompt_start > 0
             if later_turn:  # ask only for the positions every sample of the request does not hold yet
-                held = batch.turns.held_positions(samples) if batch.turns is not None else 0
-                start = source.request_prompt_start(held, [len(ids) for ids in prompt_ids])
-            elif sent:  # the user's start, kept below every prompt's length (vLLM's engine dies on more)
+                start = batch.turns.held_positions(samples) if batch.turns is not None else 0
+            if sent:  # one value for the request, below every prompt's length (vLLM's engine dies on more)
                 start = source.request_prompt_start(start, [len(ids) for ids in prompt_ids])
-                if start < source.prompt_start:
+                if not later_turn and start < source.prompt_start:
                     logger.warning_once(  # one message per run: the start sent varies with the prompts
                         f"generation_kwargs['routed_experts_prompt_start']={source.prompt_start} is at or past the "
                         "length of some prompts: requests with such a prompt ask from one position before the end of "
