@@ -197,17 +197,17 @@ class GRPOR3ScriptArguments(ScriptArguments):
 OFFLINE_DEFAULTS = dict(
     output_dir="runs/grpo_r3_tiny",
     routing_replay="r3",
-    max_steps=200,
-    learning_rate=1e-3,
+    max_steps=300,
+    learning_rate=5e-4,
     lr_scheduler_type="constant_with_warmup",
     warmup_steps=10,
     per_device_train_batch_size=128,
     num_generations=8,
     max_completion_length=8,
-    # DAPO's overlong filtering: a completion cut at max_completion_length is left out of the loss. The reward reads
-    # the last \boxed{} only, so without it nothing keeps the cold start's stop after the answer, and on some CPUs
-    # (an AMD EPYC, one thread) the policy drifted to writing on until it was cut, on every sample from step ~50.
-    mask_truncated_completions=True,
+    # The stop after the answer is rewarded (reward_funcs below: DAPO's overlong reward shaping), not filtered:
+    # `mask_truncated_completions` left a cut completion out of the loss, so a wrong answer's end-of-turn token was
+    # pushed down and writing on never was; on some seeds (and CPUs) every completion ended up cut, the loss 0, and
+    # the run collapsed (docs/demo.md, "Why these settings").
     temperature=1.0,
     beta=0.0,
     bf16=False,
@@ -217,6 +217,8 @@ OFFLINE_DEFAULTS = dict(
     save_total_limit=2,
     report_to="none",
     seed=0,
+    # script argument: accuracy, plus -1 for a completion cut at max_completion_length (TRL's soft overlong punishment)
+    reward_funcs=["accuracy_reward", "soft_overlong_punishment"],
 )
 
 # TRL turns gradient checkpointing on by default; transformers calls the field activation_checkpointing in newer
@@ -411,8 +413,11 @@ def _by_name(name: str, registry: dict, kind: str):
     raise RecipeArgumentError(f"Unknown {kind} {name!r}: one of {sorted(registry)} or a dotted import path.")
 
 
-def reward_functions(names: list[str]) -> list:
-    from trl.rewards import reasoning_accuracy_reward, think_format_reward
+def reward_functions(names: list[str], max_completion_length: int | None = None) -> list:
+    """The callables for ``--reward_funcs``. ``soft_overlong_punishment`` is TRL's (DAPO's overlong reward shaping,
+    eq. 13): 0 up to ``max_completion_length - cache``, then down to -1 at the limit, with DAPO's cache of a fifth of
+    the limit (4,096 of 20,480 there; at least one token)."""
+    from trl.rewards import get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 
     from trl_moe_replay.extras.math.rewards import accuracy_reward, format_reward
 
@@ -422,6 +427,9 @@ def reward_functions(names: list[str]) -> list:
         "think_format_reward": think_format_reward,
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
     }
+    if max_completion_length is not None:
+        registry["soft_overlong_punishment"] = get_soft_overlong_punishment(
+            max_completion_length, soft_punish_cache=max(1, max_completion_length // 5))
     funcs = [_by_name(name, registry, "reward function") for name in names]
     if not funcs:
         raise RecipeArgumentError("at least one reward function is needed (--reward_funcs)")
@@ -643,7 +651,7 @@ def _train(script_args, training_args, model_args, state):
 
     trainer = MoEReplayGRPOTrainer(
         model=model,
-        reward_funcs=reward_functions(script_args.reward_funcs),
+        reward_funcs=reward_functions(script_args.reward_funcs, training_args.max_completion_length),
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import load_script
+
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -126,23 +128,11 @@ DEMOS = {
     "math": ([], "runs/grpo_r3_tiny"),
     "tools": (["--config", str(ROOT / "recipes" / "configs" / "tiny_tools_r3.yaml")], "runs/grpo_r3_tiny_tools"),
 }
-#: docs/demo.md's "What holds on any CPU". The rise is the property the demo exists to show (GRPO learns); 0.2 is
-#: about half of what the quoted runs rose (math 0.386 -> 0.762, tools 0.464 -> 0.823 on an AMD EPYC; both demos also
-#: cleared it on an Intel Xeon), and each side is a mean over 10 logged steps of 128 completions each (the standard
-#: error of a 10-step mean of a 0/1 reward is <= 0.5 / sqrt(1280) = 0.014), so a run that learns as the quoted ones
-#: did clears it with room on any CPU, and one that does not learn cannot.
-REWARD_RISE = 0.2
-#: The cold start's sampled accuracy (one temperature-1 sample on each of 128 rows) depends on the CPU type: the SFT
-#: run itself differs, so its true accuracy does (math demo 0.29 on an AMD EPYC; tool demo 0.41 there, 0.13 on an Intel
-#: Xeon). What holds anywhere: it learned the answer form (an untrained policy scores 0: the exact sum in \boxed{}
-#: is never sampled by chance), so at least 3 of 128 are right; false-failure rate 4e-6 (exact binomial tail,
-#: P(X <= 2 | n=128, p=0.13)) for a cold start as weak as the weakest seen; and it leaves GRPO room for the required
-#: rise (at most 1 - REWARD_RISE).
-COLD_START_ACCURACY = (3 / 128, 1 - REWARD_RISE)
-#: A structural property, not a tuned number: with mask_truncated_completions the cut completions leave the loss, so
-#: the policy keeps the cold start's stop; measured at most 1 of a step's 128 (0.008) on the AMD EPYC, one thread and
-#: two, and it passed on an Intel Xeon. A drift to writing past the answer shows as ~1 (docs/demo.md), not 0.02.
-CLIPPED_AT_MOST = 0.01
+#: docs/demo.md's "What holds on any CPU": the promise that bench/demo_robustness.py measured over seeds and thread
+#: counts (docs/demo.md quotes its table). One definition, its `judge`, applied here to the CI machine's own run: the
+#: cold start learned the answer form and leaves room, the reward rises by RISE, the completions stop.
+robustness = load_script(ROOT / "bench" / "demo_robustness.py", "demo_robustness")
+REWARD_RISE = robustness.RISE
 SUMMARY = re.compile(r"^(mean reward|tool calls per sample): first 10 logged steps ([\d.]+) -> last 10 logged steps "
                      r"([\d.]+)$")
 
@@ -195,7 +185,7 @@ def test_docs_quote_both_demos():
                 assert float(match.group(3)) >= float(match.group(2)) + REWARD_RISE, line
 
 
-@pytest.mark.slow  # runs the demo (a cold start and 200 GRPO steps: ~4 min on 2 shared cores; the tool demo ~8 min)
+@pytest.mark.slow  # runs the demo (a cold start and 300 GRPO steps: ~2-4 min on 2 shared cores; the tool demo ~8 min)
 @pytest.mark.parametrize("demo", DEMOS)
 def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
     printed, state = demo_output(demo)
@@ -205,24 +195,25 @@ def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
         assert not missing, f"{page.name} quotes lines of a form the {demo} demo did not print: {missing}"
     (cold_start,) = [line for line in printed if line.startswith("cold start: 400 SFT steps")]
     accuracy = float(re.search(r"sampled accuracy ([\d.]+)", cold_start).group(1))
-    assert COLD_START_ACCURACY[0] <= accuracy <= COLD_START_ACCURACY[1], cold_start
     summaries = [SUMMARY.match(line) for line in printed if SUMMARY.match(line)]
     assert {m.group(1) for m in summaries} == ({"mean reward", "tool calls per sample"} if demo == "tools"
                                                else {"mean reward"})
     for match in summaries:  # the printed summaries are the log's, and each rises by the stated margin
         assert float(match.group(3)) >= float(match.group(2)) + REWARD_RISE, match.group(0)
-    rewards = [entry["reward"] for entry in state["log_history"] if "reward" in entry]
-    assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + REWARD_RISE
+    verdict = robustness.judge(state["log_history"], accuracy)
+    assert verdict["checks"]["cold_start"], cold_start
+    assert verdict["checks"]["rise"], (verdict["first"], verdict["last"])
 
 
 @pytest.mark.slow  # the same run as above
 def test_demo_completions_stop_and_r3_leaves_no_mismatch(demo_output):
-    """docs/demo.md: the completions end with the end-of-turn token; at most 1 in 100 is cut at max_completion_length
-    at any step; in float32 with R3 the trainer's routes and log-probs are the sampler's."""
+    """docs/demo.md: the policy the run leaves ends its completions with the end-of-turn token (at most 1 in 100 cut
+    at max_completion_length over the last 10 steps, some ending at every step); in float32 with R3 the trainer's
+    routes and log-probs are the sampler's."""
     _, state = demo_output("math")
     logged = [entry for entry in state["log_history"] if "completions/clipped_ratio" in entry]
-    assert len(logged) == 200
-    assert max(entry["completions/clipped_ratio"] for entry in logged) <= CLIPPED_AT_MOST
-    assert all(entry["completions/mean_terminated_length"] > 0 for entry in logged)
+    assert len(logged) == 300
+    verdict = robustness.judge(state["log_history"], cold_start_accuracy=None)
+    assert verdict["checks"]["stop"], (verdict["max_clipped"], [e["completions/clipped_ratio"] for e in logged[-10:]])
     assert all(entry["routing/mismatch_frac"] == 0 and entry["mismatch/kl_k3"] < 1e-6 for entry in logged)
     assert all(entry["routing/fallback_frac"] == 0 for entry in logged)  # the progress line's fallback=0
