@@ -232,6 +232,21 @@ def test_reward_function_registry(recipe):
         recipe.reward_functions(["no_such_reward"])
 
 
+def test_the_offline_demo_rewards_the_stop_with_trls_overlong_punishment(recipe):
+    """The offline default: accuracy plus TRL's soft overlong punishment at the run's length limit (DAPO's cache of a
+    fifth, at least a token), with nothing masked: a completion cut at max_completion_length scores -1 and stays in
+    the loss, so writing on past the answer is pushed down (docs/demo.md, "Why these settings")."""
+    script_args, training_args, _ = recipe.parse_args([])
+    assert script_args.reward_funcs == ["accuracy_reward", "soft_overlong_punishment"]
+    assert training_args.mask_truncated_completions is False
+    accuracy, punishment = recipe.reward_functions(script_args.reward_funcs, training_args.max_completion_length)
+    # max_completion_length 8, cache 1: a stopped "\boxed{7}<eos>" (4 tokens) or 7 tokens is not punished, a cut one is
+    assert punishment(completion_ids=[[1] * 4, [1] * 7, [1] * 8]) == [0.0, 0.0, -1.0]
+    assert recipe.reward_functions(["soft_overlong_punishment"], 100)[0](completion_ids=[[1] * 90]) == [-0.5]
+    with pytest.raises(ValueError, match="Unknown reward function 'soft_overlong_punishment'"):
+        recipe.reward_functions(["soft_overlong_punishment"])  # no length limit known: nothing to punish against
+
+
 @pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: p.stem)
 def test_recipe_config_builds_the_config_objects(recipe, path):
     # bf16 configs are for GPUs; --use_cpu lets TrainingArguments validate them on this CPU-only machine
