@@ -10,8 +10,9 @@ The promise (:func:`judge`, which ``tests/cross_cutting/test_docs.py`` applies t
 
     cold start   its sampled accuracy is at least 3 of 128 and leaves room for the rise (at most 1 - RISE)
     rise         the mean reward of the last 10 logged steps is at least RISE above that of the first 10
-    stop         over the last 10 logged steps at most CLIPPED_AT_MOST of the completions were cut at the length limit,
-                 and at every step some completion ended
+    tool calls   (tool demo) the tool calls per sample rise by RISE the same way
+    stop         (math demo) over the last 10 logged steps at most CLIPPED_AT_MOST of the completions were cut at
+                 the length limit, and at every step some completion ended
 
 Per run it prints one row (cold-start accuracy, first and last reward, max clipped ratio, the first step at which the
 10-step mean reward cleared the first 10 steps' mean + RISE, and whether the promise held), then the count per thread
@@ -61,22 +62,35 @@ COLD_START_ACCURACY = (3 / 128, 1 - RISE)
 COLD_START = re.compile(r"cold start: \d+ SFT steps, sampled accuracy ([\d.]+)")
 
 
-def judge(log_history: list[dict], cold_start_accuracy: float | None, key: str = "reward") -> dict:
-    """What one run shows against the promise: the figures of its row and ``held`` (every part of the promise)."""
+#: what each demo promises (docs/demo.md): the math demo's completions stop; the tool demo's tool calls per sample rise
+#: by RISE as its reward does (a multi-turn completion is cut at 96 tokens now and then: its clipped share is shown,
+#: not promised)
+PROMISES = {"math": ("cold_start", "rise", "stop"), "tools": ("cold_start", "rise", "tool_calls")}
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / max(1, len(values))
+
+
+def judge(log_history: list[dict], cold_start_accuracy: float | None, demo: str = "math", key: str = "reward") -> dict:
+    """What one run shows against ``demo``'s promise: the figures of its row, the promised ``checks`` and ``held``
+    (every one of them)."""
     steps = [entry for entry in log_history if key in entry]
     rewards = [entry[key] for entry in steps]
     clipped = [entry.get("completions/clipped_ratio", 0.0) for entry in steps]
-    first = sum(rewards[:WINDOW]) / max(1, len(rewards[:WINDOW]))
-    last = sum(rewards[-WINDOW:]) / max(1, len(rewards[-WINDOW:]))
+    first, last = mean(rewards[:WINDOW]), mean(rewards[-WINDOW:])
     rose_at = next((steps[i + WINDOW - 1].get("step", i + WINDOW) for i in range(len(rewards) - WINDOW + 1)
                     if sum(rewards[i:i + WINDOW]) / WINDOW >= first + RISE), None)
-    checks = {
+    calls = [entry.get("tools/call_frequency", 0.0) for entry in steps]
+    every = {
         "cold_start": cold_start_accuracy is not None
         and COLD_START_ACCURACY[0] <= cold_start_accuracy <= COLD_START_ACCURACY[1],
         "rise": len(rewards) >= 2 * WINDOW and last >= first + RISE,
-        "stop": bool(steps) and sum(clipped[-WINDOW:]) / len(clipped[-WINDOW:]) <= CLIPPED_AT_MOST
+        "stop": bool(steps) and mean(clipped[-WINDOW:]) <= CLIPPED_AT_MOST
         and all(entry.get("completions/mean_terminated_length", 1.0) > 0 for entry in steps),
+        "tool_calls": len(calls) >= 2 * WINDOW and mean(calls[-WINDOW:]) >= mean(calls[:WINDOW]) + RISE,
     }
+    checks = {part: every[part] for part in PROMISES[demo]}
     return dict(cold_start_accuracy=cold_start_accuracy, first=first, last=last, max_clipped=max(clipped, default=0.0),
                 rose_at=rose_at, steps=len(steps), checks=checks, held=all(checks.values()))
 
@@ -93,12 +107,16 @@ def run_one(demo: str, seed: int, threads: int, recipe_args: list[str], folder: 
     seconds = time.perf_counter() - start
     output = result.stdout + result.stderr
     (folder / "output.log").write_text(output)
-    state_file = folder / "run" / "trainer_state.json"
-    if result.returncode != 0 or not state_file.exists():
+    if result.returncode != 0 or not (folder / "run" / "trainer_state.json").exists():
         return dict(error=f"rc {result.returncode}: {output[-2000:]}", held=False, seconds=seconds)
-    match = COLD_START.search(output)
-    row = judge(json.loads(state_file.read_text())["log_history"], float(match.group(1)) if match else None)
-    return {**row, "seconds": seconds}
+    return {**judge_folder(demo, folder), "seconds": seconds}
+
+
+def judge_folder(demo: str, folder: Path) -> dict:
+    """The judged row of the run saved in ``folder`` (its output.log and run/trainer_state.json)."""
+    match = COLD_START.search((folder / "output.log").read_text())
+    log_history = json.loads((folder / "run" / "trainer_state.json").read_text())["log_history"]
+    return judge(log_history, float(match.group(1)) if match else None, demo)
 
 
 def row_text(name: str, row: dict) -> str:
@@ -162,12 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo_robustness" / "demo_robustness.json")
     parser.add_argument("--cache", type=Path, default=None, help="cold-start cache (default: beside --out)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="judge the saved runs again (after a change of the promise) and print the table")
     args = parser.parse_args(argv)
     if args.seeds < 1 or any(t < 1 for t in args.threads) or args.jobs < 1:
         parser.error("--seeds, --threads and --jobs must be at least 1")
 
     results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": {}, "settings": {}}
-    if args.report_only:
+    if args.rejudge:
+        for name, row in results["runs"].items():
+            if "error" not in row:
+                results["runs"][name] = {**judge_folder(name.split("/")[1], args.out.parent / name),
+                                         "seconds": row["seconds"]}
+        args.out.write_text(json.dumps(results, indent=1))
+    if args.report_only or args.rejudge:
         print(report(results))
         return 0
     results.setdefault("environment", environment())

@@ -12,10 +12,12 @@ ROOT = Path(__file__).resolve().parents[2]
 robustness = load_script(ROOT / "bench" / "demo_robustness.py", "demo_robustness_under_test")
 
 
-def history(rewards: list[float], clipped: list[float] | None = None, terminated: float = 4.0) -> list[dict]:
+def history(rewards: list[float], clipped: list[float] | None = None, terminated: float = 4.0,
+            calls: list[float] | None = None) -> list[dict]:
     clipped = clipped or [0.0] * len(rewards)
-    return [{"step": i + 1, "reward": r, "completions/clipped_ratio": c, "completions/mean_terminated_length": terminated}
-            for i, (r, c) in enumerate(zip(rewards, clipped, strict=True))]
+    calls = calls or [0.5] * len(rewards)
+    return [{"step": i + 1, "reward": r, "completions/clipped_ratio": c, "completions/mean_terminated_length": terminated,
+             "tools/call_frequency": f} for i, (r, c, f) in enumerate(zip(rewards, clipped, calls, strict=True))]
 
 
 def test_a_run_that_rises_and_stops_keeps_the_promise_and_says_when_it_rose():
@@ -44,6 +46,16 @@ def test_each_part_of_the_promise_can_fail_alone():
     assert not robustness.judge(history([0.4] * 15), 0.3)["checks"]["rise"]  # too short to compare two windows
 
 
+def test_the_tool_demo_promises_more_tool_calls_instead_of_the_stop():
+    rising, cut = [0.4] * 20 + [0.7] * 20, [0.05] * 40  # 5 in 100 multi-turn completions cut at 96 tokens
+    calling = robustness.judge(history(rising, clipped=cut, calls=[0.5] * 20 + [0.9] * 20), 0.4, demo="tools")
+    assert calling["held"] and set(calling["checks"]) == {"cold_start", "rise", "tool_calls"}
+    assert calling["max_clipped"] == 0.05  # shown in its row, not promised
+    not_calling = robustness.judge(history(rising, calls=[0.5] * 20 + [0.6] * 20), 0.4, demo="tools")
+    assert not not_calling["held"] and not not_calling["checks"]["tool_calls"]
+    assert not robustness.judge(history(rising, clipped=cut), 0.4, demo="math")["held"]  # the math demo must stop
+
+
 def test_the_report_counts_per_configuration_and_thread_count():
     held = robustness.judge(history([0.4] * 20 + [0.7] * 20), 0.3) | {"seconds": 1.0}
     failed = robustness.judge(history([0.4] * 40), 0.3) | {"seconds": 1.0}
@@ -56,3 +68,22 @@ def test_the_report_counts_per_configuration_and_thread_count():
     assert "b/math/threads1: promise held on 0 of 1 seeds" in text and "ERROR" in text
     rows = [line.split()[0] for line in text.splitlines()[1:6]]
     assert rows[:3] == ["a/math/threads1/seed0", "a/math/threads1/seed1", "a/math/threads1/seed10"]  # natural order
+
+
+def test_rejudge_reads_the_saved_runs_again(tmp_path, capsys):
+    """--rejudge: a change of the promise is applied to saved runs without running them again."""
+    import json
+
+    name = "shipped/tools/threads1/seed0"
+    folder = tmp_path / name
+    (folder / "run").mkdir(parents=True)
+    (folder / "output.log").write_text("cold start: 400 SFT steps, sampled accuracy 0.45 before GRPO, tool calls...\n")
+    log = history([0.4] * 20 + [0.7] * 20, clipped=[0.05] * 40, calls=[0.5] * 20 + [0.9] * 20)
+    (folder / "run" / "trainer_state.json").write_text(json.dumps({"log_history": log}))
+    out = tmp_path / "results.json"
+    stale = {"held": False, "checks": {"stop": False}, "seconds": 3.0}  # judged by an older promise
+    out.write_text(json.dumps({"runs": {name: stale}, "settings": {}}))
+    assert robustness.main(["--rejudge", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["runs"][name]
+    assert row["held"] and row["cold_start_accuracy"] == 0.45 and row["seconds"] == 3.0
+    assert "shipped/tools/threads1: promise held on 1 of 1 seeds" in capsys.readouterr().out

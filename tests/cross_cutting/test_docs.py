@@ -200,9 +200,10 @@ def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
                                                else {"mean reward"})
     for match in summaries:  # the printed summaries are the log's, and each rises by the stated margin
         assert float(match.group(3)) >= float(match.group(2)) + REWARD_RISE, match.group(0)
-    verdict = robustness.judge(state["log_history"], accuracy)
+    verdict = robustness.judge(state["log_history"], accuracy, demo)
     assert verdict["checks"]["cold_start"], cold_start
     assert verdict["checks"]["rise"], (verdict["first"], verdict["last"])
+    assert demo == "math" or verdict["checks"]["tool_calls"]
 
 
 @pytest.mark.slow  # the same run as above
