@@ -18,7 +18,8 @@ Parts (`--parts`, run in this order, each resumable):
     depth     router-decision mismatch engine vs trainer in the R3 paper's terms at several depths (layers),
               on the first generation batch (same weights in both): share of decisions (token x layer x k) that
               differ, share of (token, layer) routers whose top-k set differs, share of tokens with >= 1 such layer
-    modes     none/r2/r3/pr2 x N in --offs, loss grpo, IS on
+    modes     none/r2/r3/pr2 x N in --offs, loss grpo, IS on; and threshold replay (replay_score_threshold, key
+              `thr=`) at each of --thresholds (0.5 and 1) for --threshold-modes (r3) x N, on the same seeds
     losses    grpo/gspo/rspo x --loss-modes at the largest N, IS on
     is        IS on vs off x --is-modes at N=1 and the largest N, loss grpo
     clip      PPO clipping off (epsilon = CLIP_OFF_EPSILON, so the ratio is never clamped) x --is-modes at the largest
@@ -95,7 +96,7 @@ GRAD_WARMUP = 5  # the first optimizer steps of a random-init model have large, 
 SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/extreme_frac",
           "routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement",
           "sampling/importance_sampling_ratio/min", "completions/mean_length", "clip_ratio/region_mean",
-          "routing/version_lag_mean", "routing/version_lag_max")
+          "routing/version_lag_mean", "routing/version_lag_max", "routing/replace_rate")
 #: the stressed-regime search, plain GRPO at the largest N: (learning_rate, initializer_range, max_completion_length).
 #: At the grid's 1e-2 / 0.3 / 16 plain GRPO reached reward 1.0 at N=1 and N=8 without degrading, so the search goes
 #: up: larger steps, a sharper initial policy (init std 1.0: more tokens in the tails, where bf16 and fp32 differ
@@ -116,6 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per cell")
     parser.add_argument("--offs", type=int, nargs="+", default=[1, 2, 4, 8], help="steps_per_generation levels")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 1.0],
+                        help="replay_score_threshold values of threshold replay, part modes (none: leave it out)")
+    parser.add_argument("--threshold-modes", nargs="+", default=["r3"], choices=[m for m in MODES if m != "none"],
+                        help="modes run with each --thresholds value, part modes")
     parser.add_argument("--loss-modes", nargs="+", default=["none", "r3"], choices=MODES,
                         help="modes crossed with the losses at the largest N")
     parser.add_argument("--is-modes", nargs="+", default=["none", "r3"], choices=MODES,
@@ -148,10 +153,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- cells
 def cell(args, *, mode="none", off=1, loss="grpo", is_on=True, seed=0, lr=None, init=None, completion=None,
-         layers=None, steps=None, noise=None, part="modes", staleness=None, clip=True) -> dict:
+         layers=None, steps=None, noise=None, part="modes", staleness=None, clip=True, threshold=0.0) -> dict:
     extra = {} if staleness is None else dict(staleness=staleness)
     if not clip:  # only recorded when off, so the keys of the cells run before this axis existed stay the same
         extra["clipping"] = False
+    if threshold:  # threshold replay (replay_score_threshold): recorded only when on, as clipping
+        extra["threshold"] = threshold
     return dict(part=part, mode=mode, off=off, loss=loss, is_correction=is_on, seed=seed, **extra,
                 reward_noise=args.reward_noise if noise is None else noise,
                 learning_rate=args.learning_rate if lr is None else lr,
@@ -166,6 +173,7 @@ def cell_key(c: dict) -> str:
             f"|steps={c['steps']}" + (f"|noise={c['reward_noise']:g}" if c.get("reward_noise") else "")
             + (f"|stale={c['staleness']}" if "staleness" in c else "")
             + ("|clip=off" if c.get("clipping") is False else "")
+            + (f"|thr={c['threshold']:g}" if c.get("threshold") else "")
             + f"|seed={c['seed']}")
 
 
@@ -193,6 +201,9 @@ def plan(args) -> list[dict]:
                     order = sorted(((m, n) for m in args.modes for n in args.offs),
                                    key=lambda mn: (mn[1] not in (1, top), mn[0] not in ("none", "r3")))
                     cells += [cell(args, mode=m, off=n, seed=seed) for m, n in order]
+                    # threshold replay beside them, on the same grid and seeds (after the plain modes)
+                    cells += [cell(args, mode=m, off=n, seed=seed, threshold=t) for m in args.threshold_modes
+                              for t in args.thresholds for n in args.offs]
                 elif part == "losses":
                     cells += [cell(args, mode=m, off=top, loss=loss, seed=seed, part="losses")
                               for loss in LOSSES if loss != "grpo" for m in args.loss_modes]
@@ -221,6 +232,7 @@ def cell_config(c: dict, output_dir: str):
         # as in vllm_mismatch_study: one engine sync for every mode, and routing metrics for "none" too
         vllm_weight_sync="reload", routing_metrics=True, pr2_lr_multiplier=PR2_PREDICTOR_LR / c["learning_rate"],
         **({"epsilon": CLIP_OFF_EPSILON} if c.get("clipping") is False else {}),
+        replay_score_threshold=c.get("threshold", 0.0),
     )
 
 
@@ -478,13 +490,17 @@ def figures(report: dict, path: Path) -> list[Path]:
             return f"lr={f['lr']} init={f['init']} len={f['len']}" + (f" noise={f['noise']}" if "noise" in f else "")
 
         regimes = sorted({regime(f) for f, _ in mode_rows})
-        for mode, setting in ((m, r) for r in regimes for m in MODES):
-            points = sorted(((int(f["off"]), v) for f, v in mode_rows if f["mode"] == mode and regime(f) == setting),
+        lines = sorted({(f["mode"], f.get("thr")) for f, _ in mode_rows},
+                       key=lambda line: (MODES.index(line[0]), float(line[1] or 0)))
+        for (mode, thr), setting in ((line, r) for r in regimes for line in lines):
+            points = sorted(((int(f["off"]), v) for f, v in mode_rows
+                             if (f["mode"], f.get("thr")) == (mode, thr) and regime(f) == setting),
                             key=lambda point: point[0])
             if not points:
                 continue
             offs = [n for n, _ in points]
-            label = mode if len(regimes) == 1 else f"{mode} {setting}"
+            name = mode if thr is None else f"{mode} thr={thr}"
+            label = name if len(regimes) == 1 else f"{name} {setting}"
             style = "-" if regimes.index(setting) == 0 else "--"
             for ax, name, title in ((axes[0], "kl_k3_first", "train-inference KL (k3), first batch (same weights)"),
                                     (axes[1], "reward_final", "final reward (last 25% of steps)"),

@@ -64,7 +64,13 @@ def test_plan_resumes_by_key_and_covers_the_grid():
     keys = [study.cell_key(c) for c in cells]
     assert len(keys) == len(set(keys)), "two cells share a key: resuming would skip one"
     modes = [c for c in cells if c["part"] == "modes"]
-    assert len(modes) == 4 * 4 * 3 and {c["off"] for c in modes} == {1, 2, 4, 8}
+    assert len(modes) == (4 + 2) * 4 * 3 and {c["off"] for c in modes} == {1, 2, 4, 8}
+    thresholds = [c for c in modes if "threshold" in c]  # r3 at 0.5 and 1, beside the plain modes
+    assert {(c["mode"], c["threshold"]) for c in thresholds} == {("r3", 0.5), ("r3", 1.0)} and len(thresholds) == 24
+    assert all("|thr=" in study.cell_key(c) for c in thresholds) and not any(
+        "|thr=" in study.cell_key(c) for c in modes if "threshold" not in c)  # the earlier cells keep their keys
+    config = study.cell_config({**thresholds[0], "batch": 8, "num_generations": 8}, "unused")
+    assert config.replay_score_threshold == thresholds[0]["threshold"] and config.routing_replay == "r3"
     losses = {(c["loss"], c["off"]) for c in cells if c["part"] == "losses"}
     assert losses == {("gspo", 8), ("rspo", 8)}
     assert {c["is_correction"] for c in cells if c["part"] == "is"} == {False}

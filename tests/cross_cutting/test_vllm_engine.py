@@ -230,3 +230,18 @@ def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, se
                        "routing_metrics=true", "vllm_weight_sync=reload", "count_mismatches=true", "max_steps=2")
     assert_lora_trained(control)
     assert control["checked_positions"] > 50 * 2 and control["mismatched_positions"] > 0
+
+
+def test_colocate_threshold_replay_trains_on_the_real_engines_routes(tmp_path):
+    """``replay_score_threshold=1`` on vLLM's routes: two iterations per batch at a large learning rate move the
+    router, so the second one replaces the engine's experts its router no longer ranks in its top-k; the positions
+    whose experts are then not the engine's are counted (the run checks, does not assert, the engine's routes)."""
+    report, _ = train(tmp_path, "colocate", "qwen3_moe", "replay_score_threshold=1.0", "num_iterations=2",
+                      "learning_rate=0.05", "max_steps=2", "count_mismatches=true")
+    logs = steps(report)
+    assert len(logs) == 2 and all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    rates = [entry["routing/replace_rate"] for entry in logs]
+    assert all(0.0 <= rate <= 1.0 for rate in rates) and max(rates) > 0, rates
+    assert any(name.startswith("routing/replace_rate/layer_") for name in logs[0])  # and per MoE layer
+    assert report["mismatched_positions"] > 0  # replaced experts are used instead of the engine's
+    assert report["max_param_change"] > 1e-3

@@ -42,7 +42,6 @@ from ..core.routing_options import TrainerKind, option, resolve_weight_sync
 from ..core.trainer_base import MoEReplayTrainerMixin
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..rollouts.route_intake import RouteIntake
-from ..routing import RouterReplay
 from ..routing.routes import CheckedRoutes, check_routes
 from ..upstream import (
     AsyncGRPOTrainer,
@@ -237,7 +236,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         if isinstance(self.weight_transfer, ReloadWeightTransfer) and self.weight_transfer.model is None:
             self.weight_transfer.model = base  # names the checkpoint layout vLLM loads
         self._carries_routes = carries_routes
-        self._route_replay = RouterReplay(unwrapped) if carries_routes else None
+        self._route_replay = self._new_route_replay(unwrapped) if carries_routes else None
         self._route_intake = None
         self._route_buffer = RouteBuffer()
         self._micro_replay = MicroBatchReplay()  # a packed row's routes, from its training forward through backward

@@ -429,7 +429,8 @@ def run_audit(
     positions = routable_positions(attention_mask)
 
     rows = []
-    for mode in (ReplayMode.NONE, ReplayMode.R3) if routes_available else (ReplayMode.NONE,):
+    # the modes the registry marks as audited (none, and those replaying the engine's routes), where routes arrived
+    for mode in [m for m in ReplayMode if m.spec.audited and (routes_available or not m.replays)]:
         replayed = checked_routes if mode.replays else None
         trainer_logps, natural = _trainer_pass(
             trainer_model, trainer_rr, input_ids.to(run_device), attention_mask.to(run_device),

@@ -12,12 +12,14 @@ from transformers import ProgressCallback
 
 #: Metrics shown (when logged), with their short names: the reward, then the signals that say replay is working
 #: (docs/metrics.md, "What healthy looks like"): the share of positions that had no route to replay and fell back to
-#: the router's own choice, the sampler-vs-trainer KL, and (vLLM with ``vllm_sync_check``) the largest log-prob
+#: the router's own choice, under threshold replay the share of replayed choices the trainer's router replaced, the
+#: sampler-vs-trainer KL, and (vLLM with ``vllm_sync_check``) the largest log-prob
 #: difference after a weight sync. ``routing/mismatch_frac`` is left off: R3 does not lower it (it measures how much
 #: routing replay overrides), so on the line it read as a health signal that it is not; it stays in the logs and plots.
 KEY_METRICS = {
     "reward": "reward",
     "routing/fallback_frac": "fallback",
+    "routing/replace_rate": "replace",  # logged only under threshold replay (replay_score_threshold > 0)
     "mismatch/kl_k3": "kl_k3",
     "vllm/sync_max_logprob_diff": "sync_diff",
     "loss": "loss",

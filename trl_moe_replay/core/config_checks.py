@@ -31,6 +31,7 @@ from typing import Any, Literal, Union
 import numpy as np
 
 from ..errors import TrlMoeReplayError
+from .replay_modes import MODE_NAMES, ReplayMode
 
 
 class ConfigTypeError(TrlMoeReplayError, TypeError, ValueError):
@@ -230,6 +231,7 @@ def _above(low):
 
 OWN_VALUE_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "extreme_token_threshold": _above(1),
+    "replay_score_threshold": (lambda value: 0 <= value <= 1, "in [0, 1]"),
     "sync_check_tolerance": _at_least(0),
     "vllm_request_attempts": _at_least(1),
     "max_route_fallback_steps": _at_least(1),
@@ -382,6 +384,12 @@ def check_config(config, own_class: type) -> None:
         refusal = upstream_refusal(upstream, name, value, config)
         if refusal is not None:
             raise UpstreamValueError(name, value, refusal)
+    threshold, mode = config.replay_score_threshold, ReplayMode(config.routing_replay)  # both configs declare them
+    if threshold and not mode.replays:
+        raise ConfigValueError(
+            f"replay_score_threshold={threshold} filters replayed routes, and routing_replay={mode!r} replays none: "
+            f"leave it at 0, or use a mode that replays ({', '.join(m for m in MODE_NAMES if ReplayMode(m).replays)})"
+        )
     sync_dir = config.vllm_sync_dir  # both configs declare it (RoutingOptions)
     if sync_dir is not None and os.path.exists(sync_dir) and not os.path.isdir(sync_dir):
         raise ConfigValueError(f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a "

@@ -102,6 +102,8 @@ MISMATCH_RATIOS = {"mismatch/kl_k1": ("kl_k1", "tokens"), "mismatch/kl_k3": ("kl
 AGREEMENT_RATIOS = {"routing/mismatch_frac": ("mismatch_pairs", "pairs"),
                     "routing/token_any_mismatch": ("tokens_any_mismatch", "tokens"),
                     "routing/topk_agreement": ("overlap", "pairs")}
+# threshold replay (routing/replay_rule.py): replaced / routed (position, MoE layer, slot) choices, and per layer
+REPLACE_RATE = "routing/replace_rate"
 # fallback_samples / samples: RouteIntake.take_sample_sums() (samples none of whose turns could be placed), which
 # both trainers add to the sums they log these with
 FALLBACK_RATIOS = {"routing/fallback_frac": ("fallback_positions", "positions"),

@@ -1,5 +1,6 @@
 """What a run's model card says beyond TRL's: the routing mode (in the trainer's name and a tag) and the citations of
-the methods the run used (R3, R2, PR2, GSPO, RSPO, MiniRL), after TRL's own (GRPO's DeepSeekMath).
+the methods the run used (R3, R2, PR2, GSPO, RSPO, MiniRL), after TRL's own (GRPO's DeepSeekMath). A mode's papers and
+tag are its declaration's (``core/replay_modes.py``).
 
 TRL's ``create_model_card`` writes the card; :func:`card_identity` gives it the name, citations and tags, and both
 trainers pass them through the seam entry ``model_card_identity``. Authors are given as the papers list them in
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..upstream import model_card_identity
+from .replay_modes import ReplayMode
 from .routing_options import option
 
 
@@ -50,8 +52,6 @@ CITATIONS: dict[str, str] = {
     eprint       = {arXiv:2606.00395},
 }""",
 }
-# R2 (vanilla routing replay) was introduced with GSPO and defined against R3 in the MiniRL paper.
-_MODE_PAPERS = {"r2": ("gspo", "minirl"), "r3": ("r3",), "pr2": ("pr2",)}
 _LOSS_PAPERS: dict[str | None, tuple[str, ...]] = {
     "gspo": ("gspo",), "rspo": ("rspo", "gspo"), "minirl": ("minirl",),
 }
@@ -59,7 +59,7 @@ _LOSS_PAPERS: dict[str | None, tuple[str, ...]] = {
 
 def methods_used(args: Any, mode: str) -> list[str]:
     """The papers (keys of :data:`CITATIONS`) behind ``args``'s routing mode and objective, in citation order."""
-    keys = [*_MODE_PAPERS.get(str(mode), ()), *_LOSS_PAPERS.get(getattr(args, "loss_type", None), ())]
+    keys = [*ReplayMode(mode).spec.papers, *_LOSS_PAPERS.get(getattr(args, "loss_type", None), ())]
     if option(args, "router_shift_weighting"):
         keys.append("rspo")
     if getattr(args, "importance_sampling_level", None) == "sequence":
@@ -72,7 +72,9 @@ def card_identity(args: Any, mode: str) -> tuple[str, list[str], list[str]]:
     mode and the loss (``MoE Replay GRPO (routing_replay=r3, loss_type=dapo)``); the citations are each method's (TRL
     adds its own first)."""
     qualifier = f"(routing_replay={mode}, loss_type={getattr(args, 'loss_type', None)})"
-    return qualifier, [CITATIONS[key] for key in methods_used(args, mode)], [f"routing-replay-{mode}"]
+    spec = ReplayMode(mode).spec
+    bibtex = {**CITATIONS, **spec.bibtex}
+    return qualifier, [bibtex[key] for key in methods_used(args, mode)], [spec.card_tag]
 
 
 def write_model_card(trainer: Any, create: Callable[..., Any], model_name: str | None, dataset_name: str | None,

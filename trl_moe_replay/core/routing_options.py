@@ -1,7 +1,8 @@
 """The routing options both trainers share: the replay mode as a type, the options declared once, resolved once.
 
-* :class:`ReplayMode` is ``routing_replay``: a ``str`` enum (YAML, the command line and ``"r3"`` in Python all work, and
-  ``to_dict()``/JSON write the plain string), and what a mode implies lives here, with the mode.
+* :class:`ReplayMode` is ``routing_replay``: a ``str`` naming a mode of the registry (``core/replay_modes.py``, where
+  each mode is one declaration of what it implies; YAML, the command line and ``"r3"`` in Python all work, and
+  ``to_dict()``/JSON write the plain string).
 * :class:`RoutingOptions` declares the options both configs have, each with one default and one help text; both
   ``MoEReplayGRPOConfig`` and ``MoEReplayAsyncGRPOConfig`` inherit it.
 * :class:`ReplaySettings` is one run's options resolved from a config (ours, or TRL's plain one with our defaults):
@@ -10,88 +11,18 @@
 
 from __future__ import annotations
 
-import enum
 import inspect
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from ..weight_sync.sync_check import SYNC_CHECK_TOLERANCE, SyncCheckUnavailableError
 from ..weight_sync.weight_reload import WeightSyncMethod
-
-
-class TrainerKind(enum.StrEnum):
-    """Which trainer a rule is resolved for: TRL's ``GRPOTrainer`` or its ``AsyncGRPOTrainer``."""
-
-    SYNC = "sync"
-    ASYNC = "async"
+from .replay_modes import MODE_NAMES, ReplayMode, RouteSource, TrainerKind
 
 
 SYNC_TRAINER = TrainerKind.SYNC
 ASYNC_TRAINER = TrainerKind.ASYNC
-
-
-class RouteSource(enum.Enum):
-    """Where the routes a mode replays come from."""
-
-    ENGINE = "the inference engine's routes of the rollout"
-    OLD_PASS = "the old policy's routes, recorded in the trainer's old-logprob pass"
-    PREDICTED = "routes predicted from the old router logits and a learned bias"
-
-
-class ReplayMode(enum.StrEnum):
-    """``routing_replay``: which expert routes the training forwards replay (the docs' mode table)."""
-
-    NONE = "none"
-    R2 = "r2"
-    R3 = "r3"
-    PR2 = "pr2"
-
-    def __repr__(self) -> str:  # messages say routing_replay='r3', as the user wrote it
-        return repr(self.value)
-
-    @classmethod
-    def parse(cls, value: Any, trainer: TrainerKind = TrainerKind.SYNC) -> ReplayMode:
-        """``value`` as a mode this trainer accepts, or ``ValueError`` in one line saying why not."""
-        try:
-            mode = cls(value)
-        except ValueError:
-            raise ValueError(f"routing_replay must be one of {[m.value for m in cls]}, got {value!r}") from None
-        if trainer == ASYNC_TRAINER and not mode.async_trainer_accepts:
-            raise ValueError(
-                f"routing_replay={mode!r} replays the routes of an old-policy forward, and TRL's AsyncGRPOTrainer runs "
-                "none (the sampler's log-probs are the old ones; the only forward is the training one, which R2 would "
-                "replay onto itself). Use 'r3' (the engine's routes) or 'none'."
-            )
-        return mode
-
-    @property
-    def replays(self) -> bool:
-        """Whether training forwards replay routes (``"none"`` is plain TRL)."""
-        return self is not ReplayMode.NONE
-
-    @property
-    def source(self) -> RouteSource | None:
-        return _SOURCES.get(self)
-
-    @property
-    def needs_engine_routes(self) -> bool:
-        """Whether the run cannot replay without the engine returning its routes (the first-batch rule applies)."""
-        return self.source is RouteSource.ENGINE
-
-    @property
-    def records_old_pass(self) -> bool:
-        """Whether the routes replayed are recorded in the trainer's old-logprob pass (R2; PR2's predicted ones)."""
-        return self.source in (RouteSource.OLD_PASS, RouteSource.PREDICTED)
-
-    @property
-    def async_trainer_accepts(self) -> bool:
-        """TRL's async trainer runs no old-policy forward: only the engine's routes (or none) can be replayed."""
-        return self.source in (None, RouteSource.ENGINE)
-
-
-_SOURCES = {ReplayMode.R2: RouteSource.OLD_PASS, ReplayMode.R3: RouteSource.ENGINE,
-            ReplayMode.PR2: RouteSource.PREDICTED}
-MODES = tuple(mode.value for mode in ReplayMode)
+MODES = MODE_NAMES  # the registered modes' names (core/replay_modes.py), read live
 WEIGHT_SYNC_METHODS = ("auto", "trl", "reload")
 
 
@@ -105,8 +36,15 @@ class RoutingOptions:
             "help": "Expert routes replayed in training forwards: 'none', 'r2' (old-policy routes), 'r3' (rollout "
             "routes from the inference engine) or 'pr2' (predicted routes, Predictive Routing Replay). The async "
             "trainer takes 'r3' and 'none'.",
-            "choices": list(MODES),
+            "choices": MODES,
         },
+    )
+    replay_score_threshold: float = field(
+        default=0.0,
+        metadata={"help": "Threshold replay, in [0, 1], with a mode that replays (r2, r3, pr2): a replayed expert is "
+                  "kept only where the trainer's router score for it is >= this x the router's weakest top-k score "
+                  "for that token; a rejected slot takes the router's own best expert not chosen yet. 0: replay as "
+                  "it is. Logs routing/replace_rate."},
     )
     routing_metrics: bool | None = field(
         default=None,
@@ -145,6 +83,15 @@ class RoutingOptions:
         metadata={"help": "Nats the engine's probe log-probs may move with unchanged weights (batch noise) before the "
                   "sync check counts it as a change."},
     )
+
+
+    def to_dict(self) -> dict[str, Any]:
+        """TrainingArguments' ``to_dict``, with ``routing_replay`` as the plain string it names (it writes an enum's
+        value, and a ``ReplayMode`` is a ``str``, not an enum)."""
+        values = super().to_dict()  # type: ignore[misc]  # TrainingArguments', the class this mixes into
+        if "routing_replay" in values:
+            values["routing_replay"] = str(values["routing_replay"])
+        return values
 
 
 _DEFAULTS = {f.name: f.default for f in fields(RoutingOptions) if f.default is not MISSING}
@@ -221,6 +168,8 @@ class ReplaySettings:
     routing_metrics: bool
     extreme_token_threshold: float
     vllm_sync_check: bool
+    replay_score_threshold: float = 0.0  # threshold replay (routing/replay_rule.py); 0: replay as it is
+    trainer: TrainerKind = TrainerKind.SYNC
     # the sync trainer's own (fixed values in the async one, which has neither an old pass nor transformers generate)
     replay_reference_model: bool = True
     rollout_prediction: bool = False  # PR2: generate itself routes by the predicted routes
@@ -251,7 +200,8 @@ class ReplaySettings:
         metrics = default_routing_metrics(mode) if metrics is None else bool(metrics)
         sync_check = resolve_sync_check(args, mode, metrics, trainer)
         common = dict(mode=mode, routing_metrics=metrics, extreme_token_threshold=option(args, "extreme_token_threshold"),
-                      vllm_sync_check=sync_check)
+                      vllm_sync_check=sync_check, trainer=trainer,
+                      replay_score_threshold=float(option(args, "replay_score_threshold")) if mode.replays else 0.0)
         if trainer == ASYNC_TRAINER:
             return cls(**common)
         rollout_prediction = bool(option(args, "pr2_rollout_prediction"))

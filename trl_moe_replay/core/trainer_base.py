@@ -11,7 +11,8 @@ follow:
 * the engine sync check around each weight sync (:meth:`_checked_weight_sync`);
 * the micro-batch replay lifecycle: a micro-batch's routes stay replayed from its training forward until its
   backward has returned, so ``training_step``/``prediction_step`` end it (:class:`~.route_flow.MicroBatchReplay`);
-* the ``mismatch/*`` and ``routing/*`` metrics (:meth:`_log_logprob_mismatch`, :meth:`_log_routing_agreement`).
+* the ``mismatch/*`` and ``routing/*`` metrics (:meth:`_log_logprob_mismatch`, :meth:`_log_routing_agreement`,
+  threshold replay's :meth:`_log_replace_rate`).
 
 Each trainer's ``__init__`` sets what the mixin reads: ``replay_settings``, ``_route_replay``, ``_sync_check``,
 ``_micro_replay`` and ``_output_lock``.
@@ -32,6 +33,7 @@ from .metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
     MISMATCH_RATIOS,
+    REPLACE_RATE,
     fallback_sums,
     log_ratio_metrics,
     logprob_mismatch_sums,
@@ -78,6 +80,11 @@ class MoEReplayTrainerMixin:
         (assert_async_trl_compatible if kind is TrainerKind.ASYNC else assert_trl_compatible)()
         quiet_upstream_notices()
         return ReplaySettings.from_args(args, kind)
+
+    def _new_route_replay(self, model: Any) -> RouterReplay:
+        """The hooks on ``model`` (the policy, or a separate reference model), replaying by this run's replay rule
+        (``replay_score_threshold``: ``routing/replay_rule.py``)."""
+        return RouterReplay(model, self.replay_settings.replay_score_threshold)
 
     def _aux_loss_under_replay(self) -> bool:
         """TRL's ``aux_loss_enabled``, turned off (with a warning) under routing replay."""
@@ -131,9 +138,11 @@ class MoEReplayTrainerMixin:
             self._end_micro_batch()
 
     def _end_micro_batch(self) -> None:
-        """Let go of the micro-batch's replayed routes (no-op when none are held)."""
+        """Let go of the micro-batch's replayed routes (no-op when none are held); log threshold replay's replace rate
+        of the forwards replayed since the last micro-batch (old-logprob, reference, training)."""
         if self._micro_replay is not None:
             self._micro_replay.end()
+        self._log_replace_rate()
 
     # ------------------------------------------------------------------ metrics
     def _metrics_mode(self) -> str:
@@ -145,6 +154,25 @@ class MoEReplayTrainerMixin:
         sums = logprob_mismatch_sums(sampling, trainer, mask, self.replay_settings.extreme_token_threshold)
         log_ratio_metrics(self._metrics[self._metrics_mode()], self.accelerator, sums, MISMATCH_RATIOS,
                           as_rate=as_rate)
+
+    def _log_replace_rate(self) -> None:
+        """``routing/replace_rate`` (and ``routing/replace_rate/layer_<i>``): under threshold replay, the share of
+        replayed (position, MoE layer, slot) choices the trainer's router rejected and refilled from its own top-k."""
+        rr = self._route_replay
+        if rr is None or not self.replay_settings.replay_score_threshold:
+            return
+        per_layer = rr.take_replace_sums()
+        if not per_layer:  # every rank replays the same forwards: none replayed here, none anywhere
+            return
+        device = next(iter(per_layer.values())).device  # a model split over devices: its layers' counts meet here
+        total = torch.stack([counts.to(device) for counts in per_layer.values()]).sum(dim=0)
+        sums = {"replaced": total[0], "slots": total[1]}
+        ratios = {REPLACE_RATE: ("replaced", "slots")}
+        for layer, counts in sorted(per_layer.items()):
+            sums[f"replaced_{layer}"], sums[f"slots_{layer}"] = counts[0], counts[1]
+            ratios[f"{REPLACE_RATE}/layer_{layer}"] = (f"replaced_{layer}", f"slots_{layer}")
+        log_ratio_metrics(self._metrics[self._metrics_mode()], self.accelerator, sums, ratios,
+                          as_rate=self.replay_settings.trainer is TrainerKind.ASYNC)
 
     def _log_routing_agreement(self, natural: torch.Tensor | None, reference: torch.Tensor, positions: torch.Tensor,
                                *, as_rate: bool = False) -> None:

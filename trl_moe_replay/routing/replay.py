@@ -8,8 +8,9 @@ and one on the decoder stack). Nothing is patched and nothing runs while no cont
 * ``with rr.replay(routes):`` makes every forward inside (and the recompute of gradient checkpointing in
   backward, as long as the backward runs inside the context) route by ``routes``; each forward's input must be
   ``[B, S]`` (``generate``'s KV-cached steps take the next columns). The router's logits
-  are kept; only the expert ids change, and the gate weights are the family's own normalisation of the
-  logits at those ids, so gradients still reach the router.
+  are kept; only the expert ids change (by the replay rule, ``routing/replay_rule.py``: the replayed ids, or under
+  threshold replay those the trainer's router scores well enough), and the gate weights are the family's own
+  normalisation of the logits at those ids, so gradients still reach the router.
   Routes already checked (:class:`~trl_moe_replay.routing.routes.CheckedRoutes`: ``record()``'s, the engine
   intake's, ``check_routes``') cost an O(1) layout comparison; a plain tensor is checked in full, on a private
   snapshot, every time it enters.
@@ -37,8 +38,9 @@ from torch import nn
 from ..upstream import transformers_seam
 from ..upstream.torch_seam import assert_without_sync, in_backward
 from .errors import RouteValidationError, UnsupportedModelError
+from .replay_rule import canonical_ids, check_score_threshold, replay_rule
 from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
-from .routes import CheckedRoutes, RouteLayout, check_routes, has_route, no_route_value, route_dtype
+from .routes import CheckedRoutes, RouteLayout, check_routes, no_route_value, route_dtype
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -162,15 +164,6 @@ class RouterCall:
 SteerFn = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _canonical_ids(rows: torch.Tensor, natural: torch.Tensor, rows_sorted: torch.Tensor | None = None) -> torch.Tensor:
-    """The k ids are a set. A row equal (as a set) to the natural choice keeps the router's own order, which makes
-    natural replay bit-exact; any other set is put in ascending order so that its order never matters."""
-    if rows_sorted is None:
-        rows_sorted = rows.sort(dim=-1).values
-    same_set = (rows_sorted == natural.sort(dim=-1).values).all(dim=-1, keepdim=True)
-    return torch.where(same_set, natural, rows_sorted)
-
-
 @dataclass
 class _Window:
     """The positions of the routes that the current forward covers: ``routes[:, start : start + length]``."""
@@ -189,9 +182,11 @@ class _ActiveReplay:
     the forward's are refused there, before any router runs, even when their row count would match.
     """
 
-    def __init__(self, routes: CheckedRoutes):
+    def __init__(self, routes: CheckedRoutes, score_threshold: float, replace_sums: dict[int, torch.Tensor]):
         self.checked = routes
         self.window: _Window | None = None
+        self.score_threshold = score_threshold
+        self.replace_sums = replace_sums  # the RouterReplay's: layer -> [replaced slots, routed slots] (on the device)
 
     def begin_forward(self, batch: int, length: int, opens_cache: bool, continues: bool) -> None:
         previous = self.window
@@ -216,7 +211,9 @@ class _ActiveReplay:
             )
         self.window = _Window(batch, start, length)
 
-    def forced_ids(self, layer: int, natural: torch.Tensor) -> torch.Tensor:
+    def forced_ids(self, layer: int, natural: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The ids this router call uses: :func:`~trl_moe_replay.routing.replay_rule.replay_rule` on this forward's
+        rows of the routes, the router's own choice and its logits."""
         routes = self.checked._on(natural.device)
         window = self.window
         if window is not None and not in_backward():
@@ -230,9 +227,12 @@ class _ActiveReplay:
                 f"{layer} saw {natural.shape[0]} tokens in this forward. Replay one routes tensor per forward and "
                 "slice it exactly as the inputs are sliced (chunked forwards, micro-batches)."
             )
-        no_route = ~has_route(rows)[:, None]
-        rows = rows.to(natural.dtype)
-        return _canonical_ids(torch.where(no_route, natural, rows), natural)
+        choice = replay_rule(rows, natural, logits, self.score_threshold)
+        if choice.replaced is not None and not in_backward():  # counted once per forward, on the device
+            counts = torch.stack([choice.replaced.sum(), choice.routed.sum() * k]).detach()
+            previous = self.replace_sums.get(layer)
+            self.replace_sums[layer] = counts if previous is None else previous + counts.to(previous.device)
+        return choice.ids
 
 
 class RouterReplay:
@@ -243,10 +243,13 @@ class RouterReplay:
     :class:`~trl_moe_replay.routing.routes.RouteLayout`), ``families`` (names of the router families found).
 
     Register it after any wrapping that replaces modules (PEFT, FSDP, ``torch.compile`` all work either way).
+    ``score_threshold`` (0 to 1, default 0: plain replay) makes every ``replay()`` threshold replay
+    (``routing/replay_rule.py``); :meth:`take_replace_sums` then counts the slots it replaced.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, score_threshold: float = 0.0):
         self.model = model
+        self.score_threshold = check_score_threshold(score_threshold)
         sites = _discover_routers(model)
         config = _text_config(model)
         self.num_layers: int = int(config.num_hidden_layers)
@@ -276,6 +279,7 @@ class RouterReplay:
         self._sites = sites
         self._removed = False
         self._replay: _ActiveReplay | None = None
+        self._replace_sums: dict[int, torch.Tensor] = {}
         self._steer: SteerFn | None = None
         self._observers: list[Callable[[RouterCall], None]] = []
         self._recordings: list[RouteRecording] = []
@@ -328,11 +332,18 @@ class RouterReplay:
         """
         self._check_attached()
         checked = check_routes(routes, self.layout)
-        previous, self._replay = self._replay, _ActiveReplay(checked)
+        previous, self._replay = self._replay, _ActiveReplay(checked, self.score_threshold, self._replace_sums)
         try:
             yield
         finally:
             self._replay = previous
+
+    def take_replace_sums(self) -> dict[int, torch.Tensor]:
+        """Threshold replay: per MoE layer, ``[replaced slots, routed slots]`` summed over the replayed forwards since
+        the last call (not their backward recomputes), on the device; empty without a threshold. Resets them."""
+        sums = dict(self._replace_sums)
+        self._replace_sums.clear()  # in place: an active replay adds to this same dict
+        return sums
 
     def routers(self) -> dict[int, nn.Module]:
         """The router module of each MoE layer, by absolute layer index (under PEFT, its first copy)."""
@@ -456,7 +467,7 @@ class RouterReplay:
                             "a router ran during record() without a decoder-stack forward; call the model itself"
                         )
                     recording._segments[-1].ids.setdefault(layer, []).append(ids)
-            used = choice if self._replay is None else self._replay.forced_ids(layer, choice)
+            used = choice if self._replay is None else self._replay.forced_ids(layer, choice, logits)
             if self._observers and not in_backward():
                 call = RouterCall(layer, module, router_input, logits, natural, used)
                 for observer in list(self._observers):
@@ -489,7 +500,7 @@ class RouterReplay:
             (ordered[:, 1:] != ordered[:, :-1]).all(),
             f"steer() function chose the same expert twice for a token of layer {layer}",
         )
-        return _canonical_ids(ids, natural, ordered)
+        return canonical_ids(ids, natural, ordered)
 
 
 # ---------------------------------------------------------------------- discovery

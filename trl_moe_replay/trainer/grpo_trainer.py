@@ -66,7 +66,6 @@ from ..rollouts import TransformersRolloutRecorder
 from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
 from ..rollouts.turns import RolloutTurns
 from ..rollouts.vllm_routes import VLLMRouteSource, llm_returning_routes
-from ..routing import RouterReplay
 from ..upstream import (
     disable_gradient_checkpointing,
     engine_logprob_correction,
@@ -132,8 +131,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         check_launched_engine(args, self.accelerator.state.distributed_type, strict=mode.replays)
 
         hooks_needed = settings.carries_routes or bool(option(args, "router_shift_weighting"))
-        self._route_replay = RouterReplay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
-        self._ref_route_replay = RouterReplay(self.ref_model) if self.ref_model is not None and mode.replays else None
+        self._route_replay = self._new_route_replay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
+        self._ref_route_replay = (self._new_route_replay(self.ref_model)
+                                  if self.ref_model is not None and mode.replays else None)
         # R3 with vLLM (or routing metrics): keep the routes vLLM returns (rollouts/vllm_routes.py), this rank's only
         self._vllm_routes = None
         if args.use_vllm and settings.generation_routes:
