@@ -239,7 +239,8 @@ def test_colocate_threshold_replay_trains_on_the_real_engines_routes(tmp_path):
     report, _ = train(tmp_path, "colocate", "qwen3_moe", "replay_score_threshold=1.0", "num_iterations=2",
                       "learning_rate=0.05", "max_steps=2", "count_mismatches=true")
     logs = steps(report)
-    assert len(logs) == 2 and all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    fallback = [entry["routing/fallback_frac"] for entry in logs if "routing/fallback_frac" in entry]
+    assert len(logs) == 2 and fallback and all(frac == 0.0 for frac in fallback)  # logged once per generation batch
     rates = [entry["routing/replace_rate"] for entry in logs]
     assert all(0.0 <= rate <= 1.0 for rate in rates) and max(rates) > 0, rates
     assert any(name.startswith("routing/replace_rate/layer_") for name in logs[0])  # and per MoE layer
