@@ -99,7 +99,7 @@ def _chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int,
         positions = (offsets[d] + torch.arange(local.shape[d], device=device)) * strides[d]
         inner = (inner[:, None] + positions[None, :]).reshape(-1)
     rows = max(1, _BLOCK // max(1, inner.numel()))
-    sums = [0, 0]
+    sums = torch.zeros(len(_WEIGHTS), dtype=torch.int64, device=device)  # on the device: one sync per chunk
     for start in range(0, values.shape[0], rows):
         block = values[start:start + rows].to(torch.int64).remainder(_PRIME) + 1
         first = (offsets[0] + torch.arange(start, start + block.shape[0], device=device)) * strides[0] \
@@ -108,8 +108,9 @@ def _chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int,
         square = (index * index).remainder(_PRIME)
         for n, (a, b, c) in enumerate(_WEIGHTS):
             weight = (square * a + index * b + c).remainder(_PRIME)
-            sums[n] = (sums[n] + int((weight * block).remainder(_PRIME).sum().item())) % _PRIME
-    return sums[0], sums[1]
+            sums[n] = (sums[n] + (weight * block).remainder(_PRIME).sum()).remainder(_PRIME)
+    first_sum, second_sum = (int(value) for value in sums.tolist())
+    return first_sum, second_sum
 
 
 def write_manifest(shards: str | os.PathLike, state: dict, should_write: bool) -> None:
