@@ -373,6 +373,7 @@ def test_a_wrongly_typed_entry_is_one_line_from_the_restore_itself(sharded, save
     """The pre-flight refuses it; the restore's own reads check the type too (it was an AttributeError traceback:
     'BytesStorageMetadata' object has no attribute 'size')."""
     monkeypatch.setattr(checkpoint_files, "TENSOR_ENTRIES", ("nothing.",))  # as if the pre-flight had let it through
+    monkeypatch.setattr(checkpoint_files, "_layout_problem", lambda metadata: None)  # (it places no bytes for it)
     folder = copied(sharded, tmp_path / "model", rewrite(lambda m: m.state_dict_metadata.update(
         {"model.lm_head.weight": BytesStorageMetadata()})))
     with pytest.raises(DistributedCheckpointError, match="'lm_head.weight' is a BytesStorageMetadata in its shards, "

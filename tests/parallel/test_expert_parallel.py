@@ -299,6 +299,44 @@ def test_a_hostile_shard_metadata_is_refused_on_every_rank_before_it_runs(stoppe
         frames
 
 
+@pytest.mark.slow  # one more launch of the recipe under torchrun, which loads the model and refuses (~1 min)
+@pytest.mark.serial
+def test_two_layers_storage_swapped_is_refused_by_content_on_every_rank(stopped_recipe, tmp_path):
+    """Before: each layer's q_proj trained on with the other's weights, rc 0 (the structure is sound: same shapes,
+    bytes of their own). Now the save's manifest of checksums (summed over both ranks' chunks) refuses the load in one
+    line on every rank, before the first step."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from trl_moe_replay.upstream import DCPMetadataUnpickler
+
+    base, run, step, resume, env = stopped_recipe
+    folder = tmp_path / "run" / f"checkpoint-{step}"
+    shutil.copytree(run / f"checkpoint-{step}", folder)
+    shards = folder / "distributed"
+    assert (shards / "manifest.json").is_file()
+    with open(shards / ".metadata", "rb") as file:
+        metadata = DCPMetadataUnpickler(file).load()
+    first, second = (next(key for key in metadata.state_dict_metadata
+                          if key.startswith("model.") and key.endswith(f"layers.{n}.self_attn.q_proj.weight"))
+                     for n in (0, 1))
+    # their first chunks (FSDP shards each q_proj's rows over the 2 ranks: 2 chunks of [32, 64])
+    indexes = [MetadataIndex(key, metadata.state_dict_metadata[key].chunks[0].offsets) for key in (first, second)]
+    storage = metadata.storage_data
+    storage[indexes[0]], storage[indexes[1]] = storage[indexes[1]], storage[indexes[0]]
+    (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+    command = list(resume)
+    command[command.index("--output_dir") + 1] = str(folder.parent)
+    result = subprocess.run([*command, "--resume_from_checkpoint", str(folder)], capture_output=True, text=True,
+                            env=env, timeout=900, cwd=base)
+    assert result.returncode != 0, (result.stdout + result.stderr)[-4000:]
+    errors = [line for line in result.stderr.splitlines() if ": error: " in line]
+    assert errors and len({line.split(": error: ", 1)[1] for line in errors}) == 1, result.stderr[-4000:]
+    assert f"error: checkpoint {folder} refused: {first!r} as loaded from its shards has another checksum than the " \
+           "save wrote in distributed/manifest.json (2 of the " in errors[0], errors[0]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, result.stderr[-4000:]
+
+
 # --------------------------------------------------------------------------------------------- launch-side refusals
 def args_with(distributed_config, **settings) -> MoEReplayGRPOConfig:
     return MoEReplayGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none",

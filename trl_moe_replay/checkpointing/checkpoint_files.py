@@ -28,7 +28,12 @@ What is checked:
   else is refused, never run), within a bound (:data:`MAX_DCP_METADATA_BYTES`), the ``Metadata`` torch reads, each
   entry of the types DCP's load plans with (the model's and the optimizer state's a tensor); each shard file it
   names, a relative path inside ``distributed/`` (no ``..``), a regular file inside the checkpoint folder that holds
-  every byte the metadata places in it (:func:`read_distributed_metadata`, :class:`DistributedCheckpointError`);
+  every byte the metadata places in it, no byte placed twice; and what it says: each tensor's chunks cover its shape
+  exactly once (no gap, no overlap, no negative offset or size), each stored in at least the bytes its elements take,
+  so no element count exceeds what the shard files hold; the file itself no larger than the shards it describes,
+  checked before it is unpickled (:func:`read_distributed_metadata`, :class:`DistributedCheckpointError`). A
+  checkpoint our trainers saved also holds a manifest of its tensors' checksums, checked after the load
+  (:mod:`.dcp_manifest`);
 - full model weights and a PEFT adapter side by side: refused. The Trainer writes one or the other, never both, so
   such a folder holds two runs' files (a LoRA run and a full run into one ``output_dir``), and only one of them wrote
   its ``optimizer.pt`` and ``trainer_state.json``.
@@ -39,7 +44,9 @@ files above are checked where they are present.
 
 from __future__ import annotations
 
+import functools
 import io
+import math
 import os
 import re
 import stat
@@ -90,6 +97,11 @@ DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint.filesystem's nam
 #: of the state dict and 150 more per further shard of a tensor: Qwen3-30B-A3B's model and AdamW state (about 2,800
 #: entries, fused experts) over 64 ranks is a few MiB. Unpickling builds objects several times the file's size.
 MAX_DCP_METADATA_BYTES = 256 * 2**20
+#: ``distributed/.metadata`` is read only if it is at most the size of the shard files beside it plus this. torch
+#: 2.13's save stores each entry in at least 1,261 bytes of shard (``torch.save`` format; a tiny MoE's model and AdamW
+#: state: 90,363 bytes of metadata for 2,192,539 of shards), so a larger file describes entries with no bytes: a
+#: 25 MB metadata beside a small model's shards was unpickled into a MemoryError after minutes.
+DCP_METADATA_SLACK_BYTES = 2**20
 #: The entries of our saves that are tensors (the model's weights, the optimizer's state: AdamW's exp_avg, exp_avg_sq
 #: and step), which the restore reads as tensors; the optimizer's param_groups values may be either.
 TENSOR_ENTRIES = ("model.", "optimizer.state.")
@@ -159,11 +171,18 @@ def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
     return path
 
 
-def read_distributed_metadata(folder: str | os.PathLike, refuse) -> Any:
+def read_distributed_metadata(folder: str | os.PathLike, refuse,
+                              parameters: dict[str, tuple[int, ...]] | None = None) -> Any:
     """The ``Metadata`` of checkpoint ``folder``'s ``distributed/`` shards, read without running anything it holds,
     its shard files checked (see the module docstring); ``refuse(problem)`` (which returns the exception to raise) for
     the first problem. The one reader of ``.metadata``: the pre-flight, and every DCP load of
-    :mod:`.distributed_checkpoint` (which hands torch's reader this object instead of letting it unpickle the file)."""
+    :mod:`.distributed_checkpoint` (which hands torch's reader this object instead of letting it unpickle the file).
+
+    Checked before anything is loaded: its size (at most :data:`MAX_DCP_METADATA_BYTES`, and the shard files' size
+    plus :data:`DCP_METADATA_SLACK_BYTES`) before it is unpickled; its types; every shard byte range inside an
+    existing shard file and no two sharing a byte; every tensor's chunks covering it exactly once, each in at least
+    the bytes its elements take (:func:`_layout_problem`). With ``parameters`` (the model's parameter names and
+    shapes, from the restores), every optimizer state at most as large as its parameter."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     folder = Path(folder)
@@ -174,10 +193,15 @@ def read_distributed_metadata(folder: str | os.PathLike, refuse) -> Any:
     size = path.stat().st_size
     if size > MAX_DCP_METADATA_BYTES:
         raise refuse(f"{name} holds {size:,} bytes, more than the {MAX_DCP_METADATA_BYTES:,} read")
+    described = _shard_bytes(folder / DISTRIBUTED_FOLDER)
+    if size > described + DCP_METADATA_SLACK_BYTES:
+        raise refuse(f"{name} holds {size:,} bytes, more than the {described:,} bytes of shard files it describes "
+                     f"(+{DCP_METADATA_SLACK_BYTES:,}): torch's save writes a few hundred bytes of metadata per entry, "
+                     "each entry stored in over a thousand bytes of shard; it was not read")
     with open(path, "rb") as file:
         data = file.read(MAX_DCP_METADATA_BYTES + 1)
-    if len(data) > MAX_DCP_METADATA_BYTES:  # grew since stat
-        raise refuse(f"{name} holds more than the {MAX_DCP_METADATA_BYTES:,} bytes read")
+    if len(data) > min(MAX_DCP_METADATA_BYTES, described + DCP_METADATA_SLACK_BYTES):  # grew since stat
+        raise refuse(f"{name} grew while it was read")
     try:
         metadata = DCPMetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 -- a damaged or hostile pickle raises whatever unpickling meets
@@ -194,6 +218,11 @@ def read_distributed_metadata(folder: str | os.PathLike, refuse) -> Any:
     if problem:
         raise refuse(f"{name} {problem}, not what torch's distributed checkpoint writes")
     _check_shards(folder, metadata.storage_data, refuse)
+    problem = _layout_problem(metadata)
+    if problem is None and parameters is not None:
+        problem = _size_problem(metadata.state_dict_metadata, parameters)
+    if problem:
+        raise refuse(f"{name} {problem}")
     return metadata
 
 
@@ -236,10 +265,13 @@ def _metadata_problem(metadata) -> str | None:
 
 def _check_shards(folder: Path, storage: dict, refuse) -> None:
     """Every shard file ``storage`` (``Metadata.storage_data``) names is a regular file inside ``folder``'s
-    ``distributed/``, long enough for every byte range read from it."""
+    ``distributed/``, long enough for every byte range read from it, and no two entries share a byte."""
     ends: dict[str, int] = {}
-    for where in storage.values():
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for index, where in storage.items():
         ends[where.relative_path] = max(ends.get(where.relative_path, 0), where.offset + where.length)
+        if where.length:
+            ranges.setdefault(where.relative_path, []).append((where.offset, where.offset + where.length, index.fqn))
     for relative, end in sorted(ends.items()):
         if not relative or PurePosixPath(relative).is_absolute() or ".." in PurePosixPath(relative).parts:
             raise refuse(f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} names the shard file {relative!r}, a path out of "
@@ -253,6 +285,104 @@ def _check_shards(folder: Path, storage: dict, refuse) -> None:
         if size < end:
             raise refuse(f"{name} holds {size:,} bytes, where its {DCP_METADATA_NAME} reads up to byte {end:,} (cut "
                          "short)")
+    for relative, spans in sorted(ranges.items()):
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise refuse(f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} places {shown(first, 200)} and "
+                             f"{shown(second, 200)} in shared bytes of {relative!r} (byte {start:,}): torch's save "
+                             "stores each entry in bytes of its own, so the metadata was changed after the save")
+
+
+def _shard_bytes(shards: Path) -> int:
+    """The bytes of the regular files in ``shards`` (a ``distributed/`` folder) beside its ``.metadata``."""
+    total = 0
+    with os.scandir(shards) as entries:
+        for entry in entries:
+            if entry.name != DCP_METADATA_NAME and entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _layout_problem(metadata) -> str | None:
+    """Where ``metadata`` does not describe every tensor exactly once: each entry placed in the shards, each
+    tensor's chunks inside its shape (no negative offset or size), at offsets of their own, covering every element
+    once (no gap: DCP leaves a gap at the value the model had; no overlap), each in at least the bytes its elements
+    take (torch's save stores a chunk's every element, in ``torch.save`` format or raw, unless a storage transform
+    compressed it), which bounds every element count by the shard files' size."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    storage = metadata.storage_data
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            if MetadataIndex(key) not in storage:
+                return f"places {shown(key, 200)} in no shard (it holds no storage entry for it)"
+            continue
+        shape = tuple(entry.size)
+        if any(n < 0 for n in shape):
+            return f"gives {shown(key, 200)} the shape {list(shape)}"
+        numel, itemsize, covered, seen = math.prod(shape), _itemsize(entry.properties.dtype), 0, set()
+        for chunk in entry.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if (len(offsets) != len(shape) or len(sizes) != len(shape) or min((*offsets, *sizes), default=0) < 0
+                    or any(o + n > dim for o, n, dim in zip(offsets, sizes, shape, strict=True))):
+                return (f"gives {shown(key, 200)} (shape {list(shape)}) a chunk at offsets {list(offsets)} of sizes "
+                        f"{list(sizes)}, outside the tensor")
+            if offsets in seen:
+                return f"gives {shown(key, 200)} two chunks at offsets {list(offsets)}"
+            seen.add(offsets)
+            where = storage.get(MetadataIndex(key, chunk.offsets))
+            if where is None:
+                return f"places the chunk of {shown(key, 200)} at offsets {list(offsets)} in no shard"
+            volume = math.prod(sizes)
+            if not getattr(where, "transform_descriptors", None) and where.length < volume * itemsize:
+                return (f"stores the chunk of {shown(key, 200)} at offsets {list(offsets)} ({volume:,} elements of "
+                        f"{entry.properties.dtype}) in {where.length:,} bytes, fewer than its elements take")
+            covered += volume
+        if covered != numel:
+            why = "a gap, which would keep the values the model had there" if covered < numel else "chunks overlap"
+            return (f"covers {covered:,} of the {numel:,} elements of {shown(key, 200)} with its {len(entry.chunks)} "
+                    f"chunks ({why})")
+        overlap = _overlap(entry.chunks)
+        if overlap:
+            return f"gives {shown(key, 200)} chunks that overlap (at offsets {list(overlap[0])} and {list(overlap[1])})"
+    return None
+
+
+def _overlap(chunks) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The offsets of two of ``chunks`` (inside their tensor, at offsets of their own) that share an element."""
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes) > 0 and len(c.sizes))
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in boxes:  # a sweep along dim 0: only chunks whose rows reach this one's can share an element
+        active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
+        for o, s in active:
+            if all(o[d] < offsets[d] + sizes[d] and offsets[d] < o[d] + s[d] for d in range(len(offsets))):
+                return o, offsets
+        active.append((offsets, sizes))
+    return None
+
+
+def _size_problem(entries: dict, parameters: dict[str, tuple[int, ...]]) -> str | None:
+    """An optimizer state (``optimizer.state.<parameter>.<name>``, the flattened keys our saves write) with more
+    elements than the parameter it belongs to (a moment: as many; Adam's step: one)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "optimizer.state."
+    for key, entry in entries.items():
+        if not (key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)):
+            continue
+        fqn = key[len(prefix):].rpartition(".")[0]
+        if fqn in parameters:
+            numel, most = math.prod(entry.size), max(1, math.prod(parameters[fqn]))
+            if numel > most:
+                return (f"gives the optimizer state {shown(key[len(prefix):], 200)} {numel:,} elements (shape "
+                        f"{list(entry.size)}), more than the {most:,} of the model's parameter {shown(fqn, 200)}")
+    return None
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _inside(target: Path, folder: Path) -> bool:
@@ -310,10 +440,11 @@ def _check_torch_file(path: Path, keys: tuple[str, ...], refuse) -> None:
         raise refuse(f"{path.name} holds no {missing[0]!r}, which the Trainer reads from it")
 
 
-def shown(value: Any) -> str:
-    """``value`` for a one-line message: a short repr of a scalar, the type name of anything else."""
+def shown(value: Any, limit: int = 60) -> str:
+    """``value`` for a one-line message: a repr of a scalar (cut to ``limit`` characters), the type name of anything
+    else."""
     text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def short_message(exc: BaseException, limit: int = 160) -> str:

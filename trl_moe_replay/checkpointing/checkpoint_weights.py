@@ -116,6 +116,16 @@ class RestoresEveryWeight:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is not None and distributed_checkpoint.uses_distributed_checkpoint(self):
             distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
+        elif checkpoint is not None and distributed_checkpoint.holds_training_state_in_shards(checkpoint):
+            # written sharded at load time (expert parallelism), resumed without: the Trainer would find no
+            # optimizer.pt and start the optimizer and scheduler afresh
+            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+                raise distributed_checkpoint.DistributedCheckpointError(
+                    f"checkpoint {checkpoint} refused: its optimizer and scheduler are in torch distributed checkpoint "
+                    f"shards ({distributed_checkpoint.FOLDER}/, written by a run sharded at load time: expert "
+                    f"parallelism), which {'FSDP' if self.is_fsdp_enabled else 'DeepSpeed'} does not read. Resume "
+                    "with the distributed_config (ep_size) that wrote it, or without FSDP and DeepSpeed")
+            distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
         else:
             super()._load_optimizer_and_scheduler(checkpoint)
 

@@ -15,6 +15,15 @@ checkpoint with optimizer state for one. The Trainer's own save and resume entry
   shards (``set_model_state_dict``), then the optimizer and scheduler. The model is restored whole or not at all: the
   checkpoint's metadata must hold every tensor of the model at its shape, the values are read into copies and checked
   finite before the model is changed; otherwise :class:`DistributedCheckpointError`, one line.
+* content: the save writes a manifest of every tensor's checksum beside the shards (:mod:`.dcp_manifest`); each load
+  compares what it loaded with it before anything is handed on (the model's copies before they are copied in, the
+  optimizer state before it is set), so storage swapped between two layers in ``.metadata`` is refused in one line.
+  The metadata's structure (chunks covering every tensor once, in bytes of their own, optimizer states no larger than
+  their parameters) is checked before any rank loads, by the one reader of ``.metadata``.
+* resumed without expert parallelism (the model not sharded at load time, not FSDP or DeepSpeed): the weights come
+  from ``model.safetensors`` as for any checkpoint, and the optimizer and scheduler from the shards, here
+  (:func:`holds_training_state_in_shards`): the Trainer, finding no ``optimizer.pt``, would start them afresh (the
+  learning rate at step 3 was 0 instead of 2e-4). FSDP and DeepSpeed, whose engines read their own files, refuse it.
 
 torch's reader unpickles ``.metadata`` with plain ``pickle.load`` on every rank. Every load here hands it the
 metadata read by :func:`~.checkpoint_files.read_distributed_metadata` instead (the resume pre-flight's reader: only
@@ -33,6 +42,7 @@ from __future__ import annotations
 import os
 
 import torch
+from transformers.trainer import OPTIMIZER_NAME
 
 from ..parallel.sharded import is_sharded_at_load
 from ..upstream import checked_dcp_planner, checked_dcp_reader, dcp_placements
@@ -42,6 +52,7 @@ from .checkpoint_files import (
     DistributedCheckpointError,
     read_distributed_metadata,
 )
+from .dcp_manifest import verify_loaded, write_manifest
 
 
 FOLDER = DISTRIBUTED_FOLDER
@@ -72,6 +83,7 @@ def save_training_state(trainer, output_dir: str) -> None:
     model_state, optimizer_state = get_state_dict(_model(trainer), trainer.optimizer, options=_options())
     state = dcp_placements({"model": model_state, "optimizer": optimizer_state})
     dcp.save(state, checkpoint_id=os.path.join(output_dir, FOLDER))
+    write_manifest(os.path.join(output_dir, FOLDER), state, should_write=trainer.args.should_save)
     if trainer.args.should_save:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -88,7 +100,7 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
             "distributed_config and model that wrote this one; the weights were left as they were"
         )
 
-    metadata = _metadata(checkpoint, refuse)
+    metadata = _metadata(checkpoint, refuse, model)
     current = get_model_state_dict(model, options=_options())
     for name, tensor in current.items():
         entry = metadata.get(f"model.{name}")
@@ -103,6 +115,7 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
     copies = dcp_placements({name: tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
                              for name, tensor in current.items()})
     _load({"model": copies}, checkpoint, refuse, "shards")
+    verify_loaded(checkpoint, os.path.join(checkpoint, FOLDER), {"model": copies}, refuse)
     copies = dcp_placements(copies, reference=current)
     bad = [name for name, tensor in copies.items() if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
            and not bool(torch.isfinite(_local(tensor)).all())]
@@ -121,14 +134,15 @@ def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> N
         return DistributedCheckpointError(f"checkpoint {checkpoint} refused: {problem}. Resume from another "
                                           "checkpoint-N of the run")
 
-    metadata = _metadata(checkpoint, refuse)
+    model = _model(trainer)
+    metadata = _metadata(checkpoint, refuse, model)
     if not os.path.isfile(scheduler_file):
         raise refuse(f"it has no {SCHEDULER_NAME}")
-    model = _model(trainer)
     current = get_optimizer_state_dict(model, trainer.optimizer, options=_options())
     _add_missing_state(trainer.optimizer, current, metadata, dict(model.named_parameters()), refuse)
     state = dcp_placements(current)
     _load({"optimizer": state}, checkpoint, refuse, "optimizer shards")
+    verify_loaded(checkpoint, os.path.join(checkpoint, FOLDER), {"optimizer": state}, refuse)
     set_optimizer_state_dict(model, trainer.optimizer, dcp_placements(state, reference=current), options=_options())
     trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
@@ -163,12 +177,21 @@ def _add_missing_state(optimizer, state: dict, metadata: dict, params: dict, ref
         optimizer.state[param][field] = room
 
 
-def _metadata(checkpoint: str | os.PathLike, refuse) -> dict:
-    """The global tensor metadata of ``checkpoint``'s shards (DCP writes ``.metadata`` last: present = complete)."""
+def _metadata(checkpoint: str | os.PathLike, refuse, model: torch.nn.Module) -> dict:
+    """The global tensor metadata of ``checkpoint``'s shards (DCP writes ``.metadata`` last: present = complete),
+    checked against ``model``'s parameters before anything is loaded."""
     if not os.path.lexists(os.path.join(checkpoint, FOLDER, DCP_METADATA_NAME)):
         raise refuse(f"it holds no complete {FOLDER}/ shards (the model was sharded at load time, whose checkpoints "
                      "are torch distributed checkpoints; this one was written without them, or cut short)")
-    return read_distributed_metadata(checkpoint, refuse).state_dict_metadata
+    parameters = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    return read_distributed_metadata(checkpoint, refuse, parameters).state_dict_metadata
+
+
+def holds_training_state_in_shards(checkpoint: str | os.PathLike) -> bool:
+    """Whether ``checkpoint`` keeps its optimizer in ``distributed/`` shards (a run sharded at load time wrote it) and
+    not in the Trainer's ``optimizer.pt``."""
+    return (os.path.lexists(os.path.join(checkpoint, FOLDER, DCP_METADATA_NAME))
+            and not os.path.lexists(os.path.join(checkpoint, OPTIMIZER_NAME)))
 
 
 def checked_reader(checkpoint: str | os.PathLike, refuse):
@@ -222,6 +245,7 @@ def _short(exc: BaseException) -> str:
 
 __all__ = [
     "DistributedCheckpointError",
+    "holds_training_state_in_shards",
     "restore_model",
     "restore_optimizer_and_scheduler",
     "save_training_state",

@@ -7,7 +7,7 @@ touching the private name, and the part's check.
 
 ==========================  ==========================================================================================
 ``torch_seam``              ``autograd_graph_task``, ``assert_async``, ``module_parameter_slot``,
-                            ``ddp_ignored_parameters``, ``dcp_metadata_pickle``
+                            ``ddp_ignored_parameters``, ``dcp_metadata_pickle``, ``dcp_local_chunks``
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
                             ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``,
                             ``parallel_plan_styles``
@@ -64,7 +64,7 @@ _LAZY = {
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp",
                      "DCPMetadataUnpickler", "dcp_storage_info_class", "checked_dcp_reader",
-                     "checked_dcp_planner"), "torch_seam"),
+                     "checked_dcp_planner", "dcp_local_chunk"), "torch_seam"),
 }
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ if TYPE_CHECKING:
         assert_without_sync,
         checked_dcp_planner,
         checked_dcp_reader,
+        dcp_local_chunk,
         dcp_storage_info_class,
         ignore_in_ddp,
         in_backward,

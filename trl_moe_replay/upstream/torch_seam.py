@@ -158,10 +158,35 @@ class DCPMetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return dcp_metadata_globals()[(module, name)]
+            found = dcp_metadata_globals()[(module, name)]
         except KeyError:
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not one torch's distributed checkpoint "
                                          "writes into its metadata") from None
+        # the two callables whose work grows with their argument, which a pickle can hand them again and again
+        # (a memo reference): a shape of many dimensions, a path of many parts, each built once per call
+        if found is torch.Size:
+            return _bounded_size
+        if isinstance(found, type) and issubclass(found, pathlib.PurePath):
+            return functools.partial(_bounded_path, found)
+        return found
+
+
+#: The most dimensions a shape in ``.metadata`` may have, and the most characters a path (StorageMeta.checkpoint_id)
+MAX_DCP_DIMS, MAX_DCP_PATH_CHARS = 64, 4096
+
+
+def _bounded_size(values: Any = ()) -> torch.Size:
+    if len(values) > MAX_DCP_DIMS:
+        raise pickle.UnpicklingError(f"a torch.Size of {len(values):,} dimensions, more than the {MAX_DCP_DIMS} "
+                                     "a checkpoint's tensors have")
+    return torch.Size(values)
+
+
+def _bounded_path(cls: type, *parts: Any) -> Any:
+    if len(parts) > MAX_DCP_PATH_CHARS or sum(len(part) if isinstance(part, str) else 1 for part in parts) > \
+            MAX_DCP_PATH_CHARS:
+        raise pickle.UnpicklingError(f"a {cls.__name__} of more than {MAX_DCP_PATH_CHARS:,} characters")
+    return cls(*parts)
 
 
 def checked_dcp_reader(path: str | pathlib.Path, read_metadata: Callable[[], Any]) -> Any:
@@ -208,6 +233,27 @@ def checked_dcp_planner(refuse: Callable[[str], Exception]) -> Any:
                 self.state_dict[fqn] = loaded
 
     return CheckedPlanner()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dcp_local_chunks: DTensor.__create_chunk_list__() (torch.distributed.tensor._api; "primarily used for distributed
+#    checkpoint purpose") returns the ChunkStorageMetadata (offsets and sizes in the global tensor) of the shard a
+#    rank holds, as DCP's planner describes it. The distributed checkpoint's manifest (trl_moe_replay/checkpointing/
+#    dcp_manifest.py) sums each tensor's checksum over the ranks' chunks at their global positions. The probe: the
+#    method is still there.
+DCP_LOCAL_CHUNKS = entry("dcp_local_chunks", "torch", TORCH_READ)
+
+
+def dcp_local_chunk(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The part of ``tensor`` this rank holds and its offsets in the global tensor (entry ``dcp_local_chunks``): a
+    DTensor's local shard or replica, a plain tensor whole at offset 0."""
+    create = getattr(tensor, "__create_chunk_list__", None)
+    if create is None or not hasattr(tensor, "to_local"):
+        return tensor, (0,) * tensor.dim()
+    chunks = create()
+    if len(chunks) != 1:
+        raise ValueError(f"a DTensor whose rank holds {len(chunks)} chunks, where one is expected")
+    return tensor.to_local(), tuple(int(n) for n in chunks[0].offsets)
 
 
 def check_torch() -> tuple[Finding, ...]:
@@ -297,6 +343,8 @@ def check_torch() -> tuple[Finding, ...]:
     probe(MODULE_PARAMETER_SLOT, parameter_slot)
     probe(DDP_IGNORED_PARAMETERS, ddp_ignore)
     probe(DCP_METADATA_PICKLE, dcp_metadata)
+    probe(DCP_LOCAL_CHUNKS, lambda: None if callable(getattr(_dtensor_class(), "__create_chunk_list__", None)) else
+          "DTensor no longer has __create_chunk_list__ (its local shard's offsets)")
     return tuple(findings)
 
 
@@ -312,3 +360,9 @@ class _RecordInBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.seen.append(in_backward())
         return grad, None
+
+
+def _dtensor_class() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
