@@ -74,6 +74,7 @@ from ..upstream import (
     mark_vllm_weights_synced,
     pad,
     profiling_context,
+    tool_loop_samples,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
@@ -196,7 +197,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         if batch is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = batch.begin_turn()
-        samples = batch.turns.match(prompt_ids) if later_turn and batch.turns is not None else None
+        samples = None  # a later turn's samples: those TRL's tool loop generates it for (seam entry tool_loop_samples)
+        if later_turn and batch.turns is not None:
+            samples = batch.turns.match(prompt_ids, owners=tool_loop_samples(len(prompt_ids)))
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start, sent = source.prompt_start, later_turn or source.prompt_start > 0

@@ -15,8 +15,8 @@ touching the private name, and the part's check.
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
                             ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
-                            ``tool_turn_rendering``, ``trl_public_apis``, ``model_card_identity``,
-                            ``trl_utilities``
+                            ``tool_turn_rendering``, ``tool_loop_samples``, ``trl_public_apis``,
+                            ``model_card_identity``, ``trl_utilities``
 ``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_batcher_rows``,
                             ``async_grpo_classes``, ``async_packing``
 ``vllm_seam``               ``cpu_experts_select``, ``routing_replay_capture``, ``unquantized_setup_kernel``,
@@ -48,7 +48,7 @@ _LAZY = {
                      "trl_padded_width", "engine_logprob_correction", "is_reference_forward",
                      "run_loss_on_trl_branch", "set_old_logps_for_loss", "MINIRL_TRL_BRANCH", "client_session",
                      "http_vllm_client", "vllm_generation_classes", "vllm_sampling_params_class", "vllm_request_fields",
-                     "exclude_from_weight_sync",
+                     "exclude_from_weight_sync", "tool_loop_samples",
                      "trl_named_params", "map_weight_sync_tensors", "vllm_weights_stale", "mark_vllm_weights_synced",
                      "wake_colocated_weights", "model_card_identity", "pad", "nanmin", "nanmax", "profiling_context",
                      "disable_gradient_checkpointing", "add_response_schema", "parse_response", "qwen3_template"),
@@ -131,6 +131,7 @@ if TYPE_CHECKING:
         qwen3_template,
         run_loss_on_trl_branch,
         set_old_logps_for_loss,
+        tool_loop_samples,
         trl_named_params,
         trl_padded_width,
         vllm_generation_classes,
