@@ -139,6 +139,18 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# resume_at_max_steps: Trainer._run_epoch (transformers 5.24) takes each optimizer step's batches with
+#    get_batch_samples(epoch_iterator, num_batches, device) before on_step_begin and training_step, and leaves the
+#    epoch, then _inner_training_loop the run, when control.should_training_stop is set after a step that had no
+#    batch; max_steps is judged only after a step (DefaultFlowCallback.on_step_end), so a run resumed at
+#    global_step == max_steps trains one step more. RestoresEveryWeight.get_batch_samples
+#    (trl_moe_replay/checkpointing/checkpoint_weights.py) answers such a run with no batch and the stop. Checked here
+#    by signature; the behaviour by tests/checkpointing/test_checkpoints.py (a resume at max_steps trains nothing).
+# ---------------------------------------------------------------------------------------------------------------
+RESUME_AT_MAX_STEPS = entry("resume_at_max_steps", "transformers", "5.24.0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # keys_ignored_on_save: PreTrainedModel._keys_to_ignore_on_save (a class attribute, None or a set of state-dict
 #    names) is what save_pretrained leaves out of the weights it writes. PR2 adds its predictors to it on the model
 #    instance (trl_moe_replay/pr2/state.py); resume integrity expects no checkpoint to hold them
@@ -286,6 +298,9 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     if have != ("model", "state_dict"):
         findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
                                                      f"became {have}"))
+    if finding := method_finding(RESUME_AT_MAX_STEPS, trainer_class or Trainer, "Trainer", "get_batch_samples",
+                                 ("self", "epoch_iterator", "num_batches", "device"), exact=True):
+        findings.append(finding)
     findings += _check_sharded_at_load_resume()
     findings += _check_parallel_plan_styles()
     return tuple(findings)
