@@ -256,6 +256,44 @@ def parallel_plan_styles() -> dict[str, frozenset[str]]:
     return {"tp_plan": styles, "ep_plan": styles - {"moe_tp_experts"}, "fsdp_plan": frozenset(ALL_FSDP_STYLES)}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# ep_implementations: the names DistributedConfig.ep_implementation may take (the registry
+#    transformers.distributed.expert_parallel.EPImplementationInterface, a mapping), and how each trains. transformers
+#    reads the name only inside from_pretrained, on every rank, once the model is built
+#    (EpDispatchExpertsParallel.install_forward: "names no registered implementation"), and an implementation whose
+#    class sets needs_shared_batch (all_reduce, deepgemm_megamoe) raises in its __init__ there unless every rank of the
+#    expert group holds the same batch, i.e. the expert group is the tensor-parallel group (ep_size == tp_size).
+#    deepgemm_megamoe's kernel has no backward ("runs at inference only"): a training forward through it cannot run.
+#    All of it applies only when ep_size > 1 (expert parallelism applied at all).
+# ---------------------------------------------------------------------------------------------------------------
+EP_IMPLEMENTATIONS = entry("ep_implementations", "transformers", "5.24.0")
+_EP_INFERENCE_ONLY = frozenset({"deepgemm_megamoe"})
+
+
+def ep_implementations() -> dict[str, tuple[bool, bool]]:
+    """``{name: (whether it needs ep_size == tp_size, whether it trains)}`` of the ``ep_implementation`` values the
+    installed transformers runs (entry ``ep_implementations``)."""
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    return {name: (bool(getattr(implementation, "needs_shared_batch", False)), name not in _EP_INFERENCE_ONLY)
+            for name, implementation in EPImplementationInterface().items()}
+
+
+def _check_ep_implementations() -> list[Finding]:
+    try:
+        from transformers.distributed import expert_parallel  # noqa: F401
+    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+        return []
+    try:
+        known = ep_implementations()
+    except (ImportError, AttributeError, TypeError) as exc:
+        return [Finding(EP_IMPLEMENTATIONS, f"the EP implementation registry cannot be read ({exc})")]
+    expected = {"auto": (False, True), "all_to_all": (False, True), "all_reduce": (True, True)}
+    if any(known.get(name) != value for name, value in expected.items()):
+        return [Finding(EP_IMPLEMENTATIONS, f"the EP implementations are {known}, not {expected} and more")]
+    return []
+
+
 def _check_parallel_plan_styles() -> list[Finding]:
     try:
         from transformers.distributed import parallel_utils  # noqa: F401
@@ -303,4 +341,5 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
         findings.append(finding)
     findings += _check_sharded_at_load_resume()
     findings += _check_parallel_plan_styles()
+    findings += _check_ep_implementations()
     return tuple(findings)
