@@ -679,8 +679,14 @@ def _train(script_args, training_args, model_args, state):
     if interrupt.interrupted:
         if Version(transformers.__version__) >= Version("5.18.0"):
             trainer.end()
-        state.print(f"stopped at step {trainer.state.global_step} of {trainer.state.max_steps}{interrupt.took()}; "
-                    f"checkpoint saved in {interrupt.checkpoint}; resume with: {resume_command()}")
+        step, max_steps = trainer.state.global_step, trainer.state.max_steps
+        if step >= max_steps:  # the last step: nothing is left to resume (a resume would train no step)
+            state.print(f"stopped at step {step} of {max_steps}{interrupt.took()}: the run is complete; its final "
+                        f"weights are in {interrupt.checkpoint} (the final save into {training_args.output_dir} and "
+                        "the summary were skipped)")
+        else:
+            state.print(f"stopped at step {step} of {max_steps}{interrupt.took()}; checkpoint saved in "
+                        f"{interrupt.checkpoint}; resume with: {resume_command()}")
         return trainer
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history the plots read

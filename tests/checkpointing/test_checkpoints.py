@@ -5,6 +5,7 @@ too), and a re-run says what it does with an earlier run."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,6 +179,47 @@ def test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path, mod
     assert all(torch.equal(final[name], resumed_final[name]) for name in final)
 
 
+@pytest.mark.parametrize("mode", ["none", "r3"])
+def test_a_run_resumed_at_its_last_step_trains_nothing_and_ends_on_the_checkpoints_weights(tmp_path, mode, caplog):
+    """transformers judges max_steps only after a step: resumed at global_step == max_steps, its loop trains a step
+    max_steps + 1. Ours trains none: the checkpoint's weights and step, one line saying the run is complete; with a
+    larger max_steps it trains on."""
+    full = make_trainer(tmp_path / "full", tiny_moe_model("qwen3_moe"), routing_replay=mode, save_strategy="steps",
+                        save_steps=2)
+    full.train()
+    final = weights(full.model)
+    resumed = make_trainer(tmp_path / "resumed", tiny_moe_model("qwen3_moe"), routing_replay=mode)
+    with caplog.at_level("WARNING", logger="trl_moe_replay.checkpointing.checkpoint_weights"):
+        output = resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert output.global_step == resumed.state.global_step == 2 and not step_logs(resumed).keys() - {1, 2}
+    assert all(torch.equal(final[name], tensor) for name, tensor in weights(resumed.model).items())
+    assert "resumed at step 2 of 2: the run is complete, no step is trained" in caplog.text
+    more = make_trainer(tmp_path / "more", tiny_moe_model("qwen3_moe"), routing_replay=mode, max_steps=3)
+    more.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert more.state.global_step == 3 and sorted(step_logs(more)) == [1, 2, 3]
+
+
+def test_resume_true_skips_a_checkpoint_cut_before_its_state_was_written(tmp_path):
+    """The trainer API's resume_from_checkpoint=True resolves as the recipe does (resolve_resume): the newest
+    checkpoint with its trainer_state.json (written last), not transformers' newest folder, whose missing state is a
+    FileNotFoundError there."""
+    first = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", save_strategy="steps",
+                         save_steps=1)
+    first.train()
+    first.end()  # releases output_dir for the next trainer
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()  # the save of step 2 cut short
+    second = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", save_strategy="steps",
+                          save_steps=1)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 2 and sorted(step_logs(second)) == [1, 2]  # step 1 from checkpoint-1's log
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()  # step 2 trained and saved again
+    second.end()
+    for folder in tmp_path.glob("checkpoint-*"):
+        shutil.rmtree(folder)
+    with pytest.raises(NoCheckpointError, match="no checkpoint in .* to resume from"):
+        make_trainer(tmp_path, tiny_moe_model("qwen3_moe")).train(resume_from_checkpoint=True)
+
+
 # ----------------------------------------------------------------------------- the recipe
 @pytest.fixture(scope="module")
 def recipe():
@@ -280,6 +322,37 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
     assert [entry["step"] for entry in resumed] == [entry["step"] for entry in full]
     for a, b in zip(full, resumed, strict=True):
         assert {k: v for k, v in a.items() if k not in TIMINGS} == {k: v for k, v in b.items() if k not in TIMINGS}
+
+
+@pytest.mark.slow  # two short recipe runs
+def test_a_stop_at_the_last_step_says_the_run_is_complete_and_a_resume_trains_nothing(
+    recipe, tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C (or SIGTERM) in the last step: the checkpoint holds the finished run, so the stop line says so instead
+    of printing a resume command; a resume anyway trains no step (transformers' loop would train step 3 of 2) and
+    writes the final model and the summary."""
+    run = tmp_path / "run"
+    args = small_args(run, tmp_path / "cache", "--max_steps", "2")
+
+    def ctrl_c(self, args, state, control, **kwargs):  # a Ctrl-C while the last step runs
+        if state.global_step == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(recipe.SaveOnInterrupt, "on_step_begin", ctrl_c, raising=False)
+        trainer = recipe.main(*recipe.parse_args(args))
+    out = capsys.readouterr().out
+    assert trainer.state.global_step == 2
+    assert (f"s after Ctrl-C): the run is complete; its final weights are in {run / 'checkpoint-2'} (the final save "
+            f"into {run} and the summary were skipped)") in out
+    assert "stopped at step 2 of 2 (" in out and "resume with" not in out
+    trainer = recipe.main(*recipe.parse_args([*args, "--resume_from_checkpoint"]))
+    out = capsys.readouterr().out
+    assert trainer.state.global_step == 2 and "mean reward" in out
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2]
+    saved = load_file(run / "model.safetensors")
+    restored = load_file(run / "checkpoint-2" / "model.safetensors")
+    assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
 
 
 @pytest.mark.slow  # a recipe run (~30 s)

@@ -66,7 +66,9 @@ def test_bf16_parameters_updated_in_place_log_a_small_fraction_and_warn_once(tmp
         trainer = train_sync(tmp_path, torch.bfloat16)
     fractions = logged(trainer)
     assert len(fractions) == 3 and max(fractions) < 0.1  # every step (max_steps 3); 2.0% at step 1, as the issue measured
-    assert all(len(logged(trainer, f"{METRIC}/group{i}")) == 3 for i in (0, 1))  # decay / no-decay groups
+    # decay / no-decay groups; the no-decay one holds the norms' weights of 1.0, which a step of lr / 8 moves in
+    # float32 only while lr > 4.8e-7: steps 1-2 of the linear decay from 1e-6 (step 3: 3.3e-7, not judged)
+    assert len(logged(trainer, f"{METRIC}/group0")) == 3 and len(logged(trainer, f"{METRIC}/group1")) == 2
     assert all(entry.get("grad_norm", 1) > 0 for entry in trainer.state.log_history)  # gradients were there
     lines = warnings_of(caplog)
     assert len(lines) == 1 and "\n" not in lines[0]  # once, over three low steps; one line
@@ -97,8 +99,8 @@ def test_the_async_trainer_measures_through_the_same_probe(tmp_path, checkpoint,
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer.train()
-    fractions = logged(trainer)
-    assert len(fractions) == 2 and max(fractions) < 0.1  # both steps (max_steps 2) measured
+    probe = next(c for c in trainer.callback_handler.callbacks if isinstance(c, UpdateProbe))
+    assert probe.measured == 2 and not logged(trainer)  # both steps (max_steps 2) judged; "none" logs TRL's keys only
     assert len(warnings_of(caplog)) == 1 and "bf16 parameters updated in place" in warnings_of(caplog)[0]
 
 
@@ -133,7 +135,7 @@ def test_the_measured_fraction_is_the_issues_table(dtype, lr, low, high):
 
 
 def test_steps_that_cannot_change_anything_do_not_count():
-    param = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    param = torch.nn.Parameter((torch.randn(64, 64) * 0.02).to(torch.bfloat16))
     probe, optimizer, metrics = probe_over(param, 1e-6)
     step(probe, optimizer, param, torch.zeros(64, 64, dtype=torch.bfloat16))  # no gradient
     step(probe, optimizer, param, torch.randn(64, 64).to(torch.bfloat16), skipped=True)  # fp16 scaler skipped it
@@ -146,13 +148,72 @@ def test_steps_that_cannot_change_anything_do_not_count():
     assert len(metrics[METRIC]) == precision.PROBE_STEPS and probe.warned  # then no more: the first steps only
 
 
+PROBE_WINDOW = precision.PROBE_STEPS
+
+
+def scheduled(dtype, scheduler: str, warmup: int, steps: int = PROBE_WINDOW, lr: float = 1e-6):
+    """The probe over a weight drawn like a real layer's (std 0.02) in ``dtype``, AdamW stepped ``steps`` times under
+    transformers' ``scheduler`` with ``warmup`` warm-up steps (of 4,000 in all); the probe and its metric lists."""
+    from transformers import get_scheduler
+
+    generator = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter((torch.randn(256, 256, generator=generator) * 0.02).to(dtype))
+    probe, optimizer, metrics = probe_over(param, lr)
+    schedule = get_scheduler(scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=4000)
+    for global_step in range(steps):
+        step(probe, optimizer, param, torch.randn(256, 256, generator=generator).to(dtype), global_step=global_step)
+        schedule.step()
+    return probe, metrics
+
+
+@pytest.mark.parametrize(("dtype", "steps"), [(torch.float32, PROBE_WINDOW), (torch.bfloat16, 10)])
+@pytest.mark.parametrize("scheduler", ["linear", "cosine", "constant_with_warmup"])
+def test_a_warm_up_too_small_to_show_is_not_judged(dtype, steps, scheduler, caplog):
+    """The issue's run: lr 1e-6 with 2,000 warm-up steps takes steps of 0, then 5e-10, 1e-9 ...: too small to move
+    most weights even in float32, so those steps are not judged, whatever the parameters' dtype (the fp32 run was told
+    to raise its learning rate at 5e-10, the bf16 one that 0.0% changed). The later ones of the window, from about
+    7e-9, move an fp32 weight: an fp32 run is judged there and keeps its updates (the least favourable gradients:
+    fresh random ones at every step)."""
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        probe, metrics = scheduled(dtype, scheduler, warmup=2000, steps=steps)
+    assert not warnings_of(caplog)
+    if dtype == torch.bfloat16:  # steps of 0 to 4.5e-9: none judged
+        assert probe.measured == 0 and METRIC not in metrics
+    else:
+        assert 0 < probe.measured < PROBE_WINDOW - 10 and min(metrics[METRIC]) >= precision.WARN_BELOW
+
+
+@pytest.mark.parametrize(("dtype", "warns"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_after_a_short_warm_up_the_steps_at_full_rate_are_judged(dtype, warns, caplog):
+    """constant_with_warmup over 4 steps: lr 0, 2.5e-7, 5e-7, 7.5e-7, then 1e-6. The steps whose rate moves the
+    weights in float32 are judged: bf16 parameters updated in place warn (at a judged step's rate), fp32 ones do not."""
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        probe, metrics = scheduled(dtype, "constant_with_warmup", warmup=4)
+    assert probe.measured == len(metrics[METRIC]) and PROBE_WINDOW - 1 <= probe.measured < PROBE_WINDOW  # not lr 0
+    assert (max(metrics[METRIC]) < 0.5) if warns else (min(metrics[METRIC]) >= 0.9)
+    lines = warnings_of(caplog)
+    assert len(lines) == int(warns)
+    if warns:
+        assert "bf16 parameters updated in place" in lines[0] and "at learning rate 0 " not in lines[0]
+
+
+def test_gradient_accumulation_and_warm_up_in_a_run(tmp_path, caplog):
+    """A trainer run with gradient accumulation and a long warm-up (the issue's fp32 run at lr 1e-6): its first
+    optimizer steps are too small to judge, so nothing is logged or warned; the run still trains."""
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        trainer = train_sync(tmp_path, torch.float32, gradient_accumulation_steps=2, warmup_steps=2000)
+    assert not logged(trainer) and not warnings_of(caplog)
+    probe = next(c for c in trainer.callback_handler.callbacks if isinstance(c, UpdateProbe))
+    assert probe.measured == 0 and len(logged(trainer, "loss")) == 3 and logged(trainer, "learning_rate")[1] > 0
+
+
 def test_deepspeed_keeps_its_own_masters_and_gets_no_probe():
     callbacks = []
     accelerator = SimpleNamespace(mixed_precision="bf16", native_amp=True, is_main_process=True)
     trainer = SimpleNamespace(is_deepspeed_enabled=True, add_callback=callbacks.append, accelerator=accelerator)
-    assert attach_update_probe(trainer, {}) is None and not callbacks
+    assert attach_update_probe(trainer, {}, log_metric=True) is None and not callbacks
     trainer.is_deepspeed_enabled = False
-    assert isinstance(attach_update_probe(trainer, {}), UpdateProbe) and len(callbacks) == 1
+    assert isinstance(attach_update_probe(trainer, {}, log_metric=True), UpdateProbe) and len(callbacks) == 1
 
 
 def test_float32_steps_below_resolution_name_the_learning_rate():

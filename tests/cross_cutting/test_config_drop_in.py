@@ -50,7 +50,8 @@ DOCUMENTED = {
     ("temperature", "0.0"), ("learning_rate", "nan"), ("learning_rate", "-1e-05"), ("max_steps", "2.5"),
     ("log_completions", "'no'"), ("num_iterations", "0"), ("reward_weights", "[nan]"), ("loss_type", "'bogus'"),
     ("top_p", "-0.5"), ("max_staleness", "-1"), ("temperature", "inf"), ("num_train_epochs", "0.0"),
-    ("epsilon", "-0.1"), ("epsilon_high", "-0.1"),
+    ("epsilon", "-0.1"), ("epsilon_high", "-0.1"), ("adam_beta1", "1.5"), ("adam_beta2", "1.0"),
+    ("adam_epsilon", "-1e-08"), ("adam_epsilon", "0.0"), ("weight_decay", "-0.1"),
 }
 
 
@@ -112,6 +113,15 @@ EDGES = [
     ({"num_train_epochs": 0.0}, ["--num_train_epochs", "0"]),
     ({"epsilon": -0.1}, ["--epsilon", "-0.1"]),
     ({"epsilon_high": -0.1}, ["--epsilon_high", "-0.1"]),
+    # torch's AdamW raises on these when the trainer builds it (issue 51), or turns weights NaN (an epsilon of 0)
+    ({"adam_beta1": 1.5}, ["--adam_beta1", "1.5"]),
+    ({"adam_beta2": 1.0}, ["--adam_beta2", "1.0"]),
+    ({"adam_epsilon": -1e-8}, ["--adam_epsilon=-1e-8"]),
+    ({"adam_epsilon": 0.0}, ["--adam_epsilon", "0"]),
+    ({"weight_decay": -0.1}, ["--weight_decay", "-0.1"]),
+    # ... but an optimizer that is no torch AdamW reads them otherwise or not at all: taken, as plain TRL takes them
+    ({"optim": "sgd", "adam_beta1": 1.5, "adam_epsilon": 0.0}, ["--optim", "sgd", "--adam_beta1", "1.5"]),
+    ({"adam_beta1": 0.0, "adam_beta2": 0.0}, ["--adam_beta1", "0", "--adam_beta2", "0"]),
 ]
 
 

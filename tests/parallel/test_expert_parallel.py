@@ -397,6 +397,18 @@ LAYOUTS_TRANSFORMERS_CANNOT_RUN = {  # issue 42: each passed the launch check, t
                                      "tp_plan must be a mapping of module names to styles or auto"),
     "ep_plan a key that is no text": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {1: "grouped_gemm"}},
                                       "ep_plan has the key 1: its keys are module names"),
+    # issue 51: a listed choice the layout cannot run, a name transformers has none for, one that cannot train
+    "ep_implementation all_reduce over ep 2 x fsdp 2": (
+        {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_reduce"},
+        r"ep_implementation 'all_reduce' needs every rank of an expert group to hold the same batch \(ep_size == "
+        r"tp_size\), but the layout has ep_size 2 and tp_size 1"),
+    "ep_implementation unknown": ({"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_one"},
+                                  "ep_implementation is 'all_to_one', which transformers has no implementation for: "
+                                  "use one of auto, all_to_all, all_reduce"),
+    "ep_implementation no text": ({"ep_size": 2, "fsdp_size": 2, "ep_implementation": 2},
+                                  "ep_implementation is 2, which transformers has no implementation for"),
+    "ep_implementation that cannot train": ({"ep_size": 2, "tp_size": 2, "ep_implementation": "deepgemm_megamoe"},
+                                            "'deepgemm_megamoe' runs at inference only"),
 }
 
 
@@ -427,6 +439,18 @@ def test_valid_plans_and_numpy_sizes_are_taken():
                          "grouped_gemm"}, "fsdp_plan": {"layers.*": "free_full_weight"}, "tp_size": 1, "tp_plan": "auto"}
     config = distributed_config_from_args(args_with({"ep_size": np.int64(2), "fsdp_size": 2, **plans}), world_size=2)
     assert (config.ep_size, config.ep_plan, config.fsdp_plan) == (2, plans["ep_plan"], plans["fsdp_plan"])
+    # ep_implementation: each that the layout runs; any value without expert parallelism (transformers reads none)
+    for sizes in ({"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_all"},
+                  {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "auto"},
+                  {"ep_size": 1, "fsdp_size": 2, "ep_implementation": "all_to_one"}):
+        config = distributed_config_from_args(args_with(sizes), world_size=2)
+        assert config.ep_implementation == sizes["ep_implementation"]
+    from transformers.distributed import DistributedConfig
+
+    from trl_moe_replay.parallel.expert_parallel import check_ep_implementation
+
+    # all_reduce where the expert group is the tensor-parallel one (GPUs: tensor parallelism is refused on CPUs)
+    assert check_ep_implementation(DistributedConfig(ep_size=2, tp_size=2, ep_implementation="all_reduce")) is None
 
 
 def test_a_transformers_without_expert_parallelism_is_refused_in_one_line(monkeypatch):

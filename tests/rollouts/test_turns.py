@@ -112,6 +112,31 @@ def test_later_turn_prompts_are_matched_to_samples_by_prefix_in_order():
     assert turns.match([[4, 4], [3, 7, 1]]) == [None, 2]  # no sample continues [4, 4]
 
 
+def test_a_prompt_that_fits_two_samples_of_which_one_stopped_goes_to_neither_and_is_counted():
+    # samples 0 and 1 wrote the same tool call; only one goes on (TRL dropped the other's tool result): the tokens
+    # cannot say which, so the turn falls back (its positions use the trainer's routing) instead of going to sample 0
+    turns = RolloutTurns([[1, 2], [1, 2], [3]], [[5, 6], [5, 6], [7]], rows=None)
+    assert turns.match([[1, 2, 5, 6, 9], [3, 7, 8]]) == [None, 2]
+    assert (turns.ambiguous, turns.unmatched) == (1, 0)
+    # a sample whose sequence is a prefix of another's: the longer one's continuation fits both, but the order
+    # leaves one choice when the shorter one goes on too
+    turns = RolloutTurns([[1], [1]], [[2], [2, 3]], rows=None)
+    assert turns.match([[1, 2, 8], [1, 2, 3, 9]]) == [0, 1]
+    assert turns.match([[1, 2, 3, 9]]) == [None] and turns.ambiguous == 1
+
+
+def test_the_tool_loops_samples_decide_where_they_fit_the_prompts():
+    turns = RolloutTurns([[1, 2], [1, 2], [3]], [[5, 6], [5, 6], [7]], rows=[turn_rows(2, 2)] * 3)
+    later = [[1, 2, 5, 6, 9]]
+    assert turns.match(later, owners=[1]) == [1] and turns.ambiguous == 0
+    turns.add_turn(later, [[4]], rows=[turn_rows(5, 1, turn=1)], samples=[1])
+    assert [len(t) for t in turns.turns] == [1, 2, 1]  # sample 1's turn, not sample 0's
+    # owners that do not fit the prompts (not a prefix, out of range, out of order) are not taken: the tokens decide
+    assert turns.match([[3, 7, 8]], owners=[0]) == [2]
+    assert turns.match([[3, 7, 8]], owners=[7]) == [2]
+    assert turns.match([[1, 2, 5, 6, 0], [3, 7, 1]], owners=[2, 0]) == [0, 2]
+
+
 def test_add_turn_records_rows_per_sample_and_drops_unmatched_prompts():
     turns = RolloutTurns([[1, 2], [3, 4]], [[5], [6, 7]], rows=[turn_rows(2, 1), turn_rows(2, 2)])
     turns.add_turn([[3, 4, 6, 7, 9], [8, 8]], [[1, 1], [2]], rows=[turn_rows(5, 2), turn_rows(2, 1)])

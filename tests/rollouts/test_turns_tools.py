@@ -73,10 +73,33 @@ def script(prompt: str) -> str:
         return [call("echo", text="abcdefgh"), "never"][turn]
     if question == "7+7=":  # the answer after the tool runs past max_completion_length: TRL truncates it
         return [call("add", a=7, b=7), "\\boxed{14}" + "x" * 300][turn]
+    if question == "twin":  # both samples of the group call the same tool alike; only one result fits (flaky)
+        return [call("flaky", text="ab"), "\\boxed{1}"][turn]
     raise AssertionError(question)
 
 
 QUESTIONS = ["5+2=", "3+4=", "1+1=", "9/0=", "say", "7+7="]
+
+
+class Flaky:
+    """A tool whose result is too long to fit on every other call: of two samples that call it alike, in TRL's order,
+    the first one's result is dropped (the sample ends there) and the second one goes on."""
+
+    calls = 0
+
+    @classmethod
+    def result(cls, text: str) -> str:
+        cls.calls += 1
+        return text * 200 if cls.calls % 2 else text
+
+
+def flaky(text: str) -> str:
+    """Repeat a text, sometimes.
+
+    Args:
+        text: The text.
+    """
+    return Flaky.result(text)
 
 
 class Calculator:
@@ -111,10 +134,18 @@ class Calculator:
         """
         return text * 100
 
+    def flaky(self, text: str) -> str:
+        """Repeat a text, sometimes.
 
-def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, **overrides):
+        Args:
+            text: The text.
+        """
+        return Flaky.result(text)
+
+
+def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, questions=QUESTIONS, **overrides):
     tokenizer = tiny_tokenizer(tools=True)
-    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS for _ in range(2)]
+    prompts = [[{"role": "user", "content": q}] for q in questions for _ in range(2)]
     settings = dict(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
         per_device_train_batch_size=12, num_generations=2, max_completion_length=MAX_COMPLETION, learning_rate=1e-3,
@@ -125,7 +156,7 @@ def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, **overri
         model=tiny_moe_model(model_type, max_position_embeddings=2048),
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=MoEReplayGRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer, **(trainer_kwargs or {"tools": [add, div, echo]}),
+        processing_class=tokenizer, **(trainer_kwargs or {"tools": [add, div, echo, flaky]}),
     )
 
 
@@ -190,3 +221,17 @@ def test_environment_factory_rollouts_replay_like_tools(tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     trainer = tool_trainer(tmp_path, trainer_kwargs={"environment_factory": Calculator})
     run_checked(trainer, trainer.model, trainer._route_replay)
+
+
+@pytest.mark.parametrize("loop", ["tools", "environment_factory"])
+def test_two_samples_with_the_same_tool_call_where_one_goes_on_replay_their_own_routes(tmp_path, loop, monkeypatch):
+    """Two samples of a group write the same first turn (a tool call) and only the second goes on: TRL drops the
+    first one's overlong tool result. The later turn belongs to the second sample (TRL's tool loop says which), not to
+    the first one, whose sequence is a prefix of it too: under R3 the run trains, every position replays the route
+    of the engine forward that produced it, and nothing falls back."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    Flaky.calls = 0
+    kwargs = {"environment_factory": Calculator} if loop == "environment_factory" else None
+    trainer = tool_trainer(tmp_path, trainer_kwargs=kwargs, questions=["twin", *QUESTIONS[1:]])
+    run_checked(trainer, trainer.model, trainer._route_replay)
+    assert Flaky.calls == 2  # once per sample of the group: the first result dropped, the second kept

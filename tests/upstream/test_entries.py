@@ -170,8 +170,16 @@ class SyncsBeforeEveryGeneration(GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
 
+class ToolLoopWrapped(GRPOTrainer):
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        # the loop that asks for a turn no longer holds the samples' list (a loop of its own around TRL's)
+        return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                       multimodal_fields)
+
+
 @pytest.mark.parametrize("changed, entry", [
     (OldLogpsReadFromACopy, "old_logps_after_forward"),
+    (ToolLoopWrapped, "tool_loop_samples"),
     (CorrectionKeyedOnAnotherFlag, "engine_logprob_correction"),
     (LossBranchOnArgs, "loss_branch"),
     (VespoWithTheEngineFactor, "minirl_on_vespo"),

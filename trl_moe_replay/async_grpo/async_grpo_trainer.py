@@ -248,7 +248,8 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
                                                    tolerance=option(args, "sync_check_tolerance"))
         # one run per output_dir, as the sync trainer: claimed by the main process in train(), held until end() or GC
         self._output_lock = hold_output_dir(self)
-        attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
+        # what the first optimizer steps changed: a warning if ~nothing; precision/updated_frac with the routing metrics
+        attach_update_probe(self, self._metrics, log_metric=self.replay_settings.routing_metrics)
         if not carries_routes:
             return
         attempts = option(args, "vllm_request_attempts")

@@ -48,7 +48,6 @@ from accelerate.utils import is_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
-from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import (
     ADAPTER_SAFE_WEIGHTS_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -70,6 +69,7 @@ from .checkpoint_files import (
     short_message,
     shown,
 )
+from .checkpoints import resolve_resume
 
 
 logger = logging.get_logger(__name__)
@@ -88,15 +88,31 @@ class RestoresEveryWeight:
     checkpoint's files first (:func:`~.checkpoint_files.check_checkpoint_files`, before the Trainer reads any), and a
     resume (``_load_from_checkpoint``) and ``_load_best_model`` restore every weight through
     :func:`restore_trainer_weights`, or refuse; transformers' own load (``load_state_dict(strict=False)``) leaves
-    what it does not find at its initial value (transformers#48805, empty or partial files)."""
+    what it does not find at its initial value (transformers#48805, empty or partial files).
+
+    ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint, as the recipe does
+    (:func:`~.checkpoints.resolve_resume`: one with its ``trainer_state.json``, which the Trainer writes last), where
+    transformers takes the newest folder, a save cut short included. A run resumed at its last step (or past it) trains
+    nothing (``get_batch_samples``), where transformers' loop would run one step more."""
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        folder = resume_from_checkpoint
-        if isinstance(folder, bool) and folder:  # the Trainer's own rule for True: the newest checkpoint-N
-            folder = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-        if folder:  # (None or none found: the Trainer says so itself)
-            check_checkpoint_files(folder)
+        if resume_from_checkpoint is True:  # the newest complete checkpoint-N, its files checked
+            resume_from_checkpoint = resolve_resume(True, self.args.output_dir)
+        elif resume_from_checkpoint:
+            check_checkpoint_files(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """No batch, and the stop, for a run resumed at or past its last step (seam entry ``resume_at_max_steps``):
+        the Trainer judges ``max_steps`` only after a step, so it would train a step ``max_steps + 1``."""
+        state = self.state
+        if 0 < state.max_steps <= state.global_step:
+            if not self.control.should_training_stop and self.accelerator.is_main_process:
+                logger.warning(f"resumed at step {state.global_step} of {state.max_steps}: the run is complete, no "
+                               "step is trained (raise max_steps to train on)")
+            self.control.should_training_stop = True
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if not restore_trainer_weights(self, resume_from_checkpoint, model):

@@ -66,8 +66,9 @@ _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE = "trainer_state.json"
 
 
-class NoCheckpointError(TrlMoeReplayError, FileNotFoundError):
-    """Asked to resume, but the output directory holds no complete checkpoint."""
+class NoCheckpointError(TrlMoeReplayError, FileNotFoundError, ValueError):
+    """Asked to resume, but the output directory holds no complete checkpoint (a ``ValueError`` too, as
+    transformers' own refusal of ``resume_from_checkpoint=True`` without one)."""
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -103,7 +104,7 @@ def _named_checkpoint(value, output_dir: str | os.PathLike) -> str | None:
         found = newest_checkpoint(output_dir)
         if found is None:
             raise NoCheckpointError(
-                f"--resume_from_checkpoint: no checkpoint in {output_dir} to resume from (checkpoint-N folders with "
+                f"resume_from_checkpoint: no checkpoint in {output_dir} to resume from (checkpoint-N folders with "
                 f"{TRAINER_STATE}); pass --output_dir of the run to resume, or a checkpoint path, or drop the flag "
                 "to start a new run"
             )

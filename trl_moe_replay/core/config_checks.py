@@ -111,6 +111,16 @@ def _cispo(config) -> bool:
     return getattr(config, "loss_type", None) == "cispo"
 
 
+#: transformers' optimizer names that build torch's AdamW from adam_beta1, adam_beta2, adam_epsilon and weight_decay
+#: (``Trainer.get_optimizer_cls_and_kwargs``; the default is one of them). Other optimizers read them otherwise or not.
+TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
+
+
+def _torch_adamw(config) -> bool:
+    optim = getattr(config, "optim", None)
+    return str(getattr(optim, "value", optim)) in TORCH_ADAMW
+
+
 def _by_epochs(config) -> bool:
     """Whether training length comes from ``num_train_epochs``: transformers' Trainer and TRL's async trainer stop by
     ``max_steps`` only when it is > 0."""
@@ -187,6 +197,21 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
         lambda value: isinstance(value, numbers.Real) and (value < 0 or value == math.inf), "a finite number >= 0",
         "TRL crashes later or runs silently wrong: torch's optimizers raise on a negative rate when the trainer "
         "builds them; an infinite one turns every weight to NaN at the first step"),
+    UpstreamRefusal(
+        "adam_beta1, adam_beta2 (torch's AdamW)", _named("adam_beta1", "adam_beta2"),
+        lambda value: isinstance(value, numbers.Real) and not 0 <= value < 1, "in [0, 1)",
+        "TRL crashes later: torch's AdamW raises 'Invalid beta parameter' when the trainer builds it, after the model "
+        "has loaded", given=_torch_adamw),
+    UpstreamRefusal(
+        "adam_epsilon (torch's AdamW)", _named("adam_epsilon"),
+        lambda value: isinstance(value, numbers.Real) and not 0 < value < math.inf, "a finite number > 0",
+        "TRL crashes later or runs silently wrong: torch's AdamW raises 'Invalid epsilon value' on a negative one when "
+        "the trainer builds it; with 0, every element whose gradient has been 0 so far (an expert no token was routed "
+        "to) becomes NaN (0 / 0) at its first step; with inf no weight moves", given=_torch_adamw),
+    UpstreamRefusal(
+        "weight_decay (torch's AdamW)", _named("weight_decay"), _below(0), ">= 0",
+        "TRL crashes later: torch's AdamW raises 'Invalid weight_decay value' when the trainer builds it",
+        given=_torch_adamw),
     UpstreamRefusal(
         "reward_weights", _named("reward_weights"),
         lambda value: isinstance(value, (list, tuple)) and any(

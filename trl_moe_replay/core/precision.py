@@ -9,15 +9,22 @@ DeepSpeed's or FSDP's fp32 master weights) logs a falling loss and a non-zero gr
 
 What is measured: on optimizer steps 1 to :data:`PROBE_STEPS` (by step number, so a run resumed inside that window
 logs what the uninterrupted run did, and one resumed after it nothing; 20 steps, so a run whose first steps have no
-gradient, e.g. every group's rewards equal, is still measured), those that have a learning rate and a non-zero
-gradient, for each parameter group: the fraction of the trainable elements with a non-zero gradient whose value changed. With
-fp32 parameters (fp32 load, bf16 autocast) Adam's first steps move each such element by about lr, far above fp32's
-resolution, so the fraction is ~1; bf16 parameters updated in place give ~2% at lr 1e-6. The measurement reads a
-strided sample of at most :data:`SAMPLE_ELEMENTS` elements of each parameter (all of a small one), so it costs a few
-MB whatever the dtype, and fp32 runs get a positive reading too (``precision/updated_frac`` >= 0.9) instead of a skip.
-Sharded parameters (FSDP2, transformers' ``DistributedConfig``: DTensors) are read on the local shard and the counts
-summed over ranks. Under DeepSpeed the probe is off: the fp32 masters live inside DeepSpeed's optimizer and the
-module's bf16 parameters are copies of them (and ZeRO keeps no ``param.grad``): nothing there to read that means it.
+gradient, e.g. every group's rewards equal, is still measured), for each parameter group: of the trainable elements
+with a non-zero gradient whose step would show in float32 (an element of value ``w`` changes under a step of an
+eighth of the learning rate, Adam's smaller steps, when half float32's gap at ``w`` is below it:
+:func:`visible_at`), the fraction whose value changed. Only steps whose learning rate would move most of those
+elements in float32 are judged: lr 0, and a warm-up's steps too small to show (an fp32 run at lr 1e-6 with 2,000
+warm-up steps starts with steps of 5e-10, below the resolution of most of its weights) are neither logged nor warned
+about, whatever the parameters' dtype; a warm-up longer than the window is not judged at all. With fp32 parameters
+(fp32 load, bf16 autocast) Adam's first steps move each such element by about lr, so the fraction is ~1; bf16
+parameters updated in place give ~2% at lr 1e-6. The measurement reads a strided sample of at most
+:data:`SAMPLE_ELEMENTS` elements of each parameter (all of a small one), so it costs a few MB whatever the dtype, and
+fp32 runs get a positive reading too (``precision/updated_frac`` >= 0.9) instead of a skip. Sharded parameters
+(FSDP2, transformers' ``DistributedConfig``: DTensors) are read on the local shard and the counts summed over ranks.
+The metric is logged where the routing metrics are (``routing_metrics``, on by default under replay):
+``routing_replay="none"`` logs exactly TRL's keys, and only the warning says that its updates round away. Under
+DeepSpeed the probe is off: the fp32 masters live inside DeepSpeed's optimizer and the module's bf16 parameters are
+copies of them (and ZeRO keeps no ``param.grad``): nothing there to read that means it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,23 @@ SAMPLE_ELEMENTS = 4096  # elements read per parameter (its local shard): every o
 # steps 1-3 of a 405M MoE on an H200, bench/precision_updates.py); bf16 ones 0.02 at lr 1e-6, 0.15 at 1e-5, 0.57 at
 # 5e-5 (issue 42's table): below 0.8 a fifth of the updates rounded away, which fp32 never shows
 WARN_BELOW = 0.8
+# a step is judged when at least this share of the elements with a gradient would change at its learning rate in
+# float32 (below it: lr 0, or a warm-up step too small to show on most weights, whatever their dtype)
+JUDGED_SHARE = 0.5
+# Adam moves an element by lr * |m / sqrt(v)|: lr at the first step, less later where gradients change sign. An
+# element is judged when a step of lr / 8 still changes it in float32. With fresh random gradients at every step (the
+# least favourable case), fp32 weights of std 0.02 under a 2,000-step warm-up at lr 1e-6: the judged steps among the
+# first 20 changed >= 86.7% of their judged elements (79% with lr / 4, which would warn); measured on this project's
+# 2-vCPU CI machine, numbers that do not depend on it (tests/core/test_precision.py runs the case)
+ADAM_STEP_MARGIN = 8
+_HALF_GAP = torch.finfo(torch.float32).eps / 2  # 2**-24: half the gap between float32 values, relative to them
+
+
+def visible_at(values: torch.Tensor, lr: float) -> torch.Tensor:
+    """Which of ``values`` a step of ``lr / ADAM_STEP_MARGIN`` changes in float32 (round to nearest: a step over half
+    the gap to the next value): ``|w| * 2**-24 < lr / 8``. The bar a float32 master weight clears, whatever dtype
+    ``values`` is held in."""
+    return values.abs().float() * (_HALF_GAP * ADAM_STEP_MARGIN) < lr
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,8 +77,8 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
 
 def rounded_away_message(fraction: float, step: int, lr: float, dtype: torch.dtype) -> str:
     """The one warning line: what was measured, the cause and the fix."""
-    measured = (f"{fraction:.1%} of the trainable elements with a non-zero gradient changed in optimizer step {step} "
-                f"at learning rate {lr:g}")
+    measured = (f"{fraction:.1%} of the trainable elements with a non-zero gradient (those a step of this size moves "
+                f"in float32) changed in optimizer step {step} at learning rate {lr:g}")
     if dtype in (torch.bfloat16, torch.float16):
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
         return (f"updates round away: {name} parameters updated in place (no fp32 master weights): {measured}. Load "
@@ -69,14 +93,15 @@ class UpdateProbe(TrainerCallback):
     """Measures, logs (``precision/updated_frac``, and ``precision/updated_frac/group{i}`` with several parameter
     groups) and warns once (:func:`rounded_away_message`) on the first optimizer steps; see the module docstring."""
 
-    def __init__(self, accelerator, metrics: dict):
+    def __init__(self, accelerator, metrics: dict, log_metric: bool = True):
         self.accelerator = accelerator
         self.metrics = metrics  # the trainer's metric lists by mode, which TRL's log() averages
+        self.log_metric = log_metric  # False: warn only (routing_replay="none" logs TRL's keys alone)
         self.measured = 0
         self.warned = False
         # the samples taken before the step in progress; None when it is not measured (the same on every rank, which
         # all take part in the sum over ranks, whatever their shard holds)
-        self._before: list[tuple[int, torch.nn.Parameter, torch.Tensor, torch.Tensor]] | None = None
+        self._before: list[tuple[int, torch.nn.Parameter, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def _active(self, state) -> bool:
         # by step number, not by a count of this process's measurements: a resumed run measures the steps the
@@ -89,11 +114,12 @@ class UpdateProbe(TrainerCallback):
             return
         before = []
         for index, group in enumerate(optimizer.param_groups):
-            if not group.get("lr"):  # lr 0 (the first step of a warm-up): nothing is expected to change
-                continue
+            lr = float(group.get("lr") or 0.0)  # a tensor in some optimizers
             for param in group["params"]:
                 if param.requires_grad and param.grad is not None:
-                    before.append((index, param, _sample(param), _sample(param.grad) != 0))
+                    old = _sample(param)
+                    nonzero = _sample(param.grad) != 0
+                    before.append((index, param, old, nonzero, nonzero & visible_at(old, lr)))
         self._before = before
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -102,29 +128,35 @@ class UpdateProbe(TrainerCallback):
             return
         groups = len(optimizer.param_groups)
         device = self.accelerator.device
-        # per group: changed, non-zero gradient; int64, which every backend has (MPS has no float64)
-        counts = torch.zeros(groups, 2, dtype=torch.int64, device=device)
+        # per group: changed (of the visible), visible, non-zero gradient; int64, which every backend has (MPS has no
+        # float64)
+        counts = torch.zeros(groups, 3, dtype=torch.int64, device=device)
         dtypes: dict[int, torch.dtype] = {}
-        for index, param, old, nonzero in before:
-            changed = (_sample(param) != old) & nonzero
+        for index, param, old, nonzero, visible in before:
+            changed = (_sample(param) != old) & visible
             counts[index, 0] += changed.sum().to(device, torch.int64)  # on the device: no sync per parameter
-            counts[index, 1] += nonzero.sum().to(device, torch.int64)
+            counts[index, 1] += visible.sum().to(device, torch.int64)
+            counts[index, 2] += nonzero.sum().to(device, torch.int64)
             dtypes.setdefault(index, param.dtype)
         counts = self.accelerator.reduce(counts, reduction="sum").cpu().double()  # every rank's shard, every rank
-        if counts[:, 1].sum() == 0:  # no gradient anywhere: nothing to judge, the step does not count
+        visible_total, nonzero_total = counts[:, 1].sum(), counts[:, 2].sum()
+        # no gradient anywhere, or a learning rate (0, an early warm-up step) too small to move most weights even in
+        # float32: nothing to judge, the step does not count
+        if visible_total == 0 or visible_total < JUDGED_SHARE * nonzero_total:
             return
         self.measured += 1
-        overall = (counts[:, 0].sum() / counts[:, 1].sum()).item()
-        metrics = self.metrics["train"]
-        metrics[METRIC].append(overall)
-        if groups > 1:  # e.g. the Trainer's decay / no-decay groups, PR2's predictors
-            for index in range(groups):
-                if counts[index, 1] > 0:
-                    metrics[f"{METRIC}/group{index}"].append((counts[index, 0] / counts[index, 1]).item())
+        overall = (counts[:, 0].sum() / visible_total).item()
+        if self.log_metric:
+            metrics = self.metrics["train"]
+            metrics[METRIC].append(overall)
+            if groups > 1:  # e.g. the Trainer's decay / no-decay groups, PR2's predictors
+                for index in range(groups):
+                    if counts[index, 1] > 0:
+                        metrics[f"{METRIC}/group{index}"].append((counts[index, 0] / counts[index, 1]).item())
         if overall < WARN_BELOW and not self.warned:
             self.warned = True
             if self.accelerator.is_main_process:
-                largest = int(counts[:, 1].argmax())  # the group that holds most of the measured elements
+                largest = int(counts[:, 1].argmax())  # the group that holds most of the judged elements
                 dtype = dtypes.get(largest, torch.float32)  # another rank's shard measured it if this one holds none
                 # global_step counts the steps finished before this one
                 logger.warning(rounded_away_message(overall, state.global_step + 1,
@@ -142,14 +174,15 @@ def fp16_not_applied_message(accelerator) -> str | None:
             "fp16, or pass fp16=False to say float32.")
 
 
-def attach_update_probe(trainer, metrics: dict) -> UpdateProbe | None:
-    """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode); both trainers
-    call this at the end of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer.
-    Also says, in one line, when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
+def attach_update_probe(trainer, metrics: dict, *, log_metric: bool) -> UpdateProbe | None:
+    """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode) when
+    ``log_metric`` (the run's ``routing_metrics``; without it the probe only warns); both trainers call this at the end
+    of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer. Also says, in one line,
+    when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
     if trainer.is_deepspeed_enabled:  # DeepSpeed also applies fp16 itself
         return None
     if (message := fp16_not_applied_message(trainer.accelerator)) and trainer.accelerator.is_main_process:
         logger.warning(message)
-    probe = UpdateProbe(trainer.accelerator, metrics)
+    probe = UpdateProbe(trainer.accelerator, metrics, log_metric)
     trainer.add_callback(probe)
     return probe

@@ -13,8 +13,9 @@ This module is the launch side:
   them: ``model_init_kwargs: {distributed_config: {ep_size: 8, fsdp_size: 8, ep_implementation: all_to_all}}``
   (a mapping of ``DistributedConfig``'s fields; a ``DistributedConfig`` object is accepted too). A bad combination is
   refused in one line (:class:`ParallelSizesError`) before any work: sizes that do not multiply to the number of
-  processes, sizes that are no ints, ``pp_size > 1``, plan entries transformers cannot apply, tensor parallelism on
-  CPU processes (accelerate refuses it there), a transformers without EP.
+  processes, sizes that are no ints, ``pp_size > 1``, plan entries transformers cannot apply, an ``ep_implementation``
+  it has none for or that the layout cannot run, tensor parallelism on CPU processes (accelerate refuses it there), a
+  transformers without EP.
 * :func:`sharded_at_load_construction`: around the trainer's ``super().__init__``: hands TRL the
   ``DistributedConfig`` built from that mapping, and lets transformers' Trainer accept checkpointing for a model
   sharded at load time (it refuses it, since it cannot resume one; :mod:`.distributed_checkpoint` does).
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import TrlMoeReplayError
-from ..upstream import lift_sharded_resume_refusal, map_weight_sync_tensors, parallel_plan_styles
+from ..upstream import ep_implementations, lift_sharded_resume_refusal, map_weight_sync_tensors, parallel_plan_styles
 from .sharded import full_tensor, is_sharded_at_load
 
 
@@ -126,6 +127,7 @@ def check_layout_values(config: Any) -> None:
                 f"distributed_config {name} must be an int (a number of processes), got {type(size).__name__} "
                 f"{size!r}: write it without a decimal point or quotes ({name}: 2)"
             )
+    check_ep_implementation(config)
     if config.pp_size > 1:
         raise ParallelSizesError(
             f"distributed_config has pp_size {config.pp_size}, and pipeline parallelism does not train here: "
@@ -151,6 +153,36 @@ def check_layout_values(config: Any) -> None:
                     f"distributed_config {name}[{key!r}] is {style!r}, which is no {name} style transformers applies: "
                     f"use one of {', '.join(sorted(styles[name]))} (or leave {name} out: the model's own plan)"
                 )
+
+
+def check_ep_implementation(config: Any) -> None:
+    """Refuse, in one line, an ``ep_implementation`` that transformers would refuse only inside ``from_pretrained``,
+    on every rank, once the model is built (seam entry ``ep_implementations``): a name it has no implementation for,
+    one that needs every rank of the expert group to hold the same batch (``all_reduce``) where the layout gives them
+    different ones (``ep_size != tp_size``, e.g. ep 2 x fsdp 2), one that cannot train. Only with ``ep_size > 1``:
+    without expert parallelism transformers reads no ``ep_implementation``."""
+    name = config.ep_implementation
+    ep_size, tp_size = config.ep_size, config.tp_size
+    if not isinstance(ep_size, numbers.Integral) or ep_size <= 1:
+        return
+    known = ep_implementations()
+    if not isinstance(name, str) or name not in known:
+        raise ParallelSizesError(
+            f"distributed_config ep_implementation is {name!r}, which transformers has no implementation for: use one "
+            f"of {', '.join(known)} (auto: transformers' choice)"
+        )
+    shared_batch, trains = known[name]
+    if shared_batch and ep_size != tp_size:
+        raise ParallelSizesError(
+            f"distributed_config ep_implementation {name!r} needs every rank of an expert group to hold the same batch "
+            f"(ep_size == tp_size), but the layout has ep_size {ep_size} and tp_size {tp_size}, so the ranks of an "
+            "expert group hold different batches: use ep_implementation all_to_all (or auto), or ep_size == tp_size"
+        )
+    if not trains:
+        raise ParallelSizesError(
+            f"distributed_config ep_implementation {name!r} runs at inference only (its kernel has no backward), and "
+            "a trainer trains through it: use all_to_all (or auto)"
+        )
 
 
 def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu: bool = False,

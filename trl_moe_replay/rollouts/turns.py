@@ -11,8 +11,13 @@ replays the route of the *first* turn that forwarded it: a generated token's rou
 a tool-result token's (and a turn's last generated token's) from the prefill of the turn that read it. A later turn
 never overwrites an earlier one's routes (the failure mode of engines that keep only the last turn's array).
 
-A later turn's prompts are matched to samples by their tokens: the samples whose sequence so far is a prefix of the
-turn's prompt, in sample order (TRL generates the tool-calling samples in that order).
+Which sample a later turn continues comes from TRL's tool loop (``owners``: the trainer reads the loop's list of
+tool-calling samples through the seam, entry ``tool_loop_samples``). Only where that is not known (a loop of the
+user's own) do the tokens decide, and then only when they can: a turn goes to the one sample whose sequence so far is
+a prefix of its prompt in every order-keeping assignment (TRL generates the tool-calling samples in batch order). Two
+samples of a group that wrote the same tool call have the same sequence; when only one of them goes on, its turn
+fits both, and is given to neither: those positions use the trainer's own routing (counted in
+``routing/fallback_frac``), never another sample's routes.
 """
 
 from __future__ import annotations
@@ -39,28 +44,61 @@ class RolloutTurns:
         self.turns: list[list[EngineTurn]] = []
         self._sequences: list[list[int]] = []
         self.unmatched = 0  # later-turn prompts that matched no sample (their routes are dropped)
+        self.ambiguous = 0  # later-turn prompts that fit several samples, with no owner known (routes dropped)
         rows = rows if rows is not None else [None] * len(prompt_ids)
         starts = per_sample(prompt_start, len(prompt_ids), "routed_experts_prompt_start")
         for prompt, completion, sample_rows, start in zip(prompt_ids, completion_ids, rows, starts, strict=True):
             self.turns.append([EngineTurn(sample_rows, len(prompt), len(completion), start)])
             self._sequences.append([*prompt, *completion])
 
-    def match(self, prompt_ids: Sequence[Sequence[int]]) -> list[int | None]:
-        """The sample each later-turn prompt continues (``None``: no sample's sequence is a prefix of it)."""
-        matched: list[int | None] = []
-        sample = 0
-        for prompt in prompt_ids:
-            prompt = list(prompt)
-            start = sample
-            while sample < len(self._sequences) and not _is_prefix(self._sequences[sample], prompt):
-                sample += 1
-            if sample == len(self._sequences):
-                matched.append(None)
-                sample = start  # keep the order for the prompts after it
+    def match(self, prompt_ids: Sequence[Sequence[int]],
+              owners: Sequence[int] | None = None) -> list[int | None]:
+        """The sample each later-turn prompt continues (``None``: none, or no telling which).
+
+        ``owners``: the samples TRL's tool loop generated the prompts for (increasing), taken when each owner's
+        sequence so far is a prefix of its prompt. Otherwise the tokens decide: a prompt goes to a sample when every
+        order-keeping assignment of the prompts to samples whose sequence is a prefix of them gives it that sample; a
+        prompt that fits several samples (two samples with the same tool call, one of which stopped) goes to none."""
+        prompts = [list(prompt) for prompt in prompt_ids]
+        if owners is not None and self._owned(prompts, owners):
+            return list(owners)
+        fits = [[sample for sample, sequence in enumerate(self._sequences) if _is_prefix(sequence, prompt)]
+                for prompt in prompts]
+        earliest: list[int | None] = []
+        last = -1
+        for candidates in fits:  # the smallest sample each prompt can have, in order
+            pick = next((sample for sample in candidates if sample > last), None)
+            earliest.append(pick)
+            last = pick if pick is not None else last
+        latest: list[int | None] = [None] * len(prompts)
+        bound = len(self._sequences)
+        for index in reversed(range(len(prompts))):  # the largest, in order (prompts that fit none left out)
+            if earliest[index] is None:
                 continue
-            matched.append(sample)
-            sample += 1
+            pick = next((sample for sample in reversed(fits[index]) if sample < bound), None)
+            latest[index] = pick
+            bound = pick if pick is not None else bound
+        matched = [first if first == last_pick else None for first, last_pick in zip(earliest, latest, strict=True)]
+        unmatched = sum(first is None for first in earliest)
+        ambiguous = sum(first is not None and first != last_pick
+                        for first, last_pick in zip(earliest, latest, strict=True))
+        self.unmatched += unmatched
+        self.ambiguous += ambiguous
+        if unmatched or ambiguous:
+            logger.warning(
+                f"routing replay: of {len(prompts)} prompts of a tool turn, {unmatched} continue no sample of this "
+                f"batch and {ambiguous} more than one (samples with the same sequence so far, and which one goes on is "
+                "not known); their routes are dropped (those positions use the trainer's own routing, counted in "
+                "routing/fallback_frac)"
+            )
         return matched
+
+    def _owned(self, prompts: list[list[int]], owners: Sequence[int]) -> bool:
+        """Whether ``owners`` (one sample per prompt, increasing) can be the samples the prompts continue."""
+        return len(owners) == len(prompts) and all(
+            0 <= sample < len(self._sequences) and _is_prefix(self._sequences[sample], prompt)
+            for sample, prompt in zip(owners, prompts, strict=True)
+        ) and all(earlier < later for earlier, later in zip(owners, owners[1:], strict=False))
 
     def held_positions(self, samples: Sequence[int | None]) -> int | None:
         """Positions every given sample already holds routes for from its earlier turns (the common prefix a later
@@ -82,16 +120,11 @@ class RolloutTurns:
     def add_turn(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
                  rows: Sequence[Any] | None, prompt_start: int = 0,
                  samples: Sequence[int | None] | None = None) -> None:
-        """Record one later turn (``samples`` from :meth:`match`, computed here if not given)."""
+        """Record one later turn (``samples`` from :meth:`match`, matched by tokens here if not given)."""
         samples = self.match(prompt_ids) if samples is None else samples
         rows = rows if rows is not None else [None] * len(prompt_ids)
         for prompt, completion, sample_rows, sample in zip(prompt_ids, completion_ids, rows, samples, strict=True):
-            if sample is None:
-                self.unmatched += 1
-                logger.warning(
-                    "routing replay: a tool turn's prompt continues no sample of this batch; its routes are dropped "
-                    "(those positions use the trainer's own routing, counted in routing/fallback_frac)"
-                )
+            if sample is None:  # no sample, or no telling which: counted and said by match()
                 continue
             self.turns[sample].append(EngineTurn(sample_rows, len(prompt), len(completion), prompt_start))
             self._sequences[sample] = [*prompt, *completion]

@@ -73,6 +73,7 @@ from ..upstream import (
     mark_vllm_weights_synced,
     pad,
     profiling_context,
+    tool_loop_samples,
     vllm_generation_classes,
     vllm_request_fields,
     vllm_weights_stale,
@@ -96,8 +97,8 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         from trl_moe_replay import MoEReplayGRPOTrainer as GRPOTrainer, MoEReplayGRPOConfig as GRPOConfig
 
     With ``routing_replay="none"`` (and ``routing_metrics`` left off) it is ``GRPOTrainer`` itself: every override
-    hands straight to TRL, no hook is registered, and only ``mismatch/*`` metrics computed from TRL's own tensors
-    are added.
+    hands straight to TRL, no hook is registered, and it logs TRL's keys, no other (``routing_metrics=True`` adds the
+    ``mismatch/*``, ``routing/*`` and ``precision/*`` metrics).
     """
 
     _tag_names = ["trl", "grpo", "moe-routing-replay"]
@@ -158,7 +159,8 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         self._micro_replay = MicroBatchReplay()  # a micro-batch's routes, from its training forward through backward
         # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
         self._output_lock = hold_output_dir(self)
-        attach_update_probe(self, self._metrics)  # what the first optimizer steps changed: precision/updated_frac, a warning if ~nothing
+        # what the first optimizer steps changed: a warning if ~nothing; precision/updated_frac with the routing metrics
+        attach_update_probe(self, self._metrics, log_metric=self.replay_settings.routing_metrics)
 
     def _build_route_intake(self, args) -> RouteIntake:
         """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""
@@ -196,7 +198,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         if batch is None or (self.use_vllm and self._vllm_routes is None):
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = batch.begin_turn()
-        samples = batch.turns.match(prompt_ids) if later_turn and batch.turns is not None else None
+        samples = None  # a later turn's samples: those TRL's tool loop generates it for (seam entry tool_loop_samples)
+        if later_turn and batch.turns is not None:
+            samples = batch.turns.match(prompt_ids, owners=tool_loop_samples(len(prompt_ids)))
         if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
             source = self._vllm_routes
             start, sent = source.prompt_start, later_turn or source.prompt_start > 0
@@ -302,10 +306,8 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
             raise RoutesUnavailableError(f"rollout_func returned {exc}") from None
 
     def _generate_and_score_completions(self, inputs):
-        if self._routes is None:
-            output = super()._generate_and_score_completions(inputs)
-            self._log_mismatch_metrics(output, None)
-            return output
+        if self._routes is None:  # plain TRL: its keys only (routing_metrics=True adds ours)
+            return super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         with self._routes.generation_batch() as batch:
             with self._engine_correction():

@@ -10,13 +10,13 @@ touching the private name, and the part's check.
                             ``ddp_ignored_parameters``, ``dcp_metadata_pickle``, ``dcp_local_chunks``
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
                             ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``,
-                            ``parallel_plan_styles``
+                            ``parallel_plan_styles``, ``ep_implementations``, ``resume_at_max_steps``
 ``trl_seam``                ``grpo_private_methods``, ``padded_width``, ``engine_logprob_correction``,
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
                             ``vllm_request_fields``, ``weight_sync_params``, ``vllm_sync_trigger``,
-                            ``tool_turn_rendering``, ``trl_public_apis``, ``model_card_identity``,
-                            ``trl_utilities``
+                            ``tool_turn_rendering``, ``tool_loop_samples``, ``trl_public_apis``,
+                            ``model_card_identity``, ``trl_utilities``
 ``trl_async_seam``          ``async_rollout_worker``, ``async_trainer_globals``, ``async_batcher_rows``,
                             ``async_grpo_classes``, ``async_packing``
 ``vllm_seam``               ``cpu_experts_select``, ``routing_replay_capture``, ``unquantized_setup_kernel``,
@@ -48,7 +48,7 @@ _LAZY = {
                      "trl_padded_width", "engine_logprob_correction", "is_reference_forward",
                      "run_loss_on_trl_branch", "set_old_logps_for_loss", "MINIRL_TRL_BRANCH", "client_session",
                      "http_vllm_client", "vllm_generation_classes", "vllm_sampling_params_class", "vllm_request_fields",
-                     "exclude_from_weight_sync",
+                     "exclude_from_weight_sync", "tool_loop_samples",
                      "trl_named_params", "map_weight_sync_tensors", "vllm_weights_stale", "mark_vllm_weights_synced",
                      "wake_colocated_weights", "model_card_identity", "pad", "nanmin", "nanmax", "profiling_context",
                      "disable_gradient_checkpointing", "add_response_schema", "parse_response", "qwen3_template"),
@@ -60,7 +60,7 @@ _LAZY = {
                      "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
                      "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
-                     "parallel_plan_styles"),
+                     "parallel_plan_styles", "ep_implementations"),
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp",
                      "DCPMetadataUnpickler", "dcp_storage_info_class", "checked_dcp_reader",
@@ -82,6 +82,7 @@ if TYPE_CHECKING:
     from .transformers_seam import (
         checkpoint_run_dir,
         dcp_placements,
+        ep_implementations,
         ignore_on_save,
         keys_ignored_on_save,
         lift_sharded_resume_refusal,
@@ -132,6 +133,7 @@ if TYPE_CHECKING:
         qwen3_template,
         run_loss_on_trl_branch,
         set_old_logps_for_loss,
+        tool_loop_samples,
         trl_named_params,
         trl_padded_width,
         vllm_generation_classes,

@@ -139,6 +139,18 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# resume_at_max_steps: Trainer._run_epoch (transformers 5.24) takes each optimizer step's batches with
+#    get_batch_samples(epoch_iterator, num_batches, device) before on_step_begin and training_step, and leaves the
+#    epoch, then _inner_training_loop the run, when control.should_training_stop is set after a step that had no
+#    batch; max_steps is judged only after a step (DefaultFlowCallback.on_step_end), so a run resumed at
+#    global_step == max_steps trains one step more. RestoresEveryWeight.get_batch_samples
+#    (trl_moe_replay/checkpointing/checkpoint_weights.py) answers such a run with no batch and the stop. Checked here
+#    by signature; the behaviour by tests/checkpointing/test_checkpoints.py (a resume at max_steps trains nothing).
+# ---------------------------------------------------------------------------------------------------------------
+RESUME_AT_MAX_STEPS = entry("resume_at_max_steps", "transformers", "5.24.0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # keys_ignored_on_save: PreTrainedModel._keys_to_ignore_on_save (a class attribute, None or a set of state-dict
 #    names) is what save_pretrained leaves out of the weights it writes. PR2 adds its predictors to it on the model
 #    instance (trl_moe_replay/pr2/state.py); resume integrity expects no checkpoint to hold them
@@ -244,6 +256,44 @@ def parallel_plan_styles() -> dict[str, frozenset[str]]:
     return {"tp_plan": styles, "ep_plan": styles - {"moe_tp_experts"}, "fsdp_plan": frozenset(ALL_FSDP_STYLES)}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# ep_implementations: the names DistributedConfig.ep_implementation may take (the registry
+#    transformers.distributed.expert_parallel.EPImplementationInterface, a mapping), and how each trains. transformers
+#    reads the name only inside from_pretrained, on every rank, once the model is built
+#    (EpDispatchExpertsParallel.install_forward: "names no registered implementation"), and an implementation whose
+#    class sets needs_shared_batch (all_reduce, deepgemm_megamoe) raises in its __init__ there unless every rank of the
+#    expert group holds the same batch, i.e. the expert group is the tensor-parallel group (ep_size == tp_size).
+#    deepgemm_megamoe's kernel has no backward ("runs at inference only"): a training forward through it cannot run.
+#    All of it applies only when ep_size > 1 (expert parallelism applied at all).
+# ---------------------------------------------------------------------------------------------------------------
+EP_IMPLEMENTATIONS = entry("ep_implementations", "transformers", "5.24.0")
+_EP_INFERENCE_ONLY = frozenset({"deepgemm_megamoe"})
+
+
+def ep_implementations() -> dict[str, tuple[bool, bool]]:
+    """``{name: (whether it needs ep_size == tp_size, whether it trains)}`` of the ``ep_implementation`` values the
+    installed transformers runs (entry ``ep_implementations``)."""
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    return {name: (bool(getattr(implementation, "needs_shared_batch", False)), name not in _EP_INFERENCE_ONLY)
+            for name, implementation in EPImplementationInterface().items()}
+
+
+def _check_ep_implementations() -> list[Finding]:
+    try:
+        from transformers.distributed import expert_parallel  # noqa: F401
+    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+        return []
+    try:
+        known = ep_implementations()
+    except (ImportError, AttributeError, TypeError) as exc:
+        return [Finding(EP_IMPLEMENTATIONS, f"the EP implementation registry cannot be read ({exc})")]
+    expected = {"auto": (False, True), "all_to_all": (False, True), "all_reduce": (True, True)}
+    if any(known.get(name) != value for name, value in expected.items()):
+        return [Finding(EP_IMPLEMENTATIONS, f"the EP implementations are {known}, not {expected} and more")]
+    return []
+
+
 def _check_parallel_plan_styles() -> list[Finding]:
     try:
         from transformers.distributed import parallel_utils  # noqa: F401
@@ -286,6 +336,10 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     if have != ("model", "state_dict"):
         findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
                                                      f"became {have}"))
+    if finding := method_finding(RESUME_AT_MAX_STEPS, trainer_class or Trainer, "Trainer", "get_batch_samples",
+                                 ("self", "epoch_iterator", "num_batches", "device"), exact=True):
+        findings.append(finding)
     findings += _check_sharded_at_load_resume()
     findings += _check_parallel_plan_styles()
+    findings += _check_ep_implementations()
     return tuple(findings)

@@ -382,6 +382,44 @@ TOOL_LOOP_METHODS: dict[str, tuple[str, ...]] = {
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# tool_loop_samples: which samples a later tool turn belongs to. GRPOTrainer._tool_call_loop (the loop of `tools`
+#    and of `environment_factory`) calls self._generate_single_turn(prompt_completion_tool_ids, ...) with one prompt
+#    per sample still calling tools, in the order of its local list `idxs_with_tool` (indices into the generation
+#    batch, the samples whose tool result would not fit already dropped), and passes only the token ids. Two samples
+#    of one group that wrote the same tool call have the same sequence so far, so the tokens cannot say which one a
+#    turn continues; the loop's list can, and this reads it from the loop's frame (the only place TRL holds it).
+#    Probe: TRL's loop on three samples whose first one's tool result does not fit.
+# ---------------------------------------------------------------------------------------------------------------
+TOOL_LOOP_SAMPLES = _trl_entry("tool_loop_samples")
+_TOOL_LOOP_LIST = "idxs_with_tool"
+_FRAMES_TO_TOOL_LOOP = 8  # our override, a user's override of it, decorators: the loop is a few frames up at most
+
+
+def tool_loop_samples(count: int, trainer_class: type = GRPOTrainer) -> list[int] | None:
+    """The samples (indices into the generation batch, increasing) that the ``count`` prompts of the generation turn
+    in progress continue, as ``trainer_class._tool_call_loop`` holds them (entry ``tool_loop_samples``); ``None`` when
+    the call does not come from that loop (the batch's first turn, a user's own loop) or its list does not fit."""
+    code = getattr(inspect.unwrap(trainer_class._tool_call_loop), "__code__", None)
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_FRAMES_TO_TOOL_LOOP):
+            frame = frame.f_back if frame is not None else None
+            if frame is None or frame.f_code is code:
+                break
+        if frame is None or frame.f_code is not code:
+            return None
+        samples = frame.f_locals.get(_TOOL_LOOP_LIST)
+    finally:
+        del frame  # no reference cycle through the caller's frames
+    if not isinstance(samples, list) or len(samples) != count or not all(
+            type(sample) is int and sample >= 0 for sample in samples):
+        return None
+    if any(later <= earlier for earlier, later in zip(samples, samples[1:], strict=False)):
+        return None
+    return list(samples)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # model_card_identity: TRL's create_model_card (trl/trainer/base_trainer.py, every TRL trainer's) names the trainer
 #    from `self._name` and cites `self._paper["citation"]` (GRPOTrainer's: DeepSeekMath), both class attributes. The
 #    model card records the routing mode and cites the methods a run used (core/model_card.py) by giving the
@@ -782,6 +820,39 @@ def _probe_nan_extrema(trainer_class: type) -> str | None:
     return None
 
 
+def _probe_tool_loop_samples(trainer_class: type) -> str | None:
+    """TRL's tool loop on three samples that each call a tool; the first result is too long to fit the completion
+    budget (TRL drops it, the sample ends), so the turn after the tools continues samples 1 and 2."""
+    seen: list[tuple[list[int] | None, list[list[int]]]] = []
+
+    def generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        seen.append((tool_loop_samples(len(prompt_ids), trainer_class), [list(ids) for ids in prompt_ids]))
+        return [[] for _ in prompt_ids], None  # nothing generated: no further tool call, the loop ends
+
+    def tool(n: int) -> str:
+        return "x" * n
+
+    def call(n: int) -> list[dict]:
+        return [{"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": "tool", "arguments": {"n": n}}}]}]
+
+    trainer = _stand_in_trainer(
+        _generate_single_turn=generate_turn, _get_tool_suffix_ids=lambda messages: [9] * len(messages[-1]["content"]),
+        _sync_tool_dicts=[{"tool": tool}] * 3, _async_tool_dicts=[{}] * 3, max_tool_calling_iterations=2,
+        max_completion_length=4, vllm_mode="server", _is_vlm=False, tools=[tool], environment_factories=None,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100)),
+    )
+    prompt_ids, completion_ids = [[1], [1], [2]], [[5], [5], [6]]
+    trainer_class._tool_call_loop(trainer, [[{"role": "user", "content": "q"}] for _ in range(3)], prompt_ids,
+                                  completion_ids, [call(9), call(1), call(2)], None, None, {})
+    expected = [[1, 5, 9], [2, 6, 9, 9]]
+    if seen != [([1, 2], expected)]:
+        return (f"_tool_call_loop no longer asks _generate_single_turn for the samples in its list idxs_with_tool "
+                f"(after dropping those whose tool result does not fit): saw (samples, prompts) {seen}, expected "
+                f"{[([1, 2], expected)]}")
+    return None
+
+
 _PROBES: tuple[tuple[Entry, Callable[[type], str | None]], ...] = (
     (OLD_LOGPS_AFTER_FORWARD, _probe_old_logps_after_forward),
     (LOSS_BRANCH, _probe_loss_branch),
@@ -793,6 +864,7 @@ _PROBES: tuple[tuple[Entry, Callable[[type], str | None]], ...] = (
     (REFERENCE_FORWARD, _probe_reference_forward),
     (VLLM_SYNC_TRIGGER, _probe_vllm_sync_trigger),
     (WEIGHT_SYNC_PARAMS, _probe_weight_sync_params),
+    (TOOL_LOOP_SAMPLES, _probe_tool_loop_samples),
 )
 
 
