@@ -525,3 +525,20 @@ def test_the_plan_prints_the_trainers_save_interval_warning(capsys):
     out = capsys.readouterr().out
     assert "warning: save_steps 50 is not a multiple of the generation period, 4 optimizer steps" in out
     assert out.count("save_steps 50") == 1 and "verdict: fits" in out
+
+
+def test_the_checkpoint_size_and_its_write_time(capsys):
+    """The 1-node ZeRO-3 layout saves the 16-bit model (2 bytes/param) and DeepSpeed's fp32 masters and Adam m, v
+    (12 bytes/param): 14 x 30.53B = 427 GB, 427 s at the stated 1 GB/s (the issue's ~430 GB)."""
+    path = CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml"
+    plan = estimate(path)
+    P = plan.model.params_total
+    assert plan.checkpoint_gb == (pytest.approx(2 * P / 1e9), pytest.approx(12 * P / 1e9))
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: about {14 * P / 1e9:.0f} GB (weights {2 * P / 1e9:.0f} GB + optimizer state " \
+           f"{12 * P / 1e9:.0f} GB), {14 * P / 1e9:.0f} s to write at 1 GB/s" in out
+    assert 425 < 14 * P / 1e9 < 430
+    # LoRA: the adapters (fp32) and their Adam state only
+    lora = estimate(CONFIGS / "mixtral_8x7b_lora.yaml")
+    assert sum(lora.checkpoint_gb) < 1

@@ -30,6 +30,7 @@ from ..errors import TrlMoeReplayError
 GB = 1e9
 MARGIN = 0.10  # of each GPU's memory, kept free: allocator fragmentation, unmodelled buffers (docs/recipes.md)
 FIXED_GB = 3.0  # per training GPU: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
+DISK_GB_PER_S = 1.0  # the checkpoint write speed the preemption figures assume (docs/recipes.md, "Preemption grace")
 VLLM_BUFFERS_GB = 1.0  # a colocated engine's buffers beside its weights and KV cache (kept while it sleeps)
 # the training lines that stay on the GPU while a colocated engine generates (sleep mode): what outlives a step
 RESIDENT_WHILE_GENERATING = ("weights", "masters + Adam m, v", "Adam m, v", "DDP gradient buckets",
@@ -630,6 +631,7 @@ class Plan:
     route_lines: list[str]
     generation_phase: tuple[float, float] | None = None  # colocated with sleep mode: (GB resident while generating, budget)
     warnings: list[str] = dataclasses.field(default_factory=list)  # the trainer's config warnings, one line each
+    checkpoint_gb: tuple[float, float] = (0.0, 0.0)  # a checkpoint's weights and optimizer state, all ranks together
 
     @property
     def train_total(self) -> float:
@@ -775,6 +777,14 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
         if bf16 and w == 4:
             lines.append(("bf16 autocast copies", 2 * (P - T if peft else P) / shard / GB + 0,
                           f"autocast keeps the bf16 casts of the weights for the forward{where}"))
+    # ---- the checkpoint a save writes: the model's weights as saved, and the optimizer's state
+    if sharding in ("zero2", "zero3"):  # the 16-bit model (zero3_save_16bit_model) + fp32 masters and Adam m, v
+        saved, optimizer_state = (4 * T if peft else 2 * P), 12 * T
+    elif sharding == "fsdp2":  # fp32 parameters (the masters) + Adam m, v
+        saved, optimizer_state = 4 * T, 8 * T
+    else:  # the parameters in their dtype (LoRA adapters fp32) + Adam m, v in the same
+        t_bytes = 4 if peft else w
+        saved, optimizer_state = t_bytes * T, 2 * t_bytes * T
     if values["beta"] > 0 and not peft:  # TRL loads a second copy; under PEFT it disables the adapters instead
         ref_bytes, ref_how = {
             "zero3": (2 * P / n, f"bf16 / {n} (ZeRO-3 shards it as the policy)"),
@@ -864,7 +874,8 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
               f"{raw * 4 / 3 / GB:.2f} GB as base64 on the wire (x4/3), {raw / n / GB:.2f} GB raw per training rank"]
     return Plan(model=model, layout=layout, batch=batch, prompt_length=p, completion_length=c, gpu_memory=gpu_memory,
                 train_lines=lines, budget=budget, cpu_gb=cpu / GB, vllm_lines=vllm, route_lines=routes,
-                generation_phase=generation_phase, warnings=[saving] if saving else [])
+                generation_phase=generation_phase, warnings=[saving] if saving else [],
+                checkpoint_gb=(saved / GB, optimizer_state / GB))
 
 
 _NAMES = {"single": "one process", "ddp": "DDP", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3",
@@ -901,6 +912,11 @@ def format_plan(plan: Plan, config: str) -> str:
     if plan.cpu_gb:
         out.append(f"CPU memory for the offloaded state: {plan.cpu_gb:.0f} GB on the training node (all ranks)")
     out += plan.vllm_lines + plan.route_lines
+    weights, optimizer = plan.checkpoint_gb
+    out.append(f"checkpoint: about {weights + optimizer:.0f} GB (weights {weights:.0f} GB + optimizer state "
+               f"{optimizer:.0f} GB), {(weights + optimizer) / DISK_GB_PER_S:.0f} s to write at {DISK_GB_PER_S:g} GB/s: "
+               "a preemption grace period covers that plus the rest of the generation batch in progress "
+               "(docs/recipes.md, Preemption grace period)")
     out += [f"warning: {line}" for line in plan.warnings]
     out.append("verdict: " + ("fits" if plan.fits else "does NOT fit") + " (an estimate; measured against a GPU's "
                "peak only at a small size: docs/recipes.md, Memory plan)")
