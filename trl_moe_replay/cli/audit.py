@@ -403,7 +403,7 @@ def run_audit(
         raise ValueError(f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got "
                          f"{vllm_timeout!r}")
     run_device = resolve_device(device)
-    dtype_note = None
+    dtype_note: str | None = None
     if trainer_dtype == AUTO:
         trainer_dtype, dtype_note = fitting_trainer_dtype(model, run_device, engine_dtype,
                                                           engine_copy=vllm_server_url is None)

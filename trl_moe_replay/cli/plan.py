@@ -826,7 +826,7 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     # ---- vLLM
     vllm: list[str] = []
     engine = 2 * P  # bf16 weights
-    generation_phase = None
+    generation_phase: tuple[float, float] | None = None
     if colocate:
         util, tp = values["vllm_gpu_memory_utilization"], values["vllm_tensor_parallel_size"]
         share = util * gpu_memory
