@@ -78,7 +78,6 @@ from trl_moe_replay.checkpointing.checkpoints import (  # noqa: E402
     SaveOnInterrupt,
     StartOver,
     describe_run,
-    generation_period,
     resolve_resume,
 )
 from trl_moe_replay.core.config_checks import ConfigTypeError, ConfigValueError, check_config_file  # noqa: E402
@@ -670,10 +669,7 @@ def _train(script_args, training_args, model_args, state):
     trainer.add_callback(interrupt)
     if resume is None:
         trainer.add_callback(StartOver())
-    period = generation_period(training_args)
-    if training_args.save_strategy == "steps" and training_args.save_steps % period and training_args.save_steps >= 1:
-        state.print(f"note: save_steps={training_args.save_steps} is not a multiple of the generation period "
-                    f"({period} steps): a run resumed from such a checkpoint regenerates its generation batch")
+    # a save_steps between generation batches is warned by the config's own check (saves_inside_generation_batches)
 
     trainer.train(resume_from_checkpoint=resume)
     if interrupt.interrupted:

@@ -7,7 +7,8 @@ a memory limit). :func:`read_json_file` counts, before parsing, the bytes that c
 ``{``, ``,`` and ``:``; a count that can only over-estimate, as those inside strings count too) and refuses a file
 with more than ``max_values`` of them, so parsing builds at most that many objects. It is the one reader of
 ``plot`` (cli/plotting.py), ``describe_run`` (checkpointing/checkpoints.py), the output-dir lock (core/output_lock.py)
-and the resume pre-flight's ``trainer_state.json`` (checkpointing/checkpoint_files.py); it imports nothing of the package
+and the resume pre-flight's ``trainer_state.json`` (checkpointing/checkpoint_files.py), and of ``plan``'s files (a model's
+``config.json``; the recipe config and accelerate files through :func:`read_regular_file`); it imports nothing of the package
 but ``errors.py`` (which imports nothing), so ``plot`` still runs without TRL or torch.
 
 Only a regular file is read, checked on the opened file (``fstat``: a link to ``/dev/zero``, a FIFO or a folder is
@@ -101,3 +102,9 @@ def _read_up_to(fd: int, limit: int) -> bytes:
         size += len(chunk)
     return b"".join(chunks)
 
+
+
+def read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``max_bytes``, else :class:`JSONFileError` (the
+    same checks as :func:`read_json_file`; for a YAML or other text file, which its caller parses)."""
+    return _read_regular_file(path, max_bytes)

@@ -28,6 +28,7 @@ from trl_moe_replay.checkpointing.checkpoints import (
     generation_period,
     newest_checkpoint,
     resolve_resume,
+    saves_inside_generation_batches,
 )
 from trl_moe_replay.testing import tiny_moe_model
 
@@ -98,6 +99,45 @@ def test_generation_period(steps_per_generation, num_iterations, accumulation, p
     args = SimpleNamespace(steps_per_generation=steps_per_generation, num_iterations=num_iterations,
                            gradient_accumulation_steps=accumulation)
     assert generation_period(args) == period
+
+
+@pytest.mark.parametrize("save_steps, strategy, warned", [
+    (50, "steps", "save_steps 50 is not a multiple of the generation period, 4 optimizer steps"),
+    (48, "steps", None), (52, "steps", None), (50, "no", None), (50, "epoch", None), (0.25, "steps", None),
+    (2, "steps", "use 4"),  # below one period: no lower multiple to offer
+])
+def test_a_save_interval_between_generation_batches_is_warned_in_one_line(save_steps, strategy, warned):
+    """64 micro-batches per generation batch over 16 accumulation steps: a new generation batch every 4 optimizer
+    steps (the 30B server configs), so only a multiple of 4 saves at a boundary."""
+    args = SimpleNamespace(steps_per_generation=64, num_iterations=1, gradient_accumulation_steps=16,
+                           save_strategy=strategy, save_steps=save_steps)
+    warning = saves_inside_generation_batches(args)
+    if warned is None:
+        assert warning is None
+    else:
+        assert warned in warning and len(warning.splitlines()) == 1
+    if save_steps == 50 and strategy == "steps":
+        assert warning.endswith("use 48 or 52")
+
+
+def test_the_config_warns_of_a_save_interval_between_generation_batches(caplog):
+    """The config's own check, for every way a config is built (the recipe's YAML and command line build it too)."""
+    import logging
+
+    from trl_moe_replay import MoEReplayGRPOConfig
+
+    with caplog.at_level(logging.WARNING):
+        MoEReplayGRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", per_device_train_batch_size=8,
+                            num_generations=8, gradient_accumulation_steps=2, steps_per_generation=8, save_steps=5)
+    assert [r.getMessage() for r in caplog.records if "save_steps" in r.getMessage()] == [
+        saves_inside_generation_batches(SimpleNamespace(steps_per_generation=8, num_iterations=1,
+                                                        gradient_accumulation_steps=2, save_strategy="steps",
+                                                        save_steps=5))]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        MoEReplayGRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", per_device_train_batch_size=8,
+                            num_generations=8, gradient_accumulation_steps=2, steps_per_generation=8, save_steps=8)
+    assert not [r for r in caplog.records if "save_steps" in r.getMessage()]
 
 
 # ----------------------------------------------------------------------------- weights and exactness

@@ -224,3 +224,40 @@ def test_audit_of_a_hub_id_without_network_answers_at_once(tmp_path):
     # one refused connection, no retries (transformers' took 50-55 s); measured against the same imports offline,
     # as the imports alone take from seconds to a minute on a busy machine
     assert elapsed_s - offline_s < 25, (elapsed_s, offline_s)
+
+
+@pytest.mark.parametrize(("name", "engine_copy", "expected"), [
+    # Qwen3-30B-A3B, 30.5B parameters, on an 80 GB GPU (72 GB usable): float32 needs 4 x 30.5 = 122 GB (+ 61 GB for
+    # generate's bf16 copy), bf16 2 x 30.5 = 61 GB, shared with the bf16 engine
+    ("Qwen/Qwen3-30B-A3B", True, "bfloat16"),
+    ("Qwen/Qwen3-30B-A3B", False, "bfloat16"),  # a vLLM server holds the engine's copy
+    # OLMoE, 6.9B: 4 x 6.9 + 2 x 6.9 = 41 GB fits
+    ("allenai/OLMoE-1B-7B-0924-Instruct", True, "float32"),
+])
+def test_the_default_trainer_dtype_is_the_one_that_fits(name, engine_copy, expected, monkeypatch, tmp_path):
+    from trl_moe_replay.cli.audit import fitting_trainer_dtype
+    from trl_moe_replay.cli.plan import model_numbers
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # the plan's table, not a cached config.json
+    params = model_numbers(name).params_total
+    dtype, note = fitting_trainer_dtype(name, torch.device("cuda"), "bfloat16", engine_copy=engine_copy,
+                                        memory=80 * 10**9)
+    assert dtype == expected and note.startswith(f"trainer dtype {expected} (auto: {params / 1e9:.1f}B parameters")
+    fp32_need = 4 * params + (2 * params if engine_copy else 0)
+    assert (fp32_need <= 0.9 * 80e9) == (expected == "float32")
+
+
+def test_a_model_that_fits_in_no_dtype_is_one_line(monkeypatch, tmp_path, capsys):
+    from trl_moe_replay.cli.audit import AuditMemoryError, fitting_trainer_dtype
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    # Mixtral-8x7B, 46.7B parameters: 93 GB in bf16, more than 72 GB usable of 80
+    with pytest.raises(AuditMemoryError, match="need 93 GB in bfloat16, more than the 72 GB usable"):
+        fitting_trainer_dtype("mistralai/Mixtral-8x7B-Instruct-v0.1", torch.device("cuda"), "bfloat16",
+                              engine_copy=True, memory=80 * 10**9)
+    # a model the plan cannot count keeps float32, and says why
+    dtype, note = fitting_trainer_dtype("nobody/unknown", torch.device("cpu"), "bfloat16", engine_copy=True)
+    assert dtype == "float32" and "the model's size is unknown here" in note
+    from trl_moe_replay.cli.commands import build_parser
+
+    assert build_parser().parse_args(["audit", "--model", "m"]).trainer_dtype == "auto"

@@ -207,7 +207,7 @@ def test_env_prints_the_installed_stack(capsys):
     out = capsys.readouterr().out
     assert f"transformers  {version('transformers')}" in out and f"trl           {version('trl')}" in out
     assert main(["env", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)["packages"]
     assert len(rows) == len(STACK) and {r["name"] for r in rows} >= {"torch", "transformers", "trl", "accelerate"}
     assert all(r["suite"] for r in rows)
     torch_row = next(r for r in rows if r["name"] == "torch")

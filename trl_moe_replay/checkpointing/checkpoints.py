@@ -277,6 +277,24 @@ def generation_period(args) -> int:
     return micro // math.gcd(micro, accumulation)
 
 
+def saves_inside_generation_batches(args) -> str | None:
+    """The one-line warning for a ``save_steps`` that is not a multiple of :func:`generation_period` (a periodic
+    checkpoint inside a generation batch: a resume from it regenerates that batch, so the resumed run is not the one
+    that would have happened), or None. ``save_steps`` below 1 (a fraction of the run) is left alone."""
+    save_steps = getattr(args, "save_steps", None)
+    if str(getattr(args, "save_strategy", "no")) not in ("steps", "SaveStrategy.STEPS") or save_steps is None \
+            or isinstance(save_steps, bool) or save_steps < 1 or save_steps != int(save_steps):
+        return None
+    period = generation_period(args)
+    if int(save_steps) % period == 0:
+        return None
+    lower, upper = int(save_steps) // period * period, -(-int(save_steps) // period) * period
+    return (f"save_steps {int(save_steps)} is not a multiple of the generation period, {period} optimizer steps "
+            f"(steps_per_generation x num_iterations over gradient_accumulation_steps): a checkpoint inside a "
+            f"generation batch resumes by regenerating it, not as the run would have gone on; use "
+            f"{f'{lower} or ' if lower else ''}{upper}")
+
+
 def _at_generation_boundary(args, global_step: int) -> bool:
     return global_step % generation_period(args) == 0
 

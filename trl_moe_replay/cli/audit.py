@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import pickle
 import threading
 from dataclasses import asdict, dataclass, field
@@ -211,6 +212,55 @@ def _unreadable_weights_refused(model: str):
     ) from None
 
 
+AUTO = "auto"  # --trainer_dtype's default: float32 where it fits, else bfloat16 (fitting_trainer_dtype)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+USABLE = 0.9  # of the device's memory: the rest for the forward's activations and the allocator
+
+
+class AuditMemoryError(TrlMoeReplayError, ValueError):
+    """A model whose weights do not fit the audit's device in any trainer dtype."""
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of the device: a GPU's total memory, or this machine's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fitting_trainer_dtype(model: str, device: torch.device, engine_dtype: str, *, engine_copy: bool,
+                          memory: int | None = None) -> tuple[str, str | None]:
+    """The trainer dtype ``--trainer_dtype auto`` picks, and a note saying why: float32 (the trainer's own precision)
+    where the weights fit :data:`USABLE` of the device's memory, beside the engine's copy when generate runs here
+    (``engine_copy``; a copy in the same dtype is shared), else bfloat16; a model that fits in neither is refused in
+    one line (:class:`AuditMemoryError`). The parameter count is the plan's (the model's ``config.json``, never a
+    download); a model it cannot count gets float32, and the note says so."""
+    from .plan import PlanError, model_numbers
+
+    if model.startswith(TINY_PREFIX):
+        return "float32", None  # the offline test models: a few MB
+    try:
+        params = model_numbers(model).params_total
+    except PlanError as exc:
+        return "float32", f"trainer dtype float32 (auto: the model's size is unknown here: {exc})"
+    usable = USABLE * (device_memory(device) if memory is None else memory)
+
+    def need(dtype: str) -> float:
+        engine = params * DTYPE_BYTES[engine_dtype] if engine_copy and engine_dtype != dtype else 0
+        return params * DTYPE_BYTES[dtype] + engine
+
+    for dtype in ("float32", "bfloat16"):
+        if need(dtype) <= usable:
+            why = "fits" if dtype == "float32" else f"float32 needs {need('float32') / 1e9:.0f} GB"
+            return dtype, (f"trainer dtype {dtype} (auto: {params / 1e9:.1f}B parameters; {why}, of {usable / 1e9:.0f}"
+                           f" GB usable on {device}; pass --trainer_dtype to choose)")
+    raise AuditMemoryError(
+        f"{model}: {params / 1e9:.1f}B parameters need {need('bfloat16') / 1e9:.0f} GB in bfloat16"
+        f"{' with the engine copy' if engine_copy and engine_dtype != 'bfloat16' else ''}, more than the "
+        f"{usable / 1e9:.0f} GB usable on {device} ({USABLE:.0%} of its memory): audit on a device with more memory, "
+        "or a smaller model of the same family")
+
+
 def resolve_device(device: str | None) -> torch.device:
     """The torch device the audit runs on: ``device`` (``cpu``, ``cuda``, ``cuda:N``, ...) if this machine has it,
     else ``cuda`` when available, else ``cpu``. A device that holds no data (``meta``), is not a torch device, or is
@@ -318,7 +368,7 @@ def run_audit(
     max_new_tokens: int = 32,
     temperature: float = 1.0,
     engine_dtype: str = "bfloat16",
-    trainer_dtype: str = "float32",
+    trainer_dtype: str = "auto",
     use_chat_template: bool | None = None,
     extreme_threshold: float = 2.0,
     seed: int = 0,
@@ -335,7 +385,7 @@ def run_audit(
     ``TimeoutError``: a server that accepts connections but never answers would otherwise block forever.
     """
     for name in (engine_dtype, trainer_dtype):
-        if name not in DTYPES:
+        if name not in DTYPES and not (name is trainer_dtype and name == AUTO):
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
     for name, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
                         ("num_prompts", num_prompts)):
@@ -353,6 +403,10 @@ def run_audit(
         raise ValueError(f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got "
                          f"{vllm_timeout!r}")
     run_device = resolve_device(device)
+    dtype_note: str | None = None
+    if trainer_dtype == AUTO:
+        trainer_dtype, dtype_note = fitting_trainer_dtype(model, run_device, engine_dtype,
+                                                          engine_copy=vllm_server_url is None)
     trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
     trainer_model.to(run_device).eval()
     if prompts is None:
@@ -390,7 +444,7 @@ def run_audit(
         )
     _check_samples(samples, len(encoded) * num_generations)
     routes_available = any(rows is not None for rows in samples.routes)
-    notes = list(samples.notes)
+    notes = list(samples.notes) + ([dtype_note] if dtype_note else [])
     missing = sum(rows is None for rows in samples.routes)
     if routes_available and missing:
         notes.append(f"{missing} of {len(samples.routes)} completions came without routes: their positions are "

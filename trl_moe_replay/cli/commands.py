@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -95,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1)")
     audit.add_argument("--engine_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                        help="dtype of the generating copy (inference engines run bf16)")
-    audit.add_argument("--trainer_dtype", default="float32", choices=["bfloat16", "float16", "float32"],
-                       help="dtype of the trainer's forward")
+    audit.add_argument("--trainer_dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                       help="dtype of the trainer's forward (auto: float32 where the model fits the device, else "
+                       "bfloat16; the report's note says which and why)")
     audit.add_argument("--chat_template", default="auto", choices=["auto", "yes", "no"],
                        help="wrap prompts as a user message with the tokenizer's chat template (auto: if it has one)")
     audit.add_argument("--extreme_threshold", type=float, default=2.0,
@@ -145,7 +147,13 @@ _USER_ERRORS = (OSError, ValueError, ImportError)
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return status
+    except BrokenPipeError:  # `trl-moe-replay env | head`: the reader has gone; no traceback, no error line
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit would raise again (Python's docs, signal)
+        return 1
     except _USER_ERRORS as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"trl-moe-replay {args.command}: error: {message}", file=sys.stderr)

@@ -1,5 +1,9 @@
-"""``trl-moe-replay env``: the installed versions of the stack, each against the range this package declares and the
-versions its test suite ran on.
+"""``trl-moe-replay env``: what a bug report needs. The machine (platform, Python, GPUs with their memory, CUDA, NCCL
+and the driver; each GPU row says "none" on a machine without one), the accelerate config, this package's version
+(with its git commit in a clone), the installed versions of the stack (DeepSpeed among them), each against the range
+this package declares and the versions its test suite ran on, the routing-replay default, and every entry of the
+versioned seam (``trl_moe_replay/upstream``) with whether its probe passed on this install: the rows ``trl env``
+prints, and ours.
 
 The declared ranges are the package's own metadata (pyproject.toml's dependency lines, as installed; an extra's pin,
 such as the test extra's deepspeed, counts as the one version the suite ran). The tested ends are
@@ -9,9 +13,13 @@ docs/install.md's "Tested versions" table, :data:`TESTED` here (``tests/cross_cu
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import platform
-from dataclasses import asdict, dataclass
+import subprocess
+from dataclasses import asdict, dataclass, fields as dataclasses_fields
+from pathlib import Path
+from typing import Any
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -137,20 +145,162 @@ def environment_rows(requirements: list[str] | None = None, versions: dict[str, 
 
 
 def format_rows(rows: list[Row]) -> str:
+    lines = [f"{DISTRIBUTION} {package_version()}, Python {platform.python_version()}; tested ends: docs/install.md "
+             "\"Tested versions\"", ""]
+    return "\n".join(lines + package_table(rows))
+
+
+def package_table(rows: list[Row]) -> list[str]:
+    table = [("package", "installed", "declared", "test suite")] + [
+        (r.name, r.installed or "-", r.declared or "-", r.suite) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+            for row in table]
+
+
+# --------------------------------------------------------------------------------------------- the machine and ours
+NONE = "none"
+ROOT = Path(__file__).resolve().parents[2]  # a clone's root (a .git there), or site-packages
+
+
+def package_version() -> str:
+    """This package's version, with the git commit where it runs from a clone (``+abc1234``, ``.dirty`` with
+    uncommitted changes to tracked files)."""
     try:
         ours = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         ours = "not installed as a distribution"
-    lines = [f"{DISTRIBUTION} {ours}, Python {platform.python_version()}; tested ends: docs/install.md "
-             "\"Tested versions\"", ""]
-    table = [("package", "installed", "declared", "test suite")] + [
-        (r.name, r.installed or "-", r.declared or "-", r.suite) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(3)]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
-              for row in table]
+    commit = git_commit(ROOT)
+    return f"{ours}+{commit}" if commit else ours
+
+
+def git_commit(root: Path) -> str | None:
+    """``abc1234`` (``abc1234.dirty``) of the clone at ``root``, or None (not a clone, or no git)."""
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + (".dirty" if status.returncode == 0 and status.stdout.strip() else "")
+
+
+def gpu_rows() -> dict[str, str]:
+    """GPUs (name and memory of each), CUDA, NCCL and the driver; each "none" where this machine has no GPU."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpus = [f"{i}: {torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} "
+            "GiB)" for i in range(torch.cuda.device_count())] if cuda else []
+    nccl = NONE
+    if cuda:
+        try:
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+        except (AttributeError, RuntimeError):
+            nccl = "not in this torch build"
+    return {
+        "GPUs": "; ".join(gpus) if gpus else f"{NONE} (torch sees no CUDA device)",
+        "CUDA": (torch.version.cuda or f"{NONE} (a CPU build of torch)") if cuda or torch.version.cuda is None
+        else f"{torch.version.cuda} (torch's build; no device visible)",
+        "NCCL": nccl,
+        "driver": nvidia_driver() if cuda else NONE,
+    }
+
+
+def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str:
+    """The NVIDIA kernel driver's version (Linux), or "none"."""
+    try:
+        with open(path) as f:
+            first = f.readline(1000)
+    except OSError:
+        return NONE
+    words = first.split()
+    return next((w for w in words if w[:1].isdigit() and "." in w), first.strip() or NONE)
+
+
+def accelerate_config() -> dict[str, Any] | str:
+    """The default accelerate config (``accelerate config`` writes it), as ``trl env`` shows it, or why none."""
+    try:
+        from accelerate.commands.config import default_config_file, load_config_from_file
+    except ImportError:
+        return "accelerate not installed"
+    if not Path(default_config_file).is_file():
+        return f"not found ({default_config_file}; launches name theirs with --config_file)"
+    try:
+        return load_config_from_file(default_config_file).to_dict()
+    except Exception as exc:  # accelerate's reading of a damaged file: its own error, shown in the row
+        return f"unreadable ({default_config_file}): {' '.join(str(exc).split())[:200]}"
+
+
+def system_rows() -> dict[str, Any]:
+    from ..core.routing_options import RoutingOptions
+
+    default = next(f.default for f in dataclasses_fields(RoutingOptions) if f.name == "routing_replay")
+    return {"platform": platform.platform(), "Python": platform.python_version(), **gpu_rows(),
+            "accelerate config": accelerate_config(), DISTRIBUTION: package_version(),
+            "routing_replay default": f"{default!r} (both trainers' configs: RoutingOptions)"}
+
+
+@dataclass(frozen=True)
+class SeamRow:
+    entry: str
+    library: str
+    read_from: str
+    probe: str  # "passed", "FAILED: ...", or why it was not run here
+
+
+def seam_rows() -> list[SeamRow]:
+    """Every entry of the versioned seam with its probe's result on this install (``check_upstream``: a finding is
+    a failure; vLLM's entries are probed only where vLLM imports)."""
+    from ..upstream import all_entries, check_upstream
+
+    entries = all_entries()
+    try:
+        findings = check_upstream()
+    except Exception as exc:  # a probe that raises instead of reporting: every row says so, the report still prints
+        failed = f"the seam's check raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        return [SeamRow(e.name, e.library, e.read_from, failed) for e in entries.values()]
+    problems: dict[str, list[str]] = {}
+    for finding in findings:
+        problems.setdefault(finding.entry.name, []).append(finding.problem)
+    vllm = importlib.util.find_spec("vllm") is not None
+    rows = []
+    for e in entries.values():
+        if e.name in problems:
+            probe = "FAILED: " + "; ".join(problems[e.name])
+        elif e.library.lower().startswith("vllm") and not vllm:
+            probe = "not probed (vLLM not installed)"
+        else:
+            probe = "passed"
+        rows.append(SeamRow(e.name, e.library, e.read_from, probe))
+    return rows
+
+
+def format_report(system: dict[str, Any], rows: list[Row], seam: list[SeamRow]) -> str:
+    def shown(value: Any) -> str:
+        return ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value)
+
+    width = max(map(len, system))
+    lines = ["Copy-paste this into a bug report.", ""]
+    lines += [f"{name.ljust(width)}  {shown(value)}" for name, value in system.items()]
+    lines += ["", "installed stack (tested ends: docs/install.md \"Tested versions\"):", *package_table(rows), "",
+              f"versioned seam ({len(seam)} entries, probed on this "
+              f"install: {sum(r.probe == 'passed' for r in seam)} passed, "
+              f"{sum(r.probe.startswith('FAILED') for r in seam)} failed)"]
+    name_width = max((len(r.entry) for r in seam), default=0)
+    lines += [f"  {r.entry.ljust(name_width)}  {r.library} {r.read_from}: {r.probe}" for r in seam]
     return "\n".join(lines)
 
 
 def run_env(as_json: bool = False) -> str:
-    rows = environment_rows()
-    return json.dumps([asdict(r) for r in rows], indent=2) if as_json else format_rows(rows)
+    rows, system, seam = environment_rows(), system_rows(), seam_rows()
+    if as_json:
+        return json.dumps({"system": system, "packages": [asdict(r) for r in rows],
+                           "seam": [asdict(r) for r in seam]}, indent=2, default=str)
+    return format_report(system, rows, seam)

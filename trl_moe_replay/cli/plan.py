@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import math
 import os
 import re
 import shlex
@@ -30,11 +30,37 @@ from ..errors import TrlMoeReplayError
 GB = 1e9
 MARGIN = 0.10  # of each GPU's memory, kept free: allocator fragmentation, unmodelled buffers (docs/recipes.md)
 FIXED_GB = 3.0  # per training GPU: CUDA context, NCCL buffers, cuBLAS/cuDNN workspaces
+DISK_GB_PER_S = 1.0  # the checkpoint write speed the preemption figures assume (docs/recipes.md, "Preemption grace")
+VLLM_BUFFERS_GB = 1.0  # a colocated engine's buffers beside its weights and KV cache (kept while it sleeps)
+# the training lines that stay on the GPU while a colocated engine generates (sleep mode): what outlives a step
+RESIDENT_WHILE_GENERATING = ("weights", "masters + Adam m, v", "Adam m, v", "DDP gradient buckets",
+                             "reference model (beta > 0)", "CUDA context, NCCL, workspaces")
 DEFAULT_PROMPT_LENGTH = 1024  # TRL has no prompt-length limit; the recipes' math prompts stay well below this
 VLLM_SERVER_UTILIZATION = 0.9  # `vllm serve --gpu-memory-utilization` default, where the server line names none
 FOREACH_TEMPORARIES = ("torch's foreach AdamW step: _foreach_sqrt(exp_avg_sqs) and the like make one temporary of "
                        "the local trainable shard, in the optimizer states' dtype")
+MAX_CONFIG_BYTES = 2**20  # a recipe config or accelerate file (the shipped ones are under 10 kB)
+MAX_MODEL_CONFIG_BYTES = 16 * 2**20  # a model's config.json (tens of kB with a label table)
+MAX_MODEL_CONFIG_VALUES = 2**20
 ROOT_OF_RECIPES = Path(__file__).resolve().parents[2]  # a clone's root: recipes/accelerate/*.yaml live there
+
+
+def kv_bytes_per_token(model: ModelNumbers, tp: int) -> int:
+    """KV-cache bytes per token on one GPU of a vLLM engine of tensor parallel ``tp`` (K and V, bf16, every layer):
+    vLLM splits the KV heads over the GPUs and, where ``tp`` exceeds them, keeps one whole head per GPU (replicated),
+    so the bytes stop falling at ``tp = kv_heads`` (Qwen3-30B-A3B: 4 KV heads; at TP 8, 1 head per GPU: 2 x 48 x 1 x
+    128 x 2 = 24,576 bytes)."""
+    return 2 * model.layers * max(1, model.kv_heads // tp) * model.head_dim * 2
+
+
+def _optimizer_temporaries(optim: str) -> bool:
+    """Whether the optimizer step makes a full temporary of the trainable shard on the GPU: torch's foreach AdamW
+    (``adamw_torch``) does; the fused kernel (``adamw_torch_fused``, transformers' default on torch >= 2.8) steps in
+    place. Other optimizers keep other states: the plan does not model them, and says so in one line."""
+    if optim not in ("adamw_torch", "adamw_torch_fused"):
+        raise PlanError(f"the config's optim is {optim!r}: the plan models torch's AdamW only (adamw_torch_fused, the "
+                        "default, or adamw_torch); plan with one of them and count the optimizer's states yourself")
+    return optim == "adamw_torch"
 
 
 class PlanError(TrlMoeReplayError, ValueError):
@@ -99,43 +125,133 @@ class ModelNumbers:
     dtype: str  # the checkpoint's
 
     @classmethod
-    def from_config(cls, values: Mapping[str, Any], name: str, source: str) -> ModelNumbers:
+    def from_config(cls, values: Any, name: str, source: str) -> ModelNumbers:
         """Counts parameters from the config's sizes: attention (q, k, v, o and q/k norms), router, experts (gate, up,
         down each), shared expert, dense MLP layers, norms, embeddings and an untied LM head (tested against the
-        models transformers builds)."""
-        values = dict(values.get("text_config") or values) if "num_hidden_layers" not in values else dict(values)
-        try:
-            h, layers, heads = values["hidden_size"], values["num_hidden_layers"], values["num_attention_heads"]
-            kv = values.get("num_key_value_heads") or heads
-            d = values.get("head_dim") or h // heads
-            experts = values.get("num_experts") or values.get("num_local_experts") or values["n_routed_experts"]
-            top_k, vocab = values["num_experts_per_tok"], values["vocab_size"]
-            inter = values.get("moe_intermediate_size") or values["intermediate_size"]
-        except KeyError as exc:
-            raise PlanError(f"{source} has no {exc.args[0]}: the plan needs a MoE config.json (hidden_size, "
-                            "num_hidden_layers, num_attention_heads, num_experts, num_experts_per_tok, vocab_size, "
-                            "intermediate_size)") from None
-        sparse_step = values.get("decoder_sparse_step") or 1
-        dense = set(values.get("mlp_only_layers") or [])
+        models transformers builds). Every value it reads is checked first (type, sign, non-zero), one line each."""
+        values = _model_sizes(values, source)
+        h, layers, heads = values["hidden_size"], values["num_hidden_layers"], values["num_attention_heads"]
+        kv, d, experts, top_k = values["num_key_value_heads"], values["head_dim"], values["experts"], \
+            values["num_experts_per_tok"]
+        vocab, inter = values["vocab_size"], values["expert_intermediate"]
+        sparse_step = values["decoder_sparse_step"]
+        dense = set(values["mlp_only_layers"])
         moe = [i for i in range(layers) if i not in dense and (i + 1) % sparse_step == 0]
         attention = h * heads * d + 2 * h * kv * d + heads * d * h
-        if values.get("attention_bias"):
+        if values["attention_bias"]:
             attention += heads * d + 2 * kv * d + h
-        qk_norm = {"qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(values.get("model_type", ""), 0)
+        qk_norm = {"qwen3_moe": 2 * d, "olmoe": (heads + kv) * d}.get(values["model_type"], 0)
         one_expert = 3 * h * inter
-        shared = values.get("shared_expert_intermediate_size") or 0
+        shared = values["shared_expert_intermediate_size"]
         shared_params = 3 * h * shared + h if shared else 0
         moe_layer = attention + qk_norm + h * experts + experts * one_expert + shared_params + 2 * h
-        dense_layer = attention + qk_norm + 3 * h * (values.get("intermediate_size") or inter) + 2 * h
-        embeddings = vocab * h * (1 if values.get("tie_word_embeddings") else 2)
+        dense_layer = attention + qk_norm + 3 * h * values["dense_intermediate"] + 2 * h
+        embeddings = vocab * h * (1 if values["tie_word_embeddings"] else 2)
         total = len(moe) * moe_layer + (layers - len(moe)) * dense_layer + embeddings + h
         active = total - len(moe) * (experts - top_k) * one_expert
         return cls(name=name, source=source, hidden=h, layers=layers, moe_layers=len(moe), heads=heads, kv_heads=kv,
                    head_dim=d, experts=experts, top_k=top_k, expert_intermediate=inter, vocab=vocab,
                    params_total=total, params_active=active,
                    layer_params=max(moe_layer if moe else 0, dense_layer if dense else 0),
-                   layer_expert_params=experts * one_expert,
-                   dtype=str(values.get("dtype") or values.get("torch_dtype") or "bfloat16"))
+                   layer_expert_params=experts * one_expert, dtype=values["dtype"])
+
+
+MAX_SIZE = 2**31 - 1  # the largest size a config.json or recipe value may give (torch's int32 index range)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def checked_int(value: Any, name: str, where: str, minimum: int = 1) -> int:
+    """``value`` if it is an integer in [``minimum``, :data:`MAX_SIZE`] (not a bool), else :class:`PlanError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_SIZE:
+        raise PlanError(f"{where}: {name} must be an integer from {minimum} to {MAX_SIZE:,}, got {_shown(value)}; "
+                        "fix the value")
+    return value
+
+
+def checked_number(value: Any, name: str, where: str, low: float = 0.0, high: float = math.inf) -> float:
+    """``value`` if it is a finite number in (``low``, ``high``] (not a bool), else :class:`PlanError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low < value <= high:
+        bound = f" and at most {high:g}" if high != math.inf else ""
+        raise PlanError(f"{where}: {name} must be a finite number above {low:g}{bound}, got {_shown(value)}; fix "
+                        "the value")
+    return float(value)
+
+
+def checked_bool(value: Any, name: str, where: str) -> bool:
+    """``value`` if it is ``True``/``False`` (``None``: ``False``), else :class:`PlanError` (``"no"`` is no bool)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise PlanError(f"{where}: {name} must be true or false, got {_shown(value)}; YAML booleans are written unquoted")
+
+
+def checked_text(value: Any, name: str, where: str, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str) or (choices is not None and value not in choices):
+        expected = f"one of {list(choices)}" if choices else "a text"
+        raise PlanError(f"{where}: {name} must be {expected}, got {_shown(value)}; fix the value")
+    return value
+
+
+def _model_sizes(values: Any, source: str) -> dict[str, Any]:
+    """The sizes :meth:`ModelNumbers.from_config` reads from a ``config.json`` (or its ``text_config``), each checked:
+    an object, integers >= 1 (``shared_expert_intermediate_size`` >= 0), ``num_experts_per_tok`` at most the experts,
+    booleans and texts where a config has them. One :class:`PlanError` line for the first that is not."""
+    if not isinstance(values, Mapping):
+        raise PlanError(f"{source} must hold a JSON object of the model's sizes, got {_shown(values)}: the file is "
+                        "damaged or not a model's config.json")
+    if "num_hidden_layers" not in values and values.get("text_config") is not None:
+        if not isinstance(values["text_config"], Mapping):
+            raise PlanError(f"{source}: text_config must be an object of the language model's sizes, got "
+                            f"{_shown(values['text_config'])}")
+        values = values["text_config"]
+    names = {"hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok", "vocab_size"}
+    expert_keys = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if values.get(k) is not None]
+    inter_keys = [k for k in ("moe_intermediate_size", "intermediate_size") if values.get(k) is not None]
+    missing = sorted(k for k in names if values.get(k) is None) + ["num_experts"] * (not expert_keys) \
+        + ["intermediate_size"] * (not inter_keys)
+    if missing:
+        raise PlanError(f"{source} has no {missing[0]}: the plan needs a MoE config.json (hidden_size, "
+                        "num_hidden_layers, num_attention_heads, num_experts, num_experts_per_tok, vocab_size, "
+                        "intermediate_size)")
+    where = str(source)
+    out: dict[str, Any] = {k: checked_int(values[k], k, where) for k in sorted(names)}
+    out["experts"] = checked_int(values[expert_keys[0]], expert_keys[0], where)
+    out["expert_intermediate"] = checked_int(values[inter_keys[0]], inter_keys[0], where)
+    if out["num_experts_per_tok"] > out["experts"]:
+        raise PlanError(f"{where}: num_experts_per_tok {out['num_experts_per_tok']} is more than the "
+                        f"{out['experts']} experts; fix the value")
+    optional = {"num_key_value_heads": out["num_attention_heads"], "decoder_sparse_step": 1,
+                "intermediate_size": out["expert_intermediate"]}
+    for key, default in optional.items():
+        out[key] = default if values.get(key) is None else checked_int(values[key], key, where)
+    out["dense_intermediate"] = out.pop("intermediate_size")
+    h, heads = out["hidden_size"], out["num_attention_heads"]
+    if values.get("head_dim") is not None:
+        out["head_dim"] = checked_int(values["head_dim"], "head_dim", where)
+    elif h // heads >= 1:
+        out["head_dim"] = h // heads
+    else:
+        raise PlanError(f"{where}: hidden_size {h} over num_attention_heads {heads} leaves no head_dim, and the file "
+                        "names none; fix the values")
+    shared = values.get("shared_expert_intermediate_size")
+    out["shared_expert_intermediate_size"] = 0 if shared is None else checked_int(
+        shared, "shared_expert_intermediate_size", where, minimum=0)
+    layers = values.get("mlp_only_layers")
+    if layers is None:
+        layers = []
+    if not isinstance(layers, list):
+        raise PlanError(f"{where}: mlp_only_layers must be a list of layer indices, got {_shown(layers)}")
+    out["mlp_only_layers"] = [checked_int(i, "mlp_only_layers[]", where, minimum=0) for i in layers]
+    for key in ("attention_bias", "tie_word_embeddings"):
+        out[key] = checked_bool(values.get(key), key, where)
+    model_type, dtype = values.get("model_type"), values.get("dtype") or values.get("torch_dtype")
+    out["model_type"] = "" if model_type is None else checked_text(model_type, "model_type", where)
+    out["dtype"] = "bfloat16" if dtype is None else checked_text(dtype, "dtype", where)
+    return out
 
 
 def _hub_cache_config(name: str) -> Path | None:
@@ -153,7 +269,13 @@ def model_numbers(name: str) -> ModelNumbers:
     local = Path(name) / "config.json"
     path = local if local.is_file() else _hub_cache_config(name)
     if path is not None:
-        return ModelNumbers.from_config(json.loads(path.read_text()), name, str(path))
+        from ..bounded_json import JSONFileError, read_json_file
+
+        try:  # bounded: a damaged file (a 100,000-deep array, gigabytes) is one line, not a traceback
+            values = read_json_file(path, max_bytes=MAX_MODEL_CONFIG_BYTES, max_values=MAX_MODEL_CONFIG_VALUES)
+        except (JSONFileError, OSError) as exc:
+            raise PlanError(f"the model's config.json is not read: {' '.join(str(exc).split())}") from None
+        return ModelNumbers.from_config(values, name, str(path))
     if name in KNOWN_MODELS:
         return ModelNumbers.from_config(KNOWN_MODELS[name], name, "the plan's table (trl_moe_replay/cli/plan.py)")
     raise PlanError(f"no config.json for {name!r}: not a local folder, not in the Hub cache, not in the plan's "
@@ -172,6 +294,7 @@ class Layout:
     offload_params: bool = False
     vllm_gpus: int = 0
     vllm_tp: int = 1
+    vllm_replicas: int = 1  # the server line's --data-parallel-size
     vllm_max_model_len: int | None = None  # the server line's --max-model-len
     vllm_utilization: float = VLLM_SERVER_UTILIZATION  # the server line's --gpu-memory-utilization
     shard: int = 1  # ranks each training tensor is split over (ep: fsdp_size x tp_size)
@@ -217,8 +340,69 @@ def _flag(words: list[str], name: str) -> str | None:
     return None
 
 
+def _words(command: str, where: str) -> list[str]:
+    try:
+        return shlex.split(command)
+    except ValueError as exc:  # an unclosed quote
+        raise PlanError(f"{where} cannot be split into words ({exc}): {command[:80]!r}; fix the line") from None
+
+
+def _int_flag(words: list[str], name: str, where: str, minimum: int = 1) -> int | None:
+    """The integer after ``name`` in a command line, or None where it is absent; :class:`PlanError` for text, 0 or a
+    negative number."""
+    given = _flag(words, name)
+    if given is None:
+        return None
+    try:
+        value = int(given)
+    except ValueError:
+        raise PlanError(f"{where}: {name} must be an integer from {minimum}, got {given!r}; fix the line") from None
+    return checked_int(value, name, where, minimum)
+
+
+def _float_flag(words: list[str], name: str, where: str, high: float = math.inf) -> float | None:
+    given = _flag(words, name)
+    if given is None:
+        return None
+    try:
+        value = float(given)
+    except ValueError:
+        raise PlanError(f"{where}: {name} must be a number, got {given!r}; fix the line") from None
+    return checked_number(value, name, where, high=high)
+
+
+def read_yaml_file(path: str | Path, what: str) -> tuple[dict[str, Any], str]:
+    """The mapping a YAML file holds and its text, read through the bounded reader (a regular file of at most
+    :data:`MAX_CONFIG_BYTES`), or :class:`PlanError` in one line: not a file, not UTF-8, not YAML, nested too deeply,
+    not a mapping of keys."""
+    import yaml
+
+    from ..bounded_json import JSONFileError, read_regular_file
+
+    try:
+        data = read_regular_file(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        raise PlanError(f"{path} is not a file: pass {what}") from None
+    except (JSONFileError, OSError) as exc:
+        raise PlanError(f"{what} {path} is not read: {' '.join(str(exc).split())}") from None
+    try:
+        text = data.decode("utf-8")
+        values = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise PlanError(f"{path} is not UTF-8 text: pass {what}") from None
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{path} is not valid YAML ({' '.join(str(exc).split())}); fix the file") from None
+    except RecursionError:
+        raise PlanError(f"{path} nests YAML lists or mappings too deeply to read; fix the file") from None
+    if values is None:
+        return {}, text
+    if not isinstance(values, dict):
+        raise PlanError(f"{path} must hold a YAML mapping (key: value lines), got {_shown(values)}; pass {what}")
+    return values, text
+
+
 def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_OF_RECIPES) -> Layout:
-    """The layout the header's launch lines start, and its ``# plan:`` line."""
+    """The layout the header's launch lines start, and its ``# plan:`` line; every number in them checked."""
     header = header_of(text)
     commands = _commands(header)
     train = next((c for c in commands if "accelerate launch" in c or "torchrun" in c), None)
@@ -227,25 +411,34 @@ def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_O
     if train is None:
         fields.update(sharding="single", processes=1)
     else:
-        words = shlex.split(train)
+        where = "the header's launch line"
+        words = _words(train, where)
         config_file = _flag(words, "--config_file")
-        accelerate = {}
+        accelerate: dict[str, Any] = {}
         if config_file:
-            import yaml
-
             path = root / config_file
             if not path.is_file():
                 raise PlanError(f"the launch line names {config_file}, which is not in {root}")
-            accelerate = yaml.safe_load(path.read_text())
+            accelerate, _ = read_yaml_file(path, "an accelerate config (recipes/accelerate/*.yaml)")
+        a_where = f"the accelerate config {config_file}"
         if "torchrun" in words:
-            processes = int(_flag(words, "--nproc_per_node") or 1) * int(_flag(words, "--nnodes") or 1)
+            processes = (_int_flag(words, "--nproc_per_node", where) or 1) * (_int_flag(words, "--nnodes", where) or 1)
         else:
-            processes = int(_flag(words, "--num_processes") or accelerate.get("num_processes", 1))
-        kind = accelerate.get("distributed_type", "MULTI_GPU" if processes > 1 else "NO")
+            processes = _int_flag(words, "--num_processes", where) or checked_int(
+                accelerate.get("num_processes", 1), "num_processes", a_where)
+        kind = checked_text(accelerate.get("distributed_type", "MULTI_GPU" if processes > 1 else "NO"),
+                            "distributed_type", a_where)
         deepspeed = accelerate.get("deepspeed_config") or {}
         fsdp = accelerate.get("fsdp_config") or {}
+        for name, part in (("deepspeed_config", deepspeed), ("fsdp_config", fsdp)):
+            if not isinstance(part, dict):
+                raise PlanError(f"{a_where}: {name} must be a mapping, got {_shown(part)}; fix the file")
+        stage = checked_int(deepspeed.get("zero_stage", 2), "zero_stage", a_where, minimum=0)
+        if kind == "DEEPSPEED" and stage not in (2, 3):
+            raise PlanError(f"{a_where}: the plan models DeepSpeed ZeRO stages 2 and 3, got zero_stage {stage}; use "
+                            "recipes/accelerate/zero2.yaml or zero3.yaml")
         sharding = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp2",
-                    "DEEPSPEED": f"zero{deepspeed.get('zero_stage', 2)}"}.get(kind, "ddp")
+                    "DEEPSPEED": f"zero{stage}"}.get(kind, "ddp")
         optimizer_device = _flag(words, "--offload_optimizer_device") or deepspeed.get("offload_optimizer_device")
         param_device = _flag(words, "--offload_param_device") or deepspeed.get("offload_param_device")
         fsdp_offload = str(_flag(words, "--fsdp_offload_params") or fsdp.get("fsdp_offload_params")).lower() == "true"
@@ -261,30 +454,47 @@ def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_O
         fields["shard"] = fields["processes"]
     server = next((c for c in commands if "vllm-serve" in c or "vllm serve" in c), None)
     if server is not None:
-        words = shlex.split(server)
+        where = "the header's vllm-serve line"
+        words = _words(server, where)
         visible = next((w.split("=", 1)[1] for w in words if w.startswith("CUDA_VISIBLE_DEVICES=")), None)
-        tp = int(_flag(words, "--tensor-parallel-size") or 1)
-        dp = int(_flag(words, "--data-parallel-size") or 1)
-        fields.update(vllm_gpus=len(visible.split(",")) if visible else tp * dp, vllm_tp=tp)
-        max_len, util = _flag(words, "--max-model-len"), _flag(words, "--gpu-memory-utilization")
+        tp = _int_flag(words, "--tensor-parallel-size", where) or 1
+        dp = _int_flag(words, "--data-parallel-size", where) or 1
+        gpus = len(visible.split(",")) if visible else tp * dp
+        if tp * dp > gpus:  # vLLM starts tp x dp workers, one GPU each, among the visible ones
+            raise PlanError(f"{where} asks for tensor parallel {tp} x data parallel {dp} = {tp * dp} GPUs under "
+                            f"CUDA_VISIBLE_DEVICES={visible} ({gpus} GPUs): vLLM refuses it; make the visible GPUs "
+                            "as many as --tensor-parallel-size x --data-parallel-size")
+        fields.update(vllm_gpus=gpus, vllm_tp=tp, vllm_replicas=dp)
+        max_len = _int_flag(words, "--max-model-len", where)
+        util = _float_flag(words, "--gpu-memory-utilization", where, high=1.0)
         if max_len:
-            fields["vllm_max_model_len"] = int(max_len)
+            fields["vllm_max_model_len"] = max_len
         if util:
-            fields["vllm_utilization"] = float(util)
+            fields["vllm_utilization"] = util
     plan = PLAN_LINE.search(header)
     if plan is not None:
-        words = shlex.split(plan.group(1))
-        gpus, memory, prompt = (_flag(words, f) for f in ("--gpus", "--gpu-memory", "--prompt-length"))
-        fields.update(gpus=int(gpus) if gpus else None, gpu_memory=float(memory) if memory else None,
-                      prompt_length=int(prompt) if prompt else None)
+        where = "the header's `# plan:` line"
+        words = _words(plan.group(1), where)
+        fields.update(gpus=_int_flag(words, "--gpus", where), gpu_memory=_float_flag(words, "--gpu-memory", where),
+                      prompt_length=_int_flag(words, "--prompt-length", where))
     return Layout(**fields)
 
 
 def _parallel_sizes(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The recipe's ``ep_size``/``fsdp_size``/... keys over ``model_init_kwargs.distributed_config``."""
-    sizes = dict((values.get("model_init_kwargs") or {}).get("distributed_config") or {})
+    """The recipe's ``ep_size``/``fsdp_size``/... keys over ``model_init_kwargs.distributed_config``, the sizes
+    checked (integers >= 1)."""
+    kwargs = values.get("model_init_kwargs") or {}
+    distributed = kwargs.get("distributed_config") or {} if isinstance(kwargs, dict) else None
+    if not isinstance(distributed, dict):
+        what = "model_init_kwargs" if not isinstance(kwargs, dict) else "model_init_kwargs.distributed_config"
+        raise PlanError(f"the config's {what} must be a YAML mapping, got "
+                        f"{_shown(kwargs if what == 'model_init_kwargs' else distributed)}; fix the value")
+    sizes = dict(distributed)
     sizes.update({k: values[k] for k in ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size", "ep_implementation")
                   if values.get(k) is not None})
+    for key in ("ep_size", "fsdp_size", "tp_size", "dp_replicate_size"):
+        if sizes.get(key) is not None:
+            checked_int(sizes[key], key, "the config")
     return sizes
 
 
@@ -306,12 +516,64 @@ def _defaults() -> dict[str, Any]:
     return defaults
 
 
+def config_values(values: dict[str, Any], where: str) -> None:
+    """Check every value of the config the estimate reads besides the batch's (:func:`check_batch`) and the parallel
+    sizes (:func:`_parallel_sizes`): type, sign, non-zero, finite; one :class:`PlanError` line for the first that is
+    not. A YAML ``null`` where a number is needed is refused, never replaced by a default."""
+    checked_text(values["model_name_or_path"], "model_name_or_path", where)
+    for key in ("use_vllm", "use_peft", "gradient_checkpointing", "vllm_enable_sleep_mode"):
+        values[key] = checked_bool(values.get(key), key, where)
+    if values.get("bf16") is not None:
+        checked_bool(values["bf16"], "bf16", where)
+    if values["use_vllm"]:
+        checked_text(values.get("vllm_mode"), "vllm_mode", where, ("server", "colocate"))
+    checked_int(values["max_completion_length"], "max_completion_length", where)
+    if values.get("vllm_max_model_length") is not None:
+        checked_int(values["vllm_max_model_length"], "vllm_max_model_length", where)
+    checked_number(values["vllm_gpu_memory_utilization"], "vllm_gpu_memory_utilization", where, high=1.0)
+    checked_int(values["vllm_tensor_parallel_size"], "vllm_tensor_parallel_size", where)
+    beta = values["beta"]
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
+        raise PlanError(f"{where}: beta must be a finite number >= 0, got {_shown(beta)}; fix the value")
+    checked_text(values["optim"], "optim", where)
+    if values.get("dtype") is not None:
+        checked_text(values["dtype"], "dtype", where)
+    if values["use_peft"]:
+        checked_int(values["lora_r"], "lora_r", where)
+        targets = values.get("lora_target_modules")
+        if isinstance(targets, str):
+            values["lora_target_modules"] = [targets]
+        elif targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+            raise PlanError(f"{where}: lora_target_modules must be a list of module names, got {_shown(targets)}")
+
+
+def trainer_checks(values: Mapping[str, Any]) -> None:
+    """The trainer's own config checks on the config's values, the functions ``MoEReplayGRPOConfig.__post_init__``
+    runs: ``check_config`` (our fields by type and range, TRL's by ``UPSTREAM_REFUSALS``) and
+    ``check_generation_support`` (generation setups whose routes cannot be kept, such as colocated vLLM >= 0.31 with
+    ``vllm_tensor_parallel_size`` > 1, judged by the installed vLLM as the trainer judges it). They raise the
+    trainer's own exception with its own line. TRL's ``__post_init__`` itself is not run (it needs the launched
+    world); its batch rule is :func:`check_batch`'s, with the layout's processes."""
+    from types import SimpleNamespace
+
+    from ..core.config_checks import check_config
+    from ..trainer.grpo_config import MoEReplayGRPOConfig, check_generation_support
+
+    args = SimpleNamespace(**{k: v for k, v in values.items() if isinstance(k, str)})
+    check_config(args, MoEReplayGRPOConfig)
+    check_generation_support(args)
+
+
 def check_batch(values: Mapping[str, Any], processes: int) -> dict[str, int]:
     """The batch arithmetic with ``processes`` training processes, or :class:`PlanError` where TRL's
     ``GRPOConfig.__post_init__`` would refuse it (its rules with ``world_size = processes``)."""
-    b, ga, g = values["per_device_train_batch_size"], values["gradient_accumulation_steps"], values["num_generations"]
-    spg = values.get("steps_per_generation") or ga
-    if values.get("generation_batch_size"):
+    where = "the config"
+    b, ga = (checked_int(values[k], k, where) for k in ("per_device_train_batch_size", "gradient_accumulation_steps"))
+    g = checked_int(values["num_generations"], "num_generations", where, minimum=2)  # TRL: GRPO needs 2 to compare
+    spg = ga if values.get("steps_per_generation") is None else checked_int(values["steps_per_generation"],
+                                                                         "steps_per_generation", where)
+    if values.get("generation_batch_size") is not None:
+        checked_int(values["generation_batch_size"], "generation_batch_size", where)
         if values["generation_batch_size"] % (b * processes):
             raise PlanError(f"generation_batch_size {values['generation_batch_size']} is not a multiple of "
                             f"per_device_train_batch_size {b} x {processes} processes: TRL refuses it")
@@ -322,8 +584,10 @@ def check_batch(values: Mapping[str, Any], processes: int) -> dict[str, int]:
                         f"{rollout} completions is not a multiple of num_generations {g}: TRL refuses it (whole "
                         "prompt groups only); change per_device_train_batch_size or steps_per_generation")
     eval_on = values.get("eval_strategy", "no") != "no"  # TRL checks whenever evaluation is on (do_eval follows it)
-    eval_g = values.get("num_generations_eval") or g
-    if eval_on and values["per_device_eval_batch_size"] * processes % eval_g:
+    eval_g = g if values.get("num_generations_eval") is None else checked_int(values["num_generations_eval"],
+                                                                          "num_generations_eval", where)
+    if eval_on and checked_int(values["per_device_eval_batch_size"], "per_device_eval_batch_size", where) * processes \
+            % eval_g:
         raise PlanError(f"per_device_eval_batch_size {values['per_device_eval_batch_size']} x {processes} processes "
                         f"is not a multiple of {eval_g} generations for evaluation: TRL refuses it")
     return dict(per_device=b, accumulation=ga, steps_per_generation=spg, update=b * processes * ga, rollout=rollout,
@@ -365,6 +629,9 @@ class Plan:
     cpu_gb: float  # offloaded state, per node of training processes (all ranks)
     vllm_lines: list[str]
     route_lines: list[str]
+    generation_phase: tuple[float, float] | None = None  # colocated with sleep mode: (GB resident while generating, budget)
+    warnings: list[str] = dataclasses.field(default_factory=list)  # the trainer's config warnings, one line each
+    checkpoint_gb: tuple[float, float] = (0.0, 0.0)  # a checkpoint's weights and optimizer state, all ranks together
 
     @property
     def train_total(self) -> float:
@@ -376,7 +643,7 @@ class Plan:
 
 
 def _lora_params(model: ModelNumbers, values: Mapping[str, Any]) -> int:
-    r = values.get("lora_r") or 16
+    r = values["lora_r"]
     h, q, kv = model.hidden, model.heads * model.head_dim, model.kv_heads * model.head_dim
     sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
     targets = values.get("lora_target_modules") or ["q_proj", "v_proj"]
@@ -390,39 +657,56 @@ def _lora_params(model: ModelNumbers, values: Mapping[str, Any]) -> int:
 def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | None = None,
              prompt_length: int | None = None) -> Plan:
     """The plan of a recipe config file (see the module's docstring); ``gpus``/``gpu_memory``/``prompt_length``
-    default to its ``# plan:`` line."""
-    import yaml
-
+    default to its ``# plan:`` line, and a value given here is used as given (0 or a negative is refused, never
+    replaced by the header's)."""
+    given = "the command line"
+    if gpus is not None:
+        checked_int(gpus, "--gpus", given)
+    if gpu_memory is not None:
+        checked_number(gpu_memory, "--gpu-memory", given)
+    if prompt_length is not None:
+        checked_int(prompt_length, "--prompt-length", given)
     path = Path(config)
-    if not path.is_file():
-        raise PlanError(f"{config} is not a file: pass a recipe config (recipes/configs/*.yaml)")
-    text = path.read_text()
-    values = {**_defaults(), **(yaml.safe_load(text) or {})}
-    if not values.get("model_name_or_path"):
+    what = "a recipe config (recipes/configs/*.yaml)"
+    in_file, text = read_yaml_file(path, what)
+    values = {**_defaults(), **in_file}
+    name = values.get("model_name_or_path")
+    if name is None or name == "":
         raise PlanError(f"{path.name} names no model (the offline tiny MoE): nothing to plan on GPUs")
+    config_values(values, path.name)
     layout = layout_from_header(text, values)
-    gpus = gpus or layout.gpus
-    gpu_memory = gpu_memory or layout.gpu_memory
-    if not gpus or not gpu_memory:
+    gpus = layout.gpus if gpus is None else gpus
+    gpu_memory = layout.gpu_memory if gpu_memory is None else gpu_memory
+    if gpus is None or gpu_memory is None:
         raise PlanError(f"{path.name}: say the GPUs, --gpus N --gpu-memory GB (or a `# plan: --gpus N --gpu-memory GB`"
                         " line in its header)")
-    model = model_numbers(values["model_name_or_path"])
+    model = model_numbers(name)
     check_sizes(model, layout, values)
     batch = check_batch(values, layout.processes)
-    colocate = bool(values.get("use_vllm")) and values.get("vllm_mode") == "colocate"
+    trainer_checks(values)
+    from types import SimpleNamespace
+
+    from ..checkpointing.checkpoints import saves_inside_generation_batches
+
+    saving = saves_inside_generation_batches(SimpleNamespace(
+        save_strategy=values.get("save_strategy"), save_steps=values.get("save_steps"),
+        steps_per_generation=batch["steps_per_generation"],
+        num_iterations=checked_int(values["num_iterations"], "num_iterations", path.name),
+        gradient_accumulation_steps=batch["accumulation"]))
+    colocate = values["use_vllm"] and values["vllm_mode"] == "colocate"
     used = layout.processes + (0 if colocate else layout.vllm_gpus)
     if used > gpus:
         raise PlanError(f"the layout uses {used} GPUs ({layout.processes} training processes + {layout.vllm_gpus} "
                         f"for vLLM), more than the {gpus} given")
-    if values.get("use_vllm") and not colocate and layout.vllm_gpus == 0:
+    if values["use_vllm"] and not colocate and layout.vllm_gpus == 0:
         raise PlanError(f"{path.name} generates on a vLLM server but its header has no `trl vllm-serve` line with "
                         "CUDA_VISIBLE_DEVICES: say which GPUs serve")
-    p = prompt_length or layout.prompt_length or DEFAULT_PROMPT_LENGTH
+    p = next(v for v in (prompt_length, layout.prompt_length, DEFAULT_PROMPT_LENGTH) if v is not None)
     c = values["max_completion_length"]
     s = p + c
     n, shard = layout.processes, layout.shard
-    max_len = (values.get("vllm_max_model_length") if colocate else layout.vllm_max_model_len) \
-        if values.get("use_vllm") else None
+    max_len = (values["vllm_max_model_length"] if colocate else layout.vllm_max_model_len) \
+        if values["use_vllm"] else None
     if max_len is not None and max_len < s:
         what = "vllm_max_model_length" if colocate else "the vllm-serve line's --max-model-len"
         raise PlanError(f"{path.name}: {what} {max_len} is below prompt {p} + completion {c} = {s} tokens: vLLM would "
@@ -436,7 +720,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     T = _lora_params(model, values) if peft else P
     loaded = values.get("dtype") or model.dtype
     w = 4 if loaded in ("float32", "torch.float32") else 2
-    bf16 = bool(values.get("bf16"))
+    fp16 = checked_bool(values.get("fp16"), "fp16", "the config")
+    bf16 = not fp16 if values.get("bf16") is None else values["bf16"]  # TRL's rule for an unset bf16
+    foreach = _optimizer_temporaries(values["optim"])
     where = "" if shard == 1 else f" / {shard}"
     sharding = layout.sharding
     cpu = 0.0
@@ -457,8 +743,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             lines.append(("masters + Adam m, v", 0.0, f"offloaded to CPU: {opt / GB:.0f} GB + fp32 grads"))
         else:
             lines.append(("masters + Adam m, v", opt / n / GB, f"fp32, 12 bytes/param / {n}"))
-            # DeepSpeed steps the Trainer's torch AdamW on its fp32 partition
-            lines.append(("optimizer-step temporaries", 4 * T / n / GB, f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
+            if foreach:  # DeepSpeed steps the Trainer's torch AdamW on its fp32 partition
+                lines.append(("optimizer-step temporaries", 4 * T / n / GB,
+                              f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
         a_bytes, gathered = 2, (2 * 2 * model.layer_params if sharding == "zero3" else 0)
     elif sharding == "fsdp2":  # accelerate upcasts trainable parameters to fp32; MixedPrecisionPolicy computes in bf16
         base = (P - T) * w if peft else 0  # a frozen base stays in its loaded dtype
@@ -469,7 +756,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             lines.append(("weights", (4 * T + base) / n / GB, f"fp32 (the masters) / {n}"))
             lines.append(("gradients", 4 * T / n / GB, f"fp32 / {n}"))
             lines.append(("Adam m, v", 8 * T / n / GB, f"fp32 / {n}"))
-            lines.append(("optimizer-step temporaries", 4 * T / n / GB, f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
+            if foreach:
+                lines.append(("optimizer-step temporaries", 4 * T / n / GB,
+                              f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
         a_bytes, gathered = (2 if bf16 else 4), 2 * (2 if bf16 else 4) * model.layer_params
     else:  # single, ddp, ep: the parameters are the masters, in the loaded dtype (LoRA adapters: fp32)
         t_bytes = 4 if peft else w
@@ -477,8 +766,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
                       f"{'fp32' if w == 4 else 'bf16'}{where or ', whole on each GPU'}"))
         lines.append(("gradients", T * t_bytes / shard / GB, f"{'fp32' if t_bytes == 4 else 'bf16'}{where}"))
         lines.append(("Adam m, v", 2 * T * t_bytes / shard / GB, f"2 x {t_bytes} bytes/param{where}"))
-        lines.append(("optimizer-step temporaries", T * t_bytes / shard / GB,
-                      f"{t_bytes} bytes/param{where}: {FOREACH_TEMPORARIES}"))
+        if foreach:
+            lines.append(("optimizer-step temporaries", T * t_bytes / shard / GB,
+                          f"{t_bytes} bytes/param{where}: {FOREACH_TEMPORARIES}"))
         if sharding == "ddp":
             lines.append(("DDP gradient buckets", T * t_bytes / GB, "a second copy of the gradients (accelerate's "
                           "DDP: gradient_as_bucket_view off)"))
@@ -487,6 +777,25 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
         if bf16 and w == 4:
             lines.append(("bf16 autocast copies", 2 * (P - T if peft else P) / shard / GB + 0,
                           f"autocast keeps the bf16 casts of the weights for the forward{where}"))
+    # ---- the checkpoint a save writes: the model's weights as saved, and the optimizer's state
+    if sharding in ("zero2", "zero3"):  # the 16-bit model (zero3_save_16bit_model) + fp32 masters and Adam m, v
+        saved, optimizer_state = (4 * T if peft else 2 * P), 12 * T
+    elif sharding == "fsdp2":  # fp32 parameters (the masters) + Adam m, v
+        saved, optimizer_state = 4 * T, 8 * T
+    else:  # the parameters in their dtype (LoRA adapters fp32) + Adam m, v in the same
+        t_bytes = 4 if peft else w
+        saved, optimizer_state = t_bytes * T, 2 * t_bytes * T
+    if values["beta"] > 0 and not peft:  # TRL loads a second copy; under PEFT it disables the adapters instead
+        ref_bytes, ref_how = {
+            "zero3": (2 * P / n, f"bf16 / {n} (ZeRO-3 shards it as the policy)"),
+            "zero2": (2 * P, "bf16, whole on each GPU (TRL prepares it with ZeRO stage 0 under ZeRO-2)"),
+            "fsdp2": (w * P / n, f"loaded dtype / {n} (TRL's prepare_fsdp shards it)"),
+        }.get(sharding, (w * P / shard, f"loaded dtype{where or ', whole on each GPU'}"))
+        if layout.offload_params and sharding in ("zero3", "fsdp2"):
+            cpu += w * P if sharding == "fsdp2" else 2 * P
+            lines.append(("reference model (beta > 0)", 0.0, "offloaded to CPU with the policy's parameters"))
+        else:
+            lines.append(("reference model (beta > 0)", ref_bytes / GB, ref_how))
     if gathered:
         lines.append(("gathered layers", gathered / GB, "2 decoder layers unsharded (the current and the prefetched)"))
     # ---- activations of one micro-batch (b sequences of s tokens, c of them completion)
@@ -517,31 +826,45 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     # ---- vLLM
     vllm: list[str] = []
     engine = 2 * P  # bf16 weights
-    kv_token = 2 * model.layers * kv * 2  # bytes per token: K and V, bf16
+    generation_phase: tuple[float, float] | None = None
     if colocate:
-        util = values.get("vllm_gpu_memory_utilization") or 0.3
-        tp = values.get("vllm_tensor_parallel_size") or 1
+        util, tp = values["vllm_gpu_memory_utilization"], values["vllm_tensor_parallel_size"]
         share = util * gpu_memory
-        free = share - engine / tp / GB - 1.0
+        free = share - engine / tp / GB - VLLM_BUFFERS_GB
+        kv_token = kv_bytes_per_token(model, tp)
         vllm.append(f"vLLM colocated on every training GPU: vllm_gpu_memory_utilization {util} = {share:.1f} GB "
                     f"(bf16 weights {engine / tp / GB:.1f} GB{f' / tp {tp}' if tp > 1 else ''}, ~1 GB of buffers, KV "
-                    f"cache {max(free, 0):.1f} GB = {max(free, 0) * GB / (kv_token / tp):,.0f} tokens, "
-                    f"{max(free, 0) * GB / (kv_token / tp) / s:.1f} sequences of {s})"
-                    + ("" if free * GB >= s * kv_token / tp else ": does not fit one sequence"))
-        budget = (1 - util - MARGIN) * gpu_memory
+                    f"cache {max(free, 0):.1f} GB = {max(free, 0) * GB / kv_token:,.0f} tokens at {kv_token:,} "
+                    f"bytes/token per GPU, {max(free, 0) * GB / kv_token / s:.1f} sequences of {s})"
+                    + ("" if free * GB >= s * kv_token else ": does not fit one sequence"))
+        if values["vllm_enable_sleep_mode"]:  # TRL: llm.sleep(level=2) after generating, wake_up before the next
+            budget = (1 - MARGIN) * gpu_memory
+            lines.append(("vLLM asleep (sleep mode)", VLLM_BUFFERS_GB, "weights and KV cache released by sleep level "
+                          "2 while training; its buffers stay"))
+            resident = sum(gb for what, gb, _ in lines if what in RESIDENT_WHILE_GENERATING)
+            generation_phase = (resident + share, budget)
+            vllm.append(f"generation phase (sleep mode): the training state that stays ({resident:.1f} GB: weights, "
+                        f"optimizer state, fixed; gradients freed by zero_grad, no activations) + vLLM's share "
+                        f"{share:.1f} GB = {resident + share:.1f} GB of a budget of {budget:.1f} GB"
+                        + ("" if resident + share <= budget else ": does not fit"))
+        else:
+            budget = (1 - util - MARGIN) * gpu_memory
     else:
         budget = (1 - MARGIN) * gpu_memory
         if layout.vllm_gpus:
-            tp = layout.vllm_tp
-            replicas = layout.vllm_gpus // tp
+            tp, replicas = layout.vllm_tp, layout.vllm_replicas
+            if model.heads % tp:
+                raise PlanError(f"the vllm-serve line's --tensor-parallel-size {tp} does not divide {model.name}'s "
+                                f"{model.heads} attention heads: vLLM refuses it; use a divisor of {model.heads}")
             util = layout.vllm_utilization
             free = util * gpu_memory - engine / tp / GB - 2.0
-            tokens = max(free, 0) * GB / (kv_token / tp) * replicas
+            kv_token = kv_bytes_per_token(model, tp)
+            tokens = max(free, 0) * GB / kv_token * replicas
             vllm.append(f"vLLM server on {layout.vllm_gpus} GPUs ({replicas} x tensor parallel {tp}): bf16 weights "
                         f"{engine / tp / GB:.1f} GB per GPU, ~2 GB buffers and CUDA graphs, KV cache "
                         f"{max(free, 0):.1f} GB per GPU at --gpu-memory-utilization {util:g} = "
-                        f"{tokens:,.0f} tokens, {tokens / s:.0f} sequences of {s} at once"
-                        + ("" if free * GB >= s * kv_token / tp else ": does not fit one sequence"))
+                        f"{tokens:,.0f} tokens at {kv_token:,} bytes/token per GPU, {tokens / s:.0f} sequences of "
+                        f"{s} at once" + ("" if free * GB >= s * kv_token else ": does not fit one sequence"))
     # ---- routes on the wire
     per_completion = (s - 1) * model.moe_layers * k * route_bytes
     raw = batch["rollout"] * per_completion
@@ -550,7 +873,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
               f"({'uint8' if route_bytes == 1 else 'int16'}: {model.experts} experts) = {raw / GB:.2f} GB raw, "
               f"{raw * 4 / 3 / GB:.2f} GB as base64 on the wire (x4/3), {raw / n / GB:.2f} GB raw per training rank"]
     return Plan(model=model, layout=layout, batch=batch, prompt_length=p, completion_length=c, gpu_memory=gpu_memory,
-                train_lines=lines, budget=budget, cpu_gb=cpu / GB, vllm_lines=vllm, route_lines=routes)
+                train_lines=lines, budget=budget, cpu_gb=cpu / GB, vllm_lines=vllm, route_lines=routes,
+                generation_phase=generation_phase, warnings=[saving] if saving else [],
+                checkpoint_gb=(saved / GB, optimizer_state / GB))
 
 
 _NAMES = {"single": "one process", "ddp": "DDP", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3",
@@ -580,12 +905,19 @@ def format_plan(plan: Plan, config: str) -> str:
     ]
     out += [f"  {what:<32}{gb:7.1f}  {how}" for what, gb, how in plan.train_lines]
     verdict = "fits" if plan.train_total <= plan.budget else "does not fit"
-    colocated = " and the vLLM share" if "colocated" in " ".join(plan.vllm_lines) else ""
+    colocated = " and the vLLM share" if "colocated" in " ".join(plan.vllm_lines) and plan.generation_phase is None \
+        else ""
     out.append(f"  {'total':<32}{plan.train_total:7.1f}  of a budget of {plan.budget:.1f} GB "
                f"({plan.gpu_memory:g} GB less {MARGIN:.0%} margin{colocated}): {verdict}")
     if plan.cpu_gb:
         out.append(f"CPU memory for the offloaded state: {plan.cpu_gb:.0f} GB on the training node (all ranks)")
     out += plan.vllm_lines + plan.route_lines
+    weights, optimizer = plan.checkpoint_gb
+    out.append(f"checkpoint: about {weights + optimizer:.0f} GB (weights {weights:.0f} GB + optimizer state "
+               f"{optimizer:.0f} GB), {(weights + optimizer) / DISK_GB_PER_S:.0f} s to write at {DISK_GB_PER_S:g} GB/s: "
+               "a preemption grace period covers that plus the rest of the generation batch in progress "
+               "(docs/recipes.md, Preemption grace period)")
+    out += [f"warning: {line}" for line in plan.warnings]
     out.append("verdict: " + ("fits" if plan.fits else "does NOT fit") + " (an estimate; measured against a GPU's "
                "peak only at a small size: docs/recipes.md, Memory plan)")
     return "\n".join(out)

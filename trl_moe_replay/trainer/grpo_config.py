@@ -7,8 +7,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from transformers.utils import logging
 from trl import GRPOConfig
 
+from ..checkpointing.checkpoints import saves_inside_generation_batches
 from ..core.config_checks import MOE_LOSS_TYPES, TRL_LOSS_TYPES, ConfigTypeError, ConfigValueError, check_config  # noqa: F401  (kept importable from here)
 from ..core.routing_options import (
     MODES,
@@ -25,6 +27,8 @@ from ..core.routing_options import (
 from ..errors import TrlMoeReplayError
 from ..pr2.options import PR2Options
 
+
+logger = logging.get_logger(__name__)
 
 ROUTING_REPLAY_MODES = MODES
 # Defaults a loss type brings when the user leaves the field unset (None): (epsilon, epsilon_high).
@@ -325,6 +329,8 @@ class MoEReplayGRPOConfig(PR2Options, RoutingOptions, GRPOConfig):
         self._check_pr2_mode()
         self._resolve_generation_options()
         self._check_pr2_generation()
+        if (warning := saves_inside_generation_batches(self)) is not None:  # a resume would not be the same run
+            logger.warning(warning)
 
     def _resolve_generation_options(self) -> None:
         """Fill routing_metrics, vllm_sync_check and transformers_importance_sampling_correction when unset (see
