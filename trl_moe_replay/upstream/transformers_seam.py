@@ -109,6 +109,32 @@ def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# hub_kernels: which layers of a model a Hub kernel replaced (RouterReplay refuses a model whose router or MoE block
+#    one replaced, trl_moe_replay/routing/replay.py). From transformers 5.25 `from_pretrained` kernelizes every model
+#    it loads unless told not to (`use_kernels=None` becomes True; `use_kernels=False` or the environment variable
+#    USE_HUB_KERNELS=NO turn it off; modeling_utils.py, from_pretrained), so `model.use_kernels` is True after a plain
+#    load, on a CPU too, while a layer's forward is replaced only where transformers' kernel mapping
+#    (integrations/hub_kernels.py) has a kernel for the model's device and mode: none on a CPU (so nothing is fetched
+#    from the Hub there, HF_HUB_OFFLINE or not), RMSNorm and RoPE on CUDA/ROCm, no router or MoE block on any device in
+#    the default mapping. The `kernels` package (a dependency of transformers from 5.25, optional before) says which
+#    layers were replaced: its public `get_kernelized_layers(model).layers`, {module name: (module, repository)},
+#    kernels 0.19.1. Where it cannot (no `kernels`, or one without that function), only `model.use_kernels` is known.
+#    Read from transformers 5.25.0 and kernels 0.19.1.
+# ---------------------------------------------------------------------------------------------------------------
+HUB_KERNELS = entry("hub_kernels", "transformers", "5.25.0")
+
+
+def hub_kernel_layers(model: Any) -> dict[str, Any] | None:
+    """``{module name: module}`` of the layers of ``model`` whose forward a Hub kernel replaced, or ``None`` when the
+    installed ``kernels`` cannot tell (entry ``hub_kernels``)."""
+    try:
+        from kernels import get_kernelized_layers
+    except ImportError:
+        return None
+    return {name: layer.module for name, layer in get_kernelized_layers(model).layers.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # trainer_private_methods: transformers.Trainer's private methods both trainers override or call
 #    (trl_moe_replay/trainer/grpo_trainer.py, pr2/trainer_mixin.py, checkpoint_weights.py). An override forwards these
 #    by name, so a renamed or reordered parameter must fail here rather than shift arguments:
