@@ -86,21 +86,22 @@ test-fast: setup
 
 # The torch a user lands on, per release (not in .ci/run, which has no time left for two more ~2.5 GB environments):
 # `test-torch-newest` the newest torch on PyPI (what a plain `pip install -e .` brings), `test-torch-vllm` the torch
-# that `.[vllm]` brings (vLLM 0.33.0 requires torch==2.14.0 and transformers<5.21; constraints/vllm-0.33.txt). Each
+# that `.[vllm]` brings (vLLM 0.34.0 requires torch==2.14.0 and transformers<5.23; $(VLLM_CONSTRAINTS)). Each
 # builds .venv-torch-<version> with PyPI's torch (on Linux the CUDA build, with its nvidia-* packages; it runs on a
 # CPU) and `-e .[test]`, then runs the fast subset. Last results and dates: docs/install.md, "Tested versions". A newer
 # torch: raise pyproject's cap, then `make test-torch-newest TORCH_NEWEST=<version>`, and record the result there.
 TORCH_NEWEST ?= 2.15.0
 TORCH_VLLM ?= 2.14.0
+VLLM_CONSTRAINTS ?= constraints/vllm-0.34.txt
 test-torch-newest: .venv-torch-$(TORCH_NEWEST)/.installed
 	$(call split_run,.venv-torch-$(TORCH_NEWEST)/bin/python,not slow and not serial,serial and not slow)
 test-torch-vllm: .venv-torch-$(TORCH_VLLM)/.installed
 	$(call split_run,.venv-torch-$(TORCH_VLLM)/bin/python,not slow and not serial,serial and not slow)
-.venv-torch-%/.installed: pyproject.toml constraints/vllm-0.33.txt
+.venv-torch-%/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 	$(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/pip install --quiet --upgrade pip
-	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)
-	.venv-torch-$*/bin/pip install --quiet -e ".[test]" torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)
+	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c $(VLLM_CONSTRAINTS))
+	.venv-torch-$*/bin/pip install --quiet -e ".[test]" torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c $(VLLM_CONSTRAINTS))
 	touch $@
 
 # One CPU process: the same run as `accelerate launch recipes/grpo_r3.py`, whose launcher answers Ctrl-C with a
