@@ -18,7 +18,7 @@ from packaging.version import Version
 from .entries import Finding, TransformersChangedError, entry, method_finding
 
 
-TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
+TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0", "5.25.0")
 """transformers versions the routing entries were verified on (the whole family and replay suites ran there)."""
 
 
@@ -28,7 +28,7 @@ TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
 #    Before transformers 5.24 `generate` hands the stack (e.g. Qwen3MoeModel.forward) its cache as
 #    `past_key_values=`; from 5.24 as `cache=` (`past_key_values` stays a deprecated alias, renamed inside
 #    forward, so a pre-hook can see either). A pre-hook that misses the cache takes every decode step for a fresh
-#    forward. Verified on transformers 5.16.1 and 5.24.0 (TRANSFORMERS_VERIFIED; CI runs both ends).
+#    forward. Verified on transformers 5.16.1, 5.24.0 and 5.25.0 (TRANSFORMERS_VERIFIED; CI runs both ends).
 # ---------------------------------------------------------------------------------------------------------------
 STACK_CACHE_KEYWORD = entry("stack_cache_keyword", "transformers", "5.24.0", TRANSFORMERS_VERIFIED)
 STACK_CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -61,7 +61,7 @@ def stack_cache(kwargs: dict) -> Any:
 #    Every router in the family table returns (router_logits [N, E], gate_weights [N, K], expert_ids [N, K]), except,
 #    before transformers 5.21, the GraniteMoe(-Shared, -Hybrid) and Aria routers, which return
 #    (expert_ids, gate_weights, router_logits). Read from transformers 5.16.1 through 5.24.0 (every minor release);
-#    verified by tests/routing/test_routers.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
+#    verified by tests/routing/test_routers.py at 5.16.1, 5.24.0 and 5.25.0. RouterReplay reads and rebuilds a router's output only
 #    through these two functions, which check the dtypes (integer ids, floating logits) so that a router whose
 #    order changed again fails loudly with this entry's name instead of replaying logits as ids.
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
     "_clip_grad_norm": ("self", "model"),
     "_get_output_dir": ("self", "trial"),
 }
-TRAINER_METHODS = entry("trainer_private_methods", "transformers", "5.24.0",
+TRAINER_METHODS = entry("trainer_private_methods", "transformers", "5.24.0", ("5.24.0", "5.25.0"),
                         inherited=tuple(name for name in TRAINER_PRIVATE_METHODS if name != "_get_output_dir"))
 
 
@@ -170,7 +170,7 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 #    instance (trl_moe_replay/pr2/state.py); resume integrity expects no checkpoint to hold them
 #    (trl_moe_replay/checkpointing/checkpoint_weights.py). Read from transformers 5.23.0.
 # ---------------------------------------------------------------------------------------------------------------
-KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0"))
+KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0", "5.25.0"))
 
 
 def keys_ignored_on_save(model: Any) -> set[str]:
@@ -189,7 +189,7 @@ def ignore_on_save(model: Any, names: set[str]) -> None:
 #    checkpoint against it (trl_moe_replay/checkpointing/checkpoint_weights.py); the reload weight sync names vLLM's
 #    checkpoint with it. Read from transformers 5.24.0.
 # ---------------------------------------------------------------------------------------------------------------
-SAVED_WEIGHT_LAYOUT = entry("saved_weight_layout", "transformers", "5.24.0")
+SAVED_WEIGHT_LAYOUT = entry("saved_weight_layout", "transformers", "5.24.0", ("5.24.0", "5.25.0"))
 
 
 def save_pretrained_weights(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +255,7 @@ def dcp_placements(state_dict: dict, reference: dict | None = None) -> dict:
 #    are imported; ep_plan's "moe_tp_experts" is refused there as a TP style), fsdp_plan one of
 #    transformers.distributed.fsdp.ALL_FSDP_STYLES.
 # ---------------------------------------------------------------------------------------------------------------
-PARALLEL_PLAN_STYLES = entry("parallel_plan_styles", "transformers", "5.24.0")
+PARALLEL_PLAN_STYLES = entry("parallel_plan_styles", "transformers", "5.24.0", ("5.24.0", "5.25.0"))
 
 
 def parallel_plan_styles() -> dict[str, frozenset[str]]:
