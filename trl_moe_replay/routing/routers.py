@@ -49,7 +49,9 @@ class RouterFamily:
     hub_kernel: str | None = None
     """Name of a hub kernel that replaces the whole MoE block (and so bypasses the router) or the router's own
     forward (whose weights then need not match the gate-weight function) when the model runs with
-    ``use_kernels=True``; such models are refused."""
+    ``use_kernels=True``. A model whose router or block a Hub kernel did replace is refused; where the installed
+    ``kernels`` cannot say which layers it replaced, every model of such a family that runs with ``use_kernels=True``
+    is (seam entry ``hub_kernels``)."""
 
 
 def softmax_then_renormalise(router: Router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

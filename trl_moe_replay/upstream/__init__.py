@@ -8,9 +8,10 @@ touching the private name, and the part's check.
 ==========================  ==========================================================================================
 ``torch_seam``              ``autograd_graph_task``, ``assert_async``, ``module_parameter_slot``,
                             ``ddp_ignored_parameters``, ``dcp_metadata_pickle``, ``dcp_local_chunks``
-``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``trainer_private_methods``,
-                            ``keys_ignored_on_save``, ``saved_weight_layout``, ``sharded_at_load_resume``,
-                            ``parallel_plan_styles``, ``ep_implementations``, ``resume_at_max_steps``
+``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``hub_kernels``,
+                            ``trainer_private_methods``, ``keys_ignored_on_save``, ``saved_weight_layout``,
+                            ``sharded_at_load_resume``, ``parallel_plan_styles``, ``ep_implementations``,
+                            ``resume_at_max_steps``
 ``trl_seam``                ``grpo_private_methods``, ``padded_width``, ``engine_logprob_correction``,
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,

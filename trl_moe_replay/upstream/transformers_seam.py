@@ -18,7 +18,7 @@ from packaging.version import Version
 from .entries import Finding, TransformersChangedError, entry, method_finding
 
 
-TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
+TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0", "5.25.0")
 """transformers versions the routing entries were verified on (the whole family and replay suites ran there)."""
 
 
@@ -28,7 +28,7 @@ TRANSFORMERS_VERIFIED = ("5.16.1", "5.24.0")
 #    Before transformers 5.24 `generate` hands the stack (e.g. Qwen3MoeModel.forward) its cache as
 #    `past_key_values=`; from 5.24 as `cache=` (`past_key_values` stays a deprecated alias, renamed inside
 #    forward, so a pre-hook can see either). A pre-hook that misses the cache takes every decode step for a fresh
-#    forward. Verified on transformers 5.16.1 and 5.24.0 (TRANSFORMERS_VERIFIED; CI runs both ends).
+#    forward. Verified on transformers 5.16.1, 5.24.0 and 5.25.0 (TRANSFORMERS_VERIFIED; CI runs both ends).
 # ---------------------------------------------------------------------------------------------------------------
 STACK_CACHE_KEYWORD = entry("stack_cache_keyword", "transformers", "5.24.0", TRANSFORMERS_VERIFIED)
 STACK_CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -61,7 +61,7 @@ def stack_cache(kwargs: dict) -> Any:
 #    Every router in the family table returns (router_logits [N, E], gate_weights [N, K], expert_ids [N, K]), except,
 #    before transformers 5.21, the GraniteMoe(-Shared, -Hybrid) and Aria routers, which return
 #    (expert_ids, gate_weights, router_logits). Read from transformers 5.16.1 through 5.24.0 (every minor release);
-#    verified by tests/routing/test_routers.py at 5.16.1 and 5.24.0. RouterReplay reads and rebuilds a router's output only
+#    verified by tests/routing/test_routers.py at 5.16.1, 5.24.0 and 5.25.0. RouterReplay reads and rebuilds a router's output only
 #    through these two functions, which check the dtypes (integer ids, floating logits) so that a router whose
 #    order changed again fails loudly with this entry's name instead of replaying logits as ids.
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,6 +109,32 @@ def join_router_output(output: tuple, ids_first: bool, logits: Any, weights: Any
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# hub_kernels: which layers of a model a Hub kernel replaced (RouterReplay refuses a model whose router or MoE block
+#    one replaced, trl_moe_replay/routing/replay.py). From transformers 5.25 `from_pretrained` kernelizes every model
+#    it loads unless told not to (`use_kernels=None` becomes True; `use_kernels=False` or the environment variable
+#    USE_HUB_KERNELS=NO turn it off; modeling_utils.py, from_pretrained), so `model.use_kernels` is True after a plain
+#    load, on a CPU too, while a layer's forward is replaced only where transformers' kernel mapping
+#    (integrations/hub_kernels.py) has a kernel for the model's device and mode: none on a CPU (so nothing is fetched
+#    from the Hub there, HF_HUB_OFFLINE or not), RMSNorm and RoPE on CUDA/ROCm, no router or MoE block on any device in
+#    the default mapping. The `kernels` package (a dependency of transformers from 5.25, optional before) says which
+#    layers were replaced: its public `get_kernelized_layers(model).layers`, {module name: (module, repository)},
+#    kernels 0.19.1. Where it cannot (no `kernels`, or one without that function), only `model.use_kernels` is known.
+#    Read from transformers 5.25.0 and kernels 0.19.1.
+# ---------------------------------------------------------------------------------------------------------------
+HUB_KERNELS = entry("hub_kernels", "transformers", "5.25.0")
+
+
+def hub_kernel_layers(model: Any) -> dict[str, Any] | None:
+    """``{module name: module}`` of the layers of ``model`` whose forward a Hub kernel replaced, or ``None`` when the
+    installed ``kernels`` cannot tell (entry ``hub_kernels``)."""
+    try:
+        from kernels import get_kernelized_layers
+    except ImportError:
+        return None
+    return {name: layer.module for name, layer in get_kernelized_layers(model).layers.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # trainer_private_methods: transformers.Trainer's private methods both trainers override or call
 #    (trl_moe_replay/trainer/grpo_trainer.py, pr2/trainer_mixin.py, checkpoint_weights.py). An override forwards these
 #    by name, so a renamed or reordered parameter must fail here rather than shift arguments:
@@ -128,7 +154,7 @@ TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
     "_clip_grad_norm": ("self", "model"),
     "_get_output_dir": ("self", "trial"),
 }
-TRAINER_METHODS = entry("trainer_private_methods", "transformers", "5.24.0",
+TRAINER_METHODS = entry("trainer_private_methods", "transformers", "5.24.0", ("5.24.0", "5.25.0"),
                         inherited=tuple(name for name in TRAINER_PRIVATE_METHODS if name != "_get_output_dir"))
 
 
@@ -156,7 +182,7 @@ RESUME_AT_MAX_STEPS = entry("resume_at_max_steps", "transformers", "5.24.0")
 #    instance (trl_moe_replay/pr2/state.py); resume integrity expects no checkpoint to hold them
 #    (trl_moe_replay/checkpointing/checkpoint_weights.py). Read from transformers 5.23.0.
 # ---------------------------------------------------------------------------------------------------------------
-KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0"))
+KEYS_IGNORED_ON_SAVE = entry("keys_ignored_on_save", "transformers", "5.23.0", ("5.23.0", "5.24.0", "5.25.0"))
 
 
 def keys_ignored_on_save(model: Any) -> set[str]:
@@ -175,7 +201,7 @@ def ignore_on_save(model: Any, names: set[str]) -> None:
 #    checkpoint against it (trl_moe_replay/checkpointing/checkpoint_weights.py); the reload weight sync names vLLM's
 #    checkpoint with it. Read from transformers 5.24.0.
 # ---------------------------------------------------------------------------------------------------------------
-SAVED_WEIGHT_LAYOUT = entry("saved_weight_layout", "transformers", "5.24.0")
+SAVED_WEIGHT_LAYOUT = entry("saved_weight_layout", "transformers", "5.24.0", ("5.24.0", "5.25.0"))
 
 
 def save_pretrained_weights(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +267,7 @@ def dcp_placements(state_dict: dict, reference: dict | None = None) -> dict:
 #    are imported; ep_plan's "moe_tp_experts" is refused there as a TP style), fsdp_plan one of
 #    transformers.distributed.fsdp.ALL_FSDP_STYLES.
 # ---------------------------------------------------------------------------------------------------------------
-PARALLEL_PLAN_STYLES = entry("parallel_plan_styles", "transformers", "5.24.0")
+PARALLEL_PLAN_STYLES = entry("parallel_plan_styles", "transformers", "5.24.0", ("5.24.0", "5.25.0"))
 
 
 def parallel_plan_styles() -> dict[str, frozenset[str]]:
