@@ -559,7 +559,8 @@ def trainer_checks(values: Mapping[str, Any]) -> None:
     from ..core.config_checks import check_config
     from ..trainer.grpo_config import MoEReplayGRPOConfig, check_generation_support
 
-    args = SimpleNamespace(**{k: v for k, v in values.items() if isinstance(k, str)})
+    # the checks read attributes only: a namespace of the file's values stands in for the config object
+    args: Any = SimpleNamespace(**{k: v for k, v in values.items() if isinstance(k, str)})
     check_config(args, MoEReplayGRPOConfig)
     check_generation_support(args)
 

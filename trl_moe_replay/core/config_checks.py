@@ -199,12 +199,12 @@ UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
         "builds them; an infinite one turns every weight to NaN at the first step"),
     UpstreamRefusal(
         "adam_beta1, adam_beta2 (torch's AdamW)", _named("adam_beta1", "adam_beta2"),
-        lambda value: isinstance(value, numbers.Real) and not 0 <= value < 1, "in [0, 1)",
+        lambda value: isinstance(value, numbers.Real) and not 0 <= float(value) < 1, "in [0, 1)",
         "TRL crashes later: torch's AdamW raises 'Invalid beta parameter' when the trainer builds it, after the model "
         "has loaded", given=_torch_adamw),
     UpstreamRefusal(
         "adam_epsilon (torch's AdamW)", _named("adam_epsilon"),
-        lambda value: isinstance(value, numbers.Real) and not 0 < value < math.inf, "a finite number > 0",
+        lambda value: isinstance(value, numbers.Real) and not 0 < float(value) < math.inf, "a finite number > 0",
         "TRL crashes later or runs silently wrong: torch's AdamW raises 'Invalid epsilon value' on a negative one when "
         "the trainer builds it; with 0, every element whose gradient has been 0 so far (an expert no token was routed "
         "to) becomes NaN (0 / 0) at its first step; with inf no weight moves", given=_torch_adamw),

@@ -395,7 +395,7 @@ _TOOL_LOOP_LIST = "idxs_with_tool"
 _FRAMES_TO_TOOL_LOOP = 8  # our override, a user's override of it, decorators: the loop is a few frames up at most
 
 
-def tool_loop_samples(count: int, trainer_class: type = GRPOTrainer) -> list[int] | None:
+def tool_loop_samples(count: int, trainer_class: type[GRPOTrainer] = GRPOTrainer) -> list[int] | None:
     """The samples (indices into the generation batch, increasing) that the ``count`` prompts of the generation turn
     in progress continue, as ``trainer_class._tool_call_loop`` holds them (entry ``tool_loop_samples``); ``None`` when
     the call does not come from that loop (the batch's first turn, a user's own loop) or its list does not fit."""
@@ -820,7 +820,7 @@ def _probe_nan_extrema(trainer_class: type) -> str | None:
     return None
 
 
-def _probe_tool_loop_samples(trainer_class: type) -> str | None:
+def _probe_tool_loop_samples(trainer_class: Any) -> str | None:
     """TRL's tool loop on three samples that each call a tool; the first result is too long to fit the completion
     budget (TRL drops it, the sample ends), so the turn after the tools continues samples 1 and 2."""
     seen: list[tuple[list[int] | None, list[list[int]]]] = []
