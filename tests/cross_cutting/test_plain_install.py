@@ -55,8 +55,9 @@ THIRD_PARTY = {
     # needs the `deepspeed` extra)
     "deepspeed": ("deepspeed", "deepspeed"),
 }
-# import-by-name probes guarded by ImportError (core/launch.py: huggingface_hub's HTTP library, whichever it is)
-PROBED = {"httpx", "httpx2"}
+# import-by-name probes guarded by ImportError (core/launch.py: huggingface_hub's HTTP library, whichever it is;
+# upstream/transformers_seam.py hub_kernels: `kernels`, transformers' own dependency from 5.25, optional before it)
+PROBED = {"httpx", "httpx2", "kernels"}
 
 
 def third_party_imports() -> dict[str, list[tuple[str, bool]]]:
