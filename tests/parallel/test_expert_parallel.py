@@ -133,7 +133,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained):
         # the Trainer's own files, and the model's and optimizer's shards in torch's distributed checkpoint format
         assert {"model.safetensors", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json",
                 "pr2_predictors.safetensors", "distributed"} <= set(pr2["checkpoint_files"])
-        assert pr2["shard_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        # the shards, their metadata, and the manifest of per-tensor checksums the resume verifies the load against
+        assert pr2["shard_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
         resumed = pr2["resumed"]
         assert resumed["global_step"] == STEPS["pr2"]
         assert resumed["loss"][2:] == pr2["loss"][2:]  # steps 3 and 4, trained after the resume
