@@ -18,6 +18,8 @@ PACKAGE = ROOT / "trl_moe_replay"
 # The built-in base each exception had before the common base came (a subclass of another of ours inherits it).
 BUILTIN_BASE = {
     "RolloutWorkerDiedError": RuntimeError,
+    "AuditMemoryError": ValueError,
+    "ScoreThresholdError": ValueError,
     "JSONFileError": ValueError,
     "CheckpointError": ValueError,
     "DistributedCheckpointError": ValueError,

@@ -372,6 +372,7 @@ def test_every_resume_path_reaches_the_one_pre_flight(resumer, tmp_path, monkeyp
         rollout_worker=ScriptedRolloutWorker([]), weight_transfer=NoOpWeightTransfer(),
     )
     (tmp_path / "async" / "checkpoint-3").mkdir(parents=True)
+    (tmp_path / "async" / "checkpoint-3" / "trainer_state.json").write_text("{}")  # complete: True resolves to it
     for trainer, value, folder in [(resumer, str(tmp_path / "ck"), str(tmp_path / "ck")),
                                    (async_trainer, str(tmp_path / "ck"), str(tmp_path / "ck")),
                                    (async_trainer, True, str(tmp_path / "async" / "checkpoint-3"))]:
