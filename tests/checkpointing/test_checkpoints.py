@@ -418,7 +418,7 @@ def ctrl_c_at_step_10(command: list[str], env: dict, cwd, sig: int = signal.SIGI
     try:
         for line in process.stdout:
             lines.append(line)
-            if line.startswith("step 10:"):
+            if "step 10:" in line:  # the progress line may follow a redrawn bar (stderr) on the same pipe line
                 os.killpg(process.pid, sig)
                 break
         lines += process.stdout.readlines()
