@@ -283,7 +283,7 @@ def parallel_plan_styles() -> dict[str, frozenset[str]]:
 
 
 # tp_sharded_parameters: what the tensor-parallel plan of a model type shards (trl_moe_replay/cli/plan.py's arithmetic).
-#    The plan is the model's (PreTrainedModel.tp_plan, public from 5.24: the config's base_model_tp_plan, the model
+#    The plan is the model's (PreTrainedModel.tp_plan, read on 5.25: the config's base_model_tp_plan, the model
 #    class's own entries such as lm_head, and from 5.25 embed_tokens added as embedding_rowwise); a parameter takes
 #    the style named for it or for its module (transformers.distributed.parallel_utils._get_parameter_plan), and a
 #    style shards parameters when its class implements shard_param (ColwiseParallel, RowwiseParallel's weight,
