@@ -765,7 +765,8 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     p = next(v for v in (prompt_length, layout.prompt_length, DEFAULT_PROMPT_LENGTH) if v is not None)
     c = values["max_completion_length"]
     s = p + c
-    n, shard = layout.processes, layout.shard
+    n = layout.processes
+    shard: float = layout.shard  # an int but under a model sharded at load time (params_per_gpu)
     max_len = (values["vllm_max_model_length"] if colocate else layout.vllm_max_model_len) \
         if values["use_vllm"] else None
     if max_len is not None and max_len < s:
