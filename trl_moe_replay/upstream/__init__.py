@@ -61,7 +61,7 @@ _LAZY = {
                      "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
                      "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
-                     "parallel_plan_styles", "ep_implementations"),
+                     "parallel_plan_styles", "tp_sharded_parameters", "ep_implementations"),
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp",
                      "DCPMetadataUnpickler", "dcp_storage_info_class", "checked_dcp_reader",
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
         parallel_plan_styles,
         save_pretrained_weights,
         saved_weight_layout,
+        tp_sharded_parameters,
     )
     from .trl_async_seam import (
         AsyncGRPOConfig,
