@@ -143,7 +143,7 @@ class RouteRecording:
             )
         # valid by construction: the ids the routers chose (or a steer function chose, checked on the device in
         # ``_steered_ids``) and "no route" elsewhere, so replaying them needs no host pass. Kept compact on the host
-        # (DESIGN.md, "Routes tensor"): this one copy is the recording's one host sync, needed because the host
+        # (``routing/routes.py``'s dtypes): this one copy is the recording's one host sync, needed because the host
         # reads them next (the trainer's intake, metrics, checkpoints)
         device = blocks[0].device
         routes = torch.cat([b if b.device == device else b.to(device) for b in blocks], dim=0)
@@ -278,16 +278,22 @@ class RouterReplay:
         self._observers: list[Callable[[RouterCall], None]] = []
         self._recordings: list[RouteRecording] = []
         self._router_fired: dict[int, bool] = {}
-        self._handles = []
-        for site in sites:
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        transformers_seam.check_stack_cache_keyword(model.get_submodule(_stack_path(sites[0].name)))
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """One forward hook per router (both PEFT copies), a pre-hook and a hook per MoE block, a pre-hook on the
+        decoder stack; their handles are kept for :meth:`remove`."""
+        model = self.model
+        for site in self._sites:
             router_hook = _SharedHook(self, self._make_router_hook(site))
             for module in site.modules:
                 self._handles.append(module.register_forward_hook(router_hook))
             block = model.get_submodule(_block_path(site.name))
             self._handles.append(block.register_forward_pre_hook(_SharedHook(self, self._make_block_pre_hook(site))))
             self._handles.append(block.register_forward_hook(_SharedHook(self, self._make_block_hook(site))))
-        stack = model.get_submodule(_stack_path(sites[0].name))
-        transformers_seam.check_stack_cache_keyword(stack)
+        stack = model.get_submodule(_stack_path(self._sites[0].name))
         self._handles.append(stack.register_forward_pre_hook(_SharedHook(self, self._stack_pre_hook), with_kwargs=True))
 
     # ------------------------------------------------------------------ public API
@@ -373,11 +379,23 @@ class RouterReplay:
             self._observers.remove(fn)
 
     def remove(self) -> None:
-        """Detach every hook; the model behaves exactly as before."""
+        """Detach every hook; the model behaves exactly as before. :meth:`attach` puts them back."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._removed = True  # also silences hooks that PEFT copied onto router copies
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are on the model (False after :meth:`remove`, until :meth:`attach`)."""
+        return not self._removed
+
+    def attach(self) -> None:
+        """Put the hooks back on the same routers after :meth:`remove` (a no-op while attached): the trainers remove
+        theirs when a run ends and attach them again if ``train()`` is called once more."""
+        if self._removed:
+            self._register_hooks()
+            self._removed = False
 
     def __repr__(self) -> str:
         return (
@@ -391,7 +409,7 @@ class RouterReplay:
 
     def _check_attached(self) -> None:
         if self._removed:
-            raise RuntimeError("this RouterReplay was removed; create a new one")
+            raise RuntimeError("this RouterReplay was removed; attach() it again or create a new one")
 
     def _stack_pre_hook(self, module, args, kwargs):
         if (not self._recordings and self._replay is None) or in_backward():

@@ -165,6 +165,27 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# trainer_end: Trainer.end (transformers 5.18+) finishes the trackers and destroys the process group
+#    (accelerator.end_training()); transformers 5.16-5.17 have no end. Both trainers' end() release what they hold
+#    (core/trainer_base.py) and then call it through end_trainer, which does what 5.25's Trainer.end does where the
+#    method is absent. Read from transformers 5.25.0 (trainer.py, Trainer.end).
+# ---------------------------------------------------------------------------------------------------------------
+TRAINER_END = entry("trainer_end", "transformers", "5.25.0")
+
+
+def end_trainer(trainer: Any) -> None:
+    """``transformers.Trainer.end`` on ``trainer`` (entry ``trainer_end``); before transformers 5.18, which has no
+    ``end``, what it does: ``accelerator.end_training()``."""
+    from transformers import Trainer
+
+    end = getattr(Trainer, "end", None)
+    if end is None:
+        trainer.accelerator.end_training()
+    else:
+        end(trainer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # resume_at_max_steps: Trainer._run_epoch (transformers 5.24) takes each optimizer step's batches with
 #    get_batch_samples(epoch_iterator, num_batches, device) before on_step_begin and training_step, and leaves the
 #    epoch, then _inner_training_loop the run, when control.should_training_stop is set after a step that had no
@@ -410,6 +431,9 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     if have != ("model", "state_dict"):
         findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
                                                      f"became {have}"))
+    if hasattr(Trainer, "end") and (finding := method_finding(TRAINER_END, Trainer, "Trainer", "end", ("self",),
+                                                              exact=True)):
+        findings.append(finding)
     if finding := method_finding(RESUME_AT_MAX_STEPS, trainer_class or Trainer, "Trainer", "get_batch_samples",
                                  ("self", "epoch_iterator", "num_batches", "device"), exact=True):
         findings.append(finding)
