@@ -72,6 +72,7 @@ class MoEReplayTrainerMixin:
     _route_intake: RouteIntake | None
     # TRL's trainer, the host class, sets these (declared for the type checker only)
     accelerator: Any
+    args: Any
     model: Any
     _metrics: Any
     aux_loss_enabled: bool
