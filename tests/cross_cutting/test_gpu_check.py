@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
@@ -230,8 +231,8 @@ def test_the_table_says_whether_hub_kernels_were_on(smoke):
     assert "exactness: off (no CUDA" in line and "USE_HUB_KERNELS=" in line
 
 
-@pytest.mark.skipif(not hasattr(__import__("transformers").PreTrainedModel, "set_use_kernels"),
-                    reason="set_use_kernels is transformers 5.25's (the oldest end has none)")
+@pytest.mark.skipif(Version(__import__("transformers").__version__) < Version("5.25"),
+                    reason="gpu_check runs the kernels-on pass from transformers 5.25 (Hub kernels on by default there)")
 def test_the_exactness_rows_run_again_with_hub_kernels_on_and_the_model_is_reset(monkeypatch):
     """The kernels-on pass, on a CPU: transformers' mapping replaces nothing here, so replay stays exact and the rows
     say 0 layers were replaced; the model is back to use_kernels False after it. A replayed forward that a kernel
