@@ -569,9 +569,11 @@ def test_tensor_parallelism_without_ep_divides_only_what_the_installed_plan_shar
     lines = {what: gb for what, gb, _ in plan.train_lines}
     assert lines["weights"] == pytest.approx(4 * local / 1e9) and lines["Adam m, v"] == pytest.approx(8 * local / 1e9)
     assert lines["gradients"] == pytest.approx(4 * local / 1e9)
-    # FSDP2 unshards a whole decoder layer, its experts too (no EP), the current one and the prefetched: fp32
-    layer = 30_532_122_624 - 2 * 151936 * 2048 - 2048  # 48 layers' worth, less embeddings, LM head, final norm
-    assert lines["gathered layers"] == pytest.approx(2 * 4 * layer / 48 / 1e9)
+    # FSDP2 unshards a whole decoder layer over its own shards, its experts too (no EP), the current one and the
+    # prefetched, fp32; the attention projections stay split over the TP group (half of them on each GPU)
+    layer = (30_532_122_624 - 2 * 151936 * 2048 - 2048) / 48  # a layer: less embeddings, LM head, final norm
+    attention = 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128  # q, o; k, v
+    assert lines["gathered layers"] == pytest.approx(2 * 4 * (layer - attention / 2) / 1e9)
     assert main(["plan", str(path)]) == 1  # 158 GB of a 127 GB budget: the experts do not shrink with TP
     out = capsys.readouterr().out
     assert "fp32 / 8 for attention, embed_tokens, lm_head, / 4 for the rest (tp_size 2, ep_size 1)" in out

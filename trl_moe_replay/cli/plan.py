@@ -676,6 +676,23 @@ def params_per_gpu(model: ModelNumbers, layout: Layout) -> tuple[float, str]:
                   f"{layout.ep_size})"
 
 
+def gathered_layer_params(model: ModelNumbers, layout: Layout) -> float:
+    """The parameters of the largest decoder layer one GPU holds while FSDP2 has it unsharded: FSDP2 gathers over its
+    own shards only, so the experts are left out where EP holds them, and the parts the installed TP plan shards
+    (:func:`tensor_parallel_parts`) stay divided by ``tp_size``."""
+    layer = model.layer_params - (model.layer_expert_params if layout.ep_size > 1 else 0)
+    t = layout.tp_size
+    if t == 1:
+        return layer
+    split = tensor_parallel_parts(model.model_type)
+    parts = dict(model.parts)
+    per_layer = {"attention": parts.get("attention", 0) / model.layers,
+                 "shared_expert": parts.get("shared_expert", 0) / max(model.moe_layers, 1)}
+    if layout.ep_size == 1:
+        per_layer["experts"] = model.layer_expert_params
+    return layer - sum(n * (1 - 1 / t) for part, n in per_layer.items() if part in split)
+
+
 # ---------------------------------------------------------------------------------------------------- the estimate
 @dataclasses.dataclass
 class Plan:
@@ -811,7 +828,7 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             if foreach:  # DeepSpeed steps the Trainer's torch AdamW on its fp32 partition
                 lines.append(("optimizer-step temporaries", 4 * T / n / GB,
                               f"4 bytes/param / {n}: {FOREACH_TEMPORARIES}"))
-        a_bytes, gathered = 2, (2 * 2 * model.layer_params if sharding == "zero3" else 0)
+        a_bytes, gathered = 2, (2.0 * 2 * model.layer_params if sharding == "zero3" else 0.0)
     elif sharding == "fsdp2":  # accelerate upcasts trainable parameters to fp32; MixedPrecisionPolicy computes in bf16
         base = (P - T) * w if peft else 0  # a frozen base stays in its loaded dtype
         if layout.offload_params:
@@ -838,9 +855,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             lines.append(("DDP gradient buckets", T * t_bytes / GB, "a second copy of the gradients (accelerate's "
                           "DDP: gradient_as_bucket_view off)"))
         a_bytes = 4 if w == 4 else 2
-        gathered = 0
+        gathered = 0.0
         if sharding == "ep" and layout.fsdp_size > 1:  # FSDP2 unshards a layer; its experts too unless EP holds them
-            gathered = 2 * 4 * (model.layer_params - (model.layer_expert_params if layout.ep_size > 1 else 0))
+            gathered = 2 * 4 * gathered_layer_params(model, layout)
         if bf16 and w == 4:
             lines.append(("bf16 autocast copies", 2 * (P - T if peft else P) / shard / GB + 0,
                           f"autocast keeps the bf16 casts of the weights for the forward{where}"))
