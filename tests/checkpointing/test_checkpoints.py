@@ -408,24 +408,33 @@ def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoi
     assert f"{run} holds a finished run of 2 steps: starting over" in capsys.readouterr().out
 
 
-def ctrl_c_at_step_10(command: list[str], env: dict, cwd, sig: int = signal.SIGINT) -> tuple[list[str], int]:
-    """Run ``command`` in a session of its own and, when it prints "step 10:", send one Ctrl-C to the whole process
-    group, as a terminal does (the launcher and the training processes get it), or ``sig`` (SIGTERM: as SLURM's
-    scancel does). Returns its output lines, read until every process has closed its output, and its exit status."""
+def stop_when_printed(command: list[str], env: dict, cwd, trigger: str, sig: int, *, first: tuple[int, ...] = (),
+                      timeout: float = 300) -> tuple[list[str], int]:
+    """Run ``command`` in a session of its own and, when a line of its output contains ``trigger``, send ``sig`` to
+    the process groups ``first`` (e.g. the vLLM server's) and then to the command's whole group, as a terminal (Ctrl-C)
+    or a scheduler stopping a job (SLURM's scancel: SIGTERM) does. Returns its output lines, read until every process
+    has closed its output, and its exit status."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                cwd=cwd, start_new_session=True)
     lines = []
     try:
         for line in process.stdout:
             lines.append(line)
-            if "step 10:" in line:  # the progress line may follow a redrawn bar (stderr) on the same pipe line
-                os.killpg(process.pid, sig)
+            if trigger in line:
+                for group in (*first, process.pid):
+                    os.killpg(group, sig)
                 break
         lines += process.stdout.readlines()
-        return lines, process.wait(timeout=300)
+        return lines, process.wait(timeout=timeout)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def ctrl_c_at_step_10(command: list[str], env: dict, cwd, sig: int = signal.SIGINT) -> tuple[list[str], int]:
+    """One Ctrl-C (or ``sig``) to the whole process group when the run prints "step 10:" (the progress line may
+    follow a redrawn bar, stderr, on the same pipe line)."""
+    return stop_when_printed(command, env, cwd, "step 10:", sig)
 
 
 def saved_once(lines: list[str], run) -> str:
@@ -554,21 +563,10 @@ def test_sigterm_to_the_whole_job_server_first_saves_and_the_run_resumes(tmp_pat
                "--steps_per_generation", "4", "--max_completion_length", "8", "--synthetic_samples", "64",
                "--plot", "false", "--disable_tqdm", "true", "--logging_steps", "1"]
     try:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                   cwd=tmp_path, start_new_session=True)
-        lines = []
-        try:
-            for line in process.stdout:
-                lines.append(line)
-                if "'loss'" in line:  # transformers' printer: step 1 logged, steps 2-4 train on its rollouts
-                    os.killpg(server.process.pid, signal.SIGTERM)  # the server first
-                    os.killpg(process.pid, signal.SIGTERM)
-                    break
-            lines += process.stdout.readlines()
-            returncode = process.wait(timeout=600)
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
+        # the server first, then the trainer, once step 1 is logged (transformers' printer): steps 2-4 train on its
+        # rollouts
+        lines, returncode = stop_when_printed(command, env, tmp_path, "'loss'", signal.SIGTERM,
+                                              first=(server.process.pid,), timeout=600)
         output = "".join(lines)
         assert returncode == 143 and "Traceback" not in output, output[-4000:]
         stopped = [x for x in lines if x.startswith("stopped at step")]
