@@ -1,29 +1,34 @@
 """Threshold replay (``replay_score_threshold=1``) under expert parallelism, against DDP on the same data: R3 for a
 generation batch's two updates in ``tests/scripts/expert_parallel_run.py``'s ``train`` launch (its ``threshold``
-report), read here from the launch test_expert_parallel.py's tests read (its ``trained`` fixture).
-
-The fixture is module-scoped where it is defined, so run beside test_expert_parallel.py in one session this module
-launches ``train`` once more; a session-scoped ``trained`` in tests/parallel/conftest.py would make it one launch.
+report), the launch test_expert_parallel.py's tests read.
 """
 
+import json
 import math
 
 import pytest
 
-from tests.parallel.test_expert_parallel import (
-    LOSS_TOL,
-    MOE_LAYERS,
-    WEIGHT_TOL,
-    close,
-    trained,  # noqa: F401  (the fixture: the launch)
-)
+from tests.parallel.test_expert_parallel import LOSS_TOL, MOE_LAYERS, WEIGHT_TOL, close, launch
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes per launch, as test_expert_parallel.py's
 STEPS = 2  # optimizer steps of the threshold run
 
 
-def test_threshold_replay_trains_on_the_sharded_experts_and_logs_its_replace_rate(trained):  # noqa: F811
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The ``train`` launch's reports: those test_expert_parallel.py's ``trained`` wrote in this session's temporary
+    folder (pytest runs that file first), else a launch of this module's own (this file run alone)."""
+    for out in sorted(tmp_path_factory.getbasetemp().glob("ep_train*")):
+        files = [out / f"rank{rank}.json" for rank in range(2)]  # written once a launch has ended well
+        if all(file.exists() for file in files):
+            ranks = [json.loads(file.read_text()) for file in files]
+            if [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)] and "threshold" in ranks[0]:
+                return ranks
+    return launch(tmp_path_factory.mktemp("ep_train"), "train")
+
+
+def test_threshold_replay_trains_on_the_sharded_experts_and_logs_its_replace_rate(trained):
     """The experts modules (8 of 16 experts per rank, tokens dispatched by all-to-all) ran the replayed experts the
     router kept and, in place of each rejected one, one the replay counted (the refill never brings a rejected expert
     back: it ranks below the router's own top-k), the same ids in the backward recompute, no expert twice in a token."""
@@ -47,7 +52,7 @@ def test_threshold_replay_trains_on_the_sharded_experts_and_logs_its_replace_rat
     assert trained[0]["threshold"]["replace_rate"] == trained[1]["threshold"]["replace_rate"]
 
 
-def test_threshold_replay_ends_at_the_weights_of_ddp(trained):  # noqa: F811
+def test_threshold_replay_ends_at_the_weights_of_ddp(trained):
     """Losses, replace rates and every weight as DDP's (test_expert_parallel.py's tolerances). The rule's choice is
     discrete: after the first update, whose weights differ from DDP's by the rounding of another gradient reduction
     order only, a score within that rounding of its bar could flip one slot; none is that close here (each rank
