@@ -1,7 +1,8 @@
 """Routing replay under DDP, DeepSpeed ZeRO-2, ZeRO-3 and FSDP2: two CPU processes (gloo) each, launched with the
 shipped accelerate configs (``recipes/accelerate/*.yaml``). One launch per engine runs ``tests/scripts/sharded_run.py``
-(none, R2 and R3 for 3 steps each; PR2 for 3 steps with a checkpoint at step 2, ``save_model()``, and a resume from
-that checkpoint); the DDP launch is the reference the sharded engines are compared with.
+(none, R2 and R3 for 3 steps each; R3 with threshold replay for 2; PR2 for 3 steps with a checkpoint at step 2,
+``save_model()``, and a resume from that checkpoint); the DDP launch is the reference the sharded engines are compared
+with.
 """
 
 import json
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"
 CONFIGS = {engine: ROOT / "recipes" / "accelerate" / f"{engine}.yaml" for engine in ("ddp", "zero2", "zero3", "fsdp2")}
 SHARDED = ["zero2", "zero3", "fsdp2"]
-STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3}  # optimizer steps per mode in sharded_run.py
+STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3, "threshold": 2}  # optimizer steps per run in sharded_run.py
 
 
 def launch(engine: str, out: Path, **env) -> subprocess.CompletedProcess:
@@ -153,6 +154,48 @@ def test_pr2_checkpoint_resume_and_save_model(runs, engine):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert not any("pr2" in key for key in model.state_dict())
     assert model.model.layers[0].mlp.gate.weight.shape == (16, 64)
+
+
+@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+def test_threshold_replay_trains_and_logs_its_replace_rate(runs, engine):
+    """R3 at replay_score_threshold=1: the experts modules ran the replayed experts the router kept and, in place of
+    each rejected one, one the replay counted (the refill never brings a rejected expert back: it ranks below the
+    router's own top-k), the same ids in the backward recompute, no expert twice in a token."""
+    ranks = runs(engine)
+    for rank in ranks:
+        threshold = rank["threshold"]
+        assert len(threshold["loss"]) == STEPS["threshold"] and all(map(math.isfinite, threshold["loss"]))
+        assert min(threshold["updated_frac"]) >= 0.9  # the optimizer moved ~every weight at every step
+        rates = threshold["replace_rate"]
+        assert len(rates) == STEPS["threshold"] and all(0.0 <= rate <= 1.0 for rate in rates), rates
+        # the on-policy update replays its own router's choice: nothing rejected; the off-policy one's router moved
+        assert rates[0] == 0.0 and rates[1] > 0.0, rates
+        assert set(threshold["replace_rate_layers"]) == {f"routing/replace_rate/layer_{i}" for i in range(2)}
+        checks = threshold["routes"]
+        # steps x 2 MoE layers x (forward + gradient-checkpointing recompute)
+        assert checks["calls"] == STEPS["threshold"] * 2 * 2 and checks["rows"] > 0, checks
+        assert checks["replaced_seen"] == checks["replaced_counted"] > 0, checks
+        assert checks["slots_counted"] == checks["rows"] * threshold["top_k"], checks
+        assert checks["recompute_differs"] == 0 and checks["duplicates"] == 0, checks
+    # summed over ranks before it is logged: every rank logs the same rate
+    assert ranks[0]["threshold"]["replace_rate"] == ranks[1]["threshold"]["replace_rate"]
+
+
+@pytest.mark.parametrize("engine", SHARDED)
+def test_threshold_replay_equals_ddp(runs, engine):
+    """The same losses and replace rates as DDP (the tolerance of the other modes' losses). The rule's choice is
+    discrete (a score against the weakest top-k score), so after the first update, whose weights differ from DDP's by
+    fp32 rounding of the gradient reduction only, a score within that rounding of its bar could in principle flip one
+    slot; here none is that close (the per-rank counts are equal too), and one flipped slot of the few hundred
+    replayed would move the rate far outside the tolerance."""
+    for ref, rank in zip(runs("ddp"), runs(engine), strict=True):
+        ours, theirs = rank["threshold"], ref["threshold"]
+        assert close(ours["loss"], theirs["loss"]), (ours["loss"], theirs["loss"])
+        assert close(ours["replace_rate"], theirs["replace_rate"]), (ours["replace_rate"], theirs["replace_rate"])
+        assert ours["replace_rate_layers"].keys() == theirs["replace_rate_layers"].keys()
+        for name, rates in ours["replace_rate_layers"].items():
+            assert close(rates, theirs["replace_rate_layers"][name]), name
+        assert ours["routes"] == theirs["routes"]  # the same rows on this rank, the same slots replaced
 
 
 def test_gradient_clipping_of_the_predictors(runs):

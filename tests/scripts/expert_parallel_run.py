@@ -9,15 +9,16 @@ processes (gloo). Launched by ``tests/parallel/test_expert_parallel.py`` as a us
 ``train``: a tiny Qwen3-MoE (16 experts, top-2) saved once and loaded twice: with
 ``model_init_kwargs={"distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}``
 (each rank holds 8 experts, tokens travel by all-to-all, FSDP2 shards the rest) and plainly (DDP, the reference).
-Per mode (none, R2, R3 with transformers ``generate`` and a KL term, PR2) both train on the same data; the EP run's hooks on the
-experts modules check that every training forward and backward recompute ran exactly the replayed experts
-(independently of the replay code); the losses, and the max difference of every weight after training (gathered)
-from DDP's, go to the report. ``none`` also runs plain ``trl.GRPOTrainer`` on the EP model. PR2 saves a checkpoint at
-step 2 (torch distributed checkpoint), and a fresh EP trainer resumes from it to step 4. Then the all_reduce
-dispatch (``tp_size 2, ep_size 2``, forward only: accelerate trains tensor parallelism on GPUs only): one process's
-routes replayed reproduce its logits. ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at URL
-serving CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync checked
-by the engine probe. ``precision``: R3 at lr 1e-6 under bf16 autocast, the EP model loaded in float32 and in
+Per mode (none, R2, R3 with transformers ``generate`` and a KL term, R3 with threshold replay, PR2) both train on the
+same data; the EP run's hooks on the experts modules check that every training forward and backward recompute ran
+exactly the replayed experts (under threshold replay: the kept ones, and as many others as the replay counted
+replaced), independently of the replay code; the losses, and the max difference of every weight after training
+(gathered) from DDP's, go to the report. ``none`` also runs plain ``trl.GRPOTrainer`` on the EP model. PR2 saves a
+checkpoint at step 2 (torch distributed checkpoint), and a fresh EP trainer resumes from it to step 4. Then the
+all_reduce dispatch (``tp_size 2, ep_size 2``, forward only: accelerate trains tensor parallelism on GPUs only): one
+process's routes replayed reproduce its logits. ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at
+URL serving CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync
+checked by the engine probe. ``precision``: R3 at lr 1e-6 under bf16 autocast, the EP model loaded in float32 and in
 bfloat16 (the update probe's reading of each).
 
 Each rank writes ``OUT_DIR/rank<i>.json``.
@@ -38,9 +39,17 @@ from transformers import AutoModelForCausalLM
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sharded_run import ExpertsWatch, Spy, flat, logged, reward_len  # noqa: E402  (the same route check)
+from sharded_run import (  # noqa: E402  (the same route checks)
+    ExpertsWatch,
+    Spy,
+    ThresholdSpy,
+    flat,
+    logged,
+    reward_len,
+)
 
 from trl_moe_replay import MoEReplayGRPOConfig  # noqa: E402
+from trl_moe_replay.core.metrics import REPLACE_RATE  # noqa: E402
 from trl_moe_replay.parallel.sharded import full_tensor, is_sharded_at_load  # noqa: E402
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 
@@ -115,6 +124,26 @@ def train_modes(checkpoint: str) -> dict:
             result[mode]["trl_loss"] = logged(plain, "loss")
             result[mode]["trl_weight_diff"] = weight_diff(full_weights(ep), full_weights(plain))
     return result
+
+
+def train_threshold(checkpoint: str) -> dict:
+    """R3 with threshold replay at 1 on EP and DDP: a generation batch's on-policy update (nothing to reject) and its
+    off-policy one (the moved router rejects some replayed experts); the EP run's hooks compare the experts that ran
+    with the replace counts behind ``routing/replace_rate`` (sharded_run.ThresholdSpy)."""
+    trainers = {}
+    for sharded in (False, True):
+        trainer = make_trainer(checkpoint, "r3", sharded=sharded, name=f"threshold_{'ep' if sharded else 'ddp'}",
+                               cls=ThresholdSpy, max_steps=2, replay_score_threshold=1.0)
+        trainer.train()
+        trainers["ep" if sharded else "ddp"] = trainer
+    ep, ddp = trainers["ep"], trainers["ddp"]
+    layers = sorted({name for entry in ep.state.log_history for name in entry if name.startswith(f"{REPLACE_RATE}/")})
+    return {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"),
+            "replace_rate": logged(ep, REPLACE_RATE), "ddp_replace_rate": logged(ddp, REPLACE_RATE),
+            "replace_rate_layers": {name: logged(ep, name) for name in layers},
+            "ddp_replace_rate_layers": {name: logged(ddp, name) for name in layers},
+            "routes": ep.route_checks, "ddp_routes": ddp.route_checks, "top_k": ep._route_replay.top_k,
+            "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)), "storage": storage(ep)}
 
 
 def train_pr2_and_resume(checkpoint: str) -> dict:
@@ -249,6 +278,7 @@ def main():
         checkpoint = str(OUT / f"model_rank{rank}")  # the same seeded weights, one folder per rank (no race)
         tiny_moe_model("qwen3_moe", num_experts=16).save_pretrained(checkpoint)
         result = train_modes(checkpoint)
+        result["threshold"] = train_threshold(checkpoint)
         result["pr2"] = train_pr2_and_resume(checkpoint)
         result["peft_refusal"] = peft_refusal(checkpoint)
         result["all_reduce"] = all_reduce_replay(checkpoint)

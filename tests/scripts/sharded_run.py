@@ -1,13 +1,14 @@
-"""Routing replay (none, R2, R3, PR2) under one distributed engine, two CPU processes (gloo). Launched by
-``tests/parallel/test_sharded.py``:
+"""Routing replay (none, R2, R3, R3 with threshold replay, PR2) under one distributed engine, two CPU processes
+(gloo). Launched by ``tests/parallel/test_sharded.py``:
 
     accelerate launch --config_file recipes/accelerate/{ddp,zero2,zero3,fsdp2}.yaml --num_processes 2 \\
         tests/scripts/sharded_run.py OUT_DIR
 
 Each rank writes ``OUT_DIR/rank<i>.json``: the engine it ran (and how its parameters are stored), per mode the
 logged losses and whether every training forward and backward recompute ran exactly the replayed experts (checked
-by hooks on the experts modules, independently of the replay code), and for PR2 the predictors after every step, a
-save/resume round trip, and ``save_model()`` output in ``OUT_DIR/pr2/final``.
+by hooks on the experts modules, independently of the replay code; under threshold replay, which of the replayed
+experts they did not run, against the replace counts behind ``routing/replace_rate``), and for PR2 the predictors
+after every step, a save/resume round trip, and ``save_model()`` output in ``OUT_DIR/pr2/final``.
 
 accelerate sets up FSDP only on GPU-type devices; on a CPU the trainer refuses an FSDP launch (it would run plain
 DDP). ``FORCE_FSDP_ON_CPU=1`` makes accelerate take the CPU processes for an FSDP-capable setup, so FSDP2 really
@@ -24,6 +25,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
+from trl_moe_replay.core.metrics import REPLACE_RATE
 from trl_moe_replay.parallel.sharded import is_dtensor, is_zero3_partitioned, local_numel
 from trl_moe_replay.routing.routes import has_route
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
@@ -38,6 +40,7 @@ SETTINGS = dict(
     max_completion_length=6, learning_rate=1e-3, gradient_accumulation_steps=1, num_iterations=2, seed=0,
     max_grad_norm=1e6,  # DeepSpeed clips policy and predictors by one norm, the others separately (docs)
 )
+STEPS_THRESHOLD = 2  # R3 with threshold replay: a generation batch's on-policy and off-policy update
 
 
 def reward_len(completions, **kwargs):
@@ -100,14 +103,46 @@ class Spy(MoEReplayGRPOTrainer):
         for layer, calls in self.watch.calls.items():
             layer_routes = routes[:, :, layer].reshape(-1, routes.shape[-1])
             given = has_route(layer_routes)  # uint8 routes mark "no route" rows with 255, signed ones with -1
-            expected = layer_routes.long()
-            for ids in calls:
-                ids = ids.to(expected.device)
-                differ = (ids.sort(-1).values != expected.sort(-1).values).any(-1) & given
-                self.route_checks["calls"] += 1
-                self.route_checks["rows"] += int(given.sum())
-                self.route_checks["mismatched_rows"] += int(differ.sum())
+            self.check(layer, [ids.to(given.device) for ids in calls], layer_routes.long(), given)
         return loss
+
+    def check(self, layer: int, calls: list[torch.Tensor], expected: torch.Tensor, given: torch.Tensor) -> None:
+        """One MoE layer of one micro-batch: the ids its experts received in each call against the replayed ones."""
+        for ids in calls:
+            differ = (ids.sort(-1).values != expected.sort(-1).values).any(-1) & given
+            self.route_checks["calls"] += 1
+            self.route_checks["rows"] += int(given.sum())
+            self.route_checks["mismatched_rows"] += int(differ.sum())
+
+
+class ThresholdSpy(Spy):
+    """Threshold replay: per training micro-batch, the replayed experts the experts modules did not receive (seen by
+    the hooks) against the rejected slots the replay counted for ``routing/replace_rate``; the backward recompute ran
+    the forward's very ids; no token ran an expert twice."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.route_checks = {"calls": 0, "rows": 0, "replaced_seen": 0, "replaced_counted": 0, "slots_counted": 0,
+                             "recompute_differs": 0, "duplicates": 0}
+        self.taken: dict[int, list[int]] = {}
+
+    def _log_replace_rate(self):
+        # the counts this log takes: at the end of a training_step, those of its training forward (not the recompute)
+        self.taken = {layer: counts.tolist() for layer, counts in self._route_replay._replace_sums.items()}
+        super()._log_replace_rate()
+
+    def check(self, layer, calls, expected, given):
+        forward, *recomputed = calls
+        replayed_used = (forward[:, :, None] == expected[:, None, :]).any(-1).sum(-1)  # per row
+        ordered = forward.sort(-1).values
+        checks = self.route_checks
+        checks["calls"] += len(calls)
+        checks["rows"] += int(given.sum())
+        checks["replaced_seen"] += int((expected.shape[-1] - replayed_used)[given].sum())
+        checks["replaced_counted"] += self.taken[layer][0]
+        checks["slots_counted"] += self.taken[layer][1]
+        checks["recompute_differs"] += sum(int((ids != forward).any(-1).sum()) for ids in recomputed)
+        checks["duplicates"] += int((ordered[:, 1:] == ordered[:, :-1]).any(-1).sum())
 
 
 class PredictorSteps(TrainerCallback):
@@ -149,9 +184,9 @@ def storage(trainer) -> dict:
     return report
 
 
-def make_trainer(mode: str, model, cls=Spy, **overrides):
+def make_trainer(mode: str, model, cls=Spy, name: str | None = None, **overrides):
     dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
-    settings = {**SETTINGS, "output_dir": str(OUT / mode), "routing_replay": mode, **overrides}
+    settings = {**SETTINGS, "output_dir": str(OUT / (name or mode)), "routing_replay": mode, **overrides}
     if os.environ.get("FORCE_FSDP_ON_CPU") == "1":  # keep the relabelled process state (see force_fsdp_on_cpu)
         settings["accelerator_config"] = {"use_configured_state": True}
     if mode == "pr2":
@@ -171,6 +206,20 @@ def run_mode(mode: str, model, steps: int) -> dict:
             "updated_frac": logged(trainer, "precision/updated_frac"),
             "distributed_type": trainer.accelerator.distributed_type.value,
             "mixed_precision": trainer.accelerator.mixed_precision}
+
+
+def run_threshold(model) -> dict:
+    """R3 with threshold replay at 1 for a generation batch's two updates: the on-policy one replays the routes its
+    own router chose; the off-policy one's router has moved, and rejects the replayed experts it no longer ranks in
+    its top-k."""
+    trainer = make_trainer("r3", model, cls=ThresholdSpy, name="threshold", max_steps=STEPS_THRESHOLD,
+                           save_strategy="no", replay_score_threshold=1.0)
+    trainer.train()
+    layers = sorted({name for entry in trainer.state.log_history for name in entry
+                     if name.startswith(f"{REPLACE_RATE}/")})
+    return {"loss": logged(trainer, "loss"), "replace_rate": logged(trainer, REPLACE_RATE),
+            "replace_rate_layers": {name: logged(trainer, name) for name in layers}, "routes": trainer.route_checks,
+            "updated_frac": logged(trainer, "precision/updated_frac"), "top_k": trainer._route_replay.top_k}
 
 
 def run_pr2(model, resume_model) -> dict:
@@ -227,10 +276,11 @@ def main():
         skip_deepspeed_shm_build()
     # built before any trainer: once a ZeRO-3 trainer exists, transformers builds models inside deepspeed.zero.Init
     # (partitioned at creation, as from_pretrained does under zero3_init_flag); the runs compare exact weights
-    models = [tiny_moe_model(**MODEL) for _ in range(5)]
+    models = [tiny_moe_model(**MODEL) for _ in range(6)]
     # none and R2: an on-policy and an off-policy update; R3 and PR2: also the next generation batch's first update
     runs = zip(("none", "r2", "r3"), models[:3], (2, 2, 3), strict=True)
     result = {mode: run_mode(mode, model, steps) for mode, model, steps in runs}
+    result["threshold"] = run_threshold(models[5])
     result["pr2"], trainer = run_pr2(models[3], models[4])
     if trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == 3:
         result["zero3_init_predictor_shapes"] = predictor_shapes_under_zero_init()
