@@ -65,11 +65,14 @@ def checkpoint(tmp_path_factory) -> str:
 
 # ----------------------------------------------------------------------------- a real vLLM CPU server
 # One pair for the real-engine modules (tests/cross_cutting/test_vllm_engine.py,
-# tests/cross_cutting/test_async_engine.py). Module-scoped: each module starts its own server, as before (the async
-# faults kill and restart theirs).
+# tests/parallel/test_expert_parallel.py, tests/cross_cutting/test_async_engine.py). Session-scoped: one server start
+# (~75 s idle, minutes under load) serves every module that leaves it running; each of their tests puts the
+# checkpoint's weights back first (reload_weights), since the test before trained others into it.
+# test_async_engine.py kills and restarts its server (the faults it tests): it overrides ``server`` with a
+# module-scoped one of its own.
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_checkpoint(tmp_path_factory) -> str:
     """The tiny Qwen3-MoE (and tokenizer) the real-engine tests serve: tests/scripts/vllm_train.py's."""
     import sys
@@ -81,9 +84,10 @@ def vllm_checkpoint(tmp_path_factory) -> str:
     return save_checkpoint("qwen3_moe", str(tmp_path_factory.mktemp("vllm_ckpt")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(vllm_checkpoint, tmp_path_factory):
-    """A real vLLM CPU server on ``vllm_checkpoint`` (tests/vllm_server.py); its URL, ``.pid``, ``.server.restart()``."""
+    """A real vLLM CPU server on ``vllm_checkpoint`` (tests/vllm_server.py), shared by the session's tests: its URL,
+    ``.pid``. Reload the checkpoint's weights (tests.vllm_server.reload_weights) before using it; never stop it."""
     from tests.vllm_server import vllm_server
 
     with vllm_server(vllm_checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:

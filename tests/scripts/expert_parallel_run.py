@@ -4,7 +4,6 @@ processes (gloo). Launched by ``tests/parallel/test_expert_parallel.py`` as a us
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR train
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR server URL CHECKPOINT
     torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR colocate CHECKPOINT
-    torchrun --nproc_per_node 2 tests/scripts/expert_parallel_run.py OUT_DIR precision
 
 ``train``: a tiny Qwen3-MoE (16 experts, top-2) saved once and loaded twice: with
 ``model_init_kwargs={"distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}``
@@ -16,10 +15,11 @@ replaced), independently of the replay code; the losses, and the max difference 
 (gathered) from DDP's, go to the report. ``none`` also runs plain ``trl.GRPOTrainer`` on the EP model. PR2 saves a
 checkpoint at step 2 (torch distributed checkpoint), and a fresh EP trainer resumes from it to step 4. Then the
 all_reduce dispatch (``tp_size 2, ep_size 2``, forward only: accelerate trains tensor parallelism on GPUs only): one
-process's routes replayed reproduce its logits. ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at
-URL serving CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync
-checked by the engine probe. ``precision``: R3 at lr 1e-6 under bf16 autocast, the EP model loaded in float32 and in
-bfloat16 (the update probe's reading of each).
+process's routes replayed reproduce its logits. Last, under ``precision``: R3 at lr 1e-6 under bf16 autocast, the EP
+model loaded in float32 and in bfloat16 (the update probe's reading of each; in this launch, not one of its own, to
+save CI a torchrun start). ``server`` / ``colocate``: R3 with a real vLLM CPU engine (a server at URL serving
+CHECKPOINT; or one engine per rank), weights synced by vLLM's reload from the EP trainer, each sync checked by the
+engine probe.
 
 Each rank writes ``OUT_DIR/rank<i>.json``.
 """
@@ -282,10 +282,7 @@ def main():
         result["pr2"] = train_pr2_and_resume(checkpoint)
         result["peft_refusal"] = peft_refusal(checkpoint)
         result["all_reduce"] = all_reduce_replay(checkpoint)
-    elif scenario == "precision":
-        checkpoint = str(OUT / f"model_rank{rank}")
-        tiny_moe_model("qwen3_moe", num_experts=16).save_pretrained(checkpoint)
-        result = precision_runs(checkpoint)
+        result["precision"] = precision_runs(checkpoint)
     elif scenario == "server":
         result, _ = vllm_run(sys.argv[4], vllm_mode="server", vllm_server_base_url=sys.argv[3])
     else:  # colocate: one engine in each rank (TRL's external launcher)

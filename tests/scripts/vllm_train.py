@@ -2,6 +2,7 @@
 
     python vllm_train.py REPORT.json colocate FAMILY [key=value ...]          # TRL's colocate mode (this process)
     python vllm_train.py REPORT.json server URL CHECKPOINT [key=value ...]    # a running `vllm serve` on CHECKPOINT
+    python vllm_train.py --runs RUNS.json    # each argument list of RUNS.json in turn, in this process (run_all)
 
 Colocate mode needs RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (TRL's external launcher runs the engine in
 this process). The trainer (tests/route_checks.py) checks, in every old-logprob, reference and training forward,
@@ -10,10 +11,12 @@ probe with the engine and the trainer: before the sync (the engine still has the
 Extra arguments go to MoEReplayGRPOConfig (e.g. routing_replay=r2, max_steps=2).
 """
 
+import functools
 import json
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 
@@ -40,6 +43,42 @@ def checkpoint(family: str, directory: str, tools: bool = False) -> str:
     return directory
 
 
+@functools.cache
+def colocate_checkpoint(family: str, tools: bool) -> str:
+    """The checkpoint of this process's colocate runs of ``family``: one folder, so their engines' arguments match."""
+    return checkpoint(family, tempfile.mkdtemp(), tools=tools)
+
+
+def share_colocated_engines() -> None:
+    """Colocate runs in one process share an engine: TRL's VLLMGeneration builds a new ``vllm.LLM`` per trainer (a
+    minute on a CPU); built again with the same arguments (so the same checkpoint and tokenizer), the first one is
+    returned instead. A reused engine starts a run as a fresh one does, for all the run checks: the trainer syncs its
+    weights into the engine before its first generation (TRL's ``_last_loaded_step`` starts at -1: the sync trigger
+    of trl_moe_replay's trainer) and the reload resets the prefix cache; sleep mode is off in these runs; and the
+    random generators, which the in-process engine samples from, are seeded as vLLM seeds them when it builds one
+    (``seed``), so a run's tokens do not depend on the runs before it."""
+    import trl.generation.vllm_generation as generation
+    from transformers import set_seed
+
+    engines = {}
+
+    class SharedLLM(generation.LLM):
+        def __new__(cls, *args, **kwargs):
+            key = repr((args, sorted(kwargs.items())))
+            if key in engines:  # an instance of an earlier subclass (trl_moe_replay's, per trainer): no __init__
+                set_seed(kwargs.get("seed", 0))
+                return engines[key]
+            engine = super().__new__(cls)
+            engine.shared_key = key
+            return engine
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines[self.shared_key] = self  # once built: an engine that failed to start is not reused
+
+    generation.LLM = SharedLLM
+
+
 def parse(value: str):
     for kind in (int, float):
         try:
@@ -49,7 +88,9 @@ def parse(value: str):
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
-def main():
+def main(argv: list[str], end: bool = True) -> None:
+    """One run: ``argv`` as on the command line (REPORT.json MODE ...); ``end``: end the trainer (and with it the
+    process group) afterwards."""
     import torch
     from datasets import Dataset
 
@@ -60,8 +101,8 @@ def main():
 
     from tests.route_checks import RouteCheckingTrainer, RouteOracle
 
-    out, mode = sys.argv[1], sys.argv[2]
-    rest = sys.argv[4:] if mode == "colocate" else sys.argv[5:]
+    out, mode = argv[0], argv[1]
+    rest = argv[3:] if mode == "colocate" else argv[4:]
     overrides = {key: parse(value) for key, value in (arg.split("=", 1) for arg in rest)}
     fuzz_seed = overrides.pop("fuzz", None)  # corrupt a random share of the server's route payloads
     with_tools = overrides.pop("tools", False)  # tool-calling rollouts (TRL's tool loop), forced by a regex
@@ -69,10 +110,10 @@ def main():
     with_lora = overrides.pop("lora", False)  # a PEFT LoRA policy on attention, the router and the fused experts
     count_only = overrides.pop("count_mismatches", False)  # count positions off the engine's routes, don't assert
     if mode == "colocate":
-        model_path = checkpoint(sys.argv[3], tempfile.mkdtemp(), tools=bool(with_tools))
+        model_path = colocate_checkpoint(argv[2], bool(with_tools))
         engine = dict(vllm_mode="colocate")
     else:
-        url, model_path = sys.argv[3], sys.argv[4]
+        url, model_path = argv[2], argv[3]
         # A seeded sampler per request (vLLM seeds the n completions of a prompt with seed, seed + 1, ...): the server
         # is shared by a module's tests, and unseeded it samples from one generator that every earlier request (and
         # the order requests share a batch in) moved on, so each run scored other tokens and a metric of them, such
@@ -230,8 +271,25 @@ def main():
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one report per rank
         out = f"{out}.rank{os.environ['RANK']}"
     Path(out).write_text(json.dumps(report))
-    trainer.end()
+    if end:
+        trainer.end()
+
+
+def run_all(runs: str) -> None:
+    """Each argument list of the JSON file ``runs`` in turn (colocate ones: one engine per family and tokenizer,
+    share_colocated_engines); the trainer of the last one ends the process group. A run that raises writes its
+    traceback to REPORT.json.error, and the next one goes on."""
+    share_colocated_engines()
+    argvs = json.loads(Path(runs).read_text())
+    for i, argv in enumerate(argvs):
+        try:
+            main(argv, end=i == len(argvs) - 1)
+        except Exception:
+            Path(f"{argv[0]}.error").write_text(traceback.format_exc())
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--runs":
+        run_all(sys.argv[2])
+    else:
+        main(sys.argv[1:])
