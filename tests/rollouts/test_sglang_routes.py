@@ -12,8 +12,7 @@ from datasets import Dataset
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 from trl_moe_replay.rollouts.route_source import RouteSourceProtocol
 from trl_moe_replay.rollouts.sglang_routes import SGLangRollout, decode_sglang_routes
-from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
-from trl_moe_replay.testing.fake_sglang import FakeSGLangServer, sglang_payload
+from trl_moe_replay.testing import FakeSGLangServer, sglang_payload, tiny_moe_model, tiny_tokenizer
 
 from tests.helpers import no_route, with_routes
 
