@@ -86,7 +86,9 @@ class FakeSGLangServer:
         sampled = iter(self.engine.generate([p for p, ok in zip(prompts, valid, strict=True) if ok], n=1,
                                             temperature=params.get("temperature", 1.0),
                                             max_tokens=params.get("max_new_tokens", 16)) if any(valid) else [])
-        results, served, outputs = [], [], []
+        results: list[dict[str, Any]] = []
+        served: list[np.ndarray | None] = []
+        outputs: list[list[int]] = []
         for index, (prompt, ok) in enumerate(zip(prompts, valid, strict=True)):
             meta: dict[str, Any] = {"id": f"{call}-{index}", "prompt_tokens": len(prompt)}
             if not ok:  # SGLang's scheduler aborts the request
