@@ -107,6 +107,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
     _weight_sync = None
     _sync_check = None
     _routes: RouteFlow | None = None
+    _route_source: RouteSourceProtocol | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
