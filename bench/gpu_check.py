@@ -7,7 +7,10 @@ Parts (methods of the first GPU run, kept here so that the next run measures the
              natural no-grad forward recorded (must be 0), and of replaying shifted routes (a control: must differ).
              An implementation whose estimated allocation exceeds the device's free memory (``batched_mm`` gathers
              every (token, expert) pair's weights: 768 GiB to 7 TiB here) is not run and reads "does not fit at this
-             size", as does one that raises ``torch.OutOfMemoryError``.
+             size", as does one that raises ``torch.OutOfMemoryError``. On CUDA with transformers >= 5.25 (and
+             ``kernels``, ``USE_HUB_KERNELS`` not off) the rows run both ways: Hub kernels off, then on
+             (``set_use_kernels(True)`` in inference mode, what ``from_pretrained`` does by default there; reset
+             after). Every other part runs with them off (its models are built from configs, not loaded).
   syncs      Host synchronisations over one forward+backward, natural vs replay (``torch.cuda.set_sync_debug_mode``
              counting its warnings), per width. Off CUDA (smoke) the ``HostReads`` proxy counts instead.
   timing     replay/natural for the forward (no_grad) and forward+backward, per width: ABBA rounds
@@ -50,6 +53,7 @@ import contextlib
 import datetime
 import gc
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -72,6 +76,7 @@ from trl_moe_replay.core.metrics import logprob_mismatch_sums, routing_agreement
 from trl_moe_replay.routing import RouterReplay  # noqa: E402
 from trl_moe_replay.routing.routes import has_route  # noqa: E402
 from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model, tiny_tokenizer  # noqa: E402
+from trl_moe_replay.upstream.transformers_seam import hub_kernel_layers  # noqa: E402
 
 
 NO_CUDA_EXIT = 2
@@ -381,11 +386,65 @@ def replay_costs(name: str, model, rr: RouterReplay, x: torch.Tensor, device, ro
     return out
 
 
+def hub_kernels_env_on() -> bool:
+    """Whether ``from_pretrained`` would kernelize by default: ``USE_HUB_KERNELS`` unset or true (transformers 5.25
+    reads it with ``is_env_variable_true(..., default="YES")``)."""
+    return os.environ.get("USE_HUB_KERNELS", "YES").lower() in ("true", "1", "y", "yes", "on")
+
+
+def hub_kernels_plan(device) -> dict:
+    """Hub kernels in this check: which parts run with them, and whether the exactness rows also run with them on
+    (``why_not`` says why not)."""
+    import transformers
+
+    try:
+        import kernels
+    except ImportError:
+        kernels = None
+    version = getattr(kernels, "__version__", None)
+    why = None
+    if device.type != "cuda":
+        why = "no CUDA: transformers' kernel mapping has no kernel for a CPU (nothing would be replaced)"
+    elif not hasattr(transformers.PreTrainedModel, "set_use_kernels"):
+        why = f"transformers {transformers.__version__} has no set_use_kernels"
+    elif kernels is None:
+        why = "the kernels package is not installed"
+    elif not hub_kernels_env_on():
+        why = f"USE_HUB_KERNELS={os.environ['USE_HUB_KERNELS']} turns them off"
+    return {"USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS"), "kernels": version,
+            "from_pretrained_default": hub_kernels_env_on() and hasattr(transformers.PreTrainedModel,
+                                                                        "set_use_kernels"),
+            "other_parts": "off (their models are built from configs: from_pretrained's default does not apply)",
+            "both_ways": why is None, "why_not": why}
+
+
+def exactness_rows_with_kernels(name: str, model, rr: RouterReplay, x: torch.Tensor, memory: int | None) -> list[dict]:
+    """The exactness rows again with transformers' Hub kernels on (``set_use_kernels(True)`` in inference mode, as
+    ``from_pretrained`` does by default on CUDA from 5.25), then off again. Each row says how many layers a kernel
+    replaced (None: the installed ``kernels`` cannot tell). Kernels that cannot load (no Hub access and none cached)
+    give one "unavailable" row."""
+    model.eval()
+    try:
+        model.set_use_kernels(True)
+    except Exception as exc:
+        return [{"width": name, "experts_impl": "every", "hub_kernels": True,
+                 "unavailable": f"Hub kernels did not load: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}]
+    try:
+        replaced = hub_kernel_layers(model)
+        rows = exactness_rows(name, model, rr, x, memory)
+    finally:
+        model.reset_kernels()
+    for row in rows:
+        row.update(hub_kernels=True, kernelized_layers=None if replaced is None else len(replaced))
+    return rows
+
+
 def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
     """exactness, syncs and timing share one model per width (building Mixtral's layer is the costly bit)."""
     clocks = {part: Budget(budgets[part]) for part in ("exactness", "syncs", "timing")}
     for part in clocks:
         results[part] = {"rows": []}
+    kernels = results["hub_kernels"] = hub_kernels_plan(device)
     for key in MODELS:
         if all(clock.spent() for clock in clocks.values()):
             break
@@ -395,7 +454,11 @@ def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
             x = tokens(sizes.batch, sizes.seq, device)
         if not clocks["exactness"].spent():
             with clocks["exactness"].charge():
-                results["exactness"]["rows"] += exactness_rows(name, model, rr, x, free_memory(device))
+                off = exactness_rows(name, model, rr, x, free_memory(device))
+                results["exactness"]["rows"] += [{**row, "hub_kernels": False} for row in off]
+                if kernels["both_ways"]:
+                    results["exactness"]["rows"] += exactness_rows_with_kernels(name, model, rr, x,
+                                                                                free_memory(device))
         for part, row in replay_costs(name, model, rr, x, device, sizes.rounds, clocks).items():
             results[part]["rows"].append(row)
         del model, rr
@@ -651,18 +714,30 @@ def environment(device) -> dict:
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "trl": trl.__version__, "accelerate": accelerate.__version__, "trl_moe_replay": trl_moe_replay.__version__,
         "python": platform.python_version(), "command": " ".join(sys.argv),
+        "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS"),
     }
 
 
 def table(results: dict) -> list[tuple[str, str, str]]:
     rows = []
+    kernels = results.get("hub_kernels")
+    if kernels:
+        env = kernels["USE_HUB_KERNELS"]
+        rows.append(("hub_kernels", "state",
+                     f"exactness: {'off and on' if kernels['both_ways'] else 'off'}"
+                     f"{'' if kernels['both_ways'] else ' (' + kernels['why_not'] + ')'}; other parts "
+                     f"{kernels['other_parts']}; USE_HUB_KERNELS={'unset' if env is None else env}, kernels "
+                     f"{kernels['kernels'] or 'not installed'}"))
     for row in results.get("exactness", {}).get("rows", []):
         if "does_not_fit" in row:
             result = does_not_fit(row["does_not_fit"])
         else:
             result = row.get("unavailable") or (f"own routes {fmt(row['own_routes_max_diff'])}, other routes "
                                                 f"{fmt(row['other_routes_max_diff'])}")
-        rows.append(("exactness", f"{row['width']} {row['experts_impl']}", result))
+        on = ", hub kernels on" + (f" ({row['kernelized_layers']} layers replaced)"
+                                   if row.get("kernelized_layers") is not None else "")
+        rows.append(("exactness", f"{row['width']} {row['experts_impl']}{on if row.get('hub_kernels') else ''}",
+                     result))
     proxy = "" if results.get("mode") == "full" else " (host reads, CPU proxy)"
     for row in results.get("syncs", {}).get("rows", []):
         rows.append(("syncs", f"{row['width']} fwd+bwd",
@@ -737,10 +812,11 @@ def failures(results: dict) -> list[str]:
     for row in rows:
         if "unavailable" in row or "does_not_fit" in row:
             continue
+        which = f"{row['width']} {row['experts_impl']}{' (hub kernels on)' if row.get('hub_kernels') else ''}"
         if row["own_routes_max_diff"] != 0:
-            problems.append(f"replaying its own routes changed {row['width']} {row['experts_impl']}'s logits")
+            problems.append(f"replaying its own routes changed {which}'s logits")
         if not row["other_routes_max_diff"] > 0:
-            problems.append(f"other routes left {row['width']} {row['experts_impl']}'s logits unchanged")
+            problems.append(f"other routes left {which}'s logits unchanged")
     return problems
 
 

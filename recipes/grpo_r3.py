@@ -81,6 +81,7 @@ from trl_moe_replay.checkpointing.checkpoints import (  # noqa: E402
     resolve_resume,
 )
 from trl_moe_replay.core.config_checks import ConfigTypeError, ConfigValueError, check_config_file  # noqa: E402
+from trl_moe_replay.weight_sync.server_requests import server_gone_errors  # noqa: E402
 
 
 class RecipeArgumentError(ValueError):
@@ -671,7 +672,14 @@ def _train(script_args, training_args, model_args, state):
         trainer.add_callback(StartOver())
     # a save_steps between generation batches is warned by the config's own check (saves_inside_generation_batches)
 
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except server_gone_errors() as error:  # the server went away: a stop of the whole job, or a failure (raised on)
+        line = interrupt.engine_gone(error, trainer.state.global_step)
+        if line is None:
+            raise
+        state.print(line)
+        return trainer
     if interrupt.interrupted:
         if Version(transformers.__version__) >= Version("5.18.0"):
             trainer.end()
@@ -801,7 +809,8 @@ def run(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C: nothing new saved
         print(f"\n{prog}: interrupted; no checkpoint saved by this interruption", file=sys.stderr)
         return 130
-    stopped = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, SaveOnInterrupt) and cb.interrupted]
+    stopped = [cb for cb in trainer.callback_handler.callbacks
+               if isinstance(cb, SaveOnInterrupt) and (cb.interrupted or cb.engine_lost)]
     return stopped[0].exit_status if stopped else 0  # 130 after Ctrl-C, 143 after SIGTERM, as the shell reports them
 
 

@@ -120,3 +120,21 @@ def with_routes(trainer, batch: dict) -> dict:
     if batch.get("route_rows") is not None and trainer._routes is not None:
         extra.update(trainer._routes.buffer.gather_held(batch["route_rows"]).per_sample)
     return dict(batch, **extra) if extra else batch
+
+
+def module_hooks(model: torch.nn.Module) -> dict[tuple[str, str, str], int]:
+    """Every forward hook and pre-hook on ``model``'s modules, counted by (module name, kind, the module that defined
+    the hook: ``trl_moe_replay.routing.replay``, ``transformers.modeling_utils``, ...)."""
+    counts: dict[tuple[str, str, str], int] = {}
+    for name, module in model.named_modules():
+        for kind, hooks in (("forward", module._forward_hooks), ("pre", module._forward_pre_hooks)):
+            for hook in hooks.values():
+                owner = getattr(hook, "__module__", None) or type(hook).__module__
+                key = (name, kind, owner)
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def hooks_of_ours(model: torch.nn.Module) -> int:
+    """How many forward hooks and pre-hooks on ``model`` this package defined."""
+    return sum(count for (_, _, owner), count in module_hooks(model).items() if owner.startswith("trl_moe_replay"))

@@ -3,6 +3,7 @@
     python tools/test_latest.py                      # build .venv-latest, install, run the fast subset, print the table
     python tools/test_latest.py --venv DIR           # reuse DIR (already built) instead of building .venv-latest
     python tools/test_latest.py --venv DIR --junit FILE   # reuse a fast-subset run's JUnit XML too: only the table
+    python tools/test_latest.py --cuda-torch         # the newest torch even where it is PyPI's CUDA build
 
 A maintainer's command, not in .ci/run: it answers "which release that landed since our last bump breaks us?" the
 day a release lands. For each dependency of ``pyproject.toml`` (``[project] dependencies`` and the ``plot`` extra)
@@ -14,8 +15,11 @@ it), what was installed, and, in its last row, the fast subset's result and its 
 
 torch: PyPI's Linux wheel is the CUDA build (gigabytes, ~15 ``nvidia-*`` packages); where pip's sources offer a CPU
 build of torch (a local wheel, as on the machines this project was built on) of another version, that build is
-installed instead (``tools/cpu_install.py``'s rule) and the table says so. A dependency whose newest release does not
-install (a resolver conflict, no wheel for this Python) is left at what pip picks and marked ``no``.
+installed instead (``tools/cpu_install.py``'s rule) and the table says so; ``--cuda-torch`` installs the newest CUDA
+build anyway (it runs on a CPU). A dependency whose newest release does not install (a resolver conflict, no wheel
+for this Python) is left at what pip picks and marked ``no``. The fast subset's cell says "passed" only where pytest's
+exit status says every test ran and passed: an interrupted, killed or errored session is named as such, with the
+counts it reached (pytest's status is kept beside the report, ``fast-subset.rc``, for ``--junit``).
 
 The pure parts (reading the bounds, the index's answer, the JUnit report; building the table) are tested in
 tests/cross_cutting/test_test_latest.py; docs/maintaining.md, "A new release", says how to turn the table into a
@@ -64,14 +68,33 @@ class Row:
                 and Version(self.installed).public == Version(self.newest).public)
 
 
+# pytest's exit statuses (pytest.ExitCode) other than 0 (all passed) and 1 (some failed): the run did not finish
+EXIT_WORDS = {2: "interrupted", 3: "pytest's internal error", 4: "usage error", 5: "no tests collected"}
+
+
 @dataclass(frozen=True)
 class FastRun:
-    """A fast-subset run, from its JUnit report."""
+    """A fast-subset run, from its JUnit report and pytest's exit status."""
 
     passed: int
     failed: int  # failures and errors
     skipped: int
     first_failure: str | None  # "tests/x/test_y.py::test_z", the first in the report's order
+    interrupted: bool = False  # the report holds pytest's nameless placeholder of a session stopped midway
+    exit_code: int | None = None  # pytest's exit status (negative: killed by that signal); None: unknown
+
+    @property
+    def verdict(self) -> str:
+        """"passed" only for a run that pytest says finished with every test passed; otherwise what went wrong."""
+        code = self.exit_code
+        if code is not None and code < 0:
+            return f"killed (signal {-code})"
+        if self.interrupted or code not in (None, 0, 1):
+            word = EXIT_WORDS.get(code, f"pytest exit {code}") if code is not None else "interrupted"
+            return f"not finished: {word}" + (f" (pytest exit {code})" if code in EXIT_WORDS else "")
+        if self.failed or code == 1:
+            return "failed"
+        return "passed" if code == 0 else "no failure reported, pytest's exit status unknown"
 
 
 def declared_bounds(pyproject_text: str, extras: tuple[str, ...] = EXTRAS) -> dict[str, SpecifierSet]:
@@ -99,11 +122,16 @@ def newest_from_index(answer: str) -> str | None:
         return None
 
 
-def fast_run_from_junit(xml_text: str) -> FastRun:
-    """The counts and the first failing test of a pytest JUnit report (``--junitxml``)."""
+def fast_run_from_junit(xml_text: str, exit_code: int | None = None) -> FastRun:
+    """The counts and the first failing test of a pytest JUnit report (``--junitxml``), with pytest's exit status.
+
+    A session stopped midway (Ctrl-C, a test raising KeyboardInterrupt, ``pytest.exit``) still writes its report, with
+    the tests that ran and one ``<testcase>`` without a name in place of the one it stopped in: that placeholder is
+    neither passed nor failed, it marks the run as interrupted."""
     root = ET.fromstring(xml_text)
     passed = failed = skipped = 0
     first = None
+    interrupted = False
     for case in root.iter("testcase"):
         outcome = {child.tag for child in case}
         if outcome & {"failure", "error"}:
@@ -113,9 +141,11 @@ def fast_run_from_junit(xml_text: str) -> FastRun:
                 first = f"{module}.py::{case.get('name')}" if module else str(case.get("name"))
         elif "skipped" in outcome:
             skipped += 1
+        elif not case.get("name"):
+            interrupted = True
         else:
             passed += 1
-    return FastRun(passed, failed, skipped, first)
+    return FastRun(passed, failed, skipped, first, interrupted, exit_code)
 
 
 def _yes_no(value: bool | None) -> str:
@@ -134,7 +164,7 @@ def table(rows: list[Row], run: FastRun | None) -> str:
     if run is None:
         result, first = "not run", ""
     else:
-        result = f"{'passed' if run.failed == 0 else 'failed'}: {run.passed} passed, {run.failed} failed"
+        result = f"{run.verdict}: {run.passed} passed, {run.failed} failed"
         result += f", {run.skipped} skipped" if run.skipped else ""
         first = run.first_failure or "none"
     lines.append(f"| (all of the above) | | | | | {result} | {first} |")
@@ -164,14 +194,15 @@ def pip_install(python: str, *args: str) -> bool:
     return result.returncode == 0
 
 
-def install_torch(python: str, newest: str | None, cpu_version: str) -> str:
-    """torch at ``newest`` where pip would install a CPU build of it, else the CPU build ``cpu_version`` through
-    tools/cpu_install.py (what ``make setup`` installs); returns the table's note ("" for the newest)."""
+def install_torch(python: str, newest: str | None, cpu_version: str, cuda: bool = False) -> str:
+    """torch at ``newest`` where pip would install a CPU build of it (or any build, with ``cuda``), else the CPU build
+    ``cpu_version`` through tools/cpu_install.py (what ``make setup`` installs); returns the table's note ("" for the
+    newest)."""
     from cpu_install import cuda_packages  # tools/ is on sys.path (main)
 
     if newest is not None:
         dry = _run(python, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", f"torch=={newest}")
-        if dry.returncode == 0 and not cuda_packages(json.loads(dry.stdout)["install"]):
+        if dry.returncode == 0 and (cuda or not cuda_packages(json.loads(dry.stdout)["install"])):
             return "" if pip_install(python, f"torch=={newest}") else "its newest release does not install here"
         why = "a CUDA build on this index" if dry.returncode == 0 else "not installable here"
     else:
@@ -180,13 +211,13 @@ def install_torch(python: str, newest: str | None, cpu_version: str) -> str:
     return f"the CPU build {cpu_version} instead (the newest: {why})"
 
 
-def build(venv: Path, newest: dict[str, str | None], cpu_torch: str) -> dict[str, str]:
+def build(venv: Path, newest: dict[str, str | None], cpu_torch: str, cuda: bool = False) -> dict[str, str]:
     """A fresh environment at ``venv`` with every dependency at its newest release (torch: see
     :func:`install_torch`), the `test` extra's tools and the package (``--no-deps``); returns ``{name: note}``."""
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     pip_install(python, "--upgrade", "pip")
-    notes = {"torch": install_torch(python, newest.get("torch"), cpu_torch)}
+    notes = {"torch": install_torch(python, newest.get("torch"), cpu_torch, cuda)}
     torch = installed_versions(python).get("torch")
     pins = [f"{name}=={version}" for name, version in newest.items() if version and name != "torch"]
     if not pip_install(python, *pins, f"torch=={torch}"):  # one at a time: which of them does not install
@@ -205,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--junit", type=Path, help="reuse this fast-subset JUnit report instead of running the tests")
     parser.add_argument("--cpu-torch", default="2.13.0", help="the CPU torch to install where the newest is a CUDA "
                                                               "build (default: what make setup installs)")
+    parser.add_argument("--cuda-torch", action="store_true", help="install the newest torch even where it is the "
+                        "CUDA build (gigabytes of nvidia-* packages; it runs on a CPU too)")
     args = parser.parse_args(argv)
     bounds = declared_bounds((ROOT / "pyproject.toml").read_text())
     print(f"asking the index for the newest release of {', '.join(bounds)}...", flush=True)
@@ -214,21 +247,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.venv is None:
         print(f"building {venv} (several minutes)...", flush=True)
         sys.path.insert(0, str(ROOT / "tools"))
-        notes = build(venv, newest, args.cpu_torch)
+        notes = build(venv, newest, args.cpu_torch, args.cuda_torch)
     python = str(venv / "bin" / "python")
     have = installed_versions(python)
     if args.junit is None:
         junit = venv / "fast-subset.xml"
+        for stale in (junit, junit.with_suffix(".rc")):  # an earlier run's report must not stand in for this one
+            stale.unlink(missing_ok=True)
         print(f"running the fast subset in {venv} (about 20 minutes on 2 cores)...", flush=True)
-        subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST, f"--junitxml={junit}",
-                        "tests"], cwd=ROOT)
+        code = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST,
+                               f"--junitxml={junit}", "tests"], cwd=ROOT).returncode
+        junit.with_suffix(".rc").write_text(f"{code}\n")
     else:
         junit = args.junit
-    run = fast_run_from_junit(junit.read_text()) if junit.is_file() else None
+    code_file = junit.with_suffix(".rc")  # pytest's exit status, written beside the report by the run above
+    code = int(code_file.read_text()) if code_file.is_file() else None
+    if junit.is_file():
+        run = fast_run_from_junit(junit.read_text(), code)
+    else:  # pytest wrote no report (killed, or never started): nothing passed
+        run = None if code is None else FastRun(0, 0, 0, None, interrupted=True, exit_code=code)
     rows = [Row(name, newest[name], bound, have.get(name.lower()), notes.get(name, ""))
             for name, bound in bounds.items()]
     print(table(rows, run))
-    return 0 if run is not None and run.failed == 0 and all(row.installs or row.note for row in rows) else 1
+    return 0 if run is not None and run.verdict == "passed" and all(row.installs or row.note for row in rows) else 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from trl_moe_replay.async_grpo.async_rollout_worker import (
     turns_for_row,
 )
 from trl_moe_replay.async_grpo.packing import RoutedTreeRow, TorchVarlenAttention
+from trl_moe_replay.core.launch import LaunchMismatchError
 from trl_moe_replay.core.output_lock import LOCK_NAME, OutputDirInUseError
 from trl_moe_replay.core.route_flow import ROUTE_ROWS, RouteBuffer
 from trl_moe_replay.routing.codec import EngineTurn
@@ -39,6 +40,7 @@ from trl_moe_replay.testing import tiny_moe_model
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker, sampled_routes
 
 from tests.async_checks import capture_used_experts, check_row, packed_row
+from tests.helpers import hooks_of_ours, module_hooks
 
 
 STEPS = 2
@@ -360,16 +362,36 @@ def test_a_second_async_run_on_a_held_output_dir_is_refused_and_end_releases_the
                                      "started": "earlier"}))
     samples, _ = script(checkpoint, versions=[0, 0, 1, 1, 2, 2])
     trainer = scripted_trainer(tmp_path, checkpoint, samples, max_steps=1)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    before = module_hooks(model)
+    assert hooks_of_ours(model) == 7  # RouterReplay's: the routers, MoE blocks and stack of the 2-layer model
     with pytest.raises(OutputDirInUseError, match=f"in use by another trainer: pid {os.getppid()} on ") as refused:
         trainer.train()
     assert "\n" not in str(refused.value) and trainer.state.global_step == 0
     assert json.loads(lock_path.read_text())["token"] == "theirs"  # left alone
+    assert hooks_of_ours(model) == 0  # the cleanup ran on the exception out of train()
     lock_path.unlink()  # that run ended
-    trainer.train()
-    assert trainer.state.global_step == 1
+    trainer.train()  # the hooks are back for it
+    assert trainer.state.global_step == 1 and hooks_of_ours(model) == 7
     assert json.loads(lock_path.read_text())["pid"] == os.getpid()  # held after train(): save_model comes next
     trainer.end()
     assert not lock_path.exists()  # a later run, of any process, starts
+    # no hook of ours left; the others are the model's own and transformers'
+    assert hooks_of_ours(model) == 0
+    assert all(key[2].startswith("transformers.") for key, count in module_hooks(model).items()
+               if count > before.get(key, 0))
+
+
+def test_the_async_trainer_checks_the_launch_like_the_sync_one(tmp_path, checkpoint, monkeypatch):
+    samples, _ = script(checkpoint, versions=[0, 0])
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from a bf16 config
+    with pytest.raises(LaunchMismatchError, match="bf16=False"):
+        scripted_trainer(tmp_path, checkpoint, samples)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an FSDP config; one CPU process: no FSDP here
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # accelerate's FSDP plugin writes it; undone after
+    with pytest.raises(LaunchMismatchError, match="asked for FSDP .* set up NO"):
+        scripted_trainer(tmp_path, checkpoint, samples)
 
 
 def test_r2_and_pr2_are_refused_with_the_reason(tmp_path):

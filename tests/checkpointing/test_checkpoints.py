@@ -505,6 +505,87 @@ def test_a_sigterm_whose_line_cannot_be_built_still_saves(tmp_path, capsys, monk
         callback.on_train_end(args, state, control)
 
 
+def test_a_server_gone_during_a_sigterm_stop_is_one_line_naming_the_checkpoint(tmp_path):
+    """docs/recipes.md, "Preemption of the whole job": a scheduler that signals the server before the trainer can
+    take it away in the middle of a generation batch's weight sync or generation; the step cannot finish and nothing
+    is saved by the stop. One line says so and names the checkpoint the run resumes from (the recipe exits 143, no
+    traceback). A server failure with no stop requested is no stop: None, the error is raised on. The trainer's own
+    SIGTERM may land an instant after the server vanished: it is awaited."""
+    import threading
+
+    from trl_moe_replay.weight_sync.server_requests import VLLMServerUnavailableError
+
+    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
+                           gradient_accumulation_steps=1, world_size=1, device="cpu")  # generation period: 4 steps
+    state, control = SimpleNamespace(is_world_process_zero=True, global_step=4), TrainerControl()
+    fake_checkpoint(tmp_path, 4)
+    callback = SaveOnInterrupt()
+    callback.on_train_begin(args, state, control)
+    try:
+        assert callback.engine_gone(ConnectionError("refused"), 4, wait_s=0.0) is None and not callback.engine_lost
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()  # this process's SIGTERM, just after
+        line = callback.engine_gone(VLLMServerUnavailableError("did not answer"), 4, wait_s=30.0)
+    finally:
+        callback.on_train_end(args, state, control)
+    assert line == ("SIGTERM: the vLLM server stopped before step 5 could finish (it was stopped too: "
+                    "VLLMServerUnavailableError), so no checkpoint was saved by this stop; the run resumes from "
+                    f"{tmp_path / 'checkpoint-4'} and step 5 is lost. Stop the trainer before the server: "
+                    'docs/recipes.md, "Preemption of the whole job"')
+    assert callback.engine_lost and callback.exit_status == 143 and not callback.interrupted
+
+
+@pytest.mark.slow  # a real vLLM CPU server (started twice) and two short recipe runs against it (~4 min quiet)
+@pytest.mark.serial
+def test_sigterm_to_the_whole_job_server_first_saves_and_the_run_resumes(tmp_path, vllm_checkpoint):
+    """Issue 55, "preemption, whole job": SIGTERM to the vLLM server and then to the trainer, as a scheduler stopping
+    the job does. The trainer is inside a generation batch (4 steps from one generation; signalled when step 1 is
+    logged), which needs the server no more: it finishes the batch, saves checkpoint-4 and prints the resume command;
+    that command, against a restarted server, resumes from checkpoint-4 and trains step 5."""
+    from tests.vllm_server import VLLMServer
+
+    server = VLLMServer(vllm_checkpoint, tmp_path / "server.log")
+    url = server.start()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           **CPU_ONLY_ENV}
+    run = tmp_path / "run"
+    command = [sys.executable, str(RECIPE), "--model_name_or_path", vllm_checkpoint, "--use_vllm", "true",
+               "--vllm_mode", "server", "--vllm_server_base_url", url, "--output_dir", str(run), "--max_steps", "1000",
+               "--save_steps", "1000", "--per_device_train_batch_size", "4", "--num_generations", "4",
+               "--steps_per_generation", "4", "--max_completion_length", "8", "--synthetic_samples", "64",
+               "--plot", "false", "--disable_tqdm", "true", "--logging_steps", "1"]
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                   cwd=tmp_path, start_new_session=True)
+        lines = []
+        try:
+            for line in process.stdout:
+                lines.append(line)
+                if "'loss'" in line:  # transformers' printer: step 1 logged, steps 2-4 train on its rollouts
+                    os.killpg(server.process.pid, signal.SIGTERM)  # the server first
+                    os.killpg(process.pid, signal.SIGTERM)
+                    break
+            lines += process.stdout.readlines()
+            returncode = process.wait(timeout=600)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        output = "".join(lines)
+        assert returncode == 143 and "Traceback" not in output, output[-4000:]
+        stopped = [x for x in lines if x.startswith("stopped at step")]
+        assert len(stopped) == 1 and stopped[0].startswith("stopped at step 4 of 1000 ("), output[-4000:]
+        assert (run / "checkpoint-4" / "trainer_state.json").is_file()
+        server.process.wait(timeout=60)  # the server exited on its SIGTERM
+        server.start()  # a new job: the server again (same port), then the printed command
+        resume = stopped[0].split("resume with: ", 1)[1].split()
+        result = subprocess.run([sys.executable, *resume[1:], "--max_steps", "5"], capture_output=True, text=True,
+                                env=env, timeout=900, cwd=tmp_path)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        assert f"resuming {run} from {run / 'checkpoint-4'}" in result.stdout
+        assert json.loads((run / "trainer_state.json").read_text())["global_step"] == 5
+    finally:
+        server.stop()
+
+
 @pytest.mark.serial  # torchrun, two processes
 def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
     """SLURM and torchrun signal every process, a Kubernetes pod only its own: a SIGTERM to rank 1 alone stops both

@@ -542,3 +542,37 @@ def test_the_checkpoint_size_and_its_write_time(capsys):
     # LoRA: the adapters (fp32) and their Adam state only
     lora = estimate(CONFIGS / "mixtral_8x7b_lora.yaml")
     assert sum(lora.checkpoint_gb) < 1
+
+
+def test_tensor_parallelism_without_ep_divides_only_what_the_installed_plan_shards(capsys):
+    """From transformers 5.25 the MoE models' tensor-parallel plans leave the routed experts out: at tp_size 2 x
+    fsdp_size 4 with ep_size 1 each GPU holds a quarter of the experts (FSDP2's shards only), an eighth of what the plan
+    splits (attention projections, embeddings, LM head) and a quarter of the rest. Qwen3-30B-A3B by hand, fp32 (the
+    config's dtype): 7.44B parameters per GPU, not 30.53B / 8 = 3.82B."""
+    from packaging.version import Version
+    from transformers import __version__
+
+    from trl_moe_replay.cli.plan import tensor_parallel_parts
+
+    if not has_expert_parallelism() or Version(__version__) < Version("5.25"):
+        pytest.skip("the routed experts leave the TP plans in transformers 5.25 (EP from 5.24)")
+    assert tensor_parallel_parts("qwen3_moe") == {"attention", "dense_mlp", "embed_tokens", "lm_head"}
+    assert "experts" not in tensor_parallel_parts("mixtral")
+    path = edited(CONFIGS / "qwen3_30b_a3b_ep8_vllm_server.yaml", "ep_size: 8\nfsdp_size: 8",
+                  "ep_size: 1\nfsdp_size: 4\ntp_size: 2")
+    plan = estimate(path)
+    experts = 48 * 128 * 3 * 2048 * 768  # layers x experts x (gate, up, down) x hidden x moe_intermediate
+    split = 48 * (2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128) + 2 * 151936 * 2048  # q, o; k, v; embeddings, LM head
+    rest = 30_532_122_624 - experts - split  # routers, norms, q/k norms
+    local = experts / 4 + split / 8 + rest / 4
+    assert round(local) == 7_441_993_216
+    lines = {what: gb for what, gb, _ in plan.train_lines}
+    assert lines["weights"] == pytest.approx(4 * local / 1e9) and lines["Adam m, v"] == pytest.approx(8 * local / 1e9)
+    assert lines["gradients"] == pytest.approx(4 * local / 1e9)
+    # FSDP2 unshards a whole decoder layer, its experts too (no EP), the current one and the prefetched: fp32
+    layer = 30_532_122_624 - 2 * 151936 * 2048 - 2048  # 48 layers' worth, less embeddings, LM head, final norm
+    assert lines["gathered layers"] == pytest.approx(2 * 4 * layer / 48 / 1e9)
+    assert main(["plan", str(path)]) == 1  # 158 GB of a 127 GB budget: the experts do not shrink with TP
+    out = capsys.readouterr().out
+    assert "fp32 / 8 for attention, embed_tokens, lm_head, / 4 for the rest (tp_size 2, ep_size 1)" in out
+    assert "verdict: does NOT fit" in out

@@ -21,7 +21,7 @@ from trl_moe_replay import (
     MoEReplayGRPOTrainer,
 )
 from trl_moe_replay.core import precision
-from trl_moe_replay.core.precision import METRIC, UpdateProbe, attach_update_probe
+from trl_moe_replay.core.precision import METRIC, MasterUpdateProbe, UpdateProbe, attach_update_probe
 from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 from trl_moe_replay.testing.async_workers import NoOpWeightTransfer, ScriptedRolloutWorker
 
@@ -207,13 +207,70 @@ def test_gradient_accumulation_and_warm_up_in_a_run(tmp_path, caplog):
     assert probe.measured == 0 and len(logged(trainer, "loss")) == 3 and logged(trainer, "learning_rate")[1] > 0
 
 
-def test_deepspeed_keeps_its_own_masters_and_gets_no_probe():
+def test_deepspeed_gets_the_probe_of_its_masters():
     callbacks = []
     accelerator = SimpleNamespace(mixed_precision="bf16", native_amp=True, is_main_process=True)
     trainer = SimpleNamespace(is_deepspeed_enabled=True, add_callback=callbacks.append, accelerator=accelerator)
-    assert attach_update_probe(trainer, {}, log_metric=True) is None and not callbacks
+    assert isinstance(attach_update_probe(trainer, {}, log_metric=True), MasterUpdateProbe) and len(callbacks) == 1
     trainer.is_deepspeed_enabled = False
-    assert isinstance(attach_update_probe(trainer, {}, log_metric=True), UpdateProbe) and len(callbacks) == 1
+    assert type(attach_update_probe(trainer, {}, log_metric=True)) is UpdateProbe and len(callbacks) == 2
+
+
+class ZeroLike:
+    """What ZeRO-1/2 does around its torch optimizer (deepspeed/runtime/zero/stage_1_and_2.py, ``step``): fp32 flat
+    partitions of each group are the optimizer's parameters, each gets its gradient just before its group's step, with
+    ``param_groups`` swapped to that one group, and loses it just after; the module's bf16 copies get the new values
+    and never hold a gradient. accelerate's wrapper holds it as ``.optimizer``, as it holds the engine's optimizer."""
+
+    def __init__(self, module_params, lr):
+        self.module_params = module_params
+        self.masters = [torch.nn.Parameter(p.detach().float().reshape(-1).clone()) for p in module_params]
+        self.optimizer = torch.optim.AdamW([{"params": [m]} for m in self.masters], lr=lr)
+
+    def step(self, grads):
+        groups = self.optimizer.param_groups
+        for index, (master, grad) in enumerate(zip(self.masters, grads, strict=True)):
+            master.grad = grad.float().reshape(-1)
+            self.optimizer.param_groups = [groups[index]]
+            self.optimizer.step()
+            self.optimizer.param_groups = groups
+            master.grad = None
+        for param, master in zip(self.module_params, self.masters, strict=True):
+            param.data.copy_(master.detach().reshape(param.shape))
+
+
+def test_under_deepspeed_the_probe_reads_the_fp32_masters_around_zeros_own_step(caplog):
+    """bf16 module parameters whose fp32 masters DeepSpeed steps at lr 1e-6: the masters move (~every element), the
+    bf16 copies ~2% (the number the module-parameter probe would report, a false alarm under DeepSpeed). Two groups:
+    one value per group too; a step past the window, or with no gradient, is not judged."""
+    generator = torch.Generator().manual_seed(0)
+    module = [torch.nn.Parameter((torch.randn(256, 256, generator=generator) * 0.02).bfloat16()) for _ in range(2)]
+    zero = ZeroLike(module, lr=1e-6)
+    wrapper = SimpleNamespace(optimizer=zero)  # accelerate's AcceleratedOptimizer around the engine's optimizer
+    metrics = {"train": defaultdict(list)}
+    probe = MasterUpdateProbe(Accelerator(cpu=True), metrics)
+    state = SimpleNamespace(global_step=0)
+    probe.on_train_begin(None, state, None, optimizer=wrapper)
+    copies_before = [p.detach().clone() for p in module]
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        zero.step([torch.randn(256, 256, generator=generator) for _ in module])  # inside accelerate's backward
+        probe.on_pre_optimizer_step(None, state, None, optimizer=wrapper)
+        probe.on_optimizer_step(None, state, None, optimizer=wrapper)
+    train = metrics["train"]
+    assert train[METRIC][0] >= 0.99 and min(train[f"{METRIC}/group0"][0], train[f"{METRIC}/group1"][0]) >= 0.99
+    copies_changed = sum(int((p != b).sum()) for p, b in zip(module, copies_before, strict=True)) / (2 * 256 * 256)
+    assert copies_changed < 0.05 and not warnings_of(caplog)
+    zero.step([torch.zeros(256, 256) for _ in module])  # no gradient: not judged
+    probe.on_optimizer_step(None, state, None, optimizer=wrapper)
+    state.global_step = precision.PROBE_STEPS  # past the window: the hooks take nothing
+    zero.step([torch.randn(256, 256, generator=generator) for _ in module])
+    probe.on_optimizer_step(None, state, None, optimizer=wrapper)
+    assert len(train[METRIC]) == 1 and probe.measured == 1
+    probe.on_train_end(None, state, None)  # the hooks are gone: a later step in the window measures nothing
+    state.global_step = 1
+    zero.step([torch.randn(256, 256, generator=generator) for _ in module])
+    probe.on_optimizer_step(None, state, None, optimizer=wrapper)
+    assert len(train[METRIC]) == 1
 
 
 def test_float32_steps_below_resolution_name_the_learning_rate():

@@ -1,14 +1,24 @@
-"""The shared trainer base: per-batch state stays off the trainers (values, not attributes), and both trainers go
-through ``MoEReplayTrainerMixin``."""
+"""The shared trainer base: per-batch state stays off the trainers (values, not attributes), both trainers go
+through ``MoEReplayTrainerMixin``, and its one cleanup leaves the model as transformers built it."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
 from trl_moe_replay import MoEReplayAsyncGRPOTrainer, MoEReplayGRPOTrainer
+from trl_moe_replay.core.output_lock import LOCK_NAME
 from trl_moe_replay.core.trainer_base import MoEReplayTrainerMixin
+from trl_moe_replay.testing import tiny_moe_model
+
+from tests.helpers import hooks_of_ours, module_hooks, random_ids
+from tests.trainer.test_grpo_trainer import make_trainer, reward_len
 
 
 # the most attributes either trainer may set on itself outside __init__ (state that outlives one call)
@@ -77,3 +87,58 @@ def test_both_trainers_share_the_base_first_in_their_bases():
         for name in ("_claim_output_dir", "_checked_weight_sync", "_log_routing_agreement",
                      "_log_logprob_mismatch", "_aux_loss_under_replay"):
             assert getattr(trainer, name) is getattr(MoEReplayTrainerMixin, name), (trainer.__name__, name)
+
+
+# ----------------------------------------------------------------------------- one cleanup
+def only_transformers_hooks_added(before: dict, after: dict) -> list:
+    """The hooks in ``after`` that were not in ``before`` and that transformers did not define (empty: none)."""
+    return [(key, count - before.get(key, 0)) for key, count in after.items()
+            if count > before.get(key, 0) and not key[2].startswith("transformers.")]
+
+
+def assert_forwards_as_plain_transformers(model, path) -> None:
+    """``model``'s logits equal, bit for bit, those of a fresh transformers load of its weights."""
+    model.save_pretrained(path)
+    fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = random_ids(2, 7)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, fresh(ids).logits)
+
+
+def test_after_train_and_end_the_model_has_no_hook_of_ours_and_forwards_as_plain_transformers(tmp_path):
+    model = tiny_moe_model("qwen3_moe")
+    before = module_hooks(model)
+    trainer = make_trainer(tmp_path / "run", model, routing_replay="r3", max_steps=1)
+    assert hooks_of_ours(model) == 7  # the routers, MoE blocks and stack of the 2-layer model, while it trains
+    trainer.train()
+    trainer.end()
+    after = module_hooks(model)
+    assert hooks_of_ours(model) == 0
+    # what is left beside the hooks it had: transformers' own (the input-grads hooks of gradient checkpointing)
+    assert only_transformers_hooks_added(before, after) == []
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    assert_forwards_as_plain_transformers(model, tmp_path / "saved")
+
+
+def test_an_exception_out_of_train_cleans_up_and_a_later_train_puts_the_hooks_back(tmp_path):
+    failures = [RuntimeError("reward server down")]
+
+    def flaky_reward(completions, **kwargs):
+        if failures:
+            raise failures.pop()
+        return reward_len(completions)
+
+    model = tiny_moe_model("qwen3_moe")
+    before = module_hooks(model)
+    trainer = make_trainer(tmp_path / "run", model, routing_replay="r3", max_steps=1)
+    trainer.reward_funcs = [flaky_reward]
+    with pytest.raises(RuntimeError, match="reward server down"):
+        trainer.train()
+    assert hooks_of_ours(model) == 0 and only_transformers_hooks_added(before, module_hooks(model)) == []
+    assert not (tmp_path / "run" / LOCK_NAME).exists()  # another run may take output_dir now
+    trainer.train()  # a retry: the hooks are back, and R3 replays the rollout's routes exactly
+    mismatch = [h["routing/mismatch_frac"] for h in trainer.state.log_history if "routing/mismatch_frac" in h]
+    assert mismatch == [0.0] and not math.isnan(mismatch[0])
+    assert hooks_of_ours(model) == 7 and (tmp_path / "run" / LOCK_NAME).exists()
+    trainer.end()
+    assert hooks_of_ours(model) == 0

@@ -140,6 +140,26 @@ def test_lora_async_r3_replays_the_engine_routes_after_merged_reloads(tmp_path, 
     assert report["lora_b_change"] > 1e-3  # lora_B starts at zero: later reloads carried W + BA
 
 
+def test_async_threshold_replay_replaces_the_experts_a_stale_engine_chose(tmp_path, server, vllm_checkpoint):
+    """``replay_score_threshold=1`` on the engine's routes: step 1 (the engine's own weights) replaces a replayed
+    expert only at bf16/fp32 near-ties, the later steps (a sync-old engine) many, and those positions then use the
+    trainer's experts instead of the engine's (the token-by-token check counts them)."""
+    reload_weights(server, vllm_checkpoint)
+    report = train(tmp_path, server, vllm_checkpoint, "replay_score_threshold=1.0", "max_steps=3")
+    assert report["error"] is None, report["error"]
+    logs = steps(report)
+    assert len(logs) == 3 and [found for found, _, _ in report["checks"]] == [6] * 3
+    assert all(entry["routing/fallback_frac"] == 0.0 for entry in logs)
+    rates = [entry["routing/replace_rate"] for entry in logs]
+    assert any(name.startswith("routing/replace_rate/layer_") for name in logs[0])  # and per MoE layer
+    # at threshold 1 a replaced slot is a replayed expert outside the trainer's top-k, so step 1's rate is at most its
+    # share of (position, layer) pairs whose sets differ (ON_POLICY_MISMATCH_BOUND); a stale step's pairs differ on
+    # more than STALE_MISMATCH_FLOOR, at least one of a differing pair's top-2 slots each
+    assert rates[0] <= ON_POLICY_MISMATCH_BOUND and min(rates[1:]) > STALE_MISMATCH_FLOOR / 2, rates
+    assert sum(mismatched for _, _, mismatched in report["checks"][1:]) > 50
+    assert report["max_param_change"] > 1e-3
+
+
 def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, server, vllm_checkpoint):
     reload_weights(server, vllm_checkpoint)
     report = train(tmp_path, server, vllm_checkpoint, "fault=kill_worker", "max_steps=20")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
@@ -219,3 +220,43 @@ def test_a_budget_counts_the_charge_in_progress():
         time.sleep(0.1)
         assert budget.spent()
     assert budget.ran_out and budget.used >= 0.1
+
+
+def test_the_table_says_whether_hub_kernels_were_on(smoke):
+    _, result, printed = smoke
+    kernels = result["hub_kernels"]
+    assert kernels["both_ways"] is False and "no CUDA" in kernels["why_not"]  # smoke runs on a CPU
+    assert all(row["hub_kernels"] is False for row in result["exactness"]["rows"])
+    line = next(line for line in printed.splitlines() if line.startswith("| hub_kernels | state |"))
+    assert "exactness: off (no CUDA" in line and "USE_HUB_KERNELS=" in line
+
+
+@pytest.mark.skipif(Version(__import__("transformers").__version__) < Version("5.25"),
+                    reason="gpu_check runs the kernels-on pass from transformers 5.25 (Hub kernels on by default there)")
+def test_the_exactness_rows_run_again_with_hub_kernels_on_and_the_model_is_reset(monkeypatch):
+    """The kernels-on pass, on a CPU: transformers' mapping replaces nothing here, so replay stays exact and the rows
+    say 0 layers were replaced; the model is back to use_kernels False after it. A replayed forward that a kernel
+    changed fails the check under its own name."""
+    gpu_check = load_gpu_check()
+    monkeypatch.setattr(gpu_check, "experts_implementations", lambda: ["grouped_mm"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name, model = gpu_check.width_model("qwen3", gpu_check.SMOKE, torch.device("cpu"))
+    rr = gpu_check.RouterReplay(model)
+    rows = gpu_check.exactness_rows_with_kernels(name, model, rr, gpu_check.tokens(2, 8, "cpu"), memory=None)
+    assert len(rows) == 1 and rows[0]["hub_kernels"] is True and rows[0]["own_routes_max_diff"] == 0.0
+    assert rows[0]["kernelized_layers"] in (0, None) and model.use_kernels is False
+    cases = [case for part, case, _ in gpu_check.table({"exactness": {"rows": rows}}) if part == "exactness"]
+    assert cases[0].startswith(f"{name} grouped_mm, hub kernels on")
+    rows[0]["own_routes_max_diff"] = 1e-3
+    assert gpu_check.failures({"exactness": {"rows": rows}}) == [
+        f"replaying its own routes changed {name} grouped_mm (hub kernels on)'s logits"]
+
+
+def test_use_hub_kernels_no_turns_the_second_pass_off(monkeypatch):
+    gpu_check = load_gpu_check()
+    monkeypatch.setenv("USE_HUB_KERNELS", "NO")
+    plan = gpu_check.hub_kernels_plan(torch.device("cpu"))
+    assert plan["USE_HUB_KERNELS"] == "NO" and plan["from_pretrained_default"] is False and not plan["both_ways"]
+    assert gpu_check.hub_kernels_env_on() is False
+    monkeypatch.setenv("USE_HUB_KERNELS", "yes")
+    assert gpu_check.hub_kernels_env_on() is True

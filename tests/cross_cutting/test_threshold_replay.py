@@ -1,18 +1,23 @@
-"""Threshold replay (``replay_score_threshold``) in both configs and both trainers; the rule itself is
-tests/routing/test_replay_rule.py."""
+"""Threshold replay (``replay_score_threshold``) in both configs and both trainers, with LoRA and on ``rollout_func``
+routes; the rule itself is tests/routing/test_replay_rule.py, vLLM's routes tests/cross_cutting/test_vllm_engine.py
+(sync) and tests/cross_cutting/test_async_engine.py (async)."""
 
 import math
 
 import pytest
 import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
 
-from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig
+from trl_moe_replay import MoEReplayAsyncGRPOConfig, MoEReplayGRPOConfig, RouterReplay
 from trl_moe_replay.cli.progress import CompactProgressCallback
 from trl_moe_replay.core.config_checks import ConfigTypeError, ConfigValueError
 from trl_moe_replay.core.routing_options import ASYNC_TRAINER, SYNC_TRAINER, ReplaySettings
-from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
 from tests.async_grpo.test_async_grpo_trainer import script, scripted_trainer
+from tests.helpers import random_ids
+from tests.rollouts.test_route_intake_rollout_func import EngineRollout, Spy, reward_len
 from tests.trainer.test_grpo_trainer import logged, make_trainer
 
 
@@ -86,4 +91,64 @@ def test_async_trainer_trains_and_logs_the_replace_rate(tmp_path, checkpoint):
     trainer.train()
     rates, layers = replace_rates(trainer)
     assert rates and all(0.0 < rate <= 1.0 for rate in rates), rates
+    assert layers == {f"routing/replace_rate/layer_{layer}" for layer in trainer._route_replay.moe_layers}
+
+
+# ------------------------------------------------------------------ with LoRA
+LORA = dict(r=4, target_modules=["q_proj", "v_proj", "gate"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def test_with_lora_on_the_router_the_scores_are_the_adapted_routers():
+    """The base model's routes replayed at threshold 1 on a LoRA-adapted router give the adapted model's own outputs:
+    the rule scores with the router that ran (base weight plus adapter), not the frozen base."""
+    peft_model = get_peft_model(tiny_moe_model("qwen3_moe").eval(), LoraConfig(**LORA, init_lora_weights=False))
+    plain, strict = RouterReplay(peft_model), RouterReplay(peft_model, 1.0)
+    x = random_ids(2, 9)
+    with torch.no_grad():
+        adapted = peft_model(input_ids=x).logits
+        with peft_model.disable_adapter(), plain.record() as rec:
+            peft_model(input_ids=x)
+        with plain.replay(rec.checked):
+            base_routes = peft_model(input_ids=x).logits
+        with strict.replay(rec.checked):
+            thresholded = peft_model(input_ids=x).logits
+    assert (base_routes - adapted).abs().max() > 1e-3  # the adapter moves the routes: plain replay differs
+    torch.testing.assert_close(thresholded, adapted, rtol=0, atol=1e-6)
+    assert all(replaced > 0 for replaced, _ in strict.take_replace_sums().values())
+    plain.remove()
+    strict.remove()
+
+
+def test_sync_trainer_with_lora_trains_the_adapter_and_logs_the_replace_rate(tmp_path):
+    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs={"peft_config": LoraConfig(**LORA)},
+                           routing_replay="r3", replay_score_threshold=1.0, num_iterations=2, learning_rate=0.05)
+    trainer.train()
+    rates, layers = replace_rates(trainer)
+    assert rates and all(0.0 <= rate <= 1.0 for rate in rates) and max(rates) > 0, rates
+    assert layers == {f"routing/replace_rate/layer_{layer}" for layer in trainer._route_replay.moe_layers}
+    lora_b = {n: p for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    assert any(".gate." in n for n in lora_b)  # lora_B starts at zero: every adapter, the router's too, trained
+    assert all(p.detach().abs().sum() > 0 for p in lora_b.values())
+
+
+# ------------------------------------------------------------------ on rollout_func routes
+def test_rollout_func_routes_are_threshold_replayed(tmp_path):
+    """A ``rollout_func`` returning its engine's routes (a copy of the policy): threshold 1 replaces none of them on a
+    batch's first update and, once two updates at a large learning rate moved the router, some."""
+    Spy.batches = []
+    args = MoEReplayGRPOConfig(
+        output_dir=str(tmp_path), report_to="none", max_steps=2, logging_steps=1, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=6, save_strategy="no", seed=0, routing_replay="r3",
+        replay_score_threshold=1.0, num_iterations=2, learning_rate=0.05, **BASE,
+    )
+    rollout = EngineRollout()
+    trainer = Spy(model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args,
+                  processing_class=tiny_tokenizer(), rollout_func=rollout,
+                  train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}))
+    trainer.train()
+    assert len(rollout.returned) == 1 and len(Spy.batches) == 1  # one generation batch, used by both updates
+    assert logged(trainer, "routing/fallback_frac") == [0.0]  # every position had a route from the rollout
+    rates, layers = replace_rates(trainer)
+    assert len(rates) == 2 and rates[0] == 0.0 and rates[1] > 0, rates
     assert layers == {f"routing/replace_rate/layer_{layer}" for layer in trainer._route_replay.moe_layers}

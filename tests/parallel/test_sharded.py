@@ -125,6 +125,19 @@ def test_losses_and_predictors_equal_ddp(runs, engine):
 
 
 @pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+def test_every_engine_logs_what_its_optimizer_steps_changed(runs, engine):
+    """precision/updated_frac under every layout: DeepSpeed's fp32 masters read per shard around ZeRO's own step
+    (trl_moe_replay/core/precision.py, MasterUpdateProbe), FSDP2's DTensor shards, DDP's whole parameters; the counts
+    summed over ranks, so both ranks log the same number. fp32 at lr 1e-3: ~every judged element moves (ZeRO-2/3: 1.0)."""
+    ranks = runs(engine)
+    for mode in ("r2", "r3"):
+        fractions = ranks[0][mode]["updated_frac"]
+        assert len(fractions) == STEPS[mode] and min(fractions) >= 0.9, (mode, fractions)
+        assert ranks[1][mode]["updated_frac"] == fractions
+    assert ranks[0]["none"]["updated_frac"] == []  # routing_replay="none" logs TRL's keys only
+
+
+@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
 def test_pr2_checkpoint_resume_and_save_model(runs, engine):
     ranks = runs(engine)
     for rank in ranks:

@@ -1,17 +1,24 @@
-"""The public replay rule (routing/replay_rule.py): plain replay, and threshold replay against a brute-force count."""
+"""The public replay rule (routing/replay_rule.py): plain replay, threshold replay against a brute-force count, and the
+combine weights it returns (the router family's own, bit for bit at the router's own ids)."""
+
+from functools import partial
 
 import pytest
 import torch
 
 from trl_moe_replay import RouterReplay
+from trl_moe_replay.routing import family_of
 from trl_moe_replay.routing.replay_rule import ScoreThresholdError, canonical_ids, replay_rule
+from trl_moe_replay.routing.routers import softmax_then_renormalise
 from trl_moe_replay.routing.routes import NO_ROUTE, check_routes
-from trl_moe_replay.testing import tiny_moe_model
+from trl_moe_replay.testing import supported_model_types, tiny_moe_model
+from trl_moe_replay.upstream import transformers_seam
 
 from tests.helpers import random_ids, shifted
 
 
 N, E, K = 400, 16, 4
+COMBINE = partial(softmax_then_renormalise, None)  # Mixtral's normalisation reads nothing of its router
 
 
 def random_case(seed: int, no_route_share: float = 0.2):
@@ -49,7 +56,7 @@ def brute_force(logits, natural, replayed, threshold):
 
 def test_threshold_zero_is_todays_replay_op_for_op():
     logits, natural, replayed, without = random_case(0)
-    choice = replay_rule(replayed, natural, logits, 0.0)
+    choice = replay_rule(replayed, natural, logits, COMBINE, 0.0)
     expected = canonical_ids(torch.where(without[:, None], natural, replayed), natural)
     assert torch.equal(choice.ids, expected) and choice.replaced is None
     assert torch.equal(choice.routed, ~without)
@@ -59,7 +66,7 @@ def test_threshold_zero_is_todays_replay_op_for_op():
 @pytest.mark.parametrize("seed", [1, 2])
 def test_replace_count_and_ids_equal_a_brute_force_count(threshold, seed):
     logits, natural, replayed, without = random_case(seed)
-    choice = replay_rule(replayed, natural, logits, threshold)
+    choice = replay_rule(replayed, natural, logits, COMBINE, threshold)
     ids, replaced = brute_force(logits, natural, replayed, threshold)
     assert [set(row) for row in choice.ids.tolist()] == ids
     assert int(choice.replaced.sum()) == replaced
@@ -71,7 +78,7 @@ def test_replace_count_and_ids_equal_a_brute_force_count(threshold, seed):
 @pytest.mark.parametrize("threshold", [0.0, 0.2, 0.6, 1.0])
 def test_no_expert_twice_and_every_id_in_range(threshold):
     logits, natural, replayed, _ = random_case(3)
-    ids = replay_rule(replayed, natural, logits, threshold).ids
+    ids = replay_rule(replayed, natural, logits, COMBINE, threshold).ids
     ordered = ids.sort(dim=-1).values
     assert (ordered[:, 1:] != ordered[:, :-1]).all()
     assert ids.min() >= 0 and ids.max() < E
@@ -81,8 +88,29 @@ def test_threshold_one_is_the_routers_own_top_k_where_scores_are_not_tied():
     logits, natural, replayed, _ = random_case(4)
     probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
     assert (probs[:, K - 1] > probs[:, K]).all()  # continuous random scores: no tie at the k-th place
-    ids = replay_rule(replayed, natural, logits, 1.0).ids
+    ids = replay_rule(replayed, natural, logits, COMBINE, 1.0).ids
     assert torch.equal(ids.sort(dim=-1).values, natural.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_the_weights_are_the_routers_own_at_its_own_ids_and_its_familys_normalisation_elsewhere(model_type):
+    model = tiny_moe_model(model_type)
+    router = next(m for m in model.modules() if family_of(m) is not None)
+    hidden = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits, weights, ids = transformers_seam.split_router_output(
+        router(hidden), transformers_seam.router_ids_first(router), "")
+    combine = partial(family_of(router).gate_weights, router)
+    for threshold in (0.0, 1.0):  # its own routes replayed: its own ids and weights, bit for bit
+        choice = replay_rule(ids, ids, logits, combine, threshold)
+        assert torch.equal(choice.ids, ids) and torch.equal(choice.weights, weights)
+        assert choice.weights.dtype == weights.dtype
+    moved = (ids + 1) % router.num_experts  # other experts: the family's normalisation at them, in the graph
+    choice = replay_rule(moved, ids, logits, combine, 0.0)
+    assert torch.equal(choice.ids.sort(dim=-1).values, moved.sort(dim=-1).values)
+    assert torch.equal(choice.weights, family_of(router).gate_weights(router, logits, choice.ids))
+    assert not torch.equal(choice.weights, weights)
+    choice.weights.sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0  # the router still trains
 
 
 def test_threshold_replay_in_the_model_keeps_what_passes_and_counts_replacements():

@@ -2,6 +2,7 @@
 
     python tests/scripts/async_train.py OUT.json URL CHECKPOINT [routing_replay=r3|none] [max_steps=N]
         [fault=none|kill_worker|kill_server|restart_server|noop_transfer] [server_pid=PID] [tools=true]
+        [replay_score_threshold=T]
 
 Trains MoEReplayAsyncGRPOTrainer with TRL's rollout worker (a spawned child) against the server, and checks in every
 training forward, token by token, that the experts used at each packed position equal the rows the engine returned
@@ -192,7 +193,7 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         max_steps=6, logging_steps=1, per_device_train_batch_size=6, num_generations=4, max_completion_length=16,
         learning_rate=1e-2, save_strategy="no", seed=0, vllm_server_base_url=url, max_staleness=4,
         max_inflight_tasks=4, queue_maxsize=2, token_budget=0, gradient_checkpointing=True, vllm_server_timeout=60,
-        request_timeout=120, vllm_request_attempts=2, heartbeat_stale_after_s=120,
+        request_timeout=120, vllm_request_attempts=2, heartbeat_stale_after_s=120, replay_score_threshold=0.0,
     )
     if with_tools:  # tool_turns - 1 calls, then the answer after the last tool result
         # max_completion_length is each request's max_tokens: every turn's prompt plus it must fit the server's 512

@@ -168,6 +168,7 @@ def run_mode(mode: str, model, steps: int) -> dict:
     trainer = make_trainer(mode, model, max_steps=steps, save_strategy="no")
     trainer.train()
     return {"loss": logged(trainer, "loss"), "routes": trainer.route_checks, "storage": storage(trainer),
+            "updated_frac": logged(trainer, "precision/updated_frac"),
             "distributed_type": trainer.accelerator.distributed_type.value,
             "mixed_precision": trainer.accelerator.mixed_precision}
 

@@ -112,6 +112,22 @@ def test_a_router_returning_another_order_fails_by_entry_name():
     assert transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
 
 
+def test_trainer_end_is_called_where_transformers_has_it_and_done_as_it_does_where_not(monkeypatch):
+    from types import SimpleNamespace
+
+    import transformers
+
+    ended = []
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(end_training=lambda: ended.append("accelerator")))
+    monkeypatch.setattr(transformers.Trainer, "end", lambda self: ended.append(("Trainer.end", self)), raising=False)
+    transformers_seam.end_trainer(trainer)
+    assert ended == [("Trainer.end", trainer)]
+    monkeypatch.delattr(transformers.Trainer, "end")  # transformers 5.16-5.17
+    transformers_seam.end_trainer(trainer)
+    assert ended[1:] == ["accelerator"]
+    assert not [f for f in transformers_seam.check_transformers() if f.entry.name == "trainer_end"]
+
+
 def test_every_private_method_we_override_is_declared_by_an_entry():
     declared = {name for entry in upstream.all_entries().values() for name in entry.inherited}
     ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin, PR2TrainerMixin) for name in cls.__dict__}

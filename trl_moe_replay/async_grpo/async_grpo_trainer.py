@@ -34,9 +34,6 @@ from transformers.utils import logging
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..core.launch import checked_model_name
 from ..core.model_card import write_model_card
-from ..core.output_lock import hold_output_dir
-from ..core.peft_replay import check_peft_replay
-from ..core.precision import attach_update_probe
 from ..core.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
 from ..core.routing_options import TrainerKind, option, resolve_weight_sync
 from ..core.trainer_base import MoEReplayTrainerMixin
@@ -211,7 +208,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         if args is None:
             args = MoEReplayAsyncGRPOConfig(f"{str(model).split('/')[-1]}-AsyncGRPO")
-        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.ASYNC)
+        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.ASYNC)  # + launch precision
         mode = settings.mode
         carries_routes = settings.carries_routes
         # the device the trainer will train on, not whether the machine has CUDA: use_cpu on a CUDA machine is CPU
@@ -230,9 +227,9 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
             super().__init__(model, reward_funcs, args, train_dataset, processing_class, callbacks, optimizers,
                              peft_config, tools, environment_factory, rollout_worker, weight_transfer)
         check_sharded_at_load(self)  # a PEFT adapter on such a model: refused in one line
+        self._check_after_trl(adapter_only_sync=async_adapter_only_sync(self))  # PEFT, the launch's engine
 
         unwrapped = self.accelerator.unwrap_model(self.model)
-        check_peft_replay(unwrapped, mode, adapter_only_sync=async_adapter_only_sync(self))
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         if isinstance(self.weight_transfer, ReloadWeightTransfer) and self.weight_transfer.model is None:
             self.weight_transfer.model = base  # names the checkpoint layout vLLM loads
@@ -247,10 +244,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
             self._sync_check = async_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
                                                    base_url=args.vllm_server_base_url,
                                                    tolerance=option(args, "sync_check_tolerance"))
-        # one run per output_dir, as the sync trainer: claimed by the main process in train(), held until end() or GC
-        self._output_lock = hold_output_dir(self)
-        # what the first optimizer steps changed: a warning if ~nothing; precision/updated_frac with the routing metrics
-        attach_update_probe(self, self._metrics, log_metric=self.replay_settings.routing_metrics)
+        self._hold_run()  # the output-dir lock, the update probe
         if not carries_routes:
             return
         attempts = option(args, "vllm_request_attempts")

@@ -60,6 +60,10 @@ FORCE_AFTER_S = 2.0
 #: forward to every rank. A repeated SIGTERM changes nothing: the scheduler's SIGKILL is the forced stop, and stopping
 #: at once would cut the save short.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: Seconds :meth:`SaveOnInterrupt.engine_gone` waits for this process's own stop signal after the vLLM server went
+#: away: a scheduler signals every process of a job within moments, in no set order.
+ENGINE_GONE_WAIT_S = 5.0
 _NAMES: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
@@ -167,6 +171,7 @@ class SaveOnInterrupt(TrainerCallback):
         self.requested_at: float | None = None
         self.signum: int | None = None
         self.checkpoint: str | None = None
+        self.engine_lost = False  # the vLLM server went away during the stop: no checkpoint (engine_gone)
         self._previous_handlers: dict[int, object] = {}
         self._is_main = True
         self._args = self._state = None
@@ -229,6 +234,34 @@ class SaveOnInterrupt(TrainerCallback):
         if signum == signal.SIGINT:
             line += f" (Ctrl-C again after {FORCE_AFTER_S:.0f} s to stop at once, without one)"
         return line
+
+    def engine_gone(self, error: BaseException, global_step: int, wait_s: float = ENGINE_GONE_WAIT_S) -> str | None:
+        """The one line for a run whose vLLM server went away while a stop was requested (a scheduler that signals
+        the whole job, the server first), or None when no stop was requested (then ``error`` is a plain failure).
+
+        The server is needed only at the start of a generation batch (weight sync, generation): stopped before this
+        process's batch in progress ended, it leaves the step in progress unfinished, and no checkpoint is saved by
+        this stop. The line names the checkpoint the run resumes from and what to change (the trainer signalled
+        before the server: docs/recipes.md, "Preemption of the whole job"). A server that vanished an instant before
+        this process's own signal arrived is the same event: the signal is awaited for up to ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        while self.requested_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a signal handler runs between these sleeps
+        if self.requested_at is None:
+            return None
+        self.engine_lost = True
+        name = _NAMES.get(int(self.signum or signal.SIGTERM), "SIGTERM")
+        try:
+            newest = newest_checkpoint(self._args.output_dir) if self._args is not None else None
+        except OSError:
+            newest = None
+        kept = int(_CHECKPOINT.match(newest.name).group(1)) if newest is not None else 0  # type: ignore[union-attr]
+        at = global_step + 1
+        where = (f"the run resumes from {newest}" if newest is not None else "with no checkpoint yet the run restarts")
+        lost = f"step {at} is lost" if at == kept + 1 else f"steps {kept + 1}-{at} are lost"
+        return (f"{name}: the vLLM server stopped before step {at} could finish (it was stopped too: "
+                f"{type(error).__name__}), so no checkpoint was saved by this stop; {where} and {lost}. Stop the "
+                "trainer before the server: docs/recipes.md, \"Preemption of the whole job\"")
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._is_main = state.is_world_process_zero

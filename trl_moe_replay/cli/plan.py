@@ -123,6 +123,9 @@ class ModelNumbers:
     layer_params: int  # the largest decoder layer's parameters
     layer_expert_params: int  # of which in its experts
     dtype: str  # the checkpoint's
+    model_type: str = ""
+    # the parameters by part (PARTS), all layers together: what a tensor-parallel plan may shard, part by part
+    parts: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_config(cls, values: Any, name: str, source: str) -> ModelNumbers:
@@ -149,11 +152,17 @@ class ModelNumbers:
         embeddings = vocab * h * (1 if values["tie_word_embeddings"] else 2)
         total = len(moe) * moe_layer + (layers - len(moe)) * dense_layer + embeddings + h
         active = total - len(moe) * (experts - top_k) * one_expert
+        parts = {"attention": layers * (attention - (h if values["attention_bias"] else 0)),
+                 "experts": len(moe) * experts * one_expert, "shared_expert": len(moe) * 3 * h * shared,
+                 "dense_mlp": (layers - len(moe)) * 3 * h * values["dense_intermediate"], "embed_tokens": vocab * h,
+                 "lm_head": 0 if values["tie_word_embeddings"] else vocab * h}
+        parts["other"] = total - sum(parts.values())  # norms, routers, q/k norms, biases, shared-expert gates
         return cls(name=name, source=source, hidden=h, layers=layers, moe_layers=len(moe), heads=heads, kv_heads=kv,
                    head_dim=d, experts=experts, top_k=top_k, expert_intermediate=inter, vocab=vocab,
                    params_total=total, params_active=active,
                    layer_params=max(moe_layer if moe else 0, dense_layer if dense else 0),
-                   layer_expert_params=experts * one_expert, dtype=values["dtype"])
+                   layer_expert_params=experts * one_expert, dtype=values["dtype"], model_type=values["model_type"],
+                   parts=tuple(parts.items()))
 
 
 MAX_SIZE = 2**31 - 1  # the largest size a config.json or recipe value may give (torch's int32 index range)
@@ -297,8 +306,10 @@ class Layout:
     vllm_replicas: int = 1  # the server line's --data-parallel-size
     vllm_max_model_len: int | None = None  # the server line's --max-model-len
     vllm_utilization: float = VLLM_SERVER_UTILIZATION  # the server line's --gpu-memory-utilization
-    shard: int = 1  # ranks each training tensor is split over (ep: fsdp_size x tp_size)
+    shard: int = 1  # ranks each training tensor is split over (ep: fsdp_size x tp_size, see params_per_gpu)
     ep_size: int = 1
+    fsdp_size: int = 1  # ep: FSDP2's shards (dp_replicate_size replicates them)
+    tp_size: int = 1  # ep: tensor parallelism (what the installed transformers' plan shards, see params_per_gpu)
     gpus: int | None = None  # from the header's `# plan:` line
     gpu_memory: float | None = None
     prompt_length: int | None = None
@@ -449,7 +460,8 @@ def layout_from_header(text: str, values: Mapping[str, Any], root: Path = ROOT_O
             fields["sharding"] = "ddp"
     if sizes:  # transformers shards the model at load time: accelerate only starts the processes
         fields.update(sharding="ep", shard=sizes.get("fsdp_size", 1) * sizes.get("tp_size", 1),
-                      ep_size=sizes.get("ep_size", 1), offload_optimizer=False, offload_params=False)
+                      ep_size=sizes.get("ep_size", 1), fsdp_size=sizes.get("fsdp_size", 1),
+                      tp_size=sizes.get("tp_size", 1), offload_optimizer=False, offload_params=False)
     elif fields["sharding"] in ("zero3", "fsdp2"):
         fields["shard"] = fields["processes"]
     server = next((c for c in commands if "vllm-serve" in c or "vllm serve" in c), None)
@@ -616,6 +628,54 @@ def check_sizes(model: ModelNumbers, layout: Layout, values: Mapping[str, Any]) 
                         "fsdp_size x tp_size")
 
 
+def _part_of(name: str) -> str:
+    """The part (:attr:`ModelNumbers.parts`) a parameter name belongs to."""
+    if ".experts." in name:
+        return "experts"
+    if ".shared_expert." in name:
+        return "shared_expert"
+    if re.search(r"\.self_attn\.[qkvo]_proj\.", name):
+        return "attention"
+    if re.search(r"\.mlp\.(gate|up|down)_proj\.", name):
+        return "dense_mlp"
+    return next((part for part in ("embed_tokens", "lm_head") if f"{part}." in name), "other")
+
+
+@functools.cache
+def tensor_parallel_parts(model_type: str) -> frozenset[str]:
+    """The parts of a ``model_type`` model the installed transformers' tensor-parallel plan shards: a part counts
+    when the plan shards every weight of it (norms, routers and biases of a sharded part are small)."""
+    from ..upstream import tp_sharded_parameters
+
+    names, sharded = tp_sharded_parameters(model_type)
+    parts: dict[str, bool] = {}
+    for name in names:
+        part = _part_of(name)
+        if name.endswith(".bias") or part == "other":
+            continue
+        parts[part] = parts.get(part, True) and name in sharded
+    return frozenset(part for part, all_sharded in parts.items() if all_sharded)
+
+
+def params_per_gpu(model: ModelNumbers, layout: Layout) -> tuple[float, str]:
+    """A model sharded at load time (``DistributedConfig``): the parameters one GPU holds, and how they were divided.
+
+    FSDP2 shards every decoder layer over ``fsdp_size`` (``dp_replicate_size`` replicates); expert parallelism
+    (``ep_size > 1``) splits the experts over ``ep_size`` and FSDP2 shards them over the rest, ``fsdp_size x tp_size /
+    ep_size``: experts / (fsdp x tp). Tensor parallelism divides by ``tp_size`` only the parts the installed
+    transformers' TP plan shards (:func:`~trl_moe_replay.upstream.tensor_parallel_parts`): from transformers 5.25 the
+    MoE plans leave the routed experts out, so at ``tp_size > 1`` with ``ep_size 1`` every GPU of a TP group holds
+    the same expert shards."""
+    f, t = layout.fsdp_size, layout.tp_size
+    if t == 1:
+        return model.params_total / f, f"/ {f}" if f > 1 else ""
+    split = tensor_parallel_parts(model.model_type) | ({"experts"} if layout.ep_size > 1 else set())
+    local = sum(n / (f * t if part in split else f) for part, n in model.parts)
+    names = sorted(part for part, n in model.parts if part in split and n)
+    return local, f"/ {f * t} for {', '.join(names) or 'nothing'}, / {f} for the rest (tp_size {t}, ep_size " \
+                  f"{layout.ep_size})"
+
+
 # ---------------------------------------------------------------------------------------------------- the estimate
 @dataclasses.dataclass
 class Plan:
@@ -705,7 +765,8 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     p = next(v for v in (prompt_length, layout.prompt_length, DEFAULT_PROMPT_LENGTH) if v is not None)
     c = values["max_completion_length"]
     s = p + c
-    n, shard = layout.processes, layout.shard
+    n = layout.processes
+    shard: float = layout.shard  # an int but under a model sharded at load time (params_per_gpu)
     max_len = (values["vllm_max_model_length"] if colocate else layout.vllm_max_model_len) \
         if values["use_vllm"] else None
     if max_len is not None and max_len < s:
@@ -726,6 +787,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
     foreach = _optimizer_temporaries(values["optim"])
     where = "" if shard == 1 else f" / {shard}"
     sharding = layout.sharding
+    if sharding == "ep":  # not every part divides by fsdp x tp (params_per_gpu); PEFT is refused on such a model
+        local, how = params_per_gpu(model, layout)
+        shard, where = P / local, f" {how}" if how else ""
     cpu = 0.0
     if sharding in ("zero2", "zero3"):  # DeepSpeed casts the model to bf16 and keeps fp32 masters in its optimizer
         weights = 2 * (P - T if peft else P) + (4 * T if peft else 0)
@@ -774,7 +838,9 @@ def estimate(config: str | Path, gpus: int | None = None, gpu_memory: float | No
             lines.append(("DDP gradient buckets", T * t_bytes / GB, "a second copy of the gradients (accelerate's "
                           "DDP: gradient_as_bucket_view off)"))
         a_bytes = 4 if w == 4 else 2
-        gathered = 2 * 4 * (model.layer_params - model.layer_expert_params) if sharding == "ep" else 0
+        gathered = 0
+        if sharding == "ep" and layout.fsdp_size > 1:  # FSDP2 unshards a layer; its experts too unless EP holds them
+            gathered = 2 * 4 * (model.layer_params - (model.layer_expert_params if layout.ep_size > 1 else 0))
         if bf16 and w == 4:
             lines.append(("bf16 autocast copies", 2 * (P - T if peft else P) / shard / GB + 0,
                           f"autocast keeps the bf16 casts of the weights for the forward{where}"))

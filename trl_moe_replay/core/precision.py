@@ -23,8 +23,9 @@ fp32 runs get a positive reading too (``precision/updated_frac`` >= 0.9) instead
 (FSDP2, transformers' ``DistributedConfig``: DTensors) are read on the local shard and the counts summed over ranks.
 The metric is logged where the routing metrics are (``routing_metrics``, on by default under replay):
 ``routing_replay="none"`` logs exactly TRL's keys, and only the warning says that its updates round away. Under
-DeepSpeed the probe is off: the fp32 masters live inside DeepSpeed's optimizer and the module's bf16 parameters are
-copies of them (and ZeRO keeps no ``param.grad``): nothing there to read that means it.
+DeepSpeed (:class:`MasterUpdateProbe`) the module's bf16 parameters are copies of the fp32 masters, and ZeRO keeps no
+``param.grad`` on them: the probe reads the masters instead, around the step of the torch optimizer ZeRO runs on its
+fp32 partitions (the gradient is on them then), per shard, the counts summed over ranks as for FSDP2.
 """
 
 from __future__ import annotations
@@ -127,17 +128,26 @@ class UpdateProbe(TrainerCallback):
         if before is None or getattr(optimizer, "step_was_skipped", False):  # fp16: the scaler skipped an overflow
             return
         groups = len(optimizer.param_groups)
-        device = self.accelerator.device
         # per group: changed (of the visible), visible, non-zero gradient; int64, which every backend has (MPS has no
         # float64)
-        counts = torch.zeros(groups, 3, dtype=torch.int64, device=device)
+        counts = torch.zeros(groups, 3, dtype=torch.int64, device=self.accelerator.device)
         dtypes: dict[int, torch.dtype] = {}
+        self._count(before, counts, dtypes)
+        self._judge(counts, dtypes, state, [group["lr"] for group in optimizer.param_groups])
+
+    def _count(self, before, counts: torch.Tensor, dtypes: dict[int, torch.dtype]) -> None:
+        """Add to ``counts`` what the step changed of the samples ``before`` took (their parameters now stepped)."""
+        device = counts.device
         for index, param, old, nonzero, visible in before:
             changed = (_sample(param) != old) & visible
             counts[index, 0] += changed.sum().to(device, torch.int64)  # on the device: no sync per parameter
             counts[index, 1] += visible.sum().to(device, torch.int64)
             counts[index, 2] += nonzero.sum().to(device, torch.int64)
             dtypes.setdefault(index, param.dtype)
+
+    def _judge(self, counts: torch.Tensor, dtypes: dict[int, torch.dtype], state, lrs: list) -> None:
+        """Sum ``counts`` over ranks (a collective: every rank calls it for the same steps), then log and warn."""
+        groups = counts.shape[0]
         counts = self.accelerator.reduce(counts, reduction="sum").cpu().double()  # every rank's shard, every rank
         visible_total, nonzero_total = counts[:, 1].sum(), counts[:, 2].sum()
         # no gradient anywhere, or a learning rate (0, an early warm-up step) too small to move most weights even in
@@ -159,8 +169,90 @@ class UpdateProbe(TrainerCallback):
                 largest = int(counts[:, 1].argmax())  # the group that holds most of the judged elements
                 dtype = dtypes.get(largest, torch.float32)  # another rank's shard measured it if this one holds none
                 # global_step counts the steps finished before this one
-                logger.warning(rounded_away_message(overall, state.global_step + 1,
-                                                    optimizer.param_groups[largest]["lr"], dtype))
+                logger.warning(rounded_away_message(overall, state.global_step + 1, lrs[largest], dtype))
+
+
+def master_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that steps the fp32 masters under DeepSpeed: the innermost of accelerate's wrapper, the
+    engine's ZeRO optimizer and the optimizer it wraps (each holds the next as ``.optimizer``)."""
+    inner = optimizer
+    for _ in range(8):  # three levels today; a bound, not a loop that could run forever on a cycle
+        nested = getattr(inner, "optimizer", None)
+        if nested is None or nested is inner:
+            break
+        inner = nested
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"the innermost optimizer under DeepSpeed is a {type(inner).__name__}, not a torch optimizer")
+    return inner
+
+
+class MasterUpdateProbe(UpdateProbe):
+    """The probe under DeepSpeed: the same measurement on the fp32 masters DeepSpeed steps.
+
+    ZeRO-1/2 and ZeRO-3 step a torch optimizer (the one the Trainer built, or DeepSpeedCPUAdam when offloading) on
+    flat fp32 partitions of each parameter group, each partition's ``.grad`` set just before and freed just after
+    (ZeRO-2 hands it one group at a time, ZeRO-3 one sub-group at a time): a step pre-hook and post-hook on that
+    optimizer take the samples and count around each call, and ``on_optimizer_step`` (after accelerate's backward has
+    run DeepSpeed's whole step) sums them over ranks. A step DeepSpeed skips (fp16 overflow) never calls the torch
+    optimizer: nothing is counted, nothing judged."""
+
+    def __init__(self, accelerator, metrics: dict, log_metric: bool = True):
+        super().__init__(accelerator, metrics, log_metric)
+        self._state = None
+        self._groups: dict[int, int] = {}  # id of a parameter group (DeepSpeed swaps the lists, not the dicts) -> index
+        self._hooks: list = []
+        self._counts: torch.Tensor | None = None
+        self._dtypes: dict[int, torch.dtype] = {}
+        self._lrs: list = []
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._state = state
+        inner = master_optimizer(optimizer)
+        self._groups = {id(group): index for index, group in enumerate(inner.param_groups)}
+        self._hooks = [inner.register_step_pre_hook(self._pre_step), inner.register_step_post_hook(self._post_step)]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        pass  # DeepSpeed has stepped already (inside accelerate's backward); the hooks measured it
+
+    def _pre_step(self, optimizer, args, kwargs):
+        self._before = None
+        if self._state is None or not self._active(self._state):
+            return
+        if self._counts is None:
+            self._counts = torch.zeros(len(self._groups), 3, dtype=torch.int64, device=self.accelerator.device)
+            self._dtypes, self._lrs = {}, [0.0] * len(self._groups)
+        before = []
+        for group in optimizer.param_groups:
+            index = self._groups.get(id(group))
+            if index is None:
+                continue
+            lr = float(group.get("lr") or 0.0)
+            self._lrs[index] = lr
+            for param in group["params"]:
+                if param.grad is not None:
+                    old = _sample(param)
+                    nonzero = _sample(param.grad) != 0
+                    before.append((index, param, old, nonzero, nonzero & visible_at(old, lr)))
+        self._before = before
+
+    def _post_step(self, optimizer, args, kwargs):
+        before, self._before = self._before, None
+        if before and self._counts is not None:
+            self._count(before, self._counts, self._dtypes)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if not self._active(state):  # the same on every rank: all take part in the sum or none does
+            return
+        counts, self._counts = self._counts, None
+        if counts is None:  # this rank's optimizer did not step (skipped): it still joins the sum
+            counts = torch.zeros(len(self._groups), 3, dtype=torch.int64, device=self.accelerator.device)
+            self._lrs = self._lrs or [0.0] * len(self._groups)
+        self._judge(counts, self._dtypes, state, self._lrs)
 
 
 def fp16_not_applied_message(accelerator) -> str | None:
@@ -177,10 +269,12 @@ def fp16_not_applied_message(accelerator) -> str | None:
 def attach_update_probe(trainer, metrics: dict, *, log_metric: bool) -> UpdateProbe | None:
     """Add the probe to ``trainer``'s callbacks, logging into ``metrics`` (TRL's metric lists by mode) when
     ``log_metric`` (the run's ``routing_metrics``; without it the probe only warns); both trainers call this at the end
-    of ``__init__``. ``None`` under DeepSpeed, which keeps fp32 masters inside its optimizer. Also says, in one line,
-    when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
-    if trainer.is_deepspeed_enabled:  # DeepSpeed also applies fp16 itself
-        return None
+    of ``__init__``. Under DeepSpeed, which keeps the fp32 masters inside its optimizer, :class:`MasterUpdateProbe`
+    reads them. Also says, in one line, when ``fp16=True`` is not applied (:func:`fp16_not_applied_message`)."""
+    if trainer.is_deepspeed_enabled:  # DeepSpeed also applies fp16 itself: no fp16 line
+        probe: UpdateProbe = MasterUpdateProbe(trainer.accelerator, metrics, log_metric)
+        trainer.add_callback(probe)
+        return probe
     if (message := fp16_not_applied_message(trainer.accelerator)) and trainer.accelerator.is_main_process:
         logger.warning(message)
     probe = UpdateProbe(trainer.accelerator, metrics, log_metric)

@@ -4,18 +4,23 @@
 first in their bases (so ``train`` claims ``output_dir`` before anything else runs); the other mixins and TRL's class
 follow:
 
-* the init preamble (:meth:`_resolve_replay_settings`: TRL checked, its notices quieted, the options resolved once)
-  and the aux-loss rule (:meth:`_aux_loss_under_replay`);
-* one run per ``output_dir`` (``core/output_lock.py``): held from ``__init__``, claimed in :meth:`train`, released
-  in :meth:`end`;
+* the setup, in the order both ``__init__`` run it: the preamble before TRL's ``__init__``
+  (:meth:`_resolve_replay_settings`: TRL checked, its notices quieted, the options resolved once, the launch's
+  precision checked), the checks right after it (:meth:`_check_after_trl`: PEFT under replay, the launch's distributed
+  engine), the aux-loss rule (:meth:`_aux_loss_under_replay`) and, last, what the run holds
+  (:meth:`_hold_run`: the output-dir lock, the update probe);
+* one run per ``output_dir`` (``core/output_lock.py``): held from ``__init__``, claimed in :meth:`train`;
+* one cleanup (:meth:`_cleanup`), at :meth:`end` and on an exception out of :meth:`train`: every hook of ours off
+  the model (it forwards as a plain transformers model again) and the output-dir lock released; a later
+  :meth:`train` puts the hooks back;
 * the engine sync check around each weight sync (:meth:`_checked_weight_sync`);
 * the micro-batch replay lifecycle: a micro-batch's routes stay replayed from its training forward until its
   backward has returned, so ``training_step``/``prediction_step`` end it (:class:`~.route_flow.MicroBatchReplay`);
 * the ``mismatch/*`` and ``routing/*`` metrics (:meth:`_log_logprob_mismatch`, :meth:`_log_routing_agreement`,
   threshold replay's :meth:`_log_replace_rate`).
 
-Each trainer's ``__init__`` sets what the mixin reads: ``replay_settings``, ``_route_replay``, ``_sync_check``,
-``_micro_replay`` and ``_output_lock``.
+Each trainer's ``__init__`` sets what the mixin reads: ``replay_settings``, ``_route_replay`` (and the sync trainer's
+``_ref_route_replay``), ``_sync_check``, ``_micro_replay`` and ``_output_lock``.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import torch
 from transformers.utils import logging
 
 from ..routing import RouterReplay
-from ..upstream import assert_async_trl_compatible, assert_trl_compatible, quiet_upstream_notices
+from ..upstream import assert_async_trl_compatible, assert_trl_compatible, end_trainer, quiet_upstream_notices
 from ..weight_sync.sync_check import SyncCheck, checked_weight_sync
+from .launch import check_launched_engine, check_launched_precision
 from .metrics import (
     AGREEMENT_RATIOS,
     FALLBACK_RATIOS,
@@ -39,7 +45,9 @@ from .metrics import (
     logprob_mismatch_sums,
     routing_agreement_sums,
 )
-from .output_lock import OutputDirLock, claim_output_dir
+from .output_lock import OutputDirLock, claim_output_dir, hold_output_dir
+from .peft_replay import check_peft_replay
+from .precision import attach_update_probe
 from .route_flow import MicroBatchReplay
 from .routing_options import ReplayMode, ReplaySettings, TrainerKind
 
@@ -57,12 +65,14 @@ class MoEReplayTrainerMixin:
 
     replay_settings: ReplaySettings
     _route_replay: RouterReplay | None = None
+    _ref_route_replay: RouterReplay | None = None
     _sync_check: SyncCheck | None = None
     _micro_replay: MicroBatchReplay | None = None
     _output_lock: OutputDirLock | None = None
     _route_intake: RouteIntake | None
     # TRL's trainer, the host class, sets these (declared for the type checker only)
     accelerator: Any
+    args: Any
     model: Any
     _metrics: Any
     aux_loss_enabled: bool
@@ -76,10 +86,30 @@ class MoEReplayTrainerMixin:
     @staticmethod
     def _resolve_replay_settings(args: Any, kind: TrainerKind) -> ReplaySettings:
         """The preamble both ``__init__`` run before TRL's: the installed TRL checked against the seams this trainer
-        relies on, TRL's notices quieted, and the routing options resolved once."""
+        relies on, TRL's notices quieted, the routing options resolved once, and the launch's precision checked
+        (before TRL's ``__init__``: DeepSpeed's own check would fail there less clearly). Plain TRL ("none") is only
+        warned."""
         (assert_async_trl_compatible if kind is TrainerKind.ASYNC else assert_trl_compatible)()
         quiet_upstream_notices()
-        return ReplaySettings.from_args(args, kind)
+        settings = ReplaySettings.from_args(args, kind)
+        check_launched_precision(args, strict=settings.mode.replays)
+        return settings
+
+    def _check_after_trl(self, *, adapter_only_sync: bool = False) -> None:
+        """The checks both ``__init__`` run right after TRL's: a PEFT policy whose routes cannot be replayed
+        faithfully (``core/peft_replay.py``), and a launch that asked for FSDP or DeepSpeed and got another engine
+        (``core/launch.py``; plain TRL only warned)."""
+        check_peft_replay(self.accelerator.unwrap_model(self.model), self.routing_replay,
+                          adapter_only_sync=adapter_only_sync)
+        check_launched_engine(self.args, self.accelerator.state.distributed_type, strict=self.routing_replay.replays)
+
+    def _hold_run(self) -> None:
+        """The last setup step of both ``__init__``: one run per ``output_dir`` (claimed by the main process in
+        :meth:`train`, held until :meth:`end`, an exception out of :meth:`train` or garbage collection), and the probe
+        of what the first optimizer steps changed (a warning if ~nothing; ``precision/updated_frac`` with the routing
+        metrics)."""
+        self._output_lock = hold_output_dir(self)
+        attach_update_probe(self, self._metrics, log_metric=self.replay_settings.routing_metrics)
 
     def _new_route_replay(self, model: Any) -> RouterReplay:
         """The hooks on ``model`` (the policy, or a separate reference model), replaying by this run's replay rule
@@ -101,22 +131,41 @@ class MoEReplayTrainerMixin:
         """TRL's ``train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`).
 
         Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
-        ``routing_replay="none"``, plain TRL, a loud warning instead).
+        ``routing_replay="none"``, plain TRL, a loud warning instead). On an exception out of it, the cleanup
+        (:meth:`_cleanup`) runs before it propagates; a later ``train()`` (a resume) puts the hooks back.
         """
-        self._claim_output_dir()
-        return super().train(*args, **kwargs)
+        try:
+            for rr in self._router_replays():
+                rr.attach()  # removed by an earlier cleanup (an exception out of train(), end()); else a no-op
+            self._claim_output_dir()
+            return super().train(*args, **kwargs)
+        except BaseException:
+            self._cleanup()
+            raise
 
     def _claim_output_dir(self) -> None:
         assert self._output_lock is not None  # each trainer's __init__ holds it
         claim_output_dir(self._output_lock, self.accelerator, strict=self.routing_replay.replays)
 
-    def end(self):
-        """``Trainer.end`` (finish the trackers, destroy the process group), after releasing ``output_dir``.
+    def end(self) -> None:
+        """``Trainer.end`` (finish the trackers, destroy the process group; seam entry ``trainer_end``: transformers
+        5.16-5.17 have none), after the cleanup (:meth:`_cleanup`)."""
+        self._cleanup()
+        end_trainer(self)
 
-        Called as ``Trainer.end`` does it (transformers >= 5.18): transformers 5.16-5.17 have no ``end``.
-        """
-        self._output_lock.release()
-        self.accelerator.end_training()
+    def _router_replays(self) -> list[RouterReplay]:
+        """The ``RouterReplay`` hooks this trainer put on its models (the policy's, a separate reference model's)."""
+        return [rr for rr in (self._route_replay, self._ref_route_replay) if rr is not None]
+
+    def _cleanup(self) -> None:
+        """The one cleanup of a run, at :meth:`end` and on an exception out of :meth:`train`: every hook of ours off
+        the models (they forward as plain transformers models again) and ``output_dir`` released. Idempotent. The
+        other hooks of ours live within one call and are removed on its way out (the recorder of transformers'
+        ``generate``, the async trainer's log-prob hook)."""
+        for rr in self._router_replays():
+            rr.remove()
+        if self._output_lock is not None:
+            self._output_lock.release()
 
     # ------------------------------------------------------------------ weight sync
     def _checked_weight_sync(self, sync: Callable[[], None], mode: str = "train") -> None:

@@ -8,9 +8,9 @@ and one on the decoder stack). Nothing is patched and nothing runs while no cont
 * ``with rr.replay(routes):`` makes every forward inside (and the recompute of gradient checkpointing in
   backward, as long as the backward runs inside the context) route by ``routes``; each forward's input must be
   ``[B, S]`` (``generate``'s KV-cached steps take the next columns). The router's logits
-  are kept; only the expert ids change (by the replay rule, ``routing/replay_rule.py``: the replayed ids, or under
-  threshold replay those the trainer's router scores well enough), and the gate weights are the family's own
-  normalisation of the logits at those ids, so gradients still reach the router.
+  are kept; the replay rule (``routing/replay_rule.py``) gives the expert ids (the replayed ids, or under threshold
+  replay those the trainer's router scores well enough) and the gate weights, the family's own normalisation of the
+  logits at those ids, so gradients still reach the router.
   Routes already checked (:class:`~trl_moe_replay.routing.routes.CheckedRoutes`: ``record()``'s, the engine
   intake's, ``check_routes``') cost an O(1) layout comparison; a plain tensor is checked in full, on a private
   snapshot, every time it enters.
@@ -27,6 +27,7 @@ decoder-layer index (dense layers hold ``-1``), and ``-1`` means "no route: use 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from torch import nn
 from ..upstream import transformers_seam
 from ..upstream.torch_seam import assert_without_sync, in_backward
 from .errors import RouteValidationError, UnsupportedModelError
-from .replay_rule import canonical_ids, check_score_threshold, replay_rule
+from .replay_rule import CombineWeights, ReplayChoice, canonical_ids, check_score_threshold, replay_rule
 from .routers import RouterFamily, family_of, refuse_if_transformers_too_old, supported_family_names
 from .routes import CheckedRoutes, RouteLayout, check_routes, no_route_value, route_dtype
 
@@ -142,7 +143,7 @@ class RouteRecording:
             )
         # valid by construction: the ids the routers chose (or a steer function chose, checked on the device in
         # ``_steered_ids``) and "no route" elsewhere, so replaying them needs no host pass. Kept compact on the host
-        # (DESIGN.md, "Routes tensor"): this one copy is the recording's one host sync, needed because the host
+        # (``routing/routes.py``'s dtypes): this one copy is the recording's one host sync, needed because the host
         # reads them next (the trainer's intake, metrics, checkpoints)
         device = blocks[0].device
         routes = torch.cat([b if b.device == device else b.to(device) for b in blocks], dim=0)
@@ -211,9 +212,9 @@ class _ActiveReplay:
             )
         self.window = _Window(batch, start, length)
 
-    def forced_ids(self, layer: int, natural: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The ids this router call uses: :func:`~trl_moe_replay.routing.replay_rule.replay_rule` on this forward's
-        rows of the routes, the router's own choice and its logits."""
+    def choose(self, layer: int, natural: torch.Tensor, logits: torch.Tensor, combine: CombineWeights) -> ReplayChoice:
+        """The ids and combine weights this router call uses: :func:`~trl_moe_replay.routing.replay_rule.replay_rule`
+        on this forward's rows of the routes, the router's own choice, its logits and its family's ``combine``."""
         routes = self.checked._on(natural.device)
         window = self.window
         if window is not None and not in_backward():
@@ -227,12 +228,12 @@ class _ActiveReplay:
                 f"{layer} saw {natural.shape[0]} tokens in this forward. Replay one routes tensor per forward and "
                 "slice it exactly as the inputs are sliced (chunked forwards, micro-batches)."
             )
-        choice = replay_rule(rows, natural, logits, self.score_threshold)
+        choice = replay_rule(rows, natural, logits, combine, self.score_threshold)
         if choice.replaced is not None and not in_backward():  # counted once per forward, on the device
             counts = torch.stack([choice.replaced.sum(), choice.routed.sum() * k]).detach()
             previous = self.replace_sums.get(layer)
             self.replace_sums[layer] = counts if previous is None else previous + counts.to(previous.device)
-        return choice.ids
+        return choice
 
 
 class RouterReplay:
@@ -277,16 +278,22 @@ class RouterReplay:
         self._observers: list[Callable[[RouterCall], None]] = []
         self._recordings: list[RouteRecording] = []
         self._router_fired: dict[int, bool] = {}
-        self._handles = []
-        for site in sites:
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        transformers_seam.check_stack_cache_keyword(model.get_submodule(_stack_path(sites[0].name)))
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """One forward hook per router (both PEFT copies), a pre-hook and a hook per MoE block, a pre-hook on the
+        decoder stack; their handles are kept for :meth:`remove`."""
+        model = self.model
+        for site in self._sites:
             router_hook = _SharedHook(self, self._make_router_hook(site))
             for module in site.modules:
                 self._handles.append(module.register_forward_hook(router_hook))
             block = model.get_submodule(_block_path(site.name))
             self._handles.append(block.register_forward_pre_hook(_SharedHook(self, self._make_block_pre_hook(site))))
             self._handles.append(block.register_forward_hook(_SharedHook(self, self._make_block_hook(site))))
-        stack = model.get_submodule(_stack_path(sites[0].name))
-        transformers_seam.check_stack_cache_keyword(stack)
+        stack = model.get_submodule(_stack_path(self._sites[0].name))
         self._handles.append(stack.register_forward_pre_hook(_SharedHook(self, self._stack_pre_hook), with_kwargs=True))
 
     # ------------------------------------------------------------------ public API
@@ -372,11 +379,23 @@ class RouterReplay:
             self._observers.remove(fn)
 
     def remove(self) -> None:
-        """Detach every hook; the model behaves exactly as before."""
+        """Detach every hook; the model behaves exactly as before. :meth:`attach` puts them back."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._removed = True  # also silences hooks that PEFT copied onto router copies
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are on the model (False after :meth:`remove`, until :meth:`attach`)."""
+        return not self._removed
+
+    def attach(self) -> None:
+        """Put the hooks back on the same routers after :meth:`remove` (a no-op while attached): the trainers remove
+        theirs when a run ends and attach them again if ``train()`` is called once more."""
+        if self._removed:
+            self._register_hooks()
+            self._removed = False
 
     def __repr__(self) -> str:
         return (
@@ -390,7 +409,7 @@ class RouterReplay:
 
     def _check_attached(self) -> None:
         if self._removed:
-            raise RuntimeError("this RouterReplay was removed; create a new one")
+            raise RuntimeError("this RouterReplay was removed; attach() it again or create a new one")
 
     def _stack_pre_hook(self, module, args, kwargs):
         if (not self._recordings and self._replay is None) or in_backward():
@@ -460,14 +479,21 @@ class RouterReplay:
                             "a router ran during record() without a decoder-stack forward; call the model itself"
                         )
                     recording._segments[-1].ids.setdefault(layer, []).append(ids)
-            used = choice if self._replay is None else self._replay.forced_ids(layer, choice, logits)
+            weights: torch.Tensor | None = None
+            if self._replay is not None:  # the replay rule decides the ids and their combine weights
+                replayed = self._replay.choose(layer, choice, logits, functools.partial(gate_weights, module))
+                used, weights = replayed.ids, replayed.weights
+            else:
+                used = choice
             if self._observers and not in_backward():
                 call = RouterCall(layer, module, router_input, logits, natural, used)
                 for observer in list(self._observers):
                     observer(call)
             if used is natural:
                 return None
-            return transformers_seam.join_router_output(output, ids_first, logits, gate_weights(module, logits, used), used)
+            if weights is None:  # steered, not replayed: the family's normalisation at the steered ids, as the rule's
+                weights = gate_weights(module, logits, used)
+            return transformers_seam.join_router_output(output, ids_first, logits, weights, used)
 
         return hook
 

@@ -2,7 +2,7 @@
 
 :func:`replay_rule` is the one function from (the replayed ids, the trainer router's output) to (the ids the MoE block
 runs, their combine weights); ``RouterReplay``'s router hook calls it for every replayed router call, in every forward
-of every mode that replays (R3, R2, PR2, a registered mode).
+of every mode that replays (R3, R2, PR2, a registered mode), and hands its ids and weights to the MoE block.
 
 * **Replay** (``score_threshold=0``, the default): a position with a route uses the replayed ids; a position without
   one (``no route``) keeps the router's own choice.
@@ -13,21 +13,28 @@ of every mode that replays (R3, R2, PR2, a registered mode).
 
 The *score* is the router probability: the softmax over all experts of the router's logits in float32 (as
 ``router_probs.py`` reads it for RSPO), whatever the family; for routers that rank by the logits (every softmax family,
-GPT-OSS, Granite) the router's own top-k are the k highest scores. The combine weights are always the family's own
-normalisation of the router's logits at the ids used (``routers.py``), as the router computes them for its own choice,
-so the router still trains and replaying the router's own routes reproduces its outputs bit for bit.
+GPT-OSS, Granite) the router's own top-k are the k highest scores. The *combine weights* are the family's own
+normalisation of the router's logits at the ids used (``combine``: the family's gate-weight function of
+``routers.py`` bound to the router that ran), as the router computes them for its own choice, so the router still
+trains and replaying the router's own routes reproduces its outputs bit for bit.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import TrlMoeReplayError
 from .routes import has_route
+
+
+#: ``(logits [N, E], ids [N, K]) -> combine weights [N, K]``: a router family's normalisation of the logits at the
+#: given ids (``functools.partial(family.gate_weights, router)``, ``routers.py``)
+CombineWeights = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ScoreThresholdError(TrlMoeReplayError, ValueError):
@@ -50,6 +57,8 @@ class ReplayChoice:
 
     ids: torch.Tensor
     """``[N, K]``: the experts the block runs (the router's own order where they are its own set, else ascending)."""
+    weights: torch.Tensor
+    """``[N, K]``: their combine weights, ``combine(logits, ids)`` (in the autograd graph: the router trains)."""
     replaced: torch.Tensor | None
     """``[N, K]`` bool: the replayed slots the threshold rejected (None: no threshold, nothing rejected)."""
     routed: torch.Tensor
@@ -70,16 +79,24 @@ def router_scores(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.detach().float(), dim=-1)
 
 
-def replay_rule(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor,
+def replay_rule(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor, combine: CombineWeights,
                 score_threshold: float = 0.0) -> ReplayChoice:
-    """The ids a router call uses: ``replayed`` ``[N, K]`` (compact or signed, "no route" rows allowed) against the
-    router's ``own`` choice ``[N, K]`` (its natural top-k, or a steered choice) and its ``logits`` ``[N, E]``.
+    """The ids and combine weights a router call uses: ``replayed`` ``[N, K]`` (compact or signed, "no route" rows
+    allowed) against the router's ``own`` choice ``[N, K]`` (its natural top-k, or a steered choice), its ``logits``
+    ``[N, E]`` and its family's normalisation ``combine`` (``(logits, ids) -> weights``).
 
     Device-side only (no host sync). With ``score_threshold=0`` it is replay as it always was, op for op."""
+    ids, replaced, routed = _replay_ids(replayed, own, logits, score_threshold)
+    return ReplayChoice(ids, combine(logits, ids), replaced, routed)
+
+
+def _replay_ids(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor,
+                score_threshold: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`replay_rule`'s choice of ids: (ids, replaced slots or None, routed tokens)."""
     routed = has_route(replayed)
     rows = replayed.to(own.dtype)
     if not score_threshold:
-        return ReplayChoice(canonical_ids(torch.where(~routed[:, None], own, rows), own), None, routed)
+        return canonical_ids(torch.where(~routed[:, None], own, rows), own), None, routed
     rows = torch.where(routed[:, None], rows, own)
     scores = router_scores(logits)
     # the router's own top-k, best first (stable: equal scores keep the router's order)
@@ -96,4 +113,4 @@ def replay_rule(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor,
     free = ranked.gather(1, free_first)
     rejected_rank = ((~keep).cumsum(dim=-1) - 1).clamp(min=0)
     ids = torch.where(keep, rows, free.gather(1, rejected_rank))
-    return ReplayChoice(canonical_ids(ids, own), ~keep, routed)
+    return canonical_ids(ids, own), ~keep, routed

@@ -43,12 +43,9 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from ..checkpointing.checkpoint_weights import RestoresEveryWeight
-from ..core.launch import check_launched_engine, check_launched_precision, checked_model_name
+from ..core.launch import checked_model_name
 from ..core.metrics import global_sums, routable_positions
 from ..core.model_card import write_model_card
-from ..core.output_lock import hold_output_dir
-from ..core.peft_replay import check_peft_replay
-from ..core.precision import attach_update_probe
 from ..core.route_flow import (
     ROUTE_ROWS,
     Forward,
@@ -115,10 +112,8 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
             args = MoEReplayGRPOConfig(f"{name.split('/')[-1]}-GRPO")
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         check_generation_support(args)
-        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.SYNC)
+        settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.SYNC)  # + launch precision
         mode = settings.mode
-        # before super(): DeepSpeed's own check would fail there less clearly. Plain TRL ("none") is only warned.
-        check_launched_precision(args, strict=mode.replays)
         sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, TrainerKind.SYNC)
         # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes): the engine's route
         # capture (rollouts/route_choice.py), then the weight sync's client
@@ -128,8 +123,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_sharded_at_load(self)  # expert parallelism: what it does not support, and full tensors to vLLM
-        check_peft_replay(self.accelerator.unwrap_model(self.model), mode)
-        check_launched_engine(args, self.accelerator.state.distributed_type, strict=mode.replays)
+        self._check_after_trl()  # PEFT under replay, the launch's distributed engine
 
         hooks_needed = settings.carries_routes or bool(option(args, "router_shift_weighting"))
         self._route_replay = self._new_route_replay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
@@ -154,10 +148,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
             self._routes = RouteFlow(settings, self._route_replay, self._ref_route_replay, pr2=self._pr2 is not None,
                                      router_shift=self._objectives.router_probes is not None)
         self._micro_replay = MicroBatchReplay()  # a micro-batch's routes, from its training forward through backward
-        # one run per output_dir: claimed by the main process in train(), held until end() or garbage collection
-        self._output_lock = hold_output_dir(self)
-        # what the first optimizer steps changed: a warning if ~nothing; precision/updated_frac with the routing metrics
-        attach_update_probe(self, self._metrics, log_metric=self.replay_settings.routing_metrics)
+        self._hold_run()  # the output-dir lock, the update probe
 
     def _build_route_source(self, args) -> RouteSourceProtocol | None:
         """The engine's side of the routes (``rollouts/route_choice.py`` picks it from the configuration)."""

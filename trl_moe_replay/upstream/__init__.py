@@ -11,7 +11,7 @@ touching the private name, and the part's check.
 ``transformers_seam``       ``stack_cache_keyword``, ``router_output_order``, ``hub_kernels``,
                             ``trainer_private_methods``, ``keys_ignored_on_save``, ``saved_weight_layout``,
                             ``sharded_at_load_resume``, ``parallel_plan_styles``, ``ep_implementations``,
-                            ``resume_at_max_steps``
+                            ``resume_at_max_steps``, ``trainer_end``
 ``trl_seam``                ``grpo_private_methods``, ``padded_width``, ``engine_logprob_correction``,
                             ``reference_forward``, ``loss_branch``, ``old_logps_after_forward``, ``minirl_on_vespo``,
                             ``vllm_client_session``, ``http_vllm_client``, ``vllm_generation_classes``,
@@ -61,7 +61,7 @@ _LAZY = {
                      "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"), "trl_async_seam"),
     **dict.fromkeys(("checkpoint_run_dir", "keys_ignored_on_save", "ignore_on_save", "saved_weight_layout",
                      "save_pretrained_weights", "lift_sharded_resume_refusal", "dcp_placements",
-                     "parallel_plan_styles", "ep_implementations"),
+                     "parallel_plan_styles", "tp_sharded_parameters", "ep_implementations", "end_trainer"),
                     "transformers_seam"),
     **dict.fromkeys(("in_backward", "assert_without_sync", "parameter_replaced", "ignore_in_ddp",
                      "DCPMetadataUnpickler", "dcp_storage_info_class", "checked_dcp_reader",
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from .transformers_seam import (
         checkpoint_run_dir,
         dcp_placements,
+        end_trainer,
         ep_implementations,
         ignore_on_save,
         keys_ignored_on_save,
@@ -90,6 +91,7 @@ if TYPE_CHECKING:
         parallel_plan_styles,
         save_pretrained_weights,
         saved_weight_layout,
+        tp_sharded_parameters,
     )
     from .trl_async_seam import (
         AsyncGRPOConfig,

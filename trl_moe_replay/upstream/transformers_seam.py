@@ -165,6 +165,27 @@ def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# trainer_end: Trainer.end (transformers 5.18+) finishes the trackers and destroys the process group
+#    (accelerator.end_training()); transformers 5.16-5.17 have no end. Both trainers' end() release what they hold
+#    (core/trainer_base.py) and then call it through end_trainer, which does what 5.25's Trainer.end does where the
+#    method is absent. Read from transformers 5.25.0 (trainer.py, Trainer.end).
+# ---------------------------------------------------------------------------------------------------------------
+TRAINER_END = entry("trainer_end", "transformers", "5.25.0")
+
+
+def end_trainer(trainer: Any) -> None:
+    """``transformers.Trainer.end`` on ``trainer`` (entry ``trainer_end``); before transformers 5.18, which has no
+    ``end``, what it does: ``accelerator.end_training()``."""
+    from transformers import Trainer
+
+    end = getattr(Trainer, "end", None)
+    if end is None:
+        trainer.accelerator.end_training()
+    else:
+        end(trainer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # resume_at_max_steps: Trainer._run_epoch (transformers 5.24) takes each optimizer step's batches with
 #    get_batch_samples(epoch_iterator, num_batches, device) before on_step_begin and training_step, and leaves the
 #    epoch, then _inner_training_loop the run, when control.should_training_stop is set after a step that had no
@@ -282,6 +303,54 @@ def parallel_plan_styles() -> dict[str, frozenset[str]]:
     return {"tp_plan": styles, "ep_plan": styles - {"moe_tp_experts"}, "fsdp_plan": frozenset(ALL_FSDP_STYLES)}
 
 
+# tp_sharded_parameters: what the tensor-parallel plan of a model type shards (trl_moe_replay/cli/plan.py's arithmetic).
+#    The plan is the model's (PreTrainedModel.tp_plan, read on 5.25: the config's base_model_tp_plan, the model
+#    class's own entries such as lm_head, and from 5.25 embed_tokens added as embedding_rowwise); a parameter takes
+#    the style named for it or for its module (transformers.distributed.parallel_utils._get_parameter_plan), and a
+#    style shards parameters when its class implements shard_param (ColwiseParallel, RowwiseParallel's weight,
+#    EmbeddingParallel, the packed styles; not the replicated ones). In 5.25 the MoE models' plans leave the routed
+#    experts out: at tp_size > 1 without EP every GPU of a TP group holds them whole. Same entry as the styles.
+TP_SAMPLE_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       intermediate_size=32, moe_intermediate_size=16, vocab_size=128, num_experts_per_tok=2,
+                       decoder_sparse_step=1)
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def tp_sharded_parameters(model_type: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    """``(names, sharded)``: the parameter names of a small ``model_type`` model built on the meta device (layer
+    numbers as ``*``; layer 0 a dense MLP layer where the type has them), and those its TP plan shards (entry
+    ``parallel_plan_styles``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    parallel_plan_styles()  # registers the styles
+    config = AutoConfig.for_model(model_type)
+    for key, value in TP_SAMPLE_SIZES.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    for key in _EXPERT_COUNTS:
+        if getattr(config, key, None):
+            setattr(config, key, 4)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        config.shared_expert_intermediate_size = 16
+    if hasattr(config, "mlp_only_layers"):
+        config.mlp_only_layers = [0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = model.tp_plan
+
+    def shards(name: str) -> bool:
+        style = plan.get(name)
+        if style is None and "." in name:
+            style = plan.get(name.rsplit(".", 1)[0])
+        return style is not None and type(ALL_PARALLEL_STYLES[style]).shard_param is not TensorParallelLayer.shard_param
+
+    names = tuple(dict.fromkeys(replace_layer_number_by_wildcard(n) for n, _ in model.named_parameters()))
+    return names, frozenset(n for n in names if shards(n))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ep_implementations: the names DistributedConfig.ep_implementation may take (the registry
 #    transformers.distributed.expert_parallel.EPImplementationInterface, a mapping), and how each trains. transformers
@@ -362,6 +431,9 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     if have != ("model", "state_dict"):
         findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
                                                      f"became {have}"))
+    if hasattr(Trainer, "end") and (finding := method_finding(TRAINER_END, Trainer, "Trainer", "end", ("self",),
+                                                              exact=True)):
+        findings.append(finding)
     if finding := method_finding(RESUME_AT_MAX_STEPS, trainer_class or Trainer, "Trainer", "get_batch_samples",
                                  ("self", "epoch_iterator", "num_batches", "device"), exact=True):
         findings.append(finding)

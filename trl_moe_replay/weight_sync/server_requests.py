@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import requests
 
 __all__ = ["ServerModeDependencyError", "VLLMServerUnavailableError", "http_client", "post_to_server",
-           "served_model_name"]
+           "served_model_name", "server_gone_errors"]
 
 
 class VLLMServerUnavailableError(TrlMoeReplayError, RuntimeError):
@@ -41,6 +41,16 @@ def http_client():
             "it): pip install \"trl-moe-replay[vllm]\" (or pip install requests)"
         ) from exc
     return requests
+
+
+def server_gone_errors() -> tuple[type[BaseException], ...]:
+    """What a request to a vLLM server that went away raises: ours (:class:`VLLMServerUnavailableError`) and TRL's
+    client's (a ``requests`` error once its retries are spent, or a bare ``ConnectionError``)."""
+    try:
+        import requests
+    except ImportError:
+        return VLLMServerUnavailableError, ConnectionError
+    return VLLMServerUnavailableError, ConnectionError, requests.RequestException
 
 
 def _server(url: str) -> str:
