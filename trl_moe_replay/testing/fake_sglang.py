@@ -123,6 +123,7 @@ def _handler_for(server: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self):  # noqa: N802 - http.server's naming
             length = int(self.headers.get("Content-Length") or 0)
+            answer: list[dict] | dict
             try:
                 body = json.loads(self.rfile.read(length))
                 if self.path != "/generate":
