@@ -145,7 +145,7 @@ class _RoutedRows:
         self.row_class = row_class
 
     def __iter__(self):
-        return batcher_rows(super().__iter__, self.row_class)
+        return batcher_rows(super().__iter__, self.row_class)  # type: ignore[misc]  # the batcher's, mixed in after
 
 
 class _RoutedFixedCountBatcher(_RoutedRows, FixedCountBatcher):
@@ -298,6 +298,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
     def get_train_dataloader(self):
         if not self._carries_routes:
             return super().get_train_dataloader()
+        assert self._route_replay is not None  # built by __init__ wherever routes are carried
         row_class = RoutedTreeRow.for_layout(self._route_replay.layout)
         swaps = {
             "RolloutQueueDataset": _bind(_RoutedQueueDataset, align=self._align_sample),
@@ -323,6 +324,8 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         else:  # a row that came over the wire from the main process: checked in full where it enters this rank
             routes = check_routes(shipped[mask][None].cpu(), rr.layout)
         expected = expected[mask][None]  # [1, N]: the packed row's positions an engine forwarded
+        # the collator holds every packed row's CheckedRoutes; __init__ built the micro-batch replay
+        assert routes is not None and self._micro_replay is not None
         log_probs: list[torch.Tensor] = []
         handle = model.register_forward_hook(lambda module, args, output: log_probs.append(output.log_probs.detach()))
         # replayed in force through the backward: training_step ends it
@@ -332,6 +335,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             handle.remove()
+        assert recording.checked is not None  # the training forward ran inside record(): its routes are set
         self._log_route_metrics(recording.checked, routes, expected, inputs, log_probs)
         return loss
 

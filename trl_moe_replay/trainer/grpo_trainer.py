@@ -206,7 +206,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         if later_turn:
             if batch.turns is not None:
                 samples = batch.turns.match(prompt_ids, owners=tool_loop_samples(len(prompt_ids)))
-            held = batch.turns.held_positions(samples) if batch.turns is not None else 0
+                held = batch.turns.held_positions(samples)
+            else:
+                held = 0
 
         def generate():
             with self._pr2_generate():  # PR2's predicted routes in transformers generate (pr2_rollout_prediction)
@@ -234,7 +236,10 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         if turns is not None:
             batch.take_turns(turns)
         if self._route_intake is not None:  # the batch's routes enter here, once (route_flow step 2)
-            batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, self.pad_to_multiple_of)
+            assert self._route_replay is not None  # generation routes are carried routes: __init__ built it
+            # GRPOConfig.__post_init__ resolves "auto": an int or None
+            pad_to_multiple_of = cast(int | None, self.pad_to_multiple_of)
+            batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, pad_to_multiple_of)
         mode = "train" if self.model.training else "eval"
         for name, value in source.take_metrics().items():  # e.g. vllm/route_bytes: summed over ranks
             received = torch.tensor([value], device=self.accelerator.device)
@@ -397,7 +402,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         finally:
             self._micro_batch = None
 
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):  # type: ignore[override]  # TRL's
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
