@@ -327,7 +327,7 @@ def repack_cpu_experts_on_weight_update(method_cls: VllmClass, experts_cls: Vllm
         is_weight_update = isinstance(experts, experts_cls)
         processed = experts.__dict__.get(_PROCESSED_COUNT, 0) if is_weight_update else 0
         setup_kernel(self, layer, *args, **kwargs)
-        if is_weight_update and experts.__dict__.get(_PROCESSED_COUNT, 0) == processed:
+        if is_weight_update and experts is not None and experts.__dict__.get(_PROCESSED_COUNT, 0) == processed:
             experts.process_weights_after_loading(layer)
 
     setattr(_setup_kernel, _WRAPPED, True)

@@ -59,17 +59,17 @@ def main():
                 processing_class=tiny_tokenizer(),
             )
             received = []
-            local_rows = trainer._vllm_routes.local_rows
+            local_rows = trainer._route_source.local_rows
 
             def recording_local_rows(num_local):
                 rows = local_rows(num_local)
-                transfer = trainer._vllm_routes.last_transfer
+                transfer = trainer._route_source.last_transfer
                 sha, _ = digest(rows)
                 received.append({"samples": transfer.samples, "payloads": transfer.payloads,
                                  "bytes": transfer.payload_bytes, "sha256": sha})
                 return rows
 
-            trainer._vllm_routes.local_rows = recording_local_rows
+            trainer._route_source.local_rows = recording_local_rows
             trainer.train()
         world = trainer.accelerator.num_processes
         report = {"rank": trainer.accelerator.process_index, "world": world, "received": received}

@@ -237,7 +237,7 @@ def main(argv: list[str], end: bool = True) -> None:
         from trl_moe_replay.testing import RouteFuzzer
 
         fuzzer = RouteFuzzer(int(fuzz_seed), num_experts=rr.num_experts, moe_layers=rr.moe_layers, rate=0.5)
-        hook, calls = trainer._vllm_routes._hook, iter(range(1_000_000))
+        hook, calls = trainer._route_source._hook, iter(range(1_000_000))
         take = hook.take
 
         def take_corrupted():  # the hook decodes as the body arrives: the fuzzer corrupts the payloads as sent

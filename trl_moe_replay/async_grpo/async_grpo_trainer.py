@@ -39,6 +39,7 @@ from ..core.routing_options import TrainerKind, option, resolve_weight_sync
 from ..core.trainer_base import MoEReplayTrainerMixin
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..rollouts.route_intake import RouteIntake
+from ..rollouts.route_source import RouteSourceProtocol
 from ..routing.routes import CheckedRoutes, check_routes
 from ..upstream import (
     AsyncGRPOTrainer,
@@ -56,7 +57,7 @@ from ..upstream import (
 from ..weight_sync.sync_check import async_trainer_check
 from ..weight_sync.weight_reload import ReloadWeightTransfer, async_trainer_weight_transfer
 from .async_grpo_config import MoEReplayAsyncGRPOConfig
-from .async_rollout_worker import RoutedAsyncRolloutWorker
+from .async_rollout_worker import RoutedAsyncRolloutWorker, SampleRoutes
 from .packing import RoutedTreeRow, TorchVarlenAttention
 
 
@@ -144,7 +145,7 @@ class _RoutedRows:
         self.row_class = row_class
 
     def __iter__(self):
-        return batcher_rows(super().__iter__, self.row_class)
+        return batcher_rows(super().__iter__, self.row_class)  # type: ignore[misc]  # the batcher's, mixed in after
 
 
 class _RoutedFixedCountBatcher(_RoutedRows, FixedCountBatcher):
@@ -253,12 +254,11 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
                             * self.accelerator.num_processes)
         self._route_intake = RouteIntake(
-            _MainProcessOnly(self.accelerator), source="vLLM", required=mode.needs_engine_routes,
-            remedy="Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?",
-            batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
+            _MainProcessOnly(self.accelerator), source=self._route_source.name, required=mode.needs_engine_routes,
+            remedy=self._route_source.remedy, batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
         )
 
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):  # type: ignore[override]  # TRL's
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
@@ -269,15 +269,27 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
             return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ rollout samples -> rows
+    @property
+    def _route_source(self) -> RouteSourceProtocol:
+        """Where the samples' routes come from: the rollout worker, where it is a route source (ours is), else the
+        turns its samples carry."""
+        worker = getattr(self, "rollout_worker", None)
+        return worker if isinstance(worker, RouteSourceProtocol) else SampleRoutes()
+
     def _align_sample(self, sample) -> CheckedRoutes:
-        """One sample's engine turns -> its ``[1, len(input_ids), L, K]`` checked routes, through the one entry point."""
-        turns = list(getattr(sample, "route_turns", None) or [])
-        length = len(sample.input_ids)
+        """One sample's engine turns -> its ``[1, len(input_ids), L, K]`` checked routes, through the route source and
+        the one entry point."""
+        input_ids = list(sample.input_ids)
+        length = len(input_ids)
         prompt = getattr(sample, "route_prompt_length", 0) or 0
         rr, intake = self._route_replay, self._route_intake
         assert rr is not None and intake is not None  # built by __init__ wherever samples carry routes
-        if not turns:
+        rollout = self._route_source.rollout_turns([input_ids[:prompt]], [input_ids[prompt:]],
+                                                   {"route_turns": getattr(sample, "route_turns", None)})
+        if rollout is None:
             turns, prompt = [_no_rows(length)], length  # "no routes": counted as a fallback by the intake
+        else:
+            (turns,) = rollout.turns
         return intake.align(
             [turns], rr.layout, prompt_lengths=[prompt], completion_lengths=[length - prompt], prompt_width=prompt,
             completion_width=length - prompt,
@@ -286,6 +298,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
     def get_train_dataloader(self):
         if not self._carries_routes:
             return super().get_train_dataloader()
+        assert self._route_replay is not None  # built by __init__ wherever routes are carried
         row_class = RoutedTreeRow.for_layout(self._route_replay.layout)
         swaps = {
             "RolloutQueueDataset": _bind(_RoutedQueueDataset, align=self._align_sample),
@@ -311,6 +324,8 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         else:  # a row that came over the wire from the main process: checked in full where it enters this rank
             routes = check_routes(shipped[mask][None].cpu(), rr.layout)
         expected = expected[mask][None]  # [1, N]: the packed row's positions an engine forwarded
+        # the collator holds every packed row's CheckedRoutes; __init__ built the micro-batch replay
+        assert routes is not None and self._micro_replay is not None
         log_probs: list[torch.Tensor] = []
         handle = model.register_forward_hook(lambda module, args, output: log_probs.append(output.log_probs.detach()))
         # replayed in force through the backward: training_step ends it
@@ -320,6 +335,7 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             handle.remove()
+        assert recording.checked is not None  # the training forward ran inside record(): its routes are set
         self._log_route_metrics(recording.checked, routes, expected, inputs, log_probs)
         return loss
 

@@ -16,6 +16,9 @@ through the worker's ``_loop_cls``) changes three things, all inside that child:
   position the route of the *first* turn that forwarded it (as in the synchronous trainer);
 * ``_score_group`` emits :class:`RoutedRolloutSample` s: TRL's sample plus those turns.
 
+The worker is the async trainer's route source (:class:`SampleRoutes`, ``rollouts/route_source.py``): the trainer
+takes each sample's turns through it.
+
 Nothing is validated here: rows that are missing, undecodable or of the wrong shape reach the trainer as they are and
 fall back there, per sample, in the one entry point (:class:`~trl_moe_replay.rollouts.route_intake.RouteIntake`).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +37,8 @@ import numpy as np
 from transformers.utils import logging
 
 from ..errors import TrlMoeReplayError
+from ..rollouts.route_source import TurnOutput, TurnRequest, TurnRows
+from ..rollouts.turns import RolloutTurns
 from ..routing.codec import EngineTurn, decoded_or_as_sent
 from ..upstream import async_worker_classes
 
@@ -48,7 +54,13 @@ RolloutSample: Any
 _AsyncRolloutLoop, AsyncRolloutWorker, RolloutSample = async_worker_classes()
 logger = logging.get_logger(__name__)
 
-__all__ = ["RolloutWorkerDiedError", "RoutedAsyncRolloutWorker", "RoutedRolloutLoop", "RoutedRolloutSample"]
+__all__ = [
+    "RolloutWorkerDiedError",
+    "RoutedAsyncRolloutWorker",
+    "RoutedRolloutLoop",
+    "RoutedRolloutSample",
+    "SampleRoutes",
+]
 
 
 class RolloutWorkerDiedError(TrlMoeReplayError, RuntimeError):
@@ -187,9 +199,34 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
         return routed
 
 
-class RoutedAsyncRolloutWorker(AsyncRolloutWorker):
+class SampleRoutes:
+    """The async trainer's route source (:class:`~trl_moe_replay.rollouts.route_source.RouteSourceProtocol`): the
+    turns a sample carries (``route_turns``, as :class:`RoutedRolloutLoop` keeps them). Generation runs in the worker's
+    child, so no turn is generated through it."""
+
+    name = "vLLM"
+    remedy = "Is the server started with --enable-return-routed-experts and serving the trainer's checkpoint?"
+
+    def generate_turn(self, request: TurnRequest, generate: Callable[[], TurnOutput]) -> tuple[TurnOutput, TurnRows]:
+        return generate(), TurnRows()  # the child generates: its rows come with the samples
+
+    def rollout_turns(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                      fields: dict[str, Any]) -> RolloutTurns | None:
+        """One sample's turns (``fields["route_turns"]``), or ``None`` when it carries none."""
+        turns = fields.pop("route_turns", None)
+        if not turns:
+            return None
+        sequences = [[*prompt, *completion] for prompt, completion in zip(prompt_ids, completion_ids, strict=True)]
+        return RolloutTurns.from_engine_turns([turns], sequences)
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}  # the worker's metrics travel through TRL's metrics queue
+
+
+class RoutedAsyncRolloutWorker(SampleRoutes, AsyncRolloutWorker):
     """TRL's ``AsyncRolloutWorker`` running :class:`RoutedRolloutLoop`, with a liveness check that notices a dead child
-    at once (TRL's notices only a reported exception, or a heartbeat older than ``heartbeat_stale_after_s``)."""
+    at once (TRL's notices only a reported exception, or a heartbeat older than ``heartbeat_stale_after_s``). It is
+    the trainer's route source (:class:`SampleRoutes`)."""
 
     _loop_cls = RoutedRolloutLoop
     _process: BaseProcess | None  # TRL's child process, set by its start() (the base class is found at import time)

@@ -41,7 +41,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from accelerate.utils import is_peft_model
@@ -72,6 +72,12 @@ from .checkpoint_files import (
 from .checkpoints import resolve_resume
 
 
+if TYPE_CHECKING:  # the type checker sees the Trainer this mixes into; at run time a plain mixin
+    from transformers import Trainer as _TrainerHost
+else:
+    _TrainerHost = object
+
+
 logger = logging.get_logger(__name__)
 
 #: (single file, shard index) of each format, in the order the Trainer prefers them
@@ -83,7 +89,7 @@ class CheckpointWeightsError(CheckpointError):
     """A checkpoint's model weights cannot restore every weight of the model being resumed."""
 
 
-class RestoresEveryWeight:
+class RestoresEveryWeight(_TrainerHost):
     """Trainer mixin (before the Trainer in the bases): ``train(resume_from_checkpoint=...)`` checks the
     checkpoint's files first (:func:`~.checkpoint_files.check_checkpoint_files`, before the Trainer reads any), and a
     resume (``_load_from_checkpoint``) and ``_load_best_model`` restore every weight through
@@ -97,6 +103,7 @@ class RestoresEveryWeight:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # the newest complete checkpoint-N, its files checked
+            assert self.args.output_dir is not None  # TrainingArguments defaults it ("trainer_output")
             resume_from_checkpoint = resolve_resume(True, self.args.output_dir)
         elif resume_from_checkpoint:
             check_checkpoint_files(resume_from_checkpoint)
@@ -119,6 +126,7 @@ class RestoresEveryWeight:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self):
+        assert self.state.best_model_checkpoint is not None  # the Trainer calls this only when there is one
         if not restore_trainer_weights(self, self.state.best_model_checkpoint):
             super()._load_best_model()
 

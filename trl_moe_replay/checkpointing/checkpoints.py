@@ -37,7 +37,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -50,6 +53,8 @@ from .checkpoint_files import check_checkpoint_files
 
 
 logger = logging.get_logger(__name__)
+# what signal.signal takes and returns: a handler, SIG_DFL/SIG_IGN, or None (a handler not installed from Python)
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 #: A second Ctrl-C this long after the first stops at once (a launcher that forwards the first one to the training
 #: processes, as torchrun does, delivers it twice within milliseconds).
@@ -172,7 +177,7 @@ class SaveOnInterrupt(TrainerCallback):
         self.signum: int | None = None
         self.checkpoint: str | None = None
         self.engine_lost = False  # the vLLM server went away during the stop: no checkpoint (engine_gone)
-        self._previous_handlers: dict[int, object] = {}
+        self._previous_handlers: dict[int, _SignalHandler] = {}
         self._is_main = True
         self._args = self._state = None
 

@@ -53,14 +53,18 @@ from .routing_options import ReplayMode, ReplaySettings, TrainerKind
 
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, Trainer as _TrainerHost
+
     from ..rollouts.route_intake import RouteIntake
+else:
+    _TrainerHost = object  # the type checker sees the Trainer this mixes into; at run time a plain mixin
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["MoEReplayTrainerMixin"]
 
 
-class MoEReplayTrainerMixin:
+class MoEReplayTrainerMixin(_TrainerHost):
     """The shared part of both MoE replay trainers (module docstring); the first of their bases."""
 
     replay_settings: ReplaySettings
@@ -71,9 +75,8 @@ class MoEReplayTrainerMixin:
     _output_lock: OutputDirLock | None = None
     _route_intake: RouteIntake | None
     # TRL's trainer, the host class, sets these (declared for the type checker only)
-    accelerator: Any
-    args: Any
-    model: Any
+    # the Trainer's is optional; TRL's trainers always hold one after __init__ (a PEFT model forwards its methods)
+    model: PreTrainedModel
     _metrics: Any
     aux_loss_enabled: bool
 

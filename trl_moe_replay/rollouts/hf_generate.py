@@ -4,17 +4,20 @@ This makes the HF generation path a small-scale stand-in for vLLM: per completio
 vLLM's layout (``[p + c - 1, num_layers, top_k]``, row j = position j of prompt+completion) and the sampled
 tokens' log-probabilities with vLLM's ``processed_logprobs`` semantics at the default sampling settings
 (``log_softmax(logits / temperature)``; like TRL's trainer side, top-k/top-p filtering is not folded in).
+:class:`TransformersRouteSource` is the sync trainer's route source on this path (``rollouts/route_source.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..routing import RouterReplay
+from .route_source import TurnOutput, TurnRequest, TurnRows
 
 
 if TYPE_CHECKING:
@@ -111,3 +114,51 @@ class TransformersRolloutRecorder:
         """Per sample, the log-probs of its first ``c`` sampled tokens."""
         table = torch.stack(self._logprobs, dim=1).cpu() if self._logprobs else torch.zeros(len(completion_lengths), 0)
         return [table[i, :c].tolist() for i, c in enumerate(completion_lengths)]
+
+
+class TransformersRouteSource:
+    """transformers ``generate`` as a route source (:class:`~.route_source.RouteSourceProtocol`): every turn runs
+    inside a :class:`TransformersRolloutRecorder`.
+
+    ``router_replay`` records the routes (``None``: only the sampler's log-probs, for the engine log-prob correction);
+    ``causal_lm`` gives the module whose forward returns ``.logits`` at the time of the turn (for PEFT, the base causal
+    LM). With ``return_logprobs`` (TRL's correction on the transformers path) the turn's output carries the sampler's
+    log-probs; without it they are kept for the mismatch metrics only, on single-turn batches (TRL assembles multi-turn
+    log-probs only when it receives them).
+    """
+
+    name = "transformers generate"
+    remedy = ("Did generate run the model's forward for these completions? A replaced model.generate (e.g. a test "
+              "stub) runs none, so there are no routes to replay: use routing_replay='r2' with it.")
+
+    def __init__(self, router_replay: RouterReplay | None, causal_lm: Callable[[], nn.Module], temperature: float,
+                 pad_token_id: int, *, return_logprobs: bool):
+        self.router_replay = router_replay
+        self.causal_lm = causal_lm
+        self.temperature = temperature
+        self.pad_token_id = pad_token_id
+        self.return_logprobs = return_logprobs
+
+    def generate_turn(self, request: TurnRequest, generate: Callable[[], TurnOutput]) -> tuple[TurnOutput, TurnRows]:
+        recorder = TransformersRolloutRecorder(self.router_replay, self.causal_lm(), self.temperature)
+        with recorder:
+            completion_ids, _ = generate()
+        recorder.finish_with(completion_ids, pad_token_id=self.pad_token_id)
+        completion_lengths = [len(ids) for ids in completion_ids]
+        rows = None
+        if self.router_replay is not None:
+            rows = recorder.engine_rows([len(ids) for ids in request.prompt_ids], completion_lengths)
+        logprobs = recorder.sampling_logprobs(completion_lengths)
+        if self.return_logprobs:
+            return (completion_ids, logprobs), TurnRows(rows)
+        # A replaced generate (a test stub) runs no forward, so its rows fall short of the completions: there is no
+        # sampler to compare with then.
+        covered = all(len(row) == length for row, length in zip(logprobs, completion_lengths, strict=True))
+        kept = logprobs if covered and not request.later_turn else None
+        return (completion_ids, None), TurnRows(rows, sampling_logprobs=kept)
+
+    def rollout_turns(self, prompt_ids, completion_ids, fields) -> None:
+        return None  # its rows come turn by turn
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}

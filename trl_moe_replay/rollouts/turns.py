@@ -51,6 +51,16 @@ class RolloutTurns:
             self.turns.append([EngineTurn(sample_rows, len(prompt), len(completion), start)])
             self._sequences.append([*prompt, *completion])
 
+    @classmethod
+    def from_engine_turns(cls, samples: Sequence[Sequence[EngineTurn]],
+                          sequences: Sequence[Sequence[int]]) -> RolloutTurns:
+        """Turns already kept per sample (each ``EngineTurn`` with the token counts it covers), with each sample's
+        whole sequence: what a rollout worker that ran the conversations itself hands over."""
+        rollout = cls([], [], None)
+        rollout.turns = [list(turns) for turns in samples]
+        rollout._sequences = [list(sequence) for sequence in sequences]
+        return rollout
+
     def match(self, prompt_ids: Sequence[Sequence[int]],
               owners: Sequence[int] | None = None) -> list[int | None]:
         """The sample each later-turn prompt continues (``None``: none, or no telling which).

@@ -35,7 +35,8 @@ undecodable) is routed by the trainer's own router instead, with a warning; its 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,9 @@ import torch
 from accelerate.utils import gather_object
 from transformers.utils import logging
 
+from ..upstream import vllm_request_fields
 from .route_intake import RoutesUnavailableError
+from .route_source import TurnOutput, TurnRequest, TurnRows
 
 
 if TYPE_CHECKING:
@@ -107,12 +110,17 @@ class RouteTransfer:
 
 
 class VLLMRouteSource:
-    """Engine route rows of this rank's samples, one generation batch at a time.
+    """Engine route rows of this rank's samples, one generation batch at a time: the route source
+    (:class:`~.route_source.RouteSourceProtocol`) of TRL's vLLM server and colocate modes.
 
     Built after TRL's ``VLLMGeneration`` exists (``trainer.vllm_generation``); installs the capture for its mode.
-    Every rank calls :meth:`local_rows` right after ``VLLMGeneration.generate`` (in server mode it is a collective,
-    like TRL's broadcast before it); the rows then go to the trainer's :class:`~.route_intake.RouteIntake`.
+    Every rank runs :meth:`generate_turn` around ``VLLMGeneration.generate``, which calls :meth:`local_rows` right
+    after it (in server mode a collective, like TRL's broadcast before it); the rows then go to the trainer's
+    :class:`~.route_intake.RouteIntake`.
     """
+
+    name = "vLLM"
+    remedy = "Does the server serve the same checkpoint as the trainer?"
 
     def __init__(self, vllm_generation: Any, accelerator: Any, *, required: bool = True):
         self.mode = vllm_generation.mode
@@ -158,6 +166,35 @@ class VLLMRouteSource:
         else:
             held = [local_held]
         return min((value for value in held if value is not None), default=0)
+
+    def generate_turn(self, request: TurnRequest, generate: Callable[[], TurnOutput]) -> tuple[TurnOutput, TurnRows]:
+        """One turn of TRL's vLLM generation (``generate``), asking vLLM for the routes of the positions the turn's
+        samples do not hold yet; every rank calls it (server mode: collectives where TRL's ``generate`` has them)."""
+        start, sent = self.prompt_start, request.later_turn or self.prompt_start > 0
+        if request.later_turn:  # ask only for the positions every sample of the request does not hold yet
+            start = request.held  # type: ignore[assignment]  # None: no sample of this rank bounds it
+        if sent:  # one value for the request, below every prompt's length (vLLM's engine dies on more)
+            start = self.request_prompt_start(start, [len(ids) for ids in request.prompt_ids])
+            if not request.later_turn and start < self.prompt_start:
+                logger.warning_once(  # one message per run: the start sent varies with the prompts
+                    f"generation_kwargs['routed_experts_prompt_start']={self.prompt_start} is at or past the "
+                    "length of some prompts: requests with such a prompt ask from one position before the end of "
+                    "their shortest prompt instead (vLLM's engine stops on a start at or past a prompt's length)")
+        self.begin_batch()
+        with vllm_request_fields(self._generation, routed_experts_prompt_start=start) if sent else \
+                contextlib.nullcontext():
+            output = generate()
+        rows: list[Any] | None = self.local_rows(len(request.prompt_ids))
+        if not self.required and not any(row is not None for row in rows or []):
+            rows = None  # metrics alone: an engine without routes leaves nothing to compare
+        return output, TurnRows(rows, start)
+
+    def rollout_turns(self, prompt_ids, completion_ids, fields) -> None:
+        return None  # its rows come turn by turn
+
+    def take_metrics(self) -> dict[str, float]:
+        """``vllm/route_bytes``: this rank's route bytes received from the engine since the last call."""
+        return {"vllm/route_bytes": float(self.take_received_bytes())}
 
     def begin_batch(self) -> None:
         """Call right before TRL's ``VLLMGeneration.generate``: capture this batch's server response."""

@@ -486,6 +486,7 @@ class RouterReplay:
             else:
                 used = choice
             if self._observers and not in_backward():
+                assert router_input is not None  # observers want the router's input (wants_input)
                 call = RouterCall(layer, module, router_input, logits, natural, used)
                 for observer in list(self._observers):
                     observer(call)

@@ -4,10 +4,12 @@
   nothing touches the Hugging Face Hub.
 * :mod:`.fake_vllm`: stand-ins for vLLM built to its routed-experts contract (an HTTP server TRL's client talks to,
   a colocated ``LLM`` look-alike, malformed-payload fuzzing), backed by a transformers model.
+* :mod:`.fake_sglang`: a stand-in for SGLang's ``/generate`` built to its routed-experts contract (docs/sglang.md).
 
 Import from here: ``from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer, FakeVLLMServer``.
 """
 
+from .fake_sglang import FakeSGLangServer, sglang_payload
 from .fake_vllm import (
     CORRUPTIONS,
     NEVER_WRITTEN,
@@ -43,12 +45,14 @@ __all__ = [
     "TINY_VOCAB_SIZE",
     "TOOL_CHAT_TEMPLATE",
     "EngineCompletion",
+    "FakeSGLangServer",
     "FakeVLLMServer",
     "RouteFuzzer",
     "TransformersEngine",
     "corrupt_route_payload",
     "fake_colocated_vllm",
     "scripted_generation",
+    "sglang_payload",
     "supported_model_types",
     "tiny_dense_model",
     "tiny_moe_model",

@@ -400,7 +400,7 @@ def scripted_generation(model: torch.nn.Module, tokenizer, script: Callable[[str
     tool-calling rollouts deterministically with a tiny random model.
     """
     own = model.__dict__.get("generate")  # an instance attribute to restore, if someone set one
-    original = model.generate
+    original = cast(Callable[..., Any], model.generate)  # nn.Module's __getattr__ types it as a Tensor or Module
 
     def generate(*args, **kwargs):
         input_ids = kwargs["input_ids"]

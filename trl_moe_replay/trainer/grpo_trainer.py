@@ -59,10 +59,10 @@ from ..core.routing_options import TrainerKind, option, resolve_weight_sync
 from ..core.trainer_base import MoEReplayTrainerMixin
 from ..parallel.expert_parallel import check_sharded_at_load, sharded_at_load_construction
 from ..pr2.trainer_mixin import PR2TrainerMixin
-from ..rollouts import TransformersRolloutRecorder
-from ..rollouts.route_intake import RouteIntake, RoutesUnavailableError
-from ..rollouts.turns import RolloutTurns
-from ..rollouts.vllm_routes import VLLMRouteSource, llm_returning_routes
+from ..rollouts.hf_generate import TransformersRouteSource
+from ..rollouts.route_choice import sync_trainer_engine_classes, sync_trainer_route_source
+from ..rollouts.route_intake import RouteIntake
+from ..rollouts.route_source import RouteSourceProtocol, TurnRequest
 from ..upstream import (
     disable_gradient_checkpointing,
     engine_logprob_correction,
@@ -72,7 +72,6 @@ from ..upstream import (
     profiling_context,
     tool_loop_samples,
     vllm_generation_classes,
-    vllm_request_fields,
     vllm_weights_stale,
 )
 from ..weight_sync.sync_check import sync_trainer_check
@@ -105,6 +104,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
     _weight_sync = None
     _sync_check = None
     _routes: RouteFlow | None = None
+    _route_source: RouteSourceProtocol | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
@@ -115,9 +115,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         settings = self.replay_settings = self._resolve_replay_settings(args, TrainerKind.SYNC)  # + launch precision
         mode = settings.mode
         sync_method = resolve_weight_sync(args, mode, settings.routing_metrics, TrainerKind.SYNC)
-        vllm_classes = {}  # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes)
-        if args.use_vllm and args.vllm_mode == "colocate" and settings.generation_routes:
-            vllm_classes["LLM"] = llm_returning_routes
+        # the classes TRL's VLLMGeneration builds, chosen here (seam entry vllm_generation_classes): the engine's route
+        # capture (rollouts/route_choice.py), then the weight sync's client
+        vllm_classes = sync_trainer_engine_classes(args, keep_routes=settings.generation_routes)
         if args.use_vllm and args.vllm_mode == "server" and sync_method is WeightSyncMethod.RELOAD:
             vllm_classes["VLLMClient"] = client_without_communicator
         with vllm_generation_classes(**vllm_classes), sharded_at_load_construction(args, model):  # expert parallelism
@@ -129,12 +129,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         self._route_replay = self._new_route_replay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
         self._ref_route_replay = (self._new_route_replay(self.ref_model)
                                   if self.ref_model is not None and mode.replays else None)
-        # R3 with vLLM (or routing metrics): keep the routes vLLM returns (rollouts/vllm_routes.py), this rank's only
-        self._vllm_routes = None
-        if args.use_vllm and settings.generation_routes:
-            self._vllm_routes = VLLMRouteSource(self.vllm_generation, self.accelerator,
-                                                required=mode.needs_engine_routes)
-        self._route_intake = self._build_route_intake(args) if settings.generation_routes else None
+        # where the rollouts' routes come from: one interface for every engine (rollouts/route_source.py)
+        self._route_source = self._build_route_source(args)
+        self._route_intake = self._build_route_intake() if settings.generation_routes else None
         self.aux_loss_enabled = self._aux_loss_under_replay()
         self._pr2 = self._new_pr2(args)
         vllm_generation = self.vllm_generation if args.use_vllm else None
@@ -153,25 +150,38 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         self._micro_replay = MicroBatchReplay()  # a micro-batch's routes, from its training forward through backward
         self._hold_run()  # the output-dir lock, the update probe
 
-    def _build_route_intake(self, args) -> RouteIntake:
+    def _build_route_source(self, args) -> RouteSourceProtocol | None:
+        """The engine's side of the routes (``rollouts/route_choice.py`` picks it from the configuration)."""
+        settings = self.replay_settings
+        generate_source = None
+        if settings.records_generation:  # transformers generate inside the rollout recorder
+            generate_source = TransformersRouteSource(
+                self._route_replay if settings.generation_routes else None, self._generating_model, self.temperature,
+                self._tokenizer.pad_token_id, return_logprobs=settings.transformers_importance_sampling_correction,
+            )
+        return sync_trainer_route_source(
+            args, keep_routes=settings.generation_routes, required=settings.mode.needs_engine_routes,
+            vllm_generation=getattr(self, "vllm_generation", None), accelerator=self.accelerator,
+            generate_source=generate_source, rollout_func=self.rollout_func,
+        )
+
+    def _generating_model(self):
+        """The module whose forward ``generate`` steps through (for PEFT, the base causal LM)."""
+        causal_lm = self.accelerator.unwrap_model(self.model)
+        return causal_lm.get_base_model() if is_peft_model(causal_lm) else causal_lm
+
+    def _build_route_intake(self) -> RouteIntake:
         """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""
-        required = self.replay_settings.mode.needs_engine_routes
-        if args.use_vllm:
-            return RouteIntake(self.accelerator, source="vLLM", required=required,
-                               remedy="Does the server serve the same checkpoint as the trainer?")
-        if self.rollout_func is not None:
-            return RouteIntake(self.accelerator, source="rollout_func", required=required,
-                               remedy="Does the rollout_func's engine serve the same checkpoint as the trainer, and "
-                                      "return vLLM's layout ([p + c - 1 - s, num_layers, top_k] per sample)?")
-        return RouteIntake(self.accelerator, source="transformers generate", required=required,
-                           remedy="Did generate run the model's forward for these completions? A replaced "
-                                  "model.generate (e.g. a test stub) runs none, so there are no routes to replay: "
-                                  "use routing_replay='r2' with it.")
+        source = self._route_source
+        assert source is not None  # the trainer keeps engine routes: some source returns them
+        return RouteIntake(self.accelerator, source=source.name, required=self.replay_settings.mode.needs_engine_routes,
+                           remedy=source.remedy)
 
     @property
     def _is_plain_trl(self) -> bool:
         """Nothing to record or replay: every override hands straight to TRL."""
-        return self._route_replay is None and not self.replay_settings.records_generation and self._vllm_routes is None
+        settings = self.replay_settings
+        return self._route_replay is None and not settings.records_generation and not settings.generation_routes
 
     def _engine_correction(self, enabled: bool = True):
         """TRL's engine log-prob correction on the transformers path, when configured (seam entry
@@ -183,59 +193,31 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
     # ------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """One generation turn: the first of the batch, or (TRL's tool loop) a later turn of the tool-calling
-        samples, prompted with their whole sequence so far. The engine's rows are kept per sample and turn."""
+        samples, prompted with their whole sequence so far. The route source runs it and returns the engine's rows,
+        kept per sample and turn."""
         parent = super()._generate_single_turn
         batch = self._routes.batch if self._routes is not None else None
-        if batch is None or (self.use_vllm and self._vllm_routes is None):
+        source = self._route_source
+        if batch is None or source is None:
             return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         later_turn = batch.begin_turn()
         samples = None  # a later turn's samples: those TRL's tool loop generates it for (seam entry tool_loop_samples)
-        if later_turn and batch.turns is not None:
-            samples = batch.turns.match(prompt_ids, owners=tool_loop_samples(len(prompt_ids)))
-        if self.use_vllm:  # read as TRL reads it (set in GRPOTrainer.__init__)
-            source = self._vllm_routes
-            start, sent = source.prompt_start, later_turn or source.prompt_start > 0
-            if later_turn:  # ask only for the positions every sample of the request does not hold yet
-                start = batch.turns.held_positions(samples) if batch.turns is not None else 0
-            if sent:  # one value for the request, below every prompt's length (vLLM's engine dies on more)
-                start = source.request_prompt_start(start, [len(ids) for ids in prompt_ids])
-                if not later_turn and start < source.prompt_start:
-                    logger.warning_once(  # one message per run: the start sent varies with the prompts
-                        f"generation_kwargs['routed_experts_prompt_start']={source.prompt_start} is at or past the "
-                        "length of some prompts: requests with such a prompt ask from one position before the end of "
-                        "their shortest prompt instead (vLLM's engine stops on a start at or past a prompt's length)")
-            source.begin_batch()
-            with vllm_request_fields(self.vllm_generation, routed_experts_prompt_start=start) if sent else \
-                    contextlib.nullcontext():
-                output = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-            rows = source.local_rows(len(prompt_ids))
-            if not source.required and not any(row is not None for row in rows):
-                rows = None  # metrics alone: an engine without routes leaves nothing to compare
-            batch.add_turn(prompt_ids, output[0], rows, start, samples)
-            return output
-        if not self.replay_settings.records_generation:
-            return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        causal_lm = self.accelerator.unwrap_model(self.model)
-        if is_peft_model(causal_lm):
-            causal_lm = causal_lm.get_base_model()
-        routes = self._route_replay if self.replay_settings.generation_routes else None
-        recorder = TransformersRolloutRecorder(routes, causal_lm, self.temperature)
-        with recorder, self._pr2_generate():
-            completion_ids, _ = parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        recorder.finish_with(completion_ids, pad_token_id=self._tokenizer.pad_token_id)
-        completion_lengths = [len(ids) for ids in completion_ids]
-        if routes is not None:
-            rows = recorder.engine_rows([len(ids) for ids in prompt_ids], completion_lengths)
-            batch.add_turn(prompt_ids, completion_ids, rows, 0, samples)
-        logprobs = recorder.sampling_logprobs(completion_lengths)
-        if self.replay_settings.transformers_importance_sampling_correction:
-            return completion_ids, logprobs
-        # for the mismatch metrics only (TRL's numbers stay its own); single-turn batches only: TRL assembles
-        # multi-turn log-probs only when it receives them. A replaced generate (a test stub) runs no forward, so its
-        # rows fall short of the completions: there is no sampler to compare with then.
-        covered = all(len(row) == length for row, length in zip(logprobs, completion_lengths, strict=True))
-        batch.record_sampling_logprobs(logprobs if covered and not later_turn else None)
-        return completion_ids, None
+        held = None
+        if later_turn:
+            if batch.turns is not None:
+                samples = batch.turns.match(prompt_ids, owners=tool_loop_samples(len(prompt_ids)))
+                held = batch.turns.held_positions(samples)
+            else:
+                held = 0
+
+        def generate():
+            with self._pr2_generate():  # PR2's predicted routes in transformers generate (pr2_rollout_prediction)
+                return parent(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+        output, turn = source.generate_turn(TurnRequest(prompt_ids, later_turn, held), generate)
+        batch.add_turn(prompt_ids, output[0], turn.rows, turn.prompt_start, samples)
+        batch.record_sampling_logprobs(turn.sampling_logprobs)
+        return output
 
     def _generate(self, prompts):
         if self.use_vllm and (self._weight_sync or self._sync_check) and vllm_weights_stale(self):
@@ -246,14 +228,22 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         with self._engine_correction(enabled=False):  # generate on the transformers path, as configured
             output = super()._generate(prompts)
         prompt_ids, completion_ids, extra_fields = output[0], output[1], output[5]
-        if self.rollout_func is not None:
-            self._take_rollout_func_routes(batch, prompt_ids, completion_ids, extra_fields)
+        source = self._route_source
+        if source is None:
+            return output
+        # rows that came with the rollouts (a rollout_func's), taken out of the fields the reward functions receive
+        turns = source.rollout_turns(prompt_ids, completion_ids, extra_fields)
+        if turns is not None:
+            batch.take_turns(turns)
         if self._route_intake is not None:  # the batch's routes enter here, once (route_flow step 2)
-            batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, self.pad_to_multiple_of)
-        if self._vllm_routes is not None:  # every turn's route bytes, summed over ranks (server: what the main got)
-            received = torch.tensor([float(self._vllm_routes.take_received_bytes())], device=self.accelerator.device)
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["vllm/route_bytes"].append(self.accelerator.reduce(received, "sum").item())
+            assert self._route_replay is not None  # generation routes are carried routes: __init__ built it
+            # GRPOConfig.__post_init__ resolves "auto": an int or None
+            pad_to_multiple_of = cast(int | None, self.pad_to_multiple_of)
+            batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, pad_to_multiple_of)
+        mode = "train" if self.model.training else "eval"
+        for name, value in source.take_metrics().items():  # e.g. vllm/route_bytes: summed over ranks
+            received = torch.tensor([value], device=self.accelerator.device)
+            self._metrics[mode][name].append(self.accelerator.reduce(received, "sum").item())
         return output
 
     def _sync_vllm_weights(self) -> None:
@@ -268,33 +258,6 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
             mark_vllm_weights_synced(self)
 
         self._checked_weight_sync(sync, self._metrics_mode())
-
-    def _take_rollout_func_routes(self, batch: GenerationBatch, prompt_ids, completion_ids, extra_fields: dict) -> None:
-        """A ``rollout_func`` may return per-sample ``routed_experts`` (vLLM's layout: ``[p + c - 1 - s, L, K]``
-        arrays or base64 ``.npy`` strings, ``None`` for none) and ``routed_experts_prompt_start`` (int or per-sample
-        ints); they are taken out of the fields TRL hands to the reward functions."""
-        rows = extra_fields.pop("routed_experts", None)
-        starts = extra_fields.pop("routed_experts_prompt_start", 0)
-        if not self.replay_settings.generation_routes:
-            return
-        if rows is None:
-            if self.routing_replay.needs_engine_routes:
-                raise RoutesUnavailableError(
-                    "routing_replay='r3' with a rollout_func needs the experts the engine routed each token to: "
-                    "return them as output['routed_experts'] (one [p + c - 1, num_layers, top_k] array or vLLM "
-                    "base64 payload per sample, vLLM's layout), or train with routing_replay='r2'."
-                )
-            return
-        if isinstance(rows, (str, bytes, dict)) or not hasattr(rows, "__len__") or len(rows) != len(prompt_ids):
-            count = f"{len(rows)} entries" if hasattr(rows, "__len__") else "no list"
-            raise RoutesUnavailableError(
-                f"rollout_func returned routed_experts as a {type(rows).__name__} ({count}) for {len(prompt_ids)} "
-                "completions: return a list with one entry per completion (an array, a base64 payload or None)"
-            )
-        try:  # a bad value for one sample only loses that sample's routes (RouteIntake); a wrong count is a bug
-            batch.take_turns(RolloutTurns(prompt_ids, completion_ids, rows, starts))
-        except ValueError as exc:
-            raise RoutesUnavailableError(f"rollout_func returned {exc}") from None
 
     def _generate_and_score_completions(self, inputs):
         if self._routes is None:  # plain TRL: its keys only (routing_metrics=True adds ours)
@@ -439,7 +402,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         finally:
             self._micro_batch = None
 
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):  # type: ignore[override]  # TRL's
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 

@@ -269,7 +269,7 @@ def check_torch() -> tuple[Finding, ...]:
             findings.append(Finding(declared, problem))
 
     def graph_task():
-        seen = []
+        seen: list[bool] = []
         x = torch.ones(1, requires_grad=True)
         y = _RecordInBackward.apply(x, seen)
         y.sum().backward()
@@ -322,7 +322,8 @@ def check_torch() -> tuple[Finding, ...]:
             theirs = FileSystemReader(folder)
             ours = checked_dcp_reader(folder, lambda: written)
             read = [(reader.read_metadata(), reader.load_id) for reader in (theirs, ours)]
-        if any(type(m.storage_meta) is not type(read[0][0].storage_meta) or m.storage_meta.load_id != load_id
+        if any(type(m.storage_meta) is not type(read[0][0].storage_meta) or m.storage_meta is None
+               or m.storage_meta.load_id != load_id
                for m, load_id in read):
             return "FileSystemReader.read_metadata no longer sets a StorageMeta with the reader's load_id"
         state: dict = {"a": {"b": None}}
