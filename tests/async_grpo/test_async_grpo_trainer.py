@@ -6,6 +6,8 @@ import json
 import math
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -689,6 +691,21 @@ def test_the_async_trainers_model_card_names_the_mode_and_cites_r3(tmp_path, che
     card = (tmp_path / "README.md").read_text()
     assert "trained with MoE Replay Async GRPO (routing_replay=r3, loss_type=" in card
     assert "routing-replay-r3" in card and "arXiv:2402.03300" in card and "arXiv:2510.11370" in card
+
+
+def test_the_async_model_card_needs_nothing_of_the_sync_trainer(tmp_path):
+    """A process that imports the async trainer alone (never the sync config, whose module declares the sync-only
+    options' defaults) names the methods of its model card: this test's neighbour failed so, with a KeyError, when its
+    module ran by itself."""
+    code = ("import sys\n"
+            "from trl_moe_replay.async_grpo.async_grpo_config import MoEReplayAsyncGRPOConfig\n"
+            "from trl_moe_replay.core.model_card import methods_used\n"
+            "assert 'trl_moe_replay.trainer.grpo_config' not in sys.modules\n"
+            f"args = MoEReplayAsyncGRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True)\n"
+            "print(methods_used(args, 'r3'))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['r3']"
 
 
 @pytest.mark.slow
