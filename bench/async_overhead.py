@@ -40,8 +40,11 @@ def run_once(checkpoint: str, url: str, mode: str, steps: int, output_dir: str, 
     step_s = [entry["perf/step_s"] for entry in logs if entry.get("perf/step_s") is not None]
     fwd_bwd = [entry["perf/fwd_bwd_s"] for entry in logs[1:]]
     bytes_per_sample = [entry["routes/bytes_per_sample"] for entry in logs if "routes/bytes_per_sample" in entry]
-    return {"step_s": statistics.median(step_s), "fwd_bwd_s": statistics.median(fwd_bwd),
-            "bytes_per_sample": statistics.median(bytes_per_sample) if bytes_per_sample else None}
+    return {
+        "step_s": statistics.median(step_s),
+        "fwd_bwd_s": statistics.median(fwd_bwd),
+        "bytes_per_sample": statistics.median(bytes_per_sample) if bytes_per_sample else None,
+    }
 
 
 def main() -> None:
@@ -51,9 +54,13 @@ def main() -> None:
     parser.add_argument("--server_url", default=None)
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--output_dir", default="runs/bench_async")
-    parser.add_argument("--router_aux_loss_coef", type=float, default=None,
-                        help="0 turns TRL's router aux loss off in both modes (R3 always turns it off: it would "
-                             "balance the natural top-k, not the replayed experts); default: TRL's, on under none")
+    parser.add_argument(
+        "--router_aux_loss_coef",
+        type=float,
+        default=None,
+        help="0 turns TRL's router aux loss off in both modes (R3 always turns it off: it would "
+        "balance the natural top-k, not the replayed experts); default: TRL's, on under none",
+    )
     cli = parser.parse_args()
     overrides = {} if cli.router_aux_loss_coef is None else {"router_aux_loss_coef": cli.router_aux_loss_coef}
     from async_r3_cpu import server_for, tiny_checkpoint
@@ -65,16 +72,23 @@ def main() -> None:
         for round_ in range(cli.rounds):
             order = ("none", "r3", "r3", "none") if round_ % 2 == 0 else ("r3", "none", "none", "r3")
             for index, mode in enumerate(order):
-                result = run_once(checkpoint, url, mode, cli.max_steps, f"{cli.output_dir}/{mode}_{round_}_{index}",
-                                  **overrides)
+                result = run_once(
+                    checkpoint, url, mode, cli.max_steps, f"{cli.output_dir}/{mode}_{round_}_{index}", **overrides
+                )
                 results[mode].append(result)
                 print(f"round {round_} {mode}: {result}", flush=True)
-    summary = {mode: {key: statistics.median(r[key] for r in runs) for key in ("step_s", "fwd_bwd_s")}
-               for mode, runs in results.items()}
-    print(f"median step_s: none {summary['none']['step_s']:.3f} s, r3 {summary['r3']['step_s']:.3f} s, "
-          f"ratio r3/none {summary['r3']['step_s'] / summary['none']['step_s']:.3f}")
-    print(f"median fwd_bwd_s: none {summary['none']['fwd_bwd_s']:.3f} s, r3 {summary['r3']['fwd_bwd_s']:.3f} s, "
-          f"ratio r3/none {summary['r3']['fwd_bwd_s'] / summary['none']['fwd_bwd_s']:.3f}")
+    summary = {
+        mode: {key: statistics.median(r[key] for r in runs) for key in ("step_s", "fwd_bwd_s")}
+        for mode, runs in results.items()
+    }
+    print(
+        f"median step_s: none {summary['none']['step_s']:.3f} s, r3 {summary['r3']['step_s']:.3f} s, "
+        f"ratio r3/none {summary['r3']['step_s'] / summary['none']['step_s']:.3f}"
+    )
+    print(
+        f"median fwd_bwd_s: none {summary['none']['fwd_bwd_s']:.3f} s, r3 {summary['r3']['fwd_bwd_s']:.3f} s, "
+        f"ratio r3/none {summary['r3']['fwd_bwd_s'] / summary['none']['fwd_bwd_s']:.3f}"
+    )
     route_bytes = [r["bytes_per_sample"] for r in results["r3"] if r["bytes_per_sample"] is not None]
     print(f"route bytes per sample through the queue (r3): median {statistics.median(route_bytes):.1f} B")
 

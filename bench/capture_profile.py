@@ -79,8 +79,10 @@ def extra_work(base: pstats.Stats, other: pstats.Stats, top: int) -> tuple[float
             extra = own_b - own_a
         rows.append((extra, calls_a, calls_b, _name(key)))
     extra = sum(r[0] for r in rows)
-    lines = [f"      {r[0] * 1e3:+8.1f} ms  calls {r[1]:>6} -> {r[2]:>6}  {r[3]}"
-             for r in sorted(rows, key=lambda r: -r[0])[:top]]
+    lines = [
+        f"      {r[0] * 1e3:+8.1f} ms  calls {r[1]:>6} -> {r[2]:>6}  {r[3]}"
+        for r in sorted(rows, key=lambda r: -r[0])[:top]
+    ]
     return total, extra, lines
 
 
@@ -92,12 +94,22 @@ def engine_child(args, side: str, checkpoint: str, out: str) -> None:
 
     tokenizer = tiny_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer(p)["input_ids"]} for p in bench.math_prompts(args.prompts)]
-    llm = LLM(model=checkpoint, max_model_len=512, seed=0, max_num_batched_tokens=4096,
-              logprobs_mode="processed_logprobs", enable_return_routed_experts=side == "on")
+    llm = LLM(
+        model=checkpoint,
+        max_model_len=512,
+        seed=0,
+        max_num_batched_tokens=4096,
+        logprobs_mode="processed_logprobs",
+        enable_return_routed_experts=side == "on",
+    )
 
     def generate(round_: int):
-        params = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0,
-                                 seed=1000 * round_ + i) for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0, seed=1000 * round_ + i
+            )
+            for i in range(len(prompts))
+        ]
         return llm.generate(prompts, params, use_tqdm=False)
 
     generate(0), generate(1)  # warm-up: compile, caches
@@ -118,11 +130,16 @@ def serialisation_cost(args) -> tuple[float, int]:
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     def step(routes: bool) -> EngineCoreOutputs:
-        return EngineCoreOutputs(outputs=[
-            EngineCoreOutput(request_id=str(i), new_token_ids=[5],
-                             routed_experts=np.zeros((1, args.layers, args.top_k), np.uint8) if routes else None)
-            for i in range(args.prompts)
-        ])
+        return EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput(
+                    request_id=str(i),
+                    new_token_ids=[5],
+                    routed_experts=np.zeros((1, args.layers, args.top_k), np.uint8) if routes else None,
+                )
+                for i in range(args.prompts)
+            ]
+        )
 
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     seconds, sizes = {}, {}
@@ -143,20 +160,30 @@ def bench_engine(args, checkpoint: str) -> None:
         for side in ("off", "on"):  # one child per side: two in-process engines would share one process group
             out = os.path.join(tmp, f"{side}.pstats")
             env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-            subprocess.run([sys.executable, __file__, "--child", json.dumps([side, checkpoint, out]), *sys.argv[1:]],
-                           env=env, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps([side, checkpoint, out]), *sys.argv[1:]],
+                env=env,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             stats[side] = pstats.Stats(out)
     total, extra, lines = extra_work(stats["off"], stats["on"], args.top)
     steps = args.profiled * args.max_tokens
     per_step, extra_bytes = serialisation_cost(args)
-    print(f"(a) engine, in-process: {args.profiled} x generate({args.prompts} prompts x {args.max_tokens} tokens), "
-          f"capture off vs on")
-    print(f"    profiled total, capture off: {total:.3f}s; extra own time of functions called more often with "
-          f"capture on: {extra * 1e3:.1f} ms = {100 * extra / total:.2f} % of the engine's work")
+    print(
+        f"(a) engine, in-process: {args.profiled} x generate({args.prompts} prompts x {args.max_tokens} tokens), "
+        f"capture off vs on"
+    )
+    print(
+        f"    profiled total, capture off: {total:.3f}s; extra own time of functions called more often with "
+        f"capture on: {extra * 1e3:.1f} ms = {100 * extra / total:.2f} % of the engine's work"
+    )
     print("\n".join(lines))
-    print(f"    multiprocess engine only: encode+decode of each step's route slices {per_step * 1e6:.0f} us per step "
-          f"({extra_bytes} bytes), {steps} steps: {per_step * steps * 1e3:.1f} ms = "
-          f"{100 * per_step * steps / total:.2f} % more")
+    print(
+        f"    multiprocess engine only: encode+decode of each step's route slices {per_step * 1e6:.0f} us per step "
+        f"({extra_bytes} bytes), {steps} steps: {per_step * steps * 1e3:.1f} ms = "
+        f"{100 * per_step * steps / total:.2f} % more"
+    )
 
 
 # ----------------------------------------------------------------------------- (b) step
@@ -166,8 +193,9 @@ def bench_step(args, checkpoint: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         os.environ.setdefault(key, value)
     trainers = {}
     try:
@@ -178,7 +206,7 @@ def bench_step(args, checkpoint: str) -> None:
             bench.whole_step(trainer, 0)  # warm-up
         profiles = {mode: cProfile.Profile() for mode in trainers}
         for round_ in range(1, 1 + args.profiled):
-            for mode in (("none", "r3") if round_ % 2 else ("r3", "none")):
+            for mode in ("none", "r3") if round_ % 2 else ("r3", "none"):
                 profiles[mode].enable()
                 bench.whole_step(trainers[mode], round_)
                 profiles[mode].disable()
@@ -190,12 +218,16 @@ def bench_step(args, checkpoint: str) -> None:
             next(iter(trainers.values())).end()
     total, extra, lines = extra_work(stats["none"], stats["r3"], args.top)
     print(f"(b) whole GRPO step, colocated engines, {args.profiled} steps per side, none vs r3")
-    print(f"    profiled total, none: {total:.3f}s; extra own time of functions called more often with r3: "
-          f"{extra * 1e3:.1f} ms = {100 * extra / total:.2f} % of the step")
+    print(
+        f"    profiled total, none: {total:.3f}s; extra own time of functions called more often with r3: "
+        f"{extra * 1e3:.1f} ms = {100 * extra / total:.2f} % of the step"
+    )
     print("\n".join(lines))
-    ours = [(v[3], v[1], k) for k, v in stats["r3"].stats.items()
-            if "trl_moe_replay" in k[0] and k not in stats["none"].stats
-            and k[2] != "generate"]  # RoutedExpertsLLM.generate: vLLM's whole generate, which none runs too
+    ours = [
+        (v[3], v[1], k)
+        for k, v in stats["r3"].stats.items()
+        if "trl_moe_replay" in k[0] and k not in stats["none"].stats and k[2] != "generate"
+    ]  # RoutedExpertsLLM.generate: vLLM's whole generate, which none runs too
     print("    this package's functions that run only with r3 (cumulative, may nest):")
     for cumulative, calls, key in sorted(ours, reverse=True)[: args.top]:
         print(f"      {cumulative * 1e3:8.1f} ms  calls {calls:>6}  {_name(key)}")

@@ -79,20 +79,35 @@ def judge(log_history: list[dict], cold_start_accuracy: float | None, demo: str 
     rewards = [entry[key] for entry in steps]
     clipped = [entry.get("completions/clipped_ratio", 0.0) for entry in steps]
     first, last = mean(rewards[:WINDOW]), mean(rewards[-WINDOW:])
-    rose_at = next((steps[i + WINDOW - 1].get("step", i + WINDOW) for i in range(len(rewards) - WINDOW + 1)
-                    if sum(rewards[i:i + WINDOW]) / WINDOW >= first + RISE), None)
+    rose_at = next(
+        (
+            steps[i + WINDOW - 1].get("step", i + WINDOW)
+            for i in range(len(rewards) - WINDOW + 1)
+            if sum(rewards[i : i + WINDOW]) / WINDOW >= first + RISE
+        ),
+        None,
+    )
     calls = [entry.get("tools/call_frequency", 0.0) for entry in steps]
     every = {
         "cold_start": cold_start_accuracy is not None
         and COLD_START_ACCURACY[0] <= cold_start_accuracy <= COLD_START_ACCURACY[1],
         "rise": len(rewards) >= 2 * WINDOW and last >= first + RISE,
-        "stop": bool(steps) and mean(clipped[-WINDOW:]) <= CLIPPED_AT_MOST
+        "stop": bool(steps)
+        and mean(clipped[-WINDOW:]) <= CLIPPED_AT_MOST
         and all(entry.get("completions/mean_terminated_length", 1.0) > 0 for entry in steps),
         "tool_calls": len(calls) >= 2 * WINDOW and mean(calls[-WINDOW:]) >= mean(calls[:WINDOW]) + RISE,
     }
     checks = {part: every[part] for part in PROMISES[demo]}
-    return dict(cold_start_accuracy=cold_start_accuracy, first=first, last=last, max_clipped=max(clipped, default=0.0),
-                rose_at=rose_at, steps=len(steps), checks=checks, held=all(checks.values()))
+    return dict(
+        cold_start_accuracy=cold_start_accuracy,
+        first=first,
+        last=last,
+        max_clipped=max(clipped, default=0.0),
+        rose_at=rose_at,
+        steps=len(steps),
+        checks=checks,
+        held=all(checks.values()),
+    )
 
 
 def run_one(demo: str, seed: int, threads: int, recipe_args: list[str], folder: Path, cache: Path) -> dict:
@@ -100,8 +115,22 @@ def run_one(demo: str, seed: int, threads: int, recipe_args: list[str], folder: 
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRL_MOE_REPLAY_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
     env.pop("OMP_NUM_THREADS", None)
-    command = [sys.executable, str(RECIPE), *DEMOS[demo], "--seed", str(seed), "--tiny_num_threads", str(threads),
-               "--output_dir", str(folder / "run"), "--plot", "false", "--disable_tqdm", "true", *recipe_args]
+    command = [
+        sys.executable,
+        str(RECIPE),
+        *DEMOS[demo],
+        "--seed",
+        str(seed),
+        "--tiny_num_threads",
+        str(threads),
+        "--output_dir",
+        str(folder / "run"),
+        "--plot",
+        "false",
+        "--disable_tqdm",
+        "true",
+        *recipe_args,
+    ]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -124,13 +153,14 @@ def row_text(name: str, row: dict) -> str:
         return f"{name:<22} ERROR {row['error'].splitlines()[-1][:80] if row['error'] else ''}"
     failed = [part for part, ok in row["checks"].items() if not ok]
     accuracy = row["cold_start_accuracy"]
-    return (f"{name:<22} {accuracy if accuracy is not None else float('nan'):>6.2f} {row['first']:>6.3f} "
-            f"{row['last']:>6.3f} {row['max_clipped']:>8.3f} {str(row['rose_at'] or '-'):>8} "
-            f"{'yes' if row['held'] else 'NO (' + ', '.join(failed) + ')':<10} {row['seconds']:>6.0f}")
+    return (
+        f"{name:<22} {accuracy if accuracy is not None else float('nan'):>6.2f} {row['first']:>6.3f} "
+        f"{row['last']:>6.3f} {row['max_clipped']:>8.3f} {str(row['rose_at'] or '-'):>8} "
+        f"{'yes' if row['held'] else 'NO (' + ', '.join(failed) + ')':<10} {row['seconds']:>6.0f}"
+    )
 
 
-HEADER = (f"{'run':<22} {'cold':>6} {'first':>6} {'last':>6} {'clipped':>8} {'rose at':>8} {'promise':<10} "
-          f"{'s':>6}")
+HEADER = f"{'run':<22} {'cold':>6} {'first':>6} {'last':>6} {'clipped':>8} {'rose at':>8} {'promise':<10} {'s':>6}"
 
 
 def report(results: dict) -> str:
@@ -160,28 +190,40 @@ def environment() -> dict:
     cpu = platform.processor() or ""
     with open("/proc/cpuinfo") as f:  # Linux: the model name (platform.processor() is often just the architecture)
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, trl=trl.__version__, date=time.strftime("%Y-%m-%d"))
+    return dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        trl=trl.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    recipe_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    recipe_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--demo", choices=sorted(DEMOS), default="math")
     parser.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 (or --seed-list)")
     parser.add_argument("--seed-list", type=int, nargs="+", help="these seeds instead of 0..N-1")
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch thread counts (--tiny_num_threads)")
     parser.add_argument("--label", default="default", help="name of this configuration in the table (e.g. none)")
-    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)),
-                        help="runs at once; a run of T threads counts as T")
+    parser.add_argument(
+        "--jobs", type=int, default=max(1, (os.cpu_count() or 1)), help="runs at once; a run of T threads counts as T"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo_robustness" / "demo_robustness.json")
     parser.add_argument("--cache", type=Path, default=None, help="cold-start cache (default: beside --out)")
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--rejudge", action="store_true",
-                        help="judge the saved runs again (after a change of the promise) and print the table")
+    parser.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="judge the saved runs again (after a change of the promise) and print the table",
+    )
     args = parser.parse_args(argv)
     if args.seeds < 1 or any(t < 1 for t in args.threads) or args.jobs < 1:
         parser.error("--seeds, --threads and --jobs must be at least 1")
@@ -190,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rejudge:
         for name, row in results["runs"].items():
             if "error" not in row:
-                results["runs"][name] = {**judge_folder(name.split("/")[1], args.out.parent / name),
-                                         "seconds": row["seconds"]}
+                results["runs"][name] = {
+                    **judge_folder(name.split("/")[1], args.out.parent / name),
+                    "seconds": row["seconds"],
+                }
         args.out.write_text(json.dumps(results, indent=1))
     if args.report_only or args.rejudge:
         print(report(results))
@@ -199,11 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("environment", environment())
     cache = args.cache or args.out.parent / "cold_start_cache"
     seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
-    todo = [(threads, seed) for threads in args.threads for seed in seeds
-            if f"{args.label}/{args.demo}/threads{threads}/seed{seed}" not in results["runs"]]
+    todo = [
+        (threads, seed)
+        for threads in args.threads
+        for seed in seeds
+        if f"{args.label}/{args.demo}/threads{threads}/seed{seed}" not in results["runs"]
+    ]
     results["settings"][f"{args.label}/{args.demo}"] = recipe_args
-    print(f"{len(todo)} runs to do ({args.demo} demo, {args.label}: {' '.join(recipe_args) or 'the demo as shipped'}; "
-          f"{args.jobs} core(s)); {HEADER}", flush=True)
+    print(
+        f"{len(todo)} runs to do ({args.demo} demo, {args.label}: {' '.join(recipe_args) or 'the demo as shipped'}; "
+        f"{args.jobs} core(s)); {HEADER}",
+        flush=True,
+    )
     started = time.perf_counter()
     done = 0
 
@@ -223,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.write_text(json.dumps(results, indent=1))
                 done += 1
                 elapsed = time.perf_counter() - started
-                print(f"[{done}/{len(todo)}, {elapsed / 60:.0f} min, ~{elapsed / done * (len(todo) - done) / 60:.0f} "
-                      f"min left] {row_text(name, results['runs'][name])}", flush=True)
+                print(
+                    f"[{done}/{len(todo)}, {elapsed / 60:.0f} min, ~{elapsed / done * (len(todo) - done) / 60:.0f} "
+                    f"min left] {row_text(name, results['runs'][name])}",
+                    flush=True,
+                )
     print(report(results))
     env = results["environment"]
-    print(f"machine: {env['cpu']}, {env['cores']} cores; Python {env['python']}, torch {env['torch']}, "
-          f"transformers {env['transformers']}, TRL {env['trl']}; {env['date']}")
+    print(
+        f"machine: {env['cpu']}, {env['cores']} cores; Python {env['python']}, torch {env['torch']}, "
+        f"transformers {env['transformers']}, TRL {env['trl']}; {env['date']}"
+    )
     return 0
 
 

@@ -57,8 +57,16 @@ def relaunch(args: argparse.Namespace) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false"}
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.processes),
-               __file__, *sys.argv[1:]]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.processes),
+        __file__,
+        *sys.argv[1:],
+    ]
     return subprocess.run(command, env=env).returncode
 
 
@@ -88,15 +96,31 @@ def step_times(checkpoint: str, args, sharded: bool, seed: int) -> list[float]:
     if sharded:
         loading["distributed_config"] = {"fsdp_size": world, "ep_size": world, "ep_implementation": "all_to_all"}
     config = MoEReplayGRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=args.device == "cpu", bf16=False, report_to="none",
-        per_device_train_batch_size=args.batch, num_generations=8, max_completion_length=args.completion,
-        num_iterations=1, max_steps=args.steps, save_strategy="no", disable_tqdm=True, logging_steps=1000,
-        routing_replay="r3", seed=seed, model_init_kwargs=loading, learning_rate=1e-5,
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=args.device == "cpu",
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=args.batch,
+        num_generations=8,
+        max_completion_length=args.completion,
+        num_iterations=1,
+        max_steps=args.steps,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1000,
+        routing_replay="r3",
+        seed=seed,
+        model_init_kwargs=loading,
+        learning_rate=1e-5,
     )
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-    trainer = MoEReplayGRPOTrainer(model=checkpoint, args=config, processing_class=tiny_tokenizer(),
-                                   reward_funcs=lambda completions, **kw: [-abs(12 - len(c)) for c in completions],
-                                   train_dataset=Dataset.from_dict({"prompt": prompts}))
+    trainer = MoEReplayGRPOTrainer(
+        model=checkpoint,
+        args=config,
+        processing_class=tiny_tokenizer(),
+        reward_funcs=lambda completions, **kw: [-abs(12 - len(c)) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )
     clock = Clock()
     trainer.add_callback(clock)
     trainer.train()
@@ -130,18 +154,25 @@ def main(argv=None) -> int:
         ratios.append(figures["ep"] / figures["ddp"])
     torch.distributed.barrier()
     result = {
-        "device": args.device, "processes": world, "model": dict(hidden=args.hidden, layers=args.layers,
-                                                                experts=args.experts, top_k=args.top_k),
-        "batch_per_process": args.batch, "completion": args.completion, "steps": args.steps, "rounds": args.rounds,
-        "median_step_s": runs, "ep_over_ddp": {"median": statistics.median(ratios), "low": min(ratios),
-                                               "high": max(ratios)},
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": args.device,
+        "processes": world,
+        "model": dict(hidden=args.hidden, layers=args.layers, experts=args.experts, top_k=args.top_k),
+        "batch_per_process": args.batch,
+        "completion": args.completion,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "median_step_s": runs,
+        "ep_over_ddp": {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)},
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
     }
     if rank == 0:
         r = result["ep_over_ddp"]
-        print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
-              f"{args.batch} completions x {args.completion} tokens per process; {world} {args.device} processes; "
-              f"{args.rounds} rounds of {args.steps} steps")
+        print(
+            f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
+            f"{args.batch} completions x {args.completion} tokens per process; {world} {args.device} processes; "
+            f"{args.rounds} rounds of {args.steps} steps"
+        )
         for side in ("ddp", "ep"):
             rounds = ", ".join(f"{t:.3f}" for t in runs[side])
             print(f"{side.upper():4} median step {statistics.median(runs[side]):.3f}s  ({rounds})")

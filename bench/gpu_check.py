@@ -109,23 +109,58 @@ class Sizes:
 
 
 FULL = Sizes(
-    width_dims={key: {} for key in MODELS}, width_layers={"qwen3": 2, "olmoe": 2, "mixtral": 1},
-    batch=4, seq=4096, rounds=6,
-    gen_model=(1024, 8, 64, 8), gen_prompts=64, gen_prompt_len=12, gen_new_tokens=64, gen_pairs=8, gen_warmup=2,
-    sampler_depths=(8, 24, 48), sampler_new_tokens=128,
-    grpo_batch=64, grpo_generations=8, grpo_completion=64, grpo_pairs=4, dtype=torch.bfloat16,
+    width_dims={key: {} for key in MODELS},
+    width_layers={"qwen3": 2, "olmoe": 2, "mixtral": 1},
+    batch=4,
+    seq=4096,
+    rounds=6,
+    gen_model=(1024, 8, 64, 8),
+    gen_prompts=64,
+    gen_prompt_len=12,
+    gen_new_tokens=64,
+    gen_pairs=8,
+    gen_warmup=2,
+    sampler_depths=(8, 24, 48),
+    sampler_new_tokens=128,
+    grpo_batch=64,
+    grpo_generations=8,
+    grpo_completion=64,
+    grpo_pairs=4,
+    dtype=torch.bfloat16,
     budgets=dict(exactness=40, syncs=15, timing=60, generate=40, sampler=70, grpo=80, expert_parallel=240),
 )
-_TINY_WIDTH = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
-                   moe_intermediate_size=32, intermediate_size=64)
+_TINY_WIDTH = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    intermediate_size=64,
+)
 SMOKE = Sizes(
-    width_dims={"qwen3": {**_TINY_WIDTH, "num_experts": 8}, "olmoe": {**_TINY_WIDTH, "num_experts": 8},
-                "mixtral": {**_TINY_WIDTH, "num_local_experts": 8}},
+    width_dims={
+        "qwen3": {**_TINY_WIDTH, "num_experts": 8},
+        "olmoe": {**_TINY_WIDTH, "num_experts": 8},
+        "mixtral": {**_TINY_WIDTH, "num_local_experts": 8},
+    },
     width_layers={"qwen3": 2, "olmoe": 2, "mixtral": 1},
-    batch=2, seq=32, rounds=2,
-    gen_model=(64, 2, 8, 2), gen_prompts=4, gen_prompt_len=6, gen_new_tokens=6, gen_pairs=2, gen_warmup=1,
-    sampler_depths=(2, 4), sampler_new_tokens=8,
-    grpo_batch=8, grpo_generations=4, grpo_completion=6, grpo_pairs=1, dtype=torch.float32,
+    batch=2,
+    seq=32,
+    rounds=2,
+    gen_model=(64, 2, 8, 2),
+    gen_prompts=4,
+    gen_prompt_len=6,
+    gen_new_tokens=6,
+    gen_pairs=2,
+    gen_warmup=1,
+    sampler_depths=(2, 4),
+    sampler_new_tokens=8,
+    grpo_batch=8,
+    grpo_generations=4,
+    grpo_completion=6,
+    grpo_pairs=1,
+    dtype=torch.float32,
     # a few seconds of work: budgets no busy CI machine reaches, so the suite's smoke run is never partial
     budgets=dict(exactness=600, syncs=300, timing=300, generate=300, sampler=300, grpo=600, expert_parallel=0),
 )
@@ -164,9 +199,11 @@ def sync(device: torch.device) -> None:
 
 def synced(fn, device):
     """``fn`` followed by a device synchronisation, so a timer around it sees the device's work."""
+
     def run():
         fn()
         sync(device)
+
     return run
 
 
@@ -186,8 +223,11 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in self.NAMES or (name == "to" and self._to_host(args, kwargs)) or (
-                name == "__getitem__" and self._bool_index(args)):
+        if (
+            name in self.NAMES
+            or (name == "to" and self._to_host(args, kwargs))
+            or (name == "__getitem__" and self._bool_index(args))
+        ):
             self.count += 1
         return func(*args, **kwargs)
 
@@ -245,9 +285,15 @@ def shifted(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
 def width_model(key: str, sizes: Sizes, device):
     name, model_type, _depth, dims = MODELS[key]
     with torch.device(device):
-        model = tiny_moe_model(model_type, num_hidden_layers=sizes.width_layers[key], max_position_embeddings=32768,
-                               router_aux_loss_coef=0.0, attn_implementation="sdpa", dtype=sizes.dtype,
-                               **{**dims, **sizes.width_dims[key]})
+        model = tiny_moe_model(
+            model_type,
+            num_hidden_layers=sizes.width_layers[key],
+            max_position_embeddings=32768,
+            router_aux_loss_coef=0.0,
+            attn_implementation="sdpa",
+            dtype=sizes.dtype,
+            **{**dims, **sizes.width_dims[key]},
+        )
     return name, model
 
 
@@ -256,8 +302,17 @@ def generation_model(sizes: Sizes, layers: int, device, **overrides):
     64 experts top-8, experts 256 wide, 8 attention heads), as in the first GPU run."""
     hidden, _layers, experts, top_k = sizes.gen_model
     with torch.device(device):
-        return bench_moe(hidden, layers, experts, top_k, moe_intermediate_size=hidden // 4, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=hidden // 8, **overrides)
+        return bench_moe(
+            hidden,
+            layers,
+            experts,
+            top_k,
+            moe_intermediate_size=hidden // 4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=hidden // 8,
+            **overrides,
+        )
 
 
 def tokens(batch: int, length: int, device, seed: int = 0) -> torch.Tensor:
@@ -316,8 +371,12 @@ def exactness_rows(name: str, model, rr: RouterReplay, x: torch.Tensor, memory: 
             with torch.no_grad(), rr.record() as rec:
                 natural = model(x).logits
         except torch.OutOfMemoryError as exc:  # the estimate missed it: the allocator's own figure
-            row["does_not_fit"] = {"needs_bytes": need, "memory_bytes": memory, "estimated": False,
-                                   "message": str(exc).splitlines()[0][:160]}
+            row["does_not_fit"] = {
+                "needs_bytes": need,
+                "memory_bytes": memory,
+                "estimated": False,
+                "message": str(exc).splitlines()[0][:160],
+            }
             rows.append(row)
             if x.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -332,8 +391,10 @@ def exactness_rows(name: str, model, rr: RouterReplay, x: torch.Tensor, memory: 
                 own = model(x).logits
             with rr.replay(shifted(rec.routes, rr.num_experts)):
                 other = model(x).logits
-        row.update(own_routes_max_diff=(own - natural).abs().max().item(),
-                   other_routes_max_diff=(other - natural).abs().max().item())
+        row.update(
+            own_routes_max_diff=(own - natural).abs().max().item(),
+            other_routes_max_diff=(other - natural).abs().max().item(),
+        )
         del natural, own, other
         rows.append(row)
     model.set_experts_implementation(DEFAULT_EXPERTS)
@@ -354,12 +415,14 @@ def replay_costs(name: str, model, rr: RouterReplay, x: torch.Tensor, device, ro
         def run():
             with micro_batch() if replayed else contextlib.nullcontext():
                 model(x, labels=x).loss.backward()
+
         return run
 
     def fwd(replayed):
         def run():
             with torch.no_grad(), micro_batch() if replayed else contextlib.nullcontext():
                 model(x)
+
         return run
 
     def zeroed(fn):  # gradients stay allocated between rounds, zeroed outside the timing
@@ -368,6 +431,7 @@ def replay_costs(name: str, model, rr: RouterReplay, x: torch.Tensor, device, ro
                 if p.grad is not None:
                     p.grad.zero_()
             return timer(synced(fn, device))(round_)
+
         return run
 
     out = {}
@@ -380,8 +444,13 @@ def replay_costs(name: str, model, rr: RouterReplay, x: torch.Tensor, device, ro
         with clocks["timing"].charge():
             fb = interleaved_ratio(zeroed(fwd_bwd(False)), zeroed(fwd_bwd(True)), rounds)
             fo = interleaved_ratio(timer(synced(fwd(False), device)), timer(synced(fwd(True), device)), rounds)
-        out["timing"] = {"width": name, "experts_impl": DEFAULT_EXPERTS, "tokens": x.numel(), "fwd_bwd": fb._asdict(),
-                         "fwd": fo._asdict()}
+        out["timing"] = {
+            "width": name,
+            "experts_impl": DEFAULT_EXPERTS,
+            "tokens": x.numel(),
+            "fwd_bwd": fb._asdict(),
+            "fwd": fo._asdict(),
+        }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -411,11 +480,14 @@ def hub_kernels_plan(device) -> dict:
         why = "the kernels package is not installed"
     elif not hub_kernels_env_on():
         why = f"USE_HUB_KERNELS={os.environ['USE_HUB_KERNELS']} turns them off"
-    return {"USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS"), "kernels": version,
-            "from_pretrained_default": hub_kernels_env_on() and hasattr(transformers.PreTrainedModel,
-                                                                        "set_use_kernels"),
-            "other_parts": "off (their models are built from configs: from_pretrained's default does not apply)",
-            "both_ways": why is None, "why_not": why}
+    return {
+        "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS"),
+        "kernels": version,
+        "from_pretrained_default": hub_kernels_env_on() and hasattr(transformers.PreTrainedModel, "set_use_kernels"),
+        "other_parts": "off (their models are built from configs: from_pretrained's default does not apply)",
+        "both_ways": why is None,
+        "why_not": why,
+    }
 
 
 def exactness_rows_with_kernels(name: str, model, rr: RouterReplay, x: torch.Tensor, memory: int | None) -> list[dict]:
@@ -427,8 +499,14 @@ def exactness_rows_with_kernels(name: str, model, rr: RouterReplay, x: torch.Ten
     try:
         model.set_use_kernels(True)
     except Exception as exc:
-        return [{"width": name, "experts_impl": "every", "hub_kernels": True,
-                 "unavailable": f"Hub kernels did not load: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}]
+        return [
+            {
+                "width": name,
+                "experts_impl": "every",
+                "hub_kernels": True,
+                "unavailable": f"Hub kernels did not load: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
+            }
+        ]
     try:
         replaced = hub_kernel_layers(model)
         rows = exactness_rows(name, model, rr, x, memory)
@@ -457,8 +535,9 @@ def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
                 off = exactness_rows(name, model, rr, x, free_memory(device))
                 results["exactness"]["rows"] += [{**row, "hub_kernels": False} for row in off]
                 if kernels["both_ways"]:
-                    results["exactness"]["rows"] += exactness_rows_with_kernels(name, model, rr, x,
-                                                                                free_memory(device))
+                    results["exactness"]["rows"] += exactness_rows_with_kernels(
+                        name, model, rr, x, free_memory(device)
+                    )
         for part, row in replay_costs(name, model, rr, x, device, sizes.rounds, clocks).items():
             results[part]["rows"].append(row)
         del model, rr
@@ -471,6 +550,7 @@ def part_widths(sizes: Sizes, device, budgets: dict, results: dict) -> None:
 def quiet_timer(fn, device):
     """``fn`` as an ``abba_pairs`` side: seeded with the round, garbage collected before and collection paused during
     the call, the device synchronised before and after (the clock sees the device's work and only this call's)."""
+
     def run(round_: int) -> float:
         torch.manual_seed(1000 + round_)
         gc.collect()
@@ -483,6 +563,7 @@ def quiet_timer(fn, device):
             return time.perf_counter() - start
         finally:
             gc.enable()
+
     return run
 
 
@@ -493,8 +574,12 @@ def part_generate(sizes: Sizes, device, budget: Budget) -> dict:
     model = generation_model(sizes, layers, device, dtype=sizes.dtype)
     rr = RouterReplay(model)
     prompts = tokens(sizes.gen_prompts, sizes.gen_prompt_len, device)
-    kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=sizes.gen_new_tokens,
-                  min_new_tokens=sizes.gen_new_tokens, do_sample=True)
+    kwargs = dict(
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=sizes.gen_new_tokens,
+        min_new_tokens=sizes.gen_new_tokens,
+        do_sample=True,
+    )
     lengths = {"plain": set(), "recorded": set()}
 
     def plain():
@@ -506,16 +591,30 @@ def part_generate(sizes: Sizes, device, budget: Budget) -> dict:
             lengths["recorded"].add(model.generate(prompts, **kwargs).shape[1] - prompts.shape[1])
 
     with budget.charge():
-        times = abba_pairs({"plain": quiet_timer(plain, device), "recorded": quiet_timer(recorded, device)},
-                           sizes.gen_pairs, warmup=sizes.gen_warmup, keep_going=lambda: not budget.spent())
+        times = abba_pairs(
+            {"plain": quiet_timer(plain, device), "recorded": quiet_timer(recorded, device)},
+            sizes.gen_pairs,
+            warmup=sizes.gen_warmup,
+            keep_going=lambda: not budget.spent(),
+        )
         syncs_plain, syncs_recorded = count_syncs(plain, device), count_syncs(recorded, device)
-    out = {"model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k,
-                         parameters=sum(p.numel() for p in model.parameters())),
-           "prompts": sizes.gen_prompts, "new_tokens": sizes.gen_new_tokens,
-           "new_tokens_seen": {side: sorted(seen) for side, seen in lengths.items()}, "warmup": sizes.gen_warmup,
-           "sync_counter": SYNC_COUNTERS["cuda" if device.type == "cuda" else "cpu"],
-           "syncs_plain": syncs_plain, "syncs_recorded": syncs_recorded,
-           "timed_out": len(times["plain"]) < sizes.gen_pairs}
+    out = {
+        "model": dict(
+            hidden=hidden,
+            layers=layers,
+            experts=experts,
+            top_k=top_k,
+            parameters=sum(p.numel() for p in model.parameters()),
+        ),
+        "prompts": sizes.gen_prompts,
+        "new_tokens": sizes.gen_new_tokens,
+        "new_tokens_seen": {side: sorted(seen) for side, seen in lengths.items()},
+        "warmup": sizes.gen_warmup,
+        "sync_counter": SYNC_COUNTERS["cuda" if device.type == "cuda" else "cpu"],
+        "syncs_plain": syncs_plain,
+        "syncs_recorded": syncs_recorded,
+        "timed_out": len(times["plain"]) < sizes.gen_pairs,
+    }
     if times["plain"]:
         out["recording_over_plain"] = pair_spread(times, "plain", "recorded")._asdict()
     return out
@@ -525,9 +624,15 @@ def sampler_vs_trainer(model, rr: RouterReplay, prompts: torch.Tensor, new_token
     """One sampled batch: the sampler's raw-logit log-probs and routes vs a full forward, natural and replaying."""
     width = prompts.shape[1]
     with torch.no_grad(), rr.record() as rec:
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     sequences = out.sequences
     completion = sequences[:, width:]
     raw = torch.stack(out.logits, dim=1).float()  # [B, N, V], before any logits processor
@@ -538,14 +643,20 @@ def sampler_vs_trainer(model, rr: RouterReplay, prompts: torch.Tensor, new_token
     positions[:, width - 1 : -1] = True  # the positions whose logits chose a completion token
     row = {"tokens": completion.numel()}
     for side in ("none", "r3"):
-        with torch.no_grad(), rr.record() as trainer_rec, \
-                rr.replay(rec.checked) if side == "r3" else contextlib.nullcontext():
+        with (
+            torch.no_grad(),
+            rr.record() as trainer_rec,
+            rr.replay(rec.checked) if side == "r3" else contextlib.nullcontext(),
+        ):
             logits = model(sequences).logits[:, width - 1 : -1].float()
         trainer = torch.log_softmax(logits, dim=-1).gather(-1, completion[..., None]).squeeze(-1)
         d = trainer - sampler
         sums = logprob_mismatch_sums(sampler, trainer, mask, extreme_threshold=2.0)
-        row[side] = {"kl_k3": (sums["kl_k3"] / sums["tokens"]).item(), "mean_abs_dlogp": d.abs().mean().item(),
-                     "max_abs_dlogp": d.abs().max().item()}
+        row[side] = {
+            "kl_k3": (sums["kl_k3"] / sums["tokens"]).item(),
+            "mean_abs_dlogp": d.abs().mean().item(),
+            "max_abs_dlogp": d.abs().max().item(),
+        }
         if side == "none":  # the trainer's natural top-k vs the sampler's, where the sampler chose a token
             agree = routing_agreement_sums(trainer_rec.routes, engine_routes, positions, rr.moe_layers)
             row["router_decisions_differ"] = (agree["mismatch_pairs"] / agree["pairs"]).item()
@@ -563,8 +674,12 @@ def part_sampler(sizes: Sizes, device, budget: Budget) -> dict:
             model = generation_model(sizes, depth, device, dtype=sizes.dtype)
             rr = RouterReplay(model)
             torch.manual_seed(depth)
-            row = sampler_vs_trainer(model, rr, tokens(sizes.gen_prompts, sizes.gen_prompt_len, device, seed=depth),
-                                     sizes.sampler_new_tokens)
+            row = sampler_vs_trainer(
+                model,
+                rr,
+                tokens(sizes.gen_prompts, sizes.gen_prompt_len, device, seed=depth),
+                sizes.sampler_new_tokens,
+            )
         rows.append({"layers": depth, **row})
         del model, rr
         if device.type == "cuda":
@@ -585,8 +700,9 @@ def completion_length(completions, **kwargs) -> list[float]:
 GRPO_SIDES = {
     "none": dict(routing_replay="none", routing_metrics=False),
     "r3": dict(routing_replay="r3", routing_metrics=False, transformers_importance_sampling_correction=False),
-    "r3_correction": dict(routing_replay="r3", routing_metrics=False,
-                          transformers_importance_sampling_correction=True),
+    "r3_correction": dict(
+        routing_replay="r3", routing_metrics=False, transformers_importance_sampling_correction=True
+    ),
 }
 GRPO_RATIOS = {  # row name: (baseline, candidate)
     "r3_over_none": ("none", "r3"),
@@ -605,15 +721,29 @@ def grpo_trainer(sizes: Sizes, device, options: dict):
     model = generation_model(sizes, sizes.gen_model[1], device, router_aux_loss_coef=0.0, dtype=sizes.dtype)
     output_dir = tempfile.TemporaryDirectory()  # save_strategy "no": the folder holds the run's lock only
     config = MoEReplayGRPOConfig(
-        output_dir=output_dir.name, use_cpu=device.type == "cpu", bf16=sizes.dtype == torch.bfloat16,
-        report_to="none", per_device_train_batch_size=sizes.grpo_batch, num_generations=sizes.grpo_generations,
-        max_completion_length=sizes.grpo_completion, num_iterations=1, gradient_accumulation_steps=1,
-        logging_steps=1000, save_strategy="no", disable_tqdm=True, seed=0, **options,
+        output_dir=output_dir.name,
+        use_cpu=device.type == "cpu",
+        bf16=sizes.dtype == torch.bfloat16,
+        report_to="none",
+        per_device_train_batch_size=sizes.grpo_batch,
+        num_generations=sizes.grpo_generations,
+        max_completion_length=sizes.grpo_completion,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        logging_steps=1000,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **options,
     )
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-    trainer = MoEReplayGRPOTrainer(model=model, reward_funcs=completion_length, args=config,
-                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
-                                   processing_class=tiny_tokenizer())
+    trainer = MoEReplayGRPOTrainer(
+        model=model,
+        reward_funcs=completion_length,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tiny_tokenizer(),
+    )
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which is bypassed
     return trainer, next(iter(trainer.get_train_dataloader())), output_dir
@@ -644,7 +774,8 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
                 trainer, batch, _ = built[name]
                 seen = []
                 trainer.model.register_forward_pre_hook(
-                    lambda module, args, kwargs: seen.append(whole_sequence_pass(args, kwargs)), with_kwargs=True)
+                    lambda module, args, kwargs: seen.append(whole_sequence_pass(args, kwargs)), with_kwargs=True
+                )
 
                 def run(round_: int) -> float:
                     gc.collect()
@@ -652,10 +783,12 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
                     took = one_cycle(trainer, batch, 1000 + round_, clock=synced_clock)
                     passes[name].append(sum(seen) - 1)  # less generate's prefill
                     return took
+
                 return run
 
-            times = abba_pairs({name: side(name) for name in built}, sizes.grpo_pairs,
-                               keep_going=lambda: not budget.spent())
+            times = abba_pairs(
+                {name: side(name) for name in built}, sizes.grpo_pairs, keep_going=lambda: not budget.spent()
+            )
     finally:
         for trainer, _, output_dir in built.values():
             trainer.end()  # releases the output_dir lock before the folder goes
@@ -664,10 +797,14 @@ def part_grpo(sizes: Sizes, device, budget: Budget) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     hidden, layers, experts, top_k = sizes.gen_model
-    result = {"model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k), "batch": sizes.grpo_batch,
-              "completion": sizes.grpo_completion,
-              "sides": {name: {**GRPO_SIDES[name], "extra_forwards": max(passes[name])} for name in GRPO_SIDES},
-              "cycle_s": times, "timed_out": len(times["none"]) < sizes.grpo_pairs}
+    result = {
+        "model": dict(hidden=hidden, layers=layers, experts=experts, top_k=top_k),
+        "batch": sizes.grpo_batch,
+        "completion": sizes.grpo_completion,
+        "sides": {name: {**GRPO_SIDES[name], "extra_forwards": max(passes[name])} for name in GRPO_SIDES},
+        "cycle_s": times,
+        "timed_out": len(times["none"]) < sizes.grpo_pairs,
+    }
     if times["none"]:
         for row, (baseline, candidate) in GRPO_RATIOS.items():
             result[row] = pair_spread(times, baseline, candidate)._asdict()
@@ -681,14 +818,41 @@ def part_expert_parallel(smoke: bool, budget_s: float) -> dict:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if smoke or gpus < 2:
         why = f"needs at least 2 GPUs, this machine has {gpus}"
-        return {"skipped": why + ("; smoke mode (bench/ep_overhead.py measures EP on CPU processes)" if smoke else ""),
-                "gpus": gpus}
+        return {
+            "skipped": why + ("; smoke mode (bench/ep_overhead.py measures EP on CPU processes)" if smoke else ""),
+            "gpus": gpus,
+        }
     processes = min(gpus, 8)
     out = Path(tempfile.mkdtemp()) / "ep_overhead.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               str(EP_SCRIPT), "--device", "cuda", "--hidden", "1024", "--layers", "8", "--experts", "64",
-               "--top-k", "8", "--completion", "64", "--batch", "16", "--steps", "4", "--rounds", "2",
-               "--json", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        str(EP_SCRIPT),
+        "--device",
+        "cuda",
+        "--hidden",
+        "1024",
+        "--layers",
+        "8",
+        "--experts",
+        "64",
+        "--top-k",
+        "8",
+        "--completion",
+        "64",
+        "--batch",
+        "16",
+        "--steps",
+        "4",
+        "--rounds",
+        "2",
+        "--json",
+        str(out),
+    ]
     import subprocess
 
     try:
@@ -711,9 +875,14 @@ def environment(device) -> dict:
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-        "trl": trl.__version__, "accelerate": accelerate.__version__, "trl_moe_replay": trl_moe_replay.__version__,
-        "python": platform.python_version(), "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "accelerate": accelerate.__version__,
+        "trl_moe_replay": trl_moe_replay.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
         "USE_HUB_KERNELS": os.environ.get("USE_HUB_KERNELS"),
     }
 
@@ -723,46 +892,72 @@ def table(results: dict) -> list[tuple[str, str, str]]:
     kernels = results.get("hub_kernels")
     if kernels:
         env = kernels["USE_HUB_KERNELS"]
-        rows.append(("hub_kernels", "state",
-                     f"exactness: {'off and on' if kernels['both_ways'] else 'off'}"
-                     f"{'' if kernels['both_ways'] else ' (' + kernels['why_not'] + ')'}; other parts "
-                     f"{kernels['other_parts']}; USE_HUB_KERNELS={'unset' if env is None else env}, kernels "
-                     f"{kernels['kernels'] or 'not installed'}"))
+        rows.append(
+            (
+                "hub_kernels",
+                "state",
+                f"exactness: {'off and on' if kernels['both_ways'] else 'off'}"
+                f"{'' if kernels['both_ways'] else ' (' + kernels['why_not'] + ')'}; other parts "
+                f"{kernels['other_parts']}; USE_HUB_KERNELS={'unset' if env is None else env}, kernels "
+                f"{kernels['kernels'] or 'not installed'}",
+            )
+        )
     for row in results.get("exactness", {}).get("rows", []):
         if "does_not_fit" in row:
             result = does_not_fit(row["does_not_fit"])
         else:
-            result = row.get("unavailable") or (f"own routes {fmt(row['own_routes_max_diff'])}, other routes "
-                                                f"{fmt(row['other_routes_max_diff'])}")
-        on = ", hub kernels on" + (f" ({row['kernelized_layers']} layers replaced)"
-                                   if row.get("kernelized_layers") is not None else "")
-        rows.append(("exactness", f"{row['width']} {row['experts_impl']}{on if row.get('hub_kernels') else ''}",
-                     result))
+            result = row.get("unavailable") or (
+                f"own routes {fmt(row['own_routes_max_diff'])}, other routes {fmt(row['other_routes_max_diff'])}"
+            )
+        on = ", hub kernels on" + (
+            f" ({row['kernelized_layers']} layers replaced)" if row.get("kernelized_layers") is not None else ""
+        )
+        rows.append(
+            ("exactness", f"{row['width']} {row['experts_impl']}{on if row.get('hub_kernels') else ''}", result)
+        )
     proxy = "" if results.get("mode") == "full" else " (host reads, CPU proxy)"
     for row in results.get("syncs", {}).get("rows", []):
-        rows.append(("syncs", f"{row['width']} fwd+bwd",
-                     f"natural {fmt(row['natural'])}, replay {fmt(row['replay'])}{proxy}"))
+        rows.append(
+            ("syncs", f"{row['width']} fwd+bwd", f"natural {fmt(row['natural'])}, replay {fmt(row['replay'])}{proxy}")
+        )
     for row in results.get("timing", {}).get("rows", []):
         for kind, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
             r = row[kind]
-            rows.append(("timing", f"{row['width']} {label} replay/natural",
-                         f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}); {r['baseline'] * 1e3:.1f}/"
-                         f"{r['candidate'] * 1e3:.1f} ms"))
+            rows.append(
+                (
+                    "timing",
+                    f"{row['width']} {label} replay/natural",
+                    f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}); {r['baseline'] * 1e3:.1f}/"
+                    f"{r['candidate'] * 1e3:.1f} ms",
+                )
+            )
     gen = results.get("generate", {})
     if "recording_over_plain" in gen:
         r = gen["recording_over_plain"]
-        rows.append(("generate", "recording/plain",
-                     f"{spread(r)}; {r['baseline'] * 1e3:.0f}/{r['candidate'] * 1e3:.0f} ms; syncs per call "
-                     f"{fmt(gen['syncs_plain'])} -> {fmt(gen['syncs_recorded'])}{proxy}"))
+        rows.append(
+            (
+                "generate",
+                "recording/plain",
+                f"{spread(r)}; {r['baseline'] * 1e3:.0f}/{r['candidate'] * 1e3:.0f} ms; syncs per call "
+                f"{fmt(gen['syncs_plain'])} -> {fmt(gen['syncs_recorded'])}{proxy}",
+            )
+        )
     for row in results.get("sampler", {}).get("rows", []):
-        rows.append(("sampler", f"{row['layers']} layers",
-                     f"routers differ {row['router_decisions_differ']:.2%}, "
-                     f"tokens {row['tokens_any_layer_differs']:.1%}"
-                     f"; KL k3 {row['none']['kl_k3']:.3g} -> {row['r3']['kl_k3']:.3g}; max abs(dlogp) "
-                     f"{row['none']['max_abs_dlogp']:.3f} -> {row['r3']['max_abs_dlogp']:.3f}"))
+        rows.append(
+            (
+                "sampler",
+                f"{row['layers']} layers",
+                f"routers differ {row['router_decisions_differ']:.2%}, "
+                f"tokens {row['tokens_any_layer_differs']:.1%}"
+                f"; KL k3 {row['none']['kl_k3']:.3g} -> {row['r3']['kl_k3']:.3g}; max abs(dlogp) "
+                f"{row['none']['max_abs_dlogp']:.3f} -> {row['r3']['max_abs_dlogp']:.3f}",
+            )
+        )
     grpo = results.get("grpo", {})
-    for key, case in (("r3_over_none", "cycle r3/none, no correction"),
-                      ("correction_cost", "IS correction: r3 with/without")):
+    for key, case in (
+        ("r3_over_none", "cycle r3/none, no correction"),
+        ("correction_cost", "IS correction: r3 with/without"),
+    ):
         if key in grpo:
             r = grpo[key]
             rows.append(("grpo", case, f"{spread(r)}; {r['baseline'] * 1e3:.0f}/{r['candidate'] * 1e3:.0f} ms"))
@@ -771,8 +966,13 @@ def table(results: dict) -> list[tuple[str, str, str]]:
         rows.append(("expert_parallel", "skipped", ep["skipped"]))
     elif "ep_over_ddp" in ep:
         r = ep["ep_over_ddp"]
-        rows.append(("expert_parallel", f"R3 step EP/DDP, {ep['processes']} GPUs",
-                     f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f})"))
+        rows.append(
+            (
+                "expert_parallel",
+                f"R3 step EP/DDP, {ep['processes']} GPUs",
+                f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f})",
+            )
+        )
     for part, value in results.items():
         if isinstance(value, dict) and value.get("error"):
             rows.append((part, "ERROR", value["error"]))
@@ -783,28 +983,36 @@ def table(results: dict) -> list[tuple[str, str, str]]:
 
 def spread(r: dict) -> str:
     """A ``PairSpread``: median (min-max, interquartile range) over n ABBA pairs."""
-    return (f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}, IQR {r['q1']:.3f}-{r['q3']:.3f}, "
-            f"{r['pairs']} ABBA pairs)")
+    return (
+        f"{r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}, IQR {r['q1']:.3f}-{r['q3']:.3f}, {r['pairs']} ABBA pairs)"
+    )
 
 
 def does_not_fit(row: dict) -> str:
     if row["estimated"]:
-        return (f"does not fit at this size: needs {gib(row['needs_bytes'])} for one tensor, "
-                f"{gib(row['memory_bytes'])} free")
+        return (
+            f"does not fit at this size: needs {gib(row['needs_bytes'])} for one tensor, "
+            f"{gib(row['memory_bytes'])} free"
+        )
     return f"does not fit at this size: {row['message']}"
 
 
 def print_table(results: dict, env: dict) -> None:
-    print(f"\nGPU check, {env['device']}; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}; "
-          f"{env['date']}")
+    print(
+        f"\nGPU check, {env['device']}; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}; "
+        f"{env['date']}"
+    )
     print("| part | case | result |\n|---|---|---|")
     for part, case, result in table(results):
         print(f"| {part} | {case} | {result} |")
 
 
 def failures(results: dict) -> list[str]:
-    problems = [f"{part}: {value['error']}" for part, value in results.items()
-                if isinstance(value, dict) and value.get("error")]
+    problems = [
+        f"{part}: {value['error']}"
+        for part, value in results.items()
+        if isinstance(value, dict) and value.get("error")
+    ]
     rows = results.get("exactness", {}).get("rows", [])
     for width in sorted({row["width"] for row in rows}):
         if all("unavailable" in row or "does_not_fit" in row for row in rows if row["width"] == width):
@@ -839,13 +1047,21 @@ def main(argv=None) -> int:
     results: dict = {"mode": "smoke" if args.smoke else "full", "sizes": asdict(sizes)}
     parts = [
         (("exactness", "syncs", "timing"), lambda: part_widths(sizes, device, sizes.budgets, results)),
-        (("generate",), lambda: results.__setitem__("generate",
-                                                    part_generate(sizes, device, Budget(sizes.budgets["generate"])))),
-        (("sampler",), lambda: results.__setitem__("sampler",
-                                                   part_sampler(sizes, device, Budget(sizes.budgets["sampler"])))),
+        (
+            ("generate",),
+            lambda: results.__setitem__("generate", part_generate(sizes, device, Budget(sizes.budgets["generate"]))),
+        ),
+        (
+            ("sampler",),
+            lambda: results.__setitem__("sampler", part_sampler(sizes, device, Budget(sizes.budgets["sampler"]))),
+        ),
         (("grpo",), lambda: results.__setitem__("grpo", part_grpo(sizes, device, Budget(sizes.budgets["grpo"])))),
-        (("expert_parallel",), lambda: results.__setitem__("expert_parallel", part_expert_parallel(
-            args.smoke, sizes.budgets["expert_parallel"]))),
+        (
+            ("expert_parallel",),
+            lambda: results.__setitem__(
+                "expert_parallel", part_expert_parallel(args.smoke, sizes.budgets["expert_parallel"])
+            ),
+        ),
     ]
     for names, run in parts:
         part_start = time.monotonic()

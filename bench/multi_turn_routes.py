@@ -68,10 +68,17 @@ def conversation(url: str, turns: int, prompt: int, completion: int, tool: int, 
         if turn:
             sequence += [3] * tool  # the tool result, read by this turn's prefill
         start = held if incremental else 0
-        response = requests.post(f"{url}/v1/completions", json={
-            "model": "tiny-moe", "prompt": [sequence], "max_tokens": completion, "routed_experts_prompt_start": start,
-            "return_token_ids": True,
-        }, timeout=600)
+        response = requests.post(
+            f"{url}/v1/completions",
+            json={
+                "model": "tiny-moe",
+                "prompt": [sequence],
+                "max_tokens": completion,
+                "routed_experts_prompt_start": start,
+                "return_token_ids": True,
+            },
+            timeout=600,
+        )
         response.raise_for_status()
         choice = response.json()["choices"][0]
         payload_chars += len(choice["routed_experts"])
@@ -83,9 +90,16 @@ def conversation(url: str, turns: int, prompt: int, completion: int, tool: int, 
 
 
 def align(recorded, total: int, prompt: int, layers: int, top_k: int, experts: int) -> torch.Tensor:
-    return routes_from_engine([recorded], prompt_lengths=[prompt], completion_lengths=[total - prompt],
-                              prompt_width=prompt, completion_width=total - prompt, num_layers=layers, top_k=top_k,
-                              num_experts=experts)
+    return routes_from_engine(
+        [recorded],
+        prompt_lengths=[prompt],
+        completion_lengths=[total - prompt],
+        prompt_width=prompt,
+        completion_width=total - prompt,
+        num_layers=layers,
+        top_k=top_k,
+        num_experts=experts,
+    )
 
 
 def main():
@@ -104,15 +118,21 @@ def main():
         args.turns, args.pairs = 20, 3
     L, K, E = args.layers, args.top_k, args.experts
     max_length = args.prompt + args.turns * (args.completion + args.tool)
-    print(f"{platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, numpy "
-          f"{np.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"{args.turns} turns: prompt {args.prompt}, +{args.completion} generated, +{args.tool} tool tokens per "
-          f"turn; {L} layers x top-{K}, {E} experts (uint8)")
+    print(
+        f"{platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, numpy "
+        f"{np.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print(
+        f"{args.turns} turns: prompt {args.prompt}, +{args.completion} generated, +{args.tool} tool tokens per "
+        f"turn; {L} layers x top-{K}, {E} experts (uint8)"
+    )
 
     with FakeVLLMServer(tiny_moe_model("qwen3_moe")) as server:
         server.engine = CannedRoutesEngine(L, K, E, args.completion, max_length)
-        sides = {name: conversation(server.url, args.turns, args.prompt, args.completion, args.tool, name == "incr")
-                 for name in ("full", "incr")}
+        sides = {
+            name: conversation(server.url, args.turns, args.prompt, args.completion, args.tool, name == "incr")
+            for name in ("full", "incr")
+        }
         (full, total, full_chars, full_body), (incr, total_incr, incr_chars, incr_body) = sides["full"], sides["incr"]
         assert total == total_incr
         placed = align(full, total, args.prompt, L, K, E)
@@ -121,12 +141,16 @@ def main():
         positions = total - 1
         last = full[-1]  # the longest payload: the .npy header's share is smallest there
         per_token = len(last.rows) / (last.prompt_length + last.completion_length - 1)
-        print(f"wire: {per_token:.1f} base64 characters per routed token ({L * K} raw bytes: {L * K * 4 / 3:.0f} "
-              f"characters + the .npy header per payload); {positions} positions in the final sequence")
-        print(f"routed_experts characters received: full {full_chars / 1e6:.2f} MB "
-              f"({full_chars / positions / (L * K * 4 / 3):.2f} rows per position), incremental "
-              f"{incr_chars / 1e6:.2f} MB ({incr_chars / positions / (L * K * 4 / 3):.2f}); response bodies "
-              f"{full_body / 1e6:.2f} MB vs {incr_body / 1e6:.2f} MB")
+        print(
+            f"wire: {per_token:.1f} base64 characters per routed token ({L * K} raw bytes: {L * K * 4 / 3:.0f} "
+            f"characters + the .npy header per payload); {positions} positions in the final sequence"
+        )
+        print(
+            f"routed_experts characters received: full {full_chars / 1e6:.2f} MB "
+            f"({full_chars / positions / (L * K * 4 / 3):.2f} rows per position), incremental "
+            f"{incr_chars / 1e6:.2f} MB ({incr_chars / positions / (L * K * 4 / 3):.2f}); response bodies "
+            f"{full_body / 1e6:.2f} MB vs {incr_body / 1e6:.2f} MB"
+        )
         # the full prefix costs ~(turns + 1) / 2 rows per position, incremental ~1: the target leaves 1.5x of that
         target = round(3 / (args.turns + 1), 3)
         report("multi_turn_routes/route_bytes incremental/full", incr_chars / full_chars, target)
@@ -137,26 +161,40 @@ def main():
                 start = time.perf_counter()
                 fn()
                 return time.perf_counter() - start
+
             return run
 
-        times = abba_pairs({
-            "full": timed(lambda: align(full, total, args.prompt, L, K, E)),
-            "incr": timed(lambda: align(incr, total, args.prompt, L, K, E)),
-        }, pairs=args.pairs)
+        times = abba_pairs(
+            {
+                "full": timed(lambda: align(full, total, args.prompt, L, K, E)),
+                "incr": timed(lambda: align(incr, total, args.prompt, L, K, E)),
+            },
+            pairs=args.pairs,
+        )
         spread = pair_spread(times, "full", "incr")
-        print(f"decode+align: full {spread.baseline * 1e3:.1f} ms, incremental {spread.candidate * 1e3:.1f} ms per "
-              f"conversation; ratio median {spread.median:.3f} [{spread.low:.3f}, {spread.high:.3f}] over "
-              f"{spread.pairs} pairs")
+        print(
+            f"decode+align: full {spread.baseline * 1e3:.1f} ms, incremental {spread.candidate * 1e3:.1f} ms per "
+            f"conversation; ratio median {spread.median:.3f} [{spread.low:.3f}, {spread.high:.3f}] over "
+            f"{spread.pairs} pairs"
+        )
         report("multi_turn_routes/decode+align incremental/full", spread.median, 0.5)
 
-        trips = abba_pairs({
-            name: timed(lambda name=name: conversation(server.url, args.turns, args.prompt, args.completion,
-                                                       args.tool, name == "incr"))
-            for name in ("full", "incr")
-        }, pairs=max(1, args.pairs // 2))
+        trips = abba_pairs(
+            {
+                name: timed(
+                    lambda name=name: conversation(
+                        server.url, args.turns, args.prompt, args.completion, args.tool, name == "incr"
+                    )
+                )
+                for name in ("full", "incr")
+            },
+            pairs=max(1, args.pairs // 2),
+        )
         spread = pair_spread(trips, "full", "incr")
-        print(f"round trips ({args.turns} requests): full {spread.baseline:.2f} s, incremental {spread.candidate:.2f} s;"
-              f" ratio median {spread.median:.3f} [{spread.low:.3f}, {spread.high:.3f}] over {spread.pairs} pairs")
+        print(
+            f"round trips ({args.turns} requests): full {spread.baseline:.2f} s, incremental {spread.candidate:.2f} s;"
+            f" ratio median {spread.median:.3f} [{spread.low:.3f}, {spread.high:.3f}] over {spread.pairs} pairs"
+        )
         report("multi_turn_routes/round_trips incremental/full", spread.median, 0.5)
 
 

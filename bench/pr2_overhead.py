@@ -54,8 +54,15 @@ def main() -> None:
         args.hidden, args.layers, args.experts, args.batch, args.seq, args.repeats = 128, 4, 16, 4, 128, 5
     torch.set_num_threads(args.threads)
 
-    model = bench_moe(args.hidden, args.layers, args.experts, args.top_k, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=args.hidden // 8).train()
+    model = bench_moe(
+        args.hidden,
+        args.layers,
+        args.experts,
+        args.top_k,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+    ).train()
     rr = RouterReplay(model)
     pr2 = PredictiveRoutingReplay(rr, cached_tokens_per_sequence=args.cached, rollout_prediction=False)
     generator = torch.Generator().manual_seed(0)
@@ -97,23 +104,35 @@ def main() -> None:
             (loss + predictor_loss).backward()  # one backward for both losses, as in the trainer
         optimizer.step()
 
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "
-          f"batch {args.batch}x{args.seq} ({completion} completion positions); torch threads {torch.get_num_threads()}")
-    print(f"cache: {cached_tokens} tokens, {cache_bytes / cached_tokens / 1024:.1f} KiB per cached token "
-          f"({args.layers} x (hidden {args.hidden} x fp32 + {args.experts} x fp32))")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "
+        f"batch {args.batch}x{args.seq} ({completion} completion positions); torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"cache: {cached_tokens} tokens, {cache_bytes / cached_tokens / 1024:.1f} KiB per cached token "
+        f"({args.layers} x (hidden {args.hidden} x fp32 + {args.experts} x fp32))"
+    )
     result = interleaved_ratio(cpu_timer(old_pass_r2), cpu_timer(old_pass_pr2), args.repeats)
-    print(f"old-logprob pass     R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
-          f"ratio PR2/R2 = {result.median:.3f}")
+    print(
+        f"old-logprob pass     R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
+        f"ratio PR2/R2 = {result.median:.3f}"
+    )
     report("PR2 old-logprob pass / R2", result.median, 1.10)
     result = interleaved_ratio(cpu_timer(step_r2), cpu_timer(step_pr2), args.repeats)
-    print(f"training micro-step  R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
-          f"ratio PR2/R2 = {result.median:.3f}")
+    print(
+        f"training micro-step  R2 {result.baseline:.3f}s  PR2 {result.candidate:.3f}s  "
+        f"ratio PR2/R2 = {result.median:.3f}"
+    )
     report("PR2 training micro-step / R2", result.median, 1.10)
 
     model.eval()
     prompts = x[:, :64]
-    generate_kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
-                           min_new_tokens=args.new_tokens, do_sample=False)
+    generate_kwargs = dict(
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
+    )
 
     def generate_recorded():
         with torch.no_grad(), rr.record():
@@ -124,8 +143,10 @@ def main() -> None:
             model.generate(prompts, **generate_kwargs)
 
     result = interleaved_ratio(cpu_timer(generate_recorded), cpu_timer(generate_steered), args.repeats)
-    print(f"generate             recording {result.baseline:.3f}s  steered {result.candidate:.3f}s  "
-          f"ratio steered/recording = {result.median:.3f}")
+    print(
+        f"generate             recording {result.baseline:.3f}s  steered {result.candidate:.3f}s  "
+        f"ratio steered/recording = {result.median:.3f}"
+    )
     report("PR2 steered generate / recording", result.median, 1.10)
 
 

@@ -68,22 +68,39 @@ def train_side(dtype: torch.dtype, size: dict, steps: int, lr: float, on_gpu: bo
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     clock = StepClock()
     config = MoEReplayGRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=not on_gpu, bf16=on_gpu, report_to="none", learning_rate=lr,
-        per_device_train_batch_size=size["batch"], num_generations=8, max_completion_length=size["completion"],
-        max_steps=steps, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, routing_replay="r3",
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=not on_gpu,
+        bf16=on_gpu,
+        report_to="none",
+        learning_rate=lr,
+        per_device_train_batch_size=size["batch"],
+        num_generations=8,
+        max_completion_length=size["completion"],
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        routing_replay="r3",
     )
     prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
-    trainer = MoEReplayGRPOTrainer(model=model, reward_funcs=_reward_len, args=config, callbacks=[clock],
-                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
-                                   processing_class=tiny_tokenizer())
+    trainer = MoEReplayGRPOTrainer(
+        model=model,
+        reward_funcs=_reward_len,
+        args=config,
+        callbacks=[clock],
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tiny_tokenizer(),
+    )
     trainer.train()
     changed = total = 0
     for name, param in trainer.model.named_parameters():
         if name in before:
             changed += int((param.detach() != before[name]).sum())
             total += param.numel()
-    logged = [entry["precision/updated_frac"] for entry in trainer.state.log_history
-              if "precision/updated_frac" in entry]
+    logged = [
+        entry["precision/updated_frac"] for entry in trainer.state.log_history if "precision/updated_frac" in entry
+    ]
     return {
         "dtype": str(dtype),
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
@@ -102,25 +119,38 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.smoke
-    size = (dict(hidden=64, layers=2, experts=8, top_k=2, batch=8, completion=8) if args.smoke else
-            dict(hidden=1024, layers=8, experts=32, top_k=4, batch=32, completion=64))
+    size = (
+        dict(hidden=64, layers=2, experts=8, top_k=2, batch=8, completion=8)
+        if args.smoke
+        else dict(hidden=1024, layers=8, experts=32, top_k=4, batch=32, completion=64)
+    )
     runs = {name: [] for name in SIDES}
     for name in ["bf16 in place", "fp32 masters", "fp32 masters", "bf16 in place"]:  # ABBA
         runs[name].append(train_side(SIDES[name], size, args.steps, args.lr, on_gpu))
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                     "trl": __import__("trl").__version__},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "trl": __import__("trl").__version__,
+        },
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "size": size, "lr": args.lr, "steps": args.steps,
-        "sides": {name: {
-            "runs": side,
-            "changed_frac_after_all_steps": [run["changed_frac_after_all_steps"] for run in side],
-            "probe_updated_frac_step1": [run["probe_updated_frac"][0] for run in side if run["probe_updated_frac"]],
-            "peak_memory_gib": max((run["peak_memory_gib"] or 0) for run in side) if on_gpu else None,
-            # the first step carries warm-up (kernels, allocator): the median of the later ones
-            "median_step_seconds": statistics.median(t for run in side for t in run["step_seconds"][1:]),
-        } for name, side in runs.items()},
+        "size": size,
+        "lr": args.lr,
+        "steps": args.steps,
+        "sides": {
+            name: {
+                "runs": side,
+                "changed_frac_after_all_steps": [run["changed_frac_after_all_steps"] for run in side],
+                "probe_updated_frac_step1": [
+                    run["probe_updated_frac"][0] for run in side if run["probe_updated_frac"]
+                ],
+                "peak_memory_gib": max((run["peak_memory_gib"] or 0) for run in side) if on_gpu else None,
+                # the first step carries warm-up (kernels, allocator): the median of the later ones
+                "median_step_seconds": statistics.median(t for run in side for t in run["step_seconds"][1:]),
+            }
+            for name, side in runs.items()
+        },
     }
     base, masters = result["sides"]["bf16 in place"], result["sides"]["fp32 masters"]
     result["step_time_ratio_fp32_masters_over_bf16"] = masters["median_step_seconds"] / base["median_step_seconds"]

@@ -52,18 +52,51 @@ from trl_moe_replay.testing import TINY_VOCAB_SIZE, tiny_moe_model
 
 # Published decoder-layer dimensions (the models' config.json on the Hub), and their full depth.
 MODELS = {
-    "qwen3": ("Qwen3-30B-A3B", "qwen3_moe", 48, dict(
-        hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, norm_topk_prob=True,
-    )),
-    "olmoe": ("OLMoE-1B-7B", "olmoe", 16, dict(
-        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, head_dim=128, num_experts=64,
-        num_experts_per_tok=8, intermediate_size=1024, norm_topk_prob=False,
-    )),
-    "mixtral": ("Mixtral-8x7B", "mixtral", 32, dict(
-        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, num_local_experts=8,
-        num_experts_per_tok=2, intermediate_size=14336,
-    )),
+    "qwen3": (
+        "Qwen3-30B-A3B",
+        "qwen3_moe",
+        48,
+        dict(
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            intermediate_size=6144,
+            norm_topk_prob=True,
+        ),
+    ),
+    "olmoe": (
+        "OLMoE-1B-7B",
+        "olmoe",
+        16,
+        dict(
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=128,
+            num_experts=64,
+            num_experts_per_tok=8,
+            intermediate_size=1024,
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": (
+        "Mixtral-8x7B",
+        "mixtral",
+        32,
+        dict(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=14336,
+        ),
+    ),
 }
 VLLM_PUBLISHED_CAPTURE = 0.02  # vLLM's reported cost of routed-experts capture on GPU
 
@@ -74,8 +107,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=1, help="decoder layers built (the width is never shrunk)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (one sequence)")
     parser.add_argument("--rounds", type=int, default=3, help="timed ABBA rounds per comparison")
-    parser.add_argument("--freeze-experts", nargs="*", choices=sorted(MODELS), default=["mixtral"],
-                        help="models whose expert weights get no gradient (memory; see above)")
+    parser.add_argument(
+        "--freeze-experts",
+        nargs="*",
+        choices=sorted(MODELS),
+        default=["mixtral"],
+        help="models whose expert weights get no gradient (memory; see above)",
+    )
     parser.add_argument("--quick", action="store_true", help="1,024 tokens, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -85,8 +123,14 @@ def parse_args() -> argparse.Namespace:
 
 def build(key: str, layers: int, freeze_experts: bool):
     name, model_type, full_depth, dims = MODELS[key]
-    model = tiny_moe_model(model_type, num_hidden_layers=layers, max_position_embeddings=32768,
-                           router_aux_loss_coef=0.0, attn_implementation="sdpa", **dims).train()
+    model = tiny_moe_model(
+        model_type,
+        num_hidden_layers=layers,
+        max_position_embeddings=32768,
+        router_aux_loss_coef=0.0,
+        attn_implementation="sdpa",
+        **dims,
+    ).train()
     if freeze_experts:
         for module_name, param in model.named_parameters():
             if ".experts." in module_name:
@@ -100,10 +144,16 @@ def router_timer(replay: RouterReplay):
     handles = []
     for router in replay.routers().values():
         starts = []  # this router's own (bound per hook: each router pairs its start with its end)
-        handles.append(router.register_forward_pre_hook(
-            lambda m, a, starts=starts: starts.append(time.perf_counter()), prepend=True))
-        handles.append(router.register_forward_hook(
-            lambda m, a, o, starts=starts: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop())))
+        handles.append(
+            router.register_forward_pre_hook(
+                lambda m, a, starts=starts: starts.append(time.perf_counter()), prepend=True
+            )
+        )
+        handles.append(
+            router.register_forward_hook(
+                lambda m, a, o, starts=starts: spent.__setitem__(0, spent[0] + time.perf_counter() - starts.pop())
+            )
+        )
     return spent, handles
 
 
@@ -117,9 +167,12 @@ def measure_model(key: str, args) -> dict:
         model(x)
     routes = recording.routes
     params = sum(p.numel() for p in model.parameters())
-    print(f"\n{name}: {args.layers} of {full_depth} layers at full width (hidden {config.hidden_size}, {experts} "
-          f"experts top-{top_k}), {params / 1e9:.2f} B parameters fp32, {args.tokens} tokens"
-          + ("; expert weights frozen" if key in args.freeze_experts else ""), flush=True)
+    print(
+        f"\n{name}: {args.layers} of {full_depth} layers at full width (hidden {config.hidden_size}, {experts} "
+        f"experts top-{top_k}), {params / 1e9:.2f} B parameters fp32, {args.tokens} tokens"
+        + ("; expert weights frozen" if key in args.freeze_experts else ""),
+        flush=True,
+    )
 
     def fwd_bwd(replayed: bool):
         def run():
@@ -128,6 +181,7 @@ def measure_model(key: str, args) -> dict:
                     model(x, labels=x).loss.backward()
             else:
                 model(x, labels=x).loss.backward()
+
         return run
 
     def fwd(replayed: bool):
@@ -138,6 +192,7 @@ def measure_model(key: str, args) -> dict:
                         model(x)
                 else:
                     model(x)
+
         return run
 
     def zeroed(fn):  # gradients stay allocated (first call allocates them, in the warm-up round); zeroed untimed
@@ -146,22 +201,29 @@ def measure_model(key: str, args) -> dict:
                 if p.grad is not None:
                     p.grad.zero_()
             return timer(fn)(round_)
+
         return run
 
     result = {"name": name, "L": full_depth, "K": top_k, "E": experts, "layers": args.layers}
     fb = interleaved_ratio(zeroed(fwd_bwd(False)), zeroed(fwd_bwd(True)), args.rounds)
-    print(f"  fwd+bwd  natural {fb.baseline:.2f}s replay {fb.candidate:.2f}s: replay/natural {fb.median:.3f} "
-          f"(min {fb.low:.3f}, max {fb.high:.3f})", flush=True)
+    print(
+        f"  fwd+bwd  natural {fb.baseline:.2f}s replay {fb.candidate:.2f}s: replay/natural {fb.median:.3f} "
+        f"(min {fb.low:.3f}, max {fb.high:.3f})",
+        flush=True,
+    )
     report(f"{name} replay fwd+bwd / natural ({args.layers} layer, {args.tokens} tokens)", fb.median, 1.00)
     fo = interleaved_ratio(timer(fwd(False)), timer(fwd(True)), args.rounds)
-    print(f"  fwd      natural {fo.baseline:.2f}s replay {fo.candidate:.2f}s: replay/natural {fo.median:.3f} "
-          f"(min {fo.low:.3f}, max {fo.high:.3f})", flush=True)
+    print(
+        f"  fwd      natural {fo.baseline:.2f}s replay {fo.candidate:.2f}s: replay/natural {fo.median:.3f} "
+        f"(min {fo.low:.3f}, max {fo.high:.3f})",
+        flush=True,
+    )
     model.zero_grad(set_to_none=True)
 
     spent, handles = router_timer(replay)
     hook_times = {False: [], True: []}
     for round_ in range(2 * args.rounds + 1):
-        for replayed in ((False, True) if round_ % 2 else (True, False)):
+        for replayed in (False, True) if round_ % 2 else (True, False):
             spent[0] = 0.0
             fwd(replayed)()
             if round_:
@@ -169,8 +231,11 @@ def measure_model(key: str, args) -> dict:
     for handle in handles:
         handle.remove()
     router_nat, router_rep = (statistics.median(hook_times[r]) for r in (False, True))
-    print(f"  router per layer (forward): natural {router_nat * 1e3:.2f} ms, with replay hook "
-          f"{router_rep * 1e3:.2f} ms: hook {1e3 * (router_rep - router_nat):+.2f} ms", flush=True)
+    print(
+        f"  router per layer (forward): natural {router_nat * 1e3:.2f} ms, with replay hook "
+        f"{router_rep * 1e3:.2f} ms: hook {1e3 * (router_rep - router_nat):+.2f} ms",
+        flush=True,
+    )
 
     # what one forward validates, and what one sample's alignment costs, at the full model's depth
     full_routes = routes[:, :, :1].expand(-1, -1, full_depth, -1).contiguous()
@@ -181,48 +246,77 @@ def measure_model(key: str, args) -> dict:
     rows = full_routes[0, :-1].numpy().astype(engine_dtype(experts))  # an engine's [p + c - 1, L, K] rows
     out = torch.empty((1, args.tokens, full_depth, top_k), dtype=full_routes.dtype)
     copy_dst = np.empty_like(rows)
-    layout = dict(prompt_lengths=[1], completion_lengths=[args.tokens - 1], prompt_width=1,
-                  completion_width=args.tokens - 1, num_layers=full_depth, top_k=top_k, num_experts=experts)
-    align = interleaved_ratio(timer(lambda: np.copyto(copy_dst, rows)),
-                              timer(lambda: routes_from_engine([rows], **layout, out=out)), 7)
-    print(f"  validate_routes at full depth: {validate * 1e3:.2f} ms per forward; align one sample "
-          f"{align.candidate * 1e3:.2f} ms = {align.median:.2f}x a copy", flush=True)
+    layout = dict(
+        prompt_lengths=[1],
+        completion_lengths=[args.tokens - 1],
+        prompt_width=1,
+        completion_width=args.tokens - 1,
+        num_layers=full_depth,
+        top_k=top_k,
+        num_experts=experts,
+    )
+    align = interleaved_ratio(
+        timer(lambda: np.copyto(copy_dst, rows)), timer(lambda: routes_from_engine([rows], **layout, out=out)), 7
+    )
+    print(
+        f"  validate_routes at full depth: {validate * 1e3:.2f} ms per forward; align one sample "
+        f"{align.candidate * 1e3:.2f} ms = {align.median:.2f}x a copy",
+        flush=True,
+    )
     model = replay = None  # frees the model before the next one is built (not del: the closures above share them)
     gc.collect()
 
     per_token = {  # seconds per token, whole model
         "train": full_depth * (fb.baseline + 2 * fo.baseline) / args.layers / args.tokens,
-        "replay": full_depth * ((fb.candidate - fb.baseline) + 2 * (fo.candidate - fo.baseline))
-        / args.layers / args.tokens,
+        "replay": full_depth
+        * ((fb.candidate - fb.baseline) + 2 * (fo.candidate - fo.baseline))
+        / args.layers
+        / args.tokens,
         "align": align.candidate / args.tokens,
         "validate": 3 * validate / args.tokens,
     }
-    result.update(fb=fb, fo=fo, hook=router_rep - router_nat, router=router_nat, validate=validate, align=align,
-                  per_token=per_token, bytes=full_depth * top_k)
+    result.update(
+        fb=fb,
+        fo=fo,
+        hook=router_rep - router_nat,
+        router=router_nat,
+        validate=validate,
+        align=align,
+        per_token=per_token,
+        bytes=full_depth * top_k,
+    )
     return result
 
 
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    print(f"load average at start: {'/'.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores); "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.tokens} tokens per micro-batch, "
-          f"{args.rounds} rounds")
+    print(
+        f"load average at start: {'/'.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.tokens} tokens per micro-batch, "
+        f"{args.rounds} rounds"
+    )
     results = [measure_model(key, args) for key in args.models]
 
     print("\nProjection to the whole model (per token; method in docs/benchmarks.md)")
-    print(f"{'model':<15}{'L x K':>7}{'B/token':>9}{'fwd+bwd':>9}{'fwd':>7}{'train us':>10}{'replay us':>11}"
-          f"{'align us':>10}{'valid. us':>10}{'c_train':>9}{'vLLM c_gen':>11}")
+    print(
+        f"{'model':<15}{'L x K':>7}{'B/token':>9}{'fwd+bwd':>9}{'fwd':>7}{'train us':>10}{'replay us':>11}"
+        f"{'align us':>10}{'valid. us':>10}{'c_train':>9}{'vLLM c_gen':>11}"
+    )
     for r in results:
         t = r["per_token"]
         extra = t["replay"] + t["align"] + t["validate"]
-        print(f"{r['name']:<15}{r['L']:>4}x{r['K']:<2}{r['bytes']:>9}{r['fb'].median:>9.3f}{r['fo'].median:>7.3f}"
-              f"{t['train'] * 1e6:>10.1f}{t['replay'] * 1e6:>11.2f}{t['align'] * 1e6:>10.3f}"
-              f"{t['validate'] * 1e6:>10.3f}{extra / t['train']:>9.2%}{VLLM_PUBLISHED_CAPTURE:>11.0%}")
-    print("B/token: one-byte route ids per routed token (engine rows and batch routes; x4/3 in base64 on the wire). "
-          "fwd+bwd, fwd: replay/natural (target <= 1.00). c_train = (replay + align + validate) / train, per "
-          "token; the whole step lies between c_train and vLLM's published capture cost, whatever the "
-          "generation share.")
+        print(
+            f"{r['name']:<15}{r['L']:>4}x{r['K']:<2}{r['bytes']:>9}{r['fb'].median:>9.3f}{r['fo'].median:>7.3f}"
+            f"{t['train'] * 1e6:>10.1f}{t['replay'] * 1e6:>11.2f}{t['align'] * 1e6:>10.3f}"
+            f"{t['validate'] * 1e6:>10.3f}{extra / t['train']:>9.2%}{VLLM_PUBLISHED_CAPTURE:>11.0%}"
+        )
+    print(
+        "B/token: one-byte route ids per routed token (engine rows and batch routes; x4/3 in base64 on the wire). "
+        "fwd+bwd, fwd: replay/natural (target <= 1.00). c_train = (replay + align + validate) / train, per "
+        "token; the whole step lies between c_train and vLLM's published capture cost, whatever the "
+        "generation share."
+    )
     print(f"load average at end: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

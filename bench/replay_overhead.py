@@ -34,8 +34,15 @@ def main() -> None:
     if args.quick:
         args.hidden, args.layers, args.experts, args.batch, args.seq, args.repeats = 128, 4, 16, 4, 128, 5
 
-    model = bench_moe(args.hidden, args.layers, args.experts, args.top_k, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=args.hidden // 8).train()
+    model = bench_moe(
+        args.hidden,
+        args.layers,
+        args.experts,
+        args.top_k,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=args.hidden // 8,
+    ).train()
     rr = RouterReplay(model)
     x = torch.randint(6, TINY_VOCAB_SIZE, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), rr.record() as rec:
@@ -51,17 +58,25 @@ def main() -> None:
         with rr.replay(routes):
             model(x, labels=x).loss.backward()
 
-    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "
-          f"batch {args.batch}x{args.seq}; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, top-{args.top_k}; "
+        f"batch {args.batch}x{args.seq}; torch threads {torch.get_num_threads()}"
+    )
     result = interleaved_ratio(timer(step_natural), timer(step_replay), args.repeats)
-    print(f"forward+backward  natural {result.baseline:.3f}s  replay {result.candidate:.3f}s  "
-          f"ratio replay/natural = {result.median:.3f}")
+    print(
+        f"forward+backward  natural {result.baseline:.3f}s  replay {result.candidate:.3f}s  "
+        f"ratio replay/natural = {result.median:.3f}"
+    )
     report("replay fwd+bwd / natural (tiny model)", result.median, 1.00)
 
     model.eval()
     prompts = x[:, :64]
-    generate_kwargs = dict(attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
-                           min_new_tokens=args.new_tokens, do_sample=False)
+    generate_kwargs = dict(
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
+    )
 
     def generate_plain():
         with torch.no_grad():
@@ -72,8 +87,10 @@ def main() -> None:
             model.generate(prompts, **generate_kwargs)
 
     result = interleaved_ratio(timer(generate_plain), timer(generate_recorded), args.repeats)
-    print(f"generate          plain {result.baseline:.3f}s  recording {result.candidate:.3f}s  "
-          f"ratio recording/plain = {result.median:.3f}")
+    print(
+        f"generate          plain {result.baseline:.3f}s  recording {result.candidate:.3f}s  "
+        f"ratio recording/plain = {result.median:.3f}"
+    )
     report("HF generate recording / plain", result.median, 1.03)
 
 

@@ -40,7 +40,7 @@ def medians(cases: dict, repeats: int, before=lambda: None) -> dict:
     """Median seconds of each case, in alternating order (ABBA...), ``before()`` untimed ahead of every call."""
     times = {name: [] for name in cases}
     for r in range(repeats):
-        for name in (list(cases) if r % 2 else list(cases)[::-1]):
+        for name in list(cases) if r % 2 else list(cases)[::-1]:
             before()
             start = time.perf_counter()
             cases[name]()
@@ -103,14 +103,23 @@ def main() -> None:
     prompts = rng.integers(192, 257, args.batch).tolist()
     counts = [p + args.completion - 1 for p in prompts]
     flat, offsets, rows = engine_batch(rng, counts, LAYERS, TOP_K, EXPERTS)
-    layout = dict(prompt_lengths=prompts, completion_lengths=[args.completion] * args.batch, prompt_width=256,
-                  completion_width=args.completion, num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS)
+    layout = dict(
+        prompt_lengths=prompts,
+        completion_lengths=[args.completion] * args.batch,
+        prompt_width=256,
+        completion_width=args.completion,
+        num_layers=LAYERS,
+        top_k=TOP_K,
+        num_experts=EXPERTS,
+    )
     out = torch.empty((args.batch, 256 + args.completion, LAYERS, TOP_K), dtype=torch.uint8)
     copy_dst = np.empty_like(flat)
     moe = list(range(LAYERS))
-    print(f"load average at start: {'/'.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cpus); "
-          f"{args.batch} samples x ~{counts[0]} tokens x {LAYERS} x top-{TOP_K} uint8 = {flat.nbytes / 2**20:.0f} MiB; "
-          f"block {codec._CHECK_CHUNK_ROWS} routes")
+    print(
+        f"load average at start: {'/'.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cpus); "
+        f"{args.batch} samples x ~{counts[0]} tokens x {LAYERS} x top-{TOP_K} uint8 = {flat.nbytes / 2**20:.0f} MiB; "
+        f"block {codec._CHECK_CHUNK_ROWS} routes"
+    )
 
     def copy_batch():
         for r, o in zip(rows, offsets[:-1], strict=True):
@@ -133,12 +142,14 @@ def main() -> None:
     default_block = codec._CHECK_CHUNK_ROWS
     blocks = {"copy": copy_batch}
     for block in (1 << 13, 1 << 15, 1 << 16, 1 << 17):
+
         def search(block=block):
             codec._CHECK_CHUNK_ROWS = block
             try:
                 list(pool.map(lambda r: codec._first_repeated_row(r, moe), rows))
             finally:
                 codec._CHECK_CHUNK_ROWS = default_block
+
         blocks[f"search, 2 threads, {block >> 10}k-route blocks"] = search
     found = medians(blocks, args.repeats)
     show("blocks: the repeated-id search alone, back to back", found, found["copy"])
@@ -152,8 +163,9 @@ def main() -> None:
         f"{TOP_K - 1} shifted comparisons": lambda: [
             np.equal(block[:n], block[s : n + s], out=same[s - 1]) for s in range(1, TOP_K)
         ],
-        "OR-reduction of their results": lambda: np.bitwise_or.reduce(same.view(np.uint64).reshape(TOP_K - 1, -1),
-                                                                     axis=1),
+        "OR-reduction of their results": lambda: np.bitwise_or.reduce(
+            same.view(np.uint64).reshape(TOP_K - 1, -1), axis=1
+        ),
         "range check (max)": lambda: block[:n].max(),
     }
     part_times = medians(parts, 4 * args.repeats)
@@ -168,12 +180,14 @@ def main() -> None:
         "slot-major": lambda: slot_major_search(sample_flat.reshape(-1, TOP_K), 1 << 14, TOP_K),
     }
     if args.compile:
+
         def pairwise(x):
             bad = torch.zeros(x.shape[0], dtype=torch.bool)
             for a in range(x.shape[1]):
                 for b in range(a + 1, x.shape[1]):
                     bad = bad | (x[:, a] == x[:, b])
             return bad.any()
+
         compiled = torch.compile(pairwise, dynamic=True)
         routes = torch.from_numpy(sample_flat.reshape(-1, TOP_K))
         start = time.perf_counter()
@@ -187,8 +201,11 @@ def main() -> None:
     assert codec._first_repeated_row(planted.reshape(sample.shape), moe) == divmod(1000, LAYERS)
     assert xor_min_search(planted, 1 << 18, TOP_K) and slot_major_search(planted.reshape(-1, TOP_K), 1 << 14, TOP_K)
     variant_times = medians(variants, 2 * args.repeats)
-    show(f"variants: one sample ({sample.shape[0]} x {LAYERS} routes)", variant_times,
-         variant_times["copy of the sample"])
+    show(
+        f"variants: one sample ({sample.shape[0]} x {LAYERS} routes)",
+        variant_times,
+        variant_times["copy of the sample"],
+    )
     print(f"\nload average at end: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

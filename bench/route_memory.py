@@ -86,8 +86,9 @@ def client(args: argparse.Namespace, url: str, rank: int, init_file: str, result
     from trl_moe_replay.upstream.trl_seam import http_vllm_client
 
     if args.world > 1:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                             world_size=args.world)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world
+        )
     main_process = rank == 0
     vllm_client = http_vllm_client(url, connection_timeout=60) if main_process else None
     generation = SimpleNamespace(mode="server", generation_kwargs={}, vllm_client=vllm_client)
@@ -136,8 +137,9 @@ def main() -> None:
     url = url_queue.get(timeout=300)
     init_file = tempfile.mktemp(prefix="route_memory_pg_")
     try:
-        ranks = [ctx.Process(target=client, args=(args, url, rank, init_file, result_queue))
-                 for rank in range(args.world)]
+        ranks = [
+            ctx.Process(target=client, args=(args, url, rank, init_file, result_queue)) for rank in range(args.world)
+        ]
         for rank in ranks:
             rank.start()
         for rank in ranks:
@@ -155,12 +157,16 @@ def main() -> None:
     from trl_moe_replay.routing.codec import engine_dtype
 
     mib = 2**20
-    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs; python {platform.python_version()}, "
-          f"trl {trl.__version__}, requests {requests.__version__}, numpy {np.__version__}")
+    print(
+        f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} CPUs; python {platform.python_version()}, "
+        f"trl {trl.__version__}, requests {requests.__version__}, numpy {np.__version__}"
+    )
     decoded = (args.prompt + args.completion - 1) * args.layers * args.top_k * args.batch // args.world * args.world
     decoded = 0 if args.no_routes else decoded * np.dtype(engine_dtype(args.experts)).itemsize
-    print(f"batch {args.batch} x ({args.prompt} + {args.completion}) tokens, {args.layers} layers, top-{args.top_k}, "
-          f"{args.experts} experts, {args.world} rank(s){' (no routes)' if args.no_routes else ''}")
+    print(
+        f"batch {args.batch} x ({args.prompt} + {args.completion}) tokens, {args.layers} layers, top-{args.top_k}, "
+        f"{args.experts} experts, {args.world} rank(s){' (no routes)' if args.no_routes else ''}"
+    )
     print(f"decoded route bytes : {decoded / mib:9.1f} MiB  (base64 received {chars / mib:.1f} MiB)")
     print(f"rank 0 peak extra   : {extra / mib:9.1f} MiB")
     if decoded:

@@ -126,8 +126,9 @@ def main() -> None:
         num_experts=args.experts,
     )
     # Sanity: the aligned tensor holds the engine rows where they belong.
-    check = routes_from_engine(payloads[:2], **{**layout, "prompt_lengths": prompt_lengths[:2],
-                                                "completion_lengths": completion_lengths[:2]})
+    check = routes_from_engine(
+        payloads[:2], **{**layout, "prompt_lengths": prompt_lengths[:2], "completion_lengths": completion_lengths[:2]}
+    )
     lo = args.prompt - prompt_lengths[1]
     assert torch.equal(check[1, lo : lo + counts[1]].long(), torch.from_numpy(rows[1].astype(np.int64)))
     del check

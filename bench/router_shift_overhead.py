@@ -68,23 +68,34 @@ def main():
 
     gspo, gspo_batch = build("gspo")
     rspo, rspo_batch = build("rspo")
-    print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
-          f"16 completions x {args.completion} tokens; num_iterations=2; r3; CPU seconds (process_time)")
+    print(
+        f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
+        f"16 completions x {args.completion} tokens; num_iterations=2; r3; CPU seconds (process_time)"
+    )
     # CPU seconds of this process (all threads): less sensitive to other processes' load than wall time
-    cycle = interleaved_ratio(lambda seed: one_cycle(gspo, gspo_batch, seed, time.process_time),
-                              lambda seed: one_cycle(rspo, rspo_batch, seed, time.process_time), args.rounds)
-    print(f"full cycle ({args.rounds} rounds): gspo {cycle.baseline:.3f}s  rspo {cycle.candidate:.3f}s  "
-          f"ratio rspo/gspo median {cycle.median:.3f} (min {cycle.low:.3f}, max {cycle.high:.3f})")
+    cycle = interleaved_ratio(
+        lambda seed: one_cycle(gspo, gspo_batch, seed, time.process_time),
+        lambda seed: one_cycle(rspo, rspo_batch, seed, time.process_time),
+        args.rounds,
+    )
+    print(
+        f"full cycle ({args.rounds} rounds): gspo {cycle.baseline:.3f}s  rspo {cycle.candidate:.3f}s  "
+        f"ratio rspo/gspo median {cycle.median:.3f} (min {cycle.low:.3f}, max {cycle.high:.3f})"
+    )
     report("RSPO cycle / GSPO cycle (CPU time)", cycle.median, 1.05)
     rounds = 5 * args.rounds  # the micro-steps reuse the batches the cycles buffered
     step = interleaved_ratio(lambda _: one_update(gspo), lambda _: one_update(rspo), rounds)
-    print(f"training micro-step ({rounds} rounds): gspo {step.baseline:.4f}s  rspo {step.candidate:.4f}s  "
-          f"ratio rspo/gspo median {step.median:.3f} (min {step.low:.3f}, max {step.high:.3f})")
+    print(
+        f"training micro-step ({rounds} rounds): gspo {step.baseline:.4f}s  rspo {step.candidate:.4f}s  "
+        f"ratio rspo/gspo median {step.median:.3f} (min {step.low:.3f}, max {step.high:.3f})"
+    )
     replayed = rspo.replayed_routes(rspo._buffered_inputs[0])  # held by the trainer; the batch carries route_rows
     routes = replayed.numel() * replayed.element_size() if replayed is not None else 0
     extra = held_bytes(rspo, "old_router_ids", "old_router_probs")
-    print(f"per micro-batch: replayed routes {routes} bytes, old_router_ids + old_router_probs {extra} bytes "
-          f"({extra / max(routes, 1):.1f}x)")
+    print(
+        f"per micro-batch: replayed routes {routes} bytes, old_router_ids + old_router_probs {extra} bytes "
+        f"({extra / max(routes, 1):.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,10 @@ def main() -> None:
             print(f"  {match['name']}: {value:.3f} (target {op} {target:g})", flush=True)
 
     print()
-    print(f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()}, {os.cpu_count()} CPUs"
-          f"{' (--quick)' if args.quick else ''}; load average (1/5/15 min) before {load_before}, after {load()}.")
+    print(
+        f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()}, {os.cpu_count()} CPUs"
+        f"{' (--quick)' if args.quick else ''}; load average (1/5/15 min) before {load_before}, after {load()}."
+    )
     print()
     print("| script | ratio | measured | target | |")
     print("|---|---|---|---|---|")

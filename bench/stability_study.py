@@ -93,10 +93,23 @@ PR2_PREDICTOR_LR = 1e-2
 CLIP_OFF_EPSILON = 1e9  # TRL clamps the ratio to [1 - epsilon, 1 + epsilon]: this wide, it never clamps
 GRAD_WARMUP = 5  # the first optimizer steps of a random-init model have large, falling grad norms: no reference yet
 #: logged per step and kept in the JSON
-SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/extreme_frac",
-          "routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement",
-          "sampling/importance_sampling_ratio/min", "completions/mean_length", "clip_ratio/region_mean",
-          "routing/version_lag_mean", "routing/version_lag_max", "routing/replace_rate")
+SERIES = (
+    "reward",
+    "entropy",
+    "grad_norm",
+    "loss",
+    "mismatch/kl_k3",
+    "mismatch/extreme_frac",
+    "routing/mismatch_frac",
+    "routing/token_any_mismatch",
+    "routing/topk_agreement",
+    "sampling/importance_sampling_ratio/min",
+    "completions/mean_length",
+    "clip_ratio/region_mean",
+    "routing/version_lag_mean",
+    "routing/version_lag_max",
+    "routing/replace_rate",
+)
 #: the stressed-regime search, plain GRPO at the largest N: (learning_rate, initializer_range, max_completion_length).
 #: At the grid's 1e-2 / 0.3 / 16 plain GRPO reached reward 1.0 at N=1 and N=8 without degrading, so the search goes
 #: up: larger steps, a sharper initial policy (init std 1.0: more tokens in the tails, where bf16 and fp32 differ
@@ -104,8 +117,16 @@ SERIES = ("reward", "entropy", "grad_norm", "loss", "mismatch/kl_k3", "mismatch/
 #: deterministic all-digit policy earns 1.0 and then every advantage is 0, so nothing moves); a reward with Gaussian
 #: noise (4th field, its std) keeps the group-normalised advantages at unit scale after saturation, so the updates
 #: never stop: the regime in which a small mismatch can compound.
-SEARCH = ((3e-2, 0.3, 16, 0.1), (1e-2, 0.3, 16, 0.1), (3e-2, 0.3, 16, 0.0), (1e-1, 0.3, 16, 0.0),
-          (1e-2, 1.0, 16, 0.0), (1e-2, 0.3, 48, 0.0), (3e-2, 1.0, 48, 0.1), (1e-2, 0.3, 16, 0.0))
+SEARCH = (
+    (3e-2, 0.3, 16, 0.1),
+    (1e-2, 0.3, 16, 0.1),
+    (3e-2, 0.3, 16, 0.0),
+    (1e-1, 0.3, 16, 0.0),
+    (1e-2, 1.0, 16, 0.0),
+    (1e-2, 0.3, 48, 0.0),
+    (3e-2, 1.0, 48, 0.1),
+    (1e-2, 0.3, 16, 0.0),
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,25 +138,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per cell")
     parser.add_argument("--offs", type=int, nargs="+", default=[1, 2, 4, 8], help="steps_per_generation levels")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--thresholds", type=float, nargs="*", default=[0.5, 1.0],
-                        help="replay_score_threshold values of threshold replay, part modes (none: leave it out)")
-    parser.add_argument("--threshold-modes", nargs="+", default=["r3"], choices=[m for m in MODES if m != "none"],
-                        help="modes run with each --thresholds value, part modes")
-    parser.add_argument("--loss-modes", nargs="+", default=["none", "r3"], choices=MODES,
-                        help="modes crossed with the losses at the largest N")
-    parser.add_argument("--is-modes", nargs="+", default=["none", "r3"], choices=MODES,
-                        help="modes crossed with IS on/off")
-    parser.add_argument("--stalenesses", type=int, nargs="+", default=[1, 2, 4],
-                        help="max_staleness levels, part async")
-    parser.add_argument("--async-modes", nargs="+", default=["none", "r3"], choices=("none", "r3"),
-                        help="modes of part async (the async trainer replays r3 only)")
+    parser.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="*",
+        default=[0.5, 1.0],
+        help="replay_score_threshold values of threshold replay, part modes (none: leave it out)",
+    )
+    parser.add_argument(
+        "--threshold-modes",
+        nargs="+",
+        default=["r3"],
+        choices=[m for m in MODES if m != "none"],
+        help="modes run with each --thresholds value, part modes",
+    )
+    parser.add_argument(
+        "--loss-modes",
+        nargs="+",
+        default=["none", "r3"],
+        choices=MODES,
+        help="modes crossed with the losses at the largest N",
+    )
+    parser.add_argument(
+        "--is-modes", nargs="+", default=["none", "r3"], choices=MODES, help="modes crossed with IS on/off"
+    )
+    parser.add_argument(
+        "--stalenesses", type=int, nargs="+", default=[1, 2, 4], help="max_staleness levels, part async"
+    )
+    parser.add_argument(
+        "--async-modes",
+        nargs="+",
+        default=["none", "r3"],
+        choices=("none", "r3"),
+        help="modes of part async (the async trainer replays r3 only)",
+    )
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8], help="layers, part depth")
     parser.add_argument("--steps", type=int, default=48, help="optimizer steps per cell")
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--initializer-range", type=float, default=0.3)
     parser.add_argument("--completion", type=int, default=16, help="max_completion_length")
-    parser.add_argument("--reward-noise", type=float, default=0.0,
-                        help="std of Gaussian noise added to each completion's digit reward (see SEARCH)")
+    parser.add_argument(
+        "--reward-noise",
+        type=float,
+        default=0.0,
+        help="std of Gaussian noise added to each completion's digit reward (see SEARCH)",
+    )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
@@ -152,29 +199,58 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- cells
-def cell(args, *, mode="none", off=1, loss="grpo", is_on=True, seed=0, lr=None, init=None, completion=None,
-         layers=None, steps=None, noise=None, part="modes", staleness=None, clip=True, threshold=0.0) -> dict:
+def cell(
+    args,
+    *,
+    mode="none",
+    off=1,
+    loss="grpo",
+    is_on=True,
+    seed=0,
+    lr=None,
+    init=None,
+    completion=None,
+    layers=None,
+    steps=None,
+    noise=None,
+    part="modes",
+    staleness=None,
+    clip=True,
+    threshold=0.0,
+) -> dict:
     extra = {} if staleness is None else dict(staleness=staleness)
     if not clip:  # only recorded when off, so the keys of the cells run before this axis existed stay the same
         extra["clipping"] = False
     if threshold:  # threshold replay (replay_score_threshold): recorded only when on, as clipping
         extra["threshold"] = threshold
-    return dict(part=part, mode=mode, off=off, loss=loss, is_correction=is_on, seed=seed, **extra,
-                reward_noise=args.reward_noise if noise is None else noise,
-                learning_rate=args.learning_rate if lr is None else lr,
-                initializer_range=args.initializer_range if init is None else init,
-                completion=args.completion if completion is None else completion,
-                layers=args.layers if layers is None else layers, steps=args.steps if steps is None else steps)
+    return dict(
+        part=part,
+        mode=mode,
+        off=off,
+        loss=loss,
+        is_correction=is_on,
+        seed=seed,
+        **extra,
+        reward_noise=args.reward_noise if noise is None else noise,
+        learning_rate=args.learning_rate if lr is None else lr,
+        initializer_range=args.initializer_range if init is None else init,
+        completion=args.completion if completion is None else completion,
+        layers=args.layers if layers is None else layers,
+        steps=args.steps if steps is None else steps,
+    )
 
 
 def cell_key(c: dict) -> str:
-    return (f"{c['part']}|mode={c['mode']}|off={c['off']}|loss={c['loss']}|is={'on' if c['is_correction'] else 'off'}"
-            f"|lr={c['learning_rate']:g}|init={c['initializer_range']:g}|len={c['completion']}|layers={c['layers']}"
-            f"|steps={c['steps']}" + (f"|noise={c['reward_noise']:g}" if c.get("reward_noise") else "")
-            + (f"|stale={c['staleness']}" if "staleness" in c else "")
-            + ("|clip=off" if c.get("clipping") is False else "")
-            + (f"|thr={c['threshold']:g}" if c.get("threshold") else "")
-            + f"|seed={c['seed']}")
+    return (
+        f"{c['part']}|mode={c['mode']}|off={c['off']}|loss={c['loss']}|is={'on' if c['is_correction'] else 'off'}"
+        f"|lr={c['learning_rate']:g}|init={c['initializer_range']:g}|len={c['completion']}|layers={c['layers']}"
+        f"|steps={c['steps']}"
+        + (f"|noise={c['reward_noise']:g}" if c.get("reward_noise") else "")
+        + (f"|stale={c['staleness']}" if "staleness" in c else "")
+        + ("|clip=off" if c.get("clipping") is False else "")
+        + (f"|thr={c['threshold']:g}" if c.get("threshold") else "")
+        + f"|seed={c['seed']}"
+    )
 
 
 def plan(args) -> list[dict]:
@@ -189,33 +265,59 @@ def plan(args) -> list[dict]:
             # a search point equal to the grid's settings (given or default) is that grid's own cell (same key)
             defaults = parse_args([])
             grids = {(a.learning_rate, a.initializer_range, a.completion, a.reward_noise) for a in (args, defaults)}
-            cells += [cell(args, mode="none", off=top, lr=lr, init=init, completion=length, noise=noise,
-                           part="modes" if (lr, init, length, noise) in grids else "search")
-                      for lr, init, length, noise in SEARCH]
+            cells += [
+                cell(
+                    args,
+                    mode="none",
+                    off=top,
+                    lr=lr,
+                    init=init,
+                    completion=length,
+                    noise=noise,
+                    part="modes" if (lr, init, length, noise) in grids else "search",
+                )
+                for lr, init, length, noise in SEARCH
+            ]
         elif part == "depth":
             cells += [cell(args, mode="none", off=1, layers=d, steps=2, part="depth") for d in args.depths]
         else:
             for seed in range(args.seeds):
                 if part == "modes":
                     # the extremes first: N=1 and the largest N for none/r3, then the rest
-                    order = sorted(((m, n) for m in args.modes for n in args.offs),
-                                   key=lambda mn: (mn[1] not in (1, top), mn[0] not in ("none", "r3")))
+                    order = sorted(
+                        ((m, n) for m in args.modes for n in args.offs),
+                        key=lambda mn: (mn[1] not in (1, top), mn[0] not in ("none", "r3")),
+                    )
                     cells += [cell(args, mode=m, off=n, seed=seed) for m, n in order]
                     # threshold replay beside them, on the same grid and seeds (after the plain modes)
-                    cells += [cell(args, mode=m, off=n, seed=seed, threshold=t) for m in args.threshold_modes
-                              for t in args.thresholds for n in args.offs]
+                    cells += [
+                        cell(args, mode=m, off=n, seed=seed, threshold=t)
+                        for m in args.threshold_modes
+                        for t in args.thresholds
+                        for n in args.offs
+                    ]
                 elif part == "losses":
-                    cells += [cell(args, mode=m, off=top, loss=loss, seed=seed, part="losses")
-                              for loss in LOSSES if loss != "grpo" for m in args.loss_modes]
+                    cells += [
+                        cell(args, mode=m, off=top, loss=loss, seed=seed, part="losses")
+                        for loss in LOSSES
+                        if loss != "grpo"
+                        for m in args.loss_modes
+                    ]
                 elif part == "is":
-                    cells += [cell(args, mode=m, off=n, is_on=False, seed=seed, part="is")
-                              for n in (1, top) for m in args.is_modes]
+                    cells += [
+                        cell(args, mode=m, off=n, is_on=False, seed=seed, part="is")
+                        for n in (1, top)
+                        for m in args.is_modes
+                    ]
                 elif part == "clip":
                     cells += [cell(args, mode=m, off=top, clip=False, seed=seed, part="clip") for m in args.is_modes]
                 elif part == "async":
                     # off=1: one optimizer step per sampled batch; the off-policiness is the sampler's version lag
-                    cells += [cell(args, mode=m, off=1, seed=seed, staleness=k, part="async")
-                              for k in args.stalenesses for m in args.async_modes]
+                    cells += [
+                        cell(args, mode=m, off=1, seed=seed, staleness=k, part="async")
+                        for k in args.stalenesses
+                        for m in args.async_modes
+                    ]
     return cells
 
 
@@ -223,14 +325,31 @@ def cell_config(c: dict, output_dir: str):
     from trl_moe_replay import MoEReplayGRPOConfig
 
     return MoEReplayGRPOConfig(
-        output_dir=output_dir, routing_replay=c["mode"], loss_type=c["loss"], max_steps=c["steps"],
-        learning_rate=c["learning_rate"], lr_scheduler_type="constant", per_device_train_batch_size=c["batch"],
-        steps_per_generation=c["off"], num_generations=c["num_generations"],
-        max_completion_length=c["completion"], vllm_importance_sampling_correction=c["is_correction"],
-        bf16=False, use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=c["seed"],
-        disable_tqdm=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5,
+        output_dir=output_dir,
+        routing_replay=c["mode"],
+        loss_type=c["loss"],
+        max_steps=c["steps"],
+        learning_rate=c["learning_rate"],
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=c["batch"],
+        steps_per_generation=c["off"],
+        num_generations=c["num_generations"],
+        max_completion_length=c["completion"],
+        vllm_importance_sampling_correction=c["is_correction"],
+        bf16=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=c["seed"],
+        disable_tqdm=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.5,
         # as in vllm_mismatch_study: one engine sync for every mode, and routing metrics for "none" too
-        vllm_weight_sync="reload", routing_metrics=True, pr2_lr_multiplier=PR2_PREDICTOR_LR / c["learning_rate"],
+        vllm_weight_sync="reload",
+        routing_metrics=True,
+        pr2_lr_multiplier=PR2_PREDICTOR_LR / c["learning_rate"],
         **({"epsilon": CLIP_OFF_EPSILON} if c.get("clipping") is False else {}),
         replay_score_threshold=c.get("threshold", 0.0),
     )
@@ -238,20 +357,43 @@ def cell_config(c: dict, output_dir: str):
 
 def model_config(c: dict, args) -> dict:
     # router_aux_loss_coef=0: replay turns the load-balancing loss off, so every mode trains the same loss
-    return dict(num_experts=args.experts, num_experts_per_tok=args.top_k, num_hidden_layers=c["layers"],
-                hidden_size=args.hidden, head_dim=32, moe_intermediate_size=32, intermediate_size=2 * args.hidden,
-                initializer_range=c["initializer_range"], router_aux_loss_coef=0.0)
+    return dict(
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        num_hidden_layers=c["layers"],
+        hidden_size=args.hidden,
+        head_dim=32,
+        moe_intermediate_size=32,
+        intermediate_size=2 * args.hidden,
+        initializer_range=c["initializer_range"],
+        router_aux_loss_coef=0.0,
+    )
 
 
 def async_cell_config(c: dict, output_dir: str, server_url: str):
     from trl_moe_replay import MoEReplayAsyncGRPOConfig
 
     return MoEReplayAsyncGRPOConfig(
-        output_dir=output_dir, routing_replay=c["mode"], max_steps=c["steps"], learning_rate=c["learning_rate"],
-        lr_scheduler_type="constant", per_device_train_batch_size=c["batch"], num_generations=c["num_generations"],
-        max_completion_length=c["completion"], max_staleness=c["staleness"], use_cpu=True, bf16=False,
-        gradient_checkpointing=False, token_budget=0, logging_steps=1, save_strategy="no", report_to="none",
-        seed=c["seed"], disable_tqdm=True, vllm_server_base_url=server_url, vllm_weight_sync="reload",
+        output_dir=output_dir,
+        routing_replay=c["mode"],
+        max_steps=c["steps"],
+        learning_rate=c["learning_rate"],
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=c["batch"],
+        num_generations=c["num_generations"],
+        max_completion_length=c["completion"],
+        max_staleness=c["staleness"],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        token_budget=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=c["seed"],
+        disable_tqdm=True,
+        vllm_server_base_url=server_url,
+        vllm_weight_sync="reload",
         routing_metrics=True,
     )
 
@@ -278,16 +420,29 @@ def train_async_cell(c: dict, checkpoint: str, workdir: Path) -> dict:
         raise ValueError("part async has no noisy reward: the rollout worker is a spawned process")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.response_template = qwen3_template  # the tiny ChatML template is not one TRL recognises by itself
-    data = synthetic_math_dataset(max(64, c["steps"] * c["batch"]), seed=c["seed"] + 1, kinds=("arithmetic",),
-                                  instruction=BOXED_INSTRUCTION, conversational=True)
+    data = synthetic_math_dataset(
+        max(64, c["steps"] * c["batch"]),
+        seed=c["seed"] + 1,
+        kinds=("arithmetic",),
+        instruction=BOXED_INSTRUCTION,
+        conversational=True,
+    )
     with vllm_server(checkpoint, workdir / "vllm_server.log", extra_args=("--dtype", "bfloat16")) as url:
-        trainer = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=message_digit_reward,
-                                            args=async_cell_config(c, str(workdir / "out"), url),
-                                            processing_class=tokenizer, train_dataset=data)
+        trainer = MoEReplayAsyncGRPOTrainer(
+            model=checkpoint,
+            reward_funcs=message_digit_reward,
+            args=async_cell_config(c, str(workdir / "out"), url),
+            processing_class=tokenizer,
+            train_dataset=data,
+        )
         start = time.perf_counter()
         trainer.train()
-        return dict(log_history=trainer.state.log_history, train_seconds=time.perf_counter() - start,
-                    engine_dtype="torch.bfloat16", trainer_dtype=str(next(trainer.model.parameters()).dtype))
+        return dict(
+            log_history=trainer.state.log_history,
+            train_seconds=time.perf_counter() - start,
+            engine_dtype="torch.bfloat16",
+            trainer_dtype=str(next(trainer.model.parameters()).dtype),
+        )
 
 
 def train_cell(args) -> None:
@@ -309,8 +464,9 @@ def train_cell(args) -> None:
         Path(args.child_result).write_text(json.dumps(finite(train_async_cell(c, checkpoint, workdir))))
         return
     config = cell_config(c, str(workdir / "out"))
-    data = synthetic_math_dataset(max(64, c["steps"] * c["batch"]), seed=c["seed"] + 1, kinds=("arithmetic",),
-                                  instruction=BOXED_INSTRUCTION)
+    data = synthetic_math_dataset(
+        max(64, c["steps"] * c["batch"]), seed=c["seed"] + 1, kinds=("arithmetic",), instruction=BOXED_INSTRUCTION
+    )
     reward = digit_reward
     if c.get("reward_noise"):
         noise = random.Random(c["seed"])
@@ -319,13 +475,17 @@ def train_cell(args) -> None:
             return [r + noise.gauss(0.0, c["reward_noise"]) for r in digit_reward(completions)]
 
         reward = noisy_digit_reward
-    trainer = MoEReplayGRPOTrainer(model=checkpoint, reward_funcs=reward, args=config,
-                                   processing_class=tiny_tokenizer(), train_dataset=data)
+    trainer = MoEReplayGRPOTrainer(
+        model=checkpoint, reward_funcs=reward, args=config, processing_class=tiny_tokenizer(), train_dataset=data
+    )
     start = time.perf_counter()
     trainer.train()
-    result = dict(log_history=trainer.state.log_history, train_seconds=time.perf_counter() - start,
-                  engine_dtype=str(trainer.vllm_generation.llm.llm_engine.model_config.dtype),
-                  trainer_dtype=str(next(trainer.model.parameters()).dtype))
+    result = dict(
+        log_history=trainer.state.log_history,
+        train_seconds=time.perf_counter() - start,
+        engine_dtype=str(trainer.vllm_generation.llm.llm_engine.model_config.dtype),
+        trainer_dtype=str(next(trainer.model.parameters()).dtype),
+    )
     Path(args.child_result).write_text(json.dumps(finite(result)))
     trainer.end()  # destroys the process group before exit
 
@@ -333,11 +493,22 @@ def train_cell(args) -> None:
 def run_cell(c: dict, args, workdir: Path) -> dict:
     result, log = workdir / "cell.json", workdir / "cell.log"
     result.unlink(missing_ok=True)
-    env = {**os.environ, **ENGINE_ENV, "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     model_args = ["--experts", str(args.experts), "--top-k", str(args.top_k), "--hidden", str(args.hidden)]
-    command = [sys.executable, str(Path(__file__).resolve()), *model_args, "--child-cell", json.dumps(c),
-               "--child-result", str(result)]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *model_args,
+        "--child-cell",
+        json.dumps(c),
+        "--child-result",
+        str(result),
+    ]
     start = time.perf_counter()
     with open(log, "w") as out:
         code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -365,7 +536,7 @@ def _values(points) -> list[float]:
 
 
 def _smooth(values: list[float], window: int = 3) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
 def collapse_flags(history: dict) -> dict:
@@ -377,10 +548,12 @@ def collapse_flags(history: dict) -> dict:
     peak_drop = 0.0
     if reward:
         peak_drop = max(reward) - reward[-1]  # how far the run ends below its running peak
-    spikes = [grad[t] / statistics.median(grad[:t]) for t in range(GRAD_WARMUP - 1, len(grad))
-              if statistics.median(grad[:t]) > 0]
-    nonfinite = any(v is None for name in ("loss", "grad_norm", "mismatch/kl_k3")
-                    for _, v in history.get(name, []))
+    spikes = [
+        grad[t] / statistics.median(grad[:t])
+        for t in range(GRAD_WARMUP - 1, len(grad))
+        if statistics.median(grad[:t]) > 0
+    ]
+    nonfinite = any(v is None for name in ("loss", "grad_norm", "mismatch/kl_k3") for _, v in history.get(name, []))
     low_entropy = bool(entropy) and min(entropy) < COLLAPSE_ENTROPY
     flags = dict(
         reward=peak_drop > COLLAPSE_REWARD_DROP,
@@ -390,31 +563,41 @@ def collapse_flags(history: dict) -> dict:
     )
     flags["any"] = any(flags.values())
     flags["low_entropy"] = low_entropy  # reported, not a collapse by itself
-    return dict(flags=flags, reward_peak_drop=peak_drop, grad_spike_ratio=max(spikes, default=None),
-                min_entropy=min(entropy) if entropy else None)
+    return dict(
+        flags=flags,
+        reward_peak_drop=peak_drop,
+        grad_spike_ratio=max(spikes, default=None),
+        min_entropy=min(entropy) if entropy else None,
+    )
 
 
 def summarize_cell(history: dict) -> dict:
     """Means, firsts, peaks and the collapse flags of one run's per-step series (name -> [(step, value)])."""
+
     def mean_of(name, last_fraction=1.0):
         values = _values(history.get(name, []))
-        values = values[int(len(values) * (1 - last_fraction)):] if values else values
+        values = values[int(len(values) * (1 - last_fraction)) :] if values else values
         return statistics.fmean(values) if values else None
 
-    first = {name: (_values(history.get(name, [])) or [None])[0]
-             for name in ("mismatch/kl_k3", "routing/mismatch_frac", "routing/token_any_mismatch",
-                          "routing/topk_agreement")}
+    first = {
+        name: (_values(history.get(name, [])) or [None])[0]
+        for name in ("mismatch/kl_k3", "routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement")
+    }
     return dict(
-        kl_k3_first=first["mismatch/kl_k3"], kl_k3_mean=mean_of("mismatch/kl_k3"), kl_k3_max=max(_values(history.get("mismatch/kl_k3", [])), default=None),
+        kl_k3_first=first["mismatch/kl_k3"],
+        kl_k3_mean=mean_of("mismatch/kl_k3"),
+        kl_k3_max=max(_values(history.get("mismatch/kl_k3", [])), default=None),
         extreme_frac_mean=mean_of("mismatch/extreme_frac"),
         router_mismatch_frac=mean_of("routing/mismatch_frac"),
         token_any_mismatch=mean_of("routing/token_any_mismatch"),
-        router_decision_mismatch=(1 - mean_of("routing/topk_agreement")) if mean_of("routing/topk_agreement")
-        is not None else None,
+        router_decision_mismatch=(1 - mean_of("routing/topk_agreement"))
+        if mean_of("routing/topk_agreement") is not None
+        else None,
         first_batch=first,
         reward_first=(_values(history.get("reward", [])) or [None])[0],
         reward_peak=max(_values(history.get("reward", [])), default=None),
-        reward_final=mean_of("reward", 0.25), entropy_final=mean_of("entropy", 0.25),
+        reward_final=mean_of("reward", 0.25),
+        entropy_final=mean_of("entropy", 0.25),
         grad_norm_max=max(_values(history.get("grad_norm", [])), default=None),
         version_lag_mean=mean_of("routing/version_lag_mean"),  # async cells only: the lag the sampler reached
         **collapse_flags(history),
@@ -443,12 +626,29 @@ def aggregate(report: dict) -> dict:
             groups.setdefault(key.rsplit("|seed=", 1)[0], []).append(entry["summary"])
     out = {}
     for key, runs in sorted(groups.items()):
-        row = dict(seeds=len(runs), collapse_events=sum(r["flags"]["any"] for r in runs),
-                   **{f"collapse_{k}": sum(r["flags"].get(k, False) for r in runs)
-                      for k in ("reward", "grad", "entropy", "nan", "low_entropy")})
-        for name in ("kl_k3_first", "kl_k3_mean", "kl_k3_max", "extreme_frac_mean", "router_mismatch_frac", "token_any_mismatch",
-                     "router_decision_mismatch", "reward_peak", "reward_final", "entropy_final", "grad_norm_max",
-                     "reward_peak_drop", "version_lag_mean"):
+        row = dict(
+            seeds=len(runs),
+            collapse_events=sum(r["flags"]["any"] for r in runs),
+            **{
+                f"collapse_{k}": sum(r["flags"].get(k, False) for r in runs)
+                for k in ("reward", "grad", "entropy", "nan", "low_entropy")
+            },
+        )
+        for name in (
+            "kl_k3_first",
+            "kl_k3_mean",
+            "kl_k3_max",
+            "extreme_frac_mean",
+            "router_mismatch_frac",
+            "token_any_mismatch",
+            "router_decision_mismatch",
+            "reward_peak",
+            "reward_final",
+            "entropy_final",
+            "grad_norm_max",
+            "reward_peak_drop",
+            "version_lag_mean",
+        ):
             values = [r[name] for r in runs if isinstance(r.get(name), (int, float))]
             row[name] = statistics.fmean(values) if values else None
             if len(values) > 1:
@@ -486,26 +686,36 @@ def figures(report: dict, path: Path) -> list[Path]:
     mode_rows = [(f, v) for f, v in rows.values() if f["part"] in ("modes", "quick")]
     if mode_rows:
         fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+
         def regime(f):  # one line per mode and training regime (learning rate, init, length, reward noise)
             return f"lr={f['lr']} init={f['init']} len={f['len']}" + (f" noise={f['noise']}" if "noise" in f else "")
 
         regimes = sorted({regime(f) for f, _ in mode_rows})
-        lines = sorted({(f["mode"], f.get("thr")) for f, _ in mode_rows},
-                       key=lambda line: (MODES.index(line[0]), float(line[1] or 0)))
+        lines = sorted(
+            {(f["mode"], f.get("thr")) for f, _ in mode_rows},
+            key=lambda line: (MODES.index(line[0]), float(line[1] or 0)),
+        )
         for (mode, thr), setting in ((line, r) for r in regimes for line in lines):
-            points = sorted(((int(f["off"]), v) for f, v in mode_rows
-                             if (f["mode"], f.get("thr")) == (mode, thr) and regime(f) == setting),
-                            key=lambda point: point[0])
+            points = sorted(
+                (
+                    (int(f["off"]), v)
+                    for f, v in mode_rows
+                    if (f["mode"], f.get("thr")) == (mode, thr) and regime(f) == setting
+                ),
+                key=lambda point: point[0],
+            )
             if not points:
                 continue
             offs = [n for n, _ in points]
             name = mode if thr is None else f"{mode} thr={thr}"
             label = name if len(regimes) == 1 else f"{name} {setting}"
             style = "-" if regimes.index(setting) == 0 else "--"
-            for ax, name, title in ((axes[0], "kl_k3_first", "train-inference KL (k3), first batch (same weights)"),
-                                    (axes[1], "reward_final", "final reward (last 25% of steps)"),
-                                    (axes[2], "entropy_final", "final entropy (nats)"),
-                                    (axes[3], "collapse_events", "collapse events / seeds")):
+            for ax, name, title in (
+                (axes[0], "kl_k3_first", "train-inference KL (k3), first batch (same weights)"),
+                (axes[1], "reward_final", "final reward (last 25% of steps)"),
+                (axes[2], "entropy_final", "final entropy (nats)"),
+                (axes[3], "collapse_events", "collapse events / seeds"),
+            ):
                 ax.plot(offs, plotted(points, name), style, marker="o", label=label)
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel("off-policiness N (steps_per_generation)")
@@ -516,8 +726,11 @@ def figures(report: dict, path: Path) -> list[Path]:
         save(fig, "modes")
 
     # seed 0 only: one line per setting keeps the legend readable (every seed's numbers are in the JSON and table)
-    curves = [(k, e) for k, e in report["cells"].items() if k.startswith(("search|", "modes|", "quick|"))
-              and "history" in e and k.endswith("|seed=0")]
+    curves = [
+        (k, e)
+        for k, e in report["cells"].items()
+        if k.startswith(("search|", "modes|", "quick|")) and "history" in e and k.endswith("|seed=0")
+    ]
     if curves:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4))
         for key, entry in curves:
@@ -546,26 +759,35 @@ def figures(report: dict, path: Path) -> list[Path]:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
         for mode in sorted({f["mode"] for f, _ in async_rows}):
             points = sorted((int(f["stale"]), v) for f, v in async_rows if f["mode"] == mode)
-            for ax, name, title in ((axes[0], "kl_k3_mean", "train-inference KL (k3), mean over steps"),
-                                    (axes[1], "reward_final", "final reward (last 25% of steps)"),
-                                    (axes[2], "collapse_events", "collapse events / seeds")):
+            for ax, name, title in (
+                (axes[0], "kl_k3_mean", "train-inference KL (k3), mean over steps"),
+                (axes[1], "reward_final", "final reward (last 25% of steps)"),
+                (axes[2], "collapse_events", "collapse events / seeds"),
+            ):
                 ax.plot([k for k, _ in points], plotted(points, name), marker="o", label=mode)
                 ax.set_xlabel("max_staleness (weight versions)")
                 ax.set_title(title, fontsize=9)
         axes[0].set_yscale("log")
         axes[0].legend(fontsize=7)
-        fig.suptitle("async GRPO (TRL's AsyncGRPOTrainer, vLLM CPU bf16 server, fp32 trainer): none vs r3 by staleness")
+        fig.suptitle(
+            "async GRPO (TRL's AsyncGRPOTrainer, vLLM CPU bf16 server, fp32 trainer): none vs r3 by staleness"
+        )
         save(fig, "async")
 
     depth = sorted((int(f["layers"]), v) for f, v in rows.values() if f["part"] == "depth")
     if depth:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         width = 0.27
-        for i, (name, label) in enumerate((("router_decision_mismatch", "decisions (token x layer x k)"),
-                                           ("router_mismatch_frac", "routers (token x layer): top-k set"),
-                                           ("token_any_mismatch", "tokens with >= 1 differing layer"))):
-            ax.bar([j + (i - 1) * width for j in range(len(depth))], [v[name] or 0 for _, v in depth], width,
-                   label=label)
+        for i, (name, label) in enumerate(
+            (
+                ("router_decision_mismatch", "decisions (token x layer x k)"),
+                ("router_mismatch_frac", "routers (token x layer): top-k set"),
+                ("token_any_mismatch", "tokens with >= 1 differing layer"),
+            )
+        ):
+            ax.bar(
+                [j + (i - 1) * width for j in range(len(depth))], [v[name] or 0 for _, v in depth], width, label=label
+            )
         ax.set_xticks(range(len(depth)), [f"{d} layers" for d, _ in depth])
         ax.set_ylabel("share that differs, engine vs trainer")
         ax.legend(fontsize=7)
@@ -579,15 +801,22 @@ def figures(report: dict, path: Path) -> list[Path]:
 
 def markdown_table(report: dict) -> str:
     """One row per cell (over seeds): what docs/results.md quotes."""
+
     def fmt(value, spec):
         return "–" if value is None else format(value, spec)
 
-    lines = ["| cell | seeds | collapse events (reward/grad/entropy/nan) | entropy < Z | kl_k3 first batch | kl_k3 mean | kl_k3 max | "
-             "router sets differ | tokens >= 1 layer differ | decisions differ | reward first-peak-final | "
-             "entropy final |", "|" + "---|" * 12]
+    lines = [
+        "| cell | seeds | collapse events (reward/grad/entropy/nan) | entropy < Z | kl_k3 first batch | kl_k3 mean | kl_k3 max | "
+        "router sets differ | tokens >= 1 layer differ | decisions differ | reward first-peak-final | "
+        "entropy final |",
+        "|" + "---|" * 12,
+    ]
     for key, row in report.get("aggregate", {}).items():
-        firsts = [e["summary"]["reward_first"] for k, e in report["cells"].items()
-                  if k.rsplit("|seed=", 1)[0] == key and "summary" in e and e["summary"]["reward_first"] is not None]
+        firsts = [
+            e["summary"]["reward_first"]
+            for k, e in report["cells"].items()
+            if k.rsplit("|seed=", 1)[0] == key and "summary" in e and e["summary"]["reward_first"] is not None
+        ]
         lines.append(
             f"| {key.replace('|', ' ')} | {row['seeds']} | {row['collapse_events']} ({row['collapse_reward']}/{row['collapse_grad']}/"
             f"{row['collapse_entropy']}/{row['collapse_nan']}) | {row['collapse_low_entropy']} | {fmt(row['kl_k3_first'], '.2e')} | "
@@ -595,7 +824,8 @@ def markdown_table(report: dict) -> str:
             f"{fmt(row['kl_k3_max'], '.2e')} | {fmt(row['router_mismatch_frac'], '.3f')} | "
             f"{fmt(row['token_any_mismatch'], '.3f')} | {fmt(row['router_decision_mismatch'], '.4f')} | "
             f"{fmt(statistics.fmean(firsts) if firsts else None, '.2f')}-{fmt(row['reward_peak'], '.2f')}-"
-            f"{fmt(row['reward_final'], '.2f')} | {fmt(row['entropy_final'], '.2f')} |")
+            f"{fmt(row['reward_final'], '.2f')} | {fmt(row['entropy_final'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -622,13 +852,24 @@ def main(argv=None) -> dict:
     # a cell that failed is run again (its error stays in the JSON until then)
     todo = [c for c in cells if "summary" not in report["cells"].get(cell_key(c), {})]
     print(f"{len(cells)} cells planned, {len(cells) - len(todo)} already in {out}, {len(todo)} to run", flush=True)
-    report.setdefault("runs", []).append(dict(command="python bench/stability_study.py " + " ".join(argv),
-                                              started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                                              load_average_start=os.getloadavg()))
-    report.update(versions=versions(), machine=dict(cpus=os.cpu_count(), platform=platform.platform()),
-                  collapse_definition=dict(reward_drop=COLLAPSE_REWARD_DROP, grad_spike_x_median=COLLAPSE_GRAD_SPIKE,
-                                           entropy_below=COLLAPSE_ENTROPY, reward_smoothing_window=3),
-                  model=dict(model_type="qwen3_moe", experts=args.experts, top_k=args.top_k, hidden=args.hidden))
+    report.setdefault("runs", []).append(
+        dict(
+            command="python bench/stability_study.py " + " ".join(argv),
+            started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            load_average_start=os.getloadavg(),
+        )
+    )
+    report.update(
+        versions=versions(),
+        machine=dict(cpus=os.cpu_count(), platform=platform.platform()),
+        collapse_definition=dict(
+            reward_drop=COLLAPSE_REWARD_DROP,
+            grad_spike_x_median=COLLAPSE_GRAD_SPIKE,
+            entropy_below=COLLAPSE_ENTROPY,
+            reward_smoothing_window=3,
+        ),
+        model=dict(model_type="qwen3_moe", experts=args.experts, top_k=args.top_k, hidden=args.hidden),
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="stability_study_") as tmp:
         for index, c in enumerate(todo, 1):
@@ -636,27 +877,40 @@ def main(argv=None) -> dict:
             key = cell_key(c)
             load_before = os.getloadavg()[0]
             data = run_cell(c, args, Path(tmp))
-            entry = dict(settings=c, wall_seconds=round(data["wall_seconds"], 1),
-                         load_average=[round(load_before, 2), round(os.getloadavg()[0], 2)])
+            entry = dict(
+                settings=c,
+                wall_seconds=round(data["wall_seconds"], 1),
+                load_average=[round(load_before, 2), round(os.getloadavg()[0], 2)],
+            )
             if "error" in data:
                 entry.update(error=data["error"], log_tail=data["log_tail"])
                 status = f"FAILED ({data['error']})"
             else:
                 history = {name: series(data["log_history"], name) for name in SERIES}
-                entry.update(summary=summarize_cell(history), engine_dtype=data["engine_dtype"],
-                             trainer_dtype=data["trainer_dtype"], history=history)
+                entry.update(
+                    summary=summarize_cell(history),
+                    engine_dtype=data["engine_dtype"],
+                    trainer_dtype=data["trainer_dtype"],
+                    history=history,
+                )
                 s = entry["summary"]
-                status = (f"kl_k3 {s['kl_k3_mean'] or float('nan'):.3g} reward {s['reward_first'] or 0:.2f}"
-                          f"->{s['reward_final'] or 0:.2f} collapse={[k for k, v in s['flags'].items() if v]}")
+                status = (
+                    f"kl_k3 {s['kl_k3_mean'] or float('nan'):.3g} reward {s['reward_first'] or 0:.2f}"
+                    f"->{s['reward_final'] or 0:.2f} collapse={[k for k, v in s['flags'].items() if v]}"
+                )
             report["cells"][key] = entry
             report["aggregate"] = aggregate(report)
-            report["runs"][-1].update(load_average_end=os.getloadavg(), cells_run=index,
-                                      wall_seconds=round(time.perf_counter() - start, 1))
+            report["runs"][-1].update(
+                load_average_end=os.getloadavg(), cells_run=index, wall_seconds=round(time.perf_counter() - start, 1)
+            )
             save(report, out)
             elapsed = time.perf_counter() - start
             eta = elapsed / index * (len(todo) - index)
-            print(f"[{index}/{len(todo)}] {key}: {status} ({data['wall_seconds']:.0f} s; elapsed {elapsed / 60:.1f}"
-                  f" min, ~{eta / 60:.0f} min left, load {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"[{index}/{len(todo)}] {key}: {status} ({data['wall_seconds']:.0f} s; elapsed {elapsed / 60:.1f}"
+                f" min, ~{eta / 60:.0f} min left, load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     report["aggregate"] = aggregate(report)
     save(report, out)
     for png in figures(report, out):

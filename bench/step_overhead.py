@@ -42,10 +42,13 @@ def main():
 
     plain, plain_batch = build_trainer(GRPOTrainer, GRPOConfig, args)
     ours, ours_batch = build_trainer(MoEReplayGRPOTrainer, MoEReplayGRPOConfig, args, routing_replay="r3")
-    result = interleaved_ratio(lambda seed: one_cycle(plain, plain_batch, seed),
-                               lambda seed: one_cycle(ours, ours_batch, seed), args.rounds)
-    print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
-          f"16 completions x {args.completion} tokens; num_iterations=2; {args.rounds} rounds")
+    result = interleaved_ratio(
+        lambda seed: one_cycle(plain, plain_batch, seed), lambda seed: one_cycle(ours, ours_batch, seed), args.rounds
+    )
+    print(
+        f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}; "
+        f"16 completions x {args.completion} tokens; num_iterations=2; {args.rounds} rounds"
+    )
     print(f"plain GRPOTrainer      median {result.baseline:.3f}s per cycle")
     print(f"MoEReplayGRPOTrainer   median {result.candidate:.3f}s per cycle (r3)")
     print(f"ratio r3 / plain: median {result.median:.3f}  (min {result.low:.3f}, max {result.high:.3f})")

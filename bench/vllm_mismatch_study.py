@@ -40,16 +40,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "r2", "r3")
 METRICS = (
-    "mismatch/kl_k3", "mismatch/extreme_frac", "routing/token_any_mismatch",
-    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max", "routing/mismatch_frac",
+    "mismatch/kl_k3",
+    "mismatch/extreme_frac",
+    "routing/token_any_mismatch",
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "routing/mismatch_frac",
 )
 #: logged per step in the JSON too: the policy each mode has reached (the modes' trajectories part after step 1)
-DIAGNOSTICS = ("entropy", "reward", "completions/mean_length", "sampling/importance_sampling_ratio/min",
-               "sampling/importance_sampling_ratio/max")
+DIAGNOSTICS = (
+    "entropy",
+    "reward",
+    "completions/mean_length",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/max",
+)
 #: what the engine and every subprocess need (vLLM's CPU build; TRL's colocate mode runs the engine in-process)
 ENGINE_ENV = dict(
-    VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-    OMP_WAIT_POLICY="PASSIVE", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+    VLLM_CPU_KVCACHE_SPACE="1",
+    VLLM_TARGET_DEVICE="cpu",
+    HF_HUB_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    OMP_WAIT_POLICY="PASSIVE",
+    RANK="0",
+    WORLD_SIZE="1",
+    LOCAL_RANK="0",
+    MASTER_ADDR="127.0.0.1",
 )
 
 
@@ -62,16 +78,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=32, help="vLLM's CPU attention needs >= 32")
-    parser.add_argument("--initializer-range", type=float, default=0.3,
-                        help="weight init std. 0.3: token entropy ~2.6 nats (of 4.85), so the bf16/fp32 mismatch "
-                        "reaches the tails; at 0.1 the model is near uniform and no token's ratio exceeds 2")
+    parser.add_argument(
+        "--initializer-range",
+        type=float,
+        default=0.3,
+        help="weight init std. 0.3: token entropy ~2.6 nats (of 4.85), so the bf16/fp32 mismatch "
+        "reaches the tails; at 0.1 the model is near uniform and no token's ratio exceeds 2",
+    )
     parser.add_argument("--completion", type=int, default=16, help="max_completion_length")
     parser.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (completions per step)")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/vllm_mismatch_study/vllm_mismatch_study.png",
-                        help="figure path; the JSON summary is written next to it (same name, .json)")
+    parser.add_argument(
+        "--out",
+        default="runs/vllm_mismatch_study/vllm_mismatch_study.png",
+        help="figure path; the JSON summary is written next to it (same name, .json)",
+    )
     # internal: one mode's training run, in a subprocess
     parser.add_argument("--child-mode", help=argparse.SUPPRESS)
     parser.add_argument("--child-checkpoint", help=argparse.SUPPRESS)
@@ -82,9 +105,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def model_config(args) -> dict:
     # router_aux_loss_coef=0: replay turns the load-balancing loss off, so every mode trains the same loss
     return dict(
-        num_experts=args.experts, num_experts_per_tok=args.top_k, num_hidden_layers=args.layers,
-        hidden_size=args.hidden, head_dim=args.head_dim, moe_intermediate_size=32, intermediate_size=2 * args.hidden,
-        initializer_range=args.initializer_range, router_aux_loss_coef=0.0,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        head_dim=args.head_dim,
+        moe_intermediate_size=32,
+        intermediate_size=2 * args.hidden,
+        initializer_range=args.initializer_range,
+        router_aux_loss_coef=0.0,
     )
 
 
@@ -106,26 +135,52 @@ def train_one_mode(args) -> None:
     torch.manual_seed(args.seed)
     mode = args.child_mode
     config = MoEReplayGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"vllm_study_{mode}_"), routing_replay=mode, max_steps=args.steps,
-        learning_rate=args.learning_rate, lr_scheduler_type="constant", per_device_train_batch_size=args.batch,
-        steps_per_generation=2, num_generations=args.num_generations, max_completion_length=args.completion,
-        bf16=False, use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", seed=args.seed,
-        disable_tqdm=True, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5,
+        output_dir=tempfile.mkdtemp(prefix=f"vllm_study_{mode}_"),
+        routing_replay=mode,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=args.batch,
+        steps_per_generation=2,
+        num_generations=args.num_generations,
+        max_completion_length=args.completion,
+        bf16=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        disable_tqdm=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.5,
         # the same engine and sync for every mode: "none" otherwise gets TRL's sync (unusable on vLLM CPU) and no
         # routing metrics; its training numbers stay TRL's (routing_metrics changes none of them)
-        vllm_weight_sync="reload", routing_metrics=True,
+        vllm_weight_sync="reload",
+        routing_metrics=True,
     )
     # ~35-token prompts (the instruction): bf16 and fp32 round differently over longer contexts
-    data = synthetic_math_dataset(max(64, args.steps * args.batch), seed=args.seed + 1, kinds=("arithmetic",),
-                                  instruction=BOXED_INSTRUCTION)
-    trainer = MoEReplayGRPOTrainer(model=args.child_checkpoint, reward_funcs=digit_reward, args=config,
-                                   processing_class=tiny_tokenizer(), train_dataset=data)
+    data = synthetic_math_dataset(
+        max(64, args.steps * args.batch), seed=args.seed + 1, kinds=("arithmetic",), instruction=BOXED_INSTRUCTION
+    )
+    trainer = MoEReplayGRPOTrainer(
+        model=args.child_checkpoint,
+        reward_funcs=digit_reward,
+        args=config,
+        processing_class=tiny_tokenizer(),
+        train_dataset=data,
+    )
     engine_dtype = str(trainer.vllm_generation.llm.llm_engine.model_config.dtype)
     trainer_dtype = str(next(trainer.model.parameters()).dtype)
     start = time.perf_counter()
     trainer.train()
-    result = dict(mode=mode, log_history=trainer.state.log_history, engine_dtype=engine_dtype,
-                  trainer_dtype=trainer_dtype, train_seconds=time.perf_counter() - start)
+    result = dict(
+        mode=mode,
+        log_history=trainer.state.log_history,
+        engine_dtype=engine_dtype,
+        trainer_dtype=trainer_dtype,
+        train_seconds=time.perf_counter() - start,
+    )
     Path(args.child_result).write_text(json.dumps(result))
     trainer.end()  # destroys the process group before exit (see MoEReplayGRPOTrainer.end)
 
@@ -139,10 +194,23 @@ def free_port() -> int:
 
 def run_mode(mode: str, checkpoint: str, args, argv: list[str], workdir: Path) -> dict:
     result = workdir / f"{mode}.json"
-    env = {**os.environ, **ENGINE_ENV, "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child-mode", mode,
-               "--child-checkpoint", checkpoint, "--child-result", str(result)]
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *argv,
+        "--child-mode",
+        mode,
+        "--child-checkpoint",
+        checkpoint,
+        "--child-result",
+        str(result),
+    ]
     log = workdir / f"{mode}.log"
     start = time.perf_counter()
     with open(log, "w") as out:
@@ -156,8 +224,11 @@ def run_mode(mode: str, checkpoint: str, args, argv: list[str], workdir: Path) -
 
 
 def series(history: list[dict], name: str) -> list[tuple[int, float]]:
-    return [(h["step"], float(h[name])) for h in history
-            if isinstance(h.get(name), (int, float)) and math.isfinite(h[name]) and "step" in h]
+    return [
+        (h["step"], float(h[name]))
+        for h in history
+        if isinstance(h.get(name), (int, float)) and math.isfinite(h[name]) and "step" in h
+    ]
 
 
 def mean(values: list[float]) -> float:
@@ -189,33 +260,45 @@ def extreme_tokens(history: list[dict], completions_per_batch: int) -> tuple[int
 def summarize(runs: dict[str, dict], completions_per_batch: int) -> dict:
     """Means over the generation batches and, separately, the first batch, where every mode has the same weights
     and the engine sampled the same completions (none and r2 are then identical by construction)."""
-    means = {mode: {m: mean([v for _, v in series(run["log_history"], m)]) for m in METRICS}
-             for mode, run in runs.items()}
+    means = {
+        mode: {m: mean([v for _, v in series(run["log_history"], m)]) for m in METRICS} for mode, run in runs.items()
+    }
     first = {mode: {m: first_value(run["log_history"], m) for m in METRICS} for mode, run in runs.items()}
     ratios, first_ratios = {}, {}
     for other in ("r3", "r2"):
         if "none" in means and other in means:
             ratios[f"none/{other}"] = {m: ratio(means["none"][m], means[other][m]) for m in METRICS}
             first_ratios[f"none/{other}"] = {m: ratio(first["none"][m], first[other][m]) for m in METRICS}
-    counts = {mode: dict(zip(("extreme", "completion_tokens"), extreme_tokens(run["log_history"],
-                                                                            completions_per_batch), strict=True))
-              for mode, run in runs.items()}
-    return dict(means=means, ratios=ratios, first_batch=first, first_batch_ratios=first_ratios,
-                extreme_token_counts=counts)
+    counts = {
+        mode: dict(
+            zip(
+                ("extreme", "completion_tokens"),
+                extreme_tokens(run["log_history"], completions_per_batch),
+                strict=True,
+            )
+        )
+        for mode, run in runs.items()
+    }
+    return dict(
+        means=means, ratios=ratios, first_batch=first, first_batch_ratios=first_ratios, extreme_token_counts=counts
+    )
 
 
 def print_table(summary: dict, modes: list[str]) -> None:
-    for title, values, ratios in (("mean over generation batches", summary["means"], summary["ratios"]),
-                                  ("first generation batch (same weights)", summary["first_batch"],
-                                   summary["first_batch_ratios"])):
+    for title, values, ratios in (
+        ("mean over generation batches", summary["means"], summary["ratios"]),
+        ("first generation batch (same weights)", summary["first_batch"], summary["first_batch_ratios"]),
+    ):
         print(f"\n{title:<40}" + "".join(f"{m:>11}" for m in modes) + "".join(f"{r:>11}" for r in ratios))
         for metric in METRICS:
             row = "".join(f"{values[m][metric]:>11.4g}" for m in modes)
             row += "".join(f"{ratios[r][metric]:>11.3g}" for r in ratios)
             print(f"{metric:<40}{row}")
     counts = summary["extreme_token_counts"]
-    print("\nextreme tokens / completion tokens: "
-          + ", ".join(f"{m} {counts[m]['extreme']}/{counts[m]['completion_tokens']}" for m in modes))
+    print(
+        "\nextreme tokens / completion tokens: "
+        + ", ".join(f"{m} {counts[m]['extreme']}/{counts[m]['completion_tokens']}" for m in modes)
+    )
 
 
 def shrink_png(path: Path) -> None:
@@ -273,29 +356,38 @@ def main(argv=None) -> dict:
         for mode in args.modes:
             print(f"routing_replay={mode}: {args.steps} steps with a colocated vLLM CPU engine ...", flush=True)
             runs[mode] = run_mode(mode, checkpoint, args, argv, workdir)
-            print(f"  done in {runs[mode]['wall_seconds']:.0f} s (engine {runs[mode]['engine_dtype']}, "
-                  f"trainer {runs[mode]['trainer_dtype']})", flush=True)
+            print(
+                f"  done in {runs[mode]['wall_seconds']:.0f} s (engine {runs[mode]['engine_dtype']}, "
+                f"trainer {runs[mode]['trainer_dtype']})",
+                flush=True,
+            )
     load_end = os.getloadavg()
 
     summary = summarize(runs, completions_per_batch=2 * args.batch)  # steps_per_generation=2
     print_table(summary, args.modes)
     engine = next(iter(runs.values()))["engine_dtype"]
-    title = (f"vLLM CPU engine ({engine.removeprefix('torch.')}) vs fp32 trainer: qwen3_moe {args.experts} experts "
-             f"top-{args.top_k}, {args.layers} layers, {args.steps} steps")
-    figure = plot_comparison({m: runs[m]["log_history"] for m in args.modes}, METRICS, out, title=title,
-                             log_y=("mismatch/kl_k3",))
+    title = (
+        f"vLLM CPU engine ({engine.removeprefix('torch.')}) vs fp32 trainer: qwen3_moe {args.experts} experts "
+        f"top-{args.top_k}, {args.layers} layers, {args.steps} steps"
+    )
+    figure = plot_comparison(
+        {m: runs[m]["log_history"] for m in args.modes}, METRICS, out, title=title, log_y=("mismatch/kl_k3",)
+    )
     shrink_png(figure)
     report = dict(
         command="python bench/vllm_mismatch_study.py " + " ".join(argv),
         settings={k: v for k, v in vars(args).items() if not k.startswith("child_")},
         model=dict(model_type="qwen3_moe", **model_config(args)),
-        engine_dtype=engine, trainer_dtype=next(iter(runs.values()))["trainer_dtype"],
-        versions=versions(), machine=dict(cpus=os.cpu_count(), platform=platform.platform()),
+        engine_dtype=engine,
+        trainer_dtype=next(iter(runs.values()))["trainer_dtype"],
+        versions=versions(),
+        machine=dict(cpus=os.cpu_count(), platform=platform.platform()),
         load_average=dict(start=load_start, end=load_end),
         seconds={m: round(runs[m]["wall_seconds"], 1) for m in args.modes},
         **summary,
-        per_step={m: {name: series(runs[m]["log_history"], name) for name in (*METRICS, *DIAGNOSTICS)}
-                  for m in args.modes},
+        per_step={
+            m: {name: series(runs[m]["log_history"], name) for name in (*METRICS, *DIAGNOSTICS)} for m in args.modes
+        },
     )
     summary_path = out.with_suffix(".json")
     summary_path.write_text(json.dumps(finite(report), indent=1) + "\n")

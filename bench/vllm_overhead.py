@@ -54,10 +54,14 @@ from _harness import interleaved_ratio, report  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["generate", "step", "both"], default="both")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="compute threads for the engines and the trainer (e.g. 1: CPU time is then pure work, "
-                        "steady on a shared machine; the engines' OpenMP threads are bound to the first cores). "
-                        "Unset: vLLM's and torch's defaults")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads for the engines and the trainer (e.g. 1: CPU time is then pure work, "
+        "steady on a shared machine; the engines' OpenMP threads are bound to the first cores). "
+        "Unset: vLLM's and torch's defaults",
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
@@ -66,16 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=32, help="(a) prompts per generate call")
     parser.add_argument("--max-tokens", type=int, default=64, help="(a) tokens generated per prompt")
     parser.add_argument("--rounds", type=int, default=7, help="(a) timed rounds")
-    parser.add_argument("--eager", action="store_true",
-                        help="(a) both engines with enforce_eager=True (no torch.compile): separates the cost of "
-                        "capturing from the graph change the CPU plugin makes with capture on (MoE behind an "
-                        "opaque op)")
-    parser.add_argument("--engines", choices=["colocate", "multiprocess"], default="colocate",
-                        help="(a) colocate (default): both engines in this process, as TRL's colocate mode runs them "
-                        "(vLLM's external_launcher); multiprocess: vLLM's default executor, each engine core and "
-                        "worker in processes of their own, which poll while they wait, so their CPU time swings with "
-                        "the machine's load; it adds the per-step encoding of routes between processes "
-                        "(bench/capture_profile.py measures that part)")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="(a) both engines with enforce_eager=True (no torch.compile): separates the cost of "
+        "capturing from the graph change the CPU plugin makes with capture on (MoE behind an "
+        "opaque op)",
+    )
+    parser.add_argument(
+        "--engines",
+        choices=["colocate", "multiprocess"],
+        default="colocate",
+        help="(a) colocate (default): both engines in this process, as TRL's colocate mode runs them "
+        "(vLLM's external_launcher); multiprocess: vLLM's default executor, each engine core and "
+        "worker in processes of their own, which poll while they wait, so their CPU time swings with "
+        "the machine's load; it adds the per-step encoding of routes between processes "
+        "(bench/capture_profile.py measures that part)",
+    )
     parser.add_argument("--batch", type=int, default=16, help="(b) completions per training step")
     parser.add_argument("--completion", type=int, default=32, help="(b) tokens per completion")
     parser.add_argument("--step-rounds", type=int, default=5, help="(b) timed rounds (training steps per side)")
@@ -90,9 +101,15 @@ def write_checkpoint(args, directory: str) -> str:
     from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
     model = tiny_moe_model(
-        "qwen3_moe", hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, head_dim=args.head_dim, moe_intermediate_size=args.hidden // 2,
-        intermediate_size=2 * args.hidden, router_aux_loss_coef=0.0,  # replay turns the aux loss off: same loss
+        "qwen3_moe",
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        head_dim=args.head_dim,
+        moe_intermediate_size=args.hidden // 2,
+        intermediate_size=2 * args.hidden,
+        router_aux_loss_coef=0.0,  # replay turns the aux loss off: same loss
     )
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
@@ -119,8 +136,9 @@ def launcher_environment() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
+    for key, value in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         os.environ.setdefault(key, value)
 
 
@@ -147,11 +165,13 @@ def cpu_seconds(pids: set[int] = frozenset()) -> float:
 def measured(fn, records: list, pids: set[int] = frozenset()):
     """``fn(round)`` as a round function for ``interleaved_ratio`` that returns its CPU seconds (this process and
     ``pids``) and appends (wall, cpu) seconds to ``records``."""
+
     def run(round_: int) -> float:
         wall, cpu = time.perf_counter(), cpu_seconds(pids)
         fn(round_)
         records.append((time.perf_counter() - wall, cpu_seconds(pids) - cpu))
         return records[-1][1]
+
     return run
 
 
@@ -166,8 +186,10 @@ def print_ratio(label: str, baseline: list, candidate: list, names: tuple[str, s
         base = statistics.median(r[index] for r in baseline[1:])
         cand = statistics.median(r[index] for r in candidate[1:])
         median, low, high = paired(baseline, candidate, index)
-        print(f"    {clock:<4} {names[0]} {base:.3f}s, {names[1]} {cand:.3f}s (medians); {label}: median "
-              f"{median:.3f} (min {low:.3f}, max {high:.3f})")
+        print(
+            f"    {clock:<4} {names[0]} {base:.3f}s, {names[1]} {cand:.3f}s (medians); {label}: median "
+            f"{median:.3f} (min {low:.3f}, max {high:.3f})"
+        )
 
 
 # ----------------------------------------------------------------------------- (a) generation
@@ -180,8 +202,14 @@ def bench_generation(args, checkpoint: str) -> None:
     tokenizer = tiny_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer(p)["input_ids"]} for p in math_prompts(args.prompts)]
     # TRL's colocate settings, minus the launcher: dtype left to vLLM (bf16 on CPU), processed log-probs
-    common = dict(model=checkpoint, max_model_len=512, seed=0, max_num_batched_tokens=4096,
-                  logprobs_mode="processed_logprobs", enforce_eager=args.eager)
+    common = dict(
+        model=checkpoint,
+        max_model_len=512,
+        seed=0,
+        max_num_batched_tokens=4096,
+        logprobs_mode="processed_logprobs",
+        enforce_eager=args.eager,
+    )
     if args.engines == "colocate":  # as TRL's colocate mode builds it: scheduler and model runner in this process
         launcher_environment()
         common["distributed_executor_backend"] = "external_launcher"
@@ -195,14 +223,26 @@ def bench_generation(args, checkpoint: str) -> None:
 
         def generate(side: str):
             def run(round_: int) -> None:
-                params = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, logprobs=0,
-                                         seed=1000 * round_ + i) for i in range(len(prompts))]
+                params = [
+                    SamplingParams(
+                        max_tokens=args.max_tokens,
+                        temperature=1.0,
+                        ignore_eos=True,
+                        logprobs=0,
+                        seed=1000 * round_ + i,
+                    )
+                    for i in range(len(prompts))
+                ]
                 last[side] = engines[side].generate(prompts, params, use_tqdm=False)
+
             return run
 
         records = {"off": [], "on": []}
-        interleaved_ratio(measured(generate("off"), records["off"], pids["off"]),
-                          measured(generate("on"), records["on"], pids["on"]), args.rounds)
+        interleaved_ratio(
+            measured(generate("off"), records["off"], pids["off"]),
+            measured(generate("on"), records["on"], pids["on"]),
+            args.rounds,
+        )
 
         # what the last round returned: same tokens, routes only from the capturing engine
         same_tokens = all(
@@ -211,26 +251,36 @@ def bench_generation(args, checkpoint: str) -> None:
         )
         routes = [out.outputs[0].routed_experts for out in last["on"]]
         shapes_ok = all(
-            r is not None and r.shape == (len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1,
-                                          args.layers, args.top_k)
+            r is not None
+            and r.shape == (len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1, args.layers, args.top_k)
             for r, out in zip(routes, last["on"], strict=True)
         )
         dtypes = sorted({str(np.asarray(r).dtype) for r in routes if r is not None})
         off_routes = sum(out.outputs[0].routed_experts is not None for out in last["off"])
-        print(f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds, "
-              f"{args.engines} engines"
-              + (", enforce_eager on both engines" if args.eager else ""))
+        print(
+            f"(a) generate: {len(prompts)} prompts x {args.max_tokens} tokens, {args.rounds} rounds, "
+            f"{args.engines} engines" + (", enforce_eager on both engines" if args.eager else "")
+        )
         print_ratio("ratio on/off (target <= 1.05)", records["off"], records["on"], ("off", "on"))
         for index, clock in ((1, "CPU time"), (0, "wall")):
-            report(f"vLLM generate capture on / off, {args.engines} ({clock})",
-                   paired(records["off"], records["on"], index)[0], 1.05)
+            report(
+                f"vLLM generate capture on / off, {args.engines} ({clock})",
+                paired(records["off"], records["on"], index)[0],
+                1.05,
+            )
         report("vLLM same tokens with capture on and off (1 = yes)", float(same_tokens), 1, ">=")
-        report("vLLM rows written, capture on (fraction of routes non-zero)",
-               sum(r is not None and bool(np.asarray(r).any()) for r in routes) / len(routes), 1, ">=")
+        report(
+            "vLLM rows written, capture on (fraction of routes non-zero)",
+            sum(r is not None and bool(np.asarray(r).any()) for r in routes) / len(routes),
+            1,
+            ">=",
+        )
         returned = sum(r is not None for r in routes)
-        print(f"    same tokens sampled by both engines: {same_tokens}; routes returned: {returned}/{len(routes)}, "
-              f"shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
-              f"capture-off engine returned routes for {off_routes}")
+        print(
+            f"    same tokens sampled by both engines: {same_tokens}; routes returned: {returned}/{len(routes)}, "
+            f"shape [p+c-1, {args.layers}, {args.top_k}]: {shapes_ok}, dtype {dtypes}; "
+            f"capture-off engine returned routes for {off_routes}"
+        )
     finally:
         for llm in engines.values():
             shutdown(llm)
@@ -254,6 +304,7 @@ class ComponentClock:
                 return fn(*args, **kwargs)
             finally:
                 setattr(self, name, getattr(self, name) + time.process_time() - start)
+
         return wrapped
 
     def reset(self) -> None:
@@ -267,15 +318,29 @@ def build_trainer(args, checkpoint: str, mode: str):
     from trl_moe_replay.testing import tiny_tokenizer
 
     config = MoEReplayGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"vllm_overhead_{mode}_"), routing_replay=mode, use_cpu=True, bf16=False,
-        report_to="none", per_device_train_batch_size=args.batch, num_generations=8,
-        max_completion_length=args.completion, learning_rate=1e-4, save_strategy="no", disable_tqdm=True,
-        logging_steps=10_000, seed=0, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+        output_dir=tempfile.mkdtemp(prefix=f"vllm_overhead_{mode}_"),
+        routing_replay=mode,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=args.batch,
+        num_generations=8,
+        max_completion_length=args.completion,
+        learning_rate=1e-4,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=10_000,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
         generation_kwargs={"ignore_eos": True},  # every completion full length: the same work on both sides
         vllm_weight_sync="reload",  # TRL's own colocate sync cannot load into vLLM's CPU engine; same sync for both
     )
     trainer = MoEReplayGRPOTrainer(
-        model=checkpoint, args=config, processing_class=tiny_tokenizer(),
+        model=checkpoint,
+        args=config,
+        processing_class=tiny_tokenizer(),
         reward_funcs=lambda completions, **kw: [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions],
         train_dataset=Dataset.from_dict({"prompt": math_prompts(256, seed=1)}),
     )
@@ -313,13 +378,17 @@ def bench_step(args, checkpoint: str) -> None:
         records = {}
         for mode, trainer in trainers.items():
             trainer.parts, records[mode] = [], []
-        interleaved_ratio(measured(lambda seed: whole_step(trainers["none"], seed), records["none"]),
-                          measured(lambda seed: whole_step(trainers["r3"], seed), records["r3"]), args.step_rounds)
-        print(f"(b) training step: {args.batch} completions x {args.completion} tokens, colocated engines, "
-              f"{args.step_rounds} rounds")
+        interleaved_ratio(
+            measured(lambda seed: whole_step(trainers["none"], seed), records["none"]),
+            measured(lambda seed: whole_step(trainers["r3"], seed), records["r3"]),
+            args.step_rounds,
+        )
+        print(
+            f"(b) training step: {args.batch} completions x {args.completion} tokens, colocated engines, "
+            f"{args.step_rounds} rounds"
+        )
         print_ratio("ratio r3/none (target <= 1.05)", records["none"], records["r3"], ("none", "r3"))
-        report("whole R3 step / none, real vLLM engine (CPU time)", paired(records["none"], records["r3"], 1)[0],
-               1.05)
+        report("whole R3 step / none, real vLLM engine (CPU time)", paired(records["none"], records["r3"], 1)[0], 1.05)
         report("whole R3 step / none, real vLLM engine (wall)", paired(records["none"], records["r3"], 0)[0], 1.05)
         medians = {}
         for mode, trainer in trainers.items():
@@ -327,15 +396,21 @@ def bench_step(args, checkpoint: str) -> None:
             gen, sync = (statistics.median(p[i] for p in timed) for i in (1, 2))
             rest = statistics.median(p[0] - p[1] - p[2] for p in timed)
             medians[mode] = (gen, sync, rest)
-            print(f"    {mode:<4} CPU seconds per step (medians): generate {gen:.3f}, sync {sync:.3f}, "
-                  f"scoring+update {rest:.3f}")
+            print(
+                f"    {mode:<4} CPU seconds per step (medians): generate {gen:.3f}, sync {sync:.3f}, "
+                f"scoring+update {rest:.3f}"
+            )
         names = ("generate", "sync", "scoring+update")
-        print("    per component, ratio of CPU medians r3/none: " + ", ".join(
-            f"{name} {medians['r3'][i] / medians['none'][i]:.3f}" for i, name in enumerate(names)))
+        print(
+            "    per component, ratio of CPU medians r3/none: "
+            + ", ".join(f"{name} {medians['r3'][i] / medians['none'][i]:.3f}" for i, name in enumerate(names))
+        )
         metrics = trainers["r3"]._metrics["train"]
         fallback = metrics.get("routing/fallback_frac", [])
-        print(f"    r3 replayed the engine's routes: routing/fallback_frac max "
-              f"{max(fallback) if fallback else 'not logged'} over {len(fallback)} steps")
+        print(
+            f"    r3 replayed the engine's routes: routing/fallback_frac max "
+            f"{max(fallback) if fallback else 'not logged'} over {len(fallback)} steps"
+        )
     finally:
         for trainer in trainers.values():
             shutdown(trainer.vllm_generation.llm)
@@ -355,8 +430,10 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")  # each engine's worker
         torch.set_num_threads(args.threads)
     print(f"load average at start: {load()} ({os.cpu_count()} cores); threads: {args.threads or 'default'}")
-    print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
-          f"head_dim {args.head_dim}; vLLM CPU engine in its default dtype, trainer in float32")
+    print(
+        f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
+        f"head_dim {args.head_dim}; vLLM CPU engine in its default dtype, trainer in float32"
+    )
     with tempfile.TemporaryDirectory(prefix="vllm_overhead_") as tmp:
         checkpoint = write_checkpoint(args, tmp)
         if args.part in ("generate", "both"):

@@ -35,9 +35,22 @@ def even_tokens(completions, completion_ids, **kwargs):
 
 
 DEFAULTS = dict(
-    output_dir="runs/async_r3_cpu", routing_replay="r3", max_steps=12, per_device_train_batch_size=8,
-    num_generations=4, max_completion_length=16, learning_rate=1e-2, max_staleness=2, use_cpu=True, bf16=False,
-    gradient_checkpointing=False, token_budget=0, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+    output_dir="runs/async_r3_cpu",
+    routing_replay="r3",
+    max_steps=12,
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=16,
+    learning_rate=1e-2,
+    max_staleness=2,
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    token_budget=0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
 )
 
 
@@ -75,8 +88,13 @@ def train(checkpoint: str, server_url: str, **overrides):
     tokenizer.response_template = qwen3_template  # the tiny ChatML template is not one TRL recognises by itself
     prompts = [[{"role": "user", "content": f"{a}+{b}="}] for a in range(8) for b in range(8)]
     args = AsyncGRPOConfig(**{**DEFAULTS, **overrides, "vllm_server_base_url": server_url})
-    trainer = AsyncGRPOTrainer(model=checkpoint, reward_funcs=even_tokens, args=args, processing_class=tokenizer,
-                               train_dataset=Dataset.from_dict({"prompt": prompts}))
+    trainer = AsyncGRPOTrainer(
+        model=checkpoint,
+        reward_funcs=even_tokens,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )
     trainer.train()
     return trainer
 
@@ -111,8 +129,14 @@ def main() -> None:
         trainer = train(checkpoint, url, **overrides)
     history = trainer.state.log_history
     (output_dir / "log_history.json").write_text(json.dumps(history, indent=1))
-    keys = ("reward", "routing/fallback_frac", "routing/mismatch_frac", "routing/version_lag_mean",
-            "routing/version_lag_max", "vllm/sync_max_logprob_diff")
+    keys = (
+        "reward",
+        "routing/fallback_frac",
+        "routing/mismatch_frac",
+        "routing/version_lag_mean",
+        "routing/version_lag_max",
+        "vllm/sync_max_logprob_diff",
+    )
     for entry in history:
         if "loss" in entry:
             print(f"step {entry['step']:3d}  " + "  ".join(f"{k}={entry.get(k, float('nan')):.4g}" for k in keys))

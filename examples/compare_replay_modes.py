@@ -45,8 +45,12 @@ from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 
 
 METRICS = [
-    "mismatch/kl_k3", "mismatch/extreme_frac", "routing/mismatch_frac",
-    "sampling/sampling_logp_difference/max", "clip_ratio/region_mean", "reward",
+    "mismatch/kl_k3",
+    "mismatch/extreme_frac",
+    "routing/mismatch_frac",
+    "sampling/sampling_logp_difference/max",
+    "clip_ratio/region_mean",
+    "reward",
 ]
 # More experts, top-8 and a wider router init than the tests' default: many close router scores, so bf16 rounding
 # flips some top-k choices, as in a real 128-expert top-8 model.
@@ -88,17 +92,33 @@ def train(mode: str, model_dir: str, args) -> list[dict]:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = MoEReplayGRPOConfig(
-        output_dir=str(Path(args.output_dir) / mode), routing_replay=mode, max_steps=args.max_steps,
-        learning_rate=args.learning_rate, lr_scheduler_type="constant", per_device_train_batch_size=32,
-        steps_per_generation=2, num_generations=8, max_completion_length=8, bf16=False,
-        use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, logging_steps=1, save_strategy="no",
-        report_to="none", seed=args.seed, disable_tqdm=True,
+        output_dir=str(Path(args.output_dir) / mode),
+        routing_replay=mode,
+        max_steps=args.max_steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=32,
+        steps_per_generation=2,
+        num_generations=8,
+        max_completion_length=8,
+        bf16=False,
+        use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        disable_tqdm=True,
         # measure and correct "none" like the replay modes: log its routing agreement, and score every batch against
         # the sampler's log-probs (TRL's importance-sampling correction, as with vLLM)
-        routing_metrics=True, transformers_importance_sampling_correction=True,
+        routing_metrics=True,
+        transformers_importance_sampling_correction=True,
     )
     trainer = BF16EngineTrainer(
-        model=model, reward_funcs=accuracy_reward, args=config, processing_class=tiny_tokenizer(),
+        model=model,
+        reward_funcs=accuracy_reward,
+        args=config,
+        processing_class=tiny_tokenizer(),
         train_dataset=math_data(2000, args.seed + 1),
     )
     trainer.train()
@@ -128,7 +148,10 @@ def main(argv=None) -> dict[str, dict[str, float]]:
         histories[mode] = train(mode, model_dir, args)
 
     out = plot_comparison(
-        histories, METRICS, Path(args.output_dir) / "compare.png", log_y=("mismatch/kl_k3",),
+        histories,
+        METRICS,
+        Path(args.output_dir) / "compare.png",
+        log_y=("mismatch/kl_k3",),
         title=f"routing replay modes: tiny MoE, bf16 sampling vs fp32 training, {args.max_steps} steps",
     )
     summary = {mode: {m: mean_of(h, m) for m in METRICS} for mode, h in histories.items()}

@@ -61,20 +61,35 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
 
     config = MoEReplayGRPOConfig(
-        output_dir=args.output_dir, routing_replay="r3", max_steps=args.max_steps, per_device_train_batch_size=8,
-        num_generations=8, max_completion_length=8, learning_rate=1e-3, logging_steps=1, bf16=False, use_cpu=True,
-        gradient_checkpointing=False, report_to="none", save_strategy="no",
+        output_dir=args.output_dir,
+        routing_replay="r3",
+        max_steps=args.max_steps,
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
     )
     trainer = MoEReplayGRPOTrainer(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=accuracy_reward, args=config,
-        train_dataset=synthetic_math_dataset(256, kinds=("arithmetic",)), processing_class=tiny_tokenizer(),
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=accuracy_reward,
+        args=config,
+        train_dataset=synthetic_math_dataset(256, kinds=("arithmetic",)),
+        processing_class=tiny_tokenizer(),
         rollout_func=EngineRollout(TransformersEngine(tiny_moe_model("qwen3_moe")), max_tokens=8),
     )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "routing/fallback_frac" in entry]
     for entry in logs:
-        print(f"step {entry['step']}: routing/fallback_frac={entry['routing/fallback_frac']:.3g} "
-              f"mismatch/kl_k3={entry['mismatch/kl_k3']:.3g}")
+        print(
+            f"step {entry['step']}: routing/fallback_frac={entry['routing/fallback_frac']:.3g} "
+            f"mismatch/kl_k3={entry['mismatch/kl_k3']:.3g}"
+        )
     return logs
 
 

@@ -19,8 +19,10 @@ from datasets import Dataset
 from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer
 
 if len(sys.argv) != 2:
-    sys.exit(f"usage: python {sys.argv[0]} MODEL, a Hub id (e.g. ibm-granite/granite-3.1-1b-a400m-instruct) or a "
-             "checkpoint folder; offline: python -m trl_moe_replay.testing runs/tiny-moe, then MODEL=runs/tiny-moe")
+    sys.exit(
+        f"usage: python {sys.argv[0]} MODEL, a Hub id (e.g. ibm-granite/granite-3.1-1b-a400m-instruct) or a "
+        "checkpoint folder; offline: python -m trl_moe_replay.testing runs/tiny-moe, then MODEL=runs/tiny-moe"
+    )
 model = sys.argv[1]
 
 # A small prompt-only dataset, built in place (TRL's quick start loads trl-lib/tldr from the Hub)

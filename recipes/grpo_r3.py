@@ -109,8 +109,10 @@ class GRPOR3ScriptArguments(ScriptArguments):
     )
     instruction: str | None = field(
         default=None,
-        metadata={"help": "Text appended to each problem, e.g. 'Please reason step by step, and put your final "
-                  "answer within \\boxed{}.' (Hub datasets; the synthetic set's cold start teaches the format)."},
+        metadata={
+            "help": "Text appended to each problem, e.g. 'Please reason step by step, and put your final "
+            "answer within \\boxed{}.' (Hub datasets; the synthetic set's cold start teaches the format)."
+        },
     )
     system_prompt: str | None = field(default=None, metadata={"help": "System message (conversational prompts)."})
     tools: list[str] = field(
@@ -124,15 +126,19 @@ class GRPOR3ScriptArguments(ScriptArguments):
     # ---- evaluation set of its own (TRL's eval_strategy/eval_steps decide when it runs)
     eval_dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Evaluate on this set instead of dataset_test_split of dataset_name: a supported Hub math "
-                  "dataset (e.g. HuggingFaceH4/MATH-500) or 'synthetic' (the offline set, other rows). Needs "
-                  "--eval_strategy steps and --eval_steps N."},
+        metadata={
+            "help": "Evaluate on this set instead of dataset_test_split of dataset_name: a supported Hub math "
+            "dataset (e.g. HuggingFaceH4/MATH-500) or 'synthetic' (the offline set, other rows). Needs "
+            "--eval_strategy steps and --eval_steps N."
+        },
     )
     eval_dataset_config: str | None = field(default=None, metadata={"help": "Config of eval_dataset_name."})
     eval_dataset_split: str | None = field(
-        default=None, metadata={"help": "Split of eval_dataset_name (default: its own, 'test' for MATH-500)."})
+        default=None, metadata={"help": "Split of eval_dataset_name (default: its own, 'test' for MATH-500)."}
+    )
     eval_samples: int | None = field(
-        default=None, metadata={"help": "Evaluate on the first N rows only (default: all; synthetic: 256)."})
+        default=None, metadata={"help": "Evaluate on the first N rows only (default: all; synthetic: 256)."}
+    )
     # ---- offline synthetic set
     synthetic_samples: int = field(default=4000, metadata={"help": "Rows of the synthetic set."})
     synthetic_difficulty: int = field(
@@ -150,10 +156,12 @@ class GRPOR3ScriptArguments(ScriptArguments):
     tiny_top_k: int = field(default=2, metadata={"help": "Experts per token."})
     tiny_num_threads: int = field(
         default=1,
-        metadata={"help": "torch threads for the tiny model (0: torch's default). Float sums, and so every number "
-                  "the run prints, depend on the thread count; with one, they are the same on every machine and "
-                  "launcher (accelerate launch sets one, torch's default is one per core), and a model this small "
-                  "gains nothing from more."},
+        metadata={
+            "help": "torch threads for the tiny model (0: torch's default). Float sums, and so every number "
+            "the run prints, depend on the thread count; with one, they are the same on every machine and "
+            "launcher (accelerate launch sets one, torch's default is one per core), and a model this small "
+            "gains nothing from more."
+        },
     )
     # ---- cold-start SFT of the tiny model (cached)
     sft_steps: int = field(default=400, metadata={"help": "Cold-start SFT steps before GRPO (0: none)."})
@@ -161,13 +169,17 @@ class GRPOR3ScriptArguments(ScriptArguments):
     sft_batch_size: int = field(default=64, metadata={"help": "Cold-start SFT batch size."})
     sft_label_noise: float = field(
         default=0.67,
-        metadata={"help": "Fraction of SFT answers replaced by a near miss (+-1): the SFT policy is then right only "
-                  "about 1 - noise of the time, and RL has something to fix."},
+        metadata={
+            "help": "Fraction of SFT answers replaced by a near miss (+-1): the SFT policy is then right only "
+            "about 1 - noise of the time, and RL has something to fix."
+        },
     )
     sft_tool_call_fraction: float = field(
         default=0.5,
-        metadata={"help": "With --tools: fraction of cold-start demonstrations that call the tool before answering "
-                  "(the others answer at once). 0: no tool demonstrations."},
+        metadata={
+            "help": "With --tools: fraction of cold-start demonstrations that call the tool before answering "
+            "(the others answer at once). 0: no tool demonstrations."
+        },
     )
     sft_cache_dir: str | None = field(
         default=None, metadata={"help": "Cold-start cache (default $TRL_MOE_REPLAY_CACHE or ~/.cache/trl_moe_replay)."}
@@ -176,19 +188,24 @@ class GRPOR3ScriptArguments(ScriptArguments):
     # ---- parallel sizes: transformers shards the model at load time (expert parallelism; docs/sharded_training.md)
     ep_size: int | None = field(
         default=None,
-        metadata={"help": "Expert parallelism: ranks each MoE layer's experts are split across (transformers' "
-                  "DistributedConfig, model_init_kwargs.distributed_config). Launch with torchrun or accelerate "
-                  "launch (ddp.yaml); pp x dp_replicate x fsdp x tp sizes must equal the number of processes."},
+        metadata={
+            "help": "Expert parallelism: ranks each MoE layer's experts are split across (transformers' "
+            "DistributedConfig, model_init_kwargs.distributed_config). Launch with torchrun or accelerate "
+            "launch (ddp.yaml); pp x dp_replicate x fsdp x tp sizes must equal the number of processes."
+        },
     )
     fsdp_size: int | None = field(default=None, metadata={"help": "With ep_size: ranks FSDP2 shards the model over."})
     tp_size: int | None = field(default=None, metadata={"help": "With ep_size: tensor parallelism (GPUs only)."})
     dp_replicate_size: int | None = field(
-        default=None, metadata={"help": "With ep_size: FSDP replicas (HSDP, e.g. one per node)."})
+        default=None, metadata={"help": "With ep_size: FSDP replicas (HSDP, e.g. one per node)."}
+    )
     ep_implementation: str | None = field(
         default=None,
-        metadata={"help": "How tokens reach the experts: all_to_all, all_reduce (needs ep_size == tp_size), "
-                  "deepgemm_megamoe or auto (transformers' choice).",
-                  "choices": ["all_to_all", "all_reduce", "deepgemm_megamoe", "auto"]},
+        metadata={
+            "help": "How tokens reach the experts: all_to_all, all_reduce (needs ep_size == tp_size), "
+            "deepgemm_megamoe or auto (transformers' choice).",
+            "choices": ["all_to_all", "all_reduce", "deepgemm_megamoe", "auto"],
+        },
     )
 
 
@@ -224,8 +241,11 @@ OFFLINE_DEFAULTS = dict(
 # TRL turns gradient checkpointing on by default; transformers calls the field activation_checkpointing in newer
 # releases (gradient_checkpointing in older ones, 5.16 among them). A default for a field the installed version
 # lacks would reach no dataclass.
-_CHECKPOINTING = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
-                      if name in {f.name for f in dataclasses.fields(MoEReplayGRPOConfig)})
+_CHECKPOINTING = next(
+    name
+    for name in ("activation_checkpointing", "gradient_checkpointing")
+    if name in {f.name for f in dataclasses.fields(MoEReplayGRPOConfig)}
+)
 OFFLINE_DEFAULTS[_CHECKPOINTING] = False
 
 #: GRPOConfig values on a machine without a GPU, whether or not a model is named (config files and flags still
@@ -272,14 +292,23 @@ def group_help(parser: RecipeParser) -> None:
 
     own = lambda cls, base: {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(base)}  # noqa: E731
     groups = [
-        ("this recipe", "recipes/grpo_r3.py: data, reward functions, tools, the tiny offline model and its cold start",
-         own(GRPOR3ScriptArguments, ScriptArguments)),
-        ("routing replay and MoE objectives", "MoEReplayGRPOConfig's own arguments (docs/usage.md)",
-         own(MoEReplayGRPOConfig, GRPOConfig)),
+        (
+            "this recipe",
+            "recipes/grpo_r3.py: data, reward functions, tools, the tiny offline model and its cold start",
+            own(GRPOR3ScriptArguments, ScriptArguments),
+        ),
+        (
+            "routing replay and MoE objectives",
+            "MoEReplayGRPOConfig's own arguments (docs/usage.md)",
+            own(MoEReplayGRPOConfig, GRPOConfig),
+        ),
         ("dataset (TRL's ScriptArguments)", None, {f.name for f in dataclasses.fields(ScriptArguments)}),
         ("model (TRL's ModelConfig)", None, {f.name for f in dataclasses.fields(ModelConfig)}),
-        ("training (TRL's GRPOConfig, transformers' TrainingArguments)",
-         "first sentences only; the full descriptions are in TRL's and transformers' documentation", None),
+        (
+            "training (TRL's GRPOConfig, transformers' TrainingArguments)",
+            "first sentences only; the full descriptions are in TRL's and transformers' documentation",
+            None,
+        ),
     ]
     upstream_first = len(groups) - 3
     everything = [action for action in parser._actions if action.dest != "help"]
@@ -351,6 +380,7 @@ def check_model_args(model_args: ModelConfig) -> None:
     values reach ``ModelConfig`` as YAML typed them, unchecked (``lora_r: 4.5``, ``dtype: float8``). A value that is
     not used (``dtype`` for the tiny offline model, the LoRA fields without ``use_peft``) is left alone, as TRL leaves
     it; every value TRL takes is taken."""
+
     def refuse(name: str, expected: str, why: str) -> None:
         value = getattr(model_args, name)
         raise ConfigValueError(f"{name} must be {expected}, got {type(value).__name__} {value!r}: {why}")
@@ -358,8 +388,11 @@ def check_model_args(model_args: ModelConfig) -> None:
     def is_number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    if model_args.model_name_or_path is not None and model_args.dtype is not None \
-            and model_args.dtype not in MODEL_DTYPES:
+    if (
+        model_args.model_name_or_path is not None
+        and model_args.dtype is not None
+        and model_args.dtype not in MODEL_DTYPES
+    ):
         refuse("dtype", f"one of {list(MODEL_DTYPES)}", "TRL's model loading accepts no other")
     if model_args.load_in_4bit and model_args.bnb_4bit_quant_type not in ("fp4", "nf4"):
         refuse("bnb_4bit_quant_type", "'fp4' or 'nf4'", "bitsandbytes' 4-bit quantization knows no other")
@@ -429,7 +462,8 @@ def reward_functions(names: list[str], max_completion_length: int | None = None)
     }
     if max_completion_length is not None:
         registry["soft_overlong_punishment"] = get_soft_overlong_punishment(
-            max_completion_length, soft_punish_cache=max(1, max_completion_length // 5))
+            max_completion_length, soft_punish_cache=max(1, max_completion_length // 5)
+        )
     funcs = [_by_name(name, registry, "reward function") for name in names]
     if not funcs:
         raise RecipeArgumentError("at least one reward function is needed (--reward_funcs)")
@@ -448,8 +482,10 @@ def is_conversational(script_args) -> bool:
     """Chat-message prompts: as asked, else for Hub datasets and whenever tools are on (TRL renders them with the
     chat template)."""
     if script_args.tools and script_args.conversational is False:
-        raise RecipeArgumentError("--tools needs conversational prompts (TRL renders the tools with the chat template); "
-                         "drop --conversational false")
+        raise RecipeArgumentError(
+            "--tools needs conversational prompts (TRL renders the tools with the chat template); "
+            "drop --conversational false"
+        )
     if script_args.conversational is not None:
         return script_args.conversational
     return bool(script_args.dataset_name or script_args.tools)
@@ -464,17 +500,22 @@ def load_datasets(script_args, training_args):
     if script_args.eval_dataset_name and not evaluates:
         raise RecipeArgumentError(
             f"--eval_dataset_name {script_args.eval_dataset_name} is evaluated only when TRL evaluates: pass "
-            "--eval_strategy steps --eval_steps N (every N steps), or leave out --eval_dataset_name")
-    kwargs = dict(conversational=conversational, instruction=script_args.instruction,
-                  system_prompt=script_args.system_prompt)
+            "--eval_strategy steps --eval_steps N (every N steps), or leave out --eval_dataset_name"
+        )
+    kwargs = dict(
+        conversational=conversational, instruction=script_args.instruction, system_prompt=script_args.system_prompt
+    )
     settings = dict(
-        difficulty=script_args.synthetic_difficulty, max_operand=script_args.synthetic_max_operand,
-        kinds=tuple(script_args.synthetic_kinds), expressions=bool(script_args.tools),  # what the cold start's
+        difficulty=script_args.synthetic_difficulty,
+        max_operand=script_args.synthetic_max_operand,
+        kinds=tuple(script_args.synthetic_kinds),
+        expressions=bool(script_args.tools),  # what the cold start's
         **kwargs,  # calculator demonstrations compute
     )
     if script_args.dataset_name:
-        train = load_math_dataset(script_args.dataset_name, script_args.dataset_train_split,
-                                  config=script_args.dataset_config, **kwargs)
+        train = load_math_dataset(
+            script_args.dataset_name, script_args.dataset_train_split, config=script_args.dataset_config, **kwargs
+        )
     else:
         train = synthetic_math_dataset(script_args.synthetic_samples, seed=training_args.seed, **settings)
     if not evaluates:
@@ -482,11 +523,16 @@ def load_datasets(script_args, training_args):
     if script_args.eval_dataset_name == "synthetic" or not (script_args.eval_dataset_name or script_args.dataset_name):
         evaluation = synthetic_math_dataset(script_args.eval_samples or 256, seed=training_args.seed + 1, **settings)
     elif script_args.eval_dataset_name:
-        evaluation = load_math_dataset(script_args.eval_dataset_name, script_args.eval_dataset_split,
-                                       config=script_args.eval_dataset_config, **kwargs)
+        evaluation = load_math_dataset(
+            script_args.eval_dataset_name,
+            script_args.eval_dataset_split,
+            config=script_args.eval_dataset_config,
+            **kwargs,
+        )
     else:
-        evaluation = load_math_dataset(script_args.dataset_name, script_args.dataset_test_split,
-                                       config=script_args.dataset_config, **kwargs)
+        evaluation = load_math_dataset(
+            script_args.dataset_name, script_args.dataset_test_split, config=script_args.dataset_config, **kwargs
+        )
     if script_args.eval_samples and len(evaluation) > script_args.eval_samples:
         evaluation = evaluation.select(range(script_args.eval_samples))
     return train, evaluation
@@ -527,12 +573,20 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer
 
     family = script_args.tiny_model_type
-    overrides = tiny_overrides(family, script_args.tiny_hidden_size, script_args.tiny_num_layers,
-                               script_args.tiny_num_experts, script_args.tiny_top_k)
+    overrides = tiny_overrides(
+        family,
+        script_args.tiny_hidden_size,
+        script_args.tiny_num_layers,
+        script_args.tiny_num_experts,
+        script_args.tiny_top_k,
+    )
     tools = tool_functions(script_args.tools)
     sft = ColdStartConfig(
-        steps=script_args.sft_steps, learning_rate=script_args.sft_learning_rate,
-        batch_size=script_args.sft_batch_size, label_noise=script_args.sft_label_noise, seed=training_args.seed,
+        steps=script_args.sft_steps,
+        learning_rate=script_args.sft_learning_rate,
+        batch_size=script_args.sft_batch_size,
+        label_noise=script_args.sft_label_noise,
+        seed=training_args.seed,
         tool_call_fraction=script_args.sft_tool_call_fraction if tools else 0.0,
     )
     tool_call = demonstration_call(script_args.tools) if sft.tool_call_fraction else None
@@ -544,20 +598,24 @@ def cold_started_tiny_model(script_args, training_args, train_dataset) -> str:
     def build():
         model = tiny_moe_model(family, seed=training_args.seed, **overrides)
         tokenizer = tiny_tokenizer(tools=bool(tools))
-        report = cold_start_sft(model, tokenizer, train_dataset, sft, tools=tools, tool_call=tool_call) \
-            if sft.steps else {}
+        report = (
+            cold_start_sft(model, tokenizer, train_dataset, sft, tools=tools, tool_call=tool_call) if sft.steps else {}
+        )
         return model, tokenizer, report
 
     cache_dir = script_args.sft_cache_dir or default_cache_dir()
     state = PartialState()
     with state.main_process_first():  # the main process trains and saves; the others then read the cache
-        folder, record = cached_cold_start(cache_dir, settings, build, log=state.print if state.is_main_process
-                                           else (lambda *_: None))
+        folder, record = cached_cold_start(
+            cache_dir, settings, build, log=state.print if state.is_main_process else (lambda *_: None)
+        )
     report = record["report"]
     if report.get("sampled_accuracy") is not None:
         tool_calls = f", tool calls in {report['tool_call_rate']:.0%} of samples" if "tool_call_rate" in report else ""
-        state.print(f"cold start: {sft.steps} SFT steps, sampled accuracy {report['sampled_accuracy']:.2f} before "
-                    f"GRPO{tool_calls}")
+        state.print(
+            f"cold start: {sft.steps} SFT steps, sampled accuracy {report['sampled_accuracy']:.2f} before "
+            f"GRPO{tool_calls}"
+        )
     return str(folder)
 
 
@@ -568,8 +626,10 @@ def demonstration_call(tool_names: list[str]):
     for name in tool_names:
         if name in DEMONSTRATIONS:
             return DEMONSTRATIONS[name]
-    raise RecipeArgumentError(f"the cold start demonstrates only built-in tools ({sorted(DEMONSTRATIONS)}); with --tools "
-                     f"{' '.join(tool_names)} pass --sft_tool_call_fraction 0 (or add a built-in tool)")
+    raise RecipeArgumentError(
+        f"the cold start demonstrates only built-in tools ({sorted(DEMONSTRATIONS)}); with --tools "
+        f"{' '.join(tool_names)} pass --sft_tool_call_fraction 0 (or add a built-in tool)"
+    )
 
 
 def main(script_args, training_args, model_args):
@@ -642,8 +702,10 @@ def _train(script_args, training_args, model_args, state):
     else:
         model = model_args.model_name_or_path
         model_init_kwargs = dict(
-            revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-            attn_implementation=model_args.attn_implementation, dtype=model_args.dtype,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+            attn_implementation=model_args.attn_implementation,
+            dtype=model_args.dtype,
         )
     if training_args.model_init_kwargs is not None:
         model_init_kwargs.update(training_args.model_init_kwargs)
@@ -685,12 +747,16 @@ def _train(script_args, training_args, model_args, state):
             trainer.end()
         step, max_steps = trainer.state.global_step, trainer.state.max_steps
         if step >= max_steps:  # the last step: nothing is left to resume (a resume would train no step)
-            state.print(f"stopped at step {step} of {max_steps}{interrupt.took()}: the run is complete; its final "
-                        f"weights are in {interrupt.checkpoint} (the final save into {training_args.output_dir} and "
-                        "the summary were skipped)")
+            state.print(
+                f"stopped at step {step} of {max_steps}{interrupt.took()}: the run is complete; its final "
+                f"weights are in {interrupt.checkpoint} (the final save into {training_args.output_dir} and "
+                "the summary were skipped)"
+            )
         else:
-            state.print(f"stopped at step {step} of {max_steps}{interrupt.took()}; checkpoint saved in "
-                        f"{interrupt.checkpoint}; resume with: {resume_command()}")
+            state.print(
+                f"stopped at step {step} of {max_steps}{interrupt.took()}; checkpoint saved in "
+                f"{interrupt.checkpoint}; resume with: {resume_command()}"
+            )
         return trainer
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the log history the plots read
@@ -720,8 +786,10 @@ def plots_possible(output_dir: str, state) -> bool:
     try:
         check_matplotlib()
     except MatplotlibMissingError:
-        state.print(f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
-                    f"\"trl-moe-replay[plot]\", then trl-moe-replay plot {shlex.quote(output_dir)}")
+        state.print(
+            f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
+            f'"trl-moe-replay[plot]", then trl-moe-replay plot {shlex.quote(output_dir)}'
+        )
         return False
     return True
 
@@ -734,9 +802,13 @@ def announce_output_dir(training_args, resume: str | None) -> None:
     if resume is not None:
         print(f"resuming {training_args.output_dir} from {resume}")
     elif earlier is not None:
-        again = "" if earlier.startswith("a finished") else f"; to continue it instead, stop and run: {resume_command()}"
-        print(f"{training_args.output_dir} holds {earlier}: starting over, its checkpoints are deleted when training "
-              f"starts{again}")
+        again = (
+            "" if earlier.startswith("a finished") else f"; to continue it instead, stop and run: {resume_command()}"
+        )
+        print(
+            f"{training_args.output_dir} holds {earlier}: starting over, its checkpoints are deleted when training "
+            f"starts{again}"
+        )
 
 
 def resume_command(argv: list[str] | None = None) -> str:
@@ -795,10 +867,22 @@ def run(argv: list[str] | None = None) -> int:
     from trl_moe_replay.weight_sync.server_requests import ServerModeDependencyError
 
     quiet_upstream_notices()  # before the cold start, whose save already imports DeepSpeed (where installed)
-    user_errors = (RecipeArgumentError, NoCheckpointError, ModelPathError, UnsupportedModelError,
-                   OutputDirInUseError, LaunchMismatchError, ConfigTypeError, ConfigValueError,
-                   CheckpointError, PR2CheckpointError, DistributedCheckpointError,
-                   ShardedAtLoadUnsupportedError, ParallelSizesError, ServerModeDependencyError)
+    user_errors = (
+        RecipeArgumentError,
+        NoCheckpointError,
+        ModelPathError,
+        UnsupportedModelError,
+        OutputDirInUseError,
+        LaunchMismatchError,
+        ConfigTypeError,
+        ConfigValueError,
+        CheckpointError,
+        PR2CheckpointError,
+        DistributedCheckpointError,
+        ShardedAtLoadUnsupportedError,
+        ParallelSizesError,
+        ServerModeDependencyError,
+    )
     prog = os.path.basename(sys.argv[0])
     try:
         trainer = main(*parse_args(argv))
@@ -809,8 +893,11 @@ def run(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started, or a second Ctrl-C: nothing new saved
         print(f"\n{prog}: interrupted; no checkpoint saved by this interruption", file=sys.stderr)
         return 130
-    stopped = [cb for cb in trainer.callback_handler.callbacks
-               if isinstance(cb, SaveOnInterrupt) and (cb.interrupted or cb.engine_lost)]
+    stopped = [
+        cb
+        for cb in trainer.callback_handler.callbacks
+        if isinstance(cb, SaveOnInterrupt) and (cb.interrupted or cb.engine_lost)
+    ]
     return stopped[0].exit_status if stopped else 0  # 130 after Ctrl-C, 143 after SIGTERM, as the shell reports them
 
 

@@ -34,13 +34,16 @@ def trl_tree(path: Path, workdir: Path) -> Path:
     if (path / "trl" / "__init__.py").exists():
         return path
     if (path / "HEAD").exists() and (path / "objects").is_dir():  # a bare git repository: export its HEAD
-        archive = subprocess.run(["git", "--git-dir", str(path), "archive", "HEAD", "trl"], check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "--git-dir", str(path), "archive", "HEAD", "trl"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
-        commit = subprocess.run(["git", "--git-dir", str(path), "rev-parse", "HEAD"], check=True, text=True,
-                                capture_output=True).stdout.strip()
-        version = subprocess.run(["git", "--git-dir", str(path), "show", "HEAD:VERSION"], text=True,
-                                 capture_output=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "--git-dir", str(path), "rev-parse", "HEAD"], check=True, text=True, capture_output=True
+        ).stdout.strip()
+        version = subprocess.run(
+            ["git", "--git-dir", str(path), "show", "HEAD:VERSION"], text=True, capture_output=True
+        ).stdout.strip()
         print(f"exported {path} at {commit} (VERSION {version or 'not recorded'})")
         return workdir
     raise SystemExit(f"{path} holds neither a trl/ package nor a bare git repository")
@@ -56,8 +59,17 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(REPO), os.environ.get("PYTHONPATH", "")])}
         seam = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=REPO).returncode
         tests = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "tests/cross_cutting/test_golden_trl.py", "tests/upstream/test_entries.py",
-             *args.pytest_args], env=env, cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "tests/cross_cutting/test_golden_trl.py",
+                "tests/upstream/test_entries.py",
+                *args.pytest_args,
+            ],
+            env=env,
+            cwd=REPO,
         ).returncode
     print(f"seam check: {'ok' if seam == 0 else 'FAILED'}; golden + seam tests: {'ok' if tests == 0 else 'FAILED'}")
     return 0 if seam == 0 and tests == 0 else 1

@@ -22,9 +22,12 @@ def capture_used_experts(model):
     run in registration order, so these see the replayed ids)."""
     probe = RouterReplay(model)  # only to find the routers; its own hooks stay idle (no context is entered)
     used: dict[int, torch.Tensor] = {}
-    handles = [router.register_forward_hook(
-        lambda module, args, output, layer=layer: used.__setitem__(layer, output[2].detach().cpu()))
-        for layer, router in probe.routers().items()]
+    handles = [
+        router.register_forward_hook(
+            lambda module, args, output, layer=layer: used.__setitem__(layer, output[2].detach().cpu())
+        )
+        for layer, router in probe.routers().items()
+    ]
     try:
         yield used
     finally:
@@ -40,8 +43,9 @@ def packed_row(inputs: dict) -> dict:
     return {"input_ids": inputs["input_ids"][0][mask].cpu(), **{k: v.cpu() for k, v in keep.items()}}
 
 
-def check_row(row: dict, used: dict[int, torch.Tensor], engine_rows: dict[tuple, list[np.ndarray]],
-              moe_layers: list[int]) -> tuple[int, int, int]:
+def check_row(
+    row: dict, used: dict[int, torch.Tensor], engine_rows: dict[tuple, list[np.ndarray]], moe_layers: list[int]
+) -> tuple[int, int, int]:
     """``(samples found, positions checked, positions whose used experts differ from the engine's)``.
 
     ``engine_rows[tuple(input_ids)]`` lists the engine arrays (``[len - 1, L, K]``) of the samples with those tokens;

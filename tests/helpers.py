@@ -42,10 +42,23 @@ CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
 def run_two_ranks(script, *args: str, cwd=None) -> subprocess.CompletedProcess:
     """Run ``script`` as two CPU data-parallel processes (gloo) and return the finished process; fails the test on a
     non-zero exit. torchrun, not `accelerate launch --cpu --num_processes 2`: without MPI that starts one process."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           **CPU_ONLY_ENV}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               *map(str, args)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **CPU_ONLY_ENV,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        *map(str, args),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -90,8 +90,9 @@ class RouteCheckingTrainer(MoEReplayGRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         used: dict[int, list[torch.Tensor]] = {}
         with self._route_replay.observe(lambda call: used.setdefault(call.layer, []).append(call.used.detach())):
-            result = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                                *args, **kwargs)
+            result = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
         self.forwards += 1
         if not self.oracle.routes:  # no engine routes in this run (r2 against an engine without them)
             return result
@@ -107,7 +108,9 @@ class RouteCheckingTrainer(MoEReplayGRPOTrainer):
             want = expected[:, :, layer]
             assert (want[scored] >= 0).all(), f"layer {layer}: a scored position has no engine route"
             differ = (ids.sort(-1).values != want.sort(-1).values).any(-1) & scored
-            assert self.count_mismatches or not differ.any(), f"layer {layer}: the experts used differ from the engine's"
+            assert self.count_mismatches or not differ.any(), (
+                f"layer {layer}: the experts used differ from the engine's"
+            )
             off_route |= differ
         self.mismatched_positions += int(off_route.sum())
         self.checked_positions += int(scored.sum())

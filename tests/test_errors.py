@@ -78,8 +78,9 @@ def test_the_reward_helper_process_loads_rewards_py_standalone():
     from trl_moe_replay.extras.math import rewards
 
     boot = rewards._WORKER_BOOT.replace("module._worker_main()\n", "print('loaded')\n")
-    result = subprocess.run([sys.executable, "-c", boot, rewards.__file__], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", boot, rewards.__file__], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.strip() == "loaded", result.stderr[-2000:]
 
 
@@ -105,8 +106,11 @@ def exceptions() -> dict[str, type]:
 
 def test_every_exception_derives_from_the_base_and_keeps_its_builtin_base(exceptions):
     assert len(exceptions) >= 40
-    ours = {qualified: cls for qualified, cls in exceptions.items() if cls is not TrlMoeReplayError
-            and cls.__name__ not in STANDALONE.get(cls.__module__, ())}
+    ours = {
+        qualified: cls
+        for qualified, cls in exceptions.items()
+        if cls is not TrlMoeReplayError and cls.__name__ not in STANDALONE.get(cls.__module__, ())
+    }
     without_base = [name for name, cls in ours.items() if not issubclass(cls, TrlMoeReplayError)]
     assert not without_base, f"derive these from trl_moe_replay.errors.TrlMoeReplayError: {without_base}"
     unlisted = sorted({cls.__name__ for cls in ours.values()} - set(BUILTIN_BASE))
@@ -146,7 +150,11 @@ def test_the_vllm_plugin_defines_no_exception_class():
     """The plugin imports nothing of ``trl_moe_replay`` (it runs inside vLLM's processes), so it cannot share the
     base; this test says so while it defines none."""
     plugin = ROOT / "trl_moe_replay_vllm_plugin"
-    classes = [node for path in plugin.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.ClassDef)]
+    classes = [
+        node
+        for path in plugin.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    ]
     bases = [ast.unparse(base) for node in classes for base in node.bases]
     assert not [base for base in bases if base.endswith(("Error", "Exception"))], bases

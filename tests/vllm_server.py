@@ -45,9 +45,24 @@ def server_command(checkpoint: str, port: int, *, routes: bool = True, extra_arg
     shortens the tests' start-up (no torch.compile warm-up); the compiled engine's capture is tested in
     tests/vllm_plugin/test_capture.py and by the colocated runs."""
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--host", "127.0.0.1",
-        "--port", str(port), "--max-model-len", "512", "--logprobs-mode", "processed_logprobs", "--max-logprobs",
-        "-1", "--weight-transfer-config", '{"backend": "nccl"}', "--enforce-eager",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        checkpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "-1",
+        "--weight-transfer-config",
+        '{"backend": "nccl"}',
+        "--enforce-eager",
     ]
     return command + (["--enable-return-routed-experts"] if routes else []) + list(extra_args)
 
@@ -58,8 +73,15 @@ class VLLMServer:
     ``restart()`` kills it and starts a fresh one from the checkpoint on the same port (what a supervisor restarting a
     crashed server does); the log is appended to."""
 
-    def __init__(self, checkpoint: str, log: Path, *, routes: bool = True, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        checkpoint: str,
+        log: Path,
+        *,
+        routes: bool = True,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.checkpoint, self.log, self.routes, self.extra_args = checkpoint, Path(log), routes, tuple(extra_args)
         self.port = port or free_port()
         self.url = ServerURL(f"http://127.0.0.1:{self.port}")
@@ -70,17 +92,29 @@ class VLLMServer:
     def start(self) -> ServerURL:
         """Start the process and wait for /health."""
         # VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker runs inside the engine-core process (one Python start less)
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
-               "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
         with open(self.log, "a") as out:
-            self.process = subprocess.Popen(server_command(self.checkpoint, self.port, routes=self.routes,
-                                                           extra_args=self.extra_args), env=env,
-                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                server_command(self.checkpoint, self.port, routes=self.routes, extra_args=self.extra_args),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with {self.process.returncode}: "
-                                   f"{self.log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"the vLLM server exited with {self.process.returncode}: {self.log.read_text()[-3000:]}"
+                )
             with contextlib.suppress(requests.RequestException):
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self.url
@@ -118,7 +152,8 @@ def vllm_server(checkpoint: str, log: Path, *, routes: bool = True, extra_args: 
 
 def reload_weights(url: str, checkpoint: str) -> None:
     """Put the checkpoint's weights back into the server (a training run reloads its own into it)."""
-    response = requests.post(f"{url}/collective_rpc", json={"method": "reload_weights",
-                                                           "kwargs": {"weights_path": checkpoint}}, timeout=600)
+    response = requests.post(
+        f"{url}/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint}}, timeout=600
+    )
     response.raise_for_status()
     requests.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()

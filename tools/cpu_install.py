@@ -24,8 +24,11 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 def plan(*pip_args: str) -> list[dict]:
     """What ``pip install PIP_ARGS`` would install (pip's installation report), installing nothing."""
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
-                             *pip_args], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-", *pip_args],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         sys.exit(result.stderr.strip() or f"pip could not resolve: {' '.join(pip_args)}")
     return json.loads(result.stdout)["install"]
@@ -39,8 +42,11 @@ def cuda_packages(items: list[dict]) -> list[str]:
         metadata = item["metadata"]
         name, version = metadata["name"], metadata["version"]
         requires = metadata.get("requires_dist") or []
-        if (name.lower().startswith("nvidia-") or "+cu" in version
-                or (name.lower() == "torch" and any(r.lower().startswith("nvidia-") for r in requires))):
+        if (
+            name.lower().startswith("nvidia-")
+            or "+cu" in version
+            or (name.lower() == "torch" and any(r.lower().startswith("nvidia-") for r in requires))
+        ):
             found.append(f"{name}=={version}")
     return found
 
@@ -67,9 +73,11 @@ def install_refusing_cuda(*pip_args: str) -> None:
     announce(f"{' '.join(pip_args)} and its dependencies")
     cuda = cuda_packages(plan(*pip_args))
     if cuda:
-        sys.exit(f"refused: `pip install {' '.join(pip_args)}` would bring CUDA packages into this CPU environment "
-                 f"({', '.join(cuda[:4])}{', ...' if len(cuda) > 4 else ''}); install the CPU build of torch first "
-                 f"(python tools/cpu_install.py torch VERSION, i.e. pip install torch --index-url {CPU_INDEX})")
+        sys.exit(
+            f"refused: `pip install {' '.join(pip_args)}` would bring CUDA packages into this CPU environment "
+            f"({', '.join(cuda[:4])}{', ...' if len(cuda) > 4 else ''}); install the CPU build of torch first "
+            f"(python tools/cpu_install.py torch VERSION, i.e. pip install torch --index-url {CPU_INDEX})"
+        )
     pip_install(*pip_args)
 
 

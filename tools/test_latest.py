@@ -64,8 +64,11 @@ class Row:
     @property
     def installs(self) -> bool:
         """Whether the newest release is what the environment holds (a local version label aside)."""
-        return (self.newest is not None and self.installed is not None
-                and Version(self.installed).public == Version(self.newest).public)
+        return (
+            self.newest is not None
+            and self.installed is not None
+            and Version(self.installed).public == Version(self.newest).public
+        )
 
 
 # pytest's exit statuses (pytest.ExitCode) other than 0 (all passed) and 1 (some failed): the run did not finish
@@ -85,7 +88,7 @@ class FastRun:
 
     @property
     def verdict(self) -> str:
-        """"passed" only for a run that pytest says finished with every test passed; otherwise what went wrong."""
+        """ "passed" only for a run that pytest says finished with every test passed; otherwise what went wrong."""
         code = self.exit_code
         if code is not None and code < 0:
             return f"killed (signal {-code})"
@@ -101,7 +104,10 @@ def declared_bounds(pyproject_text: str, extras: tuple[str, ...] = EXTRAS) -> di
     """``{name: specifier}`` of ``[project] dependencies`` and of ``extras``, in that order (a name in both keeps the
     first)."""
     project = tomllib.loads(pyproject_text)["project"]
-    requirements = [*project["dependencies"], *(r for extra in extras for r in project["optional-dependencies"][extra])]
+    requirements = [
+        *project["dependencies"],
+        *(r for extra in extras for r in project["optional-dependencies"][extra]),
+    ]
     bounds: dict[str, SpecifierSet] = {}
     for requirement in map(Requirement, requirements):
         bounds.setdefault(requirement.name, requirement.specifier)
@@ -154,13 +160,17 @@ def _yes_no(value: bool | None) -> str:
 
 def table(rows: list[Row], run: FastRun | None) -> str:
     """The report: one Markdown table, a row per dependency and a last row for the fast subset."""
-    lines = ["| dependency | newest | our bound | newest inside it | installs | fast subset | first failing test |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dependency | newest | our bound | newest inside it | installs | fast subset | first failing test |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         installed = "yes" if row.installs else ("no" if row.installed is None else f"no ({row.installed})")
         note = f"; {row.note}" if row.note else ""
-        lines.append(f"| {row.name} | {row.newest or '?'} | `{row.bound or 'any'}` | {_yes_no(row.inside)} | "
-                     f"{installed}{note} | | |")
+        lines.append(
+            f"| {row.name} | {row.newest or '?'} | `{row.bound or 'any'}` | {_yes_no(row.inside)} | "
+            f"{installed}{note} | | |"
+        )
     if run is None:
         result, first = "not run", ""
     else:
@@ -234,10 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--venv", type=Path, help="reuse this environment instead of building .venv-latest")
     parser.add_argument("--junit", type=Path, help="reuse this fast-subset JUnit report instead of running the tests")
-    parser.add_argument("--cpu-torch", default="2.13.0", help="the CPU torch to install where the newest is a CUDA "
-                                                              "build (default: what make setup installs)")
-    parser.add_argument("--cuda-torch", action="store_true", help="install the newest torch even where it is the "
-                        "CUDA build (gigabytes of nvidia-* packages; it runs on a CPU too)")
+    parser.add_argument(
+        "--cpu-torch",
+        default="2.13.0",
+        help="the CPU torch to install where the newest is a CUDA build (default: what make setup installs)",
+    )
+    parser.add_argument(
+        "--cuda-torch",
+        action="store_true",
+        help="install the newest torch even where it is the "
+        "CUDA build (gigabytes of nvidia-* packages; it runs on a CPU too)",
+    )
     args = parser.parse_args(argv)
     bounds = declared_bounds((ROOT / "pyproject.toml").read_text())
     print(f"asking the index for the newest release of {', '.join(bounds)}...", flush=True)
@@ -255,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         for stale in (junit, junit.with_suffix(".rc")):  # an earlier run's report must not stand in for this one
             stale.unlink(missing_ok=True)
         print(f"running the fast subset in {venv} (about 20 minutes on 2 cores)...", flush=True)
-        code = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST,
-                               f"--junitxml={junit}", "tests"], cwd=ROOT).returncode
+        code = subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST, f"--junitxml={junit}", "tests"],
+            cwd=ROOT,
+        ).returncode
         junit.with_suffix(".rc").write_text(f"{code}\n")
     else:
         junit = args.junit
@@ -266,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         run = fast_run_from_junit(junit.read_text(), code)
     else:  # pytest wrote no report (killed, or never started): nothing passed
         run = None if code is None else FastRun(0, 0, 0, None, interrupted=True, exit_code=code)
-    rows = [Row(name, newest[name], bound, have.get(name.lower()), notes.get(name, ""))
-            for name, bound in bounds.items()]
+    rows = [
+        Row(name, newest[name], bound, have.get(name.lower()), notes.get(name, "")) for name, bound in bounds.items()
+    ]
     print(table(rows, run))
     return 0 if run is not None and run.verdict == "passed" and all(row.installs or row.note for row in rows) else 1
 

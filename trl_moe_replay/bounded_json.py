@@ -83,8 +83,17 @@ def _read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:
         info = os.fstat(fd)
         mode = info.st_mode
         if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
-                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
+            kind = (
+                "a folder"
+                if stat.S_ISDIR(mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(mode)
+                else "a socket"
+                if stat.S_ISSOCK(mode)
+                else "a device"
+                if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "special"
+            )
             raise JSONFileError(f"{path} is {kind}, not a regular file: refusing to read it")
         # + 1: a file that grew past the limit since fstat (or reports no size, as /proc's do) is refused too
         data = b"" if info.st_size > max_bytes else _read_up_to(fd, max_bytes + 1)
@@ -101,7 +110,6 @@ def _read_up_to(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
-
 
 
 def read_regular_file(path: str | os.PathLike, max_bytes: int) -> bytes:

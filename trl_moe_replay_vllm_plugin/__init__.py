@@ -188,12 +188,15 @@ def check_vllm() -> list[tuple[str, str]]:
     if not isinstance(resolve(entries["unquantized_setup_kernel"][2]), property):
         problems.append(("unquantized_setup_kernel", "FusedMoEKernel.fused_experts is no longer a property"))
     params("unquantized_setup_kernel", entries["unquantized_setup_kernel"][3] + ".__init__", ("self", "layer_name"))
-    if "no_compile_layers" not in {field.name for field in dataclasses.fields(resolve(entries["forward_context_layers"][1]))}:
+    if "no_compile_layers" not in {
+        field.name for field in dataclasses.fields(resolve(entries["forward_context_layers"][1]))
+    }:
         problems.append(("forward_context_layers", "ForwardContext no longer has the field no_compile_layers"))
     runner_params = tuple(inspect.signature(resolve(entries["forward_context_layers"][2])).parameters)
     if not {"layer_name", "routed_experts"} <= set(runner_params):
-        problems.append(("forward_context_layers", f"MoERunner{runner_params} no longer takes layer_name and "
-                                                   "routed_experts"))
+        problems.append(
+            ("forward_context_layers", f"MoERunner{runner_params} no longer takes layer_name and routed_experts")
+        )
     return problems
 
 
@@ -206,9 +209,14 @@ def _probe_select_experts() -> str | None:
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
 
     experts: Any = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))
-    experts.__dict__.update(moe_config=types.SimpleNamespace(experts_per_token=2), use_grouped_topk=False,
-                            renormalize=True, scoring_func="softmax", custom_routing_function=None,
-                            routing_replay_capture_fn=None)
+    experts.__dict__.update(
+        moe_config=types.SimpleNamespace(experts_per_token=2),
+        use_grouped_topk=False,
+        renormalize=True,
+        scoring_func="softmax",
+        custom_routing_function=None,
+        routing_replay_capture_fn=None,
+    )
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 4.0, 1.0]])
     weights, ids = experts._select_experts(torch.zeros(2, 8), logits, None, None, None, None)
     if ids.dtype.is_floating_point or not weights.dtype.is_floating_point:
@@ -231,7 +239,9 @@ def _probe_capture_interface() -> str | None:
     stand_in: Any = object.__new__(type("Probe", (cpu_moe.CPUUnquantizedExperts,), {}))  # a concrete monolithic kernel
     if base(stand_in) is not False or FusedMoEExpertsMonolithic.routing_replay_capture_fn is not None:
         return "FusedMoEExpertsMonolithic no longer defaults to no capture (supports False, no hook bound)"
-    if "supports_routing_replay_capture" not in inspect.getsource(routed_experts_capturer.bind_routed_experts_capturer):
+    if "supports_routing_replay_capture" not in inspect.getsource(
+        routed_experts_capturer.bind_routed_experts_capturer
+    ):
         return "bind_routed_experts_capturer no longer asks supports_routing_replay_capture()"
     stand_in.routing_replay_capture_fn = print
     stand_in.set_capture_fn(None)
@@ -409,7 +419,9 @@ def define_record_routes_op():
     import torch
 
     @torch.library.custom_op(
-        "trl_moe_replay::record_routes", mutates_args=("topk_ids",), schema="(Tensor(a!) topk_ids, str layer_name) -> ()"
+        "trl_moe_replay::record_routes",
+        mutates_args=("topk_ids",),
+        schema="(Tensor(a!) topk_ids, str layer_name) -> ()",
     )
     def record_routes(topk_ids, layer_name):
         from vllm.forward_context import get_forward_context

@@ -46,7 +46,9 @@ from tests.helpers import hooks_of_ours, module_hooks
 
 
 STEPS = 2
-DATASET = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]})
+DATASET = Dataset.from_dict(
+    {"prompt": [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]}
+)
 BATCH = 8  # samples per micro-batch (FixedCountBatcher: token_budget=0)
 TRL_FLASH_ATTN = trl_packing._flash_attn  # TRL's FlashAttention-3 lookup, as imported
 
@@ -81,33 +83,53 @@ def script(checkpoint, versions, *, routes=True, seed=0, malformed=(), shared_pr
         if shared_prompt and group == 1:
             prompt = samples[0].input_ids[:5].tolist()
         for _ in range(4):
-            completion = torch.randint(10, 60, (int(torch.randint(3, 7, (1,), generator=generator)),),
-                                       generator=generator).tolist()
+            completion = torch.randint(
+                10, 60, (int(torch.randint(3, 7, (1,), generator=generator)),), generator=generator
+            ).tolist()
             ids = prompt + completion
             rows = sampled_routes(engines[version], ids)
             engine_rows.setdefault(tuple(ids), []).append(rows)
             fields = dict(
-                prompt=[{"role": "user", "content": "x"}], completion=[{"role": "assistant", "content": "y"}],
-                input_ids=np.array(ids), completion_mask=np.array([0] * len(prompt) + [1] * len(completion)),
+                prompt=[{"role": "user", "content": "x"}],
+                completion=[{"role": "assistant", "content": "y"}],
+                input_ids=np.array(ids),
+                completion_mask=np.array([0] * len(prompt) + [1] * len(completion)),
                 old_log_probs=(-torch.rand(len(ids), generator=generator) * 3).numpy().astype(np.float32),
-                advantage=float(torch.randn(1, generator=generator)), model_version=version, group_id=group,
+                advantage=float(torch.randn(1, generator=generator)),
+                model_version=version,
+                group_id=group,
                 metrics={"reward": 0.5},
             )
             if not routes:
                 samples.append(RolloutSample(**fields))
                 continue
             turn_rows = "not base64!" if len(samples) in malformed else rows
-            samples.append(RoutedRolloutSample(**fields, route_turns=[EngineTurn(turn_rows, len(prompt),
-                                                                                 len(completion))],
-                                               route_prompt_length=len(prompt), sampled_versions=(version, version)))
+            samples.append(
+                RoutedRolloutSample(
+                    **fields,
+                    route_turns=[EngineTurn(turn_rows, len(prompt), len(completion))],
+                    route_prompt_length=len(prompt),
+                    sampled_versions=(version, version),
+                )
+            )
     return samples, engine_rows
 
 
 def settings(tmp_path, **overrides):
     values = dict(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=STEPS, logging_steps=1,
-        per_device_train_batch_size=BATCH, num_generations=4, save_strategy="no", seed=0, token_budget=0,
-        max_staleness=100, learning_rate=1e-2, bf16=False,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=STEPS,
+        logging_steps=1,
+        per_device_train_batch_size=BATCH,
+        num_generations=4,
+        save_strategy="no",
+        seed=0,
+        token_budget=0,
+        max_staleness=100,
+        learning_rate=1e-2,
+        bf16=False,
     )
     values.update(overrides)
     return values
@@ -118,8 +140,14 @@ def scripted_trainer(tmp_path, checkpoint, samples, cls=None, **overrides):
     check (no engine to probe); ``overrides`` go to the config."""
     cls = cls or MoEReplayAsyncGRPOTrainer
     args = MoEReplayAsyncGRPOConfig(**settings(tmp_path, vllm_sync_check=False, **overrides))
-    return cls(model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=args,
-               rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer())
+    return cls(
+        model=checkpoint,
+        reward_funcs=reward,
+        train_dataset=DATASET,
+        args=args,
+        rollout_worker=ScriptedRolloutWorker(samples),
+        weight_transfer=NoOpWeightTransfer(),
+    )
 
 
 class CheckedTrainer(MoEReplayAsyncGRPOTrainer):
@@ -140,7 +168,9 @@ def test_r3_replays_each_sample_routes_in_packed_rows_mixing_versions(tmp_path, 
     # micro-batch 1 mixes versions 0 and 1 (same prompt in groups 0 and 1: a shared prefix routed differently); every
     # version is one the trainer has published when the sample is taken (version 1 after the cold sync: the batches
     # are taken ahead of the step that syncs version 2, and a version the trainer never published is dropped)
-    samples, engine_rows = script(checkpoint, versions=[0, 1, 0, 1, 0, 0], shared_prompt=True)  # + 1 batch accelerate prefetches
+    samples, engine_rows = script(
+        checkpoint, versions=[0, 1, 0, 1, 0, 0], shared_prompt=True
+    )  # + 1 batch accelerate prefetches
     CheckedTrainer.engine_rows = engine_rows
     trainer = scripted_trainer(tmp_path, checkpoint, samples, cls=CheckedTrainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -214,11 +244,13 @@ def test_r3_checks_routes_where_they_enter_not_at_every_training_forward(tmp_pat
     assert route_checks["host_passes"] == 0
 
 
-def test_r3_routes_from_an_unchecked_source_are_checked_in_full_where_they_enter_the_row(tmp_path, checkpoint,
-                                                                                         route_checks, monkeypatch):
+def test_r3_routes_from_an_unchecked_source_are_checked_in_full_where_they_enter_the_row(
+    tmp_path, checkpoint, route_checks, monkeypatch
+):
     align = MoEReplayAsyncGRPOTrainer._align_sample
-    monkeypatch.setattr(MoEReplayAsyncGRPOTrainer, "_align_sample",
-                        lambda self, sample: align(self, sample).tensor())  # a plain tensor: not what the intake checked
+    monkeypatch.setattr(
+        MoEReplayAsyncGRPOTrainer, "_align_sample", lambda self, sample: align(self, sample).tensor()
+    )  # a plain tensor: not what the intake checked
     run_checked(tmp_path, checkpoint, versions=[0, 1, 0, 1, 0, 0])
     assert route_checks["replays"] == STEPS
     assert route_checks["host_passes"] >= STEPS * BATCH  # each sample's, once, as it entered a packed row
@@ -228,8 +260,9 @@ def test_without_replay_the_same_check_finds_mismatches(tmp_path, checkpoint):
     """Negative control: routing_replay='none' with routing_metrics carries the routes but does not replay them."""
     samples, engine_rows = script(checkpoint, versions=[1] * 6)
     CheckedTrainer.engine_rows = engine_rows
-    trainer = scripted_trainer(tmp_path, checkpoint, samples, cls=CheckedTrainer, routing_replay="none",
-                               routing_metrics=True)
+    trainer = scripted_trainer(
+        tmp_path, checkpoint, samples, cls=CheckedTrainer, routing_replay="none", routing_metrics=True
+    )
     trainer.train()
     assert all(found == BATCH for found, _, _ in trainer.checks)
     assert sum(mismatched for _, _, mismatched in trainer.checks) > 0
@@ -277,8 +310,10 @@ def test_routes_that_stop_arriving_end_the_run_when_configured(tmp_path, checkpo
     good, _ = script(checkpoint, versions=[0, 0])
     bare, _ = script(checkpoint, versions=[0] * 6, routes=False, seed=1)
     trainer = scripted_trainer(tmp_path, checkpoint, good + bare, max_steps=4, max_route_fallback_steps=2)
-    with pytest.raises(RoutesUnavailableError, match="vLLM routes stopped arriving: every sample of the last 2 "
-                                                     "batches .* max_route_fallback_steps is 2"):
+    with pytest.raises(
+        RoutesUnavailableError,
+        match="vLLM routes stopped arriving: every sample of the last 2 batches .* max_route_fallback_steps is 2",
+    ):
         trainer.train()
     # step 1 replayed; the samples of steps 2 and 3 all fell back: the error comes as accelerate fetches step 3's
     # batch, ahead, before step 2's optimizer step
@@ -306,9 +341,14 @@ def test_route_intake_warns_once_when_routes_stop_arriving_and_again_after_they_
     bad = [EngineTurn(None, 4, 0)]
 
     def align(intake, turns):
-        intake.align([turns], layout, prompt_lengths=[turns[0].prompt_length],
-                     completion_lengths=[2 if turns is good else 0], prompt_width=turns[0].prompt_length,
-                     completion_width=2 if turns is good else 0)
+        intake.align(
+            [turns],
+            layout,
+            prompt_lengths=[turns[0].prompt_length],
+            completion_lengths=[2 if turns is good else 0],
+            prompt_width=turns[0].prompt_length,
+            completion_width=2 if turns is good else 0,
+        )
 
     intake = RouteIntake(None, source="vLLM", required=True, batch_samples=2)
     align(intake, bad)  # first sample bad, second good: the first batch fits, no error
@@ -339,6 +379,7 @@ def test_use_cpu_builds_on_a_machine_with_cuda(tmp_path, checkpoint, monkeypatch
     """TRL's MFU lookup asks CUDA for the name of the trainer's device; with use_cpu on a CUDA machine that device is
     the CPU, and CUDA refuses (issue 30: 5 tests failed on a GPU machine). Simulated: CUDA 'available', and
     get_device_name refusing a CPU device as CUDA does."""
+
     def device_name(device=None):
         if torch.device(device if device is not None else "cuda").type != "cuda":
             raise ValueError(f"Expected a cuda device, but got: {device}")
@@ -348,7 +389,9 @@ def test_use_cpu_builds_on_a_machine_with_cuda(tmp_path, checkpoint, monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", device_name)
     samples, _ = script(checkpoint, versions=[0, 0])
     trainer = MoEReplayAsyncGRPOTrainer(
-        model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
+        model=checkpoint,
+        reward_funcs=reward,
+        train_dataset=DATASET,
         args=MoEReplayAsyncGRPOConfig(**settings(tmp_path)),
         rollout_worker=ScriptedRolloutWorker(samples),
     )
@@ -360,8 +403,9 @@ def test_a_second_async_run_on_a_held_output_dir_is_refused_and_end_releases_the
     """The sync trainer's lock (tests/core/test_output_lock.py), by the same code: a live run of another process holds
     output_dir (its lock names the parent process of this one, alive on this host): train() refuses in one line."""
     lock_path = tmp_path / LOCK_NAME
-    lock_path.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "token": "theirs",
-                                     "started": "earlier"}))
+    lock_path.write_text(
+        json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "token": "theirs", "started": "earlier"})
+    )
     samples, _ = script(checkpoint, versions=[0, 0, 1, 1, 2, 2])
     trainer = scripted_trainer(tmp_path, checkpoint, samples, max_steps=1)
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -380,8 +424,9 @@ def test_a_second_async_run_on_a_held_output_dir_is_refused_and_end_releases_the
     assert not lock_path.exists()  # a later run, of any process, starts
     # no hook of ours left; the others are the model's own and transformers'
     assert hooks_of_ours(model) == 0
-    assert all(key[2].startswith("transformers.") for key, count in module_hooks(model).items()
-               if count > before.get(key, 0))
+    assert all(
+        key[2].startswith("transformers.") for key, count in module_hooks(model).items() if count > before.get(key, 0)
+    )
 
 
 def test_the_async_trainer_checks_the_launch_like_the_sync_one(tmp_path, checkpoint, monkeypatch):
@@ -407,9 +452,14 @@ LAYOUT = RouteLayout(num_layers=2, top_k=2, num_experts=8, moe_layers=(0, 1))  #
 
 
 def row_sample(ids, routes, group=0):
-    return {"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0, 0] + [1] * (len(ids) - 2)),
-            "old_log_probs": torch.zeros(len(ids)), "advantage": 1.0, "group_id": group,
-            "replay_routes": routes}
+    return {
+        "input_ids": torch.tensor(ids),
+        "completion_mask": torch.tensor([0, 0] + [1] * (len(ids) - 2)),
+        "old_log_probs": torch.zeros(len(ids)),
+        "advantage": 1.0,
+        "group_id": group,
+        "replay_routes": routes,
+    }
 
 
 def routes_of(values, length):
@@ -534,11 +584,15 @@ def test_cpu_tree_attention_matches_per_sample_attention(checkpoint):
         row.add(row_sample(ids, None))
     packed = row.pack()
     with torch.no_grad(), cpu_tree_attention():
-        logits = model(input_ids=packed["input_ids"][None], position_ids=packed["position_ids"][None],
-                       tree_kv_index=packed["tree_kv_index"], tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
-                       tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
-                       tree_max_seqlen_q=int(packed["tree_max_seqlens"][0]),
-                       tree_max_seqlen_k=int(packed["tree_max_seqlens"][1])).logits[0]
+        logits = model(
+            input_ids=packed["input_ids"][None],
+            position_ids=packed["position_ids"][None],
+            tree_kv_index=packed["tree_kv_index"],
+            tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
+            tree_cu_seqlens_k=packed["tree_cu_seqlens_k"],
+            tree_max_seqlen_q=int(packed["tree_max_seqlens"][0]),
+            tree_max_seqlen_k=int(packed["tree_max_seqlens"][1]),
+        ).logits[0]
         model.config._attn_implementation = "sdpa"
         kv, cu = packed["tree_kv_index"].tolist(), packed["tree_cu_seqlens_k"].tolist()
         leaves = [kv[a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
@@ -585,21 +639,33 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
     samples, _ = script(checkpoint, versions=[0, 0, 1, 1, 2, 2, 2, 2], routes=False)
     values = settings(tmp_path, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3)
     with upstream.async_trainer_globals(get_peak_flops_per_device=lambda *a, **k: None):
-        theirs = AsyncGRPOTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-                                  args=AsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "trl")}),
-                                  rollout_worker=ScriptedRolloutWorker(samples),
-                                  weight_transfer=NoOpWeightTransfer())
+        theirs = AsyncGRPOTrainer(
+            model=checkpoint,
+            reward_funcs=reward,
+            train_dataset=DATASET,
+            args=AsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "trl")}),
+            rollout_worker=ScriptedRolloutWorker(samples),
+            weight_transfer=NoOpWeightTransfer(),
+        )
     with cpu_tree_attention():
         theirs.train()
-    ours = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET,
-                                     args=MoEReplayAsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "ours")},
-                                                                   routing_replay="none"),
-                                     rollout_worker=ScriptedRolloutWorker(samples),
-                                     weight_transfer=NoOpWeightTransfer())
+    ours = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint,
+        reward_funcs=reward,
+        train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**{**values, "output_dir": str(tmp_path / "ours")}, routing_replay="none"),
+        rollout_worker=ScriptedRolloutWorker(samples),
+        weight_transfer=NoOpWeightTransfer(),
+    )
     assert ours._route_replay is None and ours._route_intake is None  # nothing built
     ours.train()
-    wall_clock = ("perf/", "train_runtime", "train_samples_per_second", "train_steps_per_second",
-                  "sample/time_in_queue_s")
+    wall_clock = (
+        "perf/",
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "sample/time_in_queue_s",
+    )
     assert len(ours.state.log_history) == len(theirs.state.log_history) == 4
     for mine, trl in zip(ours.state.log_history, theirs.state.log_history, strict=True):
         assert set(trl) <= set(mine) and all(name.startswith("precision/") for name in set(mine) - set(trl))
@@ -611,8 +677,10 @@ def test_none_is_trl_async_grpo_bit_for_bit(tmp_path, checkpoint):
     theirs_params = dict(theirs.model.named_parameters())
     for name, param in ours.model.named_parameters():
         assert torch.equal(param, theirs_params[name]), name
-    assert any(not torch.equal(p, q) for (_, p), q in zip(ours.model.named_parameters(),
-                                                          tiny_moe_model("qwen3_moe").parameters(), strict=True))
+    assert any(
+        not torch.equal(p, q)
+        for (_, p), q in zip(ours.model.named_parameters(), tiny_moe_model("qwen3_moe").parameters(), strict=True)
+    )
 
 
 # --------------------------------------------------------------------------------------------- sync check
@@ -633,14 +701,16 @@ def guard_with(monkeypatch, engine_answers, trainer_answers):
     from trl_moe_replay.weight_sync.sync_check import SyncCheck
 
     trainer = iter(trainer_answers)
-    return SyncCheck(ScriptedEngine(engine_answers), lambda model, probe: torch.tensor(next(trainer)), [1, 2, 3],
-                     tolerance=0.05)
+    return SyncCheck(
+        ScriptedEngine(engine_answers), lambda model, probe: torch.tensor(next(trainer)), [1, 2, 3], tolerance=0.05
+    )
 
 
 def test_sync_guard_passes_delivered_syncs(monkeypatch):
     # engine: before/after sync 1, before/after sync 2 (it follows the trainer, with some batch noise)
-    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.001, -2.0], [-1.5, -2.3]],
-                       [[-1.0, -2.0], [-1.5, -2.3]])
+    guard = guard_with(
+        monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.001, -2.0], [-1.5, -2.3]], [[-1.0, -2.0], [-1.5, -2.3]]
+    )
     guard.before_sync(), guard.after_sync(SCORED_MODEL), guard.before_sync()
     assert guard.after_sync(SCORED_MODEL) == pytest.approx(0.0)
 
@@ -648,8 +718,9 @@ def test_sync_guard_passes_delivered_syncs(monkeypatch):
 def test_sync_guard_catches_a_transfer_that_delivers_nothing(monkeypatch):
     from trl_moe_replay.weight_sync.sync_check import WeightSyncNotDeliveredError
 
-    guard = guard_with(monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.001]],
-                       [[-1.0, -2.0], [-1.5, -2.3]])
+    guard = guard_with(
+        monkeypatch, [[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.001]], [[-1.0, -2.0], [-1.5, -2.3]]
+    )
     guard.before_sync(), guard.after_sync(SCORED_MODEL), guard.before_sync()
     with pytest.raises(WeightSyncNotDeliveredError, match="did not deliver"):
         guard.after_sync(SCORED_MODEL)
@@ -697,12 +768,14 @@ def test_the_async_model_card_needs_nothing_of_the_sync_trainer(tmp_path):
     """A process that imports the async trainer alone (never the sync config, whose module declares the sync-only
     options' defaults) names the methods of its model card: this test's neighbour failed so, with a KeyError, when its
     module ran by itself."""
-    code = ("import sys\n"
-            "from trl_moe_replay.async_grpo.async_grpo_config import MoEReplayAsyncGRPOConfig\n"
-            "from trl_moe_replay.core.model_card import methods_used\n"
-            "assert 'trl_moe_replay.trainer.grpo_config' not in sys.modules\n"
-            f"args = MoEReplayAsyncGRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True)\n"
-            "print(methods_used(args, 'r3'))\n")
+    code = (
+        "import sys\n"
+        "from trl_moe_replay.async_grpo.async_grpo_config import MoEReplayAsyncGRPOConfig\n"
+        "from trl_moe_replay.core.model_card import methods_used\n"
+        "assert 'trl_moe_replay.trainer.grpo_config' not in sys.modules\n"
+        f"args = MoEReplayAsyncGRPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True)\n"
+        "print(methods_used(args, 'r3'))\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "['r3']"
@@ -726,8 +799,9 @@ def test_two_training_processes_train_the_weights_of_one_and_replay_each_rank_ro
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **CPU_ONLY_ENV}
-    single = subprocess.run([sys.executable, str(script_path), str(one), checkpoint], env=env, capture_output=True,
-                            text=True, timeout=300)
+    single = subprocess.run(
+        [sys.executable, str(script_path), str(one), checkpoint], env=env, capture_output=True, text=True, timeout=300
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     run_two_ranks(script_path, two, checkpoint, *(["ep"] if parallel == "ep" else []))
     (alone,) = [json.loads((one / "rank0.json").read_text())]

@@ -39,9 +39,19 @@ def reward(completions, **kwargs):  # module level: the spawned child unpickles 
 @pytest.fixture
 def cpu_load():
     """Two nice'd busy loops, bounded in time (they end by themselves even if the test process dies)."""
-    loops = [subprocess.Popen(["nice", "-n", "5", sys.executable, "-c",
-                               "import time\nend = time.time() + 300\nwhile time.time() < end: pass"])
-             for _ in range(2)]
+    loops = [
+        subprocess.Popen(
+            [
+                "nice",
+                "-n",
+                "5",
+                sys.executable,
+                "-c",
+                "import time\nend = time.time() + 300\nwhile time.time() < end: pass",
+            ]
+        )
+        for _ in range(2)
+    ]
     yield
     for loop in loops:
         loop.kill()
@@ -91,9 +101,17 @@ def failing_worker(url: str):
     tokenizer.response_template = qwen3_template
     prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+1="}] for a in range(4)]})
     worker = RoutedAsyncRolloutWorker(
-        model_name="tiny", dataset=prompts, reward_funcs=[reward], processing_class=tokenizer,
-        eos_token_ids=[tokenizer.eos_token_id], num_generations=2, max_tokens=4, vllm_server_url=url,
-        request_timeout=10, max_request_attempts=1, child_ready_timeout=START_DEADLINE_S,
+        model_name="tiny",
+        dataset=prompts,
+        reward_funcs=[reward],
+        processing_class=tokenizer,
+        eos_token_ids=[tokenizer.eos_token_id],
+        num_generations=2,
+        max_tokens=4,
+        vllm_server_url=url,
+        request_timeout=10,
+        max_request_attempts=1,
+        child_ready_timeout=START_DEADLINE_S,
     )
     worker.stop_grace_s = GRACE_S
     return worker
@@ -121,8 +139,11 @@ def wait_for_runs(threads, outcomes) -> None:
     deadline = time.monotonic() + START_DEADLINE_S
     while any(thread.is_alive() for thread in threads):
         now = time.monotonic()
-        stuck = [i for i, outcome in enumerate(outcomes)
-                 if "failed_at" in outcome and "stop_s" not in outcome and now - outcome["failed_at"] > STOP_BOUND_S]
+        stuck = [
+            i
+            for i, outcome in enumerate(outcomes)
+            if "failed_at" in outcome and "stop_s" not in outcome and now - outcome["failed_at"] > STOP_BOUND_S
+        ]
         assert not stuck, f"runs {stuck}: stop() still waiting {STOP_BOUND_S} s after the failure (a hang)"
         assert now < deadline, f"not every worker failed within {START_DEADLINE_S} s: {outcomes}"
         time.sleep(0.5)
@@ -143,8 +164,9 @@ def test_failing_workers_raise_and_stop_within_a_bound_under_cpu_load(endpoint, 
     url = closed_port_url() if endpoint == "closed_port" else server_400
     workers = [failing_worker(url) for _ in range(RUNS)]
     outcomes = [{} for _ in workers]
-    threads = [threading.Thread(target=run_to_failure, args=pair, daemon=True)
-               for pair in zip(workers, outcomes, strict=True)]
+    threads = [
+        threading.Thread(target=run_to_failure, args=pair, daemon=True) for pair in zip(workers, outcomes, strict=True)
+    ]
     try:
         for thread in threads:
             thread.start()
@@ -203,12 +225,26 @@ def test_train_raises_a_clear_error_in_bounded_time_when_the_server_fails(endpoi
     tokenizer.response_template = qwen3_template
     url = closed_port_url() if endpoint == "closed_port" else server_400
     args = MoEReplayAsyncGRPOConfig(
-        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none", max_steps=2,
-        per_device_train_batch_size=4, num_generations=2, max_completion_length=4, save_strategy="no",
-        vllm_server_base_url=url, vllm_request_attempts=1, request_timeout=10, vllm_sync_check=False, token_budget=0,
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        save_strategy="no",
+        vllm_server_base_url=url,
+        vllm_request_attempts=1,
+        request_timeout=10,
+        vllm_sync_check=False,
+        token_budget=0,
     )
     trainer = MoEReplayAsyncGRPOTrainer(
-        model=str(checkpoint), reward_funcs=reward, args=args, processing_class=tokenizer,
+        model=str(checkpoint),
+        reward_funcs=reward,
+        args=args,
+        processing_class=tokenizer,
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": f"{a}+1="}] for a in range(4)]}),
         weight_transfer=NoOpWeightTransfer(),
     )

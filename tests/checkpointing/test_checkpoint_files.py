@@ -41,7 +41,8 @@ def checkpoint(tmp_path_factory) -> Path:
     make_trainer(run, tiny_moe_model("qwen3_moe", seed=0), max_steps=1, save_strategy="steps", save_steps=1).train()
     folder = run / "checkpoint-1"
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= {
-        p.name for p in folder.iterdir()}
+        p.name for p in folder.iterdir()
+    }
     return folder
 
 
@@ -87,8 +88,9 @@ def resumes_exactly(trainer, folder: Path, checkpoint: Path) -> None:
     trainer.train(resume_from_checkpoint=str(folder))
     reference = tiny_moe_model("qwen3_moe", seed=5)
     restore_checkpoint_weights(reference, checkpoint)
-    assert all(torch.equal(a, b)
-               for a, b in zip(weights(reference).values(), weights(trainer.model).values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(weights(reference).values(), weights(trainer.model).values(), strict=True)
+    )
 
 
 def refused_by_train(trainer, folder: Path) -> str:
@@ -108,6 +110,7 @@ def cut(name, keep=0.5):
     def damage(folder: Path):
         data = (folder / name).read_bytes()
         (folder / name).write_bytes(data[: int(len(data) * keep)])
+
     return damage
 
 
@@ -125,6 +128,7 @@ def edit_state(change):
         state = json.loads((folder / "trainer_state.json").read_text())
         change(state)
         (folder / "trainer_state.json").write_text(json.dumps(state))
+
     return damage
 
 
@@ -137,48 +141,76 @@ def torch_saved(name, value):
 FILE_DAMAGE = {
     "optimizer.pt truncated": (cut("optimizer.pt"), "optimizer.pt cannot be read (RuntimeError: PytorchStreamReader"),
     "optimizer.pt empty": (write("optimizer.pt", b""), "optimizer.pt cannot be read (EOFError"),
-    "optimizer.pt a pickle that runs code": (write("optimizer.pt", pickle.dumps({"state": RunsCode()})),
-                                             "optimizer.pt cannot be read (UnpicklingError: Weights only load failed"),
-    "optimizer.pt without param_groups": (torch_saved("optimizer.pt", {"state": {}}),
-                                          "optimizer.pt holds no 'param_groups'"),
+    "optimizer.pt a pickle that runs code": (
+        write("optimizer.pt", pickle.dumps({"state": RunsCode()})),
+        "optimizer.pt cannot be read (UnpicklingError: Weights only load failed",
+    ),
+    "optimizer.pt without param_groups": (
+        torch_saved("optimizer.pt", {"state": {}}),
+        "optimizer.pt holds no 'param_groups'",
+    ),
     "scheduler.pt truncated": (cut("scheduler.pt"), "scheduler.pt cannot be read (RuntimeError: PytorchStreamReader"),
     "scheduler.pt empty": (write("scheduler.pt", b""), "scheduler.pt cannot be read (EOFError"),
-    "scheduler.pt a list": (torch_saved("scheduler.pt", [1, 2]), "scheduler.pt holds a list, where the Trainer reads a"),
+    "scheduler.pt a list": (
+        torch_saved("scheduler.pt", [1, 2]),
+        "scheduler.pt holds a list, where the Trainer reads a",
+    ),
     "rng_state.pth truncated": (cut("rng_state.pth"), "rng_state.pth cannot be read ("),
     "rng_state.pth empty": (write("rng_state.pth", b""), "rng_state.pth cannot be read (EOFError"),
-    "rng_state.pth without numpy": (torch_saved("rng_state.pth", {"python": None, "cpu": torch.zeros(3)}),
-                                    "rng_state.pth holds no 'numpy'"),
-    "scaler.pt a pickle that runs code": (write("scaler.pt", pickle.dumps(RunsCode())),
-                                          "scaler.pt cannot be read (UnpicklingError"),
+    "rng_state.pth without numpy": (
+        torch_saved("rng_state.pth", {"python": None, "cpu": torch.zeros(3)}),
+        "rng_state.pth holds no 'numpy'",
+    ),
+    "scaler.pt a pickle that runs code": (
+        write("scaler.pt", pickle.dumps(RunsCode())),
+        "scaler.pt cannot be read (UnpicklingError",
+    ),
     "trainer_state.json truncated": (cut("trainer_state.json"), "trainer_state.json is not valid JSON"),
     "trainer_state.json empty": (write("trainer_state.json", b""), "trainer_state.json is not valid JSON"),
     "trainer_state.json garbage": (write("trainer_state.json", b"\x00\xff garbage"), "is not valid JSON"),
     "trainer_state.json a list": (write("trainer_state.json", b"[1, 2]"), "trainer_state.json holds a JSON list"),
-    "trainer_state.json an unknown field": (edit_state(lambda s: s.update(steps_done=3)),
-                                            "trainer_state.json holds 'steps_done', which is no field"),
-    "trainer_state.json a step that is text": (edit_state(lambda s: s.update(global_step="1")),
-                                               "global_step is '1', where the Trainer reads int"),
-    "trainer_state.json a negative step": (edit_state(lambda s: s.update(global_step=-4)),
-                                           "global_step is -4, a negative step"),
-    "trainer_state.json log_history an object": (edit_state(lambda s: s.update(log_history={})),
-                                                 "log_history is dict, where the Trainer reads list"),
-    "trainer_state.json of empty objects": (write("trainer_state.json", b"[" + b"{}," * 5_000_000 + b"{}]"),
-                                            "JSON values, more than the 8,388,608 read: refusing to parse it"),
-    "trainer_state.json a 5000-digit integer": (write("trainer_state.json", b'{"global_step": ' + b"7" * 5000 + b"}"),
-                                                "trainer_state.json holds a number Python refuses to convert (Exceeds "
-                                                "the limit (4300 digits)"),  # was a bare ValueError naming no file
-    "trainer_state.json a FIFO": (lambda f: ((f / "trainer_state.json").unlink(), os.mkfifo(f / "trainer_state.json")),
-                                  "trainer_state.json is a FIFO, not a file the Trainer writes"),
+    "trainer_state.json an unknown field": (
+        edit_state(lambda s: s.update(steps_done=3)),
+        "trainer_state.json holds 'steps_done', which is no field",
+    ),
+    "trainer_state.json a step that is text": (
+        edit_state(lambda s: s.update(global_step="1")),
+        "global_step is '1', where the Trainer reads int",
+    ),
+    "trainer_state.json a negative step": (
+        edit_state(lambda s: s.update(global_step=-4)),
+        "global_step is -4, a negative step",
+    ),
+    "trainer_state.json log_history an object": (
+        edit_state(lambda s: s.update(log_history={})),
+        "log_history is dict, where the Trainer reads list",
+    ),
+    "trainer_state.json of empty objects": (
+        write("trainer_state.json", b"[" + b"{}," * 5_000_000 + b"{}]"),
+        "JSON values, more than the 8,388,608 read: refusing to parse it",
+    ),
+    "trainer_state.json a 5000-digit integer": (
+        write("trainer_state.json", b'{"global_step": ' + b"7" * 5000 + b"}"),
+        "trainer_state.json holds a number Python refuses to convert (Exceeds the limit (4300 digits)",
+    ),  # was a bare ValueError naming no file
+    "trainer_state.json a FIFO": (
+        lambda f: ((f / "trainer_state.json").unlink(), os.mkfifo(f / "trainer_state.json")),
+        "trainer_state.json is a FIFO, not a file the Trainer writes",
+    ),
     "optimizer.pt a link out of the folder": (
-        lambda f: ((f / "optimizer.pt").rename(f.parent / "elsewhere.pt"),
-                   (f / "optimizer.pt").symlink_to(f.parent / "elsewhere.pt")),
-        re.compile("optimizer.pt is a link to .*elsewhere.pt, outside the checkpoint folder")),
+        lambda f: (
+            (f / "optimizer.pt").rename(f.parent / "elsewhere.pt"),
+            (f / "optimizer.pt").symlink_to(f.parent / "elsewhere.pt"),
+        ),
+        re.compile("optimizer.pt is a link to .*elsewhere.pt, outside the checkpoint folder"),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(FILE_DAMAGE))
-def test_a_damaged_file_is_refused_by_the_trainers_resume_before_the_model_changes(resumer, checkpoint, tmp_path,
-                                                                                   case, capsys):
+def test_a_damaged_file_is_refused_by_the_trainers_resume_before_the_model_changes(
+    resumer, checkpoint, tmp_path, case, capsys
+):
     damage, expected = FILE_DAMAGE[case]
     folder = copied(checkpoint, tmp_path, damage)
     message = refused_by_train(resumer, folder)
@@ -196,12 +228,14 @@ def test_the_state_field_table_names_fields_of_transformers_trainer_state():
 # ----------------------------------------------------------------------------------------------- damaged weights
 def to_index(values):
     """model.safetensors as one shard of an index whose first two entries map to ``values``."""
+
     def damage(folder: Path):
         names = sorted(load_file(folder / "model.safetensors"))
         (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
         weight_map = dict.fromkeys(names, "model-00001-of-00001.safetensors")
         weight_map[names[0]], weight_map[names[1]] = values
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
     return damage
 
 
@@ -216,6 +250,7 @@ def as_bin(change=lambda tensors: tensors, sharded=False):
         weight_map = dict.fromkeys(tensors, "pytorch_model-00001-of-00001.bin")
         weight_map[sorted(weight_map)[0]] = "config.json"  # a file that is no torch file
         (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
     return damage
 
 
@@ -225,32 +260,44 @@ def linked_out(target_is_folder: bool):
         elsewhere.mkdir()
         (folder / "model.safetensors").rename(elsewhere / "model.safetensors")
         (folder / "model.safetensors").symlink_to(elsewhere if target_is_folder else elsewhere / "model.safetensors")
+
     return damage
 
 
 WEIGHT_DAMAGE = {
     "model.safetensors a link to another folder's file": (
         linked_out(False),
-        re.compile("model.safetensors is a link to .*elsewhere/model.safetensors, outside the checkpoint folder")),
+        re.compile("model.safetensors is a link to .*elsewhere/model.safetensors, outside the checkpoint folder"),
+    ),
     "model.safetensors a link to another folder": (
-        linked_out(True), re.compile("model.safetensors is a link to .*elsewhere, outside the checkpoint folder")),
+        linked_out(True),
+        re.compile("model.safetensors is a link to .*elsewhere, outside the checkpoint folder"),
+    ),
     "weight_map values that are ints": (to_index((3, 4)), "to 3, which is not the name of a .safetensors file"),
     "weight_map values that are null": (to_index((None, None)), "to None, which is not the name of a .safetensors"),
-    "weight_map a path out of the folder": (to_index(("../x.safetensors", "../x.safetensors")),
-                                            "to '../x.safetensors', which is not the name of a .safetensors file"),
-    "a .bin index naming a non-torch file": (as_bin(sharded=True),
-                                             "to 'config.json', which is not the name of a .bin file"),
-    "a .bin with an int key": (as_bin(lambda t: {**t, 7: torch.zeros(2)}),
-                               "pytorch_model.bin cannot be read (ValueError: holds the key 7 (int), where weight "
-                               "names are text"),
-    "a .bin with a sparse tensor": (as_bin(lambda t: {**t, Q: t[Q].to_sparse()}),
-                                    f"'{Q}' is a torch.sparse_coo tensor, where model weights are dense"),
+    "weight_map a path out of the folder": (
+        to_index(("../x.safetensors", "../x.safetensors")),
+        "to '../x.safetensors', which is not the name of a .safetensors file",
+    ),
+    "a .bin index naming a non-torch file": (
+        as_bin(sharded=True),
+        "to 'config.json', which is not the name of a .bin file",
+    ),
+    "a .bin with an int key": (
+        as_bin(lambda t: {**t, 7: torch.zeros(2)}),
+        "pytorch_model.bin cannot be read (ValueError: holds the key 7 (int), where weight names are text",
+    ),
+    "a .bin with a sparse tensor": (
+        as_bin(lambda t: {**t, Q: t[Q].to_sparse()}),
+        f"'{Q}' is a torch.sparse_coo tensor, where model weights are dense",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(WEIGHT_DAMAGE))
-def test_damaged_weights_are_refused_by_the_trainers_resume_before_the_model_changes(resumer, checkpoint, tmp_path,
-                                                                                     case):
+def test_damaged_weights_are_refused_by_the_trainers_resume_before_the_model_changes(
+    resumer, checkpoint, tmp_path, case
+):
     damage, expected = WEIGHT_DAMAGE[case]
     message = refused_by_train(resumer, copied(checkpoint, tmp_path, damage))
     assert says(expected, message), message
@@ -259,8 +306,9 @@ def test_damaged_weights_are_refused_by_the_trainers_resume_before_the_model_cha
 def test_hub_layout_weights_without_config_json_resume_exactly(resumer, checkpoint, tmp_path):
     """save_pretrained's names in a folder without config.json (or generation_config.json, where transformers'
     own fallback fails with a TypeError): converted with the model's config, every weight restored."""
-    folder = copied(checkpoint, tmp_path, lambda f: [(f / n).unlink() for n in ("config.json",
-                                                                                  "generation_config.json")])
+    folder = copied(
+        checkpoint, tmp_path, lambda f: [(f / n).unlink() for n in ("config.json", "generation_config.json")]
+    )
     resumes_exactly(resumer, folder, checkpoint)
 
 
@@ -288,8 +336,10 @@ def with_stray_adapter(folder: Path) -> None:
 def test_a_stray_adapter_beside_full_weights_is_refused_by_the_trainers_resume(resumer, checkpoint, tmp_path):
     folder = copied(checkpoint, tmp_path, with_stray_adapter)
     message = refused_by_train(resumer, folder)
-    assert ("it holds full model weights (model.safetensors) and a PEFT adapter (adapter_config.json, "
-            "adapter_model.safetensors)") in message
+    assert (
+        "it holds full model weights (model.safetensors) and a PEFT adapter (adapter_config.json, "
+        "adapter_model.safetensors)"
+    ) in message
     assert "Delete the other run's files" in message
 
 
@@ -307,11 +357,13 @@ def test_restore_checkpoint_weights_reads_only_the_weights_beside_a_stray_adapte
 # ----------------------------------------------------------------------------------------------- tied embeddings
 def own_names(model):
     """``model``'s weights under its own names (both names of a tied pair), as ``save_file`` of its state dict."""
+
     def write(folder: Path):
         folder.mkdir(parents=True)
         model.config.save_pretrained(folder)
         state = {n: t.contiguous().clone() for n, t in model.state_dict().items()}
         save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+
     return write
 
 
@@ -322,8 +374,10 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model_in_either_layout(tied_r
     own_names(untied)(tmp_path / "own" / "checkpoint-1")  # the model's own names: loaded directly
     for layout in ("hub", "own"):
         message = refused_by_train(tied_resumer, tmp_path / layout / "checkpoint-1")
-        assert ("it holds 'lm_head.weight' and 'model.embed_tokens.weight' with different values" in message or
-                "it holds 'model.embed_tokens.weight' and 'lm_head.weight' with different values" in message), message
+        assert (
+            "it holds 'lm_head.weight' and 'model.embed_tokens.weight' with different values" in message
+            or "it holds 'model.embed_tokens.weight' and 'lm_head.weight' with different values" in message
+        ), message
         assert "Resume with tie_word_embeddings=False" in message
     model = tied_resumer.model
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one weight
@@ -367,15 +421,20 @@ def test_every_resume_path_reaches_the_one_pre_flight(resumer, tmp_path, monkeyp
 
     tiny_tokenizer().save_pretrained(model_dir)
     async_trainer = MoEReplayAsyncGRPOTrainer(
-        model=str(model_dir), reward_funcs=reward, train_dataset=DATASET,
+        model=str(model_dir),
+        reward_funcs=reward,
+        train_dataset=DATASET,
         args=MoEReplayAsyncGRPOConfig(**settings(tmp_path / "async")),
-        rollout_worker=ScriptedRolloutWorker([]), weight_transfer=NoOpWeightTransfer(),
+        rollout_worker=ScriptedRolloutWorker([]),
+        weight_transfer=NoOpWeightTransfer(),
     )
     (tmp_path / "async" / "checkpoint-3").mkdir(parents=True)
     (tmp_path / "async" / "checkpoint-3" / "trainer_state.json").write_text("{}")  # complete: True resolves to it
-    for trainer, value, folder in [(resumer, str(tmp_path / "ck"), str(tmp_path / "ck")),
-                                   (async_trainer, str(tmp_path / "ck"), str(tmp_path / "ck")),
-                                   (async_trainer, True, str(tmp_path / "async" / "checkpoint-3"))]:
+    for trainer, value, folder in [
+        (resumer, str(tmp_path / "ck"), str(tmp_path / "ck")),
+        (async_trainer, str(tmp_path / "ck"), str(tmp_path / "ck")),
+        (async_trainer, True, str(tmp_path / "async" / "checkpoint-3")),
+    ]:
         with pytest.raises(Reached, match=re.escape(folder)):
             trainer.train(resume_from_checkpoint=value)
     (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)
@@ -400,8 +459,9 @@ def recipe_refusal(recipe, folder, capsys, monkeypatch):
 
 # (last in the module: the recipe resets accelerate's state, which the trainers above share)
 @pytest.mark.parametrize("case", list(FILE_DAMAGE))
-def test_a_damaged_file_is_one_line_on_the_recipe_before_the_model_is_built(recipe, checkpoint, tmp_path, case,
-                                                                            capsys, monkeypatch):
+def test_a_damaged_file_is_one_line_on_the_recipe_before_the_model_is_built(
+    recipe, checkpoint, tmp_path, case, capsys, monkeypatch
+):
     damage, expected = FILE_DAMAGE[case]
     folder = copied(checkpoint, tmp_path, damage)
     line, captured = recipe_refusal(recipe, folder, capsys, monkeypatch)

@@ -41,8 +41,11 @@ def save_layout(model, folder: Path, layout: str) -> None:
         assert (folder / "model.safetensors.index.json").is_file()
     elif layout == "fused":  # the model's own names (a state dict saved as it is)
         model.config.save_pretrained(folder)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in model.state_dict().items()},
+            folder / "model.safetensors",
+            metadata={"format": "pt"},
+        )
     elif layout in ("bin", "bin_sharded"):  # transformers 4.x with save_safetensors=False: the Hub names in .bin
         model.save_pretrained(folder)
         tensors = load_file(folder / "model.safetensors")
@@ -55,7 +58,9 @@ def save_layout(model, folder: Path, layout: str) -> None:
             for file, part in halves.items():
                 torch.save({n: tensors[n] for n in part}, folder / file)
             weight_map = {n: file for file, part in halves.items() for n in part}
-            (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+            (folder / "pytorch_model.bin.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map})
+            )
     else:
         raise ValueError(layout)
 
@@ -96,7 +101,7 @@ def where_in_file(model, params: dict[str, torch.Tensor], folder: Path, save) ->
     ids = file_values(folder).long()
     position = torch.full((start,), -1, dtype=torch.long)
     position[ids] = torch.arange(len(ids))
-    return {name: position[offsets[name]:offsets[name] + p.numel()] for name, p in params.items()}
+    return {name: position[offsets[name] : offsets[name] + p.numel()] for name, p in params.items()}
 
 
 def randomize(params, seed):
@@ -125,9 +130,12 @@ def async_trainer(tmp_path_factory):
     tiny_moe_model("qwen3_moe", seed=1).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     return MoEReplayAsyncGRPOTrainer(
-        model=str(model_dir), reward_funcs=reward, train_dataset=DATASET,
+        model=str(model_dir),
+        reward_funcs=reward,
+        train_dataset=DATASET,
         args=MoEReplayAsyncGRPOConfig(**settings(tmp_path_factory.mktemp("async"))),
-        rollout_worker=ScriptedRolloutWorker([]), weight_transfer=NoOpWeightTransfer(),
+        rollout_worker=ScriptedRolloutWorker([]),
+        weight_transfer=NoOpWeightTransfer(),
     )
 
 
@@ -154,7 +162,9 @@ def test_a_resume_restores_every_weight_from_the_file(trainer, tmp_path, layout)
 def test_load_best_model_restores_every_weight(trainer, tmp_path):
     model = trainer.model
     params = unique_weights(dict(model.state_dict(keep_vars=True)))
-    positions = where_in_file(model, params, tmp_path / "probe", lambda folder: save_layout(model, folder, "safetensors"))
+    positions = where_in_file(
+        model, params, tmp_path / "probe", lambda folder: save_layout(model, folder, "safetensors")
+    )
     randomize(params, seed=2)
     save_layout(model, tmp_path / "checkpoint-7", "safetensors")
     randomize(params, seed=3)
@@ -164,8 +174,13 @@ def test_load_best_model_restores_every_weight(trainer, tmp_path):
 
 
 def test_a_lora_resume_restores_the_adapter_and_modules_to_save_and_keeps_the_base(tmp_path):
-    trainer = make_trainer(tmp_path / "run", tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(
-        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["gate"])))
+    trainer = make_trainer(
+        tmp_path / "run",
+        tiny_moe_model("qwen3_moe"),
+        trainer_kwargs=dict(
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["gate"])
+        ),
+    )
     model = trainer.model
     everything = dict(model.state_dict(keep_vars=True))
     adapter = {name: p for name, p in everything.items() if "lora_" in name or "modules_to_save" in name}
@@ -183,14 +198,19 @@ def test_a_lora_resume_restores_the_adapter_and_modules_to_save_and_keeps_the_ba
 
 def test_each_trainer_resume_and_best_model_go_through_the_one_function(sync_trainer, async_trainer, monkeypatch):
     calls = []
-    monkeypatch.setattr(checkpoint_weights, "restore_checkpoint_weights", lambda model, folder: calls.append(
-        (model, folder)))
+    monkeypatch.setattr(
+        checkpoint_weights, "restore_checkpoint_weights", lambda model, folder: calls.append((model, folder))
+    )
     for trainer in (sync_trainer, async_trainer):
         trainer._load_from_checkpoint("ckpt-resume")
         trainer.state.best_model_checkpoint = "ckpt-best"
         trainer._load_best_model()
-    assert calls == [(sync_trainer.model, "ckpt-resume"), (sync_trainer.model, "ckpt-best"),
-                     (async_trainer.model, "ckpt-resume"), (async_trainer.model, "ckpt-best")]
+    assert calls == [
+        (sync_trainer.model, "ckpt-resume"),
+        (sync_trainer.model, "ckpt-best"),
+        (async_trainer.model, "ckpt-resume"),
+        (async_trainer.model, "ckpt-best"),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------- refusals
@@ -204,15 +224,21 @@ def non_finite(name, value=float("nan")):
         tensors[name] = tensors[name].clone()
         tensors[name].view(-1)[3] = value
         return tensors
+
     return change
 
 
 def fused_without(*fragments):
     """The model's own (fused) names, some left out."""
+
     def write(folder: Path):
         state = tiny_moe_model("qwen3_moe", seed=0).state_dict()
-        save_file({n: t.contiguous() for n, t in without(*fragments)(state).items()}, folder / "model.safetensors",
-                  metadata={"format": "pt"})
+        save_file(
+            {n: t.contiguous() for n, t in without(*fragments)(state).items()},
+            folder / "model.safetensors",
+            metadata={"format": "pt"},
+        )
+
     return write
 
 
@@ -236,6 +262,7 @@ def truncated(name):
     def cut(folder: Path):
         data = (folder / name).read_bytes()
         (folder / name).write_bytes(data[: len(data) // 2])
+
     return cut
 
 
@@ -246,44 +273,70 @@ def as_bin(folder: Path) -> None:
 
 def index_naming_an_absent_shard(folder: Path) -> None:
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-    weight_map = dict.fromkeys(load_file(folder / "model-00001-of-00002.safetensors"), "model-00001-of-00002.safetensors")
+    weight_map = dict.fromkeys(
+        load_file(folder / "model-00001-of-00002.safetensors"), "model-00001-of-00002.safetensors"
+    )
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {**weight_map, Q: "model-00002-of-00002.safetensors"}}))
+        json.dumps({"weight_map": {**weight_map, Q: "model-00002-of-00002.safetensors"}})
+    )
 
 
 REFUSALS = {
     # name: (what is done to a save_pretrained checkpoint, what the one line says)
-    "empty file": (lambda f: rewrite(f, lambda t: {}), r"'model.embed_tokens.weight' is missing from it \(25 of the 25"),
-    "experts and q_proj missing": (lambda f: rewrite(f, without(".mlp.experts.", Q)),
-                                   "'model.layers.0.mlp.experts.gate_up_proj' is missing from it"),
-    "fused names without the experts and q_proj": (fused_without(".mlp.experts.", Q),
-                                                   "'model.layers.0.mlp.experts.gate_up_proj' is missing from it "
-                                                   r"\(5 of the 25"),
+    "empty file": (
+        lambda f: rewrite(f, lambda t: {}),
+        r"'model.embed_tokens.weight' is missing from it \(25 of the 25",
+    ),
+    "experts and q_proj missing": (
+        lambda f: rewrite(f, without(".mlp.experts.", Q)),
+        "'model.layers.0.mlp.experts.gate_up_proj' is missing from it",
+    ),
+    "fused names without the experts and q_proj": (
+        fused_without(".mlp.experts.", Q),
+        "'model.layers.0.mlp.experts.gate_up_proj' is missing from it "
+        r"\(5 of the 25",
+    ),
     "q_proj missing": (lambda f: rewrite(f, without(Q)), f"'{Q}' is missing from it \\(1 of the 69"),
-    "one expert missing": (lambda f: rewrite(f, without("layers.1.mlp.experts.3.down_proj")),
-                           "'model.layers.1.mlp.experts.3.down_proj.weight' is missing"),
-    "an extra name": (lambda f: rewrite(f, lambda t: {**t, "model.layers.9.mlp.gate.weight": t[Q].clone()}),
-                      "it holds 'model.layers.9.mlp.gate.weight', which is no weight of " + QWEN),
+    "one expert missing": (
+        lambda f: rewrite(f, without("layers.1.mlp.experts.3.down_proj")),
+        "'model.layers.1.mlp.experts.3.down_proj.weight' is missing",
+    ),
+    "an extra name": (
+        lambda f: rewrite(f, lambda t: {**t, "model.layers.9.mlp.gate.weight": t[Q].clone()}),
+        "it holds 'model.layers.9.mlp.gate.weight', which is no weight of " + QWEN,
+    ),
     "NaN": (lambda f: rewrite(f, non_finite(Q)), f"'{Q}' holds NaN or infinite values"),
-    "inf in an expert": (lambda f: rewrite(f, non_finite("model.layers.0.mlp.experts.5.up_proj.weight", float("inf"))),
-                         "'model.layers.0.mlp.experts.5.up_proj.weight' holds NaN or infinite values"),
-    "wrong shape": (lambda f: rewrite(f, lambda t: {**t, Q: t[Q][:-1].contiguous()}),
-                    f"'{Q}' has shape \\[63, 64\\] where {QWEN} has \\[64, 64\\]"),
-    "wrong dtype": (lambda f: rewrite(f, lambda t: {**t, Q: t[Q].bfloat16()}),
-                    f"'{Q}' is torch.bfloat16 where {QWEN} holds torch.float32"),
+    "inf in an expert": (
+        lambda f: rewrite(f, non_finite("model.layers.0.mlp.experts.5.up_proj.weight", float("inf"))),
+        "'model.layers.0.mlp.experts.5.up_proj.weight' holds NaN or infinite values",
+    ),
+    "wrong shape": (
+        lambda f: rewrite(f, lambda t: {**t, Q: t[Q][:-1].contiguous()}),
+        f"'{Q}' has shape \\[63, 64\\] where {QWEN} has \\[64, 64\\]",
+    ),
+    "wrong dtype": (
+        lambda f: rewrite(f, lambda t: {**t, Q: t[Q].bfloat16()}),
+        f"'{Q}' is torch.bfloat16 where {QWEN} holds torch.float32",
+    ),
     "truncated safetensors": (truncated("model.safetensors"), "model.safetensors cannot be read .SafetensorError: "),
-    "truncated bin": (lambda f: (as_bin(f), truncated("pytorch_model.bin")(f)),
-                      "pytorch_model.bin cannot be read .(RuntimeError|UnpicklingError|EOFError)"),
-    "a pickle that runs code": (hostile_pickle, "pytorch_model.bin cannot be read .UnpicklingError: Weights only load"),
+    "truncated bin": (
+        lambda f: (as_bin(f), truncated("pytorch_model.bin")(f)),
+        "pytorch_model.bin cannot be read .(RuntimeError|UnpicklingError|EOFError)",
+    ),
+    "a pickle that runs code": (
+        hostile_pickle,
+        "pytorch_model.bin cannot be read .UnpicklingError: Weights only load",
+    ),
     "no weights at all": (lambda f: (f / "model.safetensors").unlink(), "it holds no model weights"),
-    "a shard missing": (index_naming_an_absent_shard,
-                        "model.safetensors.index.json names shard 'model-00002-of-00002.safetensors', which is not"),
+    "a shard missing": (
+        index_naming_an_absent_shard,
+        "model.safetensors.index.json names shard 'model-00002-of-00002.safetensors', which is not",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
-def test_a_checkpoint_that_cannot_restore_every_weight_is_refused_in_one_line(sync_trainer, tmp_path, case,
-                                                                              capsys):
+def test_a_checkpoint_that_cannot_restore_every_weight_is_refused_in_one_line(sync_trainer, tmp_path, case, capsys):
     damage, says = REFUSALS[case]
     tiny_moe_model("qwen3_moe", seed=0).save_pretrained(tmp_path / "checkpoint")
     damage(tmp_path / "checkpoint")

@@ -92,25 +92,48 @@ def test_describe_run_names_the_file_holding_a_number_python_will_not_convert(tm
     assert "\n" not in described
 
 
-@pytest.mark.parametrize("steps_per_generation, num_iterations, accumulation, period", [
-    (1, 1, 1, 1), (4, 1, 1, 4), (4, 1, 4, 1), (4, 2, 4, 2), (2, 3, 1, 6), (4, 1, 8, 1),
-])
+@pytest.mark.parametrize(
+    "steps_per_generation, num_iterations, accumulation, period",
+    [
+        (1, 1, 1, 1),
+        (4, 1, 1, 4),
+        (4, 1, 4, 1),
+        (4, 2, 4, 2),
+        (2, 3, 1, 6),
+        (4, 1, 8, 1),
+    ],
+)
 def test_generation_period(steps_per_generation, num_iterations, accumulation, period):
-    args = SimpleNamespace(steps_per_generation=steps_per_generation, num_iterations=num_iterations,
-                           gradient_accumulation_steps=accumulation)
+    args = SimpleNamespace(
+        steps_per_generation=steps_per_generation,
+        num_iterations=num_iterations,
+        gradient_accumulation_steps=accumulation,
+    )
     assert generation_period(args) == period
 
 
-@pytest.mark.parametrize("save_steps, strategy, warned", [
-    (50, "steps", "save_steps 50 is not a multiple of the generation period, 4 optimizer steps"),
-    (48, "steps", None), (52, "steps", None), (50, "no", None), (50, "epoch", None), (0.25, "steps", None),
-    (2, "steps", "use 4"),  # below one period: no lower multiple to offer
-])
+@pytest.mark.parametrize(
+    "save_steps, strategy, warned",
+    [
+        (50, "steps", "save_steps 50 is not a multiple of the generation period, 4 optimizer steps"),
+        (48, "steps", None),
+        (52, "steps", None),
+        (50, "no", None),
+        (50, "epoch", None),
+        (0.25, "steps", None),
+        (2, "steps", "use 4"),  # below one period: no lower multiple to offer
+    ],
+)
 def test_a_save_interval_between_generation_batches_is_warned_in_one_line(save_steps, strategy, warned):
     """64 micro-batches per generation batch over 16 accumulation steps: a new generation batch every 4 optimizer
     steps (the 30B server configs), so only a multiple of 4 saves at a boundary."""
-    args = SimpleNamespace(steps_per_generation=64, num_iterations=1, gradient_accumulation_steps=16,
-                           save_strategy=strategy, save_steps=save_steps)
+    args = SimpleNamespace(
+        steps_per_generation=64,
+        num_iterations=1,
+        gradient_accumulation_steps=16,
+        save_strategy=strategy,
+        save_steps=save_steps,
+    )
     warning = saves_inside_generation_batches(args)
     if warned is None:
         assert warning is None
@@ -127,16 +150,39 @@ def test_the_config_warns_of_a_save_interval_between_generation_batches(caplog):
     from trl_moe_replay import MoEReplayGRPOConfig
 
     with caplog.at_level(logging.WARNING):
-        MoEReplayGRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", per_device_train_batch_size=8,
-                            num_generations=8, gradient_accumulation_steps=2, steps_per_generation=8, save_steps=5)
+        MoEReplayGRPOConfig(
+            output_dir="/tmp/unused",
+            use_cpu=True,
+            report_to="none",
+            per_device_train_batch_size=8,
+            num_generations=8,
+            gradient_accumulation_steps=2,
+            steps_per_generation=8,
+            save_steps=5,
+        )
     assert [r.getMessage() for r in caplog.records if "save_steps" in r.getMessage()] == [
-        saves_inside_generation_batches(SimpleNamespace(steps_per_generation=8, num_iterations=1,
-                                                        gradient_accumulation_steps=2, save_strategy="steps",
-                                                        save_steps=5))]
+        saves_inside_generation_batches(
+            SimpleNamespace(
+                steps_per_generation=8,
+                num_iterations=1,
+                gradient_accumulation_steps=2,
+                save_strategy="steps",
+                save_steps=5,
+            )
+        )
+    ]
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        MoEReplayGRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", per_device_train_batch_size=8,
-                            num_generations=8, gradient_accumulation_steps=2, steps_per_generation=8, save_steps=8)
+        MoEReplayGRPOConfig(
+            output_dir="/tmp/unused",
+            use_cpu=True,
+            report_to="none",
+            per_device_train_batch_size=8,
+            num_generations=8,
+            gradient_accumulation_steps=2,
+            steps_per_generation=8,
+            save_steps=8,
+        )
     assert not [r for r in caplog.records if "save_steps" in r.getMessage()]
 
 
@@ -162,18 +208,26 @@ def test_transformers_resume_leaves_fused_experts_at_their_initial_values_and_ou
     GRPOTrainer._load_from_checkpoint(trainer, str(tmp_path / "checkpoint"))  # TRL's, i.e. transformers' load
     loaded = weights(trainer.model)
     kept_initial = {name for name in expected if not torch.equal(loaded[name], expected[name])}
-    assert kept_initial == fused, ("transformers restored the fused experts itself: MoEReplayGRPOTrainer."
-                                   "_load_from_checkpoint and restore_checkpoint_weights can go")
+    assert kept_initial == fused, (
+        "transformers restored the fused experts itself: MoEReplayGRPOTrainer."
+        "_load_from_checkpoint and restore_checkpoint_weights can go"
+    )
 
     trainer._load_from_checkpoint(str(tmp_path / "checkpoint"))  # ours
     loaded = weights(trainer.model)
     assert all(torch.equal(loaded[name], expected[name]) for name in expected)
 
 
-@pytest.mark.parametrize("dropped, says", [
-    ("model.layers.1.self_attn.q_proj.weight", "'model.layers.1.self_attn.q_proj.weight' is missing from it"),
-    ("model.layers.1.mlp.experts.3.down_proj.weight", "'model.layers.1.mlp.experts.3.down_proj.weight' is missing"),
-])
+@pytest.mark.parametrize(
+    "dropped, says",
+    [
+        ("model.layers.1.self_attn.q_proj.weight", "'model.layers.1.self_attn.q_proj.weight' is missing from it"),
+        (
+            "model.layers.1.mlp.experts.3.down_proj.weight",
+            "'model.layers.1.mlp.experts.3.down_proj.weight' is missing",
+        ),
+    ],
+)
 def test_a_checkpoint_without_some_weights_is_refused_not_resumed_at_initial_values(tmp_path, dropped, says):
     tiny_moe_model("qwen3_moe", seed=0).save_pretrained(tmp_path / "checkpoint")
     tensors = load_file(tmp_path / "checkpoint" / "model.safetensors")
@@ -189,21 +243,35 @@ TIMINGS = ("step_time",)
 
 
 def step_logs(trainer) -> dict[int, dict]:
-    return {entry["step"]: {k: v for k, v in entry.items() if k not in TIMINGS}
-            for entry in trainer.state.log_history if "loss" in entry}
+    return {
+        entry["step"]: {k: v for k, v in entry.items() if k not in TIMINGS}
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    }
 
 
-@pytest.mark.parametrize("mode, settings", [
-    ("none", {}),
-    ("r3", {}),
-    ("pr2", dict(pr2_lr_multiplier=10.0, **OFF_POLICY)),  # 2 updates per generation batch: the predictors train
-])
+@pytest.mark.parametrize(
+    "mode, settings",
+    [
+        ("none", {}),
+        ("r3", {}),
+        ("pr2", dict(pr2_lr_multiplier=10.0, **OFF_POLICY)),  # 2 updates per generation batch: the predictors train
+    ],
+)
 def test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit(tmp_path, mode, settings):
     """docs/demo.md, "Stopping and resuming": 4 steps straight, and 2 steps resumed from the checkpoint at step 2
     (one thread, as the test session runs), log the same numbers to the last bit and end on the same weights."""
+
     def run(output_dir):
-        return make_trainer(output_dir, tiny_moe_model("qwen3_moe"), routing_replay=mode, max_steps=4,
-                            save_strategy="steps", save_steps=2, **settings)
+        return make_trainer(
+            output_dir,
+            tiny_moe_model("qwen3_moe"),
+            routing_replay=mode,
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+            **settings,
+        )
 
     full = run(tmp_path / "full")
     full.train()
@@ -224,8 +292,9 @@ def test_a_run_resumed_at_its_last_step_trains_nothing_and_ends_on_the_checkpoin
     """transformers judges max_steps only after a step: resumed at global_step == max_steps, its loop trains a step
     max_steps + 1. Ours trains none: the checkpoint's weights and step, one line saying the run is complete; with a
     larger max_steps it trains on."""
-    full = make_trainer(tmp_path / "full", tiny_moe_model("qwen3_moe"), routing_replay=mode, save_strategy="steps",
-                        save_steps=2)
+    full = make_trainer(
+        tmp_path / "full", tiny_moe_model("qwen3_moe"), routing_replay=mode, save_strategy="steps", save_steps=2
+    )
     full.train()
     final = weights(full.model)
     resumed = make_trainer(tmp_path / "resumed", tiny_moe_model("qwen3_moe"), routing_replay=mode)
@@ -243,13 +312,15 @@ def test_resume_true_skips_a_checkpoint_cut_before_its_state_was_written(tmp_pat
     """The trainer API's resume_from_checkpoint=True resolves as the recipe does (resolve_resume): the newest
     checkpoint with its trainer_state.json (written last), not transformers' newest folder, whose missing state is a
     FileNotFoundError there."""
-    first = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", save_strategy="steps",
-                         save_steps=1)
+    first = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", save_strategy="steps", save_steps=1
+    )
     first.train()
     first.end()  # releases output_dir for the next trainer
     (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()  # the save of step 2 cut short
-    second = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", save_strategy="steps",
-                          save_steps=1)
+    second = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", save_strategy="steps", save_steps=1
+    )
     second.train(resume_from_checkpoint=True)
     assert second.state.global_step == 2 and sorted(step_logs(second)) == [1, 2]  # step 1 from checkpoint-1's log
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()  # step 2 trained and saved again
@@ -283,21 +354,27 @@ def test_bare_resume_flag_means_the_newest_checkpoint(recipe):
     assert args.resume_from_checkpoint == "runs/x/checkpoint-5"
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--routing_replai", "r3"], "unknown argument: --routing_replai (did you mean --routing_replay?)"),
-    (["--routing_replay", "r4"], "invalid choice: 'r4'"),
-    (["--max_steps", "five"], "invalid int value: 'five'"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--routing_replai", "r3"], "unknown argument: --routing_replai (did you mean --routing_replay?)"),
+        (["--routing_replay", "r4"], "invalid choice: 'r4'"),
+        (["--max_steps", "five"], "invalid int value: 'five'"),
+    ],
+)
 def test_command_line_mistakes_are_one_line(recipe, capsys, argv, says):
     assert says in one_line_exit(capsys, recipe, argv)
 
 
-@pytest.mark.parametrize("yaml, says", [
-    # TRL's field: TrlParser's own refusal (as on plain TRL), named with the file
-    ("max_steps: five\n", "invalid int value: 'five' (the value of max_steps in "),
-    ("routing_replai: r3\n", "unknown key in "),
-    ("routing_replay: r4\n", "routing_replay must be one of"),
-])
+@pytest.mark.parametrize(
+    "yaml, says",
+    [
+        # TRL's field: TrlParser's own refusal (as on plain TRL), named with the file
+        ("max_steps: five\n", "invalid int value: 'five' (the value of max_steps in "),
+        ("routing_replai: r3\n", "unknown key in "),
+        ("routing_replay: r4\n", "routing_replay must be one of"),
+    ],
+)
 def test_config_file_mistakes_are_one_line(recipe, capsys, tmp_path, yaml, says):
     config = tmp_path / "c.yaml"
     config.write_text(yaml)
@@ -308,23 +385,40 @@ def test_config_file_mistakes_are_one_line(recipe, capsys, tmp_path, yaml, says)
 
 
 def small_args(output_dir, cache_dir, *extra):
-    return ["--output_dir", str(output_dir), "--sft_cache_dir", str(cache_dir), "--max_steps", "4", "--sft_steps",
-            "30", "--per_device_train_batch_size", "16", "--synthetic_samples", "64", "--plot", "false",
-            "--save_steps", "2", *extra]
+    return [
+        "--output_dir",
+        str(output_dir),
+        "--sft_cache_dir",
+        str(cache_dir),
+        "--max_steps",
+        "4",
+        "--sft_steps",
+        "30",
+        "--per_device_train_batch_size",
+        "16",
+        "--synthetic_samples",
+        "64",
+        "--plot",
+        "false",
+        "--save_steps",
+        "2",
+        *extra,
+    ]
 
 
 def trained_logs(output_dir: Path) -> list[dict]:
     return json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
 
 
-
-
 @pytest.mark.slow  # three short recipe runs per mode (~1 min quiet, several when the machine is loaded)
-@pytest.mark.parametrize("mode, extra, ctrl_c_in_step", [
-    ("r3", [], 2),
-    # PR2 with 2 updates per generation batch: Ctrl-C in step 1 waits for the batch's end, step 2
-    ("pr2", ["--routing_replay", "pr2", "--num_iterations", "2"], 1),
-])
+@pytest.mark.parametrize(
+    "mode, extra, ctrl_c_in_step",
+    [
+        ("r3", [], 2),
+        # PR2 with 2 updates per generation batch: Ctrl-C in step 1 waits for the batch's end, step 2
+        ("pr2", ["--routing_replay", "pr2", "--num_iterations", "2"], 1),
+    ],
+)
 def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
     recipe, tmp_path, capsys, monkeypatch, mode, extra, ctrl_c_in_step
 ):
@@ -383,8 +477,10 @@ def test_a_stop_at_the_last_step_says_the_run_is_complete_and_a_resume_trains_no
         trainer = recipe.main(*recipe.parse_args(args))
     out = capsys.readouterr().out
     assert trainer.state.global_step == 2
-    assert (f"s after Ctrl-C): the run is complete; its final weights are in {run / 'checkpoint-2'} (the final save "
-            f"into {run} and the summary were skipped)") in out
+    assert (
+        f"s after Ctrl-C): the run is complete; its final weights are in {run / 'checkpoint-2'} (the final save "
+        f"into {run} and the summary were skipped)"
+    ) in out
     assert "stopped at step 2 of 2 (" in out and "resume with" not in out
     trainer = recipe.main(*recipe.parse_args([*args, "--resume_from_checkpoint"]))
     out = capsys.readouterr().out
@@ -401,21 +497,25 @@ def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoi
     fake_checkpoint(run, 150, max_steps=200)  # an earlier, unfinished run
     recipe.main(*recipe.parse_args(small_args(run, tmp_path / "cache", "--max_steps", "2")))
     out = capsys.readouterr().out
-    assert (f"{run} holds an unfinished run (last checkpoint at step 150 of 200): starting over, its checkpoints are "
-            "deleted when training starts; to continue it instead, stop and run: ") in out
+    assert (
+        f"{run} holds an unfinished run (last checkpoint at step 150 of 200): starting over, its checkpoints are "
+        "deleted when training starts; to continue it instead, stop and run: "
+    ) in out
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
     recipe.main(*recipe.parse_args(small_args(run, tmp_path / "cache", "--max_steps", "2")))
     assert f"{run} holds a finished run of 2 steps: starting over" in capsys.readouterr().out
 
 
-def stop_when_printed(command: list[str], env: dict, cwd, trigger: str, sig: int, *, first: tuple[int, ...] = (),
-                      timeout: float = 300) -> tuple[list[str], int]:
+def stop_when_printed(
+    command: list[str], env: dict, cwd, trigger: str, sig: int, *, first: tuple[int, ...] = (), timeout: float = 300
+) -> tuple[list[str], int]:
     """Run ``command`` in a session of its own and, when a line of its output contains ``trigger``, send ``sig`` to
     the process groups ``first`` (e.g. the vLLM server's) and then to the command's whole group, as a terminal (Ctrl-C)
     or a scheduler stopping a job (SLURM's scancel: SIGTERM) does. Returns its output lines, read until every process
     has closed its output, and its exit status."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               cwd=cwd, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
+    )
     lines = []
     try:
         for line in process.stdout:
@@ -449,8 +549,11 @@ def saved_once(lines: list[str], run) -> str:
 @pytest.mark.slow  # the recipe as `make demo` runs it, stopped with a real Ctrl-C (~1 min)
 def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, str(RECIPE),
-               *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    command = [
+        sys.executable,
+        str(RECIPE),
+        *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000"),
+    ]
     lines, returncode = ctrl_c_at_step_10(command, env, tmp_path)
     assert returncode == 130
     output = "".join(lines)
@@ -463,8 +566,14 @@ def test_sigterm_saves_like_ctrl_c_and_says_what_a_kill_before_the_save_loses(tm
     """docs/demo.md, "Preemption": SIGTERM requests the save Ctrl-C does, at the generation batch's end; its line names
     the checkpoint a kill before then resumes from; a repeated SIGTERM never stops at once (a second Ctrl-C does)."""
     monkeypatch.setattr(checkpoints, "FORCE_AFTER_S", 0.0)
-    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
-                           gradient_accumulation_steps=2, world_size=1, device="cpu")  # generation period: 2 steps
+    args = SimpleNamespace(
+        output_dir=str(tmp_path),
+        steps_per_generation=4,
+        num_iterations=1,
+        gradient_accumulation_steps=2,
+        world_size=1,
+        device="cpu",
+    )  # generation period: 2 steps
     state, control = SimpleNamespace(is_world_process_zero=True, global_step=2), TrainerControl()
     fake_checkpoint(tmp_path, 2)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -475,7 +584,8 @@ def test_sigterm_saves_like_ctrl_c_and_says_what_a_kill_before_the_save_loses(tm
         signal.raise_signal(signal.SIGTERM)  # a scheduler's second SIGTERM: no KeyboardInterrupt, the save goes on
         assert capsys.readouterr().err == (
             f"\nSIGTERM: saving a checkpoint at the end of step 4, then stopping; killed before, the run resumes from "
-            f"{tmp_path / 'checkpoint-2'} and steps 3-4 are lost\n")
+            f"{tmp_path / 'checkpoint-2'} and steps 3-4 are lost\n"
+        )
         state.global_step = 3  # inside the generation batch: no stop
         callback.on_step_end(args, state, control)
         assert not control.should_save and not control.should_training_stop
@@ -494,19 +604,28 @@ def test_sigterm_saves_like_ctrl_c_and_says_what_a_kill_before_the_save_loses(tm
 def test_a_sigterm_whose_line_cannot_be_built_still_saves(tmp_path, capsys, monkeypatch):
     """The handler runs inside whatever the main thread was doing: an error listing output_dir (a stale NFS handle)
     must not escape into it (rank 0 dying there leaves the other ranks waiting in the boundary all-reduce)."""
+
     def unlistable(output_dir):
         raise OSError("Stale file handle")
 
     monkeypatch.setattr(checkpoints, "newest_checkpoint", unlistable)
-    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
-                           gradient_accumulation_steps=2, world_size=1, device="cpu")
+    args = SimpleNamespace(
+        output_dir=str(tmp_path),
+        steps_per_generation=4,
+        num_iterations=1,
+        gradient_accumulation_steps=2,
+        world_size=1,
+        device="cpu",
+    )
     state, control = SimpleNamespace(is_world_process_zero=True, global_step=2), TrainerControl()
     callback = SaveOnInterrupt()
     callback.on_train_begin(args, state, control)
     try:
         signal.raise_signal(signal.SIGTERM)  # nothing raised here
-        assert capsys.readouterr().err == ("\nSIGTERM: saving a checkpoint at the end of this generation batch, then "
-                                           "stopping (the newest checkpoint could not be listed: OSError)\n")
+        assert capsys.readouterr().err == (
+            "\nSIGTERM: saving a checkpoint at the end of this generation batch, then "
+            "stopping (the newest checkpoint could not be listed: OSError)\n"
+        )
         state.global_step = 4
         callback.on_step_end(args, state, control)
         assert control.should_save and control.should_training_stop
@@ -524,8 +643,14 @@ def test_a_server_gone_during_a_sigterm_stop_is_one_line_naming_the_checkpoint(t
 
     from trl_moe_replay.weight_sync.server_requests import VLLMServerUnavailableError
 
-    args = SimpleNamespace(output_dir=str(tmp_path), steps_per_generation=4, num_iterations=1,
-                           gradient_accumulation_steps=1, world_size=1, device="cpu")  # generation period: 4 steps
+    args = SimpleNamespace(
+        output_dir=str(tmp_path),
+        steps_per_generation=4,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        world_size=1,
+        device="cpu",
+    )  # generation period: 4 steps
     state, control = SimpleNamespace(is_world_process_zero=True, global_step=4), TrainerControl()
     fake_checkpoint(tmp_path, 4)
     callback = SaveOnInterrupt()
@@ -536,10 +661,12 @@ def test_a_server_gone_during_a_sigterm_stop_is_one_line_naming_the_checkpoint(t
         line = callback.engine_gone(VLLMServerUnavailableError("did not answer"), 4, wait_s=30.0)
     finally:
         callback.on_train_end(args, state, control)
-    assert line == ("SIGTERM: the vLLM server stopped before step 5 could finish (it was stopped too: "
-                    "VLLMServerUnavailableError), so no checkpoint was saved by this stop; the run resumes from "
-                    f"{tmp_path / 'checkpoint-4'} and step 5 is lost. Stop the trainer before the server: "
-                    'docs/recipes.md, "Preemption of the whole job"')
+    assert line == (
+        "SIGTERM: the vLLM server stopped before step 5 could finish (it was stopped too: "
+        "VLLMServerUnavailableError), so no checkpoint was saved by this stop; the run resumes from "
+        f"{tmp_path / 'checkpoint-4'} and step 5 is lost. Stop the trainer before the server: "
+        'docs/recipes.md, "Preemption of the whole job"'
+    )
     assert callback.engine_lost and callback.exit_status == 143 and not callback.interrupted
 
 
@@ -554,19 +681,54 @@ def test_sigterm_to_the_whole_job_server_first_saves_and_the_run_resumes(tmp_pat
 
     server = VLLMServer(vllm_checkpoint, tmp_path / "server.log")
     url = server.start()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           **CPU_ONLY_ENV}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        **CPU_ONLY_ENV,
+    }
     run = tmp_path / "run"
-    command = [sys.executable, str(RECIPE), "--model_name_or_path", vllm_checkpoint, "--use_vllm", "true",
-               "--vllm_mode", "server", "--vllm_server_base_url", url, "--output_dir", str(run), "--max_steps", "1000",
-               "--save_steps", "1000", "--per_device_train_batch_size", "4", "--num_generations", "4",
-               "--steps_per_generation", "4", "--max_completion_length", "8", "--synthetic_samples", "64",
-               "--plot", "false", "--disable_tqdm", "true", "--logging_steps", "1"]
+    command = [
+        sys.executable,
+        str(RECIPE),
+        "--model_name_or_path",
+        vllm_checkpoint,
+        "--use_vllm",
+        "true",
+        "--vllm_mode",
+        "server",
+        "--vllm_server_base_url",
+        url,
+        "--output_dir",
+        str(run),
+        "--max_steps",
+        "1000",
+        "--save_steps",
+        "1000",
+        "--per_device_train_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--steps_per_generation",
+        "4",
+        "--max_completion_length",
+        "8",
+        "--synthetic_samples",
+        "64",
+        "--plot",
+        "false",
+        "--disable_tqdm",
+        "true",
+        "--logging_steps",
+        "1",
+    ]
     try:
         # the server first, then the trainer, once step 1 is logged (transformers' printer): steps 2-4 train on its
         # rollouts
-        lines, returncode = stop_when_printed(command, env, tmp_path, "'loss'", signal.SIGTERM,
-                                              first=(server.process.pid,), timeout=600)
+        lines, returncode = stop_when_printed(
+            command, env, tmp_path, "'loss'", signal.SIGTERM, first=(server.process.pid,), timeout=600
+        )
         output = "".join(lines)
         assert returncode == 143 and "Traceback" not in output, output[-4000:]
         stopped = [x for x in lines if x.startswith("stopped at step")]
@@ -575,8 +737,14 @@ def test_sigterm_to_the_whole_job_server_first_saves_and_the_run_resumes(tmp_pat
         server.process.wait(timeout=60)  # the server exited on its SIGTERM
         server.start()  # a new job: the server again (same port), then the printed command
         resume = stopped[0].split("resume with: ", 1)[1].split()
-        result = subprocess.run([sys.executable, *resume[1:], "--max_steps", "5"], capture_output=True, text=True,
-                                env=env, timeout=900, cwd=tmp_path)
+        result = subprocess.run(
+            [sys.executable, *resume[1:], "--max_steps", "5"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+            cwd=tmp_path,
+        )
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert f"resuming {run} from {run / 'checkpoint-4'}" in result.stdout
         assert json.loads((run / "trainer_state.json").read_text())["global_step"] == 5
@@ -603,11 +771,25 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_the_same_boundary(tmp_path):
 def test_sigterm_under_torchrun_saves_and_the_printed_command_resumes(tmp_path):
     """docs/demo.md, "Preemption": SIGTERM to the launcher and both ranks (torchrun forwards its own, too) saves one
     checkpoint at the same step on both ranks, prints the resume command, and that command resumes to the next step."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1", **CPU_ONLY_ENV}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        **CPU_ONLY_ENV,
+    }
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(RECIPE),
-               *small_args(run, tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(RECIPE),
+        *small_args(run, tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000"),
+    ]
     lines, _ = ctrl_c_at_step_10(command, env, tmp_path, signal.SIGTERM)
     output = "".join(lines)
     stopped = saved_once(lines, run)  # one line: the forwarded second SIGTERM did not stop the ranks without a save
@@ -617,8 +799,9 @@ def test_sigterm_under_torchrun_saves_and_the_printed_command_resumes(tmp_path):
     assert "KeyboardInterrupt" not in output and "no checkpoint saved" not in output, output[-3000:]
     resume = stopped.split("resume with: ", 1)[1].split()
     assert resume[0].endswith("torchrun") and resume[1:4] == ["--standalone", "--nproc_per_node", "2"], stopped
-    result = subprocess.run([*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env,
-                            timeout=600, cwd=tmp_path)
+    result = subprocess.run(
+        [*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"resuming {run} from {run / f'checkpoint-{step}'}" in result.stdout
     assert json.loads((run / "trainer_state.json").read_text())["global_step"] == step + 1
@@ -638,23 +821,51 @@ def truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:1000])
 
 
-@pytest.mark.parametrize("damage, says", [
-    (lambda f: save_file({}, f / "model.safetensors"), "'model.embed_tokens.weight' is missing from it"),
-    (lambda f: truncate(f / "model.safetensors"), "model.safetensors cannot be read (SafetensorError: "),
-    (lambda f: (torch.save(load_file(f / "model.safetensors"), f / "pytorch_model.bin"),
-                (f / "model.safetensors").unlink(), truncate(f / "pytorch_model.bin")), "pytorch_model.bin cannot be read"),
-    (lambda f: ((f / "model.safetensors").unlink(), (f / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n.")),
-     "pytorch_model.bin cannot be read (UnpicklingError: "),
-], ids=["empty safetensors", "truncated safetensors", "truncated bin", "pickle that runs code"])
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda f: save_file({}, f / "model.safetensors"), "'model.embed_tokens.weight' is missing from it"),
+        (lambda f: truncate(f / "model.safetensors"), "model.safetensors cannot be read (SafetensorError: "),
+        (
+            lambda f: (
+                torch.save(load_file(f / "model.safetensors"), f / "pytorch_model.bin"),
+                (f / "model.safetensors").unlink(),
+                truncate(f / "pytorch_model.bin"),
+            ),
+            "pytorch_model.bin cannot be read",
+        ),
+        (
+            lambda f: (
+                (f / "model.safetensors").unlink(),
+                (f / "pytorch_model.bin").write_bytes(b"\x80\x04cos\nsystem\n."),
+            ),
+            "pytorch_model.bin cannot be read (UnpicklingError: ",
+        ),
+    ],
+    ids=["empty safetensors", "truncated safetensors", "truncated bin", "pickle that runs code"],
+)
 def test_a_refused_resume_is_one_line_on_the_recipe(recipe, saved_tiny_model, tmp_path, capsys, damage, says):
     """docs/failure_behaviour.md: an empty, truncated or hostile weights file ends the recipe with exit status 2 and
     one line naming the checkpoint, no traceback, and no training at initial weights."""
     checkpoint = tmp_path / "run" / "checkpoint-2"
     tiny_moe_model("qwen3_moe", seed=3).save_pretrained(checkpoint)
     damage(checkpoint)
-    argv = ["--model_name_or_path", str(saved_tiny_model), "--output_dir", str(tmp_path / "run"), "--max_steps", "2",
-            "--per_device_train_batch_size", "8", "--synthetic_samples", "16", "--plot", "false",
-            "--resume_from_checkpoint", str(checkpoint)]
+    argv = [
+        "--model_name_or_path",
+        str(saved_tiny_model),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "8",
+        "--synthetic_samples",
+        "16",
+        "--plot",
+        "false",
+        "--resume_from_checkpoint",
+        str(checkpoint),
+    ]
     capsys.readouterr()
     assert recipe.run(argv) == 2
     err = capsys.readouterr().err
@@ -668,18 +879,30 @@ def test_a_refused_resume_is_one_line_on_the_recipe(recipe, saved_tiny_model, tm
 # accelerate's launchers: one process (its simple launcher, a Popen), several (torchrun's agent, which forwards the
 # signal to every rank; with --multi_gpu on a CPU machine the ranks train on the CPU, as the recipe's use_cpu default;
 # two processes take accelerate's default port, so that one runs serially)
-ACCELERATE_LAUNCHES = [pytest.param(["--num_processes", "1", "--cpu"], id="one process"),
-                       pytest.param(["--num_processes", "2", "--multi_gpu"], id="two processes",
-                                    marks=pytest.mark.serial)]
+ACCELERATE_LAUNCHES = [
+    pytest.param(["--num_processes", "1", "--cpu"], id="one process"),
+    pytest.param(["--num_processes", "2", "--multi_gpu"], id="two processes", marks=pytest.mark.serial),
+]
 
 
 @pytest.mark.slow  # the recipe under `accelerate launch`, stopped with a real Ctrl-C (~1-2 min)
 @pytest.mark.parametrize("launch", ACCELERATE_LAUNCHES)
 def test_ctrl_c_under_accelerate_launch_saves_and_prints_the_resume_command(tmp_path, launch):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", str(RECIPE),
-               *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch,
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(RECIPE),
+        *small_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "1000", "--save_steps", "1000"),
+    ]
     lines, _ = ctrl_c_at_step_10(command, env, tmp_path)
     output = "".join(lines)
     # the launcher's forwarded signal did not count as a second Ctrl-C: every rank saved, then the resume line

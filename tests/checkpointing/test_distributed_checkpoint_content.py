@@ -47,8 +47,7 @@ MOMENT0, MOMENT1 = f"optimizer.state.{PARAM}.exp_avg", f"optimizer.state.{OTHER}
 def written(tmp_path_factory):
     """(the trainer of a 1-step run, its checkpoint-1 as an expert-parallel run writes it)."""
     run = tmp_path_factory.mktemp("ep_run")
-    trainer = make_trainer(run, tiny_moe_model("qwen3_moe", seed=0), max_steps=1, save_strategy="steps",
-                           save_steps=1)
+    trainer = make_trainer(run, tiny_moe_model("qwen3_moe", seed=0), max_steps=1, save_strategy="steps", save_steps=1)
     trainer.train()
     folder = run / "checkpoint-1"
     (folder / "optimizer.pt").unlink()  # an EP run keeps its optimizer in the shards only
@@ -79,6 +78,7 @@ def stored(shards: Path, info) -> bytes:
 def split_in_two(key: str):
     """A real two-chunk layout of ``key`` (as two ranks write it): its rows in two chunks, each ``torch.save``d into
     a shard file of its own, as torch's writer stores a chunk. Loads exactly (see the test below)."""
+
     def damage(shards: Path):
         metadata = metadata_of(shards)
         entry = metadata.state_dict_metadata[key]
@@ -94,13 +94,16 @@ def split_in_two(key: str):
             offsets = torch.Size([start, *[0] * (tensor.dim() - 1)])
             entry.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=piece.shape))
             metadata.storage_data[MetadataIndex(key, offsets)] = dataclasses.replace(
-                info, relative_path=f"split_{n}.distcp", offset=0, length=len(payload.getvalue()))
+                info, relative_path=f"split_{n}.distcp", offset=0, length=len(payload.getvalue())
+            )
         (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+
     return damage
 
 
 def on_chunk(key: str, number: int, change):
     """``change(chunk)`` -> the chunk that replaces chunk ``number`` of ``key`` (its storage entry follows it)."""
+
     def edit(metadata):
         entry = metadata.state_dict_metadata[key]
         old = entry.chunks[number]
@@ -108,6 +111,7 @@ def on_chunk(key: str, number: int, change):
         entry.chunks[number] = new
         info = metadata.storage_data.pop(MetadataIndex(key, old.offsets))
         metadata.storage_data[MetadataIndex(key, new.offsets)] = info
+
     return rewrite(edit)
 
 
@@ -116,6 +120,7 @@ def swap_storage(a: str, b: str):
         ia = MetadataIndex(a, metadata.state_dict_metadata[a].chunks[0].offsets)
         ib = MetadataIndex(b, metadata.state_dict_metadata[b].chunks[0].offsets)
         metadata.storage_data[ia], metadata.storage_data[ib] = metadata.storage_data[ib], metadata.storage_data[ia]
+
     return rewrite(edit)
 
 
@@ -124,6 +129,7 @@ def share_storage(a: str, b: str):
         ia = MetadataIndex(a, metadata.state_dict_metadata[a].chunks[0].offsets)
         ib = MetadataIndex(b, metadata.state_dict_metadata[b].chunks[0].offsets)
         metadata.storage_data[ib] = metadata.storage_data[ia]
+
     return rewrite(edit)
 
 
@@ -136,42 +142,59 @@ def resized(key: str, size: list[int]):
         entry.size = torch.Size(size)
         entry.chunks = [ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(size))]
         metadata.storage_data[MetadataIndex(key, offsets)] = info
+
     return rewrite(edit)
 
 
 def oversized(shards: Path):
     """A 25 MB .metadata: the real one with 100,000 more entries of long names."""
+
     def edit(metadata):
         metadata.state_dict_metadata.update({f"extra.{n:0240d}": BytesStorageMetadata() for n in range(100_000)})
+
     rewrite(edit)(shards)
 
 
 #: case -> (damage, what the one line says). Before: each loaded and trained (rc 0) at other weights, or (2^60) an
 #: allocation traceback on every rank, or (25 MB) a MemoryError after minutes of unpickling.
 STRUCTURE = {
-    "an empty chunk list": (rewrite(lambda m: m.state_dict_metadata[Q0].chunks.clear()),
-                            f"covers 0 of the 4,096 elements of {Q0!r} with its 0 chunks (a gap, which would keep "
-                            "the values the model had there)"),
-    "one of two chunks dropped": ((split_in_two(Q0), rewrite(lambda m: m.state_dict_metadata[Q0].chunks.pop())),
-                                  f"covers 2,048 of the 4,096 elements of {Q0!r} with its 1 chunks (a gap"),
-    "offsets negated": ((split_in_two(Q0), on_chunk(Q0, 1, lambda c: dataclasses.replace(
-        c, offsets=torch.Size([-n for n in c.offsets])))),
-                        f"gives {Q0!r} (shape [64, 64]) a chunk at offsets [-32, 0] of sizes [32, 64], outside"),
-    "sizes [1e6, 64]": (on_chunk(Q0, 0, lambda c: dataclasses.replace(c, sizes=torch.Size([10**6, 64]))),
-                        "a chunk at offsets [0, 0] of sizes [1000000, 64], outside the tensor"),
-    "two chunks overlapping": ((split_in_two(Q0), on_chunk(Q0, 1, lambda c: dataclasses.replace(
-        c, offsets=torch.Size([31, 0])))), f"gives {Q0!r} chunks that overlap (at offsets [0, 0] and [31, 0])"),
+    "an empty chunk list": (
+        rewrite(lambda m: m.state_dict_metadata[Q0].chunks.clear()),
+        f"covers 0 of the 4,096 elements of {Q0!r} with its 0 chunks (a gap, which would keep "
+        "the values the model had there)",
+    ),
+    "one of two chunks dropped": (
+        (split_in_two(Q0), rewrite(lambda m: m.state_dict_metadata[Q0].chunks.pop())),
+        f"covers 2,048 of the 4,096 elements of {Q0!r} with its 1 chunks (a gap",
+    ),
+    "offsets negated": (
+        (
+            split_in_two(Q0),
+            on_chunk(Q0, 1, lambda c: dataclasses.replace(c, offsets=torch.Size([-n for n in c.offsets]))),
+        ),
+        f"gives {Q0!r} (shape [64, 64]) a chunk at offsets [-32, 0] of sizes [32, 64], outside",
+    ),
+    "sizes [1e6, 64]": (
+        on_chunk(Q0, 0, lambda c: dataclasses.replace(c, sizes=torch.Size([10**6, 64]))),
+        "a chunk at offsets [0, 0] of sizes [1000000, 64], outside the tensor",
+    ),
+    "two chunks overlapping": (
+        (split_in_two(Q0), on_chunk(Q0, 1, lambda c: dataclasses.replace(c, offsets=torch.Size([31, 0])))),
+        f"gives {Q0!r} chunks that overlap (at offsets [0, 0] and [31, 0])",
+    ),
     "two entries in shared bytes": (share_storage(Q0, Q1), "in shared bytes of '__0_0.distcp'"),
-    "an optimizer entry of 2^60 elements": (resized(MOMENT0, [2**60]),
-                                            f"stores the chunk of {MOMENT0!r} at offsets [0] (1,152,921,504,606,846,976 "
-                                            "elements of torch.float32) in"),
+    "an optimizer entry of 2^60 elements": (
+        resized(MOMENT0, [2**60]),
+        f"stores the chunk of {MOMENT0!r} at offsets [0] (1,152,921,504,606,846,976 elements of torch.float32) in",
+    ),
     "a 25 MB .metadata": (oversized, "bytes of shard files it describes (+1,048,576): torch's save writes"),
 }
 
 
 @pytest.mark.parametrize("case", list(STRUCTURE))
 def test_a_structurally_wrong_metadata_is_refused_by_the_trainers_resume_before_anything_loads(
-        written, resumer, tmp_path, case):
+    written, resumer, tmp_path, case
+):
     damage, expected = STRUCTURE[case]
     folder = copied(written[1], tmp_path, *(damage if isinstance(damage, tuple) else (damage,)))
     message = refused_by_train(resumer, folder)  # the pre-flight: the model is unchanged
@@ -191,8 +214,10 @@ def test_the_oversized_metadata_is_refused_unread(written, tmp_path, monkeypatch
 
 def optimizer_state(trainer) -> dict[str, dict[str, torch.Tensor]]:
     names = {id(param): name for name, param in trainer.model.named_parameters()}
-    return {names[id(param)]: {field: value.clone() for field, value in state.items()}
-            for param, state in trainer.optimizer.state.items()}
+    return {
+        names[id(param)]: {field: value.clone() for field, value in state.items()}
+        for param, state in trainer.optimizer.state.items()
+    }
 
 
 def as_loaded(trainer, monkeypatch) -> dict:
@@ -203,8 +228,12 @@ def as_loaded(trainer, monkeypatch) -> dict:
 
     def spy(checkpoint):
         load(checkpoint)
-        seen.update(optimizer=optimizer_state(trainer), scheduler=trainer.lr_scheduler.state_dict(),
-                    lr=trainer.lr_scheduler.get_last_lr())
+        seen.update(
+            optimizer=optimizer_state(trainer),
+            scheduler=trainer.lr_scheduler.state_dict(),
+            lr=trainer.lr_scheduler.get_last_lr(),
+        )
+
     monkeypatch.setattr(trainer, "_load_optimizer_and_scheduler", spy)
     return seen
 
@@ -229,8 +258,13 @@ def test_an_ep_checkpoint_resumed_under_fsdp_without_ep_is_refused_in_one_line(w
     with pytest.raises(DistributedCheckpointError) as refused:
         resumer._load_optimizer_and_scheduler(str(folder))
     message = str(refused.value)
-    assert message.startswith(f"checkpoint {folder} refused: its optimizer and scheduler are in torch distributed "
-                              "checkpoint shards") and "which FSDP does not read" in message and "\n" not in message
+    assert (
+        message.startswith(
+            f"checkpoint {folder} refused: its optimizer and scheduler are in torch distributed checkpoint shards"
+        )
+        and "which FSDP does not read" in message
+        and "\n" not in message
+    )
 
 
 def test_swapped_optimizer_storage_is_refused_by_content_through_the_trainers_resume(written, resumer, tmp_path):
@@ -242,8 +276,10 @@ def test_swapped_optimizer_storage_is_refused_by_content_through_the_trainers_re
         resumer.train(resume_from_checkpoint=str(folder))
     message = str(refused.value)
     assert message.startswith(f"checkpoint {folder} refused: ") and "\n" not in message, message
-    assert (f"{MOMENT0!r} as loaded from its shards has another checksum than the save wrote in "
-            "distributed/manifest.json (2 of the ") in message, message
+    assert (
+        f"{MOMENT0!r} as loaded from its shards has another checksum than the save wrote in "
+        "distributed/manifest.json (2 of the "
+    ) in message, message
 
 
 def test_an_optimizer_state_larger_than_its_parameter_is_refused_before_the_load(written, resumer, tmp_path):
@@ -251,20 +287,26 @@ def test_an_optimizer_state_larger_than_its_parameter_is_refused_before_the_load
     model's own size bounds it."""
     folder = copied(written[1], tmp_path, resized(MOMENT0, [65, 64]))
     check_checkpoint_files(folder)
-    with pytest.raises(DistributedCheckpointError, match=rf"gives the optimizer state '{PARAM}.exp_avg' 4,160 "
-                                                         rf"elements \(shape \[65, 64\]\), more than the 4,096 of"):
+    with pytest.raises(
+        DistributedCheckpointError,
+        match=rf"gives the optimizer state '{PARAM}.exp_avg' 4,160 "
+        rf"elements \(shape \[65, 64\]\), more than the 4,096 of",
+    ):
         resumer.train(resume_from_checkpoint=str(folder))
 
 
 def test_a_checkpoint_without_manifest_is_checked_by_structure_and_says_so_in_one_line(
-        written, resumer, tmp_path, caplog, monkeypatch):
+    written, resumer, tmp_path, caplog, monkeypatch
+):
     folder = copied(written[1], tmp_path, lambda shards: (shards / dcp_manifest.MANIFEST_NAME).unlink())
     loaded = as_loaded(resumer, monkeypatch)
     with caplog.at_level(logging.WARNING, logger=dcp_manifest.__name__):
         resumer.train(resume_from_checkpoint=str(folder))
     lines = [r.getMessage() for r in caplog.records if r.name == dcp_manifest.__name__]
-    assert lines == [f"checkpoint {folder}: distributed/ holds no manifest.json (not written by trl_moe_replay's "
-                     "trainers): its structure was checked, its values cannot be; resuming"]
+    assert lines == [
+        f"checkpoint {folder}: distributed/ holds no manifest.json (not written by trl_moe_replay's "
+        "trainers): its structure was checked, its values cannot be; resuming"
+    ]
     assert torch.equal(loaded["optimizer"][PARAM]["exp_avg"], optimizer_state(written[0])[PARAM]["exp_avg"])
     damaged = copied(folder, tmp_path / "damaged", rewrite(lambda m: m.state_dict_metadata[Q0].chunks.clear()))
     assert "with its 0 chunks (a gap" in refused_by_train(resumer, damaged)
@@ -272,7 +314,8 @@ def test_a_checkpoint_without_manifest_is_checked_by_structure_and_says_so_in_on
 
 @needs_expert_parallelism
 def test_a_split_layout_restores_exactly_and_swapped_model_storage_is_refused_with_the_model_unchanged(
-        written, tmp_path):
+    written, tmp_path
+):
     """restore_model (the model sharded at load time): a real two-chunk layout loads exactly; two layers' q_proj
     storage swapped is refused by content before the model changes."""
     folder = copied(written[1], tmp_path / "split", split_in_two(Q0))
@@ -293,9 +336,11 @@ def test_a_split_layout_restores_exactly_and_swapped_model_storage_is_refused_wi
 def test_the_checksum_is_the_same_under_any_sharding_and_changes_when_values_move():
     tensor = torch.randn(6, 5, 4)
     whole = dcp_manifest._chunk_sums(tensor, (0, 0, 0), (6, 5, 4))
-    parts = [dcp_manifest._chunk_sums(tensor[:2], (0, 0, 0), (6, 5, 4)),
-             dcp_manifest._chunk_sums(tensor[2:, :3], (2, 0, 0), (6, 5, 4)),
-             dcp_manifest._chunk_sums(tensor[2:, 3:], (2, 3, 0), (6, 5, 4))]
+    parts = [
+        dcp_manifest._chunk_sums(tensor[:2], (0, 0, 0), (6, 5, 4)),
+        dcp_manifest._chunk_sums(tensor[2:, :3], (2, 0, 0), (6, 5, 4)),
+        dcp_manifest._chunk_sums(tensor[2:, 3:], (2, 3, 0), (6, 5, 4)),
+    ]
     assert whole == tuple(sum(p[n] for p in parts) % (2**31 - 1) for n in range(2))
     moved = tensor.clone()
     moved[[0, 1]] = moved[[1, 0]]
@@ -305,4 +350,5 @@ def test_the_checksum_is_the_same_under_any_sharding_and_changes_when_values_mov
     assert dcp_manifest._chunk_sums(changed, (0, 0, 0), (6, 5, 4)) != whole
     bf16 = tensor.to(torch.bfloat16)
     assert dcp_manifest._chunk_sums(bf16, (0, 0, 0), (6, 5, 4)) != dcp_manifest._chunk_sums(
-        bf16.flip(0), (0, 0, 0), (6, 5, 4))
+        bf16.flip(0), (0, 0, 0), (6, 5, 4)
+    )

@@ -52,11 +52,15 @@ def test_audit_same_dtype_is_numerically_tight():
     assert report.row("r3").route_mismatch_frac == 0.0
 
 
-@pytest.mark.parametrize("r3_kl_k3, says", [(6.81e-08, "(10x lower)"), (7.99e-07, "(1.17x higher)"),
-                                             (6.81e-07, "(unchanged)"), (0.0, "(down to 0)")])
+@pytest.mark.parametrize(
+    "r3_kl_k3, says",
+    [(6.81e-08, "(10x lower)"), (7.99e-07, "(1.17x higher)"), (6.81e-07, "(unchanged)"), (0.0, "(down to 0)")],
+)
 def test_audit_verdict_says_which_way_kl_moved(r3_kl_k3, says):
-    rows = [AuditRow("none", 0.0, 6.81e-07, 0.01, 0.1, 0.05, 0.9, 0.05, 0.0),
-            AuditRow("r3", 0.0, r3_kl_k3, 0.01, 0.1, 0.0, 1.0, 0.05, 0.0)]
+    rows = [
+        AuditRow("none", 0.0, 6.81e-07, 0.01, 0.1, 0.05, 0.9, 0.05, 0.0),
+        AuditRow("r3", 0.0, r3_kl_k3, 0.01, 0.1, 0.0, 1.0, 0.05, 0.0),
+    ]
     report = AuditReport("tiny:qwen3_moe", "bfloat16", "float32", 1, 2, 10, 40, rows)
     assert f"kl_k3 from 6.81e-07 to {r3_kl_k3:.3g} {says}" in report.verdict()
 
@@ -134,8 +138,17 @@ def test_audit_of_a_bf16_vllm_server_shows_what_r3_removes():
 def test_audit_cli_of_a_server_without_routes_gives_the_server_command(capsys):
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False)
     with server, WITHOUT_LOCAL_VLLM:
-        args = ["audit", "--model", "tiny:qwen3_moe", "--num_prompts", "2", "--max_new_tokens", "6",
-                "--vllm_server_url", server.url]
+        args = [
+            "audit",
+            "--model",
+            "tiny:qwen3_moe",
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--vllm_server_url",
+            server.url,
+        ]
         assert main(args) == 0
         table = capsys.readouterr().out
         assert main([*args, "--json"]) == 0
@@ -173,8 +186,20 @@ def test_audit_of_a_server_that_never_answers_times_out_with_one_line(capsys):
         # without the timeout the silent server would close the connection after a minute: another error than this
         with pytest.raises(TimeoutError, match=f"vLLM server at {url} did not answer within 1 s"):
             run_audit("tiny:qwen3_moe", vllm_server_url=url, vllm_timeout=1, num_prompts=1, max_new_tokens=4)
-        line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", url,
-                                       "--vllm_timeout", "1", "--num_prompts", "1"])
+        line = one_line_error(
+            capsys,
+            [
+                "audit",
+                "--model",
+                "tiny:qwen3_moe",
+                "--vllm_server_url",
+                url,
+                "--vllm_timeout",
+                "1",
+                "--num_prompts",
+                "1",
+            ],
+        )
     assert "did not answer within 1 s" in line and "--vllm_timeout" in line
 
 
@@ -211,8 +236,14 @@ def test_audit_of_a_hub_id_without_network_answers_at_once(tmp_path):
         env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
         env.update(HF_HOME=str(tmp_path / "hf"), PYTHONPATH=os.getcwd(), **hub_settings)
         start = time.monotonic()
-        result = subprocess.run([sys.executable, "-m", "trl_moe_replay.cli", "audit", "--model", "runs/typo"],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "trl_moe_replay.cli", "audit", "--model", "runs/typo"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return time.monotonic() - start, result
 
     offline_s, offline = audit(HF_HUB_OFFLINE="1")  # the baseline: imports, then the cache alone
@@ -226,22 +257,26 @@ def test_audit_of_a_hub_id_without_network_answers_at_once(tmp_path):
     assert elapsed_s - offline_s < 25, (elapsed_s, offline_s)
 
 
-@pytest.mark.parametrize(("name", "engine_copy", "expected"), [
-    # Qwen3-30B-A3B, 30.5B parameters, on an 80 GB GPU (72 GB usable): float32 needs 4 x 30.5 = 122 GB (+ 61 GB for
-    # generate's bf16 copy), bf16 2 x 30.5 = 61 GB, shared with the bf16 engine
-    ("Qwen/Qwen3-30B-A3B", True, "bfloat16"),
-    ("Qwen/Qwen3-30B-A3B", False, "bfloat16"),  # a vLLM server holds the engine's copy
-    # OLMoE, 6.9B: 4 x 6.9 + 2 x 6.9 = 41 GB fits
-    ("allenai/OLMoE-1B-7B-0924-Instruct", True, "float32"),
-])
+@pytest.mark.parametrize(
+    ("name", "engine_copy", "expected"),
+    [
+        # Qwen3-30B-A3B, 30.5B parameters, on an 80 GB GPU (72 GB usable): float32 needs 4 x 30.5 = 122 GB (+ 61 GB for
+        # generate's bf16 copy), bf16 2 x 30.5 = 61 GB, shared with the bf16 engine
+        ("Qwen/Qwen3-30B-A3B", True, "bfloat16"),
+        ("Qwen/Qwen3-30B-A3B", False, "bfloat16"),  # a vLLM server holds the engine's copy
+        # OLMoE, 6.9B: 4 x 6.9 + 2 x 6.9 = 41 GB fits
+        ("allenai/OLMoE-1B-7B-0924-Instruct", True, "float32"),
+    ],
+)
 def test_the_default_trainer_dtype_is_the_one_that_fits(name, engine_copy, expected, monkeypatch, tmp_path):
     from trl_moe_replay.cli.audit import fitting_trainer_dtype
     from trl_moe_replay.cli.plan import model_numbers
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # the plan's table, not a cached config.json
     params = model_numbers(name).params_total
-    dtype, note = fitting_trainer_dtype(name, torch.device("cuda"), "bfloat16", engine_copy=engine_copy,
-                                        memory=80 * 10**9)
+    dtype, note = fitting_trainer_dtype(
+        name, torch.device("cuda"), "bfloat16", engine_copy=engine_copy, memory=80 * 10**9
+    )
     assert dtype == expected and note.startswith(f"trainer dtype {expected} (auto: {params / 1e9:.1f}B parameters")
     fp32_need = 4 * params + (2 * params if engine_copy else 0)
     assert (fp32_need <= 0.9 * 80e9) == (expected == "float32")
@@ -253,8 +288,13 @@ def test_a_model_that_fits_in_no_dtype_is_one_line(monkeypatch, tmp_path, capsys
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     # Mixtral-8x7B, 46.7B parameters: 93 GB in bf16, more than 72 GB usable of 80
     with pytest.raises(AuditMemoryError, match="need 93 GB in bfloat16, more than the 72 GB usable"):
-        fitting_trainer_dtype("mistralai/Mixtral-8x7B-Instruct-v0.1", torch.device("cuda"), "bfloat16",
-                              engine_copy=True, memory=80 * 10**9)
+        fitting_trainer_dtype(
+            "mistralai/Mixtral-8x7B-Instruct-v0.1",
+            torch.device("cuda"),
+            "bfloat16",
+            engine_copy=True,
+            memory=80 * 10**9,
+        )
     # a model the plan cannot count keeps float32, and says why
     dtype, note = fitting_trainer_dtype("nobody/unknown", torch.device("cpu"), "bfloat16", engine_copy=True)
     assert dtype == "float32" and "the model's size is unknown here" in note

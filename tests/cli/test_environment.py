@@ -27,8 +27,11 @@ def test_on_a_cpu_machine_the_gpu_rows_say_none(capsys):
     assert rows["CUDA"].startswith("none") or "no device visible" in rows["CUDA"]
     assert main(["env"]) == 0
     out = capsys.readouterr().out
-    lines = {line.split("  ", 1)[0].strip(): line.split("  ", 1)[1].strip() for line in out.splitlines()
-             if "  " in line and not line.startswith(" ")}
+    lines = {
+        line.split("  ", 1)[0].strip(): line.split("  ", 1)[1].strip()
+        for line in out.splitlines()
+        if "  " in line and not line.startswith(" ")
+    }
     assert lines["platform"] == platform.platform() and lines["Python"] == platform.python_version()
     assert lines["GPUs"].startswith("none") and lines["NCCL"] == "none" and lines["driver"] == "none"
     assert lines["routing_replay default"].startswith("'r3'")
@@ -36,8 +39,9 @@ def test_on_a_cpu_machine_the_gpu_rows_say_none(capsys):
 
 
 def test_the_package_row_names_the_clones_commit():
-    short = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           check=True).stdout.strip()
+    short = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     row = environment.system_rows()["trl-moe-replay"]
     assert row.startswith(f"{version('trl-moe-replay')}+{short}")
     assert environment.git_commit(ROOT / "docs") is None  # not a clone's root: no commit claimed
@@ -56,8 +60,12 @@ def test_the_gpu_rows_of_a_gpu_machine(monkeypatch, tmp_path):
     driver = tmp_path / "version"
     driver.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.124.06  Release Build  (dvs)\n")
     monkeypatch.setattr(environment, "nvidia_driver", lambda: nvidia_driver(str(driver)))
-    assert gpu_rows() == {"GPUs": "0: NVIDIA H100 80GB HBM3 (80.0 GiB); 1: NVIDIA H100 80GB HBM3 (80.0 GiB)",
-                          "CUDA": "12.8", "NCCL": "2.21.5", "driver": "570.124.06"}
+    assert gpu_rows() == {
+        "GPUs": "0: NVIDIA H100 80GB HBM3 (80.0 GiB); 1: NVIDIA H100 80GB HBM3 (80.0 GiB)",
+        "CUDA": "12.8",
+        "NCCL": "2.21.5",
+        "driver": "570.124.06",
+    }
     assert nvidia_driver(str(tmp_path / "absent")) == "none"
 
 
@@ -69,7 +77,8 @@ def test_every_seam_entry_is_listed_with_its_probe(monkeypatch, capsys):
     rows = seam_rows()
     assert [r.entry for r in rows] == list(entries)
     assert all(r.probe == "passed" or r.probe.startswith("not probed") for r in rows), [
-        r for r in rows if r.probe != "passed"]
+        r for r in rows if r.probe != "passed"
+    ]
     # a probe that fails on this install is named, with what no longer holds
     first = next(iter(entries.values()))
     monkeypatch.setattr(upstream, "check_upstream", lambda: (Finding(first, "GRPOTrainer.x does not exist"),))
@@ -86,8 +95,13 @@ def test_a_reader_that_leaves_early_gets_no_error_line():
     """`trl-moe-replay env | head`: the reader closes the pipe before the report is written; no traceback, no
     'Exception ignored' line at exit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, "-m", "trl_moe_replay.cli", "env"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trl_moe_replay.cli", "env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
     process.stdout.close()  # before the report is written: every write meets a closed pipe
     err = process.stderr.read().decode()
     process.wait(timeout=300)

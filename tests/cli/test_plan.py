@@ -31,15 +31,19 @@ def uses_expert_parallelism(path: Path) -> bool:
     return bool(values.get("ep_size") or (values.get("model_init_kwargs") or {}).get("distributed_config"))
 
 
-GPU_CONFIGS = sorted(p for p in (ROOT / "recipes" / "configs").glob("*.yaml")
-                     if yaml.safe_load(p.read_text()).get("model_name_or_path"))
+GPU_CONFIGS = sorted(
+    p for p in (ROOT / "recipes" / "configs").glob("*.yaml") if yaml.safe_load(p.read_text()).get("model_name_or_path")
+)
 
 
 def test_the_gpu_configs_are_the_expected_set():
     assert len(GPU_CONFIGS) >= 11
     names = {p.stem for p in GPU_CONFIGS}
-    assert {"qwen3_30b_a3b_1node_zero3_offload", "qwen3_30b_a3b_1node_fsdp2_offload",
-            "granite_1b_a400m_vllm_colocate"} <= names
+    assert {
+        "qwen3_30b_a3b_1node_zero3_offload",
+        "qwen3_30b_a3b_1node_fsdp2_offload",
+        "granite_1b_a400m_vllm_colocate",
+    } <= names
 
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
@@ -75,8 +79,10 @@ def test_every_gpu_config_fits_the_gpus_its_header_names(path, capsys):
 
 
 def test_the_one_node_qwen_layouts_use_8_gpus_and_need_their_offload():
-    for name, sharding in (("qwen3_30b_a3b_1node_zero3_offload", "zero3"), ("qwen3_30b_a3b_1node_fsdp2_offload",
-                                                                              "fsdp2")):
+    for name, sharding in (
+        ("qwen3_30b_a3b_1node_zero3_offload", "zero3"),
+        ("qwen3_30b_a3b_1node_fsdp2_offload", "fsdp2"),
+    ):
         path = ROOT / "recipes" / "configs" / f"{name}.yaml"
         plan = estimate(path)
         assert (plan.layout.sharding, plan.layout.processes, plan.layout.vllm_gpus) == (sharding, 6, 2)
@@ -120,9 +126,12 @@ def test_a_local_config_json_is_read(tmp_path):
     from trl_moe_replay.testing import tiny_moe_model
 
     tiny_moe_model("qwen3_moe").config.save_pretrained(tmp_path / "m")
-    config = tmp_copy(ROOT / "recipes" / "configs" / "granite_1b_a400m_single_gpu.yaml",
-                      (ROOT / "recipes" / "configs" / "granite_1b_a400m_single_gpu.yaml").read_text().replace(
-                          "ibm-granite/granite-3.1-1b-a400m-instruct", str(tmp_path / "m")))
+    config = tmp_copy(
+        ROOT / "recipes" / "configs" / "granite_1b_a400m_single_gpu.yaml",
+        (ROOT / "recipes" / "configs" / "granite_1b_a400m_single_gpu.yaml")
+        .read_text()
+        .replace("ibm-granite/granite-3.1-1b-a400m-instruct", str(tmp_path / "m")),
+    )
     plan = estimate(config)
     assert plan.model.source.endswith("config.json") and plan.model.params_total < 1e7
 
@@ -130,41 +139,88 @@ def test_a_local_config_json_is_read(tmp_path):
 def test_sizes_that_cannot_divide_are_refused_in_one_line(capsys):
     ep = (ROOT / "recipes" / "configs" / "qwen3_30b_a3b_ep8_vllm_server.yaml").read_text()
     # expert parallelism 8 on 6 training processes (the issue's example): transformers' rule, one line, exit 2
-    six = tmp_copy(Path("ep6.yaml"), ep.replace("--nproc_per_node 8", "--nproc_per_node 6").replace(
-        "fsdp_size: 8", "fsdp_size: 6"))
+    six = tmp_copy(
+        Path("ep6.yaml"),
+        ep.replace("--nproc_per_node 8", "--nproc_per_node 6").replace("fsdp_size: 8", "fsdp_size: 6"),
+    )
     assert main(["plan", str(six)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "ep_size" in err
     # an ep_size that does not divide the experts (128 / 3)
-    three = tmp_copy(Path("ep3.yaml"), ep.replace("ep_size: 8", "ep_size: 3").replace("--nproc_per_node 8",
-                                                                                         "--nproc_per_node 6")
-                     .replace("fsdp_size: 8", "fsdp_size: 6"))
+    three = tmp_copy(
+        Path("ep3.yaml"),
+        ep.replace("ep_size: 8", "ep_size: 3")
+        .replace("--nproc_per_node 8", "--nproc_per_node 6")
+        .replace("fsdp_size: 8", "fsdp_size: 6"),
+    )
     with pytest.raises(PlanError):
         estimate(three)
     # a rollout batch that is no whole number of prompt groups
     with pytest.raises(PlanError, match="num_generations 8"):
-        check_batch(dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, num_generations=8,
-                         steps_per_generation=1), processes=6)
+        check_batch(
+            dict(
+                per_device_train_batch_size=1, gradient_accumulation_steps=1, num_generations=8, steps_per_generation=1
+            ),
+            processes=6,
+        )
     # more GPUs than the node has
     with pytest.raises(PlanError, match="more than the 8 given"):
         estimate(ROOT / "recipes" / "configs" / "qwen3_30b_a3b_vllm_server_zero3.yaml", gpus=8)
 
 
-@pytest.mark.parametrize(("values", "refused"), [
-    (dict(per_device_train_batch_size=3, gradient_accumulation_steps=1, num_generations=4), True),
-    (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8), False),
-    (dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=3, num_generations=6),
-     False),
-    (dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=3, num_generations=4),
-     True),
-    # evaluation on (no test split needed): the eval batch must hold whole groups of num_generations_eval
-    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8, eval_strategy="steps",
-          per_device_eval_batch_size=3, num_generations_eval=2), True),
-    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8, eval_strategy="steps",
-          per_device_eval_batch_size=4, num_generations_eval=2), False),
-    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8, eval_strategy="no",
-          per_device_eval_batch_size=3, num_generations_eval=2), False),
-])
+@pytest.mark.parametrize(
+    ("values", "refused"),
+    [
+        (dict(per_device_train_batch_size=3, gradient_accumulation_steps=1, num_generations=4), True),
+        (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8), False),
+        (
+            dict(
+                per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=3, num_generations=6
+            ),
+            False,
+        ),
+        (
+            dict(
+                per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=3, num_generations=4
+            ),
+            True,
+        ),
+        # evaluation on (no test split needed): the eval batch must hold whole groups of num_generations_eval
+        (
+            dict(
+                per_device_train_batch_size=8,
+                gradient_accumulation_steps=1,
+                num_generations=8,
+                eval_strategy="steps",
+                per_device_eval_batch_size=3,
+                num_generations_eval=2,
+            ),
+            True,
+        ),
+        (
+            dict(
+                per_device_train_batch_size=8,
+                gradient_accumulation_steps=1,
+                num_generations=8,
+                eval_strategy="steps",
+                per_device_eval_batch_size=4,
+                num_generations_eval=2,
+            ),
+            False,
+        ),
+        (
+            dict(
+                per_device_train_batch_size=8,
+                gradient_accumulation_steps=1,
+                num_generations=8,
+                eval_strategy="no",
+                per_device_eval_batch_size=3,
+                num_generations_eval=2,
+            ),
+            False,
+        ),
+    ],
+)
 def test_the_batch_rule_is_trls(values, refused):
     """On one process, check_batch refuses exactly what TRL's GRPOConfig refuses."""
     from trl import GRPOConfig
@@ -185,12 +241,15 @@ def test_the_batch_rule_is_trls(values, refused):
 def test_the_optimizer_step_temporaries_are_counted_where_the_optimizer_runs_on_the_gpu():
     """torch's foreach AdamW (optim adamw_torch) makes one temporary of the local trainable shard (in the states'
     dtype) on the GPU; an optimizer offloaded to CPU makes none there."""
+
     def foreach(name: str) -> Path:
         path = CONFIGS / f"{name}.yaml"
         return tmp_copy(path, path.read_text() + "\noptim: adamw_torch\n")
 
-    cases = [("olmoe_1b_7b", lambda P: 4 * P / 8),  # ZeRO-2: the fp32 partition of 8
-             ("granite_1b_a400m_single_gpu", lambda P: 4 * P)]  # loaded in float32
+    cases = [
+        ("olmoe_1b_7b", lambda P: 4 * P / 8),  # ZeRO-2: the fp32 partition of 8
+        ("granite_1b_a400m_single_gpu", lambda P: 4 * P),
+    ]  # loaded in float32
     if has_expert_parallelism():  # (the oldest end's transformers has none: plan refuses EP configs there)
         cases.append(("qwen3_30b_a3b_ep8_vllm_server", lambda P: 4 * P / 8))  # fsdp_size 8
     for name, expected in cases:
@@ -200,8 +259,10 @@ def test_the_optimizer_step_temporaries_are_counted_where_the_optimizer_runs_on_
     offloaded = estimate(foreach("qwen3_30b_a3b_1node_zero3_offload"))
     assert "optimizer-step temporaries" not in {what for what, _, _ in offloaded.train_lines}
     # without the offload the same layout has them, on its 6 ranks
-    bare = tmp_copy(Path("bare.yaml"), foreach("qwen3_30b_a3b_1node_zero3_offload").read_text().replace(
-        " --offload_optimizer_device cpu", ""))
+    bare = tmp_copy(
+        Path("bare.yaml"),
+        foreach("qwen3_30b_a3b_1node_zero3_offload").read_text().replace(" --offload_optimizer_device cpu", ""),
+    )
     lines = {what: gb for what, gb, _ in estimate(bare).train_lines}
     assert lines["optimizer-step temporaries"] == pytest.approx(4 * offloaded.model.params_total / 6 / 1e9)
 
@@ -215,8 +276,12 @@ def test_a_context_longer_than_the_engines_max_model_length_is_refused_in_one_li
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--max-model-len 8192 is below prompt 1024 + completion 8192" in err
     # with the completions shortened to leave room for the prompt, the same engine is accepted
-    fits = tmp_copy(Path("fits.yaml"), server.replace("--max-model-len 9216", "--max-model-len 8192").replace(
-        "max_completion_length: 8192", "max_completion_length: 7168"))
+    fits = tmp_copy(
+        Path("fits.yaml"),
+        server.replace("--max-model-len 9216", "--max-model-len 8192").replace(
+            "max_completion_length: 8192", "max_completion_length: 7168"
+        ),
+    )
     assert estimate(fits).layout.vllm_max_model_len == 8192
     colocate = (configs / "granite_1b_a400m_vllm_colocate.yaml").read_text()
     low = tmp_copy(Path("low.yaml"), colocate.replace("vllm_max_model_length: 1536", "vllm_max_model_length: 1535"))
@@ -230,8 +295,9 @@ def test_the_server_lines_gpu_memory_utilization_sizes_the_kv_cache():
     assert "--gpu-memory-utilization 0.9" in text
     tokens = {}
     for util in ("0.9", "0.8"):
-        plan = estimate(tmp_copy(Path("u.yaml"), text.replace("--gpu-memory-utilization 0.9",
-                                                              f"--gpu-memory-utilization {util}")))
+        plan = estimate(
+            tmp_copy(Path("u.yaml"), text.replace("--gpu-memory-utilization 0.9", f"--gpu-memory-utilization {util}"))
+        )
         assert plan.layout.vllm_utilization == float(util)
         (line,) = plan.vllm_lines
         assert f"at --gpu-memory-utilization {util} =" in line
@@ -260,8 +326,10 @@ def test_an_unknown_model_or_no_model_is_one_line_and_nothing_is_downloaded(tmp_
     assert main(["plan", str(unknown)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no config.json for 'nobody/no-such-moe'" in err
-    assert main(["plan", str(ROOT / "recipes" / "configs" / "tiny_lora_r3.yaml"), "--gpus", "1",
-                 "--gpu-memory", "80"]) == 2
+    assert (
+        main(["plan", str(ROOT / "recipes" / "configs" / "tiny_lora_r3.yaml"), "--gpus", "1", "--gpu-memory", "80"])
+        == 2
+    )
     assert "names no model" in capsys.readouterr().err
 
 
@@ -278,16 +346,19 @@ def refused_in_one_line(capsys, argv: list[str], phrase: str) -> str:
     return err
 
 
-@pytest.mark.parametrize(("argv", "phrase"), [
-    (["--gpus", "0"], "--gpus must be an integer from 1"),
-    (["--gpus", "-8"], "--gpus must be an integer from 1"),
-    (["--gpu-memory", "0"], "--gpu-memory must be a finite number above 0"),
-    (["--gpu-memory", "-80"], "--gpu-memory must be a finite number above 0"),
-    (["--gpu-memory", "inf"], "--gpu-memory must be a finite number above 0"),
-    (["--gpu-memory", "nan"], "--gpu-memory must be a finite number above 0"),
-    (["--prompt-length", "0"], "--prompt-length must be an integer from 1"),
-    (["--prompt-length", "-5"], "--prompt-length must be an integer from 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "phrase"),
+    [
+        (["--gpus", "0"], "--gpus must be an integer from 1"),
+        (["--gpus", "-8"], "--gpus must be an integer from 1"),
+        (["--gpu-memory", "0"], "--gpu-memory must be a finite number above 0"),
+        (["--gpu-memory", "-80"], "--gpu-memory must be a finite number above 0"),
+        (["--gpu-memory", "inf"], "--gpu-memory must be a finite number above 0"),
+        (["--gpu-memory", "nan"], "--gpu-memory must be a finite number above 0"),
+        (["--prompt-length", "0"], "--prompt-length must be an integer from 1"),
+        (["--prompt-length", "-5"], "--prompt-length must be an integer from 1"),
+    ],
+)
 def test_a_command_line_value_is_checked_never_replaced_by_the_header(argv, phrase, capsys):
     refused_in_one_line(capsys, [str(CONFIGS / "olmoe_1b_7b.yaml"), *argv], phrase)
 
@@ -306,49 +377,65 @@ def edited(path: Path, old: str, new: str) -> Path:
     return tmp_copy(path, source.replace(old, new))
 
 
-@pytest.mark.parametrize(("old", "new", "phrase"), [
-    ("# plan: --gpus 8 --gpu-memory 80", "# plan: --gpus 0 --gpu-memory 80", "`# plan:` line: --gpus must be"),
-    ("# plan: --gpus 8 --gpu-memory 80", "# plan: --gpus eight --gpu-memory 80", "--gpus must be an integer"),
-    ("# plan: --gpus 8 --gpu-memory 80", "# plan: --gpus 8 --gpu-memory -1", "--gpu-memory must be a finite"),
-    ("--num_processes 6", "--num_processes six", "launch line: --num_processes must be an integer"),
-    ("--num_processes 6", "--num_processes 0", "launch line: --num_processes must be an integer from 1"),
-    ("--tensor-parallel-size 2", "--tensor-parallel-size 0", "--tensor-parallel-size must be an integer from 1"),
-    ("--gpu-memory-utilization 0.9", "--gpu-memory-utilization 1.5", "--gpu-memory-utilization must be a finite"),
-    ("--max-model-len 9216", "--max-model-len -9216", "--max-model-len must be an integer from 1"),
-    ("--max-model-len 9216", "--max-model-len '9216", "cannot be split into words"),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "phrase"),
+    [
+        ("# plan: --gpus 8 --gpu-memory 80", "# plan: --gpus 0 --gpu-memory 80", "`# plan:` line: --gpus must be"),
+        ("# plan: --gpus 8 --gpu-memory 80", "# plan: --gpus eight --gpu-memory 80", "--gpus must be an integer"),
+        ("# plan: --gpus 8 --gpu-memory 80", "# plan: --gpus 8 --gpu-memory -1", "--gpu-memory must be a finite"),
+        ("--num_processes 6", "--num_processes six", "launch line: --num_processes must be an integer"),
+        ("--num_processes 6", "--num_processes 0", "launch line: --num_processes must be an integer from 1"),
+        ("--tensor-parallel-size 2", "--tensor-parallel-size 0", "--tensor-parallel-size must be an integer from 1"),
+        ("--gpu-memory-utilization 0.9", "--gpu-memory-utilization 1.5", "--gpu-memory-utilization must be a finite"),
+        ("--max-model-len 9216", "--max-model-len -9216", "--max-model-len must be an integer from 1"),
+        ("--max-model-len 9216", "--max-model-len '9216", "cannot be split into words"),
+    ],
+)
 def test_every_number_of_the_header_is_checked(old, new, phrase, capsys):
     refused_in_one_line(capsys, [str(edited(CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml", old, new))], phrase)
 
 
-@pytest.mark.parametrize(("old", "new", "phrase"), [
-    ("num_generations: 8", "num_generations: 0", "num_generations must be an integer from 2"),
-    ("num_generations: 8", "num_generations: eight", "num_generations must be an integer"),
-    ("num_generations: 8", "num_generations: null", "num_generations must be an integer"),
-    ("per_device_train_batch_size: 2", "per_device_train_batch_size: -2", "per_device_train_batch_size must be"),
-    ("per_device_train_batch_size: 2", "per_device_train_batch_size: 2.5", "per_device_train_batch_size must be"),
-    ("gradient_accumulation_steps: 10", "gradient_accumulation_steps: .inf", "gradient_accumulation_steps must be"),
-    ("steps_per_generation: 40", "steps_per_generation: 0", "steps_per_generation must be an integer from 1"),
-    ("max_completion_length: 8192", "max_completion_length: null", "max_completion_length must be an integer"),
-    ("max_completion_length: 8192", "max_completion_length: '8192'", "max_completion_length must be an integer"),
-    ("use_vllm: true", "use_vllm: 'no'", "use_vllm must be true or false"),
-    ("vllm_mode: server", "vllm_mode: [server]", "vllm_mode must be one of ['server', 'colocate']"),
-    ("beta: 0.0", "beta: -0.1", "beta must be a finite number >= 0"),
-    ("beta: 0.0", "beta: .nan", "beta must be a finite number >= 0"),
-    ("model_name_or_path: Qwen/Qwen3-30B-A3B", "model_name_or_path: [Qwen/Qwen3-30B-A3B]",
-     "model_name_or_path must be a text"),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "phrase"),
+    [
+        ("num_generations: 8", "num_generations: 0", "num_generations must be an integer from 2"),
+        ("num_generations: 8", "num_generations: eight", "num_generations must be an integer"),
+        ("num_generations: 8", "num_generations: null", "num_generations must be an integer"),
+        ("per_device_train_batch_size: 2", "per_device_train_batch_size: -2", "per_device_train_batch_size must be"),
+        ("per_device_train_batch_size: 2", "per_device_train_batch_size: 2.5", "per_device_train_batch_size must be"),
+        (
+            "gradient_accumulation_steps: 10",
+            "gradient_accumulation_steps: .inf",
+            "gradient_accumulation_steps must be",
+        ),
+        ("steps_per_generation: 40", "steps_per_generation: 0", "steps_per_generation must be an integer from 1"),
+        ("max_completion_length: 8192", "max_completion_length: null", "max_completion_length must be an integer"),
+        ("max_completion_length: 8192", "max_completion_length: '8192'", "max_completion_length must be an integer"),
+        ("use_vllm: true", "use_vllm: 'no'", "use_vllm must be true or false"),
+        ("vllm_mode: server", "vllm_mode: [server]", "vllm_mode must be one of ['server', 'colocate']"),
+        ("beta: 0.0", "beta: -0.1", "beta must be a finite number >= 0"),
+        ("beta: 0.0", "beta: .nan", "beta must be a finite number >= 0"),
+        (
+            "model_name_or_path: Qwen/Qwen3-30B-A3B",
+            "model_name_or_path: [Qwen/Qwen3-30B-A3B]",
+            "model_name_or_path must be a text",
+        ),
+    ],
+)
 def test_every_config_value_the_plan_reads_is_checked(old, new, phrase, capsys):
     refused_in_one_line(capsys, [str(edited(CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml", old, new))], phrase)
 
 
-@pytest.mark.parametrize(("content", "phrase"), [
-    ("model_name_or_path: [unclosed\n", "is not valid YAML"),
-    ("- a list\n- of keys\n", "must hold a YAML mapping"),
-    ("just text\n", "must hold a YAML mapping"),
-    ("deep: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests YAML lists or mappings too deeply"),
-    ("x: 1\n" + "#" * (2**20) + "\n", "holds more than 1 MiB"),
-])
+@pytest.mark.parametrize(
+    ("content", "phrase"),
+    [
+        ("model_name_or_path: [unclosed\n", "is not valid YAML"),
+        ("- a list\n- of keys\n", "must hold a YAML mapping"),
+        ("just text\n", "must hold a YAML mapping"),
+        ("deep: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests YAML lists or mappings too deeply"),
+        ("x: 1\n" + "#" * (2**20) + "\n", "holds more than 1 MiB"),
+    ],
+)
 def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, content, phrase, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text(content)
@@ -371,31 +458,35 @@ def tiny_config_json(tmp_path: Path, change) -> Path:
     values = json.loads((folder / "config.json").read_text())
     text = change(values)
     (folder / "config.json").write_text(text if isinstance(text, str) else json.dumps(text))
-    return edited(CONFIGS / "granite_1b_a400m_single_gpu.yaml", "ibm-granite/granite-3.1-1b-a400m-instruct",
-                  str(folder))
+    return edited(
+        CONFIGS / "granite_1b_a400m_single_gpu.yaml", "ibm-granite/granite-3.1-1b-a400m-instruct", str(folder)
+    )
 
 
 def with_value(key, value):
     return lambda values: {**values, key: value}
 
 
-@pytest.mark.parametrize(("change", "phrase"), [
-    (lambda values: "[" * 100_000 + "]" * 100_000, "nests JSON arrays or objects too deeply"),
-    (lambda values: [values], "must hold a JSON object of the model's sizes"),
-    (lambda values: "{not json", "is not valid JSON"),
-    (with_value("num_attention_heads", 0), "num_attention_heads must be an integer from 1"),
-    (with_value("hidden_size", -2048), "hidden_size must be an integer from 1"),
-    (with_value("hidden_size", "2048"), "hidden_size must be an integer from 1"),
-    (with_value("hidden_size", None), "has no hidden_size"),
-    (with_value("vocab_size", 1e400), "vocab_size must be an integer"),  # json.dumps writes Infinity
-    (with_value("num_key_value_heads", 0), "num_key_value_heads must be an integer from 1"),
-    (with_value("num_experts", 0), "num_experts must be an integer from 1"),
-    (with_value("num_experts_per_tok", 1000), "num_experts_per_tok 1000 is more than the"),
-    (with_value("mlp_only_layers", 3), "mlp_only_layers must be a list"),
-    (with_value("tie_word_embeddings", "yes"), "tie_word_embeddings must be true or false"),
-    (lambda values: {"text_config": 5}, "text_config must be an object"),
-    (lambda values: {"text_config": {**values, "num_hidden_layers": -1}}, "num_hidden_layers must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        (lambda values: "[" * 100_000 + "]" * 100_000, "nests JSON arrays or objects too deeply"),
+        (lambda values: [values], "must hold a JSON object of the model's sizes"),
+        (lambda values: "{not json", "is not valid JSON"),
+        (with_value("num_attention_heads", 0), "num_attention_heads must be an integer from 1"),
+        (with_value("hidden_size", -2048), "hidden_size must be an integer from 1"),
+        (with_value("hidden_size", "2048"), "hidden_size must be an integer from 1"),
+        (with_value("hidden_size", None), "has no hidden_size"),
+        (with_value("vocab_size", 1e400), "vocab_size must be an integer"),  # json.dumps writes Infinity
+        (with_value("num_key_value_heads", 0), "num_key_value_heads must be an integer from 1"),
+        (with_value("num_experts", 0), "num_experts must be an integer from 1"),
+        (with_value("num_experts_per_tok", 1000), "num_experts_per_tok 1000 is more than the"),
+        (with_value("mlp_only_layers", 3), "mlp_only_layers must be a list"),
+        (with_value("tie_word_embeddings", "yes"), "tie_word_embeddings must be true or false"),
+        (lambda values: {"text_config": 5}, "text_config must be an object"),
+        (lambda values: {"text_config": {**values, "num_hidden_layers": -1}}, "num_hidden_layers must be an integer"),
+    ],
+)
 def test_a_damaged_config_json_is_one_line(tmp_path, change, phrase, capsys):
     refused_in_one_line(capsys, [str(tiny_config_json(tmp_path, change))], phrase)
 
@@ -414,11 +505,20 @@ def test_a_layout_the_trainer_refuses_is_refused_by_the_plan_with_the_trainers_l
     from trl_moe_replay.trainer.grpo_config import MoEReplayGRPOConfig, UnprovenEngineSetupError
 
     monkeypatch.setattr(grpo_config, "installed_vllm_version", lambda: "0.31.0")
-    config = edited(CONFIGS / "granite_1b_a400m_vllm_colocate.yaml", "vllm_gpu_memory_utilization: 0.3",
-                    "vllm_gpu_memory_utilization: 0.3\nvllm_tensor_parallel_size: 8")
+    config = edited(
+        CONFIGS / "granite_1b_a400m_vllm_colocate.yaml",
+        "vllm_gpu_memory_utilization: 0.3",
+        "vllm_gpu_memory_utilization: 0.3\nvllm_tensor_parallel_size: 8",
+    )
     with pytest.raises(UnprovenEngineSetupError) as trainer:
-        MoEReplayGRPOConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", use_vllm=True,
-                            vllm_mode="colocate", vllm_tensor_parallel_size=8)
+        MoEReplayGRPOConfig(
+            output_dir="/tmp/unused",
+            use_cpu=True,
+            report_to="none",
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_tensor_parallel_size=8,
+        )
     with pytest.raises(UnprovenEngineSetupError) as planned:
         estimate(config, gpus=8)
     assert str(planned.value) == str(trainer.value)
@@ -427,8 +527,11 @@ def test_a_layout_the_trainer_refuses_is_refused_by_the_plan_with_the_trainers_l
     monkeypatch.setattr(grpo_config, "installed_vllm_version", lambda: "0.30.0")
     assert estimate(config, gpus=8).model.name == "ibm-granite/granite-3.1-1b-a400m-instruct"
     # a value of ours the trainer refuses by its range: the trainer's line too
-    bad = edited(CONFIGS / "granite_1b_a400m_vllm_colocate.yaml", "routing_replay: r3",
-                 "routing_replay: r3\nextreme_token_threshold: 0.5")
+    bad = edited(
+        CONFIGS / "granite_1b_a400m_vllm_colocate.yaml",
+        "routing_replay: r3",
+        "routing_replay: r3\nextreme_token_threshold: 0.5",
+    )
     refused_in_one_line(capsys, [str(bad)], "extreme_token_threshold must be")
 
 
@@ -440,12 +543,19 @@ def test_kv_cache_per_gpu_follows_vllms_head_replication():
     qwen = model_numbers("Qwen/Qwen3-30B-A3B")
     per_head = 2 * 48 * 128 * 2  # K and V x layers x head_dim x bf16 = 24,576 bytes
     assert {tp: kv_bytes_per_token(qwen, tp) for tp in (1, 2, 4, 8)} == {
-        1: 4 * per_head, 2: 2 * per_head, 4: per_head, 8: per_head}
+        1: 4 * per_head,
+        2: 2 * per_head,
+        4: per_head,
+        8: per_head,
+    }
     assert kv_bytes_per_token(qwen, 8) == 24_576
     # a server of TP 8 over GPUs 0-7: the KV tokens the plan prints are free bytes / 24,576
-    text = (CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml").read_text().replace(
-        "CUDA_VISIBLE_DEVICES=0,1 trl vllm-serve", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 trl vllm-serve").replace(
-        "--tensor-parallel-size 2", "--tensor-parallel-size 8")
+    text = (
+        (CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml")
+        .read_text()
+        .replace("CUDA_VISIBLE_DEVICES=0,1 trl vllm-serve", "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 trl vllm-serve")
+        .replace("--tensor-parallel-size 2", "--tensor-parallel-size 8")
+    )
     plan = estimate(tmp_copy(Path("tp8.yaml"), text), gpus=14)
     (line,) = plan.vllm_lines
     free = 0.9 * 80e9 - 2 * plan.model.params_total / 8 - 2e9  # utilization x memory - bf16 weights / 8 - buffers
@@ -454,20 +564,27 @@ def test_kv_cache_per_gpu_follows_vllms_head_replication():
 
 
 def test_a_server_line_asking_more_gpus_than_it_sees_is_refused(capsys):
-    config = edited(CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml", "--tensor-parallel-size 2",
-                    "--tensor-parallel-size 8")
-    refused_in_one_line(capsys, [str(config)], "tensor parallel 8 x data parallel 1 = 8 GPUs under "
-                                                "CUDA_VISIBLE_DEVICES=0,1 (2 GPUs): vLLM refuses it")
+    config = edited(
+        CONFIGS / "qwen3_30b_a3b_1node_zero3_offload.yaml", "--tensor-parallel-size 2", "--tensor-parallel-size 8"
+    )
+    refused_in_one_line(
+        capsys,
+        [str(config)],
+        "tensor parallel 8 x data parallel 1 = 8 GPUs under CUDA_VISIBLE_DEVICES=0,1 (2 GPUs): vLLM refuses it",
+    )
 
 
-@pytest.mark.parametrize(("name", "expected"), [
-    # ZeRO-3 over 6 ranks: the reference model is sharded as the policy, bf16: 2 bytes x P / 6
-    ("qwen3_30b_a3b_1node_zero3_offload", lambda P: 2 * P / 6),
-    # ZeRO-2 on 8 ranks: TRL prepares it with ZeRO stage 0, whole on each GPU, bf16
-    ("olmoe_1b_7b", lambda P: 2 * P),
-    # one process, loaded in float32: 4 bytes x P
-    ("granite_1b_a400m_single_gpu", lambda P: 4 * P),
-])
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        # ZeRO-3 over 6 ranks: the reference model is sharded as the policy, bf16: 2 bytes x P / 6
+        ("qwen3_30b_a3b_1node_zero3_offload", lambda P: 2 * P / 6),
+        # ZeRO-2 on 8 ranks: TRL prepares it with ZeRO stage 0, whole on each GPU, bf16
+        ("olmoe_1b_7b", lambda P: 2 * P),
+        # one process, loaded in float32: 4 bytes x P
+        ("granite_1b_a400m_single_gpu", lambda P: 4 * P),
+    ],
+)
 def test_the_reference_model_is_counted_when_beta_is_above_0(name, expected):
     path = CONFIGS / f"{name}.yaml"
     without = estimate(path)
@@ -496,8 +613,9 @@ def test_the_optimizers_temporaries_are_its_own(capsys):
     lines = {what: gb for what, gb, _ in foreach.train_lines}
     assert lines["optimizer-step temporaries"] == pytest.approx(4 * default.model.params_total / 8 / 1e9)
     assert foreach.train_total - default.train_total == pytest.approx(4 * default.model.params_total / 8 / 1e9)
-    refused_in_one_line(capsys, [str(edited(path, "beta: 0.0", "beta: 0.0\noptim: adamw_8bit"))],
-                        "the plan models torch's AdamW only")
+    refused_in_one_line(
+        capsys, [str(edited(path, "beta: 0.0", "beta: 0.0\noptim: adamw_8bit"))], "the plan models torch's AdamW only"
+    )
 
 
 def test_colocate_with_and_without_sleep_mode():
@@ -507,8 +625,11 @@ def test_colocate_with_and_without_sleep_mode():
     path = CONFIGS / "granite_1b_a400m_vllm_colocate.yaml"  # one GPU, loaded in float32, bf16 autocast
     awake = estimate(path)
     assert awake.budget == pytest.approx((1 - 0.3 - 0.1) * 80) and awake.generation_phase is None
-    asleep = estimate(edited(path, "vllm_gpu_memory_utilization: 0.3", "vllm_gpu_memory_utilization: 0.3\n"
-                             "vllm_enable_sleep_mode: true"))
+    asleep = estimate(
+        edited(
+            path, "vllm_gpu_memory_utilization: 0.3", "vllm_gpu_memory_utilization: 0.3\nvllm_enable_sleep_mode: true"
+        )
+    )
     P = awake.model.params_total
     assert asleep.budget == pytest.approx(0.9 * 80)
     assert asleep.train_total - awake.train_total == pytest.approx(1.0)  # the sleeping engine's buffers
@@ -536,8 +657,10 @@ def test_the_checkpoint_size_and_its_write_time(capsys):
     assert plan.checkpoint_gb == (pytest.approx(2 * P / 1e9), pytest.approx(12 * P / 1e9))
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"checkpoint: about {14 * P / 1e9:.0f} GB (weights {2 * P / 1e9:.0f} GB + optimizer state " \
-           f"{12 * P / 1e9:.0f} GB), {14 * P / 1e9:.0f} s to write at 1 GB/s" in out
+    assert (
+        f"checkpoint: about {14 * P / 1e9:.0f} GB (weights {2 * P / 1e9:.0f} GB + optimizer state "
+        f"{12 * P / 1e9:.0f} GB), {14 * P / 1e9:.0f} s to write at 1 GB/s" in out
+    )
     assert 425 < 14 * P / 1e9 < 430
     # LoRA: the adapters (fp32) and their Adam state only
     lora = estimate(CONFIGS / "mixtral_8x7b_lora.yaml")
@@ -558,8 +681,11 @@ def test_tensor_parallelism_without_ep_divides_only_what_the_installed_plan_shar
         pytest.skip("the routed experts leave the TP plans in transformers 5.25 (EP from 5.24)")
     assert tensor_parallel_parts("qwen3_moe") == {"attention", "dense_mlp", "embed_tokens", "lm_head"}
     assert "experts" not in tensor_parallel_parts("mixtral")
-    path = edited(CONFIGS / "qwen3_30b_a3b_ep8_vllm_server.yaml", "ep_size: 8\nfsdp_size: 8",
-                  "ep_size: 1\nfsdp_size: 4\ntp_size: 2")
+    path = edited(
+        CONFIGS / "qwen3_30b_a3b_ep8_vllm_server.yaml",
+        "ep_size: 8\nfsdp_size: 8",
+        "ep_size: 1\nfsdp_size: 4\ntp_size: 2",
+    )
     plan = estimate(path)
     experts = 48 * 128 * 3 * 2048 * 768  # layers x experts x (gate, up, down) x hidden x moe_intermediate
     split = 48 * (2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128) + 2 * 151936 * 2048  # q, o; k, v; embeddings, LM head

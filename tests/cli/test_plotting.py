@@ -43,14 +43,27 @@ def write_state(folder, history):
 def fake_history(steps=5):
     history = []
     for step in range(1, steps + 1):
-        history.append({
-            "step": step, "epoch": step / 10, "learning_rate": 1e-3, "loss": 0.1 / step, "grad_norm": 1.0,
-            "reward": 0.2 + 0.1 * step, "reward_std": 0.3, "rewards/accuracy_reward/mean": 0.2 + 0.1 * step,
-            "mismatch/kl_k3": 1e-4 / step, "mismatch/kl_k1": 1e-4, "sampling/sampling_logp_difference/mean": 1e-3,
-            "routing/mismatch_frac": 0.02, "routing/topk_agreement": 0.99, "clip_ratio/low_mean": 0.0,
-            "completions/mean_length": 4.0, "rspo/router_shift_mean": 0.9,  # a family added by a later loss
-            "kl": float("nan"),  # NaN is skipped, not drawn
-        })
+        history.append(
+            {
+                "step": step,
+                "epoch": step / 10,
+                "learning_rate": 1e-3,
+                "loss": 0.1 / step,
+                "grad_norm": 1.0,
+                "reward": 0.2 + 0.1 * step,
+                "reward_std": 0.3,
+                "rewards/accuracy_reward/mean": 0.2 + 0.1 * step,
+                "mismatch/kl_k3": 1e-4 / step,
+                "mismatch/kl_k1": 1e-4,
+                "sampling/sampling_logp_difference/mean": 1e-3,
+                "routing/mismatch_frac": 0.02,
+                "routing/topk_agreement": 0.99,
+                "clip_ratio/low_mean": 0.0,
+                "completions/mean_length": 4.0,
+                "rspo/router_shift_mean": 0.9,  # a family added by a later loss
+                "kl": float("nan"),  # NaN is skipped, not drawn
+            }
+        )
     history.append({"step": steps, "eval_reward": 0.55, "eval_mismatch/kl_k3": 1e-5})
     history.append({"step": steps, "train_runtime": 3.2, "train_loss": 0.05})
     return history
@@ -149,8 +162,17 @@ def test_plot_errors_are_one_line_and_say_what_to_do(tmp_path, capsys):
 @pytest.mark.slow  # the CLI in a subprocess
 def test_plot_of_thousands_of_metrics_in_one_family_is_split_and_capped(tmp_path):
     run = tmp_path / "run"
-    write_state(run, [{"step": step, **{f"routing/layer_{i}/expert_frac": i * step / 1e4 for i in range(2000)},
-                       "reward": 0.1 * step} for step in (1, 2, 3)])
+    write_state(
+        run,
+        [
+            {
+                "step": step,
+                **{f"routing/layer_{i}/expert_frac": i * step / 1e4 for i in range(2000)},
+                "reward": 0.1 * step,
+            }
+            for step in (1, 2, 3)
+        ],
+    )
     figures = plan_figures(metric_series(load_log_history(run)))
     assert [f.name for f in figures] == ["reward", "routing", "routing-2"]
     routing = [f for f in figures if f.family == "routing"]
@@ -158,8 +180,13 @@ def test_plot_of_thousands_of_metrics_in_one_family_is_split_and_capped(tmp_path
     assert [f.not_drawn for f in routing] == [0, 2000 - MAX_PANELS_PER_FIGURE * MAX_FIGURES_PER_FAMILY]
     assert len({m for f in routing for m in f.metrics}) == MAX_PANELS_PER_FIGURE * MAX_FIGURES_PER_FAMILY
     # the CLI draws them in bounded time (a safety bound for a loaded machine, not a benchmark)
-    result = subprocess.run([sys.executable, "-m", "trl_moe_replay.cli", "plot", str(run)], capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_moe_replay.cli", "plot", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+    )
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (run / "plots").iterdir()) == sorted(f"{f.name}.png" for f in figures)
     assert "1952 routing metrics not drawn" in result.stderr
@@ -170,8 +197,10 @@ def test_plot_of_thousands_of_metrics_in_one_family_is_split_and_capped(tmp_path
 
 def test_families_whose_names_sanitise_alike_get_distinct_stable_files(tmp_path):
     families = ["ρ", "🔥", "γ", "a b", "a_b", "Loss", "loss", "x" * 300, "routing-2", "."]
-    history = [{"step": step, **{f"{family}/m": float(step + i) for i, family in enumerate(families)},
-                "routing/a": 1.0} for step in (1, 2)]
+    history = [
+        {"step": step, **{f"{family}/m": float(step + i) for i, family in enumerate(families)}, "routing/a": 1.0}
+        for step in (1, 2)
+    ]
     run = tmp_path / "run"
     write_state(run, history)
     assert main(["plot", str(run)]) == 0
@@ -193,8 +222,9 @@ def test_families_whose_names_sanitise_alike_get_distinct_stable_files(tmp_path)
 def test_thousands_of_families_are_capped_with_a_note_of_what_was_left_out(tmp_path, caplog, monkeypatch):
     assert MAX_FIGURES <= 50  # about a minute of drawing on a small machine; this test draws fewer
     monkeypatch.setattr(plotting, "MAX_FIGURES", 6)
-    history = [{"step": step, "reward": 0.1 * step, **{f"family{i:04d}/m": float(i) for i in range(3000)}}
-               for step in (1, 2)]
+    history = [
+        {"step": step, "reward": 0.1 * step, **{f"family{i:04d}/m": float(i) for i in range(3000)}} for step in (1, 2)
+    ]
     run = tmp_path / "run"
     write_state(run, history)
     assert main(["plot", str(run)]) == 0
@@ -211,10 +241,14 @@ def test_thousands_of_families_are_capped_with_a_note_of_what_was_left_out(tmp_p
     assert not (run / "plots" / NOT_DRAWN_FILE).exists()
 
 
-@pytest.mark.parametrize("history", [
-    [1, "two", None, [3], {"step": 1, "reward": 0.5}],  # entries that are not objects: skipped
-    [{"step": True, "reward": 1.0}, {"step": 1, "reward": 10 ** 400, "loss": 0.5, "a$b/x": 1.0}],
-], ids=["non-dict-entries", "odd-values"])
+@pytest.mark.parametrize(
+    "history",
+    [
+        [1, "two", None, [3], {"step": 1, "reward": 0.5}],  # entries that are not objects: skipped
+        [{"step": True, "reward": 1.0}, {"step": 1, "reward": 10**400, "loss": 0.5, "a$b/x": 1.0}],
+    ],
+    ids=["non-dict-entries", "odd-values"],
+)
 def test_malformed_entries_are_skipped_and_the_rest_drawn(tmp_path, capsys, history):
     run = tmp_path / "run"
     write_state(run, history)
@@ -299,17 +333,29 @@ def test_special_and_oversized_state_files_are_refused_in_one_line(tmp_path, cap
     write_state(big, fake_history())
     size = (big / "trainer_state.json").stat().st_size
     monkeypatch.setattr(plotting, "MAX_STATE_BYTES", size - 1)
-    assert f"holds more than {(size - 1) / 2**20:g} MiB: refusing to read it" in one_line_error(capsys,
-                                                                                                 ["plot", str(big)])
+    assert f"holds more than {(size - 1) / 2**20:g} MiB: refusing to read it" in one_line_error(
+        capsys, ["plot", str(big)]
+    )
     monkeypatch.setattr(plotting, "MAX_STATE_BYTES", size)
     assert main(["plot", str(big)]) == 0
 
 
 def test_extreme_values_and_unencodable_names_are_skipped_or_escaped_with_a_note(tmp_path, caplog):
-    history = [{"step": step, "reward": 0.1 * step, "loss": 0.5 / step, "grad_norm": value, "kl": float("nan"),
-                "\ud800/x": 1.0, "ctl\udcff\n\x00": 2.0} for step, value in
-               enumerate([1.0, 1e308, -1e308, float("inf"), float("-inf"), 10 ** 400, 1e300, -1e300, 2.0], start=1)]
-    history.append({"step": 10 ** 400, "reward": 1.0})  # a step beyond float: the entry is skipped
+    history = [
+        {
+            "step": step,
+            "reward": 0.1 * step,
+            "loss": 0.5 / step,
+            "grad_norm": value,
+            "kl": float("nan"),
+            "\ud800/x": 1.0,
+            "ctl\udcff\n\x00": 2.0,
+        }
+        for step, value in enumerate(
+            [1.0, 1e308, -1e308, float("inf"), float("-inf"), 10**400, 1e300, -1e300, 2.0], start=1
+        )
+    ]
+    history.append({"step": 10**400, "reward": 1.0})  # a step beyond float: the entry is skipped
     run = tmp_path / "run"
     run.mkdir()
     # json.dumps writes NaN/Infinity (as Python does) and escapes the lone surrogates ("\ud800"), as a JSON
@@ -348,10 +394,18 @@ def all_values(value) -> int:
     return 1
 
 
-@pytest.mark.parametrize("text", [
-    json.dumps({"log_history": fake_history()}), "[]", "{}", '[[], {}, [{}], ""]', '{"a,:[{": [1, 2.5, null]}',
-    '  "text"  ', "[1,\n 2]",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps({"log_history": fake_history()}),
+        "[]",
+        "{}",
+        '[[], {}, [{}], ""]',
+        '{"a,:[{": [1, 2.5, null]}',
+        '  "text"  ',
+        "[1,\n 2]",
+    ],
+)
 def test_the_value_count_never_under_counts(text):
     assert bounded_json.count_values(text.encode()) >= all_values(json.loads(text))
 
@@ -362,8 +416,10 @@ def test_under_a_memory_limit_a_state_file_of_empty_objects_is_one_line_not_a_me
     run = tmp_path / "run"
     run.mkdir()
     (run / "trainer_state.json").write_bytes(b'{"log_history": [' + b"{}," * (20 * 2**20) + b"{}]}")
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30)); "
-            "from trl_moe_replay.cli import main; sys.exit(main(['plot', sys.argv[1]]))")
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30)); "
+        "from trl_moe_replay.cli import main; sys.exit(main(['plot', sys.argv[1]]))"
+    )
     result = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=300)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -148,13 +148,16 @@ def test_command_line_refuses(config, case, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", [case for case in CASES if SYNC in case.configs], ids=str)
-def test_the_recipe_refuses_yaml_and_command_line_in_one_line_before_any_work(recipe, case, tmp_path, capsys,
-                                                                              monkeypatch):
+def test_the_recipe_refuses_yaml_and_command_line_in_one_line_before_any_work(
+    recipe, case, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setattr(recipe, "main", lambda *args: pytest.fail("the recipe went past parsing"))
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({case.name: case.value}))
-    for argv in (["--config", str(path)] if case.in_file else None,
-                 None if case.cli is None else [f"--{case.name}", case.cli]):
+    for argv in (
+        ["--config", str(path)] if case.in_file else None,
+        None if case.cli is None else [f"--{case.name}", case.cli],
+    ):
         if argv is None:
             continue
         with pytest.raises(SystemExit) as exit_:
@@ -223,8 +226,14 @@ def test_every_own_field_of_both_configs_is_checked(config):
 
 @pytest.mark.parametrize("config", BOTH, ids=lambda c: c.__name__)
 def test_numpy_scalars_become_python_numbers_in_our_fields_and_stay_as_given_in_trls(config):
-    built = build(config, max_steps=np.int64(3), learning_rate=np.float32(0.5), max_grad_norm=math.inf,
-                  routing_metrics=np.bool_(True), extreme_token_threshold=np.float32(3.0))
+    built = build(
+        config,
+        max_steps=np.int64(3),
+        learning_rate=np.float32(0.5),
+        max_grad_norm=math.inf,
+        routing_metrics=np.bool_(True),
+        extreme_token_threshold=np.float32(3.0),
+    )
     assert built.routing_metrics is True and type(built.extreme_token_threshold) is float
     assert built.max_steps == 3 and isinstance(built.max_steps, np.int64)  # as plain TRL stores it
     assert built.max_grad_norm == math.inf  # transformers logs the gradient norm without clipping it
@@ -247,23 +256,34 @@ def test_vllm_sync_dir_must_be_a_folder(config, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- learns nothing
-@pytest.mark.parametrize("mode, bound", [
-    ("sequence_mask", {"vllm_importance_sampling_clip_max": -1.0}),  # every ratio above it: every token masked
-    ("token_mask", {"vllm_importance_sampling_clip_max": 0.0}),
-    ("token_truncate", {"vllm_importance_sampling_clip_max": 0.0}),  # every ratio clamped to 0
-    ("sequence_truncate", {"vllm_importance_sampling_clip_max": -1.0}),  # every ratio -1: the gradient reversed
-    ("sequence_mask", {"vllm_importance_sampling_clip_min": math.inf, "vllm_importance_sampling_clip_max": None}),
-])
+@pytest.mark.parametrize(
+    "mode, bound",
+    [
+        ("sequence_mask", {"vllm_importance_sampling_clip_max": -1.0}),  # every ratio above it: every token masked
+        ("token_mask", {"vllm_importance_sampling_clip_max": 0.0}),
+        ("token_truncate", {"vllm_importance_sampling_clip_max": 0.0}),  # every ratio clamped to 0
+        ("sequence_truncate", {"vllm_importance_sampling_clip_max": -1.0}),  # every ratio -1: the gradient reversed
+        ("sequence_mask", {"vllm_importance_sampling_clip_min": math.inf, "vllm_importance_sampling_clip_max": None}),
+    ],
+)
 def test_a_correction_bound_that_leaves_no_gradient_is_refused_only_with_our_correction_on(mode, bound):
     kwargs = dict(vllm_importance_sampling_mode=mode, **bound)
     name = next(iter(bound))
-    with pytest.raises(ConfigValueError, match=f"^{name} must be .* transformers_importance_sampling_correction is on"):
+    with pytest.raises(
+        ConfigValueError, match=f"^{name} must be .* transformers_importance_sampling_correction is on"
+    ):
         build(SYNC, **kwargs)  # R3 on transformers generate: our correction is on by default
     with pytest.raises(ConfigValueError, match=name):
-        build(SYNC, loss_type="grpo", transformers_importance_sampling_correction=True, routing_replay="none", **kwargs)
+        build(
+            SYNC, loss_type="grpo", transformers_importance_sampling_correction=True, routing_replay="none", **kwargs
+        )
     # plain TRL trains with these bounds there (its correction is off on the transformers path): so does ours when off
-    for off in (dict(routing_replay="none"), dict(transformers_importance_sampling_correction=False),
-                dict(loss_type="minirl", epsilon_high=None), dict(loss_type="vespo")):
+    for off in (
+        dict(routing_replay="none"),
+        dict(transformers_importance_sampling_correction=False),
+        dict(loss_type="minirl", epsilon_high=None),
+        dict(loss_type="vespo"),
+    ):
         if off.get("loss_type") == "minirl" and "truncate" in mode:
             continue
         if off.get("loss_type") == "vespo" and "mask" in mode:
@@ -271,19 +291,23 @@ def test_a_correction_bound_that_leaves_no_gradient_is_refused_only_with_our_cor
         assert getattr(build(SYNC, **kwargs, **off), name) == bound[name]
 
 
-@pytest.mark.parametrize("mode, bound", [
-    ("sequence_mask", {"vllm_importance_sampling_clip_max": 0.5}),  # TRL's default mode (issue 42's three cases)
-    ("sequence_mask", {"vllm_importance_sampling_clip_min": 1.5}),
-    ("token_mask", {"vllm_importance_sampling_clip_max": 0.9}),
-    ("token_mask", {"vllm_importance_sampling_clip_min": 1.01, "vllm_importance_sampling_clip_max": None}),
-])
+@pytest.mark.parametrize(
+    "mode, bound",
+    [
+        ("sequence_mask", {"vllm_importance_sampling_clip_max": 0.5}),  # TRL's default mode (issue 42's three cases)
+        ("sequence_mask", {"vllm_importance_sampling_clip_min": 1.5}),
+        ("token_mask", {"vllm_importance_sampling_clip_max": 0.9}),
+        ("token_mask", {"vllm_importance_sampling_clip_min": 1.01, "vllm_importance_sampling_clip_max": None}),
+    ],
+)
 @pytest.mark.parametrize("loss", ["dapo", "vespo"])
 def test_a_masking_bound_that_excludes_ratio_1_is_refused_with_our_correction_on(mode, bound, loss):
     # every ratio is about 1 on the transformers path: the mask zeroes every on-policy token
     name = next(iter(bound))
     kwargs = dict(vllm_importance_sampling_mode=mode, loss_type=loss, **bound)
-    with pytest.raises(ConfigValueError, match=f"^{name} must be [<>]= 1 .*a bound which excludes ratio 1 cuts every "
-                                                "on-policy token") as error:
+    with pytest.raises(
+        ConfigValueError, match=f"^{name} must be [<>]= 1 .*a bound which excludes ratio 1 cuts every on-policy token"
+    ) as error:
         build(SYNC, **kwargs)
     assert "\n" not in str(error.value) and f"got {bound[name]}" in str(error.value)
     for mode_replay in ("r2", "pr2"):  # every mode that turns our correction on
@@ -292,14 +316,22 @@ def test_a_masking_bound_that_excludes_ratio_1_is_refused_with_our_correction_on
     assert getattr(build(SYNC, routing_replay="none", **kwargs), name) == bound[name]  # plain TRL: correction off
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=1.0),  # 1 is inside
-    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=1.0),
-    dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=0.5),  # scales, learns
-    dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=1.5),
-    dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=0.5, loss_type="minirl",
-         epsilon_high=None),  # minirl weights by minirl_is_cap, not TRL's ratio
-], ids=lambda kwargs: ",".join(f"{k}={v}" for k, v in kwargs.items()))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=1.0),  # 1 is inside
+        dict(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=1.0),
+        dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=0.5),  # scales, learns
+        dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_min=1.5),
+        dict(
+            vllm_importance_sampling_mode="token_mask",
+            vllm_importance_sampling_clip_max=0.5,
+            loss_type="minirl",
+            epsilon_high=None,
+        ),  # minirl weights by minirl_is_cap, not TRL's ratio
+    ],
+    ids=lambda kwargs: ",".join(f"{k}={v}" for k, v in kwargs.items()),
+)
 def test_a_bound_that_keeps_ratio_1_or_only_scales_it_is_taken(kwargs):
     built = build(SYNC, **kwargs)
     assert built.transformers_importance_sampling_correction is True
@@ -320,8 +352,9 @@ def test_zero_epochs_without_max_steps_is_refused_on_every_path(config, tmp_path
     with pytest.raises(UpstreamValueError, match=match):
         TrlParser((config,)).parse_args_and_config(["--config", str(path)])
     with pytest.raises(UpstreamValueError, match=match):
-        TrlParser((config,)).parse_args_and_config(["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16",
-                                                    "false", "--num_train_epochs", "0"])
+        TrlParser((config,)).parse_args_and_config(
+            ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--num_train_epochs", "0"]
+        )
 
 
 def test_the_recipe_refuses_zero_epochs_without_max_steps_in_one_line(recipe, tmp_path, capsys, monkeypatch):
@@ -344,10 +377,13 @@ def test_the_trainer_refuses_a_zero_gradient_bound_in_a_plain_trl_config_too(tmp
     from trl_moe_replay import MoEReplayGRPOTrainer
     from trl_moe_replay.testing import tiny_moe_model
 
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                      vllm_importance_sampling_clip_max=0.5)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", vllm_importance_sampling_clip_max=0.5
+    )
     with pytest.raises(ConfigValueError, match="vllm_importance_sampling_clip_max must be >= 1"):
-        MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=lambda completions, **kw: [0.0], args=args)
+        MoEReplayGRPOTrainer(
+            model=tiny_moe_model("qwen3_moe"), reward_funcs=lambda completions, **kw: [0.0], args=args
+        )
 
 
 # ------------------------------------------------------------------------------------------- loss types
@@ -371,12 +407,15 @@ def test_trl_loss_types_are_the_ones_trl_documents():
 
 
 # ------------------------------------------------------------------------------------------- the recipe's ModelConfig
-@pytest.mark.parametrize("text, name", [
-    ("use_peft: true\nlora_r: 4.5\n", "lora_r"),
-    ("use_peft: true\nlora_r: 0\n", "lora_r"),
-    ("use_peft: true\nlora_dropout: 1.5\n", "lora_dropout"),
-    ("model_name_or_path: some/model\ndtype: float8\n", "dtype"),
-])
+@pytest.mark.parametrize(
+    "text, name",
+    [
+        ("use_peft: true\nlora_r: 4.5\n", "lora_r"),
+        ("use_peft: true\nlora_r: 0\n", "lora_r"),
+        ("use_peft: true\nlora_dropout: 1.5\n", "lora_dropout"),
+        ("model_name_or_path: some/model\ndtype: float8\n", "dtype"),
+    ],
+)
 def test_the_recipe_refuses_model_values_trl_would_fail_on_in_one_line(recipe, text, name, tmp_path, capsys):
     path = tmp_path / "config.yaml"
     path.write_text(text)

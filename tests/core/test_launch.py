@@ -27,8 +27,11 @@ def test_precision_follows_the_training_arguments():
 
 def test_an_fsdp_launch_that_became_data_parallel_stops():
     fsdp_env = {"ACCELERATE_USE_FSDP": "true"}
-    with pytest.raises(LaunchMismatchError, match="asked for FSDP .* set up MULTI_CPU. accelerate switches to FSDP "
-                                                  "only on GPU-type devices .* recipes/accelerate/ddp.yaml"):
+    with pytest.raises(
+        LaunchMismatchError,
+        match="asked for FSDP .* set up MULTI_CPU. accelerate switches to FSDP "
+        "only on GPU-type devices .* recipes/accelerate/ddp.yaml",
+    ):
         check_launched_engine(args(), DistributedType.MULTI_CPU, fsdp_env)
     with pytest.raises(LaunchMismatchError, match="asked for FSDP"):  # the fsdp training argument, no config
         check_launched_engine(args(fsdp=True), DistributedType.MULTI_CPU, {})
@@ -90,7 +93,9 @@ def test_an_unreachable_hub_is_one_error_naming_offline_mode_and_a_local_folder(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     endpoint = closed_port_endpoint()
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)  # what HF_ENDPOINT sets when huggingface_hub is imported
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     start = time.monotonic()
     with pytest.raises(HubModelError) as error:
         check_model_path("someorg/no-such-moe")

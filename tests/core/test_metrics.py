@@ -23,8 +23,13 @@ ROUTING = ["routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_
 def test_mismatch_metrics_are_no_data_not_zero_when_every_completion_is_masked(tmp_path):
     # every completion runs to max_completion_length without EOS and is masked (mask_truncated_completions):
     # no completion token is measured, so 0.0 (a perfect score) would be a lie
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, mask_truncated_completions=True,
-                           generation_kwargs={"min_new_tokens": 6})
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        max_steps=1,
+        mask_truncated_completions=True,
+        generation_kwargs={"min_new_tokens": 6},
+    )
     trainer.train()
     (entry,) = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
     for name in MISMATCH:
@@ -37,8 +42,14 @@ def test_routing_ratios_are_no_data_when_no_route_arrived(tmp_path):
     # batch 2: no payload at all (every request aborted): nothing to compare the trainer's routing with
     tamper = lambda call, choice, payload: None if call == 1 else payload  # noqa: E731
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), use_vllm=True, vllm_mode="server",
-                               vllm_server_base_url=server.url, vllm_weight_sync="trl")
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe"),
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            vllm_weight_sync="trl",
+        )
         trainer.train()
     assert logged(trainer, "routing/fallback_frac") == [0.0, 1.0]
     for name in ROUTING:

@@ -37,8 +37,13 @@ sys.stdin.read()  # until the test kills it (or, should the test die, closes the
 @contextlib.contextmanager
 def lock_held_by_another_process(output_dir):
     """Another process holding ``output_dir``'s lock, as a second trainer would; killed (not released) on exit."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(output_dir)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(output_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         yield holder
@@ -126,17 +131,32 @@ def test_the_main_process_alone_holds_the_lock_under_data_parallelism(tmp_path):
     # and a busy output_dir stops both ranks (not only the main one, which would leave the other hanging)
     with lock_held_by_another_process(tmp_path / "run"):
         failed = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(Path(__file__).parents[1] / "scripts" / "output_lock_ddp.py"), str(tmp_path / "run")],
-            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                str(Path(__file__).parents[1] / "scripts" / "output_lock_ddp.py"),
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     assert failed.returncode != 0 and failed.stderr.count("OutputDirInUseError") >= 2
 
 
-@pytest.mark.parametrize("content", [
-    "[" + ",".join(["{}"] * 5_000) + "]",  # 15 KB, 10,000 values
-    json.dumps({"pid": 1, "padding": "x" * 100_000}),  # 100 KB
-], ids=["many values", "many bytes"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" + ",".join(["{}"] * 5_000) + "]",  # 15 KB, 10,000 values
+        json.dumps({"pid": 1, "padding": "x" * 100_000}),  # 100 KB
+    ],
+    ids=["many values", "many bytes"],
+)
 def test_a_lock_file_far_larger_than_a_lock_is_replaced_without_being_parsed(tmp_path, caplog, monkeypatch, content):
     """Read with a bound (trl_moe_replay/bounded_json.py): a hostile lock file cannot make the lock's reader build
     many times its size in objects; it is not one of ours, so it is replaced, with a warning."""

@@ -15,8 +15,11 @@ from tests.helpers import random_ids, shifted
 
 def test_lora_on_attention_and_experts_replays_exactly_and_trains_every_adapter():
     model = tiny_moe_model("qwen3_moe").train()
-    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = LoraConfig(
+        r=4,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     peft_model = get_peft_model(model, config)
     rr = RouterReplay(peft_model)
     assert rr.moe_layers == [0, 1]
@@ -63,8 +66,9 @@ def test_router_in_modules_to_save_is_replayed_and_trained(hooks_before_wrapping
 
 
 # ------------------------------------------------------------------ setups refused under replay (core/peft_replay.py)
-ROUTER_AND_EXPERTS = dict(target_modules=["q_proj", "gate"],
-                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+ROUTER_AND_EXPERTS = dict(
+    target_modules=["q_proj", "gate"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+)
 
 
 def test_the_adapted_routing_modules_are_the_routers_and_experts_only():
@@ -77,12 +81,15 @@ def test_the_adapted_routing_modules_are_the_routers_and_experts_only():
     assert {name.rsplit(".", 1)[-1] for name in touched} == {"gate", "experts"} and len(touched) == 4  # 2 layers
 
 
-@pytest.mark.parametrize(("lora", "mode", "refused"), [
-    (dict(target_modules=["gate"]), "r3", True),
-    (dict(target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]), "r3", True),
-    (dict(target_modules=["q_proj", "v_proj"]), "r3", False),  # attention only: vLLM applies it as trained
-    (dict(target_modules=["gate"]), "r2", False),  # R2 replays the trainer's own routes, not the engine's
-])
+@pytest.mark.parametrize(
+    ("lora", "mode", "refused"),
+    [
+        (dict(target_modules=["gate"]), "r3", True),
+        (dict(target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]), "r3", True),
+        (dict(target_modules=["q_proj", "v_proj"]), "r3", False),  # attention only: vLLM applies it as trained
+        (dict(target_modules=["gate"]), "r2", False),  # R2 replays the trainer's own routes, not the engine's
+    ],
+)
 def test_r3_with_adapter_only_vllm_sync_is_refused_when_the_adapter_touches_routing(lora, mode, refused):
     from trl_moe_replay.core.peft_replay import UnfaithfulPeftReplayError, check_peft_replay
 
@@ -106,12 +113,14 @@ def test_a_prompt_learning_adapter_is_refused_at_construction_under_replay(tmp_p
 
     prompt_tuning = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
     with pytest.raises(UnfaithfulPeftReplayError, match="PROMPT_TUNING adapter: its virtual tokens") as error:
-        make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=prompt_tuning),
-                     routing_replay=mode)
+        make_trainer(
+            tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=prompt_tuning), routing_replay=mode
+        )
     assert "\n" not in str(error.value)
     # plain TRL takes it as TRL does
-    make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=prompt_tuning),
-                 routing_replay="none")
+    make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=prompt_tuning), routing_replay="none"
+    )
 
 
 def test_the_async_trainer_refuses_r3_with_adapter_only_sync_on_the_router(tmp_path, monkeypatch):
@@ -129,9 +138,15 @@ def test_the_async_trainer_refuses_r3_with_adapter_only_sync_on_the_router(tmp_p
     monkeypatch.setattr(async_grpo_trainer, "async_adapter_only_sync", lambda trainer: True)
     with pytest.raises(UnfaithfulPeftReplayError, match="LoRA on model.layers.0.mlp.gate synced to vLLM"):
         MoEReplayAsyncGRPOTrainer(
-            model=str(tmp_path / "model"), reward_funcs=reward, args=MoEReplayAsyncGRPOConfig(**settings(tmp_path)),
-            train_dataset=DATASET, processing_class=tiny_tokenizer(), rollout_worker=ScriptedRolloutWorker([]),
-            weight_transfer=NoOpWeightTransfer(), peft_config=LoraConfig(r=4, target_modules=["gate"]))
+            model=str(tmp_path / "model"),
+            reward_funcs=reward,
+            args=MoEReplayAsyncGRPOConfig(**settings(tmp_path)),
+            train_dataset=DATASET,
+            processing_class=tiny_tokenizer(),
+            rollout_worker=ScriptedRolloutWorker([]),
+            weight_transfer=NoOpWeightTransfer(),
+            peft_config=LoraConfig(r=4, target_modules=["gate"]),
+        )
 
 
 # ------------------------------------------------------------------ the offline LoRA recipe config
@@ -147,16 +162,32 @@ def test_tiny_lora_recipe_trains_the_adapter_with_r3(tmp_path, capsys):
 
     root = Path(__file__).resolve().parents[2]
     recipe = load_script(root / "recipes" / "grpo_r3.py", "grpo_r3_recipe_lora")
-    script_args, training_args, model_args = recipe.parse_args([
-        "--config", str(root / "recipes" / "configs" / "tiny_lora_r3.yaml"), "--output_dir", str(tmp_path / "run"),
-        "--sft_cache_dir", str(tmp_path / "cache"), "--max_steps", "2", "--sft_steps", "30",
-        "--per_device_train_batch_size", "16", "--synthetic_samples", "64", "--plot", "false",
-    ])
+    script_args, training_args, model_args = recipe.parse_args(
+        [
+            "--config",
+            str(root / "recipes" / "configs" / "tiny_lora_r3.yaml"),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--sft_cache_dir",
+            str(tmp_path / "cache"),
+            "--max_steps",
+            "2",
+            "--sft_steps",
+            "30",
+            "--per_device_train_batch_size",
+            "16",
+            "--synthetic_samples",
+            "64",
+            "--plot",
+            "false",
+        ]
+    )
     assert model_args.use_peft and training_args.routing_replay == "r3" and model_args.model_name_or_path is None
     recipe.main(script_args, training_args, model_args)
     assert "mean reward:" in capsys.readouterr().out
-    logged = [h for h in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]
-              if "reward" in h]
+    logged = [
+        h for h in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"] if "reward" in h
+    ]
     assert len(logged) == 2
     assert all(h["routing/fallback_frac"] == 0.0 and h["routing/mismatch_frac"] == 0.0 for h in logged)
     adapter = load_file(tmp_path / "run" / "adapter_model.safetensors")

@@ -40,12 +40,26 @@ def reward_len(completions, **kwargs):
 
 
 def train_sync(tmp_path, dtype, **overrides):
-    values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=3, logging_steps=1,
-                  per_device_train_batch_size=4, num_generations=4, max_completion_length=8, save_strategy="no",
-                  seed=0, learning_rate=1e-6, bf16=True, routing_replay="r3")
+    values = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=3,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        save_strategy="no",
+        seed=0,
+        learning_rate=1e-6,
+        bf16=True,
+        routing_replay="r3",
+    )
     values.update(overrides)
     trainer = MoEReplayGRPOTrainer(
-        model=tiny_moe_model("qwen3_moe", dtype=dtype), reward_funcs=reward_len, args=MoEReplayGRPOConfig(**values),
+        model=tiny_moe_model("qwen3_moe", dtype=dtype),
+        reward_funcs=reward_len,
+        args=MoEReplayGRPOConfig(**values),
         train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
         processing_class=tiny_tokenizer(),
     )
@@ -65,7 +79,9 @@ def test_bf16_parameters_updated_in_place_log_a_small_fraction_and_warn_once(tmp
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer = train_sync(tmp_path, torch.bfloat16)
     fractions = logged(trainer)
-    assert len(fractions) == 3 and max(fractions) < 0.1  # every step (max_steps 3); 2.0% at step 1, as the issue measured
+    assert (
+        len(fractions) == 3 and max(fractions) < 0.1
+    )  # every step (max_steps 3); 2.0% at step 1, as the issue measured
     # decay / no-decay groups; the no-decay one holds the norms' weights of 1.0, which a step of lr / 8 moves in
     # float32 only while lr > 4.8e-7: steps 1-2 of the linear decay from 1e-6 (step 3: 3.3e-7, not judged)
     assert len(logged(trainer, f"{METRIC}/group0")) == 3 and len(logged(trainer, f"{METRIC}/group1")) == 2
@@ -88,13 +104,24 @@ def test_fp32_parameters_under_bf16_autocast_keep_their_updates_and_do_not_warn(
 
 def test_the_async_trainer_measures_through_the_same_probe(tmp_path, checkpoint, caplog):
     samples, _ = script(checkpoint, versions=[0, 0, 0, 0], routes=False)
-    args = MoEReplayAsyncGRPOConfig(**settings(tmp_path, routing_replay="none", vllm_sync_check=False,
-                                               learning_rate=1e-6, per_device_train_batch_size=4,
-                                               model_init_kwargs={"dtype": "bfloat16"}))
-    trainer = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=zero_reward,
-                                        train_dataset=ASYNC_DATASET, args=args,
-                                        rollout_worker=ScriptedRolloutWorker(samples),
-                                        weight_transfer=NoOpWeightTransfer())
+    args = MoEReplayAsyncGRPOConfig(
+        **settings(
+            tmp_path,
+            routing_replay="none",
+            vllm_sync_check=False,
+            learning_rate=1e-6,
+            per_device_train_batch_size=4,
+            model_init_kwargs={"dtype": "bfloat16"},
+        )
+    )
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint,
+        reward_funcs=zero_reward,
+        train_dataset=ASYNC_DATASET,
+        args=args,
+        rollout_worker=ScriptedRolloutWorker(samples),
+        weight_transfer=NoOpWeightTransfer(),
+    )
     assert sum(isinstance(c, UpdateProbe) for c in trainer.callback_handler.callbacks) == 1
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -121,9 +148,10 @@ def step(probe, optimizer, param, grad, global_step=0, skipped=False):
     probe.on_optimizer_step(None, state, None, optimizer=optimizer)
 
 
-@pytest.mark.parametrize(("dtype", "lr", "low", "high"), [(torch.bfloat16, 1e-6, 0.005, 0.05),
-                                                         (torch.bfloat16, 1e-5, 0.08, 0.25),
-                                                         (torch.float32, 1e-6, 0.99, 1.0)])
+@pytest.mark.parametrize(
+    ("dtype", "lr", "low", "high"),
+    [(torch.bfloat16, 1e-6, 0.005, 0.05), (torch.bfloat16, 1e-5, 0.08, 0.25), (torch.float32, 1e-6, 0.99, 1.0)],
+)
 def test_the_measured_fraction_is_the_issues_table(dtype, lr, low, high):
     """A 512x512 weight drawn like a real layer's (std 0.02), one AdamW step: bf16 2.0% at 1e-6 and 15% at 1e-5 in
     the issue; every element in fp32. The probe reads a strided sample of 4,096 of its 262,144 elements."""
@@ -284,14 +312,34 @@ def test_lora_on_a_bf16_base_trains_fp32_adapters(tmp_path, caplog):
     adapter -- attention, router and fused experts (target_parameters) -- is fp32, so LoRA keeps its updates."""
     from peft import LoraConfig
 
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate"], task_type="CAUSAL_LM",
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, logging_steps=1,
-                  per_device_train_batch_size=4, num_generations=4, max_completion_length=8, save_strategy="no",
-                  seed=0, learning_rate=1e-5, bf16=True, routing_replay="r3")
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "gate"],
+        task_type="CAUSAL_LM",
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    values = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        save_strategy="no",
+        seed=0,
+        learning_rate=1e-5,
+        bf16=True,
+        routing_replay="r3",
+    )
     trainer = MoEReplayGRPOTrainer(
-        model=tiny_moe_model("qwen3_moe", dtype=torch.bfloat16), reward_funcs=reward_len, peft_config=config,
-        args=MoEReplayGRPOConfig(**values), processing_class=tiny_tokenizer(),
+        model=tiny_moe_model("qwen3_moe", dtype=torch.bfloat16),
+        reward_funcs=reward_len,
+        peft_config=config,
+        args=MoEReplayGRPOConfig(**values),
+        processing_class=tiny_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
     )
     params = dict(trainer.model.named_parameters())
@@ -332,8 +380,12 @@ def test_every_shipped_config_keeps_fp32_masters_and_says_what_they_cost(path):
     text = path.read_text()
     values = yaml.safe_load(text)
     assert fp32_masters(values, text) is not None, f"{path.name}: bf16 parameters updated in place"
-    header = "\n".join(line for line in text.splitlines()[:next(
-        i for i, line in enumerate(text.splitlines()) if not line.startswith("#"))])  # the leading comment lines
+    header = "\n".join(
+        line
+        for line in text.splitlines()[
+            : next(i for i, line in enumerate(text.splitlines()) if not line.startswith("#"))
+        ]
+    )  # the leading comment lines
     assert "# Precision: " in header  # the master-weight choice, in the header
     if "model_name_or_path" in values:  # a real model: computes in bf16, and the header counts the memory
         assert values["bf16"] is True and "bytes/param" in header and " GB" in header
@@ -343,8 +395,10 @@ def test_the_rule_finds_the_trap_it_is_for():
     launch = "accelerate launch --config_file recipes/accelerate/ddp.yaml recipes/grpo_r3.py"
     assert fp32_masters({"model_name_or_path": "m", "dtype": "bfloat16", "bf16": True}, launch) is None
     assert fp32_masters({"model_name_or_path": "m", "bf16": True}, launch) is None  # TRL's default: the checkpoint's
-    assert fp32_masters({"model_name_or_path": "m", "dtype": "bfloat16", "bf16": True},
-                        launch.replace("ddp", "zero3")) == "DeepSpeed"
+    assert (
+        fp32_masters({"model_name_or_path": "m", "dtype": "bfloat16", "bf16": True}, launch.replace("ddp", "zero3"))
+        == "DeepSpeed"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ fp16
@@ -379,18 +433,34 @@ def test_fp16_on_a_cpu_trains_every_replay_mode_in_float32_and_says_so(tmp_path,
     computed = set()
     model = tiny_moe_model("qwen3_moe")
     model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, output: computed.add(output.dtype))
-    values = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=2, logging_steps=1,
-                  per_device_train_batch_size=4, num_generations=4, max_completion_length=8, save_strategy="no",
-                  seed=0, learning_rate=1e-5, bf16=False, fp16=True, routing_replay=mode)
+    values = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        save_strategy="no",
+        seed=0,
+        learning_rate=1e-5,
+        bf16=False,
+        fp16=True,
+        routing_replay=mode,
+    )
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         trainer = MoEReplayGRPOTrainer(
-            model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**values),
+            model=model,
+            reward_funcs=reward_len,
+            args=MoEReplayGRPOConfig(**values),
             processing_class=tiny_tokenizer(),
             train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
         )
     # nothing silent: one line says fp16 is not applied here
     assert [line for line in warnings_of(caplog) if line.startswith("fp16=True")] == [
-        precision.fp16_not_applied_message(trainer.accelerator)]
+        precision.fp16_not_applied_message(trainer.accelerator)
+    ]
     assert "computes in float32" in precision.fp16_not_applied_message(trainer.accelerator)
     assert trainer.accelerator.mixed_precision == "fp16" and not trainer.accelerator.native_amp
     assert trainer.accelerator.scaler is None

@@ -37,8 +37,9 @@ def documented_table() -> str:
 
 def test_the_docs_mode_table_is_the_registry():
     assert documented_table() == docs_table()
-    assert [line.split(" | ")[0].split("`")[1].strip('"') for line in docs_table().splitlines()[2:]] == \
-        [str(mode) for mode in ReplayMode]
+    assert [line.split(" | ")[0].split("`")[1].strip('"') for line in docs_table().splitlines()[2:]] == [
+        str(mode) for mode in ReplayMode
+    ]
 
 
 def test_a_mode_is_its_registered_singleton_everywhere_it_travels():
@@ -64,10 +65,16 @@ def test_the_registry_refuses_what_cannot_work():
 def toy_mode():
     """A mode declared here, as docs/maintaining.md ("Add a replay mode") says: the engine's routes, both trainers,
     its own paper on the model card, its row in the table."""
-    mode = register_mode(ModeSpec(
-        "toy", RouteSource.ENGINE, routes_text="the engine's routes, as R3 (a test's mode)", backends_text="all",
-        papers=("toy2026",), bibtex={"toy2026": TOY_BIBTEX},
-    ))
+    mode = register_mode(
+        ModeSpec(
+            "toy",
+            RouteSource.ENGINE,
+            routes_text="the engine's routes, as R3 (a test's mode)",
+            backends_text="all",
+            papers=("toy2026",),
+            bibtex={"toy2026": TOY_BIBTEX},
+        )
+    )
     try:
         yield mode
     finally:
@@ -83,7 +90,7 @@ def test_a_registered_mode_is_a_choice_of_both_configs_and_writes_its_card(tmp_p
     assert asynchronous.routing_replay is toy_mode
     qualifier, citations, tags = card_identity(config, toy_mode)
     assert "routing_replay=toy" in qualifier and TOY_BIBTEX in citations and tags == ["routing-replay-toy"]
-    assert docs_table().splitlines()[-1] == '| `"toy"` | the engine\'s routes, as R3 (a test\'s mode) | all |'
+    assert docs_table().splitlines()[-1] == "| `\"toy\"` | the engine's routes, as R3 (a test's mode) | all |"
     assert toy_mode.async_trainer_accepts and toy_mode.needs_engine_routes
     assert TrainerKind.ASYNC in toy_mode.spec.trainers
 

@@ -34,8 +34,11 @@ class RouteAlignmentSpy(MoEReplayGRPOTrainer):
         assert routes.shape[:2] == input_ids.shape
         probe = RouterReplay(self.accelerator.unwrap_model(model))
         with torch.no_grad(), probe.record() as rec:
-            self.accelerator.unwrap_model(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                                 position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+            self.accelerator.unwrap_model(model)(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+            )
         probe.remove()
         routed = has_route(routes).all(-1)
         # every real token but the last of each sequence has a route; pads have none
@@ -52,9 +55,17 @@ def test_routes_stay_aligned_with_their_samples_through_shuffle_split_and_eval(t
     # lr 0: the policy never changes, so in fp32 the rollout routes must equal each micro-batch's natural routes
     RouteAlignmentSpy.checked_rows = 0
     trainer = make_trainer(
-        tmp_path, tiny_moe_model("qwen3_moe"), cls=RouteAlignmentSpy,
-        trainer_kwargs=dict(eval_dataset=prompts_dataset(8)), learning_rate=0.0, steps_per_generation=4,
-        eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, routing_replay="r3", seed=42,
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        cls=RouteAlignmentSpy,
+        trainer_kwargs=dict(eval_dataset=prompts_dataset(8)),
+        learning_rate=0.0,
+        steps_per_generation=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=4,
+        routing_replay="r3",
+        seed=42,
     )
     trainer.train()
     # 2 optimizer steps x 2 accumulation micro-batches of 4 rows, plus the evaluation batches (eval mid-buffer)
@@ -75,15 +86,30 @@ class ReplaySpy(MoEReplayGRPOTrainer):
 def test_r2_trains_with_continuous_batching_and_beam_search_when_nothing_is_recorded(tmp_path):
     # nothing recorded during generate: continuous batching and beam search are TRL's business; R2 records its own
     # routes in the old-logprob pass (off-policy here: num_iterations=2)
-    trainer = make_trainer(tmp_path / "cb", tiny_moe_model("qwen3_moe"), cls=ReplaySpy, routing_replay="r2",
-                           use_transformers_continuous_batching=True, num_iterations=2, max_steps=2,
-                           transformers_continuous_batching_config=SMALL_CB_CACHE)
+    trainer = make_trainer(
+        tmp_path / "cb",
+        tiny_moe_model("qwen3_moe"),
+        cls=ReplaySpy,
+        routing_replay="r2",
+        use_transformers_continuous_batching=True,
+        num_iterations=2,
+        max_steps=2,
+        transformers_continuous_batching_config=SMALL_CB_CACHE,
+    )
     assert not trainer.replay_settings.records_generation
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.replayed == 4
-    trainer = make_trainer(tmp_path / "beams", tiny_moe_model("qwen3_moe"), cls=ReplaySpy, routing_replay="r2",
-                           routing_metrics=False, transformers_importance_sampling_correction=False,
-                           generation_kwargs={"num_beams": 2}, num_iterations=2, max_steps=2)
+    trainer = make_trainer(
+        tmp_path / "beams",
+        tiny_moe_model("qwen3_moe"),
+        cls=ReplaySpy,
+        routing_replay="r2",
+        routing_metrics=False,
+        transformers_importance_sampling_correction=False,
+        generation_kwargs={"num_beams": 2},
+        num_iterations=2,
+        max_steps=2,
+    )
     assert not trainer.replay_settings.records_generation
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.replayed == 4
@@ -98,12 +124,19 @@ def test_r3_checks_routes_once_per_generation_batch_not_at_every_forward(tmp_pat
     aligned, host_passes, replayed = [], [], []
     align, full_pass, replay = RouteIntake.align, routes_module._every_row_valid, RouterReplay.replay
     monkeypatch.setattr(RouteIntake, "align", lambda self, *a, **kw: (aligned.append(1), align(self, *a, **kw))[1])
-    monkeypatch.setattr(routes_module, "_every_row_valid",
-                        lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1])
+    monkeypatch.setattr(
+        routes_module, "_every_row_valid", lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1]
+    )
     monkeypatch.setattr(RouterReplay, "replay", lambda self, routes: (replayed.append(1), replay(self, routes))[1])
     # generate every steps_per_generation x num_iterations = 8 micro-batches = 4 optimizer steps: 2 generation batches
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="r3", steps_per_generation=4,
-                           num_iterations=2, max_steps=8)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        routing_replay="r3",
+        steps_per_generation=4,
+        num_iterations=2,
+        max_steps=8,
+    )
     trainer.train()
     assert len(aligned) == 2
     assert len(replayed) >= 16  # every training micro-batch replayed its routes (plus the old-logprob passes)
@@ -119,11 +152,18 @@ def test_r2_and_pr2_replay_recorded_routes_without_a_host_pass(tmp_path, monkeyp
 
     host_passes, replayed = [], []
     full_pass, replay = routes_module._every_row_valid, RouterReplay.replay
-    monkeypatch.setattr(routes_module, "_every_row_valid",
-                        lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1])
+    monkeypatch.setattr(
+        routes_module, "_every_row_valid", lambda *a, **kw: (host_passes.append(1), full_pass(*a, **kw))[1]
+    )
     monkeypatch.setattr(RouterReplay, "replay", lambda self, routes: (replayed.append(1), replay(self, routes))[1])
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay=mode, steps_per_generation=4,
-                           num_iterations=2, max_steps=8)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        routing_replay=mode,
+        steps_per_generation=4,
+        num_iterations=2,
+        max_steps=8,
+    )
     trainer.train()
     assert len(replayed) >= 16 and host_passes == []
 
@@ -145,8 +185,11 @@ def test_a_stale_route_index_is_refused_in_one_line(tmp_path):
             return output
 
     trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Stale, routing_replay="r3", max_steps=2)
-    with pytest.raises(StaleRouteRowsError, match=r"route_rows name generation batch\(es\) \[1\], but the trainer "
-                                                  r"holds the routes of \[2\] only"):
+    with pytest.raises(
+        StaleRouteRowsError,
+        match=r"route_rows name generation batch\(es\) \[1\], but the trainer "
+        r"holds the routes of \[2\] only",
+    ):
         trainer.train()
 
 

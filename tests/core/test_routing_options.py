@@ -49,17 +49,23 @@ def test_both_configs_resolve_every_shared_option_alike(mode, metrics):
     assert sync_config.vllm_sync_check == async_config.vllm_sync_check  # and the configs store the same value
     # vllm_weight_sync="auto" on this CPU: the one documented difference (docs/async.md) is plain TRL's sync trainer,
     # which keeps TRL's own sync; TRL's async trainer has none off CUDA
-    weight_sync = (resolve_weight_sync(sync_config, sync.mode, sync.routing_metrics, SYNC_TRAINER),
-                   resolve_weight_sync(async_config, asynchronous.mode, asynchronous.routing_metrics, ASYNC_TRAINER))
+    weight_sync = (
+        resolve_weight_sync(sync_config, sync.mode, sync.routing_metrics, SYNC_TRAINER),
+        resolve_weight_sync(async_config, asynchronous.mode, asynchronous.routing_metrics, ASYNC_TRAINER),
+    )
     assert weight_sync == (("reload", "reload") if sync.carries_routes else ("trl", "reload"))
 
 
 def test_a_mode_is_a_str_enum_in_python_yaml_cli_and_json(tmp_path):
     config = MoEReplayGRPOConfig(**dict(BASE, routing_replay="r2"))
     assert config.routing_replay is ReplayMode.R2 and config.routing_replay == "r2"
-    assert type(config.to_dict()["routing_replay"]) is str and json.loads(config.to_json_string())["routing_replay"] == "r2"
+    assert (
+        type(config.to_dict()["routing_replay"]) is str
+        and json.loads(config.to_json_string())["routing_replay"] == "r2"
+    )
     (parsed,) = HfArgumentParser(MoEReplayGRPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--routing_replay", "pr2"])
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--routing_replay", "pr2"]
+    )
     assert parsed.routing_replay is ReplayMode.PR2
     path = tmp_path / "config.yaml"
     path.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nrouting_replay: none\n")
@@ -96,8 +102,12 @@ def _mode_comparisons(path: Path) -> list[str]:
 
 
 def test_no_mode_is_compared_as_a_string_outside_its_definition():
-    found = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name != "routing_options.py"
-             for hit in _mode_comparisons(path)]
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "routing_options.py"
+        for hit in _mode_comparisons(path)
+    ]
     assert found == []
 
 
@@ -110,9 +120,17 @@ def test_a_plain_trl_config_reads_the_declared_defaults():
 
     plain = GRPOConfig(**BASE)
     declared = {f.name: f.default for f in dataclasses.fields(MoEReplayGRPOConfig)}
-    for name in ("replay_reference_model", "transformers_importance_sampling_correction", "pr2_lr_multiplier",
-                 "pr2_cached_tokens_per_sequence", "pr2_rollout_prediction", "router_shift_weighting",
-                 "router_shift_gamma_min", "minirl_is_cap", "extreme_token_threshold"):
+    for name in (
+        "replay_reference_model",
+        "transformers_importance_sampling_correction",
+        "pr2_lr_multiplier",
+        "pr2_cached_tokens_per_sequence",
+        "pr2_rollout_prediction",
+        "router_shift_weighting",
+        "router_shift_gamma_min",
+        "minirl_is_cap",
+        "extreme_token_threshold",
+    ):
         assert not hasattr(plain, name), name
         assert option(plain, name) == declared[name], name
     ours = MoEReplayGRPOConfig(**BASE, routing_replay="none", minirl_is_cap=2.0)
@@ -123,16 +141,25 @@ def test_a_plain_trl_config_reads_the_declared_defaults():
 
 def _getattr_defaults(path: Path) -> list[str]:
     """``getattr(x, "name", default)`` calls in ``path`` whose ``name`` is a field of our configs with a default."""
-    declared = {f.name for config in (MoEReplayGRPOConfig, MoEReplayAsyncGRPOConfig) for f in dataclasses.fields(config)
-                if f.default is not dataclasses.MISSING}
+    declared = {
+        f.name
+        for config in (MoEReplayGRPOConfig, MoEReplayAsyncGRPOConfig)
+        for f in dataclasses.fields(config)
+        if f.default is not dataclasses.MISSING
+    }
     from trl import GRPOConfig
 
     trl_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     hits = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)
-                and node.args[1].value in declared - trl_fields):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) == 3
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in declared - trl_fields
+        ):
             hits.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     return hits
 

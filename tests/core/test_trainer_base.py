@@ -47,8 +47,12 @@ def attributes_set_outside_init(classes: list[type]) -> dict[str, list[str]]:
                     targets = [node.target]
                 for target in targets:
                     for leaf in ast.walk(target):
-                        if (isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name)
-                                and leaf.value.id == "self" and isinstance(leaf.ctx, ast.Store)):
+                        if (
+                            isinstance(leaf, ast.Attribute)
+                            and isinstance(leaf.value, ast.Name)
+                            and leaf.value.id == "self"
+                            and isinstance(leaf.ctx, ast.Store)
+                        ):
                             found.setdefault(leaf.attr, []).append(f"{cls.__name__}.{method.name}")
     return found
 
@@ -67,7 +71,10 @@ def test_the_scan_sees_an_attribute_set_outside_init():
 
 def test_the_scan_reads_the_trainers_mixins():
     assert MoEReplayTrainerMixin in _own_classes(MoEReplayGRPOTrainer)
-    assert {cls.__name__ for cls in _own_classes(MoEReplayGRPOTrainer)} >= {"MoEObjectivesMixin", "RestoresEveryWeight"}
+    assert {cls.__name__ for cls in _own_classes(MoEReplayGRPOTrainer)} >= {
+        "MoEObjectivesMixin",
+        "RestoresEveryWeight",
+    }
 
 
 def test_each_trainer_sets_at_most_three_attributes_outside_init():
@@ -84,16 +91,24 @@ def test_both_trainers_share_the_base_first_in_their_bases():
     for trainer in (MoEReplayGRPOTrainer, MoEReplayAsyncGRPOTrainer):
         assert trainer.__bases__[0] is MoEReplayTrainerMixin  # train() claims output_dir before anything else runs
         # the lifecycle and the output-dir lock are the base's, not written again in a trainer
-        for name in ("_claim_output_dir", "_checked_weight_sync", "_log_routing_agreement",
-                     "_log_logprob_mismatch", "_aux_loss_under_replay"):
+        for name in (
+            "_claim_output_dir",
+            "_checked_weight_sync",
+            "_log_routing_agreement",
+            "_log_logprob_mismatch",
+            "_aux_loss_under_replay",
+        ):
             assert getattr(trainer, name) is getattr(MoEReplayTrainerMixin, name), (trainer.__name__, name)
 
 
 # ----------------------------------------------------------------------------- one cleanup
 def only_transformers_hooks_added(before: dict, after: dict) -> list:
     """The hooks in ``after`` that were not in ``before`` and that transformers did not define (empty: none)."""
-    return [(key, count - before.get(key, 0)) for key, count in after.items()
-            if count > before.get(key, 0) and not key[2].startswith("transformers.")]
+    return [
+        (key, count - before.get(key, 0))
+        for key, count in after.items()
+        if count > before.get(key, 0) and not key[2].startswith("transformers.")
+    ]
 
 
 def assert_forwards_as_plain_transformers(model, path) -> None:

@@ -55,8 +55,13 @@ def start(tmp_path, url, checkpoint, *options):
     out = tmp_path / f"report_{len(list(tmp_path.glob('report_*.json')))}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(Path(__file__).parents[2])}
     log = open(tmp_path / f"{out.stem}.log", "w")
-    run = subprocess.Popen([sys.executable, str(SCRIPT), str(out), url, checkpoint, *options], env=env,
-                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(out), url, checkpoint, *options],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return run, out
 
 
@@ -176,8 +181,9 @@ def test_a_killed_rollout_worker_ends_the_run_with_a_clear_error(tmp_path, serve
     assert all(mismatched == 0 for _, _, mismatched in report["checks"])  # what trained before was aligned
 
 
-def test_multi_turn_tool_rollouts_replay_each_position_from_the_first_turn_that_forwarded_it(tmp_path, server,
-                                                                                               vllm_checkpoint):
+def test_multi_turn_tool_rollouts_replay_each_position_from_the_first_turn_that_forwarded_it(
+    tmp_path, server, vllm_checkpoint
+):
     """TRL's tool loop through the async path, 8 turns: vLLM writes 7 calculator calls (a regex keeps the format, the
     engine picks the tokens), the tool answers each, vLLM answers after the last result. TRL chains the turns into
     one row; the check compares every trained position with the row of the first turn that forwarded it. Each later
@@ -208,8 +214,9 @@ def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, vl
     weights it does not have. Nothing trained before that was misaligned."""
     reload_weights(server, vllm_checkpoint)
     # the worker retries long enough for the restart (TRL's own count, ~20 min at most)
-    run, out = start(tmp_path, server, vllm_checkpoint, "fault=restart_server", "max_steps=20",
-                     "vllm_request_attempts=none")
+    run, out = start(
+        tmp_path, server, vllm_checkpoint, "fault=restart_server", "max_steps=20", "vllm_request_attempts=none"
+    )
     paused = Path(f"{out}.paused")
     deadline = time.monotonic() + RUN_TIMEOUT
     while not paused.exists():
@@ -228,8 +235,9 @@ def test_a_restarted_server_ends_the_run_with_a_clear_error(tmp_path, server, vl
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "ep"])
-def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(tmp_path, server, vllm_checkpoint,
-                                                                               parallel):
+def test_two_training_processes_each_replay_the_engine_routes_of_their_own_rows(
+    tmp_path, server, vllm_checkpoint, parallel
+):
     """Two CPU training processes (torchrun, gloo): rank 0 runs the rollout worker and packs each micro-batch into two
     rows; TRL's dispatcher sends row 1 to rank 1, whose routes cross the process boundary as ``replay_routes`` and are
     checked where they enter. Each rank checks its own forwards token by token against the engine's rows. ``ep``:

@@ -12,14 +12,19 @@ from tests.trainer.test_grpo_trainer import logged
 
 
 # one generation batch used for two updates: update 1 on-policy, update 2 after the router moved
-TWO_UPDATES = dict(gradient_accumulation_steps=1, num_iterations=2, per_device_train_batch_size=8,
-                   learning_rate=1e-2)
+TWO_UPDATES = dict(gradient_accumulation_steps=1, num_iterations=2, per_device_train_batch_size=8, learning_rate=1e-2)
 
 
 def test_rspo_with_r3_routes_from_a_vllm_server(tmp_path):
     with FakeVLLMServer(tiny_moe_model("qwen3_moe")) as server, trl_vllm_transport_stub(server):
-        trainer = make_vllm_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                                    vllm_server_base_url=server.url, loss_type="rspo", **TWO_UPDATES)
+        trainer = make_vllm_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe"),
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            loss_type="rspo",
+            **TWO_UPDATES,
+        )
         trainer.train()
     batch = trainer.batches[0]
     # γ is taken at the experts the old pass used, i.e. the server's routes wherever it sent one
@@ -35,9 +40,15 @@ def test_rspo_with_r3_routes_from_a_vllm_server(tmp_path):
 
 def test_pr2_with_a_vllm_server_chooses_its_routes_in_the_old_pass(tmp_path):
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False) as server, trl_vllm_transport_stub(server):
-        trainer = make_vllm_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                                    vllm_server_base_url=server.url, routing_replay="pr2", pr2_lr_multiplier=10.0,
-                                    **TWO_UPDATES)
+        trainer = make_vllm_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe"),
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            routing_replay="pr2",
+            pr2_lr_multiplier=10.0,
+            **TWO_UPDATES,
+        )
         trainer.train()
     # the server sent no route, and the run finished: PR2 needs none from the engine (it asks for them for the metrics)
     assert trainer.state.global_step == trainer.args.max_steps
@@ -60,8 +71,14 @@ def test_pr2_with_a_vllm_server_chooses_its_routes_in_the_old_pass(tmp_path):
 def test_pr2_with_rspo_weights_the_predicted_routes(tmp_path):
     from tests.trainer.test_grpo_trainer import make_trainer
 
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="pr2", loss_type="rspo",
-                           pr2_lr_multiplier=10.0, **TWO_UPDATES)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        routing_replay="pr2",
+        loss_type="rspo",
+        pr2_lr_multiplier=10.0,
+        **TWO_UPDATES,
+    )
     trainer.train()
     gamma_min, gamma_mean = logged(trainer, "rspo/gamma_min"), logged(trainer, "rspo/gamma_mean")
     assert gamma_min[0] == 1.0 and gamma_mean[0] == 1.0

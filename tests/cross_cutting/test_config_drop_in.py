@@ -47,11 +47,25 @@ REPLAY_REFUSED = {"use_transformers_continuous_batching", "generation_kwargs"}  
 
 # Values plain TRL takes and ours refuses, as (field, repr(value)): each is refused by an UPSTREAM_REFUSALS entry.
 DOCUMENTED = {
-    ("temperature", "0.0"), ("learning_rate", "nan"), ("learning_rate", "-1e-05"), ("max_steps", "2.5"),
-    ("log_completions", "'no'"), ("num_iterations", "0"), ("reward_weights", "[nan]"), ("loss_type", "'bogus'"),
-    ("top_p", "-0.5"), ("max_staleness", "-1"), ("temperature", "inf"), ("num_train_epochs", "0.0"),
-    ("epsilon", "-0.1"), ("epsilon_high", "-0.1"), ("adam_beta1", "1.5"), ("adam_beta2", "1.0"),
-    ("adam_epsilon", "-1e-08"), ("adam_epsilon", "0.0"), ("weight_decay", "-0.1"),
+    ("temperature", "0.0"),
+    ("learning_rate", "nan"),
+    ("learning_rate", "-1e-05"),
+    ("max_steps", "2.5"),
+    ("log_completions", "'no'"),
+    ("num_iterations", "0"),
+    ("reward_weights", "[nan]"),
+    ("loss_type", "'bogus'"),
+    ("top_p", "-0.5"),
+    ("max_staleness", "-1"),
+    ("temperature", "inf"),
+    ("num_train_epochs", "0.0"),
+    ("epsilon", "-0.1"),
+    ("epsilon_high", "-0.1"),
+    ("adam_beta1", "1.5"),
+    ("adam_beta2", "1.0"),
+    ("adam_epsilon", "-1e-08"),
+    ("adam_epsilon", "0.0"),
+    ("weight_decay", "-0.1"),
 }
 
 
@@ -170,8 +184,10 @@ def build_yaml(cls, kwargs, tmp_path) -> Outcome | None:
 
 
 def build_cli(cls, argv, tmp_path) -> Outcome:
-    return parse(cls, ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false",
-                       "--report_to", "none", *argv])
+    return parse(
+        cls,
+        ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false", "--report_to", "none", *argv],
+    )
 
 
 def to_argv(kwargs) -> list[str] | None:
@@ -220,8 +236,11 @@ class Differential:
             return
         if ours.error is not None:
             error = ours.error
-            if isinstance(error, UnrecordableGenerationError) and mode.get("routing_replay") != "none" \
-                    and set(kwargs) & REPLAY_REFUSED:
+            if (
+                isinstance(error, UnrecordableGenerationError)
+                and mode.get("routing_replay") != "none"
+                and set(kwargs) & REPLAY_REFUSED
+            ):
                 self.replay_refused.update(set(kwargs) & REPLAY_REFUSED)
             elif isinstance(error, UpstreamValueError) and error.refusal in config_checks.UPSTREAM_REFUSALS:
                 self.documented.add((error.field, repr(error.value)))
@@ -233,8 +252,10 @@ class Differential:
         self.both_built += 1
         for spec in dataclasses.fields(trl):
             if spec.init and not same(getattr(ours.config, spec.name), getattr(theirs.config, spec.name)):
-                self.problems.append(f"{what}: {spec.name} stored as {getattr(ours.config, spec.name)!r} by "
-                                     f"{own.__name__}, {getattr(theirs.config, spec.name)!r} by {trl.__name__}")
+                self.problems.append(
+                    f"{what}: {spec.name} stored as {getattr(ours.config, spec.name)!r} by "
+                    f"{own.__name__}, {getattr(theirs.config, spec.name)!r} by {trl.__name__}"
+                )
 
 
 def python_differential(pair, values, modes=REPLAY_MODES) -> Differential:
@@ -297,8 +318,9 @@ def test_yaml_through_trl_parser_takes_and_stores_what_trl_does(pair, tmp_path):
         if theirs is None:
             continue
         for mode in REPLAY_MODES:
-            found.compare(pair, build_yaml(own, {**kwargs, **mode}, tmp_path), theirs, f"YAML {kwargs} {mode}", kwargs,
-                          mode)
+            found.compare(
+                pair, build_yaml(own, {**kwargs, **mode}, tmp_path), theirs, f"YAML {kwargs} {mode}", kwargs, mode
+            )
     assert not found.problems, "\n".join(found.problems)
     # YAML reads `no` as False, and TrlParser types a quoted number as the command line does: fewer refusals reach us
     assert ("temperature", "0.0") in found.documented and found.documented <= documented_for(pair)
@@ -321,15 +343,22 @@ def test_yaml_scalars_that_parse_as_int_or_date_reach_a_str_field_as_on_trl(pair
 def test_command_line_takes_and_stores_what_trl_does(pair, tmp_path):
     found = Differential()
     own, trl = pair
-    argvs = [argv for kwargs, argv in EDGES if argv is not None and set(kwargs) <= {f.name for f in
-                                                                                   dataclasses.fields(trl)}]
+    argvs = [
+        argv for kwargs, argv in EDGES if argv is not None and set(kwargs) <= {f.name for f in dataclasses.fields(trl)}
+    ]
     argvs += [argv for argv in map(to_argv, trl_test_pairs(pair)) if argv is not None]
     argvs += [["--fsdp"]]  # the bare flag transformers documents
     for argv in argvs:
         theirs = build_cli(trl, argv, tmp_path)
         for mode in REPLAY_MODES:
-            found.compare(pair, build_cli(own, argv + to_argv(mode), tmp_path), theirs, f"CLI {argv} {mode}",
-                          {arg[2:]: None for arg in argv if arg.startswith("--")}, mode)
+            found.compare(
+                pair,
+                build_cli(own, argv + to_argv(mode), tmp_path),
+                theirs,
+                f"CLI {argv} {mode}",
+                {arg[2:]: None for arg in argv if arg.startswith("--")},
+                mode,
+            )
     assert not found.problems, "\n".join(found.problems)
     assert ("temperature", "0.0") in found.documented and found.documented <= documented_for(pair)
     assert found.both_built > 40
@@ -343,8 +372,10 @@ def test_a_built_config_copies_as_trl_s_does(pair):
         theirs, ours = build_python(trl, kwargs), build_python(own, {**kwargs, "routing_replay": "none"})
         if theirs.error is not None or ours.error is not None:
             continue
-        for how, copy in (("dataclasses.replace", dataclasses.replace), ("cls(**to_dict())",
-                                                                         lambda c: type(c)(**c.to_dict()))):
+        for how, copy in (
+            ("dataclasses.replace", dataclasses.replace),
+            ("cls(**to_dict())", lambda c: type(c)(**c.to_dict())),
+        ):
             copies = []
             for config in (ours.config, theirs.config):
                 try:
@@ -356,7 +387,7 @@ def test_a_built_config_copies_as_trl_s_does(pair):
     assert found.both_built > 40 or pair is SYNC  # TRL's GRPOConfig refuses its own copies (both batch sizes set)
 
 
-SUBCLASS_MODULE = '''
+SUBCLASS_MODULE = """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -389,7 +420,7 @@ class MyAsync(MoEReplayAsyncGRPOConfig):
 @dataclass
 class MyTRLAsync(AsyncGRPOConfig):
     thing: Thing | None = None
-'''
+"""
 
 
 def test_a_subclass_with_type_checking_annotations_builds_as_on_trl(tmp_path, monkeypatch):
@@ -422,8 +453,12 @@ def test_a_stricter_check_outside_the_list_fails_the_differential(monkeypatch):
 def test_a_stricter_entry_in_the_list_fails_the_differential(monkeypatch):
     # the old max_steps rule again, now as a documented entry: the pinned set of documented refusals catches it
     stricter = config_checks.UpstreamRefusal(
-        "max_steps", lambda name, annotation: name == "max_steps", lambda value: value == 0, "-1 or >= 1",
-        "silently wrong: transformers reads it as 'use num_train_epochs'")
+        "max_steps",
+        lambda name, annotation: name == "max_steps",
+        lambda value: value == 0,
+        "-1 or >= 1",
+        "silently wrong: transformers reads it as 'use num_train_epochs'",
+    )
     monkeypatch.setattr(config_checks, "UPSTREAM_REFUSALS", (stricter, *UPSTREAM_REFUSALS))
     found = python_differential(SYNC, edge_values(SYNC))
     assert found.documented - documented_for(SYNC) == {("max_steps", "0")}

@@ -12,12 +12,21 @@ ROOT = Path(__file__).resolve().parents[2]
 robustness = load_script(ROOT / "bench" / "demo_robustness.py", "demo_robustness_under_test")
 
 
-def history(rewards: list[float], clipped: list[float] | None = None, terminated: float = 4.0,
-            calls: list[float] | None = None) -> list[dict]:
+def history(
+    rewards: list[float], clipped: list[float] | None = None, terminated: float = 4.0, calls: list[float] | None = None
+) -> list[dict]:
     clipped = clipped or [0.0] * len(rewards)
     calls = calls or [0.5] * len(rewards)
-    return [{"step": i + 1, "reward": r, "completions/clipped_ratio": c, "completions/mean_terminated_length": terminated,
-             "tools/call_frequency": f} for i, (r, c, f) in enumerate(zip(rewards, clipped, calls, strict=True))]
+    return [
+        {
+            "step": i + 1,
+            "reward": r,
+            "completions/clipped_ratio": c,
+            "completions/mean_terminated_length": terminated,
+            "tools/call_frequency": f,
+        }
+        for i, (r, c, f) in enumerate(zip(rewards, clipped, calls, strict=True))
+    ]
 
 
 def test_a_run_that_rises_and_stops_keeps_the_promise_and_says_when_it_rose():
@@ -59,9 +68,15 @@ def test_the_tool_demo_promises_more_tool_calls_instead_of_the_stop():
 def test_the_report_counts_per_configuration_and_thread_count():
     held = robustness.judge(history([0.4] * 20 + [0.7] * 20), 0.3) | {"seconds": 1.0}
     failed = robustness.judge(history([0.4] * 40), 0.3) | {"seconds": 1.0}
-    results = {"runs": {"a/math/threads1/seed0": held, "a/math/threads1/seed1": failed,
-                        "a/math/threads1/seed10": held, "a/math/threads2/seed0": failed,
-                        "b/math/threads1/seed0": {"error": "rc 1: boom", "held": False, "seconds": 2.0}}}
+    results = {
+        "runs": {
+            "a/math/threads1/seed0": held,
+            "a/math/threads1/seed1": failed,
+            "a/math/threads1/seed10": held,
+            "a/math/threads2/seed0": failed,
+            "b/math/threads1/seed0": {"error": "rc 1: boom", "held": False, "seconds": 2.0},
+        }
+    }
     text = robustness.report(results)
     assert "a/math/threads1: promise held on 2 of 3 seeds" in text
     assert "a/math/threads2: promise held on 0 of 1 seeds" in text

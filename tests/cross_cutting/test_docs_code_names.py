@@ -22,10 +22,14 @@ IDENTIFIER = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?:\(\))?$")
 # a path of the repository or, relative to it, of the package: `routing/replay.py`, `upstream/`, `tests/helpers.py`
 PATH = re.compile(r"^[\w.-]+(?:/[\w.-]+)*(?:/|\.py|\.txt|\.toml|\.yaml|\.md)$")
 # what the names are looked up in: the code and configuration of the repository, the docs excepted
-CODE_FILES = [path for pattern in ("*.py", "Makefile", "*.toml", "*.yaml", "*.txt", "*.cfg")
-              for path in ROOT.rglob(pattern)
-              if not {".git", ".venv", "docs", "site", "node_modules"} & set(path.relative_to(ROOT).parts)
-              and not path.relative_to(ROOT).parts[0].startswith(".venv") and path != Path(__file__).resolve()]
+CODE_FILES = [
+    path
+    for pattern in ("*.py", "Makefile", "*.toml", "*.yaml", "*.txt", "*.cfg")
+    for path in ROOT.rglob(pattern)
+    if not {".git", ".venv", "docs", "site", "node_modules"} & set(path.relative_to(ROOT).parts)
+    and not path.relative_to(ROOT).parts[0].startswith(".venv")
+    and path != Path(__file__).resolve()
+]
 
 
 def code_words() -> set[str]:
@@ -50,11 +54,21 @@ def mentioned(page: Path) -> tuple[list[str], list[str]]:
     ``integrations/hub_kernels.py``), and the ``Class.member(`` calls of its fenced blocks."""
     text = page.read_text()
     spans = SPAN.findall(FENCED.sub("", text))
-    names = [span for span in spans if IDENTIFIER.match(span) and span not in NOT_OURS
-             and ("_" in span or "." in span or "(" in span or any(c.isupper() for c in span))]
+    names = [
+        span
+        for span in spans
+        if IDENTIFIER.match(span)
+        and span not in NOT_OURS
+        and ("_" in span or "." in span or "(" in span or any(c.isupper() for c in span))
+    ]
     names += [call for block in FENCED.findall(text) for call in CLASS_MEMBER.findall(block)]
-    paths = [span for span in spans if "/" in span and PATH.match(span) and any(
-        (base / span.split("/")[0]).exists() for base in (ROOT, ROOT / "trl_moe_replay"))]
+    paths = [
+        span
+        for span in spans
+        if "/" in span
+        and PATH.match(span)
+        and any((base / span.split("/")[0]).exists() for base in (ROOT, ROOT / "trl_moe_replay"))
+    ]
     return names, paths
 
 
@@ -74,8 +88,11 @@ def missing_names(names: list[str], words: set[str], classes: dict[str, str]) ->
 
 
 def missing_paths(paths: list[str]) -> list[str]:
-    return [path for path in paths if not any((base / path.rstrip("/")).exists()
-                                              for base in (ROOT, ROOT / "trl_moe_replay"))]
+    return [
+        path
+        for path in paths
+        if not any((base / path.rstrip("/")).exists() for base in (ROOT, ROOT / "trl_moe_replay"))
+    ]
 
 
 def test_every_code_name_the_architecture_and_maintaining_pages_mention_exists():
@@ -90,8 +107,9 @@ def test_every_code_name_the_architecture_and_maintaining_pages_mention_exists()
 
 def test_the_scan_catches_a_stale_name_and_path():
     words, classes = code_words(), package_classes()
-    assert missing_names(["RouteBuffer.gather_per_sample", "RouteBuffer.gather", "RouterReplay.replay()"], words,
-                         classes) == ["RouteBuffer.gather_per_sample"]
+    assert missing_names(
+        ["RouteBuffer.gather_per_sample", "RouteBuffer.gather", "RouterReplay.replay()"], words, classes
+    ) == ["RouteBuffer.gather_per_sample"]
     assert missing_names(["no_such_function_anywhere()"], words, classes) == ["no_such_function_anywhere()"]
     assert missing_paths(["routing/replay.py", "routing/gone.py", "upstream/"]) == ["routing/gone.py"]
 
@@ -108,8 +126,11 @@ def test_the_architecture_page_names_every_module():
         if path.name in ("__init__.py", "__main__.py") and folder:
             named = f"`{folder}" in text or f"{folder}`" in text
         else:
-            named = f"`{relative}`" in text or f"`trl_moe_replay/{relative}`" in text or any(
-                f"`{folder}`" in row and f"`{path.name}`" in row for row in rows)
+            named = (
+                f"`{relative}`" in text
+                or f"`trl_moe_replay/{relative}`" in text
+                or any(f"`{folder}`" in row and f"`{path.name}`" in row for row in rows)
+            )
         if not named:
             unnamed.append(relative)
     assert len(list((ROOT / "trl_moe_replay").rglob("*.py"))) > 50  # the scan sees the package

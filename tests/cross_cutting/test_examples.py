@@ -21,8 +21,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_swap_imports_differs_from_the_trl_original_in_import_lines_only():
     original = (EXAMPLES / "swap_imports_trl_original.py").read_text().splitlines()
     swapped = (EXAMPLES / "swap_imports.py").read_text().splitlines()
-    changed = [line for line in difflib.unified_diff(original, swapped, lineterm="", n=0)
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    changed = [
+        line
+        for line in difflib.unified_diff(original, swapped, lineterm="", n=0)
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
     assert changed == [
         "-from trl import GRPOConfig, GRPOTrainer",
         "+from trl_moe_replay import MoEReplayGRPOConfig as GRPOConfig, MoEReplayGRPOTrainer as GRPOTrainer",
@@ -35,11 +38,23 @@ def test_swap_imports_example_learns_offline(tmp_path):
     and its length reward rises (~25 s)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("HF_HUB_OFFLINE", None)  # a local checkpoint needs no Hub, and must not try it
-    saved = subprocess.run([sys.executable, "-m", "trl_moe_replay.testing", "runs/tiny-moe"], cwd=tmp_path,
-                           capture_output=True, text=True, env=env, timeout=300)
+    saved = subprocess.run(
+        [sys.executable, "-m", "trl_moe_replay.testing", "runs/tiny-moe"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert saved.returncode == 0 and (tmp_path / "runs" / "tiny-moe" / "tokenizer.json").is_file(), saved.stderr
-    result = subprocess.run([sys.executable, str(EXAMPLES / "swap_imports.py"), "runs/tiny-moe"], cwd=tmp_path,
-                            capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "swap_imports.py"), "runs/tiny-moe"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     state = json.loads((tmp_path / "runs" / "swap_imports" / "checkpoint-30" / "trainer_state.json").read_text())
     logged = [entry for entry in state["log_history"] if "reward" in entry]
@@ -54,8 +69,9 @@ def test_swap_imports_example_learns_offline(tmp_path):
 
 def test_swap_imports_example_without_a_model_says_how_to_run_it_offline(tmp_path):
     for script in ("swap_imports.py", "swap_imports_trl_original.py"):
-        result = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLES / script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 1 and "python -m trl_moe_replay.testing runs/tiny-moe" in result.stderr
         assert not list(tmp_path.iterdir())  # nothing written, nothing downloaded
 
@@ -72,8 +88,21 @@ def test_compare_replay_modes(tmp_path, capsys):
     module = load_script(EXAMPLES / "compare_replay_modes.py", "compare_replay_modes")
     out = tmp_path / "cmp"
     # no cold start: the seeded random model makes the run deterministic (SFT's CPU backward is not bit-exact)
-    summary = module.main(["--max_steps", "2", "--modes", "none", "r3", "--sft_steps", "0",
-                           "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache")])
+    summary = module.main(
+        [
+            "--max_steps",
+            "2",
+            "--modes",
+            "none",
+            "r3",
+            "--sft_steps",
+            "0",
+            "--output_dir",
+            str(out),
+            "--cache_dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     assert (out / "compare.png").read_bytes()[:8] == PNG_SIGNATURE
     assert json.loads((out / "summary.json").read_text()) == summary
     assert "plot:" in capsys.readouterr().out

@@ -53,16 +53,27 @@ def test_every_corruption_kind_is_rejected_per_sample_in_alignment():
                     bad.append(i)
             payloads.append(payload)
         errors, reports = [], []
-        layout = dict(prompt_lengths=prompts, completion_lengths=completions, prompt_width=8, completion_width=8,
-                      num_layers=layers, top_k=top_k, moe_layers=moe, num_experts=num_experts)
+        layout = dict(
+            prompt_lengths=prompts,
+            completion_lengths=completions,
+            prompt_width=8,
+            completion_width=8,
+            num_layers=layers,
+            top_k=top_k,
+            moe_layers=moe,
+            num_experts=num_experts,
+        )
         routes = routes_from_engine(payloads, on_error=errors.append, on_unwritten=reports.append, **layout)
         missing = [i for i in bad if payloads[i] is None]
         assert sorted(e.sample for e in errors) == [i for i in bad if i not in missing], batch
         assert [(r.sample, r.count, r.first) for r in reports] == [(i, 1, q) for i, q in sorted(unwritten.items())]
         assert no_route(routes[bad]).all()
         good = [i for i in range(16) if i not in bad]
-        good_layout = {**layout, "prompt_lengths": [prompts[i] for i in good],
-                       "completion_lengths": [completions[i] for i in good]}
+        good_layout = {
+            **layout,
+            "prompt_lengths": [prompts[i] for i in good],
+            "completion_lengths": [completions[i] for i in good],
+        }
         expected = routes_from_engine([clean[i] for i in good], **good_layout)
         for row, i in enumerate(good):
             if i in unwritten:  # that position alone: "no route" at every layer
@@ -74,11 +85,21 @@ def test_every_corruption_kind_is_rejected_per_sample_in_alignment():
 def test_fuzzed_route_payloads_never_end_the_run_and_fallback_frac_is_exact(tmp_path):
     model_kwargs = dict(num_hidden_layers=3, mlp_only_layers=[0])  # layer 0 dense: zeros on the wire
     fuzzer = RouteFuzzer(seed=3, num_experts=8, moe_layers=[1, 2], rate=0.6)
-    with FakeVLLMServer(tiny_moe_model("qwen3_moe", **model_kwargs), tamper=fuzzer) as server, \
-            trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **model_kwargs), cls=BatchSpy, use_vllm=True,
-                               vllm_mode="server", vllm_server_base_url=server.url, max_steps=6, vllm_weight_sync="trl",
-                               per_device_train_batch_size=16)
+    with (
+        FakeVLLMServer(tiny_moe_model("qwen3_moe", **model_kwargs), tamper=fuzzer) as server,
+        trl_vllm_transport_stub(server),
+    ):
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe", **model_kwargs),
+            cls=BatchSpy,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            max_steps=6,
+            vllm_weight_sync="trl",
+            per_device_train_batch_size=16,
+        )
         trainer.train()
     assert trainer.state.global_step == 6  # no single sample ended the run
     assert len(server.batches) == 6 and all(len(b.payloads) == 32 for b in server.batches)

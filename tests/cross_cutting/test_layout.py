@@ -29,12 +29,35 @@ MAY_IMPORT = {
     "core": {"rollouts", "weight_sync", "routing", "upstream", "bounded_json", "errors"},
     # PR2 beside the sync trainer (its config fields, predictor, state, trainer mixin); only trainer and cli import it
     "pr2": {"core", "parallel", "routing", "upstream", "errors"},
-    "trainer": {"pr2", "core", "checkpointing", "rollouts", "weight_sync", "parallel", "routing", "upstream",
-                "bounded_json", "errors"},
+    "trainer": {
+        "pr2",
+        "core",
+        "checkpointing",
+        "rollouts",
+        "weight_sync",
+        "parallel",
+        "routing",
+        "upstream",
+        "bounded_json",
+        "errors",
+    },
     "async_grpo": {"core", "checkpointing", "rollouts", "weight_sync", "parallel", "routing", "upstream", "errors"},
     "testing": {"rollouts", "routing", "upstream", "errors"},
-    "cli": {"async_grpo", "checkpointing", "core", "rollouts", "extras", "parallel", "pr2", "routing", "testing",
-            "trainer", "upstream", "bounded_json", "errors"},
+    "cli": {
+        "async_grpo",
+        "checkpointing",
+        "core",
+        "rollouts",
+        "extras",
+        "parallel",
+        "pr2",
+        "routing",
+        "testing",
+        "trainer",
+        "upstream",
+        "bounded_json",
+        "errors",
+    },
     "__init__": {"async_grpo", "checkpointing", "core", "rollouts", "errors", "routing", "trainer"},
 }
 
@@ -66,8 +89,11 @@ def test_imports_inside_the_package_point_one_way():
     assert len(files) > 30
     wrong = []
     for path in files:
-        source = "__init__" if path == PACKAGE / "__init__.py" else part_of(
-            ".".join(path.relative_to(ROOT).with_suffix("").parts))
+        source = (
+            "__init__"
+            if path == PACKAGE / "__init__.py"
+            else part_of(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        )
         assert source in MAY_IMPORT, f"{path}: a new part of the package; add it to MAY_IMPORT and the docs"
         for target in imported_modules(path):
             if part_of(target) not in MAY_IMPORT[source] | {source}:
@@ -87,14 +113,27 @@ def test_routing_does_not_import_trl():
         names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
         assert not [n for n in names if n == "trl" or n.startswith("trl.")], path
         if path.parent.name == "routing":
-            used = {target.removeprefix("trl_moe_replay.upstream").lstrip(".") or "__init__"
-                    for target in imported_modules(path) if part_of(target) == "upstream"}
+            used = {
+                target.removeprefix("trl_moe_replay.upstream").lstrip(".") or "__init__"
+                for target in imported_modules(path)
+                if part_of(target) == "upstream"
+            }
             assert used <= TRL_FREE_SEAM, f"{path} imports the seam's TRL parts {used - TRL_FREE_SEAM}"
         elif path.name == "__init__.py":  # the index names the TRL parts for type checkers only, and loads them lazily
-            type_checking = {id(node) for branch in tree.body if isinstance(branch, ast.If)
-                             and ast.unparse(branch.test) == "TYPE_CHECKING" for node in ast.walk(branch)}
-            eager = [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.level and id(n) not in
-                     type_checking and n.module not in TRL_FREE_SEAM]
+            type_checking = {
+                id(node)
+                for branch in tree.body
+                if isinstance(branch, ast.If) and ast.unparse(branch.test) == "TYPE_CHECKING"
+                for node in ast.walk(branch)
+            }
+            eager = [
+                n.module
+                for n in tree.body
+                if isinstance(n, ast.ImportFrom)
+                and n.level
+                and id(n) not in type_checking
+                and n.module not in TRL_FREE_SEAM
+            ]
             assert not eager, f"upstream/__init__.py imports the TRL parts {eager} eagerly"
 
 
@@ -165,8 +204,12 @@ def _our_private_names(trees: dict[Path, ast.Module]) -> set[str]:
                 names.add(node.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(
-                    node.value, ast.Name) and node.value.id in ("self", "cls"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 names.add(node.attr)
     return {name for name in names if _private(name)}
 
@@ -183,8 +226,14 @@ def _upstream_private_names(cls: type) -> frozenset[str]:
             tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
         except (OSError, TypeError, SyntaxError):
             continue
-        names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-                  and isinstance(node.value, ast.Name) and node.value.id == "self" and _private(node.attr)}
+        names |= {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and _private(node.attr)
+        }
     return frozenset(names)
 
 
@@ -203,8 +252,11 @@ def private_upstream_uses(extra: tuple[str, str] | None = None) -> list[tuple[st
     declared = {name for entry in all_entries().values() for name in entry.inherited}
     trees = _package_trees()
     ours = _our_private_names(trees)
-    sources = [(str(path.relative_to(PACKAGE)), tree, lambda path=path: _module_namespace(path))
-               for path, tree in trees.items() if SEAM not in path.parents]
+    sources = [
+        (str(path.relative_to(PACKAGE)), tree, lambda path=path: _module_namespace(path))
+        for path, tree in trees.items()
+        if SEAM not in path.parents
+    ]
     if extra is not None:
         namespace: dict = {}
         exec(compile(extra[1], extra[0], "exec"), namespace)
@@ -218,19 +270,27 @@ def private_upstream_uses(extra: tuple[str, str] | None = None) -> list[tuple[st
                 upstream = _upstream_private_names(cls) if isinstance(cls, type) else set()
                 for inner in ast.walk(node):
                     classes[id(inner)] = upstream
-                found += [(where, method.name, method.lineno) for method in node.body
-                          if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef)
-                          and method.name in upstream - declared]
+                found += [
+                    (where, method.name, method.lineno)
+                    for method in node.body
+                    if isinstance(method, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and method.name in upstream - declared
+                ]
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 parts = node.module.split(".")
                 if parts[0] in UPSTREAM_LIBRARIES:
-                    found += [(where, name, node.lineno) for name in [*parts, *(a.name for a in node.names)]
-                              if _private(name)]
+                    found += [
+                        (where, name, node.lineno)
+                        for name in [*parts, *(a.name for a in node.names)]
+                        if _private(name)
+                    ]
             elif isinstance(node, ast.Import):
-                found += [(where, alias.name, node.lineno) for alias in node.names
-                          if alias.name.split(".")[0] in UPSTREAM_LIBRARIES
-                          and any(map(_private, alias.name.split(".")))]
+                found += [
+                    (where, alias.name, node.lineno)
+                    for alias in node.names
+                    if alias.name.split(".")[0] in UPSTREAM_LIBRARIES and any(map(_private, alias.name.split(".")))
+                ]
             elif isinstance(node, ast.Attribute) and _private(node.attr):
                 owner = ast.unparse(node.value)
                 if owner in ("self", "cls", "super()"):
@@ -238,10 +298,16 @@ def private_upstream_uses(extra: tuple[str, str] | None = None) -> list[tuple[st
                         found.append((where, node.attr, node.lineno))
                 elif node.attr not in ours:
                     found.append((where, node.attr, node.lineno))
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
-                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-                  and _private(node.args[1].value) and node.args[1].value not in ours):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+                and node.args[1].value not in ours
+            ):
                 found.append((where, node.args[1].value, node.lineno))
     return found
 
@@ -249,8 +315,10 @@ def private_upstream_uses(extra: tuple[str, str] | None = None) -> list[tuple[st
 def test_no_private_upstream_name_is_used_outside_the_seam():
     found = private_upstream_uses()
     leaks = sorted({f"{where}:{line}: {name}" for where, name, line in found if (where, name) not in PENDING_REMOVAL})
-    assert not leaks, ("private upstream names used outside trl_moe_replay/upstream/ (add a seam entry and a function "
-                       "there, or declare an inherited name in its entry):\n" + "\n".join(leaks))
+    assert not leaks, (
+        "private upstream names used outside trl_moe_replay/upstream/ (add a seam entry and a function "
+        "there, or declare an inherited name in its entry):\n" + "\n".join(leaks)
+    )
     unused = PENDING_REMOVAL - {(where, name) for where, name, _ in found}
     assert not unused, f"delete these allowances from PENDING_REMOVAL, their use is gone: {sorted(unused)}"
 
@@ -282,13 +350,18 @@ def trl_imports_outside_the_seam(trees: dict[Path, ast.Module]) -> set[tuple[str
 def test_trl_is_imported_from_its_top_level_or_through_the_seam():
     found = trl_imports_outside_the_seam(_package_trees())
     leaks = sorted(found - TRL_MODULE_IMPORTS_ALLOWED)
-    assert not leaks, ("TRL imported from modules `trl` does not export, outside trl_moe_replay/upstream/ (add the "
-                       f"name to a seam entry and import it from there): {leaks}")
+    assert not leaks, (
+        "TRL imported from modules `trl` does not export, outside trl_moe_replay/upstream/ (add the "
+        f"name to a seam entry and import it from there): {leaks}"
+    )
     assert TRL_MODULE_IMPORTS_ALLOWED <= found, f"allowances no longer used: {TRL_MODULE_IMPORTS_ALLOWED - found}"
-    leaky = ast.parse("import trl.foo\nfrom trl import GRPOTrainer\n\n\n"
-                      "def f():\n    from trl.trainer.utils import pad\n")
-    assert trl_imports_outside_the_seam({PACKAGE / "leaky.py": leaky}) == {("leaky.py", "trl.foo"),
-                                                                          ("leaky.py", "trl.trainer.utils")}
+    leaky = ast.parse(
+        "import trl.foo\nfrom trl import GRPOTrainer\n\n\ndef f():\n    from trl.trainer.utils import pad\n"
+    )
+    assert trl_imports_outside_the_seam({PACKAGE / "leaky.py": leaky}) == {
+        ("leaky.py", "trl.foo"),
+        ("leaky.py", "trl.trainer.utils"),
+    }
 
 
 def test_the_scan_sees_each_kind_of_leak():
@@ -305,6 +378,14 @@ def test_the_scan_sees_each_kind_of_leak():
         "        return self._get_output_dir(None), super()._calculate_rewards(*args), self._metrics\n"
     )
     found = {(name, line) for where, name, line in private_upstream_uses(("leaky.py", leaky)) if where == "leaky.py"}
-    assert found == {("_C", 2), ("_get_tracing_state", 2), ("_hf_hook", 7), ("_C", 8),
-                     ("_current_graph_task_id", 8), ("_parameters", 8), ("_calculate_rewards", 12),
-                     ("_get_output_dir", 13), ("_calculate_rewards", 13)}, found  # _metrics: declared by an entry
+    assert found == {
+        ("_C", 2),
+        ("_get_tracing_state", 2),
+        ("_hf_hook", 7),
+        ("_C", 8),
+        ("_current_graph_task_id", 8),
+        ("_parameters", 8),
+        ("_calculate_rewards", 12),
+        ("_get_output_dir", 13),
+        ("_calculate_rewards", 13),
+    }, found  # _metrics: declared by an entry

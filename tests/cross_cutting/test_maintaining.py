@@ -10,7 +10,7 @@ MAP_ROW = re.compile(r"^\| `(trl_moe_replay/[\w/]+\.py)` \| (.*) \|$", re.M)
 
 def map_rows() -> dict[str, str]:
     text = (ROOT / "docs" / "maintaining.md").read_text()
-    section = text[text.index("## Test map"):]
+    section = text[text.index("## Test map") :]
     rows = MAP_ROW.findall(section)
     modules = [module for module, _ in rows]
     assert len(modules) == len(set(modules)), "a module has two lines in the test map"

@@ -55,8 +55,12 @@ def test_the_sync_trainer_loads_a_model_named_with_a_tilde(at_home, tmp_path):
 
 def async_trainer(model, output_dir):
     return MoEReplayAsyncGRPOTrainer(
-        model=model, reward_funcs=reward, train_dataset=DATASET, args=MoEReplayAsyncGRPOConfig(**settings(output_dir)),
-        rollout_worker=ScriptedRolloutWorker([]), weight_transfer=NoOpWeightTransfer(),
+        model=model,
+        reward_funcs=reward,
+        train_dataset=DATASET,
+        args=MoEReplayAsyncGRPOConfig(**settings(output_dir)),
+        rollout_worker=ScriptedRolloutWorker([]),
+        weight_transfer=NoOpWeightTransfer(),
     )
 
 
@@ -95,6 +99,18 @@ def test_the_recipe_passes_the_expanded_path_to_the_trainer(at_home, tmp_path, m
 
     monkeypatch.setattr(trl_moe_replay, "MoEReplayGRPOTrainer", trainer)
     with pytest.raises(Stop):
-        recipe.main(*recipe.parse_args(["--model_name_or_path", "~/models/tiny", "--output_dir",
-                                        str(tmp_path / "run"), "--synthetic_samples", "16", "--plot", "false"]))
+        recipe.main(
+            *recipe.parse_args(
+                [
+                    "--model_name_or_path",
+                    "~/models/tiny",
+                    "--output_dir",
+                    str(tmp_path / "run"),
+                    "--synthetic_samples",
+                    "16",
+                    "--plot",
+                    "false",
+                ]
+            )
+        )
     assert built["model"] == str(at_home / "models" / "tiny") and os.path.isdir(built["model"])

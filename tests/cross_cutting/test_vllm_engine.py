@@ -46,10 +46,18 @@ MISMATCH_BOUND = 0.1
 def train(tmp_path, *args: str, check: bool = True):
     """Run vllm_train.py; returns (report or None, completed process)."""
     out = tmp_path / f"report_{len(list(tmp_path.glob('report_*')))}.json"
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
-    run = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
-                         timeout=1200)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "2",
+    }
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True, timeout=1200
+    )
     if check:
         assert run.returncode == 0, run.stderr[-5000:]
     return (json.loads(out.read_text()) if out.exists() else None), run
@@ -62,8 +70,13 @@ COLOCATE_RUNS = {
     "test_colocate_r3_with_tool_calls_on_the_real_engine": ["qwen3_moe", "tools=true"],
     "test_lora_colocate_r3_replays_the_engine_routes_after_merged_syncs": ["qwen3_moe", "lora=true"],
     "test_colocate_threshold_replay_trains_on_the_real_engines_routes": [
-        "qwen3_moe", "replay_score_threshold=1.0", "num_iterations=2", "learning_rate=0.05", "max_steps=2",
-        "count_mismatches=true"],
+        "qwen3_moe",
+        "replay_score_threshold=1.0",
+        "num_iterations=2",
+        "learning_rate=0.05",
+        "max_steps=2",
+        "count_mismatches=true",
+    ],
 }
 
 
@@ -87,10 +100,22 @@ def colocated(request, tmp_path_factory):
             out = tmp_path_factory.mktemp("colocated")
             argvs = [[str(out / f"report_{i}.json"), "colocate", *COLOCATE_RUNS[n]] for i, n in enumerate(group)]
             (out / "runs.json").write_text(json.dumps(argvs))
-            env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "2"}
-            run = subprocess.run([sys.executable, str(SCRIPT), "--runs", str(out / "runs.json")], env=env,
-                                 capture_output=True, text=True, timeout=1200 * len(group))
+            env = {
+                **os.environ,
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()),
+                "OMP_NUM_THREADS": "2",
+            }
+            run = subprocess.run(
+                [sys.executable, str(SCRIPT), "--runs", str(out / "runs.json")],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=1200 * len(group),
+            )
             reports.update({n: (Path(argv[0]), run) for n, argv in zip(group, argvs, strict=True)})
         path, run = reports[name]
         error = path.with_name(f"{path.name}.error")
@@ -156,8 +181,9 @@ def test_server_r3_trains_on_the_real_server(tmp_path, server, vllm_checkpoint):
     assert_r3_verified(report)
 
 
-def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sample_holds(tmp_path, server,
-                                                                                            vllm_checkpoint):
+def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sample_holds(
+    tmp_path, server, vllm_checkpoint
+):
     """Issue 45: on 2 training processes one request carries both ranks' samples, and an 8-turn tool conversation
     receives about one engine row per position (the start is the minimum over both ranks' held prefixes), not the
     whole prefix again at every turn (~turns / 2 rows per position). Every position still replays the engine's
@@ -165,9 +191,29 @@ def test_server_r3_on_two_ranks_asks_each_tool_turn_only_for_the_positions_no_sa
     reload_weights(server, vllm_checkpoint)
     out = tmp_path / "report.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(SCRIPT), str(out), "server", server, vllm_checkpoint, "tools=true", "turns=8",
-                          "max_steps=2", "beta=0.0"], env=env, capture_output=True, text=True, timeout=1800)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(SCRIPT),
+            str(out),
+            "server",
+            server,
+            vllm_checkpoint,
+            "tools=true",
+            "turns=8",
+            "max_steps=2",
+            "beta=0.0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert run.returncode == 0, run.stderr[-5000:]
     for rank in (0, 1):
         report = json.loads(Path(f"{out}.rank{rank}").read_text())
@@ -235,13 +281,22 @@ def server_without_routes(vllm_checkpoint, tmp_path_factory):
         yield url
 
 
-def test_a_server_without_the_flag_stops_r3_with_the_command_and_r2_trains(tmp_path, server_without_routes,
-                                                                           vllm_checkpoint):
+def test_a_server_without_the_flag_stops_r3_with_the_command_and_r2_trains(
+    tmp_path, server_without_routes, vllm_checkpoint
+):
     report, run = train(tmp_path, "server", server_without_routes, vllm_checkpoint, check=False)
     assert run.returncode != 0 and report is None
     assert "RoutesUnavailableError" in run.stderr and "--enable-return-routed-experts" in run.stderr
-    report, _ = train(tmp_path, "server", server_without_routes, vllm_checkpoint, "routing_replay=r2", "max_steps=2",
-                      "num_iterations=2", "beta=0.0")
+    report, _ = train(
+        tmp_path,
+        "server",
+        server_without_routes,
+        vllm_checkpoint,
+        "routing_replay=r2",
+        "max_steps=2",
+        "num_iterations=2",
+        "beta=0.0",
+    )
     logs = steps(report)
     assert len(logs) == 2 and not any(name.startswith("routing/") for entry in logs for name in entry)
 
@@ -272,8 +327,18 @@ def test_lora_server_r3_replays_the_engine_routes_and_none_does_not(tmp_path, se
     # forward (the adapter disabled: the base router, where the engine routed with W + BA); the old-logprob pass
     # differs only at bf16/fp32 near-ties, which a 2-step run may not hit (routing/mismatch_frac can read 0)
     reload_weights(server, vllm_checkpoint)
-    control, _ = train(tmp_path, "server", server, vllm_checkpoint, "lora=true", "routing_replay=none",
-                       "routing_metrics=true", "vllm_weight_sync=reload", "count_mismatches=true", "max_steps=2")
+    control, _ = train(
+        tmp_path,
+        "server",
+        server,
+        vllm_checkpoint,
+        "lora=true",
+        "routing_replay=none",
+        "routing_metrics=true",
+        "vllm_weight_sync=reload",
+        "count_mismatches=true",
+        "max_steps=2",
+    )
     assert_lora_trained(control)
     assert control["checked_positions"] > 50 * 2 and control["mismatched_positions"] > 0
 

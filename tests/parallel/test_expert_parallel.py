@@ -44,10 +44,25 @@ WEIGHT_TOL = 1e-4
 
 def launch(out: Path, *args: str) -> list[dict]:
     """``torchrun --nproc_per_node 2 expert_parallel_run.py OUT ARGS``: the two ranks' reports."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_WAIT_POLICY": "PASSIVE", **CPU_ONLY_ENV}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-               str(out), *args]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        **CPU_ONLY_ENV,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        str(out),
+        *args,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -132,8 +147,15 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained):
     for rank in trained:
         pr2 = rank["pr2"]
         # the Trainer's own files, and the model's and optimizer's shards in torch's distributed checkpoint format
-        assert {"model.safetensors", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json",
-                "pr2_predictors.safetensors", "distributed"} <= set(pr2["checkpoint_files"])
+        assert {
+            "model.safetensors",
+            "scheduler.pt",
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+            "trainer_state.json",
+            "pr2_predictors.safetensors",
+            "distributed",
+        } <= set(pr2["checkpoint_files"])
         # the shards, their metadata, and the manifest of per-tensor checksums the resume verifies the load against
         assert pr2["shard_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
         resumed = pr2["resumed"]
@@ -199,8 +221,10 @@ def test_r3_with_a_vllm_server_syncs_full_weights_from_sharded_experts(server, v
     ranks = launch(tmp_path, "server", server, vllm_checkpoint)
     assert_synced_and_checked(ranks)
     # what the server loaded: the checkpoint's own names and full shapes, not one rank's shards
-    with safe_open(Path(vllm_checkpoint) / "model.safetensors", "pt") as original, \
-            safe_open(tmp_path / "vllm_server" / "_vllm_sync" / "model.safetensors", "pt") as synced:
+    with (
+        safe_open(Path(vllm_checkpoint) / "model.safetensors", "pt") as original,
+        safe_open(tmp_path / "vllm_server" / "_vllm_sync" / "model.safetensors", "pt") as synced,
+    ):
         assert set(synced.keys()) == set(original.keys())
         assert all(synced.get_slice(k).get_shape() == original.get_slice(k).get_shape() for k in original.keys())
 
@@ -235,12 +259,29 @@ def stopped_recipe(tmp_path_factory):
     from tests.checkpointing.test_checkpoints import ctrl_c_at_step_10, saved_once, small_args
 
     base = tmp_path_factory.mktemp("ep_recipe")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1", **CPU_ONLY_ENV}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        **CPU_ONLY_ENV,
+    }
     run = base / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "recipes" / "grpo_r3.py"), "--ep_size", "2", "--fsdp_size", "2",
-               *small_args(run, base / "cache", "--max_steps", "1000", "--save_steps", "1000")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "recipes" / "grpo_r3.py"),
+        "--ep_size",
+        "2",
+        "--fsdp_size",
+        "2",
+        *small_args(run, base / "cache", "--max_steps", "1000", "--save_steps", "1000"),
+    ]
     lines, _ = ctrl_c_at_step_10(command, env, base)
     stopped = saved_once(lines, run)
     step = int(stopped.split()[3])
@@ -256,8 +297,9 @@ def test_ctrl_c_on_the_recipe_saves_the_shards_and_the_printed_command_resumes(s
     base, run, step, resume, env = stopped_recipe
     # the printed command, as a user pastes it (one more step, to keep the test short), resumes from those shards
     assert resume[:4] == [resume[0], "--standalone", "--nproc_per_node", "2"] and resume[0].endswith("torchrun")
-    result = subprocess.run([*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env,
-                            timeout=900, cwd=base)
+    result = subprocess.run(
+        [*resume, "--max_steps", str(step + 1)], capture_output=True, text=True, env=env, timeout=900, cwd=base
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"resuming {run} from {run / f'checkpoint-{step}'}" in result.stdout
     assert json.loads((run / "trainer_state.json").read_text())["global_step"] == step + 1
@@ -284,13 +326,21 @@ def test_a_hostile_shard_metadata_is_refused_on_every_rank_before_it_runs(stoppe
     (folder / "distributed" / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
     command = list(resume)
     command[command.index("--output_dir") + 1] = str(folder.parent)
-    result = subprocess.run([*command, "--resume_from_checkpoint", str(folder)], capture_output=True, text=True,
-                            env=env, timeout=900, cwd=base)
+    result = subprocess.run(
+        [*command, "--resume_from_checkpoint", str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=base,
+    )
     assert result.returncode != 0 and not marker.exists(), (result.stdout + result.stderr)[-4000:]
     errors = [line for line in result.stderr.splitlines() if ": error: " in line]
     assert len(errors) == 1, result.stderr[-4000:]
-    assert f"error: checkpoint {folder} refused: distributed/.metadata cannot be read (UnpicklingError: global " \
-           "'posix.system' is not one torch's distributed checkpoint writes" in errors[0], errors[0]
+    assert (
+        f"error: checkpoint {folder} refused: distributed/.metadata cannot be read (UnpicklingError: global "
+        "'posix.system' is not one torch's distributed checkpoint writes" in errors[0]
+    ), errors[0]
     # the ranks exited with status 2 (one stopped by the launcher once the other had: SIGTERM) and no traceback; the
     # one traceback is torchrun's own ChildFailedError report (the launcher prints one for any rank that exits
     # non-zero, which no script can stop): every frame is the launcher's
@@ -298,8 +348,9 @@ def test_a_hostile_shard_metadata_is_refused_on_every_rank_before_it_runs(stoppe
     assert "2" in codes and set(codes) <= {"2", "-15"}, result.stderr[-4000:]
     assert result.stderr.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in result.stderr
     frames = [line for line in result.stderr.splitlines() if line.startswith('  File "')]
-    assert frames and all("torch/distributed" in line or line.startswith(f'  File "{resume[0]}"') for line in frames), \
-        frames
+    assert frames and all(
+        "torch/distributed" in line or line.startswith(f'  File "{resume[0]}"') for line in frames
+    ), frames
 
 
 @pytest.mark.slow  # one more launch of the recipe under torchrun, which loads the model and refuses (~1 min)
@@ -319,9 +370,14 @@ def test_two_layers_storage_swapped_is_refused_by_content_on_every_rank(stopped_
     assert (shards / "manifest.json").is_file()
     with open(shards / ".metadata", "rb") as file:
         metadata = DCPMetadataUnpickler(file).load()
-    first, second = (next(key for key in metadata.state_dict_metadata
-                          if key.startswith("model.") and key.endswith(f"layers.{n}.self_attn.q_proj.weight"))
-                     for n in (0, 1))
+    first, second = (
+        next(
+            key
+            for key in metadata.state_dict_metadata
+            if key.startswith("model.") and key.endswith(f"layers.{n}.self_attn.q_proj.weight")
+        )
+        for n in (0, 1)
+    )
     # their first chunks (FSDP shards each q_proj's rows over the 2 ranks: 2 chunks of [32, 64])
     indexes = [MetadataIndex(key, metadata.state_dict_metadata[key].chunks[0].offsets) for key in (first, second)]
     storage = metadata.storage_data
@@ -329,22 +385,35 @@ def test_two_layers_storage_swapped_is_refused_by_content_on_every_rank(stopped_
     (shards / ".metadata").write_bytes(pickle.dumps(metadata))
     command = list(resume)
     command[command.index("--output_dir") + 1] = str(folder.parent)
-    result = subprocess.run([*command, "--resume_from_checkpoint", str(folder)], capture_output=True, text=True,
-                            env=env, timeout=900, cwd=base)
+    result = subprocess.run(
+        [*command, "--resume_from_checkpoint", str(folder)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=base,
+    )
     assert result.returncode != 0, (result.stdout + result.stderr)[-4000:]
     errors = [line for line in result.stderr.splitlines() if ": error: " in line]
     assert errors and len({line.split(": error: ", 1)[1] for line in errors}) == 1, result.stderr[-4000:]
-    assert f"error: checkpoint {folder} refused: {first!r} as loaded from its shards has another checksum than the " \
-           "save wrote in distributed/manifest.json (2 of the " in errors[0], errors[0]
+    assert (
+        f"error: checkpoint {folder} refused: {first!r} as loaded from its shards has another checksum than the "
+        "save wrote in distributed/manifest.json (2 of the " in errors[0]
+    ), errors[0]
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15"}, result.stderr[-4000:]
 
 
 # --------------------------------------------------------------------------------------------- launch-side refusals
 def args_with(distributed_config, **settings) -> MoEReplayGRPOConfig:
-    return MoEReplayGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none",
-                               model_init_kwargs={"dtype": "float32", "distributed_config": distributed_config},
-                               **settings)
+    return MoEReplayGRPOConfig(
+        output_dir="unused",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        model_init_kwargs={"dtype": "float32", "distributed_config": distributed_config},
+        **settings,
+    )
 
 
 def has_expert_parallelism() -> bool:
@@ -361,13 +430,13 @@ def test_parallel_sizes_are_built_from_a_mapping_or_refused_in_one_line():
             distributed_config_from_args(args_with({"ep_size": 2, "fsdp_size": 2}), world_size=2)
         assert "\n" not in str(refused.value)
         return
-    config = distributed_config_from_args(args_with({"ep_size": 2, "fsdp_size": 2,
-                                                      "ep_implementation": "all_to_all"}), world_size=2)
+    config = distributed_config_from_args(
+        args_with({"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_all"}), world_size=2
+    )
     assert (config.ep_size, config.fsdp_size, config.tp_size, config.ep_implementation) == (2, 2, 1, "all_to_all")
     refusals = {
         "the number of processes": ({"ep_size": 2, "fsdp_size": 2}, 4),
-        "tensor parallelism trains only on GPUs": ({"tp_size": 2, "ep_size": 2, "ep_implementation": "all_reduce"},
-                                                   2),
+        "tensor parallelism trains only on GPUs": ({"tp_size": 2, "ep_size": 2, "ep_implementation": "all_reduce"}, 2),
         "no field of transformers' DistributedConfig": ({"ep_size": 2, "fsdp_size": 2, "expert_size": 2}, 2),
         "refused by transformers: `ep_size` must divide": ({"ep_size": 4, "fsdp_size": 2}, 2),
     }
@@ -377,8 +446,12 @@ def test_parallel_sizes_are_built_from_a_mapping_or_refused_in_one_line():
         assert "\n" not in str(refused.value)
     with pytest.raises(ParallelSizesError, match="pass a mapping"):
         distributed_config_from_args(args_with("ep_size=2"), world_size=2)
-    assert distributed_config_from_args(MoEReplayGRPOConfig(output_dir="unused", use_cpu=True, bf16=False,
-                                                             report_to="none")) is None
+    assert (
+        distributed_config_from_args(
+            MoEReplayGRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
+        )
+        is None
+    )
 
 
 LAYOUTS_TRANSFORMERS_CANNOT_RUN = {  # issue 42: each passed the launch check, then failed inside loading or training
@@ -386,37 +459,60 @@ LAYOUTS_TRANSFORMERS_CANNOT_RUN = {  # issue 42: each passed the launch check, t
     "fsdp_size bool": ({"ep_size": 1, "fsdp_size": True}, "fsdp_size must be an int .*got bool True"),
     "ep_size float": ({"ep_size": 2.0, "fsdp_size": 2}, "ep_size must be an int .*got float 2.0"),
     "pp_size 2": ({"pp_size": 2}, "has pp_size 2, and pipeline parallelism does not train here"),
-    "ep_plan unknown style": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {"x": "y"}},
-                              r"ep_plan\['x'\] is 'y', which is no ep_plan style .*ep_dispatch_experts, grouped_gemm"),
-    "ep_plan a TP style": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {"layers.*.mlp.experts": "moe_tp_experts"}},
-                           "is 'moe_tp_experts', which is no ep_plan style"),
-    "fsdp_plan bogus": ({"ep_size": 2, "fsdp_size": 2, "fsdp_plan": {"layers.*": "shard_everything"}},
-                        r"fsdp_plan\['layers.\*'\] is 'shard_everything', .*free_full_weight, keep_full_weight"),
-    "fsdp_plan a style that is no text": ({"ep_size": 2, "fsdp_size": 2, "fsdp_plan": {"layers.*": 1}},
-                                          "is 1, which is no fsdp_plan style"),
-    "tp_plan unknown style": ({"ep_size": 2, "fsdp_size": 2, "tp_size": 1, "tp_plan": {"layers.*.self_attn.q_proj": "diagonal"}},
-                              "is 'diagonal', which is no tp_plan style"),
-    "tp_plan text other than auto": ({"ep_size": 2, "fsdp_size": 2, "tp_size": 1, "tp_plan": "everything"},
-                                     "tp_plan must be a mapping of module names to styles or auto"),
-    "ep_plan a key that is no text": ({"ep_size": 2, "fsdp_size": 2, "ep_plan": {1: "grouped_gemm"}},
-                                      "ep_plan has the key 1: its keys are module names"),
+    "ep_plan unknown style": (
+        {"ep_size": 2, "fsdp_size": 2, "ep_plan": {"x": "y"}},
+        r"ep_plan\['x'\] is 'y', which is no ep_plan style .*ep_dispatch_experts, grouped_gemm",
+    ),
+    "ep_plan a TP style": (
+        {"ep_size": 2, "fsdp_size": 2, "ep_plan": {"layers.*.mlp.experts": "moe_tp_experts"}},
+        "is 'moe_tp_experts', which is no ep_plan style",
+    ),
+    "fsdp_plan bogus": (
+        {"ep_size": 2, "fsdp_size": 2, "fsdp_plan": {"layers.*": "shard_everything"}},
+        r"fsdp_plan\['layers.\*'\] is 'shard_everything', .*free_full_weight, keep_full_weight",
+    ),
+    "fsdp_plan a style that is no text": (
+        {"ep_size": 2, "fsdp_size": 2, "fsdp_plan": {"layers.*": 1}},
+        "is 1, which is no fsdp_plan style",
+    ),
+    "tp_plan unknown style": (
+        {"ep_size": 2, "fsdp_size": 2, "tp_size": 1, "tp_plan": {"layers.*.self_attn.q_proj": "diagonal"}},
+        "is 'diagonal', which is no tp_plan style",
+    ),
+    "tp_plan text other than auto": (
+        {"ep_size": 2, "fsdp_size": 2, "tp_size": 1, "tp_plan": "everything"},
+        "tp_plan must be a mapping of module names to styles or auto",
+    ),
+    "ep_plan a key that is no text": (
+        {"ep_size": 2, "fsdp_size": 2, "ep_plan": {1: "grouped_gemm"}},
+        "ep_plan has the key 1: its keys are module names",
+    ),
     # issue 51: a listed choice the layout cannot run, a name transformers has none for, one that cannot train
     "ep_implementation all_reduce over ep 2 x fsdp 2": (
         {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_reduce"},
         r"ep_implementation 'all_reduce' needs every rank of an expert group to hold the same batch \(ep_size == "
-        r"tp_size\), but the layout has ep_size 2 and tp_size 1"),
-    "ep_implementation unknown": ({"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_one"},
-                                  "ep_implementation is 'all_to_one', which transformers has no implementation for: "
-                                  "use one of auto, all_to_all, all_reduce"),
-    "ep_implementation no text": ({"ep_size": 2, "fsdp_size": 2, "ep_implementation": 2},
-                                  "ep_implementation is 2, which transformers has no implementation for"),
-    "ep_implementation that cannot train": ({"ep_size": 2, "tp_size": 2, "ep_implementation": "deepgemm_megamoe"},
-                                            "'deepgemm_megamoe' runs at inference only"),
+        r"tp_size\), but the layout has ep_size 2 and tp_size 1",
+    ),
+    "ep_implementation unknown": (
+        {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_one"},
+        "ep_implementation is 'all_to_one', which transformers has no implementation for: "
+        "use one of auto, all_to_all, all_reduce",
+    ),
+    "ep_implementation no text": (
+        {"ep_size": 2, "fsdp_size": 2, "ep_implementation": 2},
+        "ep_implementation is 2, which transformers has no implementation for",
+    ),
+    "ep_implementation that cannot train": (
+        {"ep_size": 2, "tp_size": 2, "ep_implementation": "deepgemm_megamoe"},
+        "'deepgemm_megamoe' runs at inference only",
+    ),
 }
 
 
-@pytest.mark.skipif(not has_expert_parallelism(), reason="transformers 5.16 has no DistributedConfig.ep_size (refused "
-                                                         "as a whole: the test above)")
+@pytest.mark.skipif(
+    not has_expert_parallelism(),
+    reason="transformers 5.16 has no DistributedConfig.ep_size (refused as a whole: the test above)",
+)
 @pytest.mark.parametrize("case", list(LAYOUTS_TRANSFORMERS_CANNOT_RUN))
 def test_a_layout_transformers_cannot_run_is_one_line_before_the_model_loads(case, tmp_path, monkeypatch):
     from transformers.distributed import DistributedConfig
@@ -430,22 +526,29 @@ def test_a_layout_transformers_cannot_run_is_one_line_before_the_model_loads(cas
     monkeypatch.setenv("WORLD_SIZE", "1")  # the trainer's launch check, before TRL loads the model
     (tmp_path / "config.json").write_text("{}")  # a model folder that would fail to load if it were loaded
     with pytest.raises(ParallelSizesError, match=expected):
-        MoEReplayGRPOTrainer(model=str(tmp_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                             args=args_with(sizes))
+        MoEReplayGRPOTrainer(
+            model=str(tmp_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args_with(sizes)
+        )
 
 
 @pytest.mark.skipif(not has_expert_parallelism(), reason="transformers 5.16 has no DistributedConfig.ep_size")
 def test_valid_plans_and_numpy_sizes_are_taken():
     import numpy as np
 
-    plans = {"ep_plan": {"layers.*.mlp.experts": "ep_dispatch_experts", "layers.*.mlp.experts.down_proj":
-                         "grouped_gemm"}, "fsdp_plan": {"layers.*": "free_full_weight"}, "tp_size": 1, "tp_plan": "auto"}
+    plans = {
+        "ep_plan": {"layers.*.mlp.experts": "ep_dispatch_experts", "layers.*.mlp.experts.down_proj": "grouped_gemm"},
+        "fsdp_plan": {"layers.*": "free_full_weight"},
+        "tp_size": 1,
+        "tp_plan": "auto",
+    }
     config = distributed_config_from_args(args_with({"ep_size": np.int64(2), "fsdp_size": 2, **plans}), world_size=2)
     assert (config.ep_size, config.ep_plan, config.fsdp_plan) == (2, plans["ep_plan"], plans["fsdp_plan"])
     # ep_implementation: each that the layout runs; any value without expert parallelism (transformers reads none)
-    for sizes in ({"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_all"},
-                  {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "auto"},
-                  {"ep_size": 1, "fsdp_size": 2, "ep_implementation": "all_to_one"}):
+    for sizes in (
+        {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "all_to_all"},
+        {"ep_size": 2, "fsdp_size": 2, "ep_implementation": "auto"},
+        {"ep_size": 1, "fsdp_size": 2, "ep_implementation": "all_to_one"},
+    ):
         config = distributed_config_from_args(args_with(sizes), world_size=2)
         assert config.ep_implementation == sizes["ep_implementation"]
     from transformers.distributed import DistributedConfig
@@ -475,8 +578,11 @@ def test_the_trainer_refuses_bad_sizes_before_loading_the_model(tmp_path, monkey
     (tmp_path / "config.json").write_text("{}")  # a model folder that would fail to load if it were loaded
     expected = "the number of processes" if has_expert_parallelism() else "has no expert parallelism"
     with pytest.raises(ParallelSizesError, match=expected):
-        MoEReplayGRPOTrainer(model=str(tmp_path), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                             args=args_with({"ep_size": 2, "fsdp_size": 2}))
+        MoEReplayGRPOTrainer(
+            model=str(tmp_path),
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args_with({"ep_size": 2, "fsdp_size": 2}),
+        )
 
 
 def test_every_weight_sync_reads_full_tensors_through_one_function():
@@ -496,8 +602,9 @@ def test_every_weight_sync_reads_full_tensors_through_one_function():
     assert source.count("map_weight_sync_tensors(") == 1 and "full_tensor)" in source
 
 
-@pytest.mark.parametrize(("name", "processes"), [("qwen3_30b_a3b_ep8_vllm_server", 8),
-                                                 ("qwen3_30b_a3b_ep8_hsdp_2nodes", 16)])
+@pytest.mark.parametrize(
+    ("name", "processes"), [("qwen3_30b_a3b_ep8_vllm_server", 8), ("qwen3_30b_a3b_ep8_hsdp_2nodes", 16)]
+)
 def test_the_recipe_configs_launch_their_sizes(name, processes):
     from tests.helpers import load_script
 

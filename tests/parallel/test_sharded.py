@@ -32,10 +32,25 @@ STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3, "threshold": 2}  # optimizer ste
 
 def launch(engine: str, out: Path, **env) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file recipes/accelerate/<engine>.yaml --num_processes 2 sharded_run.py out``."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           **CPU_ONLY_ENV, **env}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[engine]),
-               "--num_processes", "2", str(SCRIPT), str(out)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **CPU_ONLY_ENV,
+        **env,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS[engine]),
+        "--num_processes",
+        "2",
+        str(SCRIPT),
+        str(out),
+    ]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 
 
@@ -79,8 +94,11 @@ def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
         expected_type = {"ddp": "MULTI_CPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp2": "FSDP"}[engine]
         assert r3["distributed_type"] == expected_type
         params = storage["params"]
-        assert set(params) == {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
-                               "pr2_predictors.layers.0.weight"}
+        assert set(params) == {
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "pr2_predictors.layers.0.weight",
+        }
         for name, param in params.items():
             if engine in ("zero3", "fsdp2"):  # parameters, predictors included, hold half of each tensor per rank
                 assert param["local"] * 2 == param["full"] and param["dtensor" if engine == "fsdp2" else "zero3"]

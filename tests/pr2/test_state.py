@@ -42,8 +42,11 @@ def predictor_state(trainer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("model_type", "dtype"),
     [(model_type, torch.float32) for model_type in supported_model_types()]
-    + [(model_type, torch.bfloat16) for model_type in ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoe", "jamba")
-       if model_type in supported_model_types()],
+    + [
+        (model_type, torch.bfloat16)
+        for model_type in ("qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoe", "jamba")
+        if model_type in supported_model_types()
+    ],
 )
 def test_zero_predictors_give_the_natural_routes_and_others_move_them(model_type, dtype):
     model = tiny_moe_model(model_type, dtype=dtype)
@@ -105,11 +108,13 @@ def test_predictor_loss_falls_and_predicted_routes_follow_a_synthetic_router_dri
     x = random_ids(4, 24)
     mask = torch.ones_like(x)
     routers = rr.routers()
-    drift = {layer: torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(layer)) * 0.3
-             for layer, router in routers.items()}
+    drift = {
+        layer: torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(layer)) * 0.3
+        for layer, router in routers.items()
+    }
 
     def routes(steer: bool) -> torch.Tensor:
-        with torch.no_grad(), (pr2.steering() if steer else contextlib.nullcontext()), rr.record() as rec:
+        with torch.no_grad(), pr2.steering() if steer else contextlib.nullcontext(), rr.record() as rec:
             model(x)
         return rec.routes[:, :, rr.moe_layers].long()
 
@@ -177,8 +182,15 @@ def test_frozen_zero_predictors_reproduce_r2_exactly(tmp_path):
                 return super()._compute_loss(model, inputs)
 
         torch.manual_seed(0)
-        trainer = make_trainer(tmp_path / mode, tiny_moe_model("olmoe"), cls=Spy, max_steps=3, routing_replay=mode,
-                               pr2_lr_multiplier=0.0, **OFF_POLICY)
+        trainer = make_trainer(
+            tmp_path / mode,
+            tiny_moe_model("olmoe"),
+            cls=Spy,
+            max_steps=3,
+            routing_replay=mode,
+            pr2_lr_multiplier=0.0,
+            **OFF_POLICY,
+        )
         trainer.train()
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         return trainer, seen, params
@@ -195,8 +207,9 @@ def test_frozen_zero_predictors_reproduce_r2_exactly(tmp_path):
 
 def test_predictors_train_on_off_policy_updates_only_and_log_their_metrics(tmp_path):
     snapshots = _PredictorSnapshots()
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="pr2", max_steps=3,
-                           pr2_lr_multiplier=10.0, **OFF_POLICY)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), routing_replay="pr2", max_steps=3, pr2_lr_multiplier=10.0, **OFF_POLICY
+    )
     snapshots.trainer = trainer
     trainer.add_callback(snapshots)
     trainer.train()
@@ -216,8 +229,10 @@ def test_predictors_train_on_off_policy_updates_only_and_log_their_metrics(tmp_p
     assert agreement[1] < 1.0  # after an update the router has moved away from some replayed routes
     # registered in the model, but only in their own optimizer group (never saved with the model: see
     # test_checkpoint_saves_predictors_apart_and_resume_restores_them)
-    assert sorted(n for n in named if n.startswith("pr2_predictors.")) == ["pr2_predictors.layers.0.weight",
-                                                                          "pr2_predictors.layers.1.weight"]
+    assert sorted(n for n in named if n.startswith("pr2_predictors.")) == [
+        "pr2_predictors.layers.0.weight",
+        "pr2_predictors.layers.1.weight",
+    ]
     assert [id(p) for group in groups for p in group["params"]].count(id(predictors[0])) == 1
 
 
@@ -234,12 +249,15 @@ def test_the_predictor_cache_stays_with_the_trainer_and_the_batch_dict_carries_o
 
         def _add_pr2_predictor_loss(self, loss):
             cache = self._micro_batch.held.per_sample  # the micro-batch's own rows of the buffer
-            seen["cached"].append(sorted(cache) == sorted(CACHE_KEYS)
-                                  and len(cache["pr2_positions"]) == self.args.per_device_train_batch_size)
+            seen["cached"].append(
+                sorted(cache) == sorted(CACHE_KEYS)
+                and len(cache["pr2_positions"]) == self.args.per_device_train_batch_size
+            )
             return super()._add_pr2_predictor_loss(loss)
 
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, routing_replay="pr2", max_steps=2,
-                           **OFF_POLICY)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, routing_replay="pr2", max_steps=2, **OFF_POLICY
+    )
     trainer.train()
     assert ROUTE_ROWS in seen["keys"] and not [key for key in seen["keys"] if key.startswith("pr2_")]
     assert seen["cached"] and all(seen["cached"])
@@ -261,8 +279,10 @@ def test_no_gradient_crosses_between_policy_and_predictors(tmp_path):
             def checked(*args, **kwargs):
                 predictor_loss, sums = training_loss(*args, **kwargs)
                 if predictor_loss is not None:
-                    assert all(g is None for g in torch.autograd.grad(predictor_loss, policy, allow_unused=True,
-                                                                      retain_graph=True))
+                    assert all(
+                        g is None
+                        for g in torch.autograd.grad(predictor_loss, policy, allow_unused=True, retain_graph=True)
+                    )
                     grads = torch.autograd.grad(predictor_loss, predictors, retain_graph=True)
                     assert all(g.abs().sum() > 0 for g in grads)
                     checks["predictor"] += 1
@@ -276,8 +296,9 @@ def test_no_gradient_crosses_between_policy_and_predictors(tmp_path):
             assert total.item() == loss.item()  # the logged loss stays the policy loss
             return total
 
-    trainer = make_trainer(tmp_path, tiny_moe_model("mixtral"), cls=CrossGradSpy, routing_replay="pr2", seed=42,
-                           **OFF_POLICY)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("mixtral"), cls=CrossGradSpy, routing_replay="pr2", seed=42, **OFF_POLICY
+    )
     trainer.train()
     assert checks == {"policy": 2, "predictor": 1}
 
@@ -291,16 +312,20 @@ def test_old_pass_predicted_routes_are_replayed_in_training(tmp_path):
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             with torch.no_grad(), self._pr2.steering(), self._route_replay.record() as rec:
-                model(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0))
+                model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+                )
             real = attention_mask.bool()
             replayed = self.replayed_routes(inputs)
             assert torch.equal(rec.routes[real].long().sort(-1).values, replayed[real].long().sort(-1).values)
             checked.append(int(real.sum()))
             return super()._compute_loss(model, inputs)
 
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, learning_rate=0.0, routing_replay="pr2",
-                           seed=42)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, learning_rate=0.0, routing_replay="pr2", seed=42
+    )
     randomise(trainer._pr2.predictors, scale=0.05)
     trainer.train()
     assert len(checked) == 4
@@ -314,7 +339,9 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
     class Spy(MoEReplayGRPOTrainer):
         def _generate(self, prompts):
             output = super()._generate(prompts)
-            captured.append([turns[0].rows.clone() for turns in self._routes.batch.turns.turns])  # generate's own, per sample
+            captured.append(
+                [turns[0].rows.clone() for turns in self._routes.batch.turns.turns]
+            )  # generate's own, per sample
             return output
 
         def _generate_and_score_completions(self, inputs):
@@ -323,11 +350,19 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
             for i, rows in enumerate(captured[-1]):  # rows: positions 0 .. p + c - 2 of the sample
                 start = prompt_width - int(output["prompt_mask"][i].sum())
                 assert torch.equal(replayed[i, start : start + len(rows)], rows)
-                assert no_route(replayed[i, :start]).all() and no_route(replayed[i, start + len(rows):]).all()
+                assert no_route(replayed[i, :start]).all() and no_route(replayed[i, start + len(rows) :]).all()
             return output
 
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), cls=Spy, routing_replay="pr2",
-                           pr2_rollout_prediction=True, pr2_lr_multiplier=0.0, seed=42, **OFF_POLICY)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        cls=Spy,
+        routing_replay="pr2",
+        pr2_rollout_prediction=True,
+        pr2_lr_multiplier=0.0,
+        seed=42,
+        **OFF_POLICY,
+    )
     randomise(trainer._pr2.predictors, scale=0.05)
     trainer.train()
     assert len(captured) == 1
@@ -340,8 +375,16 @@ def test_rollout_prediction_replays_the_routes_generate_used(tmp_path):
 
 def test_checkpoint_saves_predictors_apart_and_resume_restores_them(tmp_path):
     out = tmp_path / "run"
-    trainer = make_trainer(out, tiny_moe_model("qwen3_moe"), routing_replay="pr2", max_steps=2,
-                           pr2_lr_multiplier=10.0, save_strategy="steps", save_steps=1, **OFF_POLICY)
+    trainer = make_trainer(
+        out,
+        tiny_moe_model("qwen3_moe"),
+        routing_replay="pr2",
+        max_steps=2,
+        pr2_lr_multiplier=10.0,
+        save_strategy="steps",
+        save_steps=1,
+        **OFF_POLICY,
+    )
     trainer.train()
     final = predictor_state(trainer)
     folder = out / "checkpoint-2"
@@ -361,8 +404,16 @@ def test_checkpoint_saves_predictors_apart_and_resume_restores_them(tmp_path):
             state = self.optimizer.state
             restored["adam"] = [state[p]["exp_avg"].clone() for p in self._pr2.predictors.parameters()]
 
-    resumed = make_trainer(out, tiny_moe_model("qwen3_moe"), cls=ResumeSpy, max_steps=3, routing_replay="pr2",
-                           pr2_lr_multiplier=10.0, seed=42, **OFF_POLICY)
+    resumed = make_trainer(
+        out,
+        tiny_moe_model("qwen3_moe"),
+        cls=ResumeSpy,
+        max_steps=3,
+        routing_replay="pr2",
+        pr2_lr_multiplier=10.0,
+        seed=42,
+        **OFF_POLICY,
+    )
     resumed.train(resume_from_checkpoint=str(folder))
     assert all(torch.equal(restored["predictors"][n], saved[n]) for n in saved)
     saved_optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
@@ -376,9 +427,18 @@ def test_peft_lora_with_router_in_modules_to_save_and_a_reference_model(tmp_path
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["gate"])
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=lora), beta=0.04,
-                           save_strategy="steps", save_steps=2, routing_replay="pr2", pr2_lr_multiplier=10.0, seed=42,
-                           **OFF_POLICY)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        trainer_kwargs=dict(peft_config=lora),
+        beta=0.04,
+        save_strategy="steps",
+        save_steps=2,
+        routing_replay="pr2",
+        pr2_lr_multiplier=10.0,
+        seed=42,
+        **OFF_POLICY,
+    )
     trainer.train()
     assert len(logged(trainer, "pr2/loss")) == 1 and any((p != 0).any() for p in predictor_state(trainer).values())
     adapter = load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")
@@ -392,12 +452,23 @@ def test_r2_and_pr2_with_lora_on_the_router_and_experts_train_checkpoint_and_res
     router's own (R2), PR2's predictors steer that router and train, and a resume restores adapter and predictors."""
     from peft import LoraConfig
 
-    lora = LoraConfig(r=4, target_modules=["q_proj", "gate"],
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    lora = LoraConfig(
+        r=4, target_modules=["q_proj", "gate"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    )
     out = tmp_path / "run"
     pr2 = dict(pr2_lr_multiplier=10.0) if mode == "pr2" else {}
-    trainer = make_trainer(out, tiny_moe_model("qwen3_moe"), trainer_kwargs=dict(peft_config=lora), max_steps=2,
-                           save_strategy="steps", save_steps=1, routing_replay=mode, seed=42, **pr2, **OFF_POLICY)
+    trainer = make_trainer(
+        out,
+        tiny_moe_model("qwen3_moe"),
+        trainer_kwargs=dict(peft_config=lora),
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        routing_replay=mode,
+        seed=42,
+        **pr2,
+        **OFF_POLICY,
+    )
     trainer.train()
     assert logged(trainer, "routing/fallback_frac") and all(v == 0 for v in logged(trainer, "routing/fallback_frac"))
     folder = out / "checkpoint-2"
@@ -415,8 +486,17 @@ def test_r2_and_pr2_with_lora_on_the_router_and_experts_train_checkpoint_and_res
             restored["params"] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
             restored["predictors"] = predictor_state(self)
 
-    resumed = make_trainer(out, tiny_moe_model("qwen3_moe"), cls=ResumeSpy, trainer_kwargs=dict(peft_config=lora),
-                           max_steps=3, routing_replay=mode, seed=42, **pr2, **OFF_POLICY)
+    resumed = make_trainer(
+        out,
+        tiny_moe_model("qwen3_moe"),
+        cls=ResumeSpy,
+        trainer_kwargs=dict(peft_config=lora),
+        max_steps=3,
+        routing_replay=mode,
+        seed=42,
+        **pr2,
+        **OFF_POLICY,
+    )
     resumed.train(resume_from_checkpoint=str(folder))
     adapted = {n.replace(".default", ""): p for n, p in restored["params"].items() if "lora_" in n}
     assert len(adapted) == len(adapter) and all(torch.equal(adapted[n], adapter[n]) for n in adapter)
@@ -430,8 +510,9 @@ def test_pr2_config_errors():
     with pytest.raises(ValueError, match="pr2_rollout_prediction needs routing_replay='pr2'"):
         MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, routing_replay="r2", pr2_rollout_prediction=True)
     with pytest.raises(ValueError, match="use_vllm"):
-        MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, routing_replay="pr2",
-                            pr2_rollout_prediction=True, use_vllm=True)
+        MoEReplayGRPOConfig(
+            output_dir="x", use_cpu=True, bf16=False, routing_replay="pr2", pr2_rollout_prediction=True, use_vllm=True
+        )
     with pytest.raises(ValueError, match="pr2_lr_multiplier"):
         MoEReplayGRPOConfig(output_dir="x", use_cpu=True, bf16=False, pr2_lr_multiplier=-1.0)
     with pytest.raises(ValueError, match="pr2_cached_tokens_per_sequence"):

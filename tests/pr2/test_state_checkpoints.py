@@ -30,8 +30,14 @@ def killed_runs(root: Path, points: list[str]) -> dict[str, int]:
     """Run tests/scripts/pr2_checkpoint_kill.py: ``{point: wait status}`` of the forked run of each point."""
     repo = Path(__file__).parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root), *points], capture_output=True, text=True,
-                            timeout=1200, env=env, cwd=repo)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(root), *points],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=repo,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     statuses = dict(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT "))
     assert list(statuses) == points, result.stdout + result.stderr[-3000:]
@@ -82,20 +88,23 @@ def test_a_kill_after_any_write_leaves_the_old_or_the_new_predictors(tmp_path):
             with pytest.raises(PR2CheckpointError, match="stopped while saving it"):
                 judge._check_pr2_checkpoint(str(new))
     # resuming: the complete new checkpoint gives the new state, an old one beside an incomplete new one the old
-    assert same(resumed_predictors(tmp_path / "trainer-state", tmp_path / "trainer-state" / "checkpoint-2"),
-                reference[2])
+    assert same(
+        resumed_predictors(tmp_path / "trainer-state", tmp_path / "trainer-state" / "checkpoint-2"), reference[2]
+    )
     assert same(resumed_predictors(tmp_path / "model", tmp_path / "model" / "checkpoint-1"), reference[1])
 
 
 def test_a_checkpoint_without_predictors_or_of_another_mode_is_refused(tmp_path):
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, save_strategy="steps", save_steps=1,
-                           **PR2)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, save_strategy="steps", save_steps=1, **PR2
+    )
     trainer.train()
     checkpoint = tmp_path / "checkpoint-1"
     # PR2 as R3: refused by name, not by torch's "different number of parameter groups"
     r3 = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=2, routing_replay="r3")
-    with pytest.raises(PR2CheckpointError, match="saved by a routing_replay='pr2' run .* this run uses "
-                                                 "routing_replay='r3'"):
+    with pytest.raises(
+        PR2CheckpointError, match="saved by a routing_replay='pr2' run .* this run uses routing_replay='r3'"
+    ):
         r3.train(resume_from_checkpoint=str(checkpoint))
     # the predictors lost: refused, not restarted from zero under their restored optimizer state
     (checkpoint / PREDICTORS_FILE).unlink()
@@ -106,7 +115,9 @@ def test_a_checkpoint_without_predictors_or_of_another_mode_is_refused(tmp_path)
     (checkpoint / f"{PREDICTORS_FILE}.partial-4242").write_bytes(b"half")
     pr2._pr2.save(str(checkpoint))
     assert not list(checkpoint.glob("*.partial-*")) and set(load_file(checkpoint / PREDICTORS_FILE)) == {
-        "layers.0.weight", "layers.1.weight"}
+        "layers.0.weight",
+        "layers.1.weight",
+    }
     # R3 as PR2: the same refusal (an R3 checkpoint has no predictors)
     r3_out = tmp_path / "r3"
     make_trainer(r3_out, tiny_moe_model("qwen3_moe"), max_steps=1, save_strategy="steps", save_steps=1).train()
@@ -116,8 +127,9 @@ def test_a_checkpoint_without_predictors_or_of_another_mode_is_refused(tmp_path)
 
 
 def test_non_finite_predictors_are_refused_when_loaded_and_stop_training(tmp_path):
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, save_strategy="steps", save_steps=1,
-                           **PR2)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), max_steps=1, save_strategy="steps", save_steps=1, **PR2
+    )
     trainer.train()
     path = tmp_path / "checkpoint-1" / PREDICTORS_FILE
     weights = load_file(path)
@@ -129,12 +141,14 @@ def test_non_finite_predictors_are_refused_when_loaded_and_stop_training(tmp_pat
 
     # trained into NaN (a NaN gradient, as from an overflow): the run stops at that optimizer step, before the
     # predictors steer any route, and no checkpoint with them is written
-    diverging = make_trainer(tmp_path / "nan", tiny_moe_model("qwen3_moe"), max_steps=2, save_strategy="steps",
-                             save_steps=1, **PR2)
+    diverging = make_trainer(
+        tmp_path / "nan", tiny_moe_model("qwen3_moe"), max_steps=2, save_strategy="steps", save_steps=1, **PR2
+    )
     for param in diverging._pr2.predictors.parameters():
         param.register_hook(lambda grad: grad * math.nan)
     with pytest.raises(PR2StateError, match=r"PR2 predictor weights \[.*\] are not finite \(after an optimizer step"):
         diverging.train()
     assert logged(diverging, "pr2/loss") == []  # the first update that trained them was the last
     assert not (tmp_path / "nan" / "checkpoint-1" / PREDICTORS_FILE).exists() or all(
-        torch.isfinite(v).all() for v in load_file(tmp_path / "nan" / "checkpoint-1" / PREDICTORS_FILE).values())
+        torch.isfinite(v).all() for v in load_file(tmp_path / "nan" / "checkpoint-1" / PREDICTORS_FILE).values()
+    )

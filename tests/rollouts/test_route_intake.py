@@ -74,15 +74,18 @@ def test_the_intake_counts_warns_and_applies_the_first_batch_rule(caplog):
     with pytest.raises(RoutesUnavailableError, match="no route test engine returned .* top-2.* Check the engine"):
         intake.align([[EngineTurn(bad, 2, 2)]] * 3, *layout, **widths)
     with caplog.at_level(logging.WARNING):
-        routes = intake.align([[EngineTurn(good, 2, 2)], [EngineTurn(None, 2, 2)], [EngineTurn(bad, 2, 2)]],
-                              *layout, **widths).tensor()  # after the first batch: one missing, one malformed sample fall back
+        routes = intake.align(
+            [[EngineTurn(good, 2, 2)], [EngineTurn(None, 2, 2)], [EngineTurn(bad, 2, 2)]], *layout, **widths
+        ).tensor()  # after the first batch: one missing, one malformed sample fall back
     assert no_route(routes[1:]).all() and not no_route(routes[0, :3]).any()
     assert intake.fallback_samples == 2  # the first batch raised: nothing trained on it
     assert "2 of 3 samples on this rank have no usable test engine routes (1 missing, 1 malformed)" in caplog.text
     # a multi-turn sample failing in two turns is one malformed sample
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        intake.align([[EngineTurn(bad, 2, 1), EngineTurn(bad, 3, 1)]] + [[EngineTurn(good, 2, 2)]] * 2, *layout, **widths)
+        intake.align(
+            [[EngineTurn(bad, 2, 1), EngineTurn(bad, 3, 1)]] + [[EngineTurn(good, 2, 2)]] * 2, *layout, **widths
+        )
     assert "1 of 3 samples" in caplog.text and "(0 missing, 1 malformed)" in caplog.text
 
 
@@ -107,17 +110,27 @@ def test_never_written_positions_fall_back_alone_and_a_sample_counts_whole_only_
     # is replayed there (a partial loss, not a fallen-back sample)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        routes = intake.align([[EngineTurn(np.zeros_like(good), 2, 2)], [EngineTurn(good[:, :, :1], 2, 1),
-                               EngineTurn(good, 2, 2)], [EngineTurn(good, 2, 2)]], *layout, **widths).tensor()
+        routes = intake.align(
+            [
+                [EngineTurn(np.zeros_like(good), 2, 2)],
+                [EngineTurn(good[:, :, :1], 2, 1), EngineTurn(good, 2, 2)],
+                [EngineTurn(good, 2, 2)],
+            ],
+            *layout,
+            **widths,
+        ).tensor()
     assert no_route(routes[0]).all() and not no_route(routes[1:, :3]).any()
-    assert intake.fallback_samples == 1 and "1 of 3 samples" in caplog.text and "(0 missing, 1 malformed)" in caplog.text
+    assert (
+        intake.fallback_samples == 1 and "1 of 3 samples" in caplog.text and "(0 missing, 1 malformed)" in caplog.text
+    )
     assert "1 more lost the routes of some of their turns" in caplog.text
     sums = intake.take_sample_sums()
     assert (sums["fallback_samples"].item(), sums["samples"].item()) == (1, 3)
     # a first batch whose every sample is wholly unwritten has nothing that fits: the first-batch rule stands
     with pytest.raises(RoutesUnavailableError, match="all-zero top-2 route .* no route is left to replay"):
-        RouteIntake(None, source="test engine", required=True).align([[EngineTurn(np.zeros_like(good), 2, 2)]] * 3,
-                                                                     *layout, **widths)
+        RouteIntake(None, source="test engine", required=True).align(
+            [[EngineTurn(np.zeros_like(good), 2, 2)]] * 3, *layout, **widths
+        )
 
 
 # ----------------------------------------------------------------------------- rollout_func
@@ -171,8 +184,14 @@ def test_fuzzed_rollout_func_routes_never_end_the_run_and_fallback_frac_is_exact
     rollout = FuzzedRollout(fuzzer)
     RolloutSpy.batches = []
     with caplog.at_level(logging.WARNING, logger="trl_moe_replay.rollouts.route_intake"):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **MODEL), cls=RolloutSpy, max_steps=4,
-                               per_device_train_batch_size=16, trainer_kwargs={"rollout_func": rollout})
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe", **MODEL),
+            cls=RolloutSpy,
+            max_steps=4,
+            per_device_train_batch_size=16,
+            trainer_kwargs={"rollout_func": rollout},
+        )
         trainer.train()
     assert trainer.state.global_step == 4  # no single sample ended the run
     assert set(fuzzer.corrupted.values()) == set(CORRUPTIONS), fuzzer.corrupted
@@ -182,7 +201,7 @@ def test_fuzzed_rollout_func_routes_never_end_the_run_and_fallback_frac_is_exact
         bad = rollout.bad(call)
         assert no_route(batch["replay_routes"][bad]).all()
         good = [i for i in range(len(batch["replay_routes"])) if i not in bad]
-        assert not no_route(batch["replay_routes"][good][:, -batch["completion_ids"].shape[1]:, 1:]).all()
+        assert not no_route(batch["replay_routes"][good][:, -batch["completion_ids"].shape[1] :, 1:]).all()
         expected.append(expected_fallback(batch, bad, fuzzer.unwritten(call)))
     assert 0 < min(expected) and logged(trainer, "routing/fallback_frac") == pytest.approx(expected, abs=1e-6)
     assert any(fuzzer.unwritten(call) for call in range(rollout.calls))
@@ -208,14 +227,18 @@ class MisfitRollout(EngineRollout):
 
     def __call__(self, prompts, trainer):
         output = super().__call__(prompts, trainer)
-        output["routed_experts"] = [encode_routed_experts(np.ascontiguousarray(rows[:, :, :1]))
-                                    for rows in self.returned[-1]]
+        output["routed_experts"] = [
+            encode_routed_experts(np.ascontiguousarray(rows[:, :, :1])) for rows in self.returned[-1]
+        ]
         return output
 
 
 def test_a_first_rollout_func_batch_without_a_fitting_route_stops_r3_like_vllm(tmp_path):
-    with pytest.raises(RoutesUnavailableError, match="no route rollout_func returned for the first batch fits .*"
-                                                    "rollout_func's engine serve the same checkpoint"):
+    with pytest.raises(
+        RoutesUnavailableError,
+        match="no route rollout_func returned for the first batch fits .*"
+        "rollout_func's engine serve the same checkpoint",
+    ):
         train_with_rollout(tmp_path / "r3", MisfitRollout())
     # R2 does not need them: the batch falls back with a warning and trains on
     trainer = train_with_rollout(tmp_path / "r2", MisfitRollout(), routing_replay="r2")
@@ -234,13 +257,21 @@ def test_routed_experts_that_are_no_list_stop_with_one_message(tmp_path, rows):
 
 # ----------------------------------------------------------------------------- colocate
 def test_fuzzed_colocated_routes_never_end_the_run_and_fallback_frac_is_exact(
-    tmp_path, restored_environ  # noqa: F811 - the fixture
+    tmp_path,
+    restored_environ,  # noqa: F811 - the fixture
 ):
     fuzzer = RouteFuzzer(seed=11, num_experts=8, moe_layers=[1, 2], rate=0.6)
     with fake_colocated_vllm(tiny_moe_model("qwen3_moe", **MODEL), tamper=fuzzer):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **MODEL), cls=BatchSpy, use_vllm=True,
-                               vllm_mode="colocate", vllm_weight_sync="trl", max_steps=4,
-                               per_device_train_batch_size=16)
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe", **MODEL),
+            cls=BatchSpy,
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_weight_sync="trl",
+            max_steps=4,
+            per_device_train_batch_size=16,
+        )
         trainer.train()
     assert trainer.state.global_step == 4
     assert set(fuzzer.corrupted.values()) == set(CORRUPTIONS), fuzzer.corrupted
@@ -252,7 +283,9 @@ def test_fuzzed_colocated_routes_never_end_the_run_and_fallback_frac_is_exact(
     assert logged(trainer, "routing/fallback_frac") == pytest.approx(expected, abs=1e-6)
     assert logged(trainer, "routing/mismatch_frac") == [0.0] * 4  # the good samples replayed the engine's routes
     assert trainer._route_intake.fallback_samples == sum(len(fuzzer.whole(call)) for call in range(4))
-    assert sum(kind == NEVER_WRITTEN for kind in fuzzer.corrupted.values()) == trainer._route_intake.unwritten_positions
+    assert (
+        sum(kind == NEVER_WRITTEN for kind in fuzzer.corrupted.values()) == trainer._route_intake.unwritten_positions
+    )
 
 
 # ----------------------------------------------------------------------------- transformers generate
@@ -264,12 +297,19 @@ def stub_generate(input_ids, attention_mask=None, **kwargs):
 def test_a_generate_stub_without_forwards_is_a_clear_error_under_r3(tmp_path):
     trainer = make_trainer(tmp_path / "r3", tiny_moe_model("qwen3_moe"), max_steps=1)
     trainer.model.generate = stub_generate
-    with pytest.raises(RoutesUnavailableError, match="no route transformers generate returned .* no sample here came "
-                                                    "with routes.*replaced model.generate"):
+    with pytest.raises(
+        RoutesUnavailableError,
+        match="no route transformers generate returned .* no sample here came with routes.*replaced model.generate",
+    ):
         trainer.train()
     # R2 replays its own old-pass routes: the stub is fine, the generation rows fall back (counted)
-    trainer = make_trainer(tmp_path / "r2", tiny_moe_model("qwen3_moe"), max_steps=1, routing_replay="r2",
-                           transformers_importance_sampling_correction=False)
+    trainer = make_trainer(
+        tmp_path / "r2",
+        tiny_moe_model("qwen3_moe"),
+        max_steps=1,
+        routing_replay="r2",
+        transformers_importance_sampling_correction=False,
+    )
     trainer.model.generate = stub_generate
     trainer.train()
     assert trainer.state.global_step == 1 and logged(trainer, "routing/fallback_frac") == [1.0]

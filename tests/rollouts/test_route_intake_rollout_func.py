@@ -56,12 +56,24 @@ def reward_len(completions, difficulty, **kwargs):
 def train(tmp_path, rollout, routing_replay="r3"):
     Spy.batches = []
     args = MoEReplayGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1, logging_steps=1,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, save_strategy="no", seed=0,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        save_strategy="no",
+        seed=0,
         routing_replay=routing_replay,
     )
     trainer = Spy(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args, processing_class=tiny_tokenizer(),
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=reward_len,
+        args=args,
+        processing_class=tiny_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
         rollout_func=rollout,
     )

@@ -21,8 +21,15 @@ from trl_moe_replay.rollouts.vllm_routes import VLLMRouteSource, llm_returning_r
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINERS = [ROOT / "trl_moe_replay/trainer/grpo_trainer.py", ROOT / "trl_moe_replay/async_grpo/async_grpo_trainer.py"]
-SOURCES = [VLLMRouteSource, TransformersRouteSource, RolloutFuncFields, RolloutFuncRoutes, SGLangRollout, SampleRoutes,
-           RoutedAsyncRolloutWorker]
+SOURCES = [
+    VLLMRouteSource,
+    TransformersRouteSource,
+    RolloutFuncFields,
+    RolloutFuncRoutes,
+    SGLangRollout,
+    SampleRoutes,
+    RoutedAsyncRolloutWorker,
+]
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda cls: cls.__name__)
@@ -39,21 +46,44 @@ def test_every_engine_implements_the_interface(source):
 def names_in(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)} | {
-        node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+    }
 
 
 def test_the_trainers_reach_engine_rows_only_through_the_interface():
     """No trainer names an engine's route class or request field, nor asks ``use_vllm`` on the route path."""
-    engine_names = {"VLLMRouteSource", "TransformersRolloutRecorder", "local_rows", "vllm_request_fields",
-                    "llm_returning_routes", "request_prompt_start", "take_received_bytes", "RolloutTurns",
-                    "SGLangRollout", "decode_sglang_routes"}
+    engine_names = {
+        "VLLMRouteSource",
+        "TransformersRolloutRecorder",
+        "local_rows",
+        "vllm_request_fields",
+        "llm_returning_routes",
+        "request_prompt_start",
+        "take_received_bytes",
+        "RolloutTurns",
+        "SGLangRollout",
+        "decode_sglang_routes",
+    }
     for path in TRAINERS:
         assert names_in(path) & engine_names == set(), path.name
         tree = ast.parse(path.read_text())
-        strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        strings = {
+            node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        }
         assert {"routed_experts", "routed_experts_prompt_start"} & strings == set(), path.name  # read by their sources
-        route_path = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in (
-            "_generate_single_turn", "_build_route_source", "_build_route_intake", "_align_sample", "_route_source")]
+        route_path = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef)
+            and node.name
+            in (
+                "_generate_single_turn",
+                "_build_route_source",
+                "_build_route_intake",
+                "_align_sample",
+                "_route_source",
+            )
+        ]
         assert route_path, path.name
         for node in route_path:
             assert "use_vllm" not in ast.unparse(node), (path.name, node.name)
@@ -65,15 +95,19 @@ def test_the_sync_trainers_choice_of_source():
     recorder = TransformersRouteSource(None, lambda: None, 1.0, 0, return_logprobs=False)
     assert sync_trainer_route_source(plain, keep_routes=True, required=True, generate_source=recorder) is recorder
     assert sync_trainer_route_source(vllm, keep_routes=False, required=False, generate_source=recorder) is None
-    wrapped = sync_trainer_route_source(plain, keep_routes=True, required=True, generate_source=recorder,
-                                        rollout_func=lambda prompts, trainer: {})
+    wrapped = sync_trainer_route_source(
+        plain, keep_routes=True, required=True, generate_source=recorder, rollout_func=lambda prompts, trainer: {}
+    )
     assert isinstance(wrapped, RolloutFuncRoutes) and wrapped.turns is recorder and wrapped.name == "rollout_func"
     sglang = SGLangRollout("http://x", num_layers=2, top_k=2)
     own = sync_trainer_route_source(plain, keep_routes=True, required=True, rollout_func=sglang)
     assert own.rollouts is sglang and own.name == "SGLang"
     assert sync_trainer_engine_classes(vllm, keep_routes=True) == {"LLM": llm_returning_routes}
-    assert sync_trainer_engine_classes(vllm, keep_routes=False) == {} == sync_trainer_engine_classes(
-        plain, keep_routes=True)
+    assert (
+        sync_trainer_engine_classes(vllm, keep_routes=False)
+        == {}
+        == sync_trainer_engine_classes(plain, keep_routes=True)
+    )
 
 
 def test_a_rollout_funcs_fields_are_taken_out_whether_kept_or_not():

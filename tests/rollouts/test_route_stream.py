@@ -46,8 +46,13 @@ def test_payloads_are_taken_decoded_and_the_rest_of_the_body_is_untouched_whatev
     arrays = engine_arrays(5, 17, 300)
     payloads = [encode_routed_experts(a) for a in arrays]
     choices = [  # a text that spells the key inside a string; a null; "/" escaped as JSON allows; not base64
-        {"index": 0, "text": 'x{ "routed_experts": "AAAA" ,"routed_experts":"\\', "routed_experts": payloads[0],
-         "token_ids": [1, 2], "logprobs": {"token_logprobs": [-0.5, -1.25]}},
+        {
+            "index": 0,
+            "text": 'x{ "routed_experts": "AAAA" ,"routed_experts":"\\',
+            "routed_experts": payloads[0],
+            "token_ids": [1, 2],
+            "logprobs": {"token_logprobs": [-0.5, -1.25]},
+        },
         {"index": 1, "text": "", "routed_experts": None, "token_ids": [3]},
         {"index": 2, "routed_experts": payloads[1], "token_ids": [4]},
         {"index": 3, "routed_experts": "not base64!", "token_ids": [5]},
@@ -73,7 +78,9 @@ def test_payloads_are_taken_decoded_and_the_rest_of_the_body_is_untouched_whatev
 def test_a_payload_the_scan_does_not_see_stays_in_the_body_and_still_reaches_its_choice():
     payload = encode_routed_experts(engine_arrays(6)[0])
     body = json.dumps({"choices": [{"index": 0, "routed_experts": payload}, {"index": 1, "routed_experts": payload}]})
-    body = body.replace('"routed_experts"', '"routed\\u005fexperts"', 1).encode()  # the same key, spelled with an escape
+    body = body.replace(
+        '"routed_experts"', '"routed\\u005fexperts"', 1
+    ).encode()  # the same key, spelled with an escape
     stripped, splitter = split(body, [len(body)])
     rows = splitter.rows_by_choice(json.loads(stripped))
     assert rows[0] == payload and isinstance(rows[1], np.ndarray)  # a str: the intake decodes it as before
@@ -110,8 +117,9 @@ def test_the_hook_holds_a_batch_of_routes_about_once_not_as_text_and_parsed_copi
     """The memory bound, on the bytes Python allocates: a batch of 64 payloads of 96 KiB decoded. Reading the body
     whole costs 4/3 of the decoded bytes before any parse (and the parse as much again)."""
     arrays = engine_arrays(*[1536] * 64, layers=8, top_k=8)
-    choices = [{"index": i, "token_ids": [7] * 16, "routed_experts": encode_routed_experts(a)}
-               for i, a in enumerate(arrays)]
+    choices = [
+        {"index": i, "token_ids": [7] * 16, "routed_experts": encode_routed_experts(a)} for i, a in enumerate(arrays)
+    ]
     body = json.dumps({"choices": choices}).encode()
     del choices
     decoded = sum(a.nbytes for a in arrays)

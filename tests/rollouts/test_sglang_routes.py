@@ -35,20 +35,32 @@ def reward_len(completions, **kwargs):
 
 def rollout_for(server, **kwargs) -> SGLangRollout:
     config = server.engine.model.config
-    return SGLangRollout(server.url, num_layers=config.num_hidden_layers, top_k=config.num_experts_per_tok,
-                         max_new_tokens=6, **kwargs)
+    return SGLangRollout(
+        server.url, num_layers=config.num_hidden_layers, top_k=config.num_experts_per_tok, max_new_tokens=6, **kwargs
+    )
 
 
 def train(tmp_path, rollout, routing_replay="r3", batch_size=4):
     Spy.batches = []
     args = MoEReplayGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1, logging_steps=1,
-        per_device_train_batch_size=batch_size, num_generations=4, max_completion_length=16, save_strategy="no",
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        logging_steps=1,
+        per_device_train_batch_size=batch_size,
+        num_generations=4,
+        max_completion_length=16,
+        save_strategy="no",
         seed=0,
         routing_replay=routing_replay,
     )
     trainer = Spy(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args, processing_class=tiny_tokenizer(),
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=reward_len,
+        args=args,
+        processing_class=tiny_tokenizer(),
         train_dataset=Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]}),
         rollout_func=rollout,
     )
@@ -91,7 +103,7 @@ def test_sglang_routes_are_replayed_where_they_belong(tmp_path, server):
     for i, rows in enumerate(served):
         replayed, _ = placed(batch, i)
         assert torch.equal(replayed[: len(rows)], torch.from_numpy(rows.astype("int16")))
-        assert no_route(replayed[len(rows):]).all()  # the last token was never forwarded; then padding
+        assert no_route(replayed[len(rows) :]).all()  # the last token was never forwarded; then padding
     log = trainer.state.log_history[0]
     assert log["routing/fallback_frac"] == 0.0 and log["mismatch/kl_k3"] < 1e-6  # the engine's own weights, fp32
     assert log["sglang/route_bytes"] > 0
@@ -166,15 +178,18 @@ def test_a_multi_turn_rollout_replays_each_position_from_the_first_turn_that_for
     trainer = train(tmp_path, rollout_for(server, conversation=two_turns))
     (batch,) = Spy.batches
     first, second = server.requests
-    held = [len(prompt) + len(output) - 1 for prompt, output in zip(first["input_ids"], server.outputs[0], strict=True)]
+    held = [
+        len(prompt) + len(output) - 1 for prompt, output in zip(first["input_ids"], server.outputs[0], strict=True)
+    ]
     continued = list(range(0, len(first["input_ids"]), 2))
     assert second["routed_experts_start_len"] == min(held[i] for i in continued)  # only what is not held yet
     start = second["routed_experts_start_len"]
     for j, i in enumerate(continued):
         replayed, _ = placed(batch, i)
-        expected = np.concatenate([server.routes[0][i], server.routes[1][j][held[i] - start:]])
-        assert len(expected) == len(first["input_ids"][i]) + len(server.outputs[0][i]) + len(TOOL) \
-            + len(server.outputs[1][j]) - 1  # every position of prompt + completion but the last
+        expected = np.concatenate([server.routes[0][i], server.routes[1][j][held[i] - start :]])
+        assert (
+            len(expected)
+            == len(first["input_ids"][i]) + len(server.outputs[0][i]) + len(TOOL) + len(server.outputs[1][j]) - 1
+        )  # every position of prompt + completion but the last
         assert torch.equal(replayed[: len(expected)], torch.from_numpy(expected.astype("int16")))
     assert trainer.state.log_history[0]["routing/fallback_frac"] == 0.0
-

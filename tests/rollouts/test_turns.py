@@ -28,8 +28,15 @@ def expected_id(position, layer, turn, slot=0):
 
 def align(samples, prompt_lengths, completion_lengths, prompt_width, completion_width, **kwargs):
     return routes_from_engine(
-        samples, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths, prompt_width=prompt_width,
-        completion_width=completion_width, num_layers=L, top_k=K, num_experts=E, **kwargs,
+        samples,
+        prompt_lengths=prompt_lengths,
+        completion_lengths=completion_lengths,
+        prompt_width=prompt_width,
+        completion_width=completion_width,
+        num_layers=L,
+        top_k=K,
+        num_experts=E,
+        **kwargs,
     )
 
 

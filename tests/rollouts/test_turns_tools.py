@@ -147,16 +147,29 @@ def tool_trainer(tmp_path, model_type="qwen3_moe", trainer_kwargs=None, question
     tokenizer = tiny_tokenizer(tools=True)
     prompts = [[{"role": "user", "content": q}] for q in questions for _ in range(2)]
     settings = dict(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-        per_device_train_batch_size=12, num_generations=2, max_completion_length=MAX_COMPLETION, learning_rate=1e-3,
-        num_iterations=2, save_strategy="no", seed=0, routing_replay="r3",
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=12,
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION,
+        learning_rate=1e-3,
+        num_iterations=2,
+        save_strategy="no",
+        seed=0,
+        routing_replay="r3",
     )
     settings.update(overrides)
     return RouteCheckingTrainer(
         model=tiny_moe_model(model_type, max_position_embeddings=2048),
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-        args=MoEReplayGRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer, **(trainer_kwargs or {"tools": [add, div, echo, flaky]}),
+        args=MoEReplayGRPOConfig(**settings),
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        **(trainer_kwargs or {"tools": [add, div, echo, flaky]}),
     )
 
 
@@ -192,10 +205,13 @@ def test_tool_rollouts_replay_every_position_from_the_turn_that_forwarded_it(tmp
 
 
 def test_tool_rollouts_with_a_vllm_server_ask_only_for_the_routes_they_lack(tmp_path):
-    with FakeVLLMServer(tiny_moe_model("qwen3_moe", max_position_embeddings=2048)) as server, \
-            trl_vllm_transport_stub(server):
-        trainer = tool_trainer(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
-                               vllm_weight_sync="trl")
+    with (
+        FakeVLLMServer(tiny_moe_model("qwen3_moe", max_position_embeddings=2048)) as server,
+        trl_vllm_transport_stub(server),
+    ):
+        trainer = tool_trainer(
+            tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_weight_sync="trl"
+        )
         run_checked(trainer, server.engine.model, server.engine.router_replay)
     first, *later = list(server.batches)
     assert first.request.get("routed_experts_prompt_start", 0) == 0

@@ -93,8 +93,9 @@ def assert_batches_match_the_engine(trainer, served, starts=None):
             c = int(batch["completion_mask"][i].sum())
             assert batch["completion_ids"][i, :c].tolist() == tokens
         starts_k = starts or [0] * len(rows)
-        torch.testing.assert_close(as_signed(batch["replay_routes"]), expected_routes(batch, rows, starts_k, moe_layers),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            as_signed(batch["replay_routes"]), expected_routes(batch, rows, starts_k, moe_layers), rtol=0, atol=0
+        )
     # and every training forward replayed routes of its own sequence (TRL shuffles and splits the buffer)
     by_sequence = {}
     for batch, _, _ in served:
@@ -127,14 +128,26 @@ def test_server_mode_replays_the_routes_the_server_sent(tmp_path, model_kwargs, 
     stop_trim = None if model_kwargs else (lambda call, choice: 2 if choice in (1, 6) else 0)
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe", **model_kwargs), stop_trim=stop_trim)
     with server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe", **model_kwargs), vllm_mode="server",
-                               vllm_server_base_url=server.url, **extra)
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe", **model_kwargs),
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            **extra,
+        )
         trainer.train()
 
     # the real client path ran: health, model list, server info, weight sync control, completions
     calls = server.endpoint_calls
-    for endpoint in ("GET /health", "GET /v1/models", "GET /server_info", "POST /init_weight_transfer_engine",
-                     "POST /update_weights", "POST /reset_prefix_cache", "POST /v1/completions"):
+    for endpoint in (
+        "GET /health",
+        "GET /v1/models",
+        "GET /server_info",
+        "POST /init_weight_transfer_engine",
+        "POST /update_weights",
+        "POST /reset_prefix_cache",
+        "POST /v1/completions",
+    ):
         assert endpoint in calls
     request = server.batches[0].request
     assert request["return_token_ids"] and request["n"] == 4 and request.get("routed_experts_prompt_start", 0) == start
@@ -174,8 +187,13 @@ def test_a_user_start_at_or_past_a_prompts_length_is_sent_below_the_shortest_pro
     shortest prompt instead, with one warning, and the routes still land where the engine's rows say."""
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe"))
     with server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                               vllm_server_base_url=server.url, generation_kwargs={"routed_experts_prompt_start": 1000})
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe"),
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            generation_kwargs={"routed_experts_prompt_start": 1000},
+        )
         with caplog.at_level(logging.WARNING, logger="trl_moe_replay.trainer.grpo_trainer"):
             trainer.train()
     starts = [batch.request["routed_experts_prompt_start"] for batch in server.batches]
@@ -183,9 +201,12 @@ def test_a_user_start_at_or_past_a_prompts_length_is_sent_below_the_shortest_pro
     assert sum("at or past the length of some prompts" in record.message for record in caplog.records) == 1
     for batch, served, start in zip(trainer.batches, server.batches, starts, strict=True):
         rows = [npy_b64decode(payload) for payload in served.payloads]
-        torch.testing.assert_close(as_signed(batch["replay_routes"]),
-                                   expected_routes(batch, rows, [start] * len(rows), trainer._route_replay.moe_layers),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            as_signed(batch["replay_routes"]),
+            expected_routes(batch, rows, [start] * len(rows), trainer._route_replay.moe_layers),
+            rtol=0,
+            atol=0,
+        )
     assert logged(trainer, "routing/mismatch_frac") == [0.0, 0.0]
 
 
@@ -193,8 +214,9 @@ def test_a_user_start_at_or_past_a_prompts_length_is_sent_below_the_shortest_pro
 def test_server_without_routes_fails_at_the_first_batch_with_the_command(tmp_path, routes_field):
     server = FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False, routes_field=routes_field)
     with server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                               vllm_server_base_url=server.url)
+        trainer = make_trainer(
+            tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server", vllm_server_base_url=server.url
+        )
         with pytest.raises(RoutesUnavailableError) as error:
             trainer.train()
     message = str(error.value)
@@ -207,8 +229,9 @@ def test_routes_that_never_fit_the_model_fail_at_the_first_batch(tmp_path):
     # e.g. the server serves another checkpoint: every payload has the wrong layer count
     tamper = lambda call, choice, payload: npy_b64encode(np.concatenate([npy_b64decode(payload)] * 2, 1))  # noqa: E731
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                               vllm_server_base_url=server.url)
+        trainer = make_trainer(
+            tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server", vllm_server_base_url=server.url
+        )
         with pytest.raises(RoutesUnavailableError, match=r"2 decoder layers, top-2.*got \(\d+, 4, 2\)"):
             trainer.train()
     assert trainer.state.global_step == 0
@@ -228,8 +251,9 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
         }.get(choice, payload)
 
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                               vllm_server_base_url=server.url)
+        trainer = make_trainer(
+            tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server", vllm_server_base_url=server.url
+        )
         with caplog.at_level(logging.WARNING, logger="trl_moe_replay.rollouts.vllm_routes"):
             trainer.train()
 
@@ -240,13 +264,23 @@ def test_missing_or_malformed_payloads_mid_run_fall_back_and_are_counted(tmp_pat
     batch = trainer.batches[1]
     assert no_route(batch["replay_routes"][bad]).all()  # the router's own choice
     good = [i for i in range(8) if i not in bad]
-    served = [(batch, [server.batches[1].completions[i].token_ids for i in good],
-               [npy_b64decode(server.batches[1].payloads[i]) for i in good])]
+    served = [
+        (
+            batch,
+            [server.batches[1].completions[i].token_ids for i in good],
+            [npy_b64decode(server.batches[1].payloads[i]) for i in good],
+        )
+    ]
     torch.testing.assert_close(
         as_signed(batch["replay_routes"][good]),
-        expected_routes({k: batch[k][good] for k in ("prompt_mask", "completion_mask")}, served[0][2], [0] * 6,
-                        trainer._route_replay.moe_layers),
-        rtol=0, atol=0,
+        expected_routes(
+            {k: batch[k][good] for k in ("prompt_mask", "completion_mask")},
+            served[0][2],
+            [0] * 6,
+            trainer._route_replay.moe_layers,
+        ),
+        rtol=0,
+        atol=0,
     )
     # counted: the bad samples' routable positions over all routable positions of the batch
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
@@ -272,8 +306,9 @@ def test_repeated_ids_and_time_dtypes_fall_back_whole_and_never_written_rows_per
         return npy_b64encode(rows)
 
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server",
-                               vllm_server_base_url=server.url)
+        trainer = make_trainer(
+            tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server", vllm_server_base_url=server.url
+        )
         trainer.train()
 
     assert trainer.state.global_step == 2  # the run went on
@@ -287,14 +322,19 @@ def test_repeated_ids_and_time_dtypes_fall_back_whole_and_never_written_rows_per
         if i in unwritten:
             assert len(sample_rows) > 3 and not sample_rows[unwritten[i], i % 2].any()
             sample_rows[unwritten[i]] = 0  # expected_routes -> "no route" below
-    expected = expected_routes({k: batch[k][good] for k in ("prompt_mask", "completion_mask")}, rows, [0] * 6,
-                               trainer._route_replay.moe_layers)
+    expected = expected_routes(
+        {k: batch[k][good] for k in ("prompt_mask", "completion_mask")},
+        rows,
+        [0] * 6,
+        trainer._route_replay.moe_layers,
+    )
     expected[~expected.bool().any(-1).any(-1)] = -1  # an all-zero position: no route, at every layer
     torch.testing.assert_close(as_signed(batch["replay_routes"][good]), expected, rtol=0, atol=0)
     routable = (batch["prompt_mask"].sum(1) + batch["completion_mask"].sum(1) - 1).float()
     marked = sum(len(positions) for positions in unwritten.values())
     assert (~has_route(batch["replay_routes"][good]).all(-1)).logical_and(
-        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)[good].bool()).sum() == marked + len(good)
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)[good].bool()
+    ).sum() == marked + len(good)
     # counted per position: the bad samples' routable positions and the 5 never-written ones; whole samples: 2 of 8
     expected_frac = ((routable[bad].sum() + marked) / routable.sum()).item()
     assert logged(trainer, "routing/fallback_frac") == [0.0, pytest.approx(expected_frac)]
@@ -307,9 +347,16 @@ def test_fallback_frac_and_the_comparison_are_logged_without_an_old_logprob_pass
     # (trainer._metrics_pass) gives the natural routing to compare with, and missing routes are counted
     tamper = lambda call, choice, payload: None if choice == 0 else payload  # noqa: E731
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), tamper=tamper) as server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server", max_steps=1,
-                               vllm_server_base_url=server.url, vllm_importance_sampling_correction=False,
-                               gradient_accumulation_steps=1, per_device_train_batch_size=8)
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe"),
+            vllm_mode="server",
+            max_steps=1,
+            vllm_server_base_url=server.url,
+            vllm_importance_sampling_correction=False,
+            gradient_accumulation_steps=1,
+            per_device_train_batch_size=8,
+        )
         trainer.train()
     (mismatch,) = logged(trainer, "routing/mismatch_frac")
     assert 0.0 <= mismatch < 0.05  # the server serves the trainer's weights (fp32 on both sides)
@@ -342,8 +389,11 @@ def test_colocate_mode_builds_the_llm_with_routes_and_replays_them(tmp_path, res
     assert llm.kwargs["distributed_executor_backend"] == "external_launcher"  # TRL's own arguments kept
     assert llm.prefix_cache_resets == 2
     served = [
-        (batch, [c.token_ids for request in outputs for c in request.outputs],
-         [c.routed_experts for request in outputs for c in request.outputs])
+        (
+            batch,
+            [c.token_ids for request in outputs for c in request.outputs],
+            [c.routed_experts for request in outputs for c in request.outputs],
+        )
         for batch, outputs in zip(trainer.batches, llm.outputs, strict=True)
     ]
     assert all(rows.dtype == np.uint8 for _, _, batch_rows in served for rows in batch_rows)
@@ -363,8 +413,14 @@ def test_colocated_engine_without_routes_fails_at_the_first_batch(tmp_path, rest
 
 def test_r2_and_none_with_vllm_need_no_routes(tmp_path):
     with FakeVLLMServer(tiny_moe_model("qwen3_moe"), return_routes=False) as server, trl_vllm_transport_stub(server):
-        trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), vllm_mode="server", max_steps=1,
-                               vllm_server_base_url=server.url, routing_replay="r2")
+        trainer = make_trainer(
+            tmp_path,
+            tiny_moe_model("qwen3_moe"),
+            vllm_mode="server",
+            max_steps=1,
+            vllm_server_base_url=server.url,
+            routing_replay="r2",
+        )
         trainer.train()
     assert trainer.state.global_step == 1
     assert "replay_routes" in trainer.batches[0]  # R2: the old-policy pass's own routes
@@ -381,7 +437,7 @@ def test_two_ranks_each_receive_only_their_own_route_payloads():
     reports = {}
     for line in result.stdout.splitlines():
         if line.startswith("REPORT "):  # raw_decode: the other rank's output may follow on the same line
-            report = json.JSONDecoder().raw_decode(line[len("REPORT "):])[0]
+            report = json.JSONDecoder().raw_decode(line[len("REPORT ") :])[0]
             reports[report["rank"]] = report
     assert set(reports) == {0, 1} and reports[0]["world"] == reports[1]["world"] == 2
     served = reports[0]["served"]  # per generation batch: [sha256, bytes] of each rank's share of the payloads

@@ -96,8 +96,14 @@ def vllm_numpy2base64(array):
 def test_module_docstring_example_exactly():
     rows = np.arange(1, 5 * 2 * 2 + 1, dtype=np.uint8).reshape(5, 2, 2)  # r0..r4, all distinct
     out = routes_from_engine(
-        [rows], prompt_lengths=[3], completion_lengths=[4], prompt_starts=[1],
-        prompt_width=5, completion_width=6, num_layers=2, top_k=2,
+        [rows],
+        prompt_lengths=[3],
+        completion_lengths=[4],
+        prompt_starts=[1],
+        prompt_width=5,
+        completion_width=6,
+        num_layers=2,
+        top_k=2,
     )
     assert out.dtype == torch.int16 and out.device.type == "cpu" and out.shape == (1, 11, 2, 2)
     #                  pad pad  P0  P1  P2 | C0  C1  C2  C3 pad pad
@@ -154,7 +160,9 @@ def test_stop_string_trimming_rows_follow_returned_tokens():
     assert no_route(out[0, 5 + returned :]).all()
 
     # The untrimmed array with the trimmed token count is a mismatch, never cut silently.
-    with pytest.raises(RouteAlignmentError, match=r"sample 0: expected prompt 5 \+ completion 4 .* = 8 engine rows, got 11"):
+    with pytest.raises(
+        RouteAlignmentError, match=r"sample 0: expected prompt 5 \+ completion 4 .* = 8 engine rows, got 11"
+    ):
         align([full], [(p, returned, 0, True)], prompt_width=5, completion_width=8)
 
 
@@ -179,9 +187,7 @@ def test_dense_layers_become_minus_one():
 def test_uint16_payloads_above_255_experts():
     num_experts = 300
     samples = [(4, 6, 0, True), (2, 3, 1, True)]
-    payloads = [
-        encode_routed_experts(engine_rows(p, c, s, num_experts=num_experts)) for p, c, s, _ in samples
-    ]
+    payloads = [encode_routed_experts(engine_rows(p, c, s, num_experts=num_experts)) for p, c, s, _ in samples]
     decoded = [decode_routed_experts(x) for x in payloads]
     assert all(d.dtype == np.uint16 for d in decoded) and max(int(d.max()) for d in decoded) > 255
     expected = reference(samples, 4, 6, num_experts=num_experts)
@@ -207,9 +213,14 @@ def test_out_buffer_is_fully_overwritten():
     out = align(rows, samples, prompt_width=4, completion_width=5, moe_layers=[0, 1, 3], out=buffer)
     assert out.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(out, reference(samples, 4, 5, dense=(2,)), rtol=0, atol=0)
-    for bad in (torch.empty(3, 9, L, K + 1, dtype=torch.int16), torch.empty(3, 9, L, K, dtype=torch.int32),
-                torch.empty(3, L, 9, K, dtype=torch.int16).transpose(1, 2)):
-        with pytest.raises(RouteAlignmentError, match=r"out must be a contiguous int16 CPU tensor of shape \(3, 9, 4, 2\)"):
+    for bad in (
+        torch.empty(3, 9, L, K + 1, dtype=torch.int16),
+        torch.empty(3, 9, L, K, dtype=torch.int32),
+        torch.empty(3, L, 9, K, dtype=torch.int16).transpose(1, 2),
+    ):
+        with pytest.raises(
+            RouteAlignmentError, match=r"out must be a contiguous int16 CPU tensor of shape \(3, 9, 4, 2\)"
+        ):
             align(rows, samples, prompt_width=4, completion_width=5, out=bad)
 
 
@@ -295,7 +306,12 @@ def _batch_with_bad_sample(bad_rows, bad=(3, 4, 0), **kwargs):
 @pytest.mark.parametrize(
     "bad_rows, bad, kwargs, message",
     [
-        (engine_rows(3, 5), (3, 4, 0), {}, r"expected prompt 3 \+ completion 4 - 1 - prompt_start 0 = 6 engine rows, got 7"),
+        (
+            engine_rows(3, 5),
+            (3, 4, 0),
+            {},
+            r"expected prompt 3 \+ completion 4 - 1 - prompt_start 0 = 6 engine rows, got 7",
+        ),
         (engine_rows(3, 3), (3, 4, 0), {}, "= 6 engine rows, got 5"),
         (engine_rows(3, 4, 0), (3, 4, 1), {}, "= 5 engine rows, got 6"),  # prompt_start not applied by server
         (engine_rows(3, 4, layers=L + 1), (3, 4, 0), {}, r"shape \[6, 4, 2\] .* got \(6, 5, 2\)"),
@@ -374,8 +390,12 @@ def test_uint16_ids_beyond_int16_are_rejected():
 )
 def test_batch_level_errors(kwargs, message):
     base = dict(
-        prompt_lengths=[3, 3], completion_lengths=[4, 4], prompt_width=4, completion_width=5,
-        num_layers=L, top_k=K,
+        prompt_lengths=[3, 3],
+        completion_lengths=[4, 4],
+        prompt_width=4,
+        completion_width=5,
+        num_layers=L,
+        top_k=K,
     )
     with pytest.raises(RouteAlignmentError, match=message):
         routes_from_engine([engine_rows(3, 4), engine_rows(3, 4)], **{**base, **kwargs})
@@ -384,8 +404,9 @@ def test_batch_level_errors(kwargs, message):
 def test_errors_are_route_validation_and_value_errors():
     assert issubclass(RouteAlignmentError, RouteValidationError) and issubclass(RouteAlignmentError, ValueError)
     with pytest.raises(ValueError):
-        routes_from_engine("abc", prompt_lengths=[], completion_lengths=[], prompt_width=1,
-                           completion_width=1, num_layers=L, top_k=K)
+        routes_from_engine(
+            "abc", prompt_lengths=[], completion_lengths=[], prompt_width=1, completion_width=1, num_layers=L, top_k=K
+        )
 
 
 # ----------------------------------------------------------------------------- fallback instead of raising
@@ -413,8 +434,16 @@ def test_on_error_falls_back_per_sample_and_reports_each_bad_one():
 
 def test_on_error_does_not_hide_the_callers_own_mistakes():
     with pytest.raises(RouteAlignmentError, match="sample 0: prompt has 3 tokens but prompt_width is 2"):
-        routes_from_engine([engine_rows(3, 4)], prompt_lengths=[3], completion_lengths=[4], prompt_width=2,
-                           completion_width=5, num_layers=L, top_k=K, on_error=lambda error: None)
+        routes_from_engine(
+            [engine_rows(3, 4)],
+            prompt_lengths=[3],
+            completion_lengths=[4],
+            prompt_width=2,
+            completion_width=5,
+            num_layers=L,
+            top_k=K,
+            on_error=lambda error: None,
+        )
 
 
 def test_public_api_is_exported_from_the_routing_package():
@@ -422,8 +451,15 @@ def test_public_api_is_exported_from_the_routing_package():
 
     assert routing.decode_routed_experts is decode_routed_experts and routing.routes_from_engine is routes_from_engine
     rows = engine_rows(3, 4, num_experts=300)
-    out = routing.routes_from_engine([vllm_numpy2base64(rows), None], prompt_lengths=[3, 2], completion_lengths=[4, 1],
-                                     prompt_width=3, completion_width=4, num_layers=L, top_k=K)
+    out = routing.routes_from_engine(
+        [vllm_numpy2base64(rows), None],
+        prompt_lengths=[3, 2],
+        completion_lengths=[4, 1],
+        prompt_width=3,
+        completion_width=4,
+        num_layers=L,
+        top_k=K,
+    )
     torch.testing.assert_close(out, reference([(3, 4, 0, True), (2, 1, 0, False)], 3, 4, num_experts=300))
 
 
@@ -442,8 +478,11 @@ def test_a_repeated_id_in_any_row_is_rejected(monkeypatch, position):
     rows = engine_rows(40, 60, top_k=4, num_experts=64)
     rows[position, 2, 3] = rows[position, 2, 1]
     samples = [(40, 60, 0, True)]
-    with pytest.raises(RouteAlignmentError, match=rf"sample 0: position {position}, layer 2 names expert "
-                                                  rf"{rows[position, 2, 1]} twice") as error:
+    with pytest.raises(
+        RouteAlignmentError,
+        match=rf"sample 0: position {position}, layer 2 names expert "
+        rf"{rows[position, 2, 1]} twice",
+    ) as error:
         align([rows], samples, prompt_width=40, completion_width=60, top_k=4)
     assert error.value.sample == 0
 
@@ -463,9 +502,16 @@ def test_never_written_rows_anywhere_fall_back_one_position_at_a_time(monkeypatc
     rows[61, 0] = -1  # and its dense layer: the position is the engine's "nothing here"
     rows[7, 2, 1] = rows[7, 2, 0]  # garbage at another layer of a never-written position is not judged
     reports, errors = [], []
-    out = align([engine_rows(40, 60, dense=(0,)), rows], [(40, 60, 0, True)] * 2, prompt_width=40,
-                completion_width=60, moe_layers=[1, 2, 3], num_experts=E, on_error=errors.append,
-                on_unwritten=reports.append)
+    out = align(
+        [engine_rows(40, 60, dense=(0,)), rows],
+        [(40, 60, 0, True)] * 2,
+        prompt_width=40,
+        completion_width=60,
+        moe_layers=[1, 2, 3],
+        num_experts=E,
+        on_error=errors.append,
+        on_unwritten=reports.append,
+    )
     assert errors == [] and [(r.sample, r.count, r.first) for r in reports] == [(1, 6, 7)]
     expected = reference([(40, 60, 0, True)] * 2, 40, 60, dense=(0,)).long()
     expected[1, [7, 8, 50, 60, 61, 98]] = -1
@@ -478,8 +524,10 @@ def test_a_sample_whose_every_row_is_never_written_falls_back_whole(mark):
     """Nothing left to replay: the sample is an error (and, with on_error, a whole-sample fallback), as before."""
     rows = engine_rows(3, 4, dtype=np.int16)
     rows[:, 1 + np.arange(6) % 3] = mark  # a different MoE layer at each position
-    with pytest.raises(RouteAlignmentError, match="sample 1: layer 1 is in moe_layers but position 0 has .*and so has "
-                                                  "every other of its 6 positions"):
+    with pytest.raises(
+        RouteAlignmentError,
+        match="sample 1: layer 1 is in moe_layers but position 0 has .*and so has every other of its 6 positions",
+    ):
         _batch_with_bad_sample(rows)
     errors, reports = [], []
     out = _batch_with_bad_sample(rows, on_error=errors.append, on_unwritten=reports.append)
@@ -535,8 +583,13 @@ def test_on_error_falls_back_for_repeated_and_never_written_rows():
     repeated[3, 1, 0] = repeated[3, 1, 1]
     zero[2, 0] = 0
     errors = []
-    out = align([engine_rows(3, 4), repeated, zero, engine_rows(3, 4)], samples, prompt_width=3, completion_width=4,
-                on_error=errors.append)
+    out = align(
+        [engine_rows(3, 4), repeated, zero, engine_rows(3, 4)],
+        samples,
+        prompt_width=3,
+        completion_width=4,
+        on_error=errors.append,
+    )
     assert [e.sample for e in errors] == [1]  # a repeated id is malformed data: the whole sample falls back
     assert no_route(out[1]).all()
     expected = reference([samples[0]] * 3, 3, 4)
@@ -550,8 +603,13 @@ def test_time_and_bool_dtypes_are_not_expert_ids(dtype):
     with pytest.raises(RouteAlignmentError, match=re.escape(f"integer expert ids, got dtype {np.dtype(dtype)}")):
         decode_routed_experts(_npy_b64(array))
     errors = []
-    out = align([engine_rows(3, 4), _npy_b64(array), array], [(3, 4, 0, True)] * 3, prompt_width=3,
-                completion_width=4, on_error=errors.append)
+    out = align(
+        [engine_rows(3, 4), _npy_b64(array), array],
+        [(3, 4, 0, True)] * 3,
+        prompt_width=3,
+        completion_width=4,
+        on_error=errors.append,
+    )
     assert [e.sample for e in errors] == [1, 2]
     assert all("integer expert ids" in str(e) for e in errors)
     assert no_route(out[1:]).all() and out[0, :6].ge(0).all()
@@ -590,8 +648,9 @@ def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
             rows = np.asfortranarray(rows)  # not C-contiguous: the block-copy path
         moe = sorted(rng.choice(layers, int(rng.integers(1, layers + 1)), replace=False).tolist())
         monkeypatch.setattr(codec, "_CHECK_CHUNK_ROWS", int(rng.integers(1, 40)))
-        expected = next(((t, layer) for t in range(tokens) for layer in moe
-                         if len(set(rows[t, layer].tolist())) < k), None)
+        expected = next(
+            ((t, layer) for t in range(tokens) for layer in moe if len(set(rows[t, layer].tolist())) < k), None
+        )
         # private on purpose: the chunked search itself, against a plain loop (the public path only says "repeated")
         assert codec._first_repeated_row(rows, moe) == expected, (trial, k, rows.shape, moe)
 
@@ -604,8 +663,16 @@ def test_repeated_route_search_matches_a_per_route_reference(monkeypatch):
 def test_routes_stay_one_byte_per_entry_where_an_id_and_no_route_fit(num_experts, top_k, dtype):
     assert route_dtype(num_experts, top_k) == dtype
     rows = [(np.arange(3 * 2 * top_k).reshape(3, 2, top_k) % num_experts).astype(engine_dtype(num_experts)), None]
-    out = routes_from_engine(rows, prompt_lengths=[2, 2], completion_lengths=[2, 2], prompt_width=2,
-                             completion_width=2, num_layers=2, top_k=top_k, num_experts=num_experts)
+    out = routes_from_engine(
+        rows,
+        prompt_lengths=[2, 2],
+        completion_lengths=[2, 2],
+        prompt_width=2,
+        completion_width=2,
+        num_layers=2,
+        top_k=top_k,
+        num_experts=num_experts,
+    )
     assert out.dtype == dtype and out.element_size() == (1 if dtype == torch.uint8 else 2)
     routed = has_route(out)  # [B, S, L]
     assert routed[0, :3].all() and not routed[0, 3].any() and not routed[1].any()  # final token, no-rows sample
@@ -643,8 +710,15 @@ def test_threaded_alignment_equals_sequential_with_errors_in_sample_order(monkey
             return sample_rows(*args, **kwargs)
 
         monkeypatch.setattr(codec, "_sample_rows", recording)
-        out = align(rows, samples, prompt_width=12, completion_width=30, num_experts=E, on_error=errors.append,
-                    on_unwritten=reports.append)
+        out = align(
+            rows,
+            samples,
+            prompt_width=12,
+            completion_width=30,
+            num_experts=E,
+            on_error=errors.append,
+            on_unwritten=reports.append,
+        )
         with pytest.raises(RouteAlignmentError) as first:
             align(rows, samples, prompt_width=12, completion_width=30, num_experts=E)
         return out, [(e.sample, str(e)) for e in errors], str(first.value), threads, reports
@@ -684,10 +758,19 @@ def test_checked_engine_routes_hold_what_was_checked_for_their_layout():
     repeated = engine_rows(3, 4, dense=[2]).copy()
     repeated[2, 1] = repeated[2, 1, 0]
     with pytest.raises(RouteAlignmentError, match="twice"):
-        routes_from_engine([engine_rows(3, 4, dense=[2]), repeated], out=out, num_layers=L, top_k=K, num_experts=E,
-                           moe_layers=[0, 1, 3], **widths)
+        routes_from_engine(
+            [engine_rows(3, 4, dense=[2]), repeated],
+            out=out,
+            num_layers=L,
+            top_k=K,
+            num_experts=E,
+            moe_layers=[0, 1, 3],
+            **widths,
+        )
     out.numpy()[1, 5, 1] = 0  # a write torch's version counter does not see: the buffer is a plain tensor ...
     with pytest.raises(RouteValidationError, match="names the same expert twice"):
         layout.validate(out)  # ... which replay() checks in full
-    assert torch.equal(checked.tensor(), routes_from_engine(rows, num_layers=L, top_k=K, num_experts=E,
-                                                            moe_layers=[0, 1, 3], **widths))  # unchanged by it
+    assert torch.equal(
+        checked.tensor(),
+        routes_from_engine(rows, num_layers=L, top_k=K, num_experts=E, moe_layers=[0, 1, 3], **widths),
+    )  # unchanged by it

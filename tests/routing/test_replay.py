@@ -54,8 +54,16 @@ def test_sparse_layer_options_map_to_absolute_layers(model_type, overrides, moe_
 
 
 def test_dense_model_is_refused_with_the_supported_families():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="Mixtral.*Qwen3-MoE.*OLMoE") as refused:
         RouterReplay(model)
     assert 'routing_replay="none"' in str(refused.value)  # what a dense model trains with
@@ -106,8 +114,8 @@ def test_left_padded_batch_replays_each_sequence_like_alone():
     ids = torch.zeros(3, width, dtype=torch.long)
     mask = torch.zeros(3, width, dtype=torch.long)
     for i, seq in enumerate(seqs):
-        ids[i, width - len(seq):] = seq
-        mask[i, width - len(seq):] = 1
+        ids[i, width - len(seq) :] = seq
+        mask[i, width - len(seq) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     routes = torch.full((3, width, rr.num_layers, rr.top_k), -1, dtype=torch.int16)
     alone = []
@@ -116,7 +124,7 @@ def test_left_padded_batch_replays_each_sequence_like_alone():
             with rr.record() as rec:
                 model(seq[None])
             own = shifted(rec.routes, rr.num_experts)  # non-natural routes, so replay visibly matters
-            routes[i, width - len(seq):] = own[0]
+            routes[i, width - len(seq) :] = own[0]
             with rr.replay(own):
                 alone.append(model(seq[None]).logits[0])
         with rr.replay(routes):
@@ -124,9 +132,9 @@ def test_left_padded_batch_replays_each_sequence_like_alone():
         with rr.record() as used:
             model(ids, attention_mask=mask, position_ids=position_ids)
     for i, seq in enumerate(seqs):
-        torch.testing.assert_close(batched[i, width - len(seq):], alone[i], rtol=1e-5, atol=1e-5)
-        natural = used.routes[i, width - len(seq):]
-        assert not torch.equal(natural, routes[i, width - len(seq):])  # replay, not coincidence
+        torch.testing.assert_close(batched[i, width - len(seq) :], alone[i], rtol=1e-5, atol=1e-5)
+        natural = used.routes[i, width - len(seq) :]
+        assert not torch.equal(natural, routes[i, width - len(seq) :])  # replay, not coincidence
 
 
 def test_record_stacks_fresh_forwards_along_the_batch_axis():
@@ -301,8 +309,9 @@ def test_bf16_generate_recording_mismatch_rate_is_small():
     prompts = random_ids(8, 6, seed=11)
     with torch.no_grad():
         with rr.record() as rec:
-            seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12,
-                                  min_new_tokens=12, do_sample=False)
+            seqs = model.generate(
+                prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12, min_new_tokens=12, do_sample=False
+            )
         with rr.record() as full:
             model(seqs)
     a, b = rec.routes[:, :-1].long(), full.routes[:, :-1].long()

@@ -98,7 +98,8 @@ def test_the_weights_are_the_routers_own_at_its_own_ids_and_its_familys_normalis
     router = next(m for m in model.modules() if family_of(m) is not None)
     hidden = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     logits, weights, ids = transformers_seam.split_router_output(
-        router(hidden), transformers_seam.router_ids_first(router), "")
+        router(hidden), transformers_seam.router_ids_first(router), ""
+    )
     combine = partial(family_of(router).gate_weights, router)
     for threshold in (0.0, 1.0):  # its own routes replayed: its own ids and weights, bit for bit
         choice = replay_rule(ids, ids, logits, combine, threshold)

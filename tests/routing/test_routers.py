@@ -24,7 +24,8 @@ def test_gate_weight_function_reproduces_router_bit_for_bit(model_type, dtype):
     hidden = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     for router in routers:
         logits, weights, ids = transformers_seam.split_router_output(
-            router(hidden), transformers_seam.router_ids_first(router), "")
+            router(hidden), transformers_seam.router_ids_first(router), ""
+        )
         recomputed = family_of(router).gate_weights(router, logits, ids)
         assert recomputed.dtype == weights.dtype
         assert torch.equal(recomputed, weights)
@@ -118,8 +119,9 @@ def test_generate_recording_equals_one_full_forward_in_fp32(model_type):
     prompts = random_ids(3, 5, seed=5)
     with torch.no_grad():
         with rr.record() as rec:
-            sequences = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6,
-                                       do_sample=False, min_new_tokens=6)
+            sequences = model.generate(
+                prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )
         with rr.record() as full:
             model(sequences)
     assert rec.routes.shape[:2] == sequences.shape
@@ -139,7 +141,9 @@ def test_families_this_transformers_predates_are_refused_naming_the_version_they
     assert cases, f"no buildable model type among {unavailable}"
     for model_type, needed in cases:
         model = tiny_moe_model(model_type)
-        with pytest.raises(TransformersTooOldError, match=rf"transformers >= {needed}.*{transformers_seam.transformers_version()}"):
+        with pytest.raises(
+            TransformersTooOldError, match=rf"transformers >= {needed}.*{transformers_seam.transformers_version()}"
+        ):
             RouterReplay(model)
 
 
@@ -160,7 +164,9 @@ def family_of_type(model_type: str) -> str:
 def test_the_trainer_refuses_such_a_family_when_it_is_built(tmp_path, monkeypatch):
     from tests.trainer.test_grpo_trainer import make_trainer
 
-    monkeypatch.setattr(transformers_seam, "transformers_version", lambda: "5.20.0")  # Jamba's router arrived in 5.21.0
+    monkeypatch.setattr(
+        transformers_seam, "transformers_version", lambda: "5.20.0"
+    )  # Jamba's router arrived in 5.21.0
     with pytest.raises(TransformersTooOldError, match=r"Jamba models need transformers >= 5\.21\.0"):
         make_trainer(tmp_path, tiny_moe_model("jamba"), routing_replay="r2")
 
@@ -168,8 +174,11 @@ def test_the_trainer_refuses_such_a_family_when_it_is_built(tmp_path, monkeypatc
 def test_the_docs_family_table_shows_each_family_minimum_transformers():
     from pathlib import Path
 
-    rows = [line for line in (Path(__file__).parents[2] / "docs" / "families.md").read_text().splitlines()
-            if line.startswith("| ")]
+    rows = [
+        line
+        for line in (Path(__file__).parents[2] / "docs" / "families.md").read_text().splitlines()
+        if line.startswith("| ")
+    ]
     for family in routers.ROUTER_FAMILIES:
         row = next(r for r in rows if family.name in r.split("|")[1])
         assert family.min_transformers in row.split("|")[-2], (family.name, family.min_transformers)

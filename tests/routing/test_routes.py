@@ -87,16 +87,20 @@ def test_validate_routes_fast_check_rejects_exactly_what_the_sorting_check_rejec
             routes[b, s, layer, slot] = 255  # an id of a 256-expert model, out of range below
         else:
             kind = "valid"
-        layers = None if rng.random() < 0.5 else sorted(rng.choice(num_layers, int(rng.integers(1, num_layers + 1)),
-                                                                 replace=False).tolist())
+        layers = (
+            None
+            if rng.random() < 0.5
+            else sorted(rng.choice(num_layers, int(rng.integers(1, num_layers + 1)), replace=False).tolist())
+        )
         if rng.random() < 0.2:
             routes = routes.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
         checked = list(range(num_layers)) if layers is None else layers
         expected_bad = _plain_route_problem(routes, top_k, num_experts, checked)
         moe = routes if layers is None else routes[:, :, layers]
         calls.clear()
-        got = outcome(validate_routes, routes, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
-                      layers=layers)
+        got = outcome(
+            validate_routes, routes, num_layers=num_layers, top_k=top_k, num_experts=num_experts, layers=layers
+        )
         assert got == outcome(exact, moe, top_k=top_k, num_experts=num_experts), (trial, kind, dtype, top_k)
         assert (got is not None) == expected_bad, (trial, kind, got)
         if not expected_bad:

@@ -41,19 +41,29 @@ def main(out: str, checkpoint: str, *mode: str) -> None:
 
     extra = {}
     if mode == ("ep",):
-        extra["model_init_kwargs"] = {"dtype": "float32", "distributed_config": {
-            "fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}}
-    args = MoEReplayAsyncGRPOConfig(**settings(Path(out) / "run", vllm_sync_check=False,
-                                               per_device_train_batch_size=BATCH // world, **extra))
-    trainer = CheckedTrainer(model=checkpoint, reward_funcs=reward, train_dataset=DATASET, args=args,
-                             rollout_worker=ScriptedRolloutWorker(samples), weight_transfer=NoOpWeightTransfer())
+        extra["model_init_kwargs"] = {
+            "dtype": "float32",
+            "distributed_config": {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"},
+        }
+    args = MoEReplayAsyncGRPOConfig(
+        **settings(Path(out) / "run", vllm_sync_check=False, per_device_train_batch_size=BATCH // world, **extra)
+    )
+    trainer = CheckedTrainer(
+        model=checkpoint,
+        reward_funcs=reward,
+        train_dataset=DATASET,
+        args=args,
+        rollout_worker=ScriptedRolloutWorker(samples),
+        weight_transfer=NoOpWeightTransfer(),
+    )
     rank = trainer.accelerator.process_index
     trainer.train()
     checks = [check_row(row, used, engine_rows, trainer._route_replay.moe_layers) for row, used in forwards]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     sharded = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "checks": checks,
-                                                          "loss": losses, "sharded": sharded}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "world": world, "checks": checks, "loss": losses, "sharded": sharded})
+    )
     weights = {n: full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}  # every rank gathers
     if rank == 0:
         torch.save(weights, Path(out, "weights.pt"))

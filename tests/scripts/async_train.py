@@ -63,6 +63,8 @@ def add(x: str) -> str:
     """
     first, second = x.split("+")
     return str(int(first) + int(second))
+
+
 ANSWER = r"\\boxed\{[0-9]{1,2}\}"
 
 
@@ -79,8 +81,11 @@ class ToolCallingLoop(RoutedRolloutLoop):
         if path == "/v1/completions":
             markup = self.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", '"name": ', '"arguments": '])
             results = payload["prompt"].count(self.tokenizer.convert_tokens_to_ids("<tool_response>"))
-            payload = {**payload, "structured_outputs": {"regex": ANSWER if results >= self.tool_turns - 1 else TOOL_CALL},
-                       "logit_bias": {str(token): 30.0 for token in markup}}
+            payload = {
+                **payload,
+                "structured_outputs": {"regex": ANSWER if results >= self.tool_turns - 1 else TOOL_CALL},
+                "logit_bias": {str(token): 30.0 for token in markup},
+            }
         return await super()._post(path, payload, timeout, max_retries)
 
 
@@ -189,11 +194,29 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
         tokenizer.response_template = qwen3_template  # TRL's add_response_schema does not know the ChatML template
     prompts = [[{"role": "user", "content": f"{a}+{b}="}] for a in range(4) for b in range(4)]
     settings = dict(
-        output_dir=str(Path(out).parent / f"run_{Path(out).stem}"), use_cpu=True, bf16=False, report_to="none",
-        max_steps=6, logging_steps=1, per_device_train_batch_size=6, num_generations=4, max_completion_length=16,
-        learning_rate=1e-2, save_strategy="no", seed=0, vllm_server_base_url=url, max_staleness=4,
-        max_inflight_tasks=4, queue_maxsize=2, token_budget=0, gradient_checkpointing=True, vllm_server_timeout=60,
-        request_timeout=120, vllm_request_attempts=2, heartbeat_stale_after_s=120, replay_score_threshold=0.0,
+        output_dir=str(Path(out).parent / f"run_{Path(out).stem}"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=6,
+        logging_steps=1,
+        per_device_train_batch_size=6,
+        num_generations=4,
+        max_completion_length=16,
+        learning_rate=1e-2,
+        save_strategy="no",
+        seed=0,
+        vllm_server_base_url=url,
+        max_staleness=4,
+        max_inflight_tasks=4,
+        queue_maxsize=2,
+        token_budget=0,
+        gradient_checkpointing=True,
+        vllm_server_timeout=60,
+        request_timeout=120,
+        vllm_request_attempts=2,
+        heartbeat_stale_after_s=120,
+        replay_score_threshold=0.0,
     )
     if with_tools:  # tool_turns - 1 calls, then the answer after the last tool result
         # max_completion_length is each request's max_tokens: every turn's prompt plus it must fit the server's 512
@@ -215,12 +238,23 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     if with_lora:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate"],
-                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    trainer = CheckedTrainer(model=checkpoint, reward_funcs=even_tokens, args=args, processing_class=tokenizer,
-                             train_dataset=Dataset.from_dict({"prompt": prompts}), weight_transfer=transfer,
-                             callbacks=[Faults()], tools=[add] if with_tools else None,
-                             peft_config=peft_config)
+        peft_config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "gate"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+    trainer = CheckedTrainer(
+        model=checkpoint,
+        reward_funcs=even_tokens,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        weight_transfer=transfer,
+        callbacks=[Faults()],
+        tools=[add] if with_tools else None,
+        peft_config=peft_config,
+    )
     rank, world = trainer.accelerator.process_index, trainer.accelerator.num_processes
     if trainer.rollout_worker is not None:  # the main process only
         if with_tools:
@@ -237,30 +271,45 @@ def main(out: str, url: str, checkpoint: str, *overrides: str) -> None:
     try:
         trainer.train()
     except Exception as exc:  # the fault runs report what ended them
-        error = {"type": type(exc).__name__, "message": str(exc)[:2000],
-                 "cause": repr(exc.__cause__)[:2000] if exc.__cause__ else None}
+        error = {
+            "type": type(exc).__name__,
+            "message": str(exc)[:2000],
+            "cause": repr(exc.__cause__)[:2000] if exc.__cause__ else None,
+        }
     if world > 1:  # the engine rows live where the queue is: rank 0
         shared = [engine_rows]
         torch.distributed.broadcast_object_list(shared, src=0)
         engine_rows.update(shared[0])
     checks = [check_row(row, used, engine_rows, trainer._route_replay.moe_layers) for row, used in forwards]
     report = {
-        "rank": rank, "world": world, "error": error, "seconds": time.monotonic() - start, "log_history": trainer.state.log_history,
-        "checks": checks, "consumed_versions": consumed, "model_version": trainer.model_version,
-        "route_turns_per_sample": turn_counts, "rows_per_position": rows_per_position, "reforwarded_positions_routed_otherwise": disagreements,
-        "max_param_change": max(float((full_tensor(p.detach()) - before[n]).abs().max())
-                                for n, p in trainer.model.named_parameters()),
+        "rank": rank,
+        "world": world,
+        "error": error,
+        "seconds": time.monotonic() - start,
+        "log_history": trainer.state.log_history,
+        "checks": checks,
+        "consumed_versions": consumed,
+        "model_version": trainer.model_version,
+        "route_turns_per_sample": turn_counts,
+        "rows_per_position": rows_per_position,
+        "reforwarded_positions_routed_otherwise": disagreements,
+        "max_param_change": max(
+            float((full_tensor(p.detach()) - before[n]).abs().max()) for n, p in trainer.model.named_parameters()
+        ),
         "weight_transfer": type(trainer.weight_transfer).__name__,
         "delivered": getattr(trainer.weight_transfer, "delivered", None),
         "peft": type(trainer.model).__name__,
-        "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
-                              if "lora_B" in n), default=None),
+        "lora_b_change": max(
+            (float(p.detach().abs().max()) for n, p in trainer.model.named_parameters() if "lora_B" in n), default=None
+        ),
     }
     if world > 1:
-        report["final_params"] = {n: full_tensor(p.detach()).flatten()[:8].tolist()
-                                  for n, p in trainer.model.named_parameters()}
+        report["final_params"] = {
+            n: full_tensor(p.detach()).flatten()[:8].tolist() for n, p in trainer.model.named_parameters()
+        }
     Path(out if rank == 0 else str(Path(out).with_suffix(f".rank{rank}.json"))).write_text(
-        json.dumps(report, indent=1, default=str))
+        json.dumps(report, indent=1, default=str)
+    )
     if trainer.rollout_worker is not None:
         trainer.rollout_worker.stop()
     del torch

@@ -57,23 +57,43 @@ from trl_moe_replay.testing import tiny_moe_model, tiny_tokenizer  # noqa: E402
 OUT = Path(sys.argv[1])
 EP = {"fsdp_size": 2, "ep_size": 2, "ep_implementation": "all_to_all"}
 SETTINGS = dict(
-    use_cpu=True, bf16=False, report_to="none", logging_steps=1, per_device_train_batch_size=4, num_generations=4,
-    max_completion_length=6, learning_rate=1e-3, gradient_accumulation_steps=1, num_iterations=2, seed=0,
-    max_grad_norm=1e6, save_strategy="no",
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    logging_steps=1,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    learning_rate=1e-3,
+    gradient_accumulation_steps=1,
+    num_iterations=2,
+    seed=0,
+    max_grad_norm=1e6,
+    save_strategy="no",
 )
 STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 4}
 PROMPTS = [f"{a}+{b}=" for a in range(4) for b in range(4)]
 
 
 def make_trainer(checkpoint: str, mode: str, sharded: bool, name: str, cls=Spy, peft_config=None, **overrides):
-    settings = {**SETTINGS, "output_dir": str(OUT / name), "routing_replay": mode, "max_steps": STEPS[mode],
-                "model_init_kwargs": {"dtype": "float32", **({"distributed_config": EP} if sharded else {})},
-                **overrides}
+    settings = {
+        **SETTINGS,
+        "output_dir": str(OUT / name),
+        "routing_replay": mode,
+        "max_steps": STEPS[mode],
+        "model_init_kwargs": {"dtype": "float32", **({"distributed_config": EP} if sharded else {})},
+        **overrides,
+    }
     if mode == "pr2":
         settings.setdefault("pr2_lr_multiplier", 10.0)
-    return cls(model=checkpoint, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**settings),
-               train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tiny_tokenizer(),
-               peft_config=peft_config)
+    return cls(
+        model=checkpoint,
+        reward_funcs=reward_len,
+        args=MoEReplayGRPOConfig(**settings),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tiny_tokenizer(),
+        peft_config=peft_config,
+    )
 
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
@@ -90,11 +110,14 @@ def weight_diff(a: dict, b: dict) -> dict:
 def storage(trainer) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model)
     experts = model.model.layers[0].mlp.experts.gate_up_proj
-    return {"sharded_at_load": is_sharded_at_load(model), "wrapper": type(trainer.model_wrapped).__name__,
-            "distributed_type": trainer.accelerator.distributed_type.value,
-            "experts_placements": [str(p) for p in getattr(experts, "placements", ())],
-            "experts_local": list(experts.to_local().shape) if hasattr(experts, "to_local") else list(experts.shape),
-            "experts_full": list(experts.shape)}
+    return {
+        "sharded_at_load": is_sharded_at_load(model),
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "distributed_type": trainer.accelerator.distributed_type.value,
+        "experts_placements": [str(p) for p in getattr(experts, "placements", ())],
+        "experts_local": list(experts.to_local().shape) if hasattr(experts, "to_local") else list(experts.shape),
+        "experts_full": list(experts.shape),
+    }
 
 
 def train_modes(checkpoint: str) -> dict:
@@ -105,21 +128,36 @@ def train_modes(checkpoint: str) -> dict:
         ddp.train()
         ep = make_trainer(checkpoint, mode, sharded=True, name=f"{mode}_ep", **extra)
         ep.train()
-        result[mode] = {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"), "routes": ep.route_checks,
-                        "ddp_routes": ddp.route_checks,
-                        "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
-                        "storage": storage(ep), "ddp_storage": storage(ddp), "hooks": ep._route_replay is not None,
-                        "fallback": logged(ep, "routing/fallback_frac"), "kl": logged(ep, "kl"),
-                        "ddp_kl": logged(ddp, "kl"),
-                        "ref_sharded": is_sharded_at_load(ep.ref_model) if ep.ref_model is not None else None}
+        result[mode] = {
+            "loss": logged(ep, "loss"),
+            "ddp_loss": logged(ddp, "loss"),
+            "routes": ep.route_checks,
+            "ddp_routes": ddp.route_checks,
+            "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
+            "storage": storage(ep),
+            "ddp_storage": storage(ddp),
+            "hooks": ep._route_replay is not None,
+            "fallback": logged(ep, "routing/fallback_frac"),
+            "kl": logged(ep, "kl"),
+            "ddp_kl": logged(ddp, "kl"),
+            "ref_sharded": is_sharded_at_load(ep.ref_model) if ep.ref_model is not None else None,
+        }
         if mode == "none":  # plain TRL on the same EP model: what routing_replay="none" must be
             from trl import GRPOConfig, GRPOTrainer
 
-            settings = {**SETTINGS, "output_dir": str(OUT / "trl_ep"), "max_steps": STEPS["none"],
-                        "model_init_kwargs": {"dtype": "float32", "distributed_config": EP}}
-            plain = GRPOTrainer(model=checkpoint, reward_funcs=reward_len, args=GRPOConfig(**settings),
-                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                                processing_class=tiny_tokenizer())
+            settings = {
+                **SETTINGS,
+                "output_dir": str(OUT / "trl_ep"),
+                "max_steps": STEPS["none"],
+                "model_init_kwargs": {"dtype": "float32", "distributed_config": EP},
+            }
+            plain = GRPOTrainer(
+                model=checkpoint,
+                reward_funcs=reward_len,
+                args=GRPOConfig(**settings),
+                train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                processing_class=tiny_tokenizer(),
+            )
             plain.train()
             result[mode]["trl_loss"] = logged(plain, "loss")
             result[mode]["trl_weight_diff"] = weight_diff(full_weights(ep), full_weights(plain))
@@ -132,18 +170,32 @@ def train_threshold(checkpoint: str) -> dict:
     with the replace counts behind ``routing/replace_rate`` (sharded_run.ThresholdSpy)."""
     trainers = {}
     for sharded in (False, True):
-        trainer = make_trainer(checkpoint, "r3", sharded=sharded, name=f"threshold_{'ep' if sharded else 'ddp'}",
-                               cls=ThresholdSpy, max_steps=2, replay_score_threshold=1.0)
+        trainer = make_trainer(
+            checkpoint,
+            "r3",
+            sharded=sharded,
+            name=f"threshold_{'ep' if sharded else 'ddp'}",
+            cls=ThresholdSpy,
+            max_steps=2,
+            replay_score_threshold=1.0,
+        )
         trainer.train()
         trainers["ep" if sharded else "ddp"] = trainer
     ep, ddp = trainers["ep"], trainers["ddp"]
     layers = sorted({name for entry in ep.state.log_history for name in entry if name.startswith(f"{REPLACE_RATE}/")})
-    return {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"),
-            "replace_rate": logged(ep, REPLACE_RATE), "ddp_replace_rate": logged(ddp, REPLACE_RATE),
-            "replace_rate_layers": {name: logged(ep, name) for name in layers},
-            "ddp_replace_rate_layers": {name: logged(ddp, name) for name in layers},
-            "routes": ep.route_checks, "ddp_routes": ddp.route_checks, "top_k": ep._route_replay.top_k,
-            "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)), "storage": storage(ep)}
+    return {
+        "loss": logged(ep, "loss"),
+        "ddp_loss": logged(ddp, "loss"),
+        "replace_rate": logged(ep, REPLACE_RATE),
+        "ddp_replace_rate": logged(ddp, REPLACE_RATE),
+        "replace_rate_layers": {name: logged(ep, name) for name in layers},
+        "ddp_replace_rate_layers": {name: logged(ddp, name) for name in layers},
+        "routes": ep.route_checks,
+        "ddp_routes": ddp.route_checks,
+        "top_k": ep._route_replay.top_k,
+        "weight_diff": weight_diff(full_weights(ep), full_weights(ddp)),
+        "storage": storage(ep),
+    }
 
 
 def train_pr2_and_resume(checkpoint: str) -> dict:
@@ -153,18 +205,27 @@ def train_pr2_and_resume(checkpoint: str) -> dict:
     ep = make_trainer(checkpoint, "pr2", sharded=True, name="pr2_ep", save_strategy="steps", save_steps=2)
     ep.train()
     uninterrupted = full_weights(ep)
-    result = {"loss": logged(ep, "loss"), "ddp_loss": logged(ddp, "loss"), "routes": ep.route_checks,
-              "pr2_loss": logged(ep, "pr2/loss"), "ddp_pr2_loss": logged(ddp, "pr2/loss"),
-              "weight_diff": weight_diff(uninterrupted, full_weights(ddp)), "storage": storage(ep)}
+    result = {
+        "loss": logged(ep, "loss"),
+        "ddp_loss": logged(ddp, "loss"),
+        "routes": ep.route_checks,
+        "pr2_loss": logged(ep, "pr2/loss"),
+        "ddp_pr2_loss": logged(ddp, "pr2/loss"),
+        "weight_diff": weight_diff(uninterrupted, full_weights(ddp)),
+        "storage": storage(ep),
+    }
     saved = OUT / "pr2_ep" / "checkpoint-2"
     result["checkpoint_files"] = sorted(p.name for p in saved.iterdir())
     result["shard_files"] = sorted(p.name for p in (saved / "distributed").iterdir())
     resumed = make_trainer(checkpoint, "pr2", sharded=True, name="pr2_ep_resumed")
     resumed.train(resume_from_checkpoint=str(saved))
-    result["resumed"] = {"global_step": resumed.state.global_step, "loss": logged(resumed, "loss"),
-                         "weight_diff": weight_diff(full_weights(resumed), uninterrupted),
-                         "predictors": flat(resumed._pr2.full_state_dict()),
-                         "uninterrupted_predictors": flat(ep._pr2.full_state_dict())}
+    result["resumed"] = {
+        "global_step": resumed.state.global_step,
+        "loss": logged(resumed, "loss"),
+        "weight_diff": weight_diff(full_weights(resumed), uninterrupted),
+        "predictors": flat(resumed._pr2.full_state_dict()),
+        "uninterrupted_predictors": flat(ep._pr2.full_state_dict()),
+    }
     # a resume from a checkpoint whose shards are gone is refused in one line, the weights untouched
     broken = OUT / "pr2_ep" / "checkpoint-4"
     if int(os.environ["RANK"]) == 0:
@@ -176,8 +237,11 @@ def train_pr2_and_resume(checkpoint: str) -> dict:
         refused.train(resume_from_checkpoint=str(broken))
         result["refusal"] = None
     except Exception as exc:  # noqa: BLE001  (the test checks the class and the line)
-        result["refusal"] = {"type": type(exc).__name__, "message": str(exc),
-                             "untouched": max(weight_diff(full_weights(refused), before).values()) == 0.0}
+        result["refusal"] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "untouched": max(weight_diff(full_weights(refused), before).values()) == 0.0,
+        }
     return result
 
 
@@ -186,8 +250,13 @@ def peft_refusal(checkpoint: str) -> dict:
     from peft import LoraConfig
 
     try:
-        make_trainer(checkpoint, "r3", sharded=True, name="lora_ep", peft_config=LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        make_trainer(
+            checkpoint,
+            "r3",
+            sharded=True,
+            name="lora_ep",
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        )
     except Exception as exc:  # noqa: BLE001  (the test checks the class and the line)
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": None}
@@ -218,11 +287,15 @@ def all_reduce_replay(checkpoint: str) -> dict:
     with torch.no_grad(), replay.replay(shifted_routes):
         shifted = sharded(input_ids=ids).logits
     experts = sharded.model.layers[0].mlp.experts.gate_up_proj
-    return {"max_diff": float((replayed - reference).abs().max()),
-            "shifted_diff": float((shifted - reference).abs().max()),
-            "experts_seen_equal_replayed": all(sorted(map(sorted, calls[0])) == sorted(map(sorted, expected[layer]))
-                                               for layer, calls in seen.items()) and bool(seen),
-            "experts_local": list(experts.to_local().shape)}
+    return {
+        "max_diff": float((replayed - reference).abs().max()),
+        "shifted_diff": float((shifted - reference).abs().max()),
+        "experts_seen_equal_replayed": all(
+            sorted(map(sorted, calls[0])) == sorted(map(sorted, expected[layer])) for layer, calls in seen.items()
+        )
+        and bool(seen),
+        "experts_local": list(experts.to_local().shape),
+    }
 
 
 def vllm_run(checkpoint: str, **engine) -> dict:
@@ -240,15 +313,30 @@ def vllm_run(checkpoint: str, **engine) -> dict:
             after = self._sync_check.measure(model)
             syncs.append({"step": self.state.global_step, "before": before, "after": after})
 
-    trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"vllm_{engine['vllm_mode']}", cls=Checked,
-                           use_vllm=True, vllm_sync_check=True, learning_rate=3e-2, max_completion_length=8, **engine)
+    trainer = make_trainer(
+        checkpoint,
+        "r3",
+        sharded=True,
+        name=f"vllm_{engine['vllm_mode']}",
+        cls=Checked,
+        use_vllm=True,
+        vllm_sync_check=True,
+        learning_rate=3e-2,
+        max_completion_length=8,
+        **engine,
+    )
     assert isinstance(trainer._sync_check, SyncCheck)
     trainer.train()
-    return {"loss": logged(trainer, "loss"), "routes": trainer.route_checks, "syncs": syncs,
-            "sync_metric": logged(trainer, "vllm/sync_max_logprob_diff"),
-            "fallback": logged(trainer, "routing/fallback_frac"),
-            "mismatch": logged(trainer, "routing/mismatch_frac"),
-            "weight_sync": type(trainer._weight_sync).__name__, "storage": storage(trainer)}, trainer
+    return {
+        "loss": logged(trainer, "loss"),
+        "routes": trainer.route_checks,
+        "syncs": syncs,
+        "sync_metric": logged(trainer, "vllm/sync_max_logprob_diff"),
+        "fallback": logged(trainer, "routing/fallback_frac"),
+        "mismatch": logged(trainer, "routing/mismatch_frac"),
+        "weight_sync": type(trainer._weight_sync).__name__,
+        "storage": storage(trainer),
+    }, trainer
 
 
 def precision_runs(checkpoint: str) -> dict:
@@ -256,18 +344,29 @@ def precision_runs(checkpoint: str) -> dict:
     masters) and in bfloat16 (updated in place): what the update probe logs, the stored dtype, the compute dtype."""
     result = {}
     for dtype in ("float32", "bfloat16"):
-        trainer = make_trainer(checkpoint, "r3", sharded=True, name=f"precision_{dtype}", bf16=True,
-                               learning_rate=1e-6, max_steps=2,
-                               model_init_kwargs={"dtype": dtype, "distributed_config": EP})
+        trainer = make_trainer(
+            checkpoint,
+            "r3",
+            sharded=True,
+            name=f"precision_{dtype}",
+            bf16=True,
+            learning_rate=1e-6,
+            max_steps=2,
+            model_init_kwargs={"dtype": dtype, "distributed_config": EP},
+        )
         model = trainer.accelerator.unwrap_model(trainer.model)
         computed = set()
         handle = model.model.layers[0].self_attn.q_proj.register_forward_hook(
-            lambda module, args, output, computed=computed: computed.add(str(output.dtype)))
+            lambda module, args, output, computed=computed: computed.add(str(output.dtype))
+        )
         trainer.train()
         handle.remove()
-        result[dtype] = {"updated_frac": logged(trainer, "precision/updated_frac"),
-                         "stored": sorted({str(p.dtype) for p in model.parameters()}), "computed": sorted(computed),
-                         "sharded_at_load": is_sharded_at_load(model)}
+        result[dtype] = {
+            "updated_frac": logged(trainer, "precision/updated_frac"),
+            "stored": sorted({str(p.dtype) for p in model.parameters()}),
+            "computed": sorted(computed),
+            "sharded_at_load": is_sharded_at_load(model),
+        }
     return result
 
 

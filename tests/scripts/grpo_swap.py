@@ -21,13 +21,25 @@ def reward_len(completions, **kwargs):
 def main():
     dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
     training_args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-        gradient_accumulation_steps=2, save_strategy="no",
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        gradient_accumulation_steps=2,
+        save_strategy="no",
     )
     trainer = GRPOTrainer(
-        model=tiny_moe_model(sys.argv[1] if len(sys.argv) > 1 else "qwen3_moe"), reward_funcs=reward_len,
-        args=training_args, train_dataset=dataset, processing_class=tiny_tokenizer(),
+        model=tiny_moe_model(sys.argv[1] if len(sys.argv) > 1 else "qwen3_moe"),
+        reward_funcs=reward_len,
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer(),
     )
     trainer.train()
     if trainer.accelerator.is_main_process:

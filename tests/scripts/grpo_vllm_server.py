@@ -47,15 +47,30 @@ def main():
     try:
         with trl_vllm_transport_stub(server):
             args = MoEReplayGRPOConfig(
-                output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", max_steps=2,
-                logging_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-                learning_rate=1e-3, gradient_accumulation_steps=2, save_strategy="no", seed=0, use_vllm=True,
-                vllm_mode="server", vllm_server_base_url=server.url if server else "http://127.0.0.1:9",
+                output_dir=tempfile.mkdtemp(),
+                use_cpu=True,
+                bf16=False,
+                report_to="none",
+                max_steps=2,
+                logging_steps=1,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                max_completion_length=6,
+                learning_rate=1e-3,
+                gradient_accumulation_steps=2,
+                save_strategy="no",
+                seed=0,
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=server.url if server else "http://127.0.0.1:9",
                 vllm_weight_sync="trl",  # the stand-in takes TRL's sync, its NCCL transport stubbed
             )
             dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
             trainer = MoEReplayGRPOTrainer(
-                model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args, train_dataset=dataset,
+                model=tiny_moe_model("qwen3_moe"),
+                reward_funcs=reward_len,
+                args=args,
+                train_dataset=dataset,
                 processing_class=tiny_tokenizer(),
             )
             received = []
@@ -65,8 +80,14 @@ def main():
                 rows = local_rows(num_local)
                 transfer = trainer._route_source.last_transfer
                 sha, _ = digest(rows)
-                received.append({"samples": transfer.samples, "payloads": transfer.payloads,
-                                 "bytes": transfer.payload_bytes, "sha256": sha})
+                received.append(
+                    {
+                        "samples": transfer.samples,
+                        "payloads": transfer.payloads,
+                        "bytes": transfer.payload_bytes,
+                        "sha256": sha,
+                    }
+                )
                 return rows
 
             trainer._route_source.local_rows = recording_local_rows

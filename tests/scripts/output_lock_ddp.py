@@ -26,18 +26,33 @@ class LockProbe(TrainerCallback):
 def main():
     probe = LockProbe()
     trainer = MoEReplayGRPOTrainer(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=MoEReplayGRPOConfig(
-            output_dir=sys.argv[1], use_cpu=True, bf16=False, report_to="none", max_steps=1, logging_steps=1,
-            per_device_train_batch_size=4, num_generations=4, max_completion_length=4, save_strategy="no",
+            output_dir=sys.argv[1],
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            max_steps=1,
+            logging_steps=1,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=4,
+            save_strategy="no",
         ),
         train_dataset=Dataset.from_dict({"prompt": [f"{a}+{a}=" for a in range(8)]}),
-        processing_class=tiny_tokenizer(), callbacks=[probe],
+        processing_class=tiny_tokenizer(),
+        callbacks=[probe],
     )
     trainer.train()
     rank = trainer.accelerator.process_index
-    print("REPORT " + json.dumps({"rank": rank, "pid": os.getpid(), "lock_pid": probe.lock_pid,
-                                  "steps": trainer.state.global_step}), flush=True)
+    print(
+        "REPORT "
+        + json.dumps(
+            {"rank": rank, "pid": os.getpid(), "lock_pid": probe.lock_pid, "steps": trainer.state.global_step}
+        ),
+        flush=True,
+    )
     trainer.end()  # releases the lock and destroys the process group
 
 

@@ -43,20 +43,30 @@ def train_and_kill(output_dir: str, kill_point: str) -> None:
             if point == kill_point and trainer is not None and trainer.state.global_step == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
+
         return wrapped
 
     pr2.save_file = kill_after("predictors-partial", safetensors.torch.save_file)
     real_replace = os.replace
     os.replace = lambda src, dst: kill_after(  # only the predictors' rename counts
-        "predictors" if str(dst).endswith(pr2.PREDICTORS_FILE) else "-", real_replace)(src, dst)
+        "predictors" if str(dst).endswith(pr2.PREDICTORS_FILE) else "-", real_replace
+    )(src, dst)
     Trainer.save_model = kill_after("model", Trainer.save_model)
     Trainer._save_optimizer_and_scheduler = kill_after("optimizer", Trainer._save_optimizer_and_scheduler)
     Trainer._save_rng_state = kill_after("rng", Trainer._save_rng_state)
     TrainerState.save_to_json = kill_after("trainer-state", TrainerState.save_to_json)
 
-    trainer = make_trainer(output_dir, tiny_moe_model("qwen3_moe"), routing_replay="pr2", max_steps=2,
-                           pr2_lr_multiplier=10.0, save_strategy="steps", save_steps=1,
-                           gradient_accumulation_steps=1, num_iterations=2)
+    trainer = make_trainer(
+        output_dir,
+        tiny_moe_model("qwen3_moe"),
+        routing_replay="pr2",
+        max_steps=2,
+        pr2_lr_multiplier=10.0,
+        save_strategy="steps",
+        save_steps=1,
+        gradient_accumulation_steps=1,
+        num_iterations=2,
+    )
     state["trainer"] = trainer
     trainer.train()
     trainer.end()

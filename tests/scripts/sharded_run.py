@@ -36,8 +36,17 @@ OUT = Path(sys.argv[1])
 # so ZeRO-3 partitions them instead of keeping them whole on every rank
 MODEL = dict(model_type="qwen3_moe", num_experts=16)
 SETTINGS = dict(
-    use_cpu=True, bf16=False, report_to="none", logging_steps=1, per_device_train_batch_size=4, num_generations=4,
-    max_completion_length=6, learning_rate=1e-3, gradient_accumulation_steps=1, num_iterations=2, seed=0,
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    logging_steps=1,
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=6,
+    learning_rate=1e-3,
+    gradient_accumulation_steps=1,
+    num_iterations=2,
+    seed=0,
     max_grad_norm=1e6,  # DeepSpeed clips policy and predictors by one norm, the others separately (docs)
 )
 STEPS_THRESHOLD = 2  # R3 with threshold replay: a generation batch's on-policy and off-policy update
@@ -122,8 +131,15 @@ class ThresholdSpy(Spy):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.route_checks = {"calls": 0, "rows": 0, "replaced_seen": 0, "replaced_counted": 0, "slots_counted": 0,
-                             "recompute_differs": 0, "duplicates": 0}
+        self.route_checks = {
+            "calls": 0,
+            "rows": 0,
+            "replaced_seen": 0,
+            "replaced_counted": 0,
+            "slots_counted": 0,
+            "recompute_differs": 0,
+            "duplicates": 0,
+        }
         self.taken: dict[int, list[int]] = {}
 
     def _log_replace_rate(self):
@@ -172,13 +188,16 @@ def storage(trainer) -> dict:
     # the predictors' own param group as the engine's optimizer holds it
     report["pr2_groups"] = [
         {"lr": group["lr"], "initial_lr": group["initial_lr"], "weight_decay": group["weight_decay"]}
-        for group in trainer.optimizer.param_groups if group.get("pr2_predictors")
+        for group in trainer.optimizer.param_groups
+        if group.get("pr2_predictors")
     ]
     for name, param in model.named_parameters():
         if name.endswith(WATCHED_PARAMS):
             full = int(param.ds_numel) if is_zero3_partitioned(param) else param.numel()
             report["params"][name] = {
-                "dtensor": is_dtensor(param), "zero3": is_zero3_partitioned(param), "local": local_numel(param),
+                "dtensor": is_dtensor(param),
+                "zero3": is_zero3_partitioned(param),
+                "local": local_numel(param),
                 "full": full,
             }
     return report
@@ -191,8 +210,13 @@ def make_trainer(mode: str, model, cls=Spy, name: str | None = None, **overrides
         settings["accelerator_config"] = {"use_configured_state": True}
     if mode == "pr2":
         settings.setdefault("pr2_lr_multiplier", 10.0)
-    return cls(model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**settings),
-               train_dataset=dataset, processing_class=tiny_tokenizer())
+    return cls(
+        model=model,
+        reward_funcs=reward_len,
+        args=MoEReplayGRPOConfig(**settings),
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer(),
+    )
 
 
 def logged(trainer, name):
@@ -202,24 +226,41 @@ def logged(trainer, name):
 def run_mode(mode: str, model, steps: int) -> dict:
     trainer = make_trainer(mode, model, max_steps=steps, save_strategy="no")
     trainer.train()
-    return {"loss": logged(trainer, "loss"), "routes": trainer.route_checks, "storage": storage(trainer),
-            "updated_frac": logged(trainer, "precision/updated_frac"),
-            "distributed_type": trainer.accelerator.distributed_type.value,
-            "mixed_precision": trainer.accelerator.mixed_precision}
+    return {
+        "loss": logged(trainer, "loss"),
+        "routes": trainer.route_checks,
+        "storage": storage(trainer),
+        "updated_frac": logged(trainer, "precision/updated_frac"),
+        "distributed_type": trainer.accelerator.distributed_type.value,
+        "mixed_precision": trainer.accelerator.mixed_precision,
+    }
 
 
 def run_threshold(model) -> dict:
     """R3 with threshold replay at 1 for a generation batch's two updates: the on-policy one replays the routes its
     own router chose; the off-policy one's router has moved, and rejects the replayed experts it no longer ranks in
     its top-k."""
-    trainer = make_trainer("r3", model, cls=ThresholdSpy, name="threshold", max_steps=STEPS_THRESHOLD,
-                           save_strategy="no", replay_score_threshold=1.0)
+    trainer = make_trainer(
+        "r3",
+        model,
+        cls=ThresholdSpy,
+        name="threshold",
+        max_steps=STEPS_THRESHOLD,
+        save_strategy="no",
+        replay_score_threshold=1.0,
+    )
     trainer.train()
-    layers = sorted({name for entry in trainer.state.log_history for name in entry
-                     if name.startswith(f"{REPLACE_RATE}/")})
-    return {"loss": logged(trainer, "loss"), "replace_rate": logged(trainer, REPLACE_RATE),
-            "replace_rate_layers": {name: logged(trainer, name) for name in layers}, "routes": trainer.route_checks,
-            "updated_frac": logged(trainer, "precision/updated_frac"), "top_k": trainer._route_replay.top_k}
+    layers = sorted(
+        {name for entry in trainer.state.log_history for name in entry if name.startswith(f"{REPLACE_RATE}/")}
+    )
+    return {
+        "loss": logged(trainer, "loss"),
+        "replace_rate": logged(trainer, REPLACE_RATE),
+        "replace_rate_layers": {name: logged(trainer, name) for name in layers},
+        "routes": trainer.route_checks,
+        "updated_frac": logged(trainer, "precision/updated_frac"),
+        "top_k": trainer._route_replay.top_k,
+    }
 
 
 def run_pr2(model, resume_model) -> dict:
@@ -228,9 +269,15 @@ def run_pr2(model, resume_model) -> dict:
     steps.trainer = trainer
     trainer.add_callback(steps)
     trainer.train()
-    result = {"loss": logged(trainer, "loss"), "pr2_loss": logged(trainer, "pr2/loss"),
-              "grad_norm": logged(trainer, "grad_norm"), "pr2_grad_norm": logged(trainer, "pr2/grad_norm"),
-              "routes": trainer.route_checks, "predictors_after_step": steps.after_step, "storage": storage(trainer)}
+    result = {
+        "loss": logged(trainer, "loss"),
+        "pr2_loss": logged(trainer, "pr2/loss"),
+        "grad_norm": logged(trainer, "grad_norm"),
+        "pr2_grad_norm": logged(trainer, "pr2/grad_norm"),
+        "routes": trainer.route_checks,
+        "predictors_after_step": steps.after_step,
+        "storage": storage(trainer),
+    }
     trainer.save_model(str(OUT / "pr2" / "final"))  # the test loads it with plain transformers
 
     restored = {}
@@ -260,13 +307,24 @@ def predictor_shapes_under_zero_init() -> dict:
     from trl_moe_replay.pr2.predictor import RoutePredictors
     from trl_moe_replay.routing import RouterReplay
 
-    config = AutoConfig.for_model(**MODEL, vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32)
+    config = AutoConfig.for_model(
+        **MODEL,
+        vocab_size=64,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+    )
     model = AutoModelForCausalLM.from_config(config)  # inside deepspeed.zero.Init: a ZeRO-3 trainer exists
     router = RouterReplay(model).routers()[0]
     predictors = RoutePredictors(RouterReplay(model).routers())
-    return {"router_local": router.weight.numel(), "router_ds_shape": list(router.weight.ds_shape),
-            "predictor": list(predictors.layers["0"].weight.shape)}
+    return {
+        "router_local": router.weight.numel(),
+        "router_ds_shape": list(router.weight.ds_shape),
+        "predictor": list(predictors.layers["0"].weight.shape),
+    }
 
 
 def main():

@@ -20,8 +20,14 @@ from trl_moe_replay.checkpointing.checkpoints import SaveOnInterrupt
 def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    args = SimpleNamespace(output_dir=sys.argv[1], steps_per_generation=4, num_iterations=1,
-                           gradient_accumulation_steps=2, world_size=2, device=torch.device("cpu"))
+    args = SimpleNamespace(
+        output_dir=sys.argv[1],
+        steps_per_generation=4,
+        num_iterations=1,
+        gradient_accumulation_steps=2,
+        world_size=2,
+        device=torch.device("cpu"),
+    )
     state = SimpleNamespace(is_world_process_zero=rank == 0, global_step=0)
     callback, control = SaveOnInterrupt(), TrainerControl()
     callback.on_train_begin(args, state, control)
@@ -35,9 +41,20 @@ def main():
             stopped_at = step
             break
     callback.on_train_end(args, state, control)
-    print("REPORT " + json.dumps({"rank": rank, "stopped_at": stopped_at, "checkpoint": callback.checkpoint,
-                                  "save": control.should_save, "exit_status": callback.exit_status,
-                                  "sigterm_restored": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}), flush=True)
+    print(
+        "REPORT "
+        + json.dumps(
+            {
+                "rank": rank,
+                "stopped_at": stopped_at,
+                "checkpoint": callback.checkpoint,
+                "save": control.should_save,
+                "exit_status": callback.exit_status,
+                "sigterm_restored": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+            }
+        ),
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

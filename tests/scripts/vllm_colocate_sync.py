@@ -50,8 +50,9 @@ def score(llm):
     llm.reset_prefix_cache()
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     request = llm.generate([{"prompt_token_ids": SCORED_PROMPT}], params, use_tqdm=False)[0]
-    logprobs = [entry[token].logprob
-                for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:], strict=True)]
+    logprobs = [
+        entry[token].logprob for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:], strict=True)
+    ]
     return {"logprobs": logprobs, "routes": request.outputs[0].routed_experts.tolist()}
 
 
@@ -75,7 +76,11 @@ def main():
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     llm = LLM(
-        path, enable_return_routed_experts=True, dtype="float32", max_model_len=128, seed=0,
+        path,
+        enable_return_routed_experts=True,
+        dtype="float32",
+        max_model_len=128,
+        seed=0,
         distributed_executor_backend="external_launcher",  # what TRL 1.16's colocate mode passes
     )
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)

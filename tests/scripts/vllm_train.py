@@ -150,8 +150,9 @@ def main(argv: list[str], end: bool = True) -> None:
                 for turns, sequence in zip(state.turns.turns, state.turns._sequences, strict=True):
                     rows = [decode_routed_experts(t.rows) if isinstance(t.rows, str) else t.rows for t in turns]
                     # engine rows received for this sample over all its turns, and its routable positions
-                    self.rows_received.append([sum(len(r) for r in rows if r is not None), len(sequence) - 1,
-                                               len(turns)])
+                    self.rows_received.append(
+                        [sum(len(r) for r in rows if r is not None), len(sequence) - 1, len(turns)]
+                    )
             return output
 
         def _generate_and_score_completions(self, inputs):
@@ -159,8 +160,12 @@ def main(argv: list[str], end: bool = True) -> None:
             replayed = self.replayed_routes(output)
             if replayed is not None:  # before TRL shuffles the batch: sample i is the engine's completion i
                 attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-                self.batches.append({"routable": (attention.sum(1) - 1).tolist(),
-                                     "routed": has_route(replayed).any(-1).sum(1).tolist()})
+                self.batches.append(
+                    {
+                        "routable": (attention.sum(1) - 1).tolist(),
+                        "routed": has_route(replayed).any(-1).sum(1).tolist(),
+                    }
+                )
             return output
 
         def _sync_vllm_weights(self):
@@ -172,10 +177,24 @@ def main(argv: list[str], end: bool = True) -> None:
             self.syncs.append({"step": self.state.global_step, "before": before, "after": after})
 
     settings = dict(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", max_steps=3, logging_steps=1,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=3e-2,
-        save_strategy="no", seed=0, routing_replay="r3", use_vllm=True, vllm_sync_check=True, beta=0.04,
-        vllm_gpu_memory_utilization=0.5, **engine,
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=3,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=3e-2,
+        save_strategy="no",
+        seed=0,
+        routing_replay="r3",
+        use_vllm=True,
+        vllm_sync_check=True,
+        beta=0.04,
+        vllm_gpu_memory_utilization=0.5,
+        **engine,
     )
     settings.update(overrides)
     prompts = [f"{a}+{b}=" for a in range(4) for b in range(4)]
@@ -188,7 +207,8 @@ def main(argv: list[str], end: bool = True) -> None:
         settings.update(
             vllm_structured_outputs_regex=r'(<tool_call>\n\{"name": "calculator", "arguments": \{"expression": '
             r'"[0-9]\+[0-9]"\}\}\n</tool_call>|\\boxed\{[0-9]{1,2}\})',
-            max_completion_length=96, max_tool_calling_iterations=2,
+            max_completion_length=96,
+            max_tool_calling_iterations=2,
         )
         if turns is not None:  # long conversations: room for N turns of ~60 tokens (a call and its tool result)
             settings.update(max_completion_length=56 * int(turns), max_tool_calling_iterations=int(turns) - 1)
@@ -198,15 +218,20 @@ def main(argv: list[str], end: bool = True) -> None:
         # attention, the router (PEFT wraps its weight parameter) and transformers' fused 3-D expert weights;
         # lora_B starts at zero, so the first sync sends the base weights and the later ones W + BA
         tool_kwargs["peft_config"] = LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate"],
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "gate"],
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         )
     args = MoEReplayGRPOConfig(**settings)
     EngineChecked.count_mismatches = bool(count_only)
     trainer = EngineChecked(
-        model=model_path, args=args, processing_class=tiny_tokenizer(tools=bool(with_tools)),
+        model=model_path,
+        args=args,
+        processing_class=tiny_tokenizer(tools=bool(with_tools)),
         reward_funcs=lambda completions, **kw: [float(len(str(c))) for c in completions],
-        train_dataset=Dataset.from_dict({"prompt": prompts}), **tool_kwargs,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        **tool_kwargs,
     )
     rr = trainer._route_replay
     client = getattr(trainer.vllm_generation, "vllm_client", None)
@@ -221,8 +246,10 @@ def main(argv: list[str], end: bool = True) -> None:
         def generate_turn(prompts, **kwargs):  # a call while fewer than N - 1 tool results are in the prompt
             results = min(list(prompt).count(tool_result) for prompt in prompts)
             kwargs["structured_outputs_regex"] = call if results < int(turns) - 1 else answer
-            kwargs["generation_kwargs"] = {**(kwargs.get("generation_kwargs") or {}),
-                                           "logit_bias": {str(token): 30.0 for token in markup}}
+            kwargs["generation_kwargs"] = {
+                **(kwargs.get("generation_kwargs") or {}),
+                "logit_bias": {str(token): 30.0 for token in markup},
+            }
             # the test server's --max-model-len is 512 (tests/vllm_server.py); the regex bounds the output anyway
             kwargs["max_tokens"] = min(kwargs["max_tokens"], 512 - max(len(prompt) for prompt in prompts))
             return generate(prompts, **kwargs)
@@ -263,8 +290,9 @@ def main(argv: list[str], end: bool = True) -> None:
         "corrupted": [[call, choice, kind] for (call, choice), kind in fuzzer.corrupted.items()] if fuzzer else [],
         "later_turns": trainer.later_turns,
         "mismatched_positions": trainer.mismatched_positions,
-        "lora_b_change": max((float(p.detach().abs().max()) for n, p in trainer.model.named_parameters()
-                              if "lora_B" in n), default=None),
+        "lora_b_change": max(
+            (float(p.detach().abs().max()) for n, p in trainer.model.named_parameters() if "lora_B" in n), default=None
+        ),
         "peft": type(trainer.model).__name__,
         "rows_received": trainer.rows_received,
     }

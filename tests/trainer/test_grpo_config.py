@@ -11,9 +11,17 @@ from tests.trainer.test_grpo_trainer import prompts_dataset, reward_len
 
 
 def colocate_config(tmp_path, **overrides):
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True,
-                    vllm_mode="colocate", vllm_tensor_parallel_size=2, per_device_train_batch_size=4,
-                    num_generations=4)
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_tensor_parallel_size=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+    )
     return MoEReplayGRPOConfig(**{**settings, **overrides})
 
 
@@ -23,8 +31,13 @@ def test_colocate_with_tensor_parallelism_is_refused_on_vllm_031_and_later_when_
 ):
     monkeypatch.setattr(grpo_config, "installed_vllm_version", lambda: vllm)
     with pytest.raises(UnprovenEngineSetupError, match=rf"vllm_tensor_parallel_size=2 on vLLM {vllm}.*first tensor"):
-        MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=colocate_config(tmp_path),
-                             train_dataset=prompts_dataset(), processing_class=tiny_tokenizer())
+        MoEReplayGRPOTrainer(
+            model=tiny_moe_model("qwen3_moe"),
+            reward_funcs=reward_len,
+            args=colocate_config(tmp_path),
+            train_dataset=prompts_dataset(),
+            processing_class=tiny_tokenizer(),
+        )
 
 
 def test_the_refusal_spares_older_vllm_one_gpu_and_runs_without_engine_routes(tmp_path, monkeypatch):

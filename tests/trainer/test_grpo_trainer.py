@@ -15,8 +15,14 @@ from tests.helpers import run_two_ranks
 
 
 METRICS = [
-    "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/extreme_frac", "routing/mismatch_frac",
-    "routing/token_any_mismatch", "routing/topk_agreement", "routing/fallback_frac", "routing/fallback_samples_frac",
+    "mismatch/kl_k1",
+    "mismatch/kl_k3",
+    "mismatch/extreme_frac",
+    "routing/mismatch_frac",
+    "routing/token_any_mismatch",
+    "routing/topk_agreement",
+    "routing/fallback_frac",
+    "routing/fallback_samples_frac",
 ]
 
 
@@ -28,18 +34,33 @@ def reward_len(completions, **kwargs):
     return [-abs(6 - len(c)) for c in completions]
 
 
-def make_trainer(tmp_path, model, cls=MoEReplayGRPOTrainer, trainer_kwargs: dict | None = None,
-                 **overrides) -> MoEReplayGRPOTrainer:
+def make_trainer(
+    tmp_path, model, cls=MoEReplayGRPOTrainer, trainer_kwargs: dict | None = None, **overrides
+) -> MoEReplayGRPOTrainer:
     """A tiny GRPO run of ``cls`` on ``model``: ``overrides`` go to the config, ``trainer_kwargs`` to the trainer."""
     settings = dict(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=2, logging_steps=1,
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-3,
-        gradient_accumulation_steps=2, save_strategy="no", seed=0,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        gradient_accumulation_steps=2,
+        save_strategy="no",
+        seed=0,
     )
     settings.update(overrides)
     return cls(
-        model=model, reward_funcs=reward_len, args=MoEReplayGRPOConfig(**settings),
-        train_dataset=prompts_dataset(), processing_class=tiny_tokenizer(), **(trainer_kwargs or {}),
+        model=model,
+        reward_funcs=reward_len,
+        args=MoEReplayGRPOConfig(**settings),
+        train_dataset=prompts_dataset(),
+        processing_class=tiny_tokenizer(),
+        **(trainer_kwargs or {}),
     )
 
 
@@ -75,8 +96,13 @@ def test_a_few_steps_log_finite_metrics_and_update_the_model(tmp_path, model_typ
 def test_routing_metrics_are_logged_on_policy_without_the_engine_correction(tmp_path, mode):
     # on-policy without the IS correction TRL runs no old-logprob pass; routing_metrics still logs the comparison
     # (a no-grad forward of its own, replaying the rollout's routes under R3) and TRL's sampling/* stays off
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), routing_replay=mode, routing_metrics=True,
-                           transformers_importance_sampling_correction=False)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        routing_replay=mode,
+        routing_metrics=True,
+        transformers_importance_sampling_correction=False,
+    )
     trainer.train()
     for name in METRICS:
         values = logged(trainer, name)
@@ -89,8 +115,13 @@ def test_routing_metrics_are_logged_on_policy_without_the_engine_correction(tmp_
 def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     def trained_params(checkpointing: bool):
         torch.manual_seed(0)
-        trainer = make_trainer(tmp_path / str(checkpointing), tiny_moe_model("qwen3_moe"), max_steps=1,
-                               gradient_checkpointing=checkpointing, routing_replay="r3")
+        trainer = make_trainer(
+            tmp_path / str(checkpointing),
+            tiny_moe_model("qwen3_moe"),
+            max_steps=1,
+            gradient_checkpointing=checkpointing,
+            routing_replay="r3",
+        )
         trainer.train()
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -101,8 +132,9 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
 
 def test_aux_loss_is_turned_off_under_replay_and_kept_without(tmp_path):
     replayed = make_trainer(tmp_path / "r3", tiny_moe_model("qwen3_moe", router_aux_loss_coef=0.01), max_steps=1)
-    plain = make_trainer(tmp_path / "none", tiny_moe_model("qwen3_moe", router_aux_loss_coef=0.01), max_steps=1,
-                         routing_replay="none")
+    plain = make_trainer(
+        tmp_path / "none", tiny_moe_model("qwen3_moe", router_aux_loss_coef=0.01), max_steps=1, routing_replay="none"
+    )
     assert not replayed.aux_loss_enabled and plain.aux_loss_enabled
     plain.train()
     replayed.train()
@@ -137,17 +169,29 @@ def test_bf16_r3_reduces_the_logprob_mismatch_against_none(tmp_path):
     # are the rollout's, and the old-policy log-probs move towards the sampling ones.
     def run(mode):
         torch.manual_seed(0)
-        model = tiny_moe_model("qwen3_moe", dtype=torch.bfloat16, num_experts=32, num_experts_per_tok=4,
-                               initializer_range=0.1)
+        model = tiny_moe_model(
+            "qwen3_moe", dtype=torch.bfloat16, num_experts=32, num_experts_per_tok=4, initializer_range=0.1
+        )
         # "none" measures too (routing_metrics), and scores the batch against the sampler like r3 does
-        trainer = make_trainer(tmp_path / mode, model, routing_replay=mode, max_steps=1, learning_rate=0.0,
-                               max_completion_length=16, bf16=True, gradient_checkpointing=False,
-                               routing_metrics=True, transformers_importance_sampling_correction=True)
+        trainer = make_trainer(
+            tmp_path / mode,
+            model,
+            routing_replay=mode,
+            max_steps=1,
+            learning_rate=0.0,
+            max_completion_length=16,
+            bf16=True,
+            gradient_checkpointing=False,
+            routing_metrics=True,
+            transformers_importance_sampling_correction=True,
+        )
         trainer.train()
         return logged(trainer, "routing/mismatch_frac")[0], logged(trainer, "mismatch/kl_k3")[0]
 
     (route_none, kl_none), (route_r3, kl_r3) = run("none"), run("r3")
-    measured = f"routing/mismatch_frac none={route_none:.4f} r3={route_r3:.4f}; kl_k3 none={kl_none:.2e} r3={kl_r3:.2e}"
+    measured = (
+        f"routing/mismatch_frac none={route_none:.4f} r3={route_r3:.4f}; kl_k3 none={kl_none:.2e} r3={kl_r3:.2e}"
+    )
     assert route_none > 0 and route_r3 > 0, measured  # the routing mismatch is measurable on this config
     assert kl_r3 < kl_none / 2, measured  # measured 6.7e-5 -> 1.1e-5 (2 layers) and 9.8e-5 -> 1.5e-5 (4 layers)
 
@@ -158,7 +202,7 @@ def test_import_swap_script_runs_on_two_processes():
     script = Path(__file__).parents[1] / "scripts" / "grpo_swap.py"
     result = run_two_ranks(script)
     line = next(line for line in result.stdout.splitlines() if line.startswith("METRICS "))
-    report = json.loads(line[len("METRICS "):])
+    report = json.loads(line[len("METRICS ") :])
     assert report["world"] == 2
     logs = report["logs"]
     assert len(logs) == 2
@@ -171,10 +215,18 @@ def test_import_swap_script_runs_on_two_processes():
     ("overrides", "match"),
     [
         (dict(routing_replay="r3", use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
-        (dict(routing_replay="pr2", pr2_rollout_prediction=True, use_transformers_continuous_batching=True),
-         "use_transformers_continuous_batching"),
-        (dict(routing_replay="r2", use_transformers_continuous_batching=True,
-              transformers_importance_sampling_correction=True), "continuous_batching"),
+        (
+            dict(routing_replay="pr2", pr2_rollout_prediction=True, use_transformers_continuous_batching=True),
+            "use_transformers_continuous_batching",
+        ),
+        (
+            dict(
+                routing_replay="r2",
+                use_transformers_continuous_batching=True,
+                transformers_importance_sampling_correction=True,
+            ),
+            "continuous_batching",
+        ),
         (dict(routing_replay="r3", generation_kwargs={"num_beams": 2}), "num_beams=2"),
         (dict(routing_replay="none", routing_metrics=True, generation_kwargs={"num_beams": 2}), "beam search"),
     ],
@@ -189,5 +241,10 @@ def test_a_plain_grpo_config_with_continuous_batching_is_refused_when_the_traine
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_transformers_continuous_batching=True)
     with pytest.raises(ValueError, match="use_transformers_continuous_batching"):  # GRPOConfig means r3 here
-        MoEReplayGRPOTrainer(model=tiny_moe_model("qwen3_moe"), reward_funcs=reward_len, args=args,
-                             train_dataset=prompts_dataset(), processing_class=tiny_tokenizer())
+        MoEReplayGRPOTrainer(
+            model=tiny_moe_model("qwen3_moe"),
+            reward_funcs=reward_len,
+            args=args,
+            train_dataset=prompts_dataset(),
+            processing_class=tiny_tokenizer(),
+        )

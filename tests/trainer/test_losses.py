@@ -31,8 +31,9 @@ LN2 = math.log(2.0)
 def two_layer_example():
     """B=1, S=2, L=3 (layer 0 dense), K=2; probabilities that float16 holds exactly."""
     ids = torch.tensor([[[[-1, -1], [0, 3], [1, 2]], [[-1, -1], [5, 6], [7, 4]]]], dtype=torch.int16)
-    old = torch.tensor([[[[0, 0], [0.5, 0.25], [0.25, 0.125]], [[0, 0], [0.5, 0.5], [0.25, 0.25]]]],
-                       dtype=torch.float16)
+    old = torch.tensor(
+        [[[[0, 0], [0.5, 0.25], [0.25, 0.125]], [[0, 0], [0.5, 0.5], [0.25, 0.25]]]], dtype=torch.float16
+    )
     current = torch.tensor([[[[0.9, 0.9], [0.25, 0.25], [0.5, 0.125]], [[0.3, 0.3], [0.5, 0.5], [0.25, 0.25]]]])
     return old, current, ids
 
@@ -45,7 +46,7 @@ def test_router_shift_by_hand():
     assert delta.shape == (1, 2)
     torch.testing.assert_close(delta, torch.tensor([[LN2 / 2, 0.0]]))
     gamma = router_shift_gamma(delta, gamma_min=0.5)
-    torch.testing.assert_close(gamma, torch.tensor([[2 ** -0.5, 1.0]]))
+    torch.testing.assert_close(gamma, torch.tensor([[2**-0.5, 1.0]]))
     assert torch.equal(router_shift_gamma(delta, gamma_min=0.8), torch.tensor([[0.8, 1.0]]))  # the floor binds
 
 
@@ -129,8 +130,9 @@ def test_minirl_token_weights_by_hand():
     sampling = torch.log(torch.tensor([[0.5, 0.5, 0.05, 0.25], [0.5, 0.5, 0.5, float("nan")]]))
     advantages = torch.tensor([[1.0], [-1.0]])
     logps = current.clone().requires_grad_(True)
-    weights = minirl_token_weights(logps, logps - old, sampling, advantages, epsilon_low=0.2, epsilon_high=0.27,
-                                   is_cap=5.0)
+    weights = minirl_token_weights(
+        logps, logps - old, sampling, advantages, epsilon_low=0.2, epsilon_high=0.27, is_cap=5.0
+    )
     # r = [1.25, 1.667, 1, 1] and [0.833, 0.714, 1, 1]: A>0 & r>1.27 masks token (0,1); A<0 & r<0.8 masks (1,1)
     assert weights.high_clipped.tolist() == [[False, True, False, False], [False] * 4]
     assert weights.low_clipped.tolist() == [[False] * 4, [False, True, False, False]]
@@ -150,8 +152,9 @@ def test_minirl_gamma_rescales_both_ratios_before_mask_and_truncation():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     sampling = torch.log(torch.tensor([[0.5, 0.09]]))  # weights 1 and 5.56
     gamma = torch.tensor([[0.75, 0.85]])
-    weights = minirl_token_weights(current, current - old, sampling, torch.tensor([[-1.0]]), 0.2, 0.27, 5.0,
-                                   gamma=gamma)
+    weights = minirl_token_weights(
+        current, current - old, sampling, torch.tensor([[-1.0]]), 0.2, 0.27, 5.0, gamma=gamma
+    )
     # γ·r = 0.75 < 0.8 with A<0: masked; the second token's weight 5.56·0.85 = 4.72 is no longer truncated
     assert weights.low_clipped.tolist() == [[True, False]]
     torch.testing.assert_close(weights.is_weight, torch.tensor([[0.75, 0.5 / 0.09 * 0.85]]))
@@ -172,8 +175,10 @@ def router_logits_probs(model, input_ids) -> dict[int, torch.Tensor]:
         out = model(input_ids=input_ids, output_router_logits=True)
     rr = RouterReplay(model)
     rr.remove()
-    return {layer: torch.softmax(logits.float(), -1)
-            for layer, logits in zip(rr.moe_layers, out.router_logits, strict=True)}
+    return {
+        layer: torch.softmax(logits.float(), -1)
+        for layer, logits in zip(rr.moe_layers, out.router_logits, strict=True)
+    }
 
 
 def test_capture_stores_the_ids_actually_used_and_their_probabilities():

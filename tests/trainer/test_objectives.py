@@ -81,8 +81,14 @@ def assert_same(result, expected, exact: bool):
 def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_the_router_moved(tmp_path):
     torch.manual_seed(0)
     # routing_replay="none" is on-policy TRL here; recording generate's log-probs brings TRL's old-logprob pass
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), loss_type="rspo", routing_replay="none",
-                           router_shift_gamma_min=0.5, transformers_importance_sampling_correction=True)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("qwen3_moe"),
+        loss_type="rspo",
+        routing_replay="none",
+        router_shift_gamma_min=0.5,
+        transformers_importance_sampling_correction=True,
+    )
     assert trainer.loss_type == "grpo" and trainer.importance_sampling_level == "sequence"
     assert (trainer.epsilon_low, trainer.epsilon_high) == (3e-4, 4e-4)
     micro = first_micro_batch(trainer)
@@ -111,20 +117,26 @@ def test_rspo_equals_trl_with_gamma_one_and_with_hand_shifted_old_logps_after_th
     logs = flush_logs(trainer)
     assert torch.equal(moved["old_per_token_logps"], old_before)  # the buffered batch is never shifted in place
     seq = old["old_router_ids"].shape[1]
-    gamma_at_position = torch.tensor([2 ** -0.5 if p % 2 == 0 else 1.0 for p in range(seq)]).expand(4, seq)
+    gamma_at_position = torch.tensor([2**-0.5 if p % 2 == 0 else 1.0 for p in range(seq)]).expand(4, seq)
     gamma = completion_aligned(gamma_at_position, micro["completion_ids"].shape[1])
     by_hand = dict(micro, old_per_token_logps=micro["old_per_token_logps"] - gamma.log())
     assert_same(ours, trl_loss(by_hand), exact=False)  # γ is a constant: same loss and same gradients
     valid = micro["completion_mask"].bool()
     assert logs["rspo/gamma_mean"] == pytest.approx(gamma[valid].mean().item(), rel=1e-4)
-    assert logs["rspo/gamma_min"] == pytest.approx(2 ** -0.5, rel=1e-4)
+    assert logs["rspo/gamma_min"] == pytest.approx(2**-0.5, rel=1e-4)
     assert logs["rspo/floor_frac"] == 0.0
 
 
 def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before_clipping(tmp_path):
     torch.manual_seed(0)
-    trainer = make_trainer(tmp_path, tiny_moe_model("mixtral"), loss_type="dapo", router_shift_weighting=True,
-                           routing_replay="r3", router_shift_gamma_min=0.8)
+    trainer = make_trainer(
+        tmp_path,
+        tiny_moe_model("mixtral"),
+        loss_type="dapo",
+        router_shift_weighting=True,
+        routing_replay="r3",
+        router_shift_gamma_min=0.8,
+    )
     micro = first_micro_batch(trainer)
     moved = with_old_router_probs(trainer, micro, held(trainer, micro)["old_router_probs"] * 2)  # Δ = ln2: γ floored
     flush_logs(trainer)  # the scoring pass's metrics
@@ -149,15 +161,19 @@ def test_router_shift_weighting_with_a_token_level_trl_loss_applies_gamma_before
 # ---------------------------------------------------------------------------------------------- minirl
 def test_minirl_loss_matches_the_hand_computation(tmp_path):
     torch.manual_seed(0)
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), loss_type="minirl", routing_replay="r2",
-                           minirl_is_cap=1.001)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), loss_type="minirl", routing_replay="r2", minirl_is_cap=1.001
+    )
     assert trainer.scale_rewards == "none" and (trainer.epsilon_low, trainer.epsilon_high) == (0.2, 0.27)
     micro = first_micro_batch(trainer)
     # pretend the rollout engine and the old policy differed: shifts that cross the cap and the clipping bounds
     completion = micro["completion_ids"].shape[1]
     offsets = torch.tensor([0.0, 0.3, -0.3, 0.01, -0.01, 0.5])[:completion]
-    micro = dict(micro, sampling_per_token_logps=micro["sampling_per_token_logps"] + offsets,
-                 old_per_token_logps=micro["old_per_token_logps"] - offsets.flip(0))
+    micro = dict(
+        micro,
+        sampling_per_token_logps=micro["sampling_per_token_logps"] + offsets,
+        old_per_token_logps=micro["old_per_token_logps"] - offsets.flip(0),
+    )
     flush_logs(trainer)  # the scoring pass's metrics
     ours = loss_and_grads(trainer, lambda: trainer._compute_loss(trainer.model, micro))
     logs = flush_logs(trainer)
@@ -166,11 +182,19 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
         input_ids = torch.cat([micro["prompt_ids"], micro["completion_ids"]], dim=1)
         attention_mask = torch.cat([micro["prompt_mask"], micro["completion_mask"]], dim=1)
         with trainer._micro_batch_of(micro):
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
-                                                                      completion)
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, completion
+            )
         advantages = micro["advantages"].unsqueeze(1)
-        weights = minirl_token_weights(logps, logps - micro["old_per_token_logps"],
-                                       micro["sampling_per_token_logps"], advantages, 0.2, 0.27, 1.001)
+        weights = minirl_token_weights(
+            logps,
+            logps - micro["old_per_token_logps"],
+            micro["sampling_per_token_logps"],
+            advantages,
+            0.2,
+            0.27,
+            1.001,
+        )
         assert weights.truncated.any() and (weights.low_clipped | weights.high_clipped).any()
         # summed over tokens (no length normalisation), divided by the batch's loss-token count as TRL's dapo does:
         # the generation batch's count over the micro-batches it is split into (one process, no accumulation here)
@@ -184,8 +208,16 @@ def test_minirl_loss_matches_the_hand_computation(tmp_path):
 def test_minirl_with_kl_entropy_mask_and_off_policy_mask(tmp_path):
     torch.manual_seed(0)
     tiny_moe_model("qwen3_moe").save_pretrained(tmp_path / "model")  # beta != 0: TRL loads the reference by path
-    trainer = make_trainer(tmp_path, str(tmp_path / "model"), loss_type="minirl", routing_replay="r3", max_steps=1,
-                           beta=0.04, top_entropy_quantile=0.5, off_policy_mask_threshold=0.5)
+    trainer = make_trainer(
+        tmp_path,
+        str(tmp_path / "model"),
+        loss_type="minirl",
+        routing_replay="r3",
+        max_steps=1,
+        beta=0.04,
+        top_entropy_quantile=0.5,
+        off_policy_mask_threshold=0.5,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     (kl,) = logged(trainer, "kl")
@@ -201,9 +233,17 @@ def test_a_few_steps_with_each_replay_mode(tmp_path, loss, mode):
     model = tiny_moe_model("qwen3_moe")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # num_iterations=2: step 1 is the first (on-policy) pass over the batch, step 2 reuses it after an update
-    trainer = make_trainer(tmp_path, model, loss_type=loss, routing_replay=mode, num_iterations=2,
-                           learning_rate=1e-2, gradient_accumulation_steps=1, per_device_train_batch_size=8,
-                           router_shift_weighting=loss != "gspo")
+    trainer = make_trainer(
+        tmp_path,
+        model,
+        loss_type=loss,
+        routing_replay=mode,
+        num_iterations=2,
+        learning_rate=1e-2,
+        gradient_accumulation_steps=1,
+        per_device_train_batch_size=8,
+        router_shift_weighting=loss != "gspo",
+    )
     trainer.train()
     assert len(logged(trainer, "loss")) == 2 and all(math.isfinite(v) for v in logged(trainer, "loss"))
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
@@ -225,8 +265,9 @@ def test_a_few_steps_with_each_replay_mode(tmp_path, loss, mode):
 
 def test_without_an_old_logprob_pass_gamma_is_one(tmp_path):
     # no importance-sampling correction and on-policy: TRL skips the old pass, old = current (detached)
-    trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"), loss_type="rspo", max_steps=1,
-                           vllm_importance_sampling_correction=False)
+    trainer = make_trainer(
+        tmp_path, tiny_moe_model("qwen3_moe"), loss_type="rspo", max_steps=1, vllm_importance_sampling_correction=False
+    )
     seen = []
     original = trainer._compute_loss
 
@@ -259,11 +300,14 @@ def test_loss_defaults_are_filled_only_when_unset():
     assert minirl.minirl_is_cap == 5.0
     dapo = config()
     assert (dapo.epsilon, dapo.epsilon_high, dapo.scale_rewards, dapo.importance_sampling_level) == (
-        0.2, None, "group", "token")
+        0.2,
+        None,
+        "group",
+        "token",
+    )
     assert config(scale_rewards=False).scale_rewards == "none"
     (parsed,) = HfArgumentParser(MoEReplayGRPOConfig).parse_args_into_dataclasses(
-        ["--output_dir", "x", "--use_cpu", "--bf16", "False", "--loss_type", "rspo", "--router_shift_gamma_min",
-         "0.7"]
+        ["--output_dir", "x", "--use_cpu", "--bf16", "False", "--loss_type", "rspo", "--router_shift_gamma_min", "0.7"]
     )
     assert (parsed.epsilon, parsed.router_shift_weighting, parsed.router_shift_gamma_min) == (3e-4, True, 0.7)
 
@@ -278,8 +322,10 @@ def test_loss_defaults_are_filled_only_when_unset():
         (dict(loss_type="minirl", multi_objective_aggregation="normalize_then_sum"), "normalize_then_sum"),
         (dict(loss_type="minirl", importance_sampling_level="sequence"), "weights tokens"),
         (dict(loss_type="minirl", delta=2.0), "delta"),
-        (dict(loss_type="minirl", transformers_importance_sampling_correction=False),
-         "transformers_importance_sampling_correction"),
+        (
+            dict(loss_type="minirl", transformers_importance_sampling_correction=False),
+            "transformers_importance_sampling_correction",
+        ),
         (dict(loss_type="rspo", beta=0.04), "use_bias_correction_kl"),
         (dict(loss_type="minirl", minirl_is_cap=0.0), "minirl_is_cap"),
         (dict(loss_type="gspo", importance_sampling_level="token"), "sequence-level"),

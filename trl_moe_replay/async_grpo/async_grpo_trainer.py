@@ -175,8 +175,12 @@ class _RoutedCollator(DataCollatorForRollout):
         if len(rows) > 1:  # the other ranks' rows cross a process boundary: as tensors, checked where they enter
             batch["replay_routes"] = pad([row.packed_routes.tensor()[0] for row in rows], padding_value=0)
         version = self.version_fn()
-        lags = [version - sample["model_version"] for row in rows for sample in row.samples
-                if sample.get("replay_routes") is not None and bool(sample["replay_routes"].has_route().any())]
+        lags = [
+            version - sample["model_version"]
+            for row in rows
+            for sample in row.samples
+            if sample.get("replay_routes") is not None and bool(sample["replay_routes"].has_route().any())
+        ]
         if lags:
             self.metrics["routing/version_lag_mean"].append(sum(lags) / len(lags))
             self.metrics["routing/version_lag_max"].append(float(max(lags)))
@@ -201,9 +205,21 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
     _tag_names = ["trl", "async-grpo", "moe-routing-replay"]
     _name = "MoE Replay Async GRPO"
 
-    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, processing_class=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None, tools=None, environment_factory=None, rollout_worker=None,
-                 weight_transfer=None):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args=None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools=None,
+        environment_factory=None,
+        rollout_worker=None,
+        weight_transfer=None,
+    ):
         # a configuration this trainer cannot run is refused before the model is looked at
         model = checked_model_name(model, args)  # a mistyped path or unreachable Hub id: one line; `~` expanded
         if args is None:
@@ -224,8 +240,20 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
             swaps["AsyncRolloutWorker"] = RoutedAsyncRolloutWorker  # TRL builds it when no rollout_worker is given
         # expert parallelism (distributed_config): as in the sync trainer; TRL streams each DTensor's full_tensor()
         with async_trainer_globals(**swaps), sharded_at_load_construction(args, model):
-            super().__init__(model, reward_funcs, args, train_dataset, processing_class, callbacks, optimizers,
-                             peft_config, tools, environment_factory, rollout_worker, weight_transfer)
+            super().__init__(
+                model,
+                reward_funcs,
+                args,
+                train_dataset,
+                processing_class,
+                callbacks,
+                optimizers,
+                peft_config,
+                tools,
+                environment_factory,
+                rollout_worker,
+                weight_transfer,
+            )
         check_sharded_at_load(self)  # a PEFT adapter on such a model: refused in one line
         self._check_after_trl(adapter_only_sync=async_adapter_only_sync(self))  # PEFT, the launch's engine
 
@@ -241,9 +269,12 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         self.aux_loss_enabled = self._aux_loss_under_replay()
         self._sync_check = None
         if weight_transfer is not None or not async_adapter_only_sync(self):  # the main process has a transfer
-            self._sync_check = async_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
-                                                   base_url=args.vllm_server_base_url,
-                                                   tolerance=option(args, "sync_check_tolerance"))
+            self._sync_check = async_trainer_check(
+                settings.vllm_sync_check,
+                accelerator=self.accelerator,
+                base_url=args.vllm_server_base_url,
+                tolerance=option(args, "sync_check_tolerance"),
+            )
         self._hold_run()  # the output-dir lock, the update probe
         if not carries_routes:
             return
@@ -251,11 +282,16 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         if isinstance(self.rollout_worker, RoutedAsyncRolloutWorker) and attempts is not None:
             worker_loop_kwargs(self.rollout_worker)["max_request_attempts"] = attempts
         # samples are aligned one by one as they leave the queue: the intake's batch is an optimizer step's worth
-        samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
-                            * self.accelerator.num_processes)
+        samples_per_step = (
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+        )
         self._route_intake = RouteIntake(
-            _MainProcessOnly(self.accelerator), source=self._route_source.name, required=mode.needs_engine_routes,
-            remedy=self._route_source.remedy, batch_samples=samples_per_step, max_fallback_batches=option(args, "max_route_fallback_steps"),
+            _MainProcessOnly(self.accelerator),
+            source=self._route_source.name,
+            required=mode.needs_engine_routes,
+            remedy=self._route_source.remedy,
+            batch_samples=samples_per_step,
+            max_fallback_batches=option(args, "max_route_fallback_steps"),
         )
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):  # type: ignore[override]  # TRL's
@@ -284,14 +320,19 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         prompt = getattr(sample, "route_prompt_length", 0) or 0
         rr, intake = self._route_replay, self._route_intake
         assert rr is not None and intake is not None  # built by __init__ wherever samples carry routes
-        rollout = self._route_source.rollout_turns([input_ids[:prompt]], [input_ids[prompt:]],
-                                                   {"route_turns": getattr(sample, "route_turns", None)})
+        rollout = self._route_source.rollout_turns(
+            [input_ids[:prompt]], [input_ids[prompt:]], {"route_turns": getattr(sample, "route_turns", None)}
+        )
         if rollout is None:
             turns, prompt = [_no_rows(length)], length  # "no routes": counted as a fallback by the intake
         else:
             (turns,) = rollout.turns
         return intake.align(
-            [turns], rr.layout, prompt_lengths=[prompt], completion_lengths=[length - prompt], prompt_width=prompt,
+            [turns],
+            rr.layout,
+            prompt_lengths=[prompt],
+            completion_lengths=[length - prompt],
+            prompt_width=prompt,
             completion_width=length - prompt,
         )
 
@@ -304,8 +345,9 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
             "RolloutQueueDataset": _bind(_RoutedQueueDataset, align=self._align_sample),
             "FixedCountBatcher": _bind(_RoutedFixedCountBatcher, row_class=row_class),
             "TokenBudgetBatcher": _bind(_RoutedTokenBudgetBatcher, row_class=row_class),
-            "DataCollatorForRollout": _bind(_RoutedCollator, version_fn=lambda: self.model_version,
-                                            route_buffer=self._route_buffer),
+            "DataCollatorForRollout": _bind(
+                _RoutedCollator, version_fn=lambda: self.model_version, route_buffer=self._route_buffer
+            ),
         }
         with async_trainer_globals(**swaps):
             return super().get_train_dataloader()
@@ -379,4 +421,3 @@ class _MainProcessOnly:
     @staticmethod
     def gather(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
-

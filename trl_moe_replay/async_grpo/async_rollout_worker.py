@@ -102,10 +102,15 @@ def held_positions(prompt_ids: list[int], turns: list[_TurnRoutes]) -> int:
     for turn in turns:
         covered = len(turn.prompt_ids) + len(turn.output_ids)
         rows = turn.rows
-        if (covered - 1 <= held or turn.prompt_start > held or covered > len(prompt_ids)
-                or not isinstance(rows, np.ndarray) or rows.ndim != 3
-                or rows.shape[0] != covered - 1 - turn.prompt_start
-                or prompt_ids[:covered] != turn.prompt_ids + turn.output_ids):
+        if (
+            covered - 1 <= held
+            or turn.prompt_start > held
+            or covered > len(prompt_ids)
+            or not isinstance(rows, np.ndarray)
+            or rows.ndim != 3
+            or rows.shape[0] != covered - 1 - turn.prompt_start
+            or prompt_ids[:covered] != turn.prompt_ids + turn.output_ids
+        ):
             continue
         held = covered - 1
     return held
@@ -161,8 +166,15 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
             routes = choice.get("routed_experts")
             if isinstance(routes, str):
                 self._counters["vllm/route_bytes"] += len(routes)
-            turns.append(_TurnRoutes(list(payload["prompt"]), list(choice["token_ids"]), _decoded(routes),
-                                     (before, self.model_version), start))
+            turns.append(
+                _TurnRoutes(
+                    list(payload["prompt"]),
+                    list(choice["token_ids"]),
+                    _decoded(routes),
+                    (before, self.model_version),
+                    start,
+                )
+            )
             if before != self.model_version:
                 self._counters["routes/turns_spanning_sync_total"] += 1
         return content
@@ -191,11 +203,14 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
             nbytes = sum(turn.rows.nbytes for turn in turns if isinstance(turn.rows, np.ndarray))
             self._rates["routes/bytes_per_sample"][0] += nbytes
             self._rates["routes/bytes_per_sample"][1] += 1
-            routed.append(RoutedRolloutSample(
-                **{name: getattr(sample, name) for name in names}, route_turns=turns,
-                route_prompt_length=getattr(sequence, "route_prompt_length", 0),
-                sampled_versions=getattr(sequence, "sampled_versions", None),
-            ))
+            routed.append(
+                RoutedRolloutSample(
+                    **{name: getattr(sample, name) for name in names},
+                    route_turns=turns,
+                    route_prompt_length=getattr(sequence, "route_prompt_length", 0),
+                    sampled_versions=getattr(sequence, "sampled_versions", None),
+                )
+            )
         return routed
 
 
@@ -210,8 +225,9 @@ class SampleRoutes:
     def generate_turn(self, request: TurnRequest, generate: Callable[[], TurnOutput]) -> tuple[TurnOutput, TurnRows]:
         return generate(), TurnRows()  # the child generates: its rows come with the samples
 
-    def rollout_turns(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      fields: dict[str, Any]) -> RolloutTurns | None:
+    def rollout_turns(
+        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], fields: dict[str, Any]
+    ) -> RolloutTurns | None:
         """One sample's turns (``fields["route_turns"]``), or ``None`` when it carries none."""
         turns = fields.pop("route_turns", None)
         if not turns:
@@ -276,8 +292,9 @@ class RoutedAsyncRolloutWorker(SampleRoutes, AsyncRolloutWorker):
         for end in (process.terminate, process.kill):
             if not process.is_alive():
                 break
-            logger.warning(f"rollout worker child (pid {process.pid}) still running after the stop request: "
-                           f"{end.__name__}")
+            logger.warning(
+                f"rollout worker child (pid {process.pid}) still running after the stop request: {end.__name__}"
+            )
             end()
             process.join(timeout=self.stop_grace_s)
 

@@ -93,8 +93,9 @@ class RoutedTreeRow(KeyedTreeRow):
         out = super().pack()
         packed = self.packed_positions()
         if out["input_ids"][packed].tolist() != self.tokens:  # the DFS order above is pack()'s
-            raise RuntimeError("TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (seam entry "
-                               "async_packing)")
+            raise RuntimeError(
+                "TRL's TreeRow.pack no longer lays nodes out in DFS pre-order (seam entry async_packing)"
+            )
         expected = torch.zeros(len(self.tokens), dtype=torch.bool)
         placements = []
         for sample, nodes in zip(self.samples, self.sample_nodes, strict=True):
@@ -115,8 +116,20 @@ class TorchVarlenAttention:
     """
 
     @staticmethod
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                               softmax_scale=None, causal=True, window_size=(-1, -1), softcap=None, **_):
+    def flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        softmax_scale=None,
+        causal=True,
+        window_size=(-1, -1),
+        softcap=None,
+        **_,
+    ):
         if softcap:
             raise NotImplementedError("the CPU tree attention has no logit soft-capping; this model needs a GPU")
         out = torch.empty_like(q)

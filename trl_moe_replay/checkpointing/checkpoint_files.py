@@ -81,11 +81,21 @@ _NUMBER = (int, float)
 #: the steps per epoch, logging/eval/save steps as divisors), the best checkpoint (os.path.isdir), the callbacks'
 #: states (looked up by name). Other TrainerState fields are taken as they are; names it lacks fail TrainerState(**).
 STATE_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "global_step": (int,), "epoch": _NUMBER, "max_steps": (int,), "num_train_epochs": _NUMBER,
-    "logging_steps": _NUMBER, "eval_steps": _NUMBER, "save_steps": _NUMBER, "train_batch_size": (int, type(None)),
-    "num_input_tokens_seen": (int,), "total_flos": _NUMBER, "log_history": (list,),
-    "best_metric": (*_NUMBER, type(None)), "best_global_step": (int, type(None)),
-    "best_model_checkpoint": (str, type(None)), "stateful_callbacks": (dict, type(None)),
+    "global_step": (int,),
+    "epoch": _NUMBER,
+    "max_steps": (int,),
+    "num_train_epochs": _NUMBER,
+    "logging_steps": _NUMBER,
+    "eval_steps": _NUMBER,
+    "save_steps": _NUMBER,
+    "train_batch_size": (int, type(None)),
+    "num_input_tokens_seen": (int,),
+    "total_flos": _NUMBER,
+    "log_history": (list,),
+    "best_metric": (*_NUMBER, type(None)),
+    "best_global_step": (int, type(None)),
+    "best_model_checkpoint": (str, type(None)),
+    "stateful_callbacks": (dict, type(None)),
 }
 #: The checkpoint's torch files -> the keys the Trainer reads from the dict each holds
 _TORCH_FILES = {OPTIMIZER_NAME: ("state", "param_groups"), SCHEDULER_NAME: (), SCALER_NAME: ()}
@@ -116,8 +126,9 @@ class DistributedCheckpointError(CheckpointError):
     safely, or cannot restore every weight (or the optimizer) being resumed."""
 
 
-def refusal(folder: str | os.PathLike, problem: str, remedy: str,
-            error: type[CheckpointError] = CheckpointError) -> CheckpointError:
+def refusal(
+    folder: str | os.PathLike, problem: str, remedy: str, error: type[CheckpointError] = CheckpointError
+) -> CheckpointError:
     """The one-line refusal of ``folder``: ``checkpoint FOLDER refused: PROBLEM. REMEDY``."""
     return error(f"checkpoint {folder} refused: {' '.join(problem.split())}. {remedy}")
 
@@ -137,9 +148,15 @@ def check_checkpoint_files(folder: str | os.PathLike) -> None:
     if state is not None:
         _check_trainer_state(state, refuse)
     if os.path.lexists(folder / DISTRIBUTED_FOLDER / DCP_METADATA_NAME):  # (without it: refused at the load, if read)
-        read_distributed_metadata(folder, lambda problem: refusal(
-            folder, problem, "Resume from another checkpoint-N of the run; nothing was loaded",
-            DistributedCheckpointError))
+        read_distributed_metadata(
+            folder,
+            lambda problem: refusal(
+                folder,
+                problem,
+                "Resume from another checkpoint-N of the run; nothing was loaded",
+                DistributedCheckpointError,
+            ),
+        )
     for name in sorted(entry.name for entry in folder.iterdir()):
         if _RNG_FILE.match(name) or name in _TORCH_FILES:
             path = checkpoint_file(folder, name, refuse)
@@ -159,8 +176,10 @@ def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
         return None
     target = path.resolve()
     if not _inside(target, folder.resolve()):
-        raise refuse(f"{name} is a link to {target}, outside the checkpoint folder: copy the file into the folder if "
-                     "it belongs to this checkpoint")
+        raise refuse(
+            f"{name} is a link to {target}, outside the checkpoint folder: copy the file into the folder if "
+            "it belongs to this checkpoint"
+        )
     try:
         mode = target.stat().st_mode
     except OSError as exc:
@@ -171,8 +190,9 @@ def checkpoint_file(folder: Path, name: str, refuse) -> Path | None:
     return path
 
 
-def read_distributed_metadata(folder: str | os.PathLike, refuse,
-                              parameters: dict[str, tuple[int, ...]] | None = None) -> Any:
+def read_distributed_metadata(
+    folder: str | os.PathLike, refuse, parameters: dict[str, tuple[int, ...]] | None = None
+) -> Any:
     """The ``Metadata`` of checkpoint ``folder``'s ``distributed/`` shards, read without running anything it holds,
     its shard files checked (see the module docstring); ``refuse(problem)`` (which returns the exception to raise) for
     the first problem. The one reader of ``.metadata``: the pre-flight, and every DCP load of
@@ -195,9 +215,11 @@ def read_distributed_metadata(folder: str | os.PathLike, refuse,
         raise refuse(f"{name} holds {size:,} bytes, more than the {MAX_DCP_METADATA_BYTES:,} read")
     described = _shard_bytes(folder / DISTRIBUTED_FOLDER)
     if size > described + DCP_METADATA_SLACK_BYTES:
-        raise refuse(f"{name} holds {size:,} bytes, more than the {described:,} bytes of shard files it describes "
-                     f"(+{DCP_METADATA_SLACK_BYTES:,}): torch's save writes a few hundred bytes of metadata per entry, "
-                     "each entry stored in over a thousand bytes of shard; it was not read")
+        raise refuse(
+            f"{name} holds {size:,} bytes, more than the {described:,} bytes of shard files it describes "
+            f"(+{DCP_METADATA_SLACK_BYTES:,}): torch's save writes a few hundred bytes of metadata per entry, "
+            "each entry stored in over a thousand bytes of shard; it was not read"
+        )
     with open(path, "rb") as file:
         data = file.read(MAX_DCP_METADATA_BYTES + 1)
     if len(data) > min(MAX_DCP_METADATA_BYTES, described + DCP_METADATA_SLACK_BYTES):  # grew since stat
@@ -205,12 +227,15 @@ def read_distributed_metadata(folder: str | os.PathLike, refuse,
     try:
         metadata = DCPMetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # noqa: BLE001 -- a damaged or hostile pickle raises whatever unpickling meets
-        raise refuse(f"{name} cannot be read ({type(exc).__name__}: {short_message(exc)}); nothing in it was run. "
-                     "The save may have been cut short, or the file is not one torch's distributed checkpoint "
-                     "wrote") from None
+        raise refuse(
+            f"{name} cannot be read ({type(exc).__name__}: {short_message(exc)}); nothing in it was run. "
+            "The save may have been cut short, or the file is not one torch's distributed checkpoint "
+            "wrote"
+        ) from None
     if not isinstance(metadata, Metadata):
-        raise refuse(f"{name} holds a {type(metadata).__name__}, where torch's distributed checkpoint reads its "
-                     "Metadata")
+        raise refuse(
+            f"{name} holds a {type(metadata).__name__}, where torch's distributed checkpoint reads its Metadata"
+        )
     try:
         problem = _metadata_problem(metadata)
     except AttributeError as exc:  # an object built without the fields its class declares
@@ -241,24 +266,38 @@ def _metadata_problem(metadata) -> str | None:
         return f"holds storage_meta {type(metadata.storage_meta).__name__}, where a StorageMeta or None is read"
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
-        return (f"holds state_dict_metadata {type(entries).__name__} and storage_data {type(storage).__name__}, "
-                "where dicts are read")
+        return (
+            f"holds state_dict_metadata {type(entries).__name__} and storage_data {type(storage).__name__}, "
+            "where dicts are read"
+        )
     for key, entry in entries.items():
         if isinstance(key, str) and isinstance(entry, BytesStorageMetadata):
             if key.startswith(TENSOR_ENTRIES):
                 return f"describes {shown(key)} by a BytesStorageMetadata, where the restore reads a tensor"
             continue
-        if not (isinstance(key, str) and isinstance(entry, TensorStorageMetadata)
-                and isinstance(entry.properties, TensorProperties) and isinstance(entry.properties.dtype, torch.dtype)
-                and isinstance(entry.size, torch.Size) and isinstance(entry.chunks, list)
-                and all(isinstance(chunk, ChunkStorageMetadata) and isinstance(chunk.offsets, torch.Size)
-                        and isinstance(chunk.sizes, torch.Size) for chunk in entry.chunks)):
+        if not (
+            isinstance(key, str)
+            and isinstance(entry, TensorStorageMetadata)
+            and isinstance(entry.properties, TensorProperties)
+            and isinstance(entry.properties.dtype, torch.dtype)
+            and isinstance(entry.size, torch.Size)
+            and isinstance(entry.chunks, list)
+            and all(
+                isinstance(chunk, ChunkStorageMetadata)
+                and isinstance(chunk.offsets, torch.Size)
+                and isinstance(chunk.sizes, torch.Size)
+                for chunk in entry.chunks
+            )
+        ):
             return f"describes {shown(key)} by a {type(entry).__name__} of other fields or types"
     info = dcp_storage_info_class()
     for index, where in storage.items():
-        if not (isinstance(index, MetadataIndex) and isinstance(where, info) and isinstance(where.relative_path, str)
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                        for n in (where.offset, where.length))):
+        if not (
+            isinstance(index, MetadataIndex)
+            and isinstance(where, info)
+            and isinstance(where.relative_path, str)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (where.offset, where.length))
+        ):
             return f"places {shown(getattr(index, 'fqn', index))} by a {type(where).__name__} of other fields or types"
     return None
 
@@ -274,24 +313,31 @@ def _check_shards(folder: Path, storage: dict, refuse) -> None:
             ranges.setdefault(where.relative_path, []).append((where.offset, where.offset + where.length, index.fqn))
     for relative, end in sorted(ends.items()):
         if not relative or PurePosixPath(relative).is_absolute() or ".." in PurePosixPath(relative).parts:
-            raise refuse(f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} names the shard file {relative!r}, a path out of "
-                         f"{DISTRIBUTED_FOLDER}/ (torch's save writes file names inside it)")
+            raise refuse(
+                f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} names the shard file {relative!r}, a path out of "
+                f"{DISTRIBUTED_FOLDER}/ (torch's save writes file names inside it)"
+            )
         name = f"{DISTRIBUTED_FOLDER}/{relative}"
         path = checkpoint_file(folder, name, refuse)
         if path is None:
-            raise refuse(f"{name}, a shard file its {DCP_METADATA_NAME} names, is missing (a save cut short, or "
-                         "a copy without it)")
+            raise refuse(
+                f"{name}, a shard file its {DCP_METADATA_NAME} names, is missing (a save cut short, or "
+                "a copy without it)"
+            )
         size = path.stat().st_size
         if size < end:
-            raise refuse(f"{name} holds {size:,} bytes, where its {DCP_METADATA_NAME} reads up to byte {end:,} (cut "
-                         "short)")
+            raise refuse(
+                f"{name} holds {size:,} bytes, where its {DCP_METADATA_NAME} reads up to byte {end:,} (cut short)"
+            )
     for relative, spans in sorted(ranges.items()):
         spans.sort()
         for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
             if start < end:
-                raise refuse(f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} places {shown(first, 200)} and "
-                             f"{shown(second, 200)} in shared bytes of {relative!r} (byte {start:,}): torch's save "
-                             "stores each entry in bytes of its own, so the metadata was changed after the save")
+                raise refuse(
+                    f"{DISTRIBUTED_FOLDER}/{DCP_METADATA_NAME} places {shown(first, 200)} and "
+                    f"{shown(second, 200)} in shared bytes of {relative!r} (byte {start:,}): torch's save "
+                    "stores each entry in bytes of its own, so the metadata was changed after the save"
+                )
 
 
 def _shard_bytes(shards: Path) -> int:
@@ -324,10 +370,16 @@ def _layout_problem(metadata) -> str | None:
         numel, itemsize, covered, seen = math.prod(shape), _itemsize(entry.properties.dtype), 0, set()
         for chunk in entry.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if (len(offsets) != len(shape) or len(sizes) != len(shape) or min((*offsets, *sizes), default=0) < 0
-                    or any(o + n > dim for o, n, dim in zip(offsets, sizes, shape, strict=True))):
-                return (f"gives {shown(key, 200)} (shape {list(shape)}) a chunk at offsets {list(offsets)} of sizes "
-                        f"{list(sizes)}, outside the tensor")
+            if (
+                len(offsets) != len(shape)
+                or len(sizes) != len(shape)
+                or min((*offsets, *sizes), default=0) < 0
+                or any(o + n > dim for o, n, dim in zip(offsets, sizes, shape, strict=True))
+            ):
+                return (
+                    f"gives {shown(key, 200)} (shape {list(shape)}) a chunk at offsets {list(offsets)} of sizes "
+                    f"{list(sizes)}, outside the tensor"
+                )
             if offsets in seen:
                 return f"gives {shown(key, 200)} two chunks at offsets {list(offsets)}"
             seen.add(offsets)
@@ -336,16 +388,22 @@ def _layout_problem(metadata) -> str | None:
                 return f"places the chunk of {shown(key, 200)} at offsets {list(offsets)} in no shard"
             volume = math.prod(sizes)
             if not getattr(where, "transform_descriptors", None) and where.length < volume * itemsize:
-                return (f"stores the chunk of {shown(key, 200)} at offsets {list(offsets)} ({volume:,} elements of "
-                        f"{entry.properties.dtype}) in {where.length:,} bytes, fewer than its elements take")
+                return (
+                    f"stores the chunk of {shown(key, 200)} at offsets {list(offsets)} ({volume:,} elements of "
+                    f"{entry.properties.dtype}) in {where.length:,} bytes, fewer than its elements take"
+                )
             covered += volume
         if covered != numel:
             why = "a gap, which would keep the values the model had there" if covered < numel else "chunks overlap"
-            return (f"covers {covered:,} of the {numel:,} elements of {shown(key, 200)} with its {len(entry.chunks)} "
-                    f"chunks ({why})")
+            return (
+                f"covers {covered:,} of the {numel:,} elements of {shown(key, 200)} with its {len(entry.chunks)} "
+                f"chunks ({why})"
+            )
         overlap = _overlap(entry.chunks)
         if overlap:
-            return f"gives {shown(key, 200)} chunks that overlap (at offsets {list(overlap[0])} and {list(overlap[1])})"
+            return (
+                f"gives {shown(key, 200)} chunks that overlap (at offsets {list(overlap[0])} and {list(overlap[1])})"
+            )
     return None
 
 
@@ -371,12 +429,14 @@ def _size_problem(entries: dict, parameters: dict[str, tuple[int, ...]]) -> str 
     for key, entry in entries.items():
         if not (key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)):
             continue
-        fqn = key[len(prefix):].rpartition(".")[0]
+        fqn = key[len(prefix) :].rpartition(".")[0]
         if fqn in parameters:
             numel, most = math.prod(entry.size), max(1, math.prod(parameters[fqn]))
             if numel > most:
-                return (f"gives the optimizer state {shown(key[len(prefix):], 200)} {numel:,} elements (shape "
-                        f"{list(entry.size)}), more than the {most:,} of the model's parameter {shown(fqn, 200)}")
+                return (
+                    f"gives the optimizer state {shown(key[len(prefix) :], 200)} {numel:,} elements (shape "
+                    f"{list(entry.size)}), more than the {most:,} of the model's parameter {shown(fqn, 200)}"
+                )
     return None
 
 
@@ -416,8 +476,10 @@ def _check_trainer_state(path: Path, refuse) -> None:
     known = set(TrainerState.__dataclass_fields__)
     unknown = sorted(str(key) for key in state if key not in known)
     if unknown:
-        raise refuse(f"{TRAINER_STATE_NAME} holds {unknown[0]!r}, which is no field of transformers' TrainerState "
-                     "(the file is not what the Trainer writes)")
+        raise refuse(
+            f"{TRAINER_STATE_NAME} holds {unknown[0]!r}, which is no field of transformers' TrainerState "
+            "(the file is not what the Trainer writes)"
+        )
     for name, types in STATE_FIELD_TYPES.items():
         value = state.get(name)
         if name in state and (isinstance(value, bool) or not isinstance(value, types)):
@@ -431,8 +493,10 @@ def _check_torch_file(path: Path, keys: tuple[str, ...], refuse) -> None:
     try:
         content = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # noqa: BLE001 -- a damaged or hostile file raises whatever its reader meets
-        raise refuse(f"{path.name} cannot be read ({type(exc).__name__}: {short_message(exc)}); the save may have "
-                     "been cut short, or the file is not one the Trainer wrote") from None
+        raise refuse(
+            f"{path.name} cannot be read ({type(exc).__name__}: {short_message(exc)}); the save may have "
+            "been cut short, or the file is not one the Trainer wrote"
+        ) from None
     if not isinstance(content, dict):
         raise refuse(f"{path.name} holds a {type(content).__name__}, where the Trainer reads a dict")
     missing = [key for key in keys if key not in content]
@@ -444,7 +508,7 @@ def shown(value: Any, limit: int = 60) -> str:
     """``value`` for a one-line message: a repr of a scalar (cut to ``limit`` characters), the type name of anything
     else."""
     text = repr(value) if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def short_message(exc: BaseException, limit: int = 160) -> str:

@@ -115,8 +115,10 @@ class RestoresEveryWeight(_TrainerHost):
         state = self.state
         if 0 < state.max_steps <= state.global_step:
             if not self.control.should_training_stop and self.accelerator.is_main_process:
-                logger.warning(f"resumed at step {state.global_step} of {state.max_steps}: the run is complete, no "
-                               "step is trained (raise max_steps to train on)")
+                logger.warning(
+                    f"resumed at step {state.global_step} of {state.max_steps}: the run is complete, no "
+                    "step is trained (raise max_steps to train on)"
+                )
             self.control.should_training_stop = True
             return [], None
         return super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -148,7 +150,8 @@ class RestoresEveryWeight(_TrainerHost):
                     f"checkpoint {checkpoint} refused: its optimizer and scheduler are in torch distributed checkpoint "
                     f"shards ({distributed_checkpoint.FOLDER}/, written by a run sharded at load time: expert "
                     f"parallelism), which {'FSDP' if self.is_fsdp_enabled else 'DeepSpeed'} does not read. Resume "
-                    "with the distributed_config (ep_size) that wrote it, or without FSDP and DeepSpeed")
+                    "with the distributed_config (ep_size) that wrote it, or without FSDP and DeepSpeed"
+                )
             distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
         else:
             super()._load_optimizer_and_scheduler(checkpoint)
@@ -180,8 +183,13 @@ def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike
     kind = type(base).__name__
 
     def refuse(problem: str) -> CheckpointWeightsError:
-        error = refusal(folder, problem, "Resume from another checkpoint-N of the run, or with the model that wrote "
-                        "this one; the weights were left as they were", error=CheckpointWeightsError)
+        error = refusal(
+            folder,
+            problem,
+            "Resume from another checkpoint-N of the run, or with the model that wrote "
+            "this one; the weights were left as they were",
+            error=CheckpointWeightsError,
+        )
         return cast(CheckpointWeightsError, error)  # refusal builds an instance of the `error` class it is given
 
     files, index = _weight_files(folder, adapters=is_peft_model(model), refuse=refuse)
@@ -190,8 +198,10 @@ def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike
     layout_name, expected = _closest(layouts, names)
     missing = [name for name in expected if name not in names]
     if missing:
-        raise refuse(f"{missing[0]!r} is missing from it ({len(missing)} of the {len(expected)} tensors a checkpoint "
-                     f"of {kind} holds are missing){_untied_hint(model, missing)}")
+        raise refuse(
+            f"{missing[0]!r} is missing from it ({len(missing)} of the {len(expected)} tensors a checkpoint "
+            f"of {kind} holds are missing){_untied_hint(model, missing)}"
+        )
     extra = sorted(names - expected.keys())
     if extra:
         raise refuse(f"it holds {extra[0]!r}, which is no weight of {kind} ({len(extra)} such names)")
@@ -231,15 +241,22 @@ def restore_checkpoint_weights(model: torch.nn.Module, folder: str | os.PathLike
         _load_converted(cast(PreTrainedModel, model), files, index, layouts["model"], aliases, refuse)
 
 
-def _load_converted(model: PreTrainedModel, files: list[Path], index: Path | None, own: dict[str, tuple],
-                    aliases: dict[str, str], refuse) -> None:
+def _load_converted(
+    model: PreTrainedModel,
+    files: list[Path],
+    index: Path | None,
+    own: dict[str, tuple],
+    aliases: dict[str, str],
+    refuse,
+) -> None:
     """The names ``save_pretrained`` writes, back to the model's own through transformers' conversion:
     ``from_pretrained`` builds a copy of the model on the CPU (one more set of weights in CPU memory while it lasts)
     from a folder of links to the checked weight files alone (and their index), so no other file of the checkpoint
     takes part (a stray PEFT adapter would be attached, and its ``base_model_name_or_path`` followed). Its weights
     must be every weight of the model (``own``), which are then copied in, unchanged to the last bit."""
-    logger.info(f"{files[0].parent}: weights in the layout save_pretrained writes; loading them through "
-                "from_pretrained")
+    logger.info(
+        f"{files[0].parent}: weights in the layout save_pretrained writes; loading them through from_pretrained"
+    )
     with tempfile.TemporaryDirectory(prefix="trl_moe_replay_resume_") as view:
         for file in [*files, *([index] if index else [])]:
             os.symlink(file.resolve(), os.path.join(view, file.name))
@@ -252,10 +269,16 @@ def _load_converted(model: PreTrainedModel, files: list[Path], index: Path | Non
             loaded: Any = type(model).from_pretrained(view, config=config, dtype=model.dtype, output_loading_info=True)
             converted, info = loaded
         except Exception as exc:  # noqa: BLE001 -- checked above: only a file changed meanwhile gets here
-            raise refuse(f"transformers could not convert its weights ({type(exc).__name__}: "
-                         f"{short_message(exc)})") from exc
-    lacking = sorted([*info.get("missing_keys", ()), *(str(k) for k in info.get("mismatched_keys", ())),
-                      *info.get("conversion_errors", {})])
+            raise refuse(
+                f"transformers could not convert its weights ({type(exc).__name__}: {short_message(exc)})"
+            ) from exc
+    lacking = sorted(
+        [
+            *info.get("missing_keys", ()),
+            *(str(k) for k in info.get("mismatched_keys", ())),
+            *info.get("conversion_errors", {}),
+        ]
+    )
     if lacking:
         raise refuse(f"transformers' conversion left {lacking[0]!r} unloaded")
     state = {_canonical(name, aliases): tensor for name, tensor in converted.state_dict().items()}
@@ -271,8 +294,10 @@ def _untied_hint(model: torch.nn.Module, missing: list[str]) -> str:
     weight = getattr(output, "weight", None)
     if weight is None or len(missing) != 1 or dict(model.named_parameters()).get(missing[0]) is not weight:
         return ""
-    return ("; it was written by a model with tied embeddings (tie_word_embeddings=True), which saves the output "
-            "embeddings once, under the input embeddings' name: resume with tie_word_embeddings=True, as that run")
+    return (
+        "; it was written by a model with tied embeddings (tie_word_embeddings=True), which saves the output "
+        "embeddings once, under the input embeddings' name: resume with tie_word_embeddings=True, as that run"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- what is expected
@@ -352,8 +377,10 @@ def _shards(index: Path, suffix: str, refuse) -> list[str]:
         raise refuse(f"{index.name} holds no weight_map (a JSON object from weight names to shard files)")
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or os.path.basename(shard) != shard or not shard.endswith(f".{suffix}"):
-            raise refuse(f"{index.name} maps {name!r} to {shown(shard)}, which is not the name of a .{suffix} file "
-                         "in the folder")
+            raise refuse(
+                f"{index.name} maps {name!r} to {shown(shard)}, which is not the name of a .{suffix} file "
+                "in the folder"
+            )
     return sorted(set(weight_map.values()))
 
 
@@ -372,8 +399,11 @@ def _files_read(files: list[Path], aliases: dict[str, str], refuse) -> Iterator[
     same values), one file in memory at a time."""
     for file in files:
         tensors = _read(file, refuse)
-        yield {_canonical(name, aliases): tensor for name, tensor in tensors.items()
-               if name not in aliases or aliases[name] not in tensors}
+        yield {
+            _canonical(name, aliases): tensor
+            for name, tensor in tensors.items()
+            if name not in aliases or aliases[name] not in tensors
+        }
 
 
 def _tensors(files: list[Path], refuse) -> Iterator[tuple[str, torch.Tensor]]:
@@ -407,6 +437,6 @@ def _torch_load(file: Path) -> dict[str, torch.Tensor]:
 
 
 def _unreadable(file: Path, exc: BaseException, refuse) -> CheckpointWeightsError:
-    return refuse(f"{file.name} cannot be read ({type(exc).__name__}: {short_message(exc)}); the save may have been "
-                  "cut short")
-
+    return refuse(
+        f"{file.name} cannot be read ({type(exc).__name__}: {short_message(exc)}); the save may have been cut short"
+    )

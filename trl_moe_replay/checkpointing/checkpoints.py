@@ -119,8 +119,10 @@ def _named_checkpoint(value, output_dir: str | os.PathLike) -> str | None:
             )
         return str(found)
     if not os.path.isdir(value):
-        raise NoCheckpointError(f"--resume_from_checkpoint {value}: no such folder (pass a checkpoint-N folder, "
-                                "or no value for the newest checkpoint in --output_dir)")
+        raise NoCheckpointError(
+            f"--resume_from_checkpoint {value}: no such folder (pass a checkpoint-N folder, "
+            "or no value for the newest checkpoint in --output_dir)"
+        )
     return str(value)
 
 
@@ -210,8 +212,10 @@ class SaveOnInterrupt(TrainerCallback):
                     line = self._announcement(signum)
                 except Exception as error:  # e.g. an OSError listing output_dir (a stale NFS handle)
                     name = _NAMES.get(signum, f"signal {signum}")
-                    line = (f"{name}: saving a checkpoint at the end of this generation batch, then stopping "
-                            f"(the newest checkpoint could not be listed: {type(error).__name__})")
+                    line = (
+                        f"{name}: saving a checkpoint at the end of this generation batch, then stopping "
+                        f"(the newest checkpoint could not be listed: {type(error).__name__})"
+                    )
                 try:
                     print("\n" + line, file=sys.stderr, flush=True)
                 except Exception:  # a closed or broken stderr: the save goes on without the line
@@ -262,11 +266,13 @@ class SaveOnInterrupt(TrainerCallback):
             newest = None
         kept = int(_CHECKPOINT.match(newest.name).group(1)) if newest is not None else 0  # type: ignore[union-attr]
         at = global_step + 1
-        where = (f"the run resumes from {newest}" if newest is not None else "with no checkpoint yet the run restarts")
+        where = f"the run resumes from {newest}" if newest is not None else "with no checkpoint yet the run restarts"
         lost = f"step {at} is lost" if at == kept + 1 else f"steps {kept + 1}-{at} are lost"
-        return (f"{name}: the vLLM server stopped before step {at} could finish (it was stopped too: "
-                f"{type(error).__name__}), so no checkpoint was saved by this stop; {where} and {lost}. Stop the "
-                "trainer before the server: docs/recipes.md, \"Preemption of the whole job\"")
+        return (
+            f"{name}: the vLLM server stopped before step {at} could finish (it was stopped too: "
+            f"{type(error).__name__}), so no checkpoint was saved by this stop; {where} and {lost}. Stop the "
+            'trainer before the server: docs/recipes.md, "Preemption of the whole job"'
+        )
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._is_main = state.is_world_process_zero
@@ -283,8 +289,12 @@ class SaveOnInterrupt(TrainerCallback):
             return
         if self.requested_at is None and self._is_main:  # the signal reached another process only
             name = _NAMES.get(signum, f"signal {signum}")
-            print(f"\n{name} on another process: saving a checkpoint at the end of step {state.global_step}, then "
-                  "stopping", file=sys.stderr, flush=True)
+            print(
+                f"\n{name} on another process: saving a checkpoint at the end of step {state.global_step}, then "
+                "stopping",
+                file=sys.stderr,
+                flush=True,
+            )
         self.signum = self.signum or signum
         control.should_save = True
         control.should_training_stop = True
@@ -320,17 +330,24 @@ def saves_inside_generation_batches(args) -> str | None:
     checkpoint inside a generation batch: a resume from it regenerates that batch, so the resumed run is not the one
     that would have happened), or None. ``save_steps`` below 1 (a fraction of the run) is left alone."""
     save_steps = getattr(args, "save_steps", None)
-    if str(getattr(args, "save_strategy", "no")) not in ("steps", "SaveStrategy.STEPS") or save_steps is None \
-            or isinstance(save_steps, bool) or save_steps < 1 or save_steps != int(save_steps):
+    if (
+        str(getattr(args, "save_strategy", "no")) not in ("steps", "SaveStrategy.STEPS")
+        or save_steps is None
+        or isinstance(save_steps, bool)
+        or save_steps < 1
+        or save_steps != int(save_steps)
+    ):
         return None
     period = generation_period(args)
     if int(save_steps) % period == 0:
         return None
     lower, upper = int(save_steps) // period * period, -(-int(save_steps) // period) * period
-    return (f"save_steps {int(save_steps)} is not a multiple of the generation period, {period} optimizer steps "
-            f"(steps_per_generation x num_iterations over gradient_accumulation_steps): a checkpoint inside a "
-            f"generation batch resumes by regenerating it, not as the run would have gone on; use "
-            f"{f'{lower} or ' if lower else ''}{upper}")
+    return (
+        f"save_steps {int(save_steps)} is not a multiple of the generation period, {period} optimizer steps "
+        f"(steps_per_generation x num_iterations over gradient_accumulation_steps): a checkpoint inside a "
+        f"generation batch resumes by regenerating it, not as the run would have gone on; use "
+        f"{f'{lower} or ' if lower else ''}{upper}"
+    )
 
 
 def _at_generation_boundary(args, global_step: int) -> bool:

@@ -64,8 +64,11 @@ def checksums(state: dict) -> dict[str, dict[str, Any]]:
         local, offsets = dcp_local_chunk(tensor)
         partial.append((key, offsets, _chunk_sums(local.detach(), offsets, tuple(tensor.shape))))
     gathered = [partial]
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
         gathered = [[] for _ in range(torch.distributed.get_world_size())]
         torch.distributed.all_gather_object(gathered, partial)
     sums: dict[str, list[int] | None] = {}
@@ -79,8 +82,10 @@ def checksums(state: dict) -> dict[str, dict[str, Any]]:
             sums[key] = None
         else:
             sums[key] = [(total[0] + value[0]) % _PRIME, (total[1] + value[1]) % _PRIME]
-    return {key: {"shape": list(tensor.shape), "dtype": str(tensor.dtype), "checksum": sums[key]}
-            for key, tensor in tensors.items()}
+    return {
+        key: {"shape": list(tensor.shape), "dtype": str(tensor.dtype), "checksum": sums[key]}
+        for key, tensor in tensors.items()
+    }
 
 
 def _chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -93,7 +98,7 @@ def _chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int,
         return 0, 0
     device = local.device
     values = local.contiguous().view(bits_dtype).reshape(local.shape[0] if local.dim() else 1, -1)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     inner = torch.zeros(1, dtype=torch.int64, device=device)  # the flat index of each element of a row, in the whole
     for d in range(1, local.dim()):
         positions = (offsets[d] + torch.arange(local.shape[d], device=device)) * strides[d]
@@ -101,9 +106,12 @@ def _chunk_sums(local: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int,
     rows = max(1, _BLOCK // max(1, inner.numel()))
     sums = torch.zeros(len(_WEIGHTS), dtype=torch.int64, device=device)  # on the device: one sync per chunk
     for start in range(0, values.shape[0], rows):
-        block = values[start:start + rows].to(torch.int64).remainder(_PRIME) + 1
-        first = (offsets[0] + torch.arange(start, start + block.shape[0], device=device)) * strides[0] \
-            if local.dim() else torch.zeros(1, dtype=torch.int64, device=device)
+        block = values[start : start + rows].to(torch.int64).remainder(_PRIME) + 1
+        first = (
+            (offsets[0] + torch.arange(start, start + block.shape[0], device=device)) * strides[0]
+            if local.dim()
+            else torch.zeros(1, dtype=torch.int64, device=device)
+        )
         index = (first[:, None] + inner[None, :]).remainder(_PRIME)
         square = (index * index).remainder(_PRIME)
         for n, (a, b, c) in enumerate(_WEIGHTS):
@@ -133,8 +141,10 @@ def verify_loaded(checkpoint: str | os.PathLike, shards: str | os.PathLike, stat
     if not os.path.lexists(path):
         if str(checkpoint) not in _warned:
             _warned.add(str(checkpoint))
-            logger.warning(f"checkpoint {checkpoint}: {Path(shards).name}/ holds no {MANIFEST_NAME} (not written by "
-                           "trl_moe_replay's trainers): its structure was checked, its values cannot be; resuming")
+            logger.warning(
+                f"checkpoint {checkpoint}: {Path(shards).name}/ holds no {MANIFEST_NAME} (not written by "
+                "trl_moe_replay's trainers): its structure was checked, its values cannot be; resuming"
+            )
         return
     loaded = checksums(state)
     saved = _read_manifest(path, refuse)
@@ -144,12 +154,16 @@ def verify_loaded(checkpoint: str | os.PathLike, shards: str | os.PathLike, stat
         return
     key = differ[0]
     if key not in saved:
-        raise refuse(f"its shards hold {key!r}, which its {where} (written by the save) does not list: the metadata "
-                      "was changed after the save")
+        raise refuse(
+            f"its shards hold {key!r}, which its {where} (written by the save) does not list: the metadata "
+            "was changed after the save"
+        )
     what = next(field for field in ("shape", "dtype", "checksum") if saved[key].get(field) != loaded[key][field])
-    raise refuse(f"{key!r} as loaded from its shards has another {what} than the save wrote in {where} "
-                 f"({len(differ)} of the {len(loaded)} tensors loaded differ): its shards or their .metadata were "
-                 "changed after the save (another tensor's bytes, or a value not loaded)")
+    raise refuse(
+        f"{key!r} as loaded from its shards has another {what} than the save wrote in {where} "
+        f"({len(differ)} of the {len(loaded)} tensors loaded differ): its shards or their .metadata were "
+        "changed after the save (another tensor's bytes, or a value not loaded)"
+    )
 
 
 def _read_manifest(path: Path, refuse) -> dict[str, dict]:
@@ -159,8 +173,10 @@ def _read_manifest(path: Path, refuse) -> dict[str, dict]:
         raise refuse(f"its {path.parent.name}/{MANIFEST_NAME} cannot be read ({exc})") from None
     tensors = content.get("tensors") if isinstance(content, dict) and content.get("format") == FORMAT else None
     if not isinstance(tensors, dict) or not all(isinstance(v, dict) for v in tensors.values()):
-        raise refuse(f"its {path.parent.name}/{MANIFEST_NAME} is not the manifest our save writes (format {FORMAT}: "
-                     "a tensors object)")
+        raise refuse(
+            f"its {path.parent.name}/{MANIFEST_NAME} is not the manifest our save writes (format {FORMAT}: "
+            "a tensors object)"
+        )
     return tensors
 
 

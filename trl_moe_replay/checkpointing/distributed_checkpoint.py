@@ -106,19 +106,29 @@ def restore_model(model: torch.nn.Module, checkpoint: str | os.PathLike) -> None
         entry = metadata.get(f"model.{name}")
         if entry is None:
             missing = [n for n in current if f"model.{n}" not in metadata]
-            raise refuse(f"{name!r} is missing from its shards ({len(missing)} of the model's {len(current)} tensors "
-                         "are)")
+            raise refuse(
+                f"{name!r} is missing from its shards ({len(missing)} of the model's {len(current)} tensors are)"
+            )
         if isinstance(tensor, torch.Tensor) and not isinstance(entry, TensorStorageMetadata):
             raise refuse(f"{name!r} is a {type(entry).__name__} in its shards, where the model holds a tensor")
         if isinstance(tensor, torch.Tensor) and tuple(entry.size) != tuple(tensor.shape):
             raise refuse(f"{name!r} has shape {list(entry.size)} where the model has {list(tensor.shape)}")
-    copies = dcp_placements({name: tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
-                             for name, tensor in current.items()})
+    copies = dcp_placements(
+        {
+            name: tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
+            for name, tensor in current.items()
+        }
+    )
     _load({"model": copies}, checkpoint, refuse, "shards")
     verify_loaded(checkpoint, os.path.join(checkpoint, FOLDER), {"model": copies}, refuse)
     copies = dcp_placements(copies, reference=current)
-    bad = [name for name, tensor in copies.items() if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
-           and not bool(torch.isfinite(_local(tensor)).all())]
+    bad = [
+        name
+        for name, tensor in copies.items()
+        if isinstance(tensor, torch.Tensor)
+        and tensor.is_floating_point()
+        and not bool(torch.isfinite(_local(tensor)).all())
+    ]
     if _any_rank(bool(bad)):
         raise refuse(f"{bad[0] if bad else 'a tensor (on another rank)'!r} holds NaN or infinite values")
     set_model_state_dict(model, copies, options=_options())
@@ -131,8 +141,9 @@ def restore_optimizer_and_scheduler(trainer, checkpoint: str | os.PathLike) -> N
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
 
     def refuse(problem: str) -> DistributedCheckpointError:
-        return DistributedCheckpointError(f"checkpoint {checkpoint} refused: {problem}. Resume from another "
-                                          "checkpoint-N of the run")
+        return DistributedCheckpointError(
+            f"checkpoint {checkpoint} refused: {problem}. Resume from another checkpoint-N of the run"
+        )
 
     model = _model(trainer)
     metadata = _metadata(checkpoint, refuse, model)
@@ -160,20 +171,24 @@ def _add_missing_state(optimizer, state: dict, metadata: dict, params: dict, ref
 
     prefix = "optimizer.state."
     for key, entry in metadata.items():
-        if not key.startswith(prefix) or key[len("optimizer."):] in state:
+        if not key.startswith(prefix) or key[len("optimizer.") :] in state:
             continue
-        fqn, _, field = key[len(prefix):].rpartition(".")
+        fqn, _, field = key[len(prefix) :].rpartition(".")
         param = params.get(fqn)
         if param is None:
             raise refuse(f"its optimizer holds state for {fqn!r}, which is no parameter of the model")
         if not isinstance(entry, TensorStorageMetadata):
-            raise refuse(f"its optimizer state {key[len(prefix):]!r} is a {type(entry).__name__}, where a tensor is "
-                         "read")
+            raise refuse(
+                f"its optimizer state {key[len(prefix) :]!r} is a {type(entry).__name__}, where a tensor is read"
+            )
         dtype = entry.properties.dtype
         size = tuple(entry.size)
-        room = (torch.zeros_like(param.detach(), dtype=dtype) if size == tuple(param.shape)
-                else torch.zeros(size, dtype=dtype))
-        state[key[len("optimizer."):]] = room
+        room = (
+            torch.zeros_like(param.detach(), dtype=dtype)
+            if size == tuple(param.shape)
+            else torch.zeros(size, dtype=dtype)
+        )
+        state[key[len("optimizer.") :]] = room
         optimizer.state[param][field] = room
 
 
@@ -181,8 +196,10 @@ def _metadata(checkpoint: str | os.PathLike, refuse, model: torch.nn.Module) -> 
     """The global tensor metadata of ``checkpoint``'s shards (DCP writes ``.metadata`` last: present = complete),
     checked against ``model``'s parameters before anything is loaded."""
     if not os.path.lexists(os.path.join(checkpoint, FOLDER, DCP_METADATA_NAME)):
-        raise refuse(f"it holds no complete {FOLDER}/ shards (the model was sharded at load time, whose checkpoints "
-                     "are torch distributed checkpoints; this one was written without them, or cut short)")
+        raise refuse(
+            f"it holds no complete {FOLDER}/ shards (the model was sharded at load time, whose checkpoints "
+            "are torch distributed checkpoints; this one was written without them, or cut short)"
+        )
     parameters = {name: tuple(param.shape) for name, param in model.named_parameters()}
     return read_distributed_metadata(checkpoint, refuse, parameters).state_dict_metadata
 
@@ -190,8 +207,9 @@ def _metadata(checkpoint: str | os.PathLike, refuse, model: torch.nn.Module) -> 
 def holds_training_state_in_shards(checkpoint: str | os.PathLike) -> bool:
     """Whether ``checkpoint`` keeps its optimizer in ``distributed/`` shards (a run sharded at load time wrote it) and
     not in the Trainer's ``optimizer.pt``."""
-    return (os.path.lexists(os.path.join(checkpoint, FOLDER, DCP_METADATA_NAME))
-            and not os.path.lexists(os.path.join(checkpoint, OPTIMIZER_NAME)))
+    return os.path.lexists(os.path.join(checkpoint, FOLDER, DCP_METADATA_NAME)) and not os.path.lexists(
+        os.path.join(checkpoint, OPTIMIZER_NAME)
+    )
 
 
 def checked_reader(checkpoint: str | os.PathLike, refuse):

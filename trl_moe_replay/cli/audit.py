@@ -108,7 +108,8 @@ class AuditReport:
     def format_table(self) -> str:
         """The table and a one-line reading of it."""
         engine = (
-            f"{self.engine_dtype} generate" if self.engine == "transformers"
+            f"{self.engine_dtype} generate"
+            if self.engine == "transformers"
             else f"vLLM server at {self.engine_url} ({self.engine_dtype})"
         )
         head = (
@@ -117,16 +118,42 @@ class AuditReport:
             f"completion tokens, "
             f"{self.routed_pairs} routed (position, MoE layer) pairs"
         )
-        columns = ["mode", "kl_k1", "kl_k3", "extreme_frac", "max|logratio|", "route_mismatch", "topk_agree",
-                   "natural_mismatch", "fallback"]
+        columns = [
+            "mode",
+            "kl_k1",
+            "kl_k3",
+            "extreme_frac",
+            "max|logratio|",
+            "route_mismatch",
+            "topk_agree",
+            "natural_mismatch",
+            "fallback",
+        ]
         widths = [max(len(c), 10) for c in columns[1:]]
         header = [f"{columns[0]:<6}", *(f"{c:>{w}}" for c, w in zip(columns[1:], widths, strict=True))]
         lines = [head, "", "  ".join(header)]
         for r in self.rows:
-            values = [r.kl_k1, r.kl_k3, r.extreme_frac, r.max_abs_log_ratio, r.route_mismatch_frac,
-                      r.topk_agreement, r.natural_mismatch_frac, r.fallback_frac]
-            lines.append("  ".join([f"{r.mode:<6}", *(f"{'n/a':>{w}}" if v is None else f"{v:>{w}.4g}"
-                                                        for v, w in zip(values, widths, strict=True))]))
+            values = [
+                r.kl_k1,
+                r.kl_k3,
+                r.extreme_frac,
+                r.max_abs_log_ratio,
+                r.route_mismatch_frac,
+                r.topk_agreement,
+                r.natural_mismatch_frac,
+                r.fallback_frac,
+            ]
+            lines.append(
+                "  ".join(
+                    [
+                        f"{r.mode:<6}",
+                        *(
+                            f"{'n/a':>{w}}" if v is None else f"{v:>{w}.4g}"
+                            for v, w in zip(values, widths, strict=True)
+                        ),
+                    ]
+                )
+            )
         if not self.routes_available:
             lines.append(f"{'r3':<6}  unavailable: the engine returned no routes")
         lines += ["", self.verdict()]
@@ -174,7 +201,7 @@ def load_model_and_tokenizer(model: str, dtype: torch.dtype, *, trust_remote_cod
     if model.startswith(TINY_PREFIX):
         from ..testing import tiny_moe_model, tiny_tokenizer
 
-        return tiny_moe_model(model[len(TINY_PREFIX):], dtype=dtype), tiny_tokenizer()
+        return tiny_moe_model(model[len(TINY_PREFIX) :], dtype=dtype), tiny_tokenizer()
     model = check_model_path(model, revision)  # a mistyped path or unreachable Hub id: one line; `~` expanded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -228,8 +255,9 @@ def device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def fitting_trainer_dtype(model: str, device: torch.device, engine_dtype: str, *, engine_copy: bool,
-                          memory: int | None = None) -> tuple[str, str | None]:
+def fitting_trainer_dtype(
+    model: str, device: torch.device, engine_dtype: str, *, engine_copy: bool, memory: int | None = None
+) -> tuple[str, str | None]:
     """The trainer dtype ``--trainer_dtype auto`` picks, and a note saying why: float32 (the trainer's own precision)
     where the weights fit :data:`USABLE` of the device's memory, beside the engine's copy when generate runs here
     (``engine_copy``; a copy in the same dtype is shared), else bfloat16; a model that fits in neither is refused in
@@ -252,13 +280,16 @@ def fitting_trainer_dtype(model: str, device: torch.device, engine_dtype: str, *
     for dtype in ("float32", "bfloat16"):
         if need(dtype) <= usable:
             why = "fits" if dtype == "float32" else f"float32 needs {need('float32') / 1e9:.0f} GB"
-            return dtype, (f"trainer dtype {dtype} (auto: {params / 1e9:.1f}B parameters; {why}, of {usable / 1e9:.0f}"
-                           f" GB usable on {device}; pass --trainer_dtype to choose)")
+            return dtype, (
+                f"trainer dtype {dtype} (auto: {params / 1e9:.1f}B parameters; {why}, of {usable / 1e9:.0f}"
+                f" GB usable on {device}; pass --trainer_dtype to choose)"
+            )
     raise AuditMemoryError(
         f"{model}: {params / 1e9:.1f}B parameters need {need('bfloat16') / 1e9:.0f} GB in bfloat16"
         f"{' with the engine copy' if engine_copy and engine_dtype != 'bfloat16' else ''}, more than the "
         f"{usable / 1e9:.0f} GB usable on {device} ({USABLE:.0%} of its memory): audit on a device with more memory, "
-        "or a smaller model of the same family")
+        "or a smaller model of the same family"
+    )
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -287,8 +318,10 @@ def resolve_device(device: str | None) -> torch.device:
         )
     count = backend.device_count() if callable(getattr(backend, "device_count", None)) else None
     if parsed.index is not None and count is not None and parsed.index >= count:
-        raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), numbered 0 to "
-                         f"{count - 1}: pass {parsed.type}:0 .. {parsed.type}:{count - 1}")
+        raise ValueError(
+            f"--device {device}: this machine has {count} {parsed.type} device(s), numbered 0 to "
+            f"{count - 1}: pass {parsed.type}:0 .. {parsed.type}:{count - 1}"
+        )
     return parsed
 
 
@@ -305,7 +338,7 @@ def check_prompts(prompts: list) -> None:
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:
             code = ord(prompt[exc.start])
-            what = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}")
+            what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
             raise ValueError(
                 f"prompt {i} (--prompt) is not UTF-8 text: {what} at character {exc.start + 1}; pass prompts as "
                 "UTF-8 (is the terminal's encoding, LANG / LC_ALL, UTF-8?)"
@@ -387,27 +420,44 @@ def run_audit(
     for name in (engine_dtype, trainer_dtype):
         if name not in DTYPES and not (name is trainer_dtype and name == AUTO):
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
-    for name, value in (("num_generations", num_generations), ("max_new_tokens", max_new_tokens),
-                        ("num_prompts", num_prompts)):
+    for name, value in (
+        ("num_generations", num_generations),
+        ("max_new_tokens", max_new_tokens),
+        ("num_prompts", num_prompts),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} (--{name}) must be an int >= 1, got {value!r}")
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-            or temperature <= 0):
-        raise ValueError(f"temperature (--temperature) must be a finite number > 0 (1.0 samples the model as it is), "
-                         f"got {temperature!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(
+            f"temperature (--temperature) must be a finite number > 0 (1.0 samples the model as it is), "
+            f"got {temperature!r}"
+        )
     check_extreme_threshold(extreme_threshold, "extreme_threshold (--extreme_threshold)")
     if prompts is not None:
         check_prompts(prompts)
-    if vllm_timeout is not None and (isinstance(vllm_timeout, bool) or not isinstance(vllm_timeout, (int, float))
-                                     or not math.isfinite(vllm_timeout) or vllm_timeout < 0):
-        raise ValueError(f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got "
-                         f"{vllm_timeout!r}")
+    if vllm_timeout is not None and (
+        isinstance(vllm_timeout, bool)
+        or not isinstance(vllm_timeout, (int, float))
+        or not math.isfinite(vllm_timeout)
+        or vllm_timeout < 0
+    ):
+        raise ValueError(
+            f"vllm_timeout (--vllm_timeout) must be a number of seconds >= 0 (0: no limit), got {vllm_timeout!r}"
+        )
     run_device = resolve_device(device)
     dtype_note: str | None = None
     if trainer_dtype == AUTO:
-        trainer_dtype, dtype_note = fitting_trainer_dtype(model, run_device, engine_dtype,
-                                                          engine_copy=vllm_server_url is None)
-    trainer_model, tokenizer = load_model_and_tokenizer(model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code)
+        trainer_dtype, dtype_note = fitting_trainer_dtype(
+            model, run_device, engine_dtype, engine_copy=vllm_server_url is None
+        )
+    trainer_model, tokenizer = load_model_and_tokenizer(
+        model, DTYPES[trainer_dtype], trust_remote_code=trust_remote_code
+    )
     trainer_model.to(run_device).eval()
     if prompts is None:
         prompts = default_prompts(num_prompts, seed=seed)
@@ -429,8 +479,13 @@ def run_audit(
         samples, engine_dtype = _within(
             vllm_timeout,
             lambda: _sample_with_vllm_server(
-                vllm_server_url, model, encoded, num_generations=num_generations, max_new_tokens=max_new_tokens,
-                temperature=temperature, seed=seed,
+                vllm_server_url,
+                model,
+                encoded,
+                num_generations=num_generations,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
             ),
             f"the vLLM server at {vllm_server_url} did not answer within {vllm_timeout:g} s (--vllm_timeout). Is it "
             f"still loading the model, stuck, or unreachable? Check `curl {vllm_server_url}/health`, or raise "
@@ -438,17 +493,27 @@ def run_audit(
         )
     else:
         samples = _sample_with_transformers(
-            trainer_model, tokenizer, encoded, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype,
-            num_generations=num_generations, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-            pad_id=pad_id, device=run_device,
+            trainer_model,
+            tokenizer,
+            encoded,
+            engine_dtype=engine_dtype,
+            trainer_dtype=trainer_dtype,
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            pad_id=pad_id,
+            device=run_device,
         )
     _check_samples(samples, len(encoded) * num_generations)
     routes_available = any(rows is not None for rows in samples.routes)
     notes = list(samples.notes) + ([dtype_note] if dtype_note else [])
     missing = sum(rows is None for rows in samples.routes)
     if routes_available and missing:
-        notes.append(f"{missing} of {len(samples.routes)} completions came without routes: their positions are "
-                     "routed by the trainer's own router under r3 (counted in fallback)")
+        notes.append(
+            f"{missing} of {len(samples.routes)} completions came without routes: their positions are "
+            "routed by the trainer's own router under r3 (counted in fallback)"
+        )
 
     # ---- trainer: TRL's batch layout, one forward per mode
     trainer_rr = RouterReplay(trainer_model)  # after the engine's: with equal dtypes it is the same model
@@ -459,14 +524,24 @@ def run_audit(
     prompt_lengths = [len(r) for r in samples.prompt_ids]
     completion_lengths = [len(r) for r in samples.completion_ids]
     # the trainer's one entry point for engine routes: a malformed sample falls back (counted), none fitting stops
-    intake = RouteIntake(None, source="the engine", required=routes_available, needed_by="audit",
-                         remedy="Does the engine serve the same checkpoint as --model?")
-    turns = [[EngineTurn(rows, p, c)] for rows, p, c in zip(samples.routes, prompt_lengths, completion_lengths,
-                                                            strict=True)]
+    intake = RouteIntake(
+        None,
+        source="the engine",
+        required=routes_available,
+        needed_by="audit",
+        remedy="Does the engine serve the same checkpoint as --model?",
+    )
+    turns = [
+        [EngineTurn(rows, p, c)] for rows, p, c in zip(samples.routes, prompt_lengths, completion_lengths, strict=True)
+    ]
     try:
         checked_routes = intake.align(
-            turns, trainer_rr.layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
-            prompt_width=prompt_ids.shape[1], completion_width=completion_ids.shape[1],
+            turns,
+            trainer_rr.layout,
+            prompt_lengths=prompt_lengths,
+            completion_lengths=completion_lengths,
+            prompt_width=prompt_ids.shape[1],
+            completion_width=completion_ids.shape[1],
         )
     except RoutesUnavailableError as exc:  # a ValueError for the command line: one line, exit status 2
         raise RouteAlignmentError(
@@ -475,8 +550,10 @@ def run_audit(
         ) from None
     engine_routes = checked_routes.tensor()  # for the comparisons; the pass below replays the checked ones
     if intake.fallback_samples > missing:
-        notes.append(f"{intake.fallback_samples - missing} of {len(samples.routes)} completions came with routes "
-                     "that do not fit their tokens: routed by the trainer's own router under r3 (counted in fallback)")
+        notes.append(
+            f"{intake.fallback_samples - missing} of {len(samples.routes)} completions came with routes "
+            "that do not fit their tokens: routed by the trainer's own router under r3 (counted in fallback)"
+        )
     sampling = torch.full(completion_ids.shape, float("nan"))
     for i, row in enumerate(samples.sampling_logprobs):
         sampling[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
@@ -487,26 +564,51 @@ def run_audit(
     for mode in [m for m in ReplayMode if m.spec.audited and (routes_available or not m.replays)]:
         replayed = checked_routes if mode.replays else None
         trainer_logps, natural = _trainer_pass(
-            trainer_model, trainer_rr, input_ids.to(run_device), attention_mask.to(run_device),
-            completion_ids.shape[1], temperature, replayed,
+            trainer_model,
+            trainer_rr,
+            input_ids.to(run_device),
+            attention_mask.to(run_device),
+            completion_ids.shape[1],
+            temperature,
+            replayed,
         )
         # routes in force: the router's own (none), or the engine's wherever it gave one (r3)
-        used = natural if replayed is None else torch.where(
-            has_route(engine_routes)[..., None], engine_routes.to(natural.dtype), natural
+        used = (
+            natural
+            if replayed is None
+            else torch.where(has_route(engine_routes)[..., None], engine_routes.to(natural.dtype), natural)
         )
-        row = _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions,
-                   trainer_rr.moe_layers, extreme_threshold)
+        row = _row(
+            mode,
+            sampling,
+            trainer_logps,
+            completion_mask,
+            used,
+            natural,
+            engine_routes,
+            positions,
+            trainer_rr.moe_layers,
+            extreme_threshold,
+        )
         if not routes_available:  # nothing to compare routes with
             row.route_mismatch_frac = row.topk_agreement = row.natural_mismatch_frac = row.fallback_frac = None
         rows.append(row)
     trainer_rr.remove()
     routed = routing_agreement_sums(engine_routes, engine_routes, positions, trainer_rr.moe_layers)["pairs"]
     return AuditReport(
-        model=model, engine_dtype=engine_dtype, trainer_dtype=trainer_dtype, num_prompts=len(prompts),
-        num_completions=len(samples.completion_ids), completion_tokens=int(completion_mask.sum()),
-        routed_pairs=int(routed), rows=rows,
-        engine="transformers" if vllm_server_url is None else "vllm", engine_url=vllm_server_url,
-        routes_available=routes_available, server_command=server_cmd, notes=notes,
+        model=model,
+        engine_dtype=engine_dtype,
+        trainer_dtype=trainer_dtype,
+        num_prompts=len(prompts),
+        num_completions=len(samples.completion_ids),
+        completion_tokens=int(completion_mask.sum()),
+        routed_pairs=int(routed),
+        rows=rows,
+        engine="transformers" if vllm_server_url is None else "vllm",
+        engine_url=vllm_server_url,
+        routes_available=routes_available,
+        server_command=server_cmd,
+        notes=notes,
     )
 
 
@@ -538,8 +640,9 @@ def _within(seconds: float | None, fn, timeout_message: str):
 
 def _check_samples(samples: EngineSamples, expected: int) -> None:
     """One prompt, completion, log-prob row and route entry per requested completion, log-probs per token."""
-    counts = {name: len(getattr(samples, name))
-              for name in ("prompt_ids", "completion_ids", "sampling_logprobs", "routes")}
+    counts = {
+        name: len(getattr(samples, name)) for name in ("prompt_ids", "completion_ids", "sampling_logprobs", "routes")
+    }
     if set(counts.values()) != {expected}:
         raise ValueError(f"the engine returned {counts} entries, expected {expected} of each (one per completion)")
     for i, (tokens, logps) in enumerate(zip(samples.completion_ids, samples.sampling_logprobs, strict=True)):
@@ -548,13 +651,23 @@ def _check_samples(samples: EngineSamples, expected: int) -> None:
 
 
 def _sample_with_transformers(
-    trainer_model, tokenizer, encoded, *, engine_dtype, trainer_dtype, num_generations, max_new_tokens, temperature,
-    seed, pad_id, device,
+    trainer_model,
+    tokenizer,
+    encoded,
+    *,
+    engine_dtype,
+    trainer_dtype,
+    num_generations,
+    max_new_tokens,
+    temperature,
+    seed,
+    pad_id,
+    device,
 ) -> EngineSamples:
     """transformers ``generate`` in ``engine_dtype``, recorded like the trainer's own rollouts."""
     # A second copy in the engine's dtype (the engine holds its own weights, as vLLM does); same weights when equal.
-    engine_model = trainer_model if engine_dtype == trainer_dtype else copy.deepcopy(trainer_model).to(
-        DTYPES[engine_dtype]
+    engine_model = (
+        trainer_model if engine_dtype == trainer_dtype else copy.deepcopy(trainer_model).to(DTYPES[engine_dtype])
     )
     prompt_rows = [ids for ids in encoded for _ in range(num_generations)]
     engine_rr = RouterReplay(engine_model)
@@ -563,17 +676,24 @@ def _sample_with_transformers(
     # Plain sampling at `temperature`, nothing from the checkpoint's generation_config (top_p, repetition penalty,
     # ...): the recorded log-probs are log_softmax(logits / temperature), as the trainer computes them.
     sampling = GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id, eos_token_id=eos_ids,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos_ids,
     )
     torch.manual_seed(seed)
     recorder = TransformersRolloutRecorder(engine_rr, engine_model, temperature)
     try:
         with recorder:
             output = engine_model.generate(
-                input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), generation_config=sampling,
+                input_ids=prompt_ids.to(device),
+                attention_mask=prompt_mask.to(device),
+                generation_config=sampling,
             )
-        generated = output[:, prompt_ids.shape[1]:].cpu()
+        generated = output[:, prompt_ids.shape[1] :].cpu()
         completion_rows = []
         for row in generated.tolist():  # up to and including the first EOS, as TRL keeps it
             end = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
@@ -619,8 +739,16 @@ def _sample_with_vllm_server(
         notes.append(f"the server serves {client.model!r} and --model is {model!r}: they must be the same checkpoint")
     routes_hook.start()
     output = client.generate(
-        encoded, n=num_generations, repetition_penalty=1.0, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-        max_tokens=max_new_tokens, logprobs=0, generation_kwargs={"seed": seed},
+        encoded,
+        n=num_generations,
+        repetition_penalty=1.0,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=max_new_tokens,
+        logprobs=0,
+        generation_kwargs={"seed": seed},
     )
     payloads = routes_hook.take() or []
     completions = output["completion_ids"]
@@ -660,8 +788,9 @@ def _trainer_pass(model, rr, input_ids, attention_mask, completion_width, temper
     return logps.cpu(), recording.routes.cpu()
 
 
-def _row(mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions, moe_layers,
-         threshold) -> AuditRow:
+def _row(
+    mode, sampling, trainer_logps, completion_mask, used, natural, engine_routes, positions, moe_layers, threshold
+) -> AuditRow:
     sums = logprob_mismatch_sums(sampling, trainer_logps, completion_mask, threshold)
     tokens = sums["tokens"].clamp(min=1.0)
     valid = completion_mask.bool() & ~torch.isnan(sampling)

@@ -94,25 +94,50 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--num_generations", type=int, default=2, help="completions per prompt (default 2)")
     audit.add_argument("--max_new_tokens", type=int, default=64)
     audit.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1)")
-    audit.add_argument("--engine_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                       help="dtype of the generating copy (inference engines run bf16)")
-    audit.add_argument("--trainer_dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                       help="dtype of the trainer's forward (auto: float32 where the model fits the device, else "
-                       "bfloat16; the report's note says which and why)")
-    audit.add_argument("--chat_template", default="auto", choices=["auto", "yes", "no"],
-                       help="wrap prompts as a user message with the tokenizer's chat template (auto: if it has one)")
-    audit.add_argument("--extreme_threshold", type=float, default=2.0,
-                       help="a token is extreme when its probability ratio exceeds this either way; > 1 (default 2)")
+    audit.add_argument(
+        "--engine_dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the generating copy (inference engines run bf16)",
+    )
+    audit.add_argument(
+        "--trainer_dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="dtype of the trainer's forward (auto: float32 where the model fits the device, else "
+        "bfloat16; the report's note says which and why)",
+    )
+    audit.add_argument(
+        "--chat_template",
+        default="auto",
+        choices=["auto", "yes", "no"],
+        help="wrap prompts as a user message with the tokenizer's chat template (auto: if it has one)",
+    )
+    audit.add_argument(
+        "--extreme_threshold",
+        type=float,
+        default=2.0,
+        help="a token is extreme when its probability ratio exceeds this either way; > 1 (default 2)",
+    )
     audit.add_argument("--seed", type=int, default=0)
     audit.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     audit.add_argument("--trust_remote_code", action="store_true")
-    audit.add_argument("--vllm_server_url", default=None, metavar="URL",
-                       help="audit this running vLLM server instead of transformers generate (start it with "
-                       "`trl vllm-serve --model M --enable-return-routed-experts`, same checkpoint as --model); "
-                       "--engine_dtype is then the server's own")
-    audit.add_argument("--vllm_timeout", type=float, default=300.0, metavar="SECONDS",
-                       help="give up on the vLLM server after this long without the completions (default 300; 0: "
-                       "wait as long as it takes)")
+    audit.add_argument(
+        "--vllm_server_url",
+        default=None,
+        metavar="URL",
+        help="audit this running vLLM server instead of transformers generate (start it with "
+        "`trl vllm-serve --model M --enable-return-routed-experts`, same checkpoint as --model); "
+        "--engine_dtype is then the server's own",
+    )
+    audit.add_argument(
+        "--vllm_timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="give up on the vLLM server after this long without the completions (default 300; 0: "
+        "wait as long as it takes)",
+    )
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     audit.set_defaults(func=_audit)
 
@@ -121,13 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimate a recipe config's per-GPU memory (weights, gradients, masters, optimizer, activations, vLLM), "
         "its batch arithmetic and route bytes, from the model's numbers; exit 1 if it does not fit",
     )
-    plan.add_argument("config",
-                      help="a recipe config (recipes/configs/*.yaml); its header's launch lines give the layout")
+    plan.add_argument(
+        "config", help="a recipe config (recipes/configs/*.yaml); its header's launch lines give the layout"
+    )
     plan.add_argument("--gpus", type=int, default=None, help="GPUs the layout may use (default: its `# plan:` line)")
-    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
-                      help="memory of each GPU in GB (default: its `# plan:` line)")
-    plan.add_argument("--prompt-length", type=int, default=None, metavar="TOKENS",
-                      help="longest prompt in tokens (default: its `# plan:` line, else 1024)")
+    plan.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory of each GPU in GB (default: its `# plan:` line)",
+    )
+    plan.add_argument(
+        "--prompt-length",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="longest prompt in tokens (default: its `# plan:` line, else 1024)",
+    )
     plan.set_defaults(func=_plan)
     env = commands.add_parser(
         "env",

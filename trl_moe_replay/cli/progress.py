@@ -33,7 +33,9 @@ class CompactProgressCallback(ProgressCallback):
         self.metrics = dict(KEY_METRICS if metrics is None else metrics)
 
     def _summary(self, logs: dict) -> dict[str, str]:
-        return {short: f"{logs[name]:.3g}" for name, short in self.metrics.items() if isinstance(logs.get(name), float)}
+        return {
+            short: f"{logs[name]:.3g}" for name, short in self.metrics.items() if isinstance(logs.get(name), float)
+        }
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or self.training_bar is None or not logs:

@@ -132,103 +132,185 @@ def _by_epochs(config) -> bool:
 TRL_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 MOE_LOSS_TYPES = ("gspo", "rspo", "minirl")
 
-COUNT_FIELDS = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                "max_completion_length")
+COUNT_FIELDS = (
+    "max_steps",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "max_completion_length",
+)
 
 # The one list of TRL/transformers values this package refuses although plain TRL's config takes them. Everything not
 # here is theirs to take or refuse. Each entry: plain TRL would fail on the value later, or run silently wrong with it.
 UPSTREAM_REFUSALS: tuple[UpstreamRefusal, ...] = (
     UpstreamRefusal(
-        "every float field", _annotated(float), _is_nan, "a number, not NaN",
+        "every float field",
+        _annotated(float),
+        _is_nan,
+        "a number, not NaN",
         "silently wrong: NaN compares false with every bound, so the rate, limit or weight it sets is skipped or "
-        "turns the loss into NaN"),
+        "turns the loss into NaN",
+    ),
     UpstreamRefusal(
-        "every bool field", _annotated(bool), _text_not_true, "True or False",
+        "every bool field",
+        _annotated(bool),
+        _text_not_true,
+        "True or False",
         "silently wrong: TRL tests the value's truth, and any non-empty text is true, so 'no' or 'false' switches "
-        "the option on"),
+        "the option on",
+    ),
     UpstreamRefusal(
-        ", ".join(COUNT_FIELDS), _named(*COUNT_FIELDS), _not_an_int, "an int",
+        ", ".join(COUNT_FIELDS),
+        _named(*COUNT_FIELDS),
+        _not_an_int,
+        "an int",
         "TRL crashes later: transformers and TRL size loops, batches and tensors with it (range(), DataLoader, "
-        "repeat_interleave), which take no float or text"),
+        "repeat_interleave), which take no float or text",
+    ),
     UpstreamRefusal(
         "per_device_train_batch_size, gradient_accumulation_steps, num_generations, max_completion_length",
-        _named("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-               "max_completion_length"),
-        _below(1), "an int >= 1",
+        _named(
+            "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "max_completion_length"
+        ),
+        _below(1),
+        "an int >= 1",
         "TRL crashes later: a batch or an accumulation of 0 gives a DataLoader batch of 0, which it refuses; "
-        "generate refuses 0 new tokens; 0 generations per prompt divides the group mean by zero"),
+        "generate refuses 0 new tokens; 0 generations per prompt divides the group mean by zero",
+    ),
     UpstreamRefusal(
-        "num_iterations", _named("num_iterations"), _below(1), ">= 1",
-        "silently wrong: 0 (or fewer) updates per generation batch trains 0 steps and exits with status 0"),
+        "num_iterations",
+        _named("num_iterations"),
+        _below(1),
+        ">= 1",
+        "silently wrong: 0 (or fewer) updates per generation batch trains 0 steps and exits with status 0",
+    ),
     UpstreamRefusal(
-        "temperature", _named("temperature"), lambda value: isinstance(value, numbers.Real) and value <= 0, "> 0",
+        "temperature",
+        _named("temperature"),
+        lambda value: isinstance(value, numbers.Real) and value <= 0,
+        "> 0",
         "TRL crashes later: it divides the logits by it (0 fails in its fused log-prob at the first step), and "
-        "transformers' and vLLM's samplers raise on a value <= 0"),
+        "transformers' and vLLM's samplers raise on a value <= 0",
+    ),
     UpstreamRefusal(
-        "temperature", _named("temperature"), _is_inf, "finite",
+        "temperature",
+        _named("temperature"),
+        _is_inf,
+        "finite",
         "silently wrong: it divides the logits by it, so every logit is 0: tokens are sampled uniformly and every "
         "log-prob is -log(vocabulary size), which no weight changes: the policy loss has no gradient (only a router "
-        "aux loss, where on, still moves weights)"),
+        "aux loss, where on, still moves weights)",
+    ),
     UpstreamRefusal(
-        "num_train_epochs (with max_steps <= 0)", _named("num_train_epochs"),
-        lambda value: isinstance(value, numbers.Real) and not _is_bool(value) and value <= 0, "> 0 while max_steps <= 0 (training by epochs; a max_steps > 0 sets the length instead)",
+        "num_train_epochs (with max_steps <= 0)",
+        _named("num_train_epochs"),
+        lambda value: isinstance(value, numbers.Real) and not _is_bool(value) and value <= 0,
+        "> 0 while max_steps <= 0 (training by epochs; a max_steps > 0 sets the length instead)",
         "silently wrong: the run trains ceil(num_train_epochs x steps per epoch) = 0 steps and exits with status 0",
-        given=_by_epochs),
+        given=_by_epochs,
+    ),
     UpstreamRefusal(
-        "epsilon, epsilon_high", _named("epsilon", "epsilon_high"), _below(0), ">= 0",
+        "epsilon, epsilon_high",
+        _named("epsilon", "epsilon_high"),
+        _below(0),
+        ">= 0",
         "silently wrong: the clip range [1 - epsilon, 1 + epsilon_high] then excludes ratio 1 (and torch's clamp "
         "with min > max returns max), so the on-policy tokens of one advantage sign get no gradient (a cispo cap "
-        "epsilon_high < 0 reverses it)"),
+        "epsilon_high < 0 reverses it)",
+    ),
     UpstreamRefusal(
-        "epsilon_high (loss_type cispo)", _named("epsilon_high"), _is_zero, "> 0 under loss_type='cispo'",
+        "epsilon_high (loss_type cispo)",
+        _named("epsilon_high"),
+        _is_zero,
+        "> 0 under loss_type='cispo'",
         "silently wrong: CISPO weights each token by min(ratio, epsilon_high), so a cap of 0 weights every token 0 "
-        "and no weight gets a gradient", given=_cispo),
+        "and no weight gets a gradient",
+        given=_cispo,
+    ),
     UpstreamRefusal(
-        "epsilon (loss_type cispo, epsilon_high unset)", _named("epsilon"), _is_zero,
+        "epsilon (loss_type cispo, epsilon_high unset)",
+        _named("epsilon"),
+        _is_zero,
         "> 0 under loss_type='cispo' without epsilon_high",
         "silently wrong: CISPO caps each token's weight at epsilon_high, which defaults to epsilon, so 0 weights every "
-        "token 0 and no weight gets a gradient", given=lambda config: _cispo(config) and config.epsilon_high is None),
+        "token 0 and no weight gets a gradient",
+        given=lambda config: _cispo(config) and config.epsilon_high is None,
+    ),
     UpstreamRefusal(
-        "top_p", _named("top_p"), _below(0), ">= 0",
+        "top_p",
+        _named("top_p"),
+        _below(0),
+        ">= 0",
         "TRL crashes later: transformers' TopPLogitsWarper and vLLM's SamplingParams raise on a negative top_p (above "
-        "1 transformers applies no top-p at all, so that is taken)"),
+        "1 transformers applies no top-p at all, so that is taken)",
+    ),
     UpstreamRefusal(
-        "learning_rate", _named("learning_rate"),
-        lambda value: isinstance(value, numbers.Real) and (value < 0 or value == math.inf), "a finite number >= 0",
+        "learning_rate",
+        _named("learning_rate"),
+        lambda value: isinstance(value, numbers.Real) and (value < 0 or value == math.inf),
+        "a finite number >= 0",
         "TRL crashes later or runs silently wrong: torch's optimizers raise on a negative rate when the trainer "
-        "builds them; an infinite one turns every weight to NaN at the first step"),
+        "builds them; an infinite one turns every weight to NaN at the first step",
+    ),
     UpstreamRefusal(
-        "adam_beta1, adam_beta2 (torch's AdamW)", _named("adam_beta1", "adam_beta2"),
-        lambda value: isinstance(value, numbers.Real) and not 0 <= float(value) < 1, "in [0, 1)",
+        "adam_beta1, adam_beta2 (torch's AdamW)",
+        _named("adam_beta1", "adam_beta2"),
+        lambda value: isinstance(value, numbers.Real) and not 0 <= float(value) < 1,
+        "in [0, 1)",
         "TRL crashes later: torch's AdamW raises 'Invalid beta parameter' when the trainer builds it, after the model "
-        "has loaded", given=_torch_adamw),
+        "has loaded",
+        given=_torch_adamw,
+    ),
     UpstreamRefusal(
-        "adam_epsilon (torch's AdamW)", _named("adam_epsilon"),
-        lambda value: isinstance(value, numbers.Real) and not 0 < float(value) < math.inf, "a finite number > 0",
+        "adam_epsilon (torch's AdamW)",
+        _named("adam_epsilon"),
+        lambda value: isinstance(value, numbers.Real) and not 0 < float(value) < math.inf,
+        "a finite number > 0",
         "TRL crashes later or runs silently wrong: torch's AdamW raises 'Invalid epsilon value' on a negative one when "
         "the trainer builds it; with 0, every element whose gradient has been 0 so far (an expert no token was routed "
-        "to) becomes NaN (0 / 0) at its first step; with inf no weight moves", given=_torch_adamw),
+        "to) becomes NaN (0 / 0) at its first step; with inf no weight moves",
+        given=_torch_adamw,
+    ),
     UpstreamRefusal(
-        "weight_decay (torch's AdamW)", _named("weight_decay"), _below(0), ">= 0",
+        "weight_decay (torch's AdamW)",
+        _named("weight_decay"),
+        _below(0),
+        ">= 0",
         "TRL crashes later: torch's AdamW raises 'Invalid weight_decay value' when the trainer builds it",
-        given=_torch_adamw),
+        given=_torch_adamw,
+    ),
     UpstreamRefusal(
-        "reward_weights", _named("reward_weights"),
-        lambda value: isinstance(value, (list, tuple)) and any(
-            isinstance(item, numbers.Real) and not math.isfinite(item) for item in value),
+        "reward_weights",
+        _named("reward_weights"),
+        lambda value: (
+            isinstance(value, (list, tuple))
+            and any(isinstance(item, numbers.Real) and not math.isfinite(item) for item in value)
+        ),
         "a list of finite numbers",
         "silently wrong: TRL sums the weighted rewards with nansum, so a NaN weight drops that reward function (the "
-        "run learns nothing from it) and an infinite one makes the advantages NaN"),
+        "run learns nothing from it) and an infinite one makes the advantages NaN",
+    ),
     UpstreamRefusal(
-        "loss_type", _named("loss_type"), lambda value: value not in TRL_LOSS_TYPES + MOE_LOSS_TYPES,
+        "loss_type",
+        _named("loss_type"),
+        lambda value: value not in TRL_LOSS_TYPES + MOE_LOSS_TYPES,
         f"one of TRL's {TRL_LOSS_TYPES} or this package's {MOE_LOSS_TYPES}",
-        "TRL crashes later: its loss raises 'Unknown loss type' at the first training step"),
+        "TRL crashes later: its loss raises 'Unknown loss type' at the first training step",
+    ),
     UpstreamRefusal(
-        "weight_sync_steps (async)", _named("weight_sync_steps"), _below(1), ">= 1",
-        "TRL crashes later: a sync every 0 steps divides by zero after the first step"),
+        "weight_sync_steps (async)",
+        _named("weight_sync_steps"),
+        _below(1),
+        ">= 1",
+        "TRL crashes later: a sync every 0 steps divides by zero after the first step",
+    ),
     UpstreamRefusal(
-        "max_staleness (async)", _named("max_staleness"), _below(0), ">= 0",
-        "silently wrong: a negative staleness drops every sample, and the run waits for samples that never come"),
+        "max_staleness (async)",
+        _named("max_staleness"),
+        _below(0),
+        ">= 0",
+        "silently wrong: a negative staleness drops every sample, and the run waits for samples that never come",
+    ),
 )
 
 
@@ -324,8 +406,9 @@ def admits(annotation, value) -> bool:
     if origin is list or annotation is list:
         return isinstance(value, (list, tuple)) and all(admits(args[0], item) for item in value if args)
     if origin is dict or annotation is dict:
-        return isinstance(value, dict) and (not args or all(
-            admits(args[0], key) and admits(args[1], item) for key, item in value.items()))
+        return isinstance(value, dict) and (
+            not args or all(admits(args[0], key) and admits(args[1], item) for key, item in value.items())
+        )
     if isinstance(annotation, type):
         return isinstance(value, annotation)
     return True  # an annotation ``understood`` does not know: the coverage test fails before a user meets it
@@ -417,8 +500,9 @@ def check_config(config, own_class: type) -> None:
         )
     sync_dir = config.vllm_sync_dir  # both configs declare it (RoutingOptions)
     if sync_dir is not None and os.path.exists(sync_dir) and not os.path.isdir(sync_dir):
-        raise ConfigValueError(f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a "
-                               "file; name a folder")
+        raise ConfigValueError(
+            f"vllm_sync_dir must be a folder (created when missing), got {sync_dir!r}, which is a file; name a folder"
+        )
 
 
 def check_config_file(config_classes: typing.Iterable[type], values: dict, path: str) -> None:
@@ -438,8 +522,9 @@ def check_config_file(config_classes: typing.Iterable[type], values: dict, path:
                 continue
             if _admits_as_list_item(annotations[name], value):
                 continue  # one text for a list field (`reward_funcs: accuracy_reward`), which TRL's parser takes
-            check_value(name, annotations[name], value, where=f" (in {path}; YAML numbers and booleans are written "
-                                                              "unquoted)")
+            check_value(
+                name, annotations[name], value, where=f" (in {path}; YAML numbers and booleans are written unquoted)"
+            )
 
 
 def _admits_as_list_item(annotation, value) -> bool:

@@ -135,8 +135,10 @@ def check_model_path(model: str, revision: str | None = None, token: str | bool 
     if not path.is_dir():
         raise ModelPathError(f"{model} is a file; pass the folder that holds config.json and the weights")
     if not (path / "config.json").is_file():
-        inside = sorted((p for p in path.glob("checkpoint-*") if (p / "config.json").is_file()),
-                        key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1)
+        inside = sorted(
+            (p for p in path.glob("checkpoint-*") if (p / "config.json").is_file()),
+            key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1,
+        )
         hint = f"; its newest checkpoint is {inside[-1]}" if inside else ""
         raise ModelPathError(
             f"{model} holds no config.json, so it is not a transformers checkpoint{hint}: pass the folder that holds "
@@ -186,16 +188,21 @@ def check_hub_model(model: str, revision: str | None = None, token: str | bool |
             "(offline mode) to load it from the Hub cache"
         ) from exc
     except GatedRepoError as exc:
-        raise HubModelError(f"{model} is a gated Hub repository: accept its terms on the Hub and log in "
-                            "(hf auth login), or pass a local folder") from exc
+        raise HubModelError(
+            f"{model} is a gated Hub repository: accept its terms on the Hub and log in "
+            "(hf auth login), or pass a local folder"
+        ) from exc
     except RepositoryNotFoundError as exc:
-        raise HubModelError(f"no model {model} on the Hub (or it is private: log in with hf auth login){local_hint}: "
-                            "pass a Hub id 'org/name' or a local folder that holds config.json") from exc
+        raise HubModelError(
+            f"no model {model} on the Hub (or it is private: log in with hf auth login){local_hint}: "
+            "pass a Hub id 'org/name' or a local folder that holds config.json"
+        ) from exc
     except RevisionNotFoundError as exc:
         raise HubModelError(f"the Hub repository {model} has no revision {revision!r}") from exc
     except RemoteEntryNotFoundError as exc:
-        raise HubModelError(f"the Hub repository {model} holds no config.json, so it is not a transformers "
-                            "checkpoint") from exc
+        raise HubModelError(
+            f"the Hub repository {model} holds no config.json, so it is not a transformers checkpoint"
+        ) from exc
 
 
 def _network_errors() -> tuple[type[Exception], ...]:

@@ -21,8 +21,12 @@ def check_extreme_threshold(threshold: float, name: str = "extreme_token_thresho
     A token is extreme when its probability ratio exceeds the threshold either way, so a threshold <= 1 makes every
     token extreme, and NaN none (every comparison with NaN is false).
     """
-    if (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold)
-            or threshold <= 1):
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not math.isfinite(threshold)
+        or threshold <= 1
+    ):
         raise ValueError(
             f"{name} must be a finite probability ratio > 1 (2: a token is extreme when the trainer's and the "
             f"sampler's probabilities differ more than 2x), got {threshold!r}"
@@ -97,17 +101,24 @@ def routable_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # metric name -> (numerator, denominator) among the sums above
-MISMATCH_RATIOS = {"mismatch/kl_k1": ("kl_k1", "tokens"), "mismatch/kl_k3": ("kl_k3", "tokens"),
-                   "mismatch/extreme_frac": ("extreme", "tokens")}
-AGREEMENT_RATIOS = {"routing/mismatch_frac": ("mismatch_pairs", "pairs"),
-                    "routing/token_any_mismatch": ("tokens_any_mismatch", "tokens"),
-                    "routing/topk_agreement": ("overlap", "pairs")}
+MISMATCH_RATIOS = {
+    "mismatch/kl_k1": ("kl_k1", "tokens"),
+    "mismatch/kl_k3": ("kl_k3", "tokens"),
+    "mismatch/extreme_frac": ("extreme", "tokens"),
+}
+AGREEMENT_RATIOS = {
+    "routing/mismatch_frac": ("mismatch_pairs", "pairs"),
+    "routing/token_any_mismatch": ("tokens_any_mismatch", "tokens"),
+    "routing/topk_agreement": ("overlap", "pairs"),
+}
 # threshold replay (routing/replay_rule.py): replaced / routed (position, MoE layer, slot) choices, and per layer
 REPLACE_RATE = "routing/replace_rate"
 # fallback_samples / samples: RouteIntake.take_sample_sums() (samples none of whose turns could be placed), which
 # both trainers add to the sums they log these with
-FALLBACK_RATIOS = {"routing/fallback_frac": ("fallback_positions", "positions"),
-                   "routing/fallback_samples_frac": ("fallback_samples", "samples")}
+FALLBACK_RATIOS = {
+    "routing/fallback_frac": ("fallback_positions", "positions"),
+    "routing/fallback_samples_frac": ("fallback_samples", "samples"),
+}
 
 
 def global_sums(accelerator: Any, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -118,8 +129,14 @@ def global_sums(accelerator: Any, sums: dict[str, torch.Tensor]) -> dict[str, to
     return dict(zip(names, gathered, strict=True))
 
 
-def log_ratio_metrics(metrics: dict[str, list], accelerator: Any, sums: dict[str, torch.Tensor],
-                      ratios: dict[str, tuple[str, str]], *, as_rate: bool = False) -> None:
+def log_ratio_metrics(
+    metrics: dict[str, list],
+    accelerator: Any,
+    sums: dict[str, torch.Tensor],
+    ratios: dict[str, tuple[str, str]],
+    *,
+    as_rate: bool = False,
+) -> None:
     """Append each of ``ratios`` (name -> numerator, denominator among ``sums``), summed over processes, to TRL's
     metric lists: the value, or with ``as_rate`` the (numerator, denominator) pair that the async trainer's ``log``
     reduces as a rate over the logging window. Nothing counted (denominator 0) is NaN, never 0.0 (which reads as a

@@ -52,7 +52,9 @@ CITATIONS: dict[str, str] = {
 }""",
 }
 _LOSS_PAPERS: dict[str | None, tuple[str, ...]] = {
-    "gspo": ("gspo",), "rspo": ("rspo", "gspo"), "minirl": ("minirl",),
+    "gspo": ("gspo",),
+    "rspo": ("rspo", "gspo"),
+    "minirl": ("minirl",),
 }
 
 
@@ -78,8 +80,13 @@ def card_identity(args: Any, mode: str) -> tuple[str, list[str], list[str]]:
     return qualifier, [bibtex[key] for key in methods_used(args, mode)], [spec.card_tag]
 
 
-def write_model_card(trainer: Any, create: Callable[..., Any], model_name: str | None, dataset_name: str | None,
-                     tags: str | list[str] | None) -> Any:
+def write_model_card(
+    trainer: Any,
+    create: Callable[..., Any],
+    model_name: str | None,
+    dataset_name: str | None,
+    tags: str | list[str] | None,
+) -> Any:
     """Both trainers' ``create_model_card``: TRL's (``create``, the parent's bound method) with the routing mode in
     the trainer's name and a tag, and the citations of the methods used."""
     qualifier, citations, extra = card_identity(trainer.args, trainer.routing_replay)

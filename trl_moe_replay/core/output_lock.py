@@ -70,8 +70,12 @@ class OutputDirLock:
                 "output_dir)."
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "token": self.token,
-                 "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "token": self.token,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        }
         for _ in range(3):  # another process may create the file between our removal of a stale one and our create
             if _create_with(self.path, json.dumps(owner)):
                 self._stop.clear()
@@ -94,8 +98,10 @@ class OutputDirLock:
         """Return if the lock file in place may be taken over; raise if a live run owns it."""
         if owner is None:  # vanished, or not a lock we wrote (unreadable, not JSON, too large): replace it
             if self.path.is_file():
-                logger.warning(f"replacing {self.path}: it is not a lock file this package wrote (unreadable, not a "
-                               "JSON object, or far larger than one)")
+                logger.warning(
+                    f"replacing {self.path}: it is not a lock file this package wrote (unreadable, not a "
+                    "JSON object, or far larger than one)"
+                )
             return
         pid, host = owner.get("pid"), owner.get("host")
         if pid == os.getpid() and host == socket.gethostname():

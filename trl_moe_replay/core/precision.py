@@ -38,7 +38,9 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 METRIC = "precision/updated_frac"
-PROBE_STEPS = 20  # optimizer steps 1-20 are measured (one with lr 0, no gradient or skipped by fp16's scaler logs nothing)
+PROBE_STEPS = (
+    20  # optimizer steps 1-20 are measured (one with lr 0, no gradient or skipped by fp16's scaler logs nothing)
+)
 SAMPLE_ELEMENTS = 4096  # elements read per parameter (its local shard): every one of a smaller parameter
 # of the elements with a non-zero gradient. fp32 parameters gave 0.987-1.0 (a tiny MoE on a CPU; 0.993-0.9995 over
 # steps 1-3 of a 405M MoE on an H200, bench/precision_updates.py); bf16 ones 0.02 at lr 1e-6, 0.15 at 1e-5, 0.57 at
@@ -78,16 +80,22 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
 
 def rounded_away_message(fraction: float, step: int, lr: float, dtype: torch.dtype) -> str:
     """The one warning line: what was measured, the cause and the fix."""
-    measured = (f"{fraction:.1%} of the trainable elements with a non-zero gradient (those a step of this size moves "
-                f"in float32) changed in optimizer step {step} at learning rate {lr:g}")
+    measured = (
+        f"{fraction:.1%} of the trainable elements with a non-zero gradient (those a step of this size moves "
+        f"in float32) changed in optimizer step {step} at learning rate {lr:g}"
+    )
     if dtype in (torch.bfloat16, torch.float16):
         name = "bf16" if dtype == torch.bfloat16 else "fp16"
-        return (f"updates round away: {name} parameters updated in place (no fp32 master weights): {measured}. Load "
-                f"the model in float32 (model_init_kwargs={{'dtype': 'float32'}}; the recipe's dtype: float32) and "
-                f"train with bf16=True (autocast computes in bf16), or use DeepSpeed or FSDP2 mixed precision, which "
-                f"keep fp32 masters")
-    return (f"updates round away: {measured} ({str(dtype).removeprefix('torch.')} parameters); the steps are below "
-            f"the weights' resolution: raise the learning rate")
+        return (
+            f"updates round away: {name} parameters updated in place (no fp32 master weights): {measured}. Load "
+            f"the model in float32 (model_init_kwargs={{'dtype': 'float32'}}; the recipe's dtype: float32) and "
+            f"train with bf16=True (autocast computes in bf16), or use DeepSpeed or FSDP2 mixed precision, which "
+            f"keep fp32 masters"
+        )
+    return (
+        f"updates round away: {measured} ({str(dtype).removeprefix('torch.')} parameters); the steps are below "
+        f"the weights' resolution: raise the learning rate"
+    )
 
 
 class UpdateProbe(TrainerCallback):
@@ -199,7 +207,9 @@ class MasterUpdateProbe(UpdateProbe):
     def __init__(self, accelerator, metrics: dict, log_metric: bool = True):
         super().__init__(accelerator, metrics, log_metric)
         self._state = None
-        self._groups: dict[int, int] = {}  # id of a parameter group (DeepSpeed swaps the lists, not the dicts) -> index
+        self._groups: dict[
+            int, int
+        ] = {}  # id of a parameter group (DeepSpeed swaps the lists, not the dicts) -> index
         self._hooks: list = []
         self._counts: torch.Tensor | None = None
         self._dtypes: dict[int, torch.dtype] = {}
@@ -261,9 +271,11 @@ def fp16_not_applied_message(accelerator) -> str | None:
     not asked for)."""
     if accelerator.mixed_precision != "fp16" or accelerator.native_amp:
         return None
-    return (f"fp16=True, but accelerate runs fp16 autocast only on GPU-type devices: this run on "
-            f"{accelerator.device.type} computes in float32 (no fp16 autocast, no GradScaler). Train on a GPU for "
-            "fp16, or pass fp16=False to say float32.")
+    return (
+        f"fp16=True, but accelerate runs fp16 autocast only on GPU-type devices: this run on "
+        f"{accelerator.device.type} computes in float32 (no fp16 autocast, no GradScaler). Train on a GPU for "
+        "fp16, or pass fp16=False to say float32."
+    )
 
 
 def attach_update_probe(trainer, metrics: dict, *, log_metric: bool) -> UpdateProbe | None:

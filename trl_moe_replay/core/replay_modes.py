@@ -179,8 +179,10 @@ def register_mode(spec: ModeSpec) -> ReplayMode:
     if spec.source is None and _REGISTRY and any(not m.replays for m in _REGISTRY.values()):
         raise ValueError(f"mode {spec.name!r} replays nothing, and 'none' already is that mode")
     if spec.source is not RouteSource.ENGINE and spec.source is not None and TrainerKind.ASYNC in spec.trainers:
-        raise ValueError(f"mode {spec.name!r} replays {spec.source.value}, which TRL's async trainer never has: "
-                         "leave TrainerKind.ASYNC out of its trainers")
+        raise ValueError(
+            f"mode {spec.name!r} replays {spec.source.value}, which TRL's async trainer never has: "
+            "leave TrainerKind.ASYNC out of its trainers"
+        )
     if spec.audited and spec.source not in (None, RouteSource.ENGINE):
         raise ValueError(f"mode {spec.name!r}: the audit replays the engine's routes only; set audited=False")
     mode = str.__new__(ReplayMode, spec.name)
@@ -214,8 +216,10 @@ class _ModeNames(Sequence[str]):
 MODE_NAMES: Sequence[str] = _ModeNames()
 
 
-DOCS_TABLE_HEADER = ("| `routing_replay` | routes replayed in the old-logprob, reference and training forwards (and "
-                     "their backward) | generation backends |\n|---|---|---|")
+DOCS_TABLE_HEADER = (
+    "| `routing_replay` | routes replayed in the old-logprob, reference and training forwards (and "
+    "their backward) | generation backends |\n|---|---|---|"
+)
 
 
 def docs_table() -> str:
@@ -225,30 +229,49 @@ def docs_table() -> str:
 
 _SYNC_ONLY = frozenset({TrainerKind.SYNC})
 
-ReplayMode.NONE = register_mode(ModeSpec(
-    "none", None,
-    routes_text="none: plain `trl.GRPOTrainer`, bit for bit (`routing_metrics=True` adds the routing metrics without "
-    "changing a TRL number)",
-    backends_text="all", audited=True,
-))
-ReplayMode.R2 = register_mode(ModeSpec(
-    "r2", RouteSource.OLD_PASS,
-    routes_text="the old policy's routes, recorded in the trainer's old-logprob pass, in the later updates of that "
-    "generation batch (a no-op when the configuration is on-policy; the trainer says so)",
-    backends_text="all", trainers=_SYNC_ONLY,
-    # R2 (vanilla routing replay) was introduced with GSPO and defined against R3 in the MiniRL paper
-    papers=("gspo", "minirl"),
-))
-ReplayMode.R3 = register_mode(ModeSpec(
-    "r3", RouteSource.ENGINE,
-    routes_text="the routes the inference engine used while sampling: transformers `generate` (recorded by hooks), "
-    "vLLM's `routed_experts` (server and colocate mode)",
-    backends_text="transformers, vLLM", papers=("r3",), audited=True, default=True,
-))
-ReplayMode.PR2 = register_mode(ModeSpec(
-    "pr2", RouteSource.PREDICTED,
-    routes_text="R2 with a learned forecast of the router's drift: the old-logprob pass routes by the router logits "
-    "plus a zero-initialised linear predictor per router, and that route is replayed (see [PR2](pr2.md))",
-    backends_text="all (`pr2_rollout_prediction`: transformers)", trainers=_SYNC_ONLY, papers=("pr2",),
-))
+ReplayMode.NONE = register_mode(
+    ModeSpec(
+        "none",
+        None,
+        routes_text="none: plain `trl.GRPOTrainer`, bit for bit (`routing_metrics=True` adds the routing metrics without "
+        "changing a TRL number)",
+        backends_text="all",
+        audited=True,
+    )
+)
+ReplayMode.R2 = register_mode(
+    ModeSpec(
+        "r2",
+        RouteSource.OLD_PASS,
+        routes_text="the old policy's routes, recorded in the trainer's old-logprob pass, in the later updates of that "
+        "generation batch (a no-op when the configuration is on-policy; the trainer says so)",
+        backends_text="all",
+        trainers=_SYNC_ONLY,
+        # R2 (vanilla routing replay) was introduced with GSPO and defined against R3 in the MiniRL paper
+        papers=("gspo", "minirl"),
+    )
+)
+ReplayMode.R3 = register_mode(
+    ModeSpec(
+        "r3",
+        RouteSource.ENGINE,
+        routes_text="the routes the inference engine used while sampling: transformers `generate` (recorded by hooks), "
+        "vLLM's `routed_experts` (server and colocate mode)",
+        backends_text="transformers, vLLM",
+        papers=("r3",),
+        audited=True,
+        default=True,
+    )
+)
+ReplayMode.PR2 = register_mode(
+    ModeSpec(
+        "pr2",
+        RouteSource.PREDICTED,
+        routes_text="R2 with a learned forecast of the router's drift: the old-logprob pass routes by the router logits "
+        "plus a zero-initialised linear predictor per router, and that route is replayed (see [PR2](pr2.md))",
+        backends_text="all (`pr2_rollout_prediction`: transformers)",
+        trainers=_SYNC_ONLY,
+        papers=("pr2",),
+    )
+)
 _BUILT_IN = frozenset(_REGISTRY)

@@ -85,8 +85,10 @@ class GenerationBatch:
         """RSPO's per-sample inputs of the loss (held with the batch's routes), or none."""
         if not self.old_router:
             return {}
-        return {"old_router_ids": torch.cat([ids for ids, _ in self.old_router], dim=0),
-                "old_router_probs": torch.cat([probs for _, probs in self.old_router], dim=0)}
+        return {
+            "old_router_ids": torch.cat([ids for ids, _ in self.old_router], dim=0),
+            "old_router_probs": torch.cat([probs for _, probs in self.old_router], dim=0),
+        }
 
     def record_natural(self, chunks: list[CheckedRoutes]) -> None:
         """The trainer's natural routes of its old-logprob (or metrics) pass, chunk by chunk."""
@@ -100,14 +102,23 @@ class GenerationBatch:
             return
         self.turns.add_turn(prompt_ids, completion_ids, rows, prompt_start, samples)
 
-    def align(self, intake: RouteIntake, rr: RouterReplay, prompt_ids: Sequence[Sequence[int]],
-              completion_ids: Sequence[Sequence[int]], pad_to_multiple_of: int | None) -> None:
+    def align(
+        self,
+        intake: RouteIntake,
+        rr: RouterReplay,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        pad_to_multiple_of: int | None,
+    ) -> None:
         """Step 2: the engine's rows -> checked routes, at the widths TRL will pad the batch to."""
         if self.turns is None:
             return
         prompt_lengths, completion_lengths = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
         self.generation = intake.align(
-            self.turns.turns, rr.layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
+            self.turns.turns,
+            rr.layout,
+            prompt_lengths=prompt_lengths,
+            completion_lengths=completion_lengths,
             prompt_width=trl_padded_width(prompt_lengths, pad_to_multiple_of),
             completion_width=trl_padded_width(completion_lengths, pad_to_multiple_of),
         )
@@ -188,8 +199,10 @@ class HeldRows:
         return next(iter(self.per_sample.values())).shape[0]
 
     def rows(self, index: torch.Tensor) -> HeldRows:
-        return HeldRows(None if self.routes is None else self.routes.rows(index),
-                        {name: value[index.to(value.device)] for name, value in self.per_sample.items()})
+        return HeldRows(
+            None if self.routes is None else self.routes.rows(index),
+            {name: value[index.to(value.device)] for name, value in self.per_sample.items()},
+        )
 
 
 class RouteBuffer:
@@ -223,8 +236,10 @@ class RouteBuffer:
     def gather_held(self, route_rows: torch.Tensor, take: bool = False) -> HeldRows:
         """Everything held for the rows ``route_rows`` name (routes and per-sample inputs)."""
         if not isinstance(route_rows, torch.Tensor) or route_rows.dim() != 2 or route_rows.shape[1] != 2:
-            raise StaleRouteRowsError(f"{ROUTE_ROWS} must be a [batch, 2] tensor (serial, row), got "
-                                      f"{getattr(route_rows, 'shape', type(route_rows).__name__)}")
+            raise StaleRouteRowsError(
+                f"{ROUTE_ROWS} must be a [batch, 2] tensor (serial, row), got "
+                f"{getattr(route_rows, 'shape', type(route_rows).__name__)}"
+            )
         serials = set(route_rows[:, 0].tolist())
         by_serial = {serial: key for key, (serial, _) in self._held.items()}
         if len(serials) != 1 or not serials <= by_serial.keys():
@@ -269,8 +284,15 @@ class RouteFlow:
     micro-batch's routes are a value (:class:`MicroBatch`), replayed through its backward (:class:`MicroBatchReplay`,
     ended by ``core/trainer_base.py``)."""
 
-    def __init__(self, settings: ReplaySettings, route_replay: RouterReplay | None,
-                 reference_replay: RouterReplay | None, *, pr2: bool, router_shift: bool):
+    def __init__(
+        self,
+        settings: ReplaySettings,
+        route_replay: RouterReplay | None,
+        reference_replay: RouterReplay | None,
+        *,
+        pr2: bool,
+        router_shift: bool,
+    ):
         self.settings = settings
         self.route_replay = route_replay
         self.reference_replay = reference_replay
@@ -314,8 +336,12 @@ class RouteFlow:
             replay = batch.to_replay(settings) if settings.mode.replays and settings.replay_reference_model else None
             return ForwardPlan(Forward.REFERENCE, self.reference_replay if is_ref_model else rr, replay=replay)
         return ForwardPlan(
-            Forward.OLD, rr, replay=batch.generation if settings.replays_generation_routes else None,
-            record=settings.records_old_pass, pr2=self.pr2, old_router=self.router_shift,
+            Forward.OLD,
+            rr,
+            replay=batch.generation if settings.replays_generation_routes else None,
+            record=settings.records_old_pass,
+            pr2=self.pr2,
+            old_router=self.router_shift,
         )
 
     def metrics_plan(self) -> ForwardPlan:

@@ -41,20 +41,26 @@ class RoutingOptions:
     )
     replay_score_threshold: float = field(
         default=0.0,
-        metadata={"help": "Threshold replay, in [0, 1], with a mode that replays (r2, r3, pr2): a replayed expert is "
-                  "kept only where the trainer's router score for it is >= this x the router's weakest top-k score "
-                  "for that token; a rejected slot takes the router's own best expert not chosen yet. 0: replay as "
-                  "it is. Logs routing/replace_rate."},
+        metadata={
+            "help": "Threshold replay, in [0, 1], with a mode that replays (r2, r3, pr2): a replayed expert is "
+            "kept only where the trainer's router score for it is >= this x the router's weakest top-k score "
+            "for that token; a rejected slot takes the router's own best expert not chosen yet. 0: replay as "
+            "it is. Logs routing/replace_rate."
+        },
     )
     routing_metrics: bool | None = field(
         default=None,
-        metadata={"help": "Log routing/* agreement between engine and trainer. Unset: on with r2/r3/pr2, off with "
-                  "'none' (plain TRL, no hooks)."},
+        metadata={
+            "help": "Log routing/* agreement between engine and trainer. Unset: on with r2/r3/pr2, off with "
+            "'none' (plain TRL, no hooks)."
+        },
     )
     extreme_token_threshold: float = field(
         default=2.0,
-        metadata={"help": "A completion token is 'extreme' (mismatch/extreme_frac) when its sampler/trainer "
-                  "probability ratio, either way, exceeds this value."},
+        metadata={
+            "help": "A completion token is 'extreme' (mismatch/extreme_frac) when its sampler/trainer "
+            "probability ratio, either way, exceeds this value."
+        },
     )
     vllm_weight_sync: str = field(
         default="auto",
@@ -67,23 +73,27 @@ class RoutingOptions:
     )
     vllm_sync_dir: str | None = field(
         default=None,
-        metadata={"help": "vllm_weight_sync='reload' with a server: directory the server reads the weights from. "
-                  "Unset: <output_dir>/_vllm_sync (push_to_hub leaves out names that start with _)."},
+        metadata={
+            "help": "vllm_weight_sync='reload' with a server: directory the server reads the weights from. "
+            "Unset: <output_dir>/_vllm_sync (push_to_hub leaves out names that start with _)."
+        },
     )
     vllm_sync_check: bool | None = field(
         default=None,
-        metadata={"help": "Around each weight sync, score a fixed probe with the engine and the trainer: log "
-                  "vllm/sync_max_logprob_diff, and stop a run whose sync did not arrive or whose engine changed "
-                  "between syncs. Unset: on wherever a vLLM engine samples the routes the trainer carries."},
+        metadata={
+            "help": "Around each weight sync, score a fixed probe with the engine and the trainer: log "
+            "vllm/sync_max_logprob_diff, and stop a run whose sync did not arrive or whose engine changed "
+            "between syncs. Unset: on wherever a vLLM engine samples the routes the trainer carries."
+        },
     )
-
 
     sync_check_tolerance: float = field(
         default=SYNC_CHECK_TOLERANCE,
-        metadata={"help": "Nats the engine's probe log-probs may move with unchanged weights (batch noise) before the "
-                  "sync check counts it as a change."},
+        metadata={
+            "help": "Nats the engine's probe log-probs may move with unchanged weights (batch noise) before the "
+            "sync check counts it as a change."
+        },
     )
-
 
     def to_dict(self) -> dict[str, Any]:
         """TrainingArguments' ``to_dict``, with ``routing_replay`` as the plain string it names (it writes an enum's
@@ -137,8 +147,9 @@ def resolve_sync_check(args: Any, mode: ReplayMode, routing_metrics: bool, train
     return bool(requested) and uses_vllm
 
 
-def resolve_weight_sync(args: Any, mode: ReplayMode, routing_metrics: bool,
-                        trainer: TrainerKind) -> WeightSyncMethod | None:
+def resolve_weight_sync(
+    args: Any, mode: ReplayMode, routing_metrics: bool, trainer: TrainerKind
+) -> WeightSyncMethod | None:
     """``vllm_weight_sync`` resolved: ``"trl"`` (TRL's own transfer) or ``"reload"`` (``weight_sync/weight_reload.py``);
     ``None`` for the sync trainer without vLLM.
 
@@ -199,9 +210,14 @@ class ReplaySettings:
         metrics = option(args, "routing_metrics")
         metrics = default_routing_metrics(mode) if metrics is None else bool(metrics)
         sync_check = resolve_sync_check(args, mode, metrics, trainer)
-        common = dict(mode=mode, routing_metrics=metrics, extreme_token_threshold=option(args, "extreme_token_threshold"),
-                      vllm_sync_check=sync_check, trainer=trainer,
-                      replay_score_threshold=float(option(args, "replay_score_threshold")) if mode.replays else 0.0)
+        common = dict(
+            mode=mode,
+            routing_metrics=metrics,
+            extreme_token_threshold=option(args, "extreme_token_threshold"),
+            vllm_sync_check=sync_check,
+            trainer=trainer,
+            replay_score_threshold=float(option(args, "replay_score_threshold")) if mode.replays else 0.0,
+        )
         if trainer == ASYNC_TRAINER:
             return cls(**common)
         rollout_prediction = bool(option(args, "pr2_rollout_prediction"))
@@ -223,6 +239,8 @@ def default_transformers_correction(args: Any, mode: ReplayMode) -> bool:
     """``transformers_importance_sampling_correction`` when unset: on with replay or MiniRL on plain ``generate``."""
     wanted = mode.replays or args.loss_type == "minirl"
     return (
-        wanted and args.vllm_importance_sampling_correction and not args.use_vllm
+        wanted
+        and args.vllm_importance_sampling_correction
+        and not args.use_vllm
         and not args.use_transformers_continuous_batching
     )

@@ -102,8 +102,9 @@ class MoEReplayTrainerMixin(_TrainerHost):
         """The checks both ``__init__`` run right after TRL's: a PEFT policy whose routes cannot be replayed
         faithfully (``core/peft_replay.py``), and a launch that asked for FSDP or DeepSpeed and got another engine
         (``core/launch.py``; plain TRL only warned)."""
-        check_peft_replay(self.accelerator.unwrap_model(self.model), self.routing_replay,
-                          adapter_only_sync=adapter_only_sync)
+        check_peft_replay(
+            self.accelerator.unwrap_model(self.model), self.routing_replay, adapter_only_sync=adapter_only_sync
+        )
         check_launched_engine(self.args, self.accelerator.state.distributed_type, strict=self.routing_replay.replays)
 
     def _hold_run(self) -> None:
@@ -173,8 +174,9 @@ class MoEReplayTrainerMixin(_TrainerHost):
     # ------------------------------------------------------------------ weight sync
     def _checked_weight_sync(self, sync: Callable[[], None], mode: str = "train") -> None:
         """``sync`` (the trainer's weight sync) inside the engine sync check, if any (``weight_sync/sync_check.py``)."""
-        checked_weight_sync(self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator,
-                            self._metrics[mode])
+        checked_weight_sync(
+            self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator, self._metrics[mode]
+        )
 
     # ------------------------------------------------------------------ micro-batch replay lifecycle
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -200,12 +202,14 @@ class MoEReplayTrainerMixin(_TrainerHost):
     def _metrics_mode(self) -> str:
         return "train" if self.model.training else "eval"
 
-    def _log_logprob_mismatch(self, sampling: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, *,
-                              as_rate: bool = False) -> None:
+    def _log_logprob_mismatch(
+        self, sampling: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, *, as_rate: bool = False
+    ) -> None:
         """``mismatch/*``: the sampler's against the trainer's log-probs over ``mask`` (``metrics.py``)."""
         sums = logprob_mismatch_sums(sampling, trainer, mask, self.replay_settings.extreme_token_threshold)
-        log_ratio_metrics(self._metrics[self._metrics_mode()], self.accelerator, sums, MISMATCH_RATIOS,
-                          as_rate=as_rate)
+        log_ratio_metrics(
+            self._metrics[self._metrics_mode()], self.accelerator, sums, MISMATCH_RATIOS, as_rate=as_rate
+        )
 
     def _log_replace_rate(self) -> None:
         """``routing/replace_rate`` (and ``routing/replace_rate/layer_<i>``): under threshold replay, the share of
@@ -223,11 +227,17 @@ class MoEReplayTrainerMixin(_TrainerHost):
         for layer, counts in sorted(per_layer.items()):
             sums[f"replaced_{layer}"], sums[f"slots_{layer}"] = counts[0], counts[1]
             ratios[f"{REPLACE_RATE}/layer_{layer}"] = (f"replaced_{layer}", f"slots_{layer}")
-        log_ratio_metrics(self._metrics[self._metrics_mode()], self.accelerator, sums, ratios,
-                          as_rate=self.replay_settings.trainer is TrainerKind.ASYNC)
+        log_ratio_metrics(
+            self._metrics[self._metrics_mode()],
+            self.accelerator,
+            sums,
+            ratios,
+            as_rate=self.replay_settings.trainer is TrainerKind.ASYNC,
+        )
 
-    def _log_routing_agreement(self, natural: torch.Tensor | None, reference: torch.Tensor, positions: torch.Tensor,
-                               *, as_rate: bool = False) -> None:
+    def _log_routing_agreement(
+        self, natural: torch.Tensor | None, reference: torch.Tensor, positions: torch.Tensor, *, as_rate: bool = False
+    ) -> None:
         """``routing/*``: the trainer's ``natural`` top-k against the engine's (``reference``) at ``positions``;
         without a natural routing to compare (``None``), the fallback fraction alone. NaN where nothing counted."""
         metrics = self._metrics[self._metrics_mode()]
@@ -236,8 +246,13 @@ class MoEReplayTrainerMixin(_TrainerHost):
         # routing/fallback_samples_frac: the samples the intake aligned since the last log, and those that fell back whole
         samples = self._route_intake.take_sample_sums() if self._route_intake is not None else {}
         if natural is None:
-            log_ratio_metrics(metrics, self.accelerator, {**fallback_sums(reference, positions, moe_layers), **samples},
-                              FALLBACK_RATIOS, as_rate=as_rate)
+            log_ratio_metrics(
+                metrics,
+                self.accelerator,
+                {**fallback_sums(reference, positions, moe_layers), **samples},
+                FALLBACK_RATIOS,
+                as_rate=as_rate,
+            )
             return
         sums = {**routing_agreement_sums(natural, reference, positions, moe_layers), **samples}
         log_ratio_metrics(metrics, self.accelerator, sums, {**AGREEMENT_RATIOS, **FALLBACK_RATIOS}, as_rate=as_rate)

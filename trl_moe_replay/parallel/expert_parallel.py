@@ -98,8 +98,10 @@ def distributed_config_from_args(args: Any, world_size: int | None = None, *, gp
         try:
             config = config_class(**value)
         except (ValueError, TypeError, OSError) as exc:
-            raise ParallelSizesError(f"model_init_kwargs.distributed_config={dict(value)} refused by transformers: "
-                                     f"{' '.join(str(exc).split())}") from None
+            raise ParallelSizesError(
+                f"model_init_kwargs.distributed_config={dict(value)} refused by transformers: "
+                f"{' '.join(str(exc).split())}"
+            ) from None
     elif isinstance(value, config_class):
         config = value
     else:
@@ -146,8 +148,9 @@ def check_layout_values(config: Any) -> None:
             )
         for key, style in plan.items():
             if not isinstance(key, str) or not key:
-                raise ParallelSizesError(f"distributed_config {name} has the key {key!r}: its keys are module names "
-                                         "(layers.*.mlp.experts)")
+                raise ParallelSizesError(
+                    f"distributed_config {name} has the key {key!r}: its keys are module names (layers.*.mlp.experts)"
+                )
             if not isinstance(style, str) or style not in styles[name]:
                 raise ParallelSizesError(
                     f"distributed_config {name}[{key!r}] is {style!r}, which is no {name} style transformers applies: "
@@ -185,8 +188,9 @@ def check_ep_implementation(config: Any) -> None:
         )
 
 
-def check_parallel_sizes(config: Any, world_size: int | None = None, *, use_cpu: bool = False,
-                         gpus: bool | None = None) -> None:
+def check_parallel_sizes(
+    config: Any, world_size: int | None = None, *, use_cpu: bool = False, gpus: bool | None = None
+) -> None:
     """Refuse sizes that cannot run with ``world_size`` processes here (``gpus``: on GPU processes, default: whether
     this machine has one), in one line (:class:`ParallelSizesError`)."""
     check_layout_values(config)

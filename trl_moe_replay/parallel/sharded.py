@@ -53,10 +53,7 @@ def full_tensors(named_params: dict[str, nn.Parameter]) -> dict[str, torch.Tenso
 
         with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None):
             return {name: p.detach().to("cpu", copy=True) for name, p in named_params.items()}
-    return {
-        name: full_tensor(p).detach().to("cpu", copy=True)
-        for name, p in named_params.items()
-    }
+    return {name: full_tensor(p).detach().to("cpu", copy=True) for name, p in named_params.items()}
 
 
 def local_numel(param: torch.Tensor) -> int:

@@ -408,8 +408,11 @@ class PredictiveRoutingReplay:
         for stale in glob.glob(glob.escape(path) + ".partial-*"):  # left by a save that was killed
             os.remove(stale)
         partial = f"{path}.partial-{os.getpid()}"
-        save_file({k: v.contiguous() for k, v in state.items()}, partial,
-                  metadata={"format": "pt", "moe_layers": ",".join(map(str, self.moe_layers))})
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            partial,
+            metadata={"format": "pt", "moe_layers": ",".join(map(str, self.moe_layers))},
+        )
         _flush_to_disk(partial)
         os.replace(partial, path)  # atomic on POSIX and Windows: the name holds the old file or the new one
         _flush_to_disk(folder)

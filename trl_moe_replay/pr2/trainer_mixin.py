@@ -68,8 +68,11 @@ class PR2TrainerMixin:
     def _pr2_averages_gradients(self) -> bool:
         """PR2 under plain data parallelism: DDP ignores the predictors (see PredictiveRoutingReplay), so the trainer
         averages their gradients; DeepSpeed and FSDP reduce them themselves."""
-        return (self._pr2 is not None and self.accelerator.num_processes > 1
-                and not (self.is_deepspeed_enabled or self.is_fsdp_enabled))
+        return (
+            self._pr2 is not None
+            and self.accelerator.num_processes > 1
+            and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        )
 
     # ------------------------------------------------------------------ named points the trainer calls
     def _new_pr2(self, args) -> PredictiveRoutingReplay | None:
@@ -82,8 +85,9 @@ class PR2TrainerMixin:
             return self._pr2.steering()
         return contextlib.nullcontext()
 
-    def _pr2_old_pass_chunk(self, attention_mask: torch.Tensor, logits_to_keep: int, *, steer: bool
-                            ) -> contextlib.AbstractContextManager:
+    def _pr2_old_pass_chunk(
+        self, attention_mask: torch.Tensor, logits_to_keep: int, *, steer: bool
+    ) -> contextlib.AbstractContextManager:
         """Around one chunk of the old-logprob pass: predicted routes (``steer``: unless the rollout's are replayed)
         and, in training, the predictors' inputs cached at the chunk's completion positions."""
         assert self._pr2 is not None  # ForwardPlan.pr2 is set only with PR2 built
@@ -147,7 +151,8 @@ class PR2TrainerMixin:
         # predictors take part in every backward, with a zero gradient on the steps they do not train
         assert self._pr2 is not None  # the trainer adds the predictor loss only under PR2
         result = self._pr2.training_loss(
-            self.state.global_step, grad_scale=1.0 / self.current_gradient_accumulation_steps,
+            self.state.global_step,
+            grad_scale=1.0 / self.current_gradient_accumulation_steps,
             always_in_graph=self.is_deepspeed_enabled,
         )
         if result is None:

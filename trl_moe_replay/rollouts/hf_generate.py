@@ -23,6 +23,7 @@ from .route_source import TurnOutput, TurnRequest, TurnRows
 if TYPE_CHECKING:
     from ..routing.replay import RouteRecording
 
+
 class TransformersRolloutRecorder:
     """Context manager around one ``model.generate`` call.
 
@@ -128,11 +129,20 @@ class TransformersRouteSource:
     """
 
     name = "transformers generate"
-    remedy = ("Did generate run the model's forward for these completions? A replaced model.generate (e.g. a test "
-              "stub) runs none, so there are no routes to replay: use routing_replay='r2' with it.")
+    remedy = (
+        "Did generate run the model's forward for these completions? A replaced model.generate (e.g. a test "
+        "stub) runs none, so there are no routes to replay: use routing_replay='r2' with it."
+    )
 
-    def __init__(self, router_replay: RouterReplay | None, causal_lm: Callable[[], nn.Module], temperature: float,
-                 pad_token_id: int, *, return_logprobs: bool):
+    def __init__(
+        self,
+        router_replay: RouterReplay | None,
+        causal_lm: Callable[[], nn.Module],
+        temperature: float,
+        pad_token_id: int,
+        *,
+        return_logprobs: bool,
+    ):
         self.router_replay = router_replay
         self.causal_lm = causal_lm
         self.temperature = temperature

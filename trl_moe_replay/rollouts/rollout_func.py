@@ -16,8 +16,9 @@ class RolloutFuncRoutes:
     where it is a route source, as :class:`~.sglang_routes.SGLangRollout` is), and for the later turns of TRL's tool
     loop, which TRL generates itself, the trainer's turn engine (``turns``; ``None``: they carry no routes)."""
 
-    def __init__(self, rollouts: RouteSourceProtocol, turns: RouteSourceProtocol | None, *, keep: bool,
-                 required: bool):
+    def __init__(
+        self, rollouts: RouteSourceProtocol, turns: RouteSourceProtocol | None, *, keep: bool, required: bool
+    ):
         self.rollouts = rollouts
         self.turns = turns
         self.keep = keep  # the trainer keeps engine routes (R3, routing metrics); else they are only taken out
@@ -29,8 +30,9 @@ class RolloutFuncRoutes:
             return generate(), TurnRows()
         return self.turns.generate_turn(request, generate)
 
-    def rollout_turns(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      fields: dict[str, Any]) -> RolloutTurns | None:
+    def rollout_turns(
+        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], fields: dict[str, Any]
+    ) -> RolloutTurns | None:
         turns = self.rollouts.rollout_turns(prompt_ids, completion_ids, fields)  # taken out of fields in any case
         if not self.keep:
             return None
@@ -51,15 +53,18 @@ class RolloutFuncFields:
     (an int or one per sample)."""
 
     name = "rollout_func"
-    remedy = ("Does the rollout_func's engine serve the same checkpoint as the trainer, and return them as "
-              "output['routed_experts'] (one [p + c - 1, num_layers, top_k] array or vLLM base64 payload per "
-              "sample, vLLM's layout)?")
+    remedy = (
+        "Does the rollout_func's engine serve the same checkpoint as the trainer, and return them as "
+        "output['routed_experts'] (one [p + c - 1, num_layers, top_k] array or vLLM base64 payload per "
+        "sample, vLLM's layout)?"
+    )
 
     def generate_turn(self, request: TurnRequest, generate: Callable[[], TurnOutput]) -> tuple[TurnOutput, TurnRows]:
         return generate(), TurnRows()
 
-    def rollout_turns(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      fields: dict[str, Any]) -> RolloutTurns | None:
+    def rollout_turns(
+        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], fields: dict[str, Any]
+    ) -> RolloutTurns | None:
         rows = fields.pop("routed_experts", None)
         starts = fields.pop("routed_experts_prompt_start", 0)
         if rows is None:

@@ -13,9 +13,16 @@ from .route_source import RouteSourceProtocol
 from .vllm_routes import VLLMRouteSource, llm_returning_routes
 
 
-def sync_trainer_route_source(args: Any, *, keep_routes: bool, required: bool, vllm_generation: Any = None,
-                              accelerator: Any = None, generate_source: RouteSourceProtocol | None = None,
-                              rollout_func: Any = None) -> RouteSourceProtocol | None:
+def sync_trainer_route_source(
+    args: Any,
+    *,
+    keep_routes: bool,
+    required: bool,
+    vllm_generation: Any = None,
+    accelerator: Any = None,
+    generate_source: RouteSourceProtocol | None = None,
+    rollout_func: Any = None,
+) -> RouteSourceProtocol | None:
     """The sync trainer's route source, from its configuration: vLLM's (server or colocate) when TRL generates with
     vLLM and the trainer keeps engine routes (``keep_routes``), else ``generate_source`` (transformers ``generate``'s
     recorder, ``None`` when it records nothing); with a ``rollout_func``, that function's routes (its own where it is a

@@ -63,9 +63,18 @@ class RouteIntake:
             fell back.
     """
 
-    def __init__(self, accelerator: Any, *, source: str, required: bool, remedy: str = "",
-                 needed_by: str = "routing_replay='r3'", batch_samples: int | None = None,
-                 max_fallback_batches: int | None = None, warn_fallback_batches: int = 3):
+    def __init__(
+        self,
+        accelerator: Any,
+        *,
+        source: str,
+        required: bool,
+        remedy: str = "",
+        needed_by: str = "routing_replay='r3'",
+        batch_samples: int | None = None,
+        max_fallback_batches: int | None = None,
+        warn_fallback_batches: int = 3,
+    ):
         self.accelerator = accelerator
         self.source = source
         self.required = required
@@ -82,8 +91,16 @@ class RouteIntake:
         self._fallback_streak = 0  # samples in a row, up to now, that all fell back
         self._warned_streak = False
 
-    def align(self, samples: Sequence[Sequence[EngineTurn]], layout: RouteLayout, *, prompt_lengths: Sequence[int],
-              completion_lengths: Sequence[int], prompt_width: int, completion_width: int) -> CheckedRoutes:
+    def align(
+        self,
+        samples: Sequence[Sequence[EngineTurn]],
+        layout: RouteLayout,
+        *,
+        prompt_lengths: Sequence[int],
+        completion_lengths: Sequence[int],
+        prompt_width: int,
+        completion_width: int,
+    ) -> CheckedRoutes:
         """This rank's samples (each a list of :class:`EngineTurn`, one per generation turn) in TRL's padded
         ``[B, prompt_width + completion_width]`` layout, checked for the model's ``layout``
         (``routes_from_engine``). A sample or turn with missing or malformed rows falls back to the router's own
@@ -91,8 +108,13 @@ class RouteIntake:
         failures: list[RouteAlignmentError] = []
         unwritten: list[UnwrittenPositions] = []
         routes = checked_routes_from_engine(
-            samples, layout, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths,
-            prompt_width=prompt_width, completion_width=completion_width, on_error=failures.append,
+            samples,
+            layout,
+            prompt_lengths=prompt_lengths,
+            completion_lengths=completion_lengths,
+            prompt_width=prompt_width,
+            completion_width=completion_width,
+            on_error=failures.append,
             on_unwritten=unwritten.append,
         )
         failed_turns = [0] * len(samples)  # a multi-turn sample may fail in several turns
@@ -136,8 +158,9 @@ class RouteIntake:
         self._taken = now
         return {"fallback_samples": torch.tensor(float(fallback)), "samples": torch.tensor(float(samples))}
 
-    def _first_batch_rule(self, usable: int, count: int, failures: list[RouteAlignmentError],
-                          layout: RouteLayout) -> None:
+    def _first_batch_rule(
+        self, usable: int, count: int, failures: list[RouteAlignmentError], layout: RouteLayout
+    ) -> None:
         """Raise when no sample of the whole first batch (``batch_samples`` of them, all ranks) fits."""
         first = self._first_batch
         if not first["pending"]:

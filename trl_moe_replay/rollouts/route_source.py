@@ -83,8 +83,9 @@ class RouteSourceProtocol(Protocol):
         the rollouts returns ``generate()`` and no rows."""
         ...
 
-    def rollout_turns(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      fields: dict[str, Any]) -> RolloutTurns | None:
+    def rollout_turns(
+        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], fields: dict[str, Any]
+    ) -> RolloutTurns | None:
         """The rows that came with these finished rollouts (one per sample), per sample and turn, taken out of
         ``fields`` (what came with them: a ``rollout_func``'s extra fields); ``None`` when they brought none."""
         ...

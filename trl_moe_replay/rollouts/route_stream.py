@@ -211,8 +211,19 @@ class RoutesTakenResponse(Response):
 
     def __init__(self, original: Response, body: bytes, on_parsed) -> None:
         super().__init__()
-        for name in ("status_code", "headers", "url", "encoding", "reason", "elapsed", "request", "history",
-                     "cookies", "raw", "connection"):
+        for name in (
+            "status_code",
+            "headers",
+            "url",
+            "encoding",
+            "reason",
+            "elapsed",
+            "request",
+            "history",
+            "cookies",
+            "raw",
+            "connection",
+        ):
             if hasattr(original, name):
                 setattr(self, name, getattr(original, name))
         self._body = body

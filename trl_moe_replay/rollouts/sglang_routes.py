@@ -96,13 +96,22 @@ class SGLangRollout:
     """
 
     name = "SGLang"
-    remedy = (f"Is the SGLang server started with {SERVER_FLAG} and serving the trainer's checkpoint (weights synced "
-              "after each step)?")
+    remedy = (
+        f"Is the SGLang server started with {SERVER_FLAG} and serving the trainer's checkpoint (weights synced "
+        "after each step)?"
+    )
 
-    def __init__(self, base_url: str, *, num_layers: int, top_k: int, max_new_tokens: int = 256,
-                 sampling_params: dict[str, Any] | None = None,
-                 conversation: Callable[[SGLangRollout, list[list[int]], Any], dict] | None = None,
-                 timeout: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        num_layers: int,
+        top_k: int,
+        max_new_tokens: int = 256,
+        sampling_params: dict[str, Any] | None = None,
+        conversation: Callable[[SGLangRollout, list[list[int]], Any], dict] | None = None,
+        timeout: float = 600.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.num_layers, self.top_k = num_layers, top_k
         self.sampling_params = {"max_new_tokens": max_new_tokens, **(sampling_params or {})}
@@ -121,11 +130,19 @@ class SGLangRollout:
         if self.conversation is not None:
             return self.conversation(self, prompt_ids, trainer)
         completions = self.generate(prompt_ids)
-        return {"prompt_ids": prompt_ids, "completion_ids": [c.token_ids for c in completions],
-                "logprobs": [c.logprobs for c in completions]}
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [c.token_ids for c in completions],
+            "logprobs": [c.logprobs for c in completions],
+        }
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], *, samples: Sequence[int] | None = None,
-                 sampling_params: dict[str, Any] | None = None) -> list[SGLangCompletion]:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        samples: Sequence[int] | None = None,
+        sampling_params: dict[str, Any] | None = None,
+    ) -> list[SGLangCompletion]:
         """One turn: a completion per prompt (``sampling_params``: this request's, else the rollout's). ``samples``: for a later turn of a conversation, the sample of the
         batch's first turn each prompt continues (its whole sequence so far, then new tokens); the request then asks
         only for the positions every one of them does not hold yet (``routed_experts_start_len``)."""
@@ -136,12 +153,19 @@ class SGLangRollout:
                 raise ValueError("a later turn needs the batch's first turn, and one sample per prompt")
             held = RolloutTurns.from_engine_turns(self._route_turns(), [[]] * len(self._turns[0].completions))
             start = min(held.held_positions(samples) or 0, *(len(prompt) for prompt in prompts))  # SGLang aborts past
-        body = {"input_ids": prompts, "sampling_params": sampling_params or self._params,
-                "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": start}
+        body = {
+            "input_ids": prompts,
+            "sampling_params": sampling_params or self._params,
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "routed_experts_start_len": start,
+        }
         answers = self._post("/generate", body)
         if not isinstance(answers, list) or len(answers) != len(prompts):
-            raise RuntimeError(f"SGLang's /generate answered {len(answers) if isinstance(answers, list) else 'no list'} "
-                               f"results for {len(prompts)} prompts")
+            raise RuntimeError(
+                f"SGLang's /generate answered {len(answers) if isinstance(answers, list) else 'no list'} "
+                f"results for {len(prompts)} prompts"
+            )
         completions = [self._completion(prompt, answer) for prompt, answer in zip(prompts, answers, strict=True)]
         self._turns.append(_Turn(prompts, completions, start, None if samples is None else list(samples)))
         return completions
@@ -152,13 +176,21 @@ class SGLangRollout:
         if isinstance(payload, str):
             self.received_bytes += len(payload)
         logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
-        return SGLangCompletion(prompt, list(answer.get("output_ids", [])), logprobs,
-                                decode_sglang_routes(payload, self.num_layers, self.top_k),
-                                meta.get("finish_reason"))
+        return SGLangCompletion(
+            prompt,
+            list(answer.get("output_ids", [])),
+            logprobs,
+            decode_sglang_routes(payload, self.num_layers, self.top_k),
+            meta.get("finish_reason"),
+        )
 
     def _post(self, path: str, body: dict) -> Any:
-        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 - the user's server URL
             return json.load(response)
 
@@ -166,20 +198,25 @@ class SGLangRollout:
     def _route_turns(self) -> list[list[EngineTurn]]:
         """Per sample of the first turn, its turns as ``EngineTurn`` s."""
         first = self._turns[0]
-        samples = [[EngineTurn(c.routes, len(c.prompt_ids), len(c.token_ids), first.prompt_start)]
-                                    for c in first.completions]
+        samples = [
+            [EngineTurn(c.routes, len(c.prompt_ids), len(c.token_ids), first.prompt_start)] for c in first.completions
+        ]
         for turn in self._turns[1:]:
             assert turn.samples is not None  # only the first turn has none
             for sample, completion in zip(turn.samples, turn.completions, strict=True):
-                samples[sample].append(EngineTurn(completion.routes, len(completion.prompt_ids),
-                                                  len(completion.token_ids), turn.prompt_start))
+                samples[sample].append(
+                    EngineTurn(
+                        completion.routes, len(completion.prompt_ids), len(completion.token_ids), turn.prompt_start
+                    )
+                )
         return samples
 
     def generate_turn(self, request: TurnRequest, generate: Callable[[], TurnOutput]) -> tuple[TurnOutput, TurnRows]:
         return generate(), TurnRows()  # its rows come with the rollouts (TRL's own later tool turns carry none)
 
-    def rollout_turns(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                      fields: dict[str, Any]) -> RolloutTurns | None:
+    def rollout_turns(
+        self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], fields: dict[str, Any]
+    ) -> RolloutTurns | None:
         """The turns of the rollout this object just returned to TRL (one sample per prompt of its first turn)."""
         if not self._turns:
             return None
@@ -197,6 +234,7 @@ class SGLangRollout:
 
 def _tokenize(tokenizer: Any, prompt: Any) -> list[int]:
     if isinstance(prompt, list):  # conversational: the chat template, as TRL renders it
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])

@@ -37,6 +37,7 @@ def with_timeout(tool: Callable[..., Any], seconds: float) -> Callable[..., Any]
     message = f"tool {name} did not return within {seconds:g} s (with_timeout); its result is this error"
 
     if inspect.iscoroutinefunction(tool):
+
         @functools.wraps(tool)
         async def bounded_async(*args: Any, **kwargs: Any) -> Any:
             try:

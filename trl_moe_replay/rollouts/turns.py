@@ -36,8 +36,13 @@ logger = logging.get_logger(__name__)
 class RolloutTurns:
     """Per-sample engine turns of one generation batch (this rank's samples, in TRL's completion order)."""
 
-    def __init__(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                 rows: Sequence[Any] | None, prompt_start: Any = 0):
+    def __init__(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        rows: Sequence[Any] | None,
+        prompt_start: Any = 0,
+    ):
         """The batch's first turn (``prompt_start``: one value for the request, or a list, tuple or 1-D array with
         one per sample). The values are kept as given: alignment checks each sample's (a bad one loses that
         sample's rows, not the batch)."""
@@ -52,8 +57,9 @@ class RolloutTurns:
             self._sequences.append([*prompt, *completion])
 
     @classmethod
-    def from_engine_turns(cls, samples: Sequence[Sequence[EngineTurn]],
-                          sequences: Sequence[Sequence[int]]) -> RolloutTurns:
+    def from_engine_turns(
+        cls, samples: Sequence[Sequence[EngineTurn]], sequences: Sequence[Sequence[int]]
+    ) -> RolloutTurns:
         """Turns already kept per sample (each ``EngineTurn`` with the token counts it covers), with each sample's
         whole sequence: what a rollout worker that ran the conversations itself hands over."""
         rollout = cls([], [], None)
@@ -61,8 +67,7 @@ class RolloutTurns:
         rollout._sequences = [list(sequence) for sequence in sequences]
         return rollout
 
-    def match(self, prompt_ids: Sequence[Sequence[int]],
-              owners: Sequence[int] | None = None) -> list[int | None]:
+    def match(self, prompt_ids: Sequence[Sequence[int]], owners: Sequence[int] | None = None) -> list[int | None]:
         """The sample each later-turn prompt continues (``None``: none, or no telling which).
 
         ``owners``: the samples TRL's tool loop generated the prompts for (increasing), taken when each owner's
@@ -72,8 +77,10 @@ class RolloutTurns:
         prompts = [list(prompt) for prompt in prompt_ids]
         if owners is not None and self._owned(prompts, owners):
             return list(owners)
-        fits = [[sample for sample, sequence in enumerate(self._sequences) if _is_prefix(sequence, prompt)]
-                for prompt in prompts]
+        fits = [
+            [sample for sample, sequence in enumerate(self._sequences) if _is_prefix(sequence, prompt)]
+            for prompt in prompts
+        ]
         earliest: list[int | None] = []
         last = -1
         for candidates in fits:  # the smallest sample each prompt can have, in order
@@ -90,8 +97,9 @@ class RolloutTurns:
             bound = pick if pick is not None else bound
         matched = [first if first == last_pick else None for first, last_pick in zip(earliest, latest, strict=True)]
         unmatched = sum(first is None for first in earliest)
-        ambiguous = sum(first is not None and first != last_pick
-                        for first, last_pick in zip(earliest, latest, strict=True))
+        ambiguous = sum(
+            first is not None and first != last_pick for first, last_pick in zip(earliest, latest, strict=True)
+        )
         self.unmatched += unmatched
         self.ambiguous += ambiguous
         if unmatched or ambiguous:
@@ -105,10 +113,14 @@ class RolloutTurns:
 
     def _owned(self, prompts: list[list[int]], owners: Sequence[int]) -> bool:
         """Whether ``owners`` (one sample per prompt, increasing) can be the samples the prompts continue."""
-        return len(owners) == len(prompts) and all(
-            0 <= sample < len(self._sequences) and _is_prefix(self._sequences[sample], prompt)
-            for sample, prompt in zip(owners, prompts, strict=True)
-        ) and all(earlier < later for earlier, later in zip(owners, owners[1:], strict=False))
+        return (
+            len(owners) == len(prompts)
+            and all(
+                0 <= sample < len(self._sequences) and _is_prefix(self._sequences[sample], prompt)
+                for sample, prompt in zip(owners, prompts, strict=True)
+            )
+            and all(earlier < later for earlier, later in zip(owners, owners[1:], strict=False))
+        )
 
     def held_positions(self, samples: Sequence[int | None]) -> int | None:
         """Positions every given sample already holds routes for from its earlier turns (the common prefix a later
@@ -127,9 +139,14 @@ class RolloutTurns:
             covered = max(covered, turn.prompt_length + turn.completion_length - 1)
         return covered
 
-    def add_turn(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                 rows: Sequence[Any] | None, prompt_start: int = 0,
-                 samples: Sequence[int | None] | None = None) -> None:
+    def add_turn(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        rows: Sequence[Any] | None,
+        prompt_start: int = 0,
+        samples: Sequence[int | None] | None = None,
+    ) -> None:
         """Record one later turn (``samples`` from :meth:`match`, matched by tokens here if not given)."""
         samples = self.match(prompt_ids) if samples is None else samples
         rows = rows if rows is not None else [None] * len(prompt_ids)

@@ -65,7 +65,7 @@ CAPTURE_CONDITIONS = (
     "Model Runner V2 (the default: do not set VLLM_USE_V2_MODEL_RUNNER=0), for a Mixture-of-Experts model, without "
     "pipeline or context parallelism. vLLM >= 0.31 refuses to start when one of these is missing, so a server that "
     "started and still returns no routes is older than 0.31 or was started without "
-    f"{SERVER_FLAG} (or --aux-output-config '{{\"enable_return_routed_experts\": true, \"max_bytes\": N}}', which "
+    f'{SERVER_FLAG} (or --aux-output-config \'{{"enable_return_routed_experts": true, "max_bytes": N}}\', which '
     "also caps the memory kept for routes). On vLLM 0.31 and 0.32 an evicted prefix-cache block ends the engine "
     "with BlockObjectStoreError: upgrade to 0.33."
 )
@@ -179,10 +179,14 @@ class VLLMRouteSource:
                 logger.warning_once(  # one message per run: the start sent varies with the prompts
                     f"generation_kwargs['routed_experts_prompt_start']={self.prompt_start} is at or past the "
                     "length of some prompts: requests with such a prompt ask from one position before the end of "
-                    "their shortest prompt instead (vLLM's engine stops on a start at or past a prompt's length)")
+                    "their shortest prompt instead (vLLM's engine stops on a start at or past a prompt's length)"
+                )
         self.begin_batch()
-        with vllm_request_fields(self._generation, routed_experts_prompt_start=start) if sent else \
-                contextlib.nullcontext():
+        with (
+            vllm_request_fields(self._generation, routed_experts_prompt_start=start)
+            if sent
+            else contextlib.nullcontext()
+        ):
             output = generate()
         rows: list[Any] | None = self.local_rows(len(request.prompt_ids))
         if not self.required and not any(row is not None for row in rows or []):
@@ -312,8 +316,9 @@ def _prompt_start(generation_kwargs: dict | None) -> int:
 _ALIGN = 8
 
 
-def scatter_rows(shares: list[list[Any]] | None, error: str | None, *, is_main: bool,
-                 group: Any = None) -> tuple[list[Any], str | None]:
+def scatter_rows(
+    shares: list[list[Any]] | None, error: str | None, *, is_main: bool, group: Any = None
+) -> tuple[list[Any], str | None]:
     """Every rank's share of the main process's rows -> this rank's ``(rows, error)``; every rank of ``group`` (a
     CPU process group: :func:`cpu_group`) calls it, and the main process is its rank 0.
 
@@ -349,8 +354,10 @@ def scatter_rows(shares: list[list[Any]] | None, error: str | None, *, is_main: 
         torch.distributed.scatter(out, flats, src=0, group=group)
     del flats
     buffer = out.numpy()
-    rows = [np.ndarray(entry[1], np.dtype(entry[0]), buffer, entry[2]) if isinstance(entry, tuple) else entry
-            for entry in entries]
+    rows = [
+        np.ndarray(entry[1], np.dtype(entry[0]), buffer, entry[2]) if isinstance(entry, tuple) else entry
+        for entry in entries
+    ]
     for row in rows:
         if isinstance(row, np.ndarray):
             row.flags.writeable = False  # as decode_routed_experts returns them: the intake copies what it keeps

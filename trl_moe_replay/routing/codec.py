@@ -130,8 +130,7 @@ def encode_routed_experts(array: np.ndarray | torch.Tensor, *, num_experts: int 
         dtype = engine_dtype(num_experts)
         if array.size and (array.min() < 0 or array.max() >= num_experts):
             raise RouteAlignmentError(
-                f"routes to encode must hold ids in [0, {num_experts}), got range "
-                f"[{array.min()}, {array.max()}]"
+                f"routes to encode must hold ids in [0, {num_experts}), got range [{array.min()}, {array.max()}]"
             )
         array = array.astype(dtype, copy=False)
     with io.BytesIO() as buffer:
@@ -243,7 +242,16 @@ def _as_numpy(row: Any, i: int) -> np.ndarray:
 
 
 def _sample_rows(
-    row: Any, i: int, p: int, c: int, s: int, num_layers: int, top_k: int, moe: list[int], dense: list[int], limit: int,
+    row: Any,
+    i: int,
+    p: int,
+    c: int,
+    s: int,
+    num_layers: int,
+    top_k: int,
+    moe: list[int],
+    dense: list[int],
+    limit: int,
     copy_to: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sample i's engine rows as a checked ``[p + c - 1 - s, L, K]`` array, and the indices of the rows the engine
@@ -366,8 +374,11 @@ def routes_from_engine(
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     elif (
-        not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype
-        or out.device.type != "cpu" or not out.is_contiguous()
+        not isinstance(out, torch.Tensor)
+        or tuple(out.shape) != shape
+        or out.dtype != dtype
+        or out.device.type != "cpu"
+        or not out.is_contiguous()
     ):
         got = (tuple(out.shape), out.dtype, out.device.type) if isinstance(out, torch.Tensor) else type(out).__name__
         name = str(dtype).removeprefix("torch.")
@@ -397,8 +408,9 @@ def routes_from_engine(
             out_np[i] = no_route
             return None
         try:
-            row, unwritten = _sample_rows(row, i, p, c, s, num_layers, top_k, moe, dense, limit,
-                                          copy_to=out_np[i, lo:])
+            row, unwritten = _sample_rows(
+                row, i, p, c, s, num_layers, top_k, moe, dense, limit, copy_to=out_np[i, lo:]
+            )
         except RouteAlignmentError as exc:
             out_np[i] = no_route
             return exc
@@ -421,8 +433,20 @@ def routes_from_engine(
             if _is_turn_list(turns := rows[i]):
                 p, c = prompts[i], completions[i]
                 out_np[i] = no_route
-                report = _place_turns(out_np[i, prompt_width - p :], turns, i, p, c, num_layers, top_k, moe, dense,
-                                      limit, on_error, no_route)
+                report = _place_turns(
+                    out_np[i, prompt_width - p :],
+                    turns,
+                    i,
+                    p,
+                    c,
+                    num_layers,
+                    top_k,
+                    moe,
+                    dense,
+                    limit,
+                    on_error,
+                    no_route,
+                )
             else:
                 report = next(results)
             if isinstance(report, RouteAlignmentError):
@@ -441,17 +465,31 @@ def routes_from_engine(
 
 
 def checked_routes_from_engine(
-    rows: Sequence[Any], layout: RouteLayout, *, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
-    prompt_width: int, completion_width: int, on_error: Callable[[RouteAlignmentError], None] | None = None,
+    rows: Sequence[Any],
+    layout: RouteLayout,
+    *,
+    prompt_lengths: Sequence[int],
+    completion_lengths: Sequence[int],
+    prompt_width: int,
+    completion_width: int,
+    on_error: Callable[[RouteAlignmentError], None] | None = None,
     on_unwritten: Callable[[UnwrittenPositions], None] | None = None,
 ) -> CheckedRoutes:
     """:func:`routes_from_engine` for a model's ``layout``, as :class:`CheckedRoutes`: every row placed passed its
     checks (or is "no route"), and the fresh tensor it returns is held by no one else, so replaying it needs no
     second pass."""
     routes = routes_from_engine(
-        rows, prompt_lengths=prompt_lengths, completion_lengths=completion_lengths, prompt_width=prompt_width,
-        completion_width=completion_width, num_layers=layout.num_layers, top_k=layout.top_k,
-        moe_layers=layout.moe_layers, num_experts=layout.num_experts, on_error=on_error, on_unwritten=on_unwritten,
+        rows,
+        prompt_lengths=prompt_lengths,
+        completion_lengths=completion_lengths,
+        prompt_width=prompt_width,
+        completion_width=completion_width,
+        num_layers=layout.num_layers,
+        top_k=layout.top_k,
+        moe_layers=layout.moe_layers,
+        num_experts=layout.num_experts,
+        on_error=on_error,
+        on_unwritten=on_unwritten,
     )
     return CheckedRoutes._own(routes, layout)
 
@@ -461,8 +499,17 @@ def _is_turn_list(entry: Any) -> TypeGuard[Sequence[EngineTurn]]:
 
 
 def _place_turns(
-    target: np.ndarray, turns: Sequence[EngineTurn], i: int, p: int, c: int, num_layers: int, top_k: int,
-    moe: list[int], dense: list[int], limit: int, on_error: Callable[[RouteAlignmentError], None] | None,
+    target: np.ndarray,
+    turns: Sequence[EngineTurn],
+    i: int,
+    p: int,
+    c: int,
+    num_layers: int,
+    top_k: int,
+    moe: list[int],
+    dense: list[int],
+    limit: int,
+    on_error: Callable[[RouteAlignmentError], None] | None,
     no_route: int,
 ) -> UnwrittenPositions | None:
     """Write a multi-turn sample's routes into ``target`` (its row of the output, from its position 0, "no route"
@@ -472,7 +519,9 @@ def _place_turns(
     unwritten: list[np.ndarray] = []  # positions left "no route" because the engine never wrote their rows
     for t, turn in enumerate(turns):
         if not isinstance(turn, EngineTurn):
-            raise RouteAlignmentError(f"sample {i}: turn {t} must be an EngineTurn, got {type(turn).__name__}", sample=i)
+            raise RouteAlignmentError(
+                f"sample {i}: turn {t} must be an EngineTurn, got {type(turn).__name__}", sample=i
+            )
         pt = _positive_int(f"sample {i} turn {t} prompt_length", turn.prompt_length, 1)
         ct = _positive_int(f"sample {i} turn {t} completion_length", turn.completion_length, 0)
         if (t == 0 and pt != p) or not p <= pt <= p + c:
@@ -527,7 +576,13 @@ def _iinfo(dtype: np.dtype) -> np.iinfo:
 
 
 def _check_values(
-    row: np.ndarray, i: int, start: int, moe: list[int], dense: list[int], top_k: int, limit: int,
+    row: np.ndarray,
+    i: int,
+    start: int,
+    moe: list[int],
+    dense: list[int],
+    top_k: int,
+    limit: int,
     copy_to: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-sample id checks, block by block of tokens (range checks only where the dtype could violate them); with
@@ -570,8 +625,11 @@ def _raise_never_written(row: np.ndarray, i: int, start: int, moe: list[int], to
     layer = moe[int(np.argmax(marked))]
     zeros = not row[0, layer].any()
     what = f"an all-zero top-{top_k} route (vLLM leaves rows it never wrote as zeros" if zeros else "a route of -1s ("
-    dense_hint = f"; every row of layer {layer} is zero: is it a dense layer? pass moe_layers" if zeros and not \
-        row[:, layer].any() else ""
+    dense_hint = (
+        f"; every row of layer {layer} is zero: is it a dense layer? pass moe_layers"
+        if zeros and not row[:, layer].any()
+        else ""
+    )
     raise RouteAlignmentError(
         f"sample {i}: layer {layer} is in moe_layers but position {start} has {what}{dense_hint}), and so has every "
         f"other of its {row.shape[0]} positions: no route is left to replay",
@@ -629,8 +687,7 @@ def _check_block(
         j, layer, _ = np.argwhere(block >= limit)[0]
         raise RouteAlignmentError(
             f"sample {i}: expert id {block[j, layer].max()} at position {start + lo + j}, layer {layer} is out of "
-            f"range; expected ids < {limit}"
-            + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)"),
+            f"range; expected ids < {limit}" + (" (int16 routes)" if limit == _INT16_LIMIT else " (num_experts)"),
             sample=i,
         )
     return unwritten

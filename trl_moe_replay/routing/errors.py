@@ -10,8 +10,13 @@ from ..errors import TrlMoeReplayError
 from ..upstream.entries import TransformersChangedError
 
 
-__all__ = ["RouteAlignmentError", "RouteValidationError", "TransformersChangedError", "TransformersTooOldError",
-           "UnsupportedModelError"]
+__all__ = [
+    "RouteAlignmentError",
+    "RouteValidationError",
+    "TransformersChangedError",
+    "TransformersTooOldError",
+    "UnsupportedModelError",
+]
 
 
 class UnsupportedModelError(TrlMoeReplayError, ValueError):

@@ -122,8 +122,12 @@ class RouteRecording:
             # copy per layer made the host wait for the device once per MoE layer (8 more syncs per generate call
             # at 8 layers in the GPU check)
             first = next(iter(seg.ids.values()), None)
-            block = torch.full((seg.batch, seg.length + extra, rr.num_layers, rr.top_k), no_route_value(dtype),
-                               dtype=dtype, device=first[0].device if first else None)
+            block = torch.full(
+                (seg.batch, seg.length + extra, rr.num_layers, rr.top_k),
+                no_route_value(dtype),
+                dtype=dtype,
+                device=first[0].device if first else None,
+            )
             for layer in list(seg.ids):
                 chunks = seg.ids.pop(layer)  # each layer's chunks go as soon as the block holds them
                 ids = torch.cat([c.view(seg.batch, -1, rr.top_k) for c in chunks], dim=1)
@@ -294,7 +298,9 @@ class RouterReplay:
             self._handles.append(block.register_forward_pre_hook(_SharedHook(self, self._make_block_pre_hook(site))))
             self._handles.append(block.register_forward_hook(_SharedHook(self, self._make_block_hook(site))))
         stack = model.get_submodule(_stack_path(self._sites[0].name))
-        self._handles.append(stack.register_forward_pre_hook(_SharedHook(self, self._stack_pre_hook), with_kwargs=True))
+        self._handles.append(
+            stack.register_forward_pre_hook(_SharedHook(self, self._stack_pre_hook), with_kwargs=True)
+        )
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -531,8 +537,10 @@ def _refuse_hub_kernels(model: nn.Module, sites: list[_RouterSite]) -> None:
     a model that runs with ``use_kernels=True`` is refused if its family has a Hub kernel for its router or block
     (``RouterFamily.hub_kernel``)."""
     swapped = transformers_seam.hub_kernel_layers(model)
-    fix = ("Load the model with use_kernels=False (or set USE_HUB_KERNELS=NO before loading), or call "
-           "model.set_use_kernels(False), before RouterReplay attaches.")
+    fix = (
+        "Load the model with use_kernels=False (or set USE_HUB_KERNELS=NO before loading), or call "
+        "model.set_use_kernels(False), before RouterReplay attaches."
+    )
     if swapped is None:
         if not getattr(model, "use_kernels", False):
             return
@@ -545,8 +553,12 @@ def _refuse_hub_kernels(model: nn.Module, sites: list[_RouterSite]) -> None:
             )
         return
     replaced = {id(module): name for name, module in swapped.items()}
-    hit = sorted(replaced[id(module)] for site in sites
-                 for module in (*site.modules, model.get_submodule(_block_path(site.name))) if id(module) in replaced)
+    hit = sorted(
+        replaced[id(module)]
+        for site in sites
+        for module in (*site.modules, model.get_submodule(_block_path(site.name)))
+        if id(module) in replaced
+    )
     if hit:
         raise UnsupportedModelError(
             f"a hub kernel (use_kernels=True, kernels.kernelize) replaced the forward of {hit[:3]}"
@@ -597,7 +609,7 @@ def _discover_routers(model: nn.Module) -> list[_RouterSite]:
     if not sites:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no MoE router of a supported family, so there are no routes to record or "
-            "replay. A dense model (no experts): train it with routing_replay=\"none\" (plain TRL GRPO). A MoE "
+            'replay. A dense model (no experts): train it with routing_replay="none" (plain TRL GRPO). A MoE '
             f"model: supported families are {', '.join(supported_family_names())}."
         )
     ordered = sorted(sites.values(), key=lambda site: site.layer)

@@ -79,8 +79,13 @@ def router_scores(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.detach().float(), dim=-1)
 
 
-def replay_rule(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor, combine: CombineWeights,
-                score_threshold: float = 0.0) -> ReplayChoice:
+def replay_rule(
+    replayed: torch.Tensor,
+    own: torch.Tensor,
+    logits: torch.Tensor,
+    combine: CombineWeights,
+    score_threshold: float = 0.0,
+) -> ReplayChoice:
     """The ids and combine weights a router call uses: ``replayed`` ``[N, K]`` (compact or signed, "no route" rows
     allowed) against the router's ``own`` choice ``[N, K]`` (its natural top-k, or a steered choice), its ``logits``
     ``[N, E]`` and its family's normalisation ``combine`` (``(logits, ids) -> weights``).
@@ -90,8 +95,9 @@ def replay_rule(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor,
     return ReplayChoice(ids, combine(logits, ids), replaced, routed)
 
 
-def _replay_ids(replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor,
-                score_threshold: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def _replay_ids(
+    replayed: torch.Tensor, own: torch.Tensor, logits: torch.Tensor, score_threshold: float
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """:func:`replay_rule`'s choice of ids: (ids, replaced slots or None, routed tokens)."""
     routed = has_route(replayed)
     rows = replayed.to(own.dtype)

@@ -79,8 +79,10 @@ class RouterCapture(_Collector):
         self._check_rows(call.layer, call.used.shape[0])
         ids = call.used.detach()
         probs = torch.softmax(call.logits.detach().float(), dim=-1).gather(1, ids.long())
-        self.layers[call.layer] = (ids.to(route_dtype(self.probes.num_experts, self.probes.top_k)),
-                                   probs.to(torch.float16))
+        self.layers[call.layer] = (
+            ids.to(route_dtype(self.probes.num_experts, self.probes.top_k)),
+            probs.to(torch.float16),
+        )
 
     def finish(self) -> None:
         self.ids, self.probs = self._assemble(fill_ids=True, probs_dtype=torch.float16, device="cpu")

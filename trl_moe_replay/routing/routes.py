@@ -128,8 +128,9 @@ def _raise_first_problem(moe: torch.Tensor, *, top_k: int, num_experts: int) -> 
                 f"routes[{b}, {s}, layer {layer}] mixes expert ids and -1; a row is either all -1 or {top_k} expert ids"
             )
         if int(moe.min()) < NO_ROUTE:
-            raise RouteValidationError(f"expert ids must lie in [0, {num_experts}) or be -1 (no route); got "
-                                       f"{int(moe.min())}")
+            raise RouteValidationError(
+                f"expert ids must lie in [0, {num_experts}) or be -1 (no route); got {int(moe.min())}"
+            )
     ids = moe[routed]  # [N, K]: the rows that hold a route
     if ids.numel() == 0:
         return
@@ -175,13 +176,17 @@ class RouteLayout:
     def holds(self, other: RouteLayout) -> bool:
         """Whether routes checked for this layout are valid routes of ``other``: same shape, ids below ``other``'s
         expert count, and every MoE layer of ``other`` checked here."""
-        return ((self.num_layers, self.top_k) == (other.num_layers, other.top_k) and self.num_experts <= other.num_experts
-                and set(other.moe_layers) <= set(self.moe_layers))
+        return (
+            (self.num_layers, self.top_k) == (other.num_layers, other.top_k)
+            and self.num_experts <= other.num_experts
+            and set(other.moe_layers) <= set(self.moe_layers)
+        )
 
     def validate(self, routes: torch.Tensor) -> None:
         """:func:`validate_routes` for this layout."""
-        validate_routes(routes, num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts,
-                        layers=self.moe_layers)
+        validate_routes(
+            routes, num_layers=self.num_layers, top_k=self.top_k, num_experts=self.num_experts, layers=self.moe_layers
+        )
 
 
 class CheckedRoutes:
@@ -234,8 +239,9 @@ class CheckedRoutes:
         """The routes of the samples ``index`` selects (a slice, or a ``[b]`` tensor of row indices)."""
         if isinstance(index, slice):
             return CheckedRoutes._own(self._routes[index], self.layout)  # a view: neither side is ever written
-        return CheckedRoutes._own(self._routes.index_select(0, index.to(device=self._routes.device, dtype=torch.long)),
-                                  self.layout)
+        return CheckedRoutes._own(
+            self._routes.index_select(0, index.to(device=self._routes.device, dtype=torch.long)), self.layout
+        )
 
     @staticmethod
     def cat(parts: Sequence[CheckedRoutes]) -> CheckedRoutes:
@@ -280,14 +286,16 @@ def no_routes(batch: int, length: int, layout: RouteLayout) -> CheckedRoutes:
     return CheckedRoutes._own(routes, layout)
 
 
-def pack_routes(length: int, placements: Sequence[tuple[CheckedRoutes, torch.Tensor]],
-                layout: RouteLayout) -> CheckedRoutes:
+def pack_routes(
+    length: int, placements: Sequence[tuple[CheckedRoutes, torch.Tensor]], layout: RouteLayout
+) -> CheckedRoutes:
     """``[1, length]`` routes, "no route" except where ``placements`` put a sample's routes: each
     ``(routes, positions)`` copies ``routes[0, :len(positions)]`` (one sample's) to those positions."""
     packed = no_routes(1, length, layout)
     for routes, positions in placements:
         if not routes.layout.holds(layout) or routes.dtype != packed.dtype:
-            raise RouteValidationError(f"routes checked for {routes.layout} ({routes.dtype}) cannot be packed for "
-                                       f"{layout} ({packed.dtype})")
+            raise RouteValidationError(
+                f"routes checked for {routes.layout} ({routes.dtype}) cannot be packed for {layout} ({packed.dtype})"
+            )
         packed._routes[0, positions] = routes._routes[0, : len(positions)]
     return packed

@@ -83,17 +83,29 @@ class FakeSGLangServer:
         start = body.get("routed_experts_start_len", 0)
         wants_routes = bool(body.get("return_routed_experts")) and self.return_routes
         valid = [not wants_routes or 0 <= start <= len(prompt) for prompt in prompts]
-        sampled = iter(self.engine.generate([p for p, ok in zip(prompts, valid, strict=True) if ok], n=1,
-                                            temperature=params.get("temperature", 1.0),
-                                            max_tokens=params.get("max_new_tokens", 16)) if any(valid) else [])
+        sampled = iter(
+            self.engine.generate(
+                [p for p, ok in zip(prompts, valid, strict=True) if ok],
+                n=1,
+                temperature=params.get("temperature", 1.0),
+                max_tokens=params.get("max_new_tokens", 16),
+            )
+            if any(valid)
+            else []
+        )
         results: list[dict[str, Any]] = []
         served: list[np.ndarray | None] = []
         outputs: list[list[int]] = []
         for index, (prompt, ok) in enumerate(zip(prompts, valid, strict=True)):
             meta: dict[str, Any] = {"id": f"{call}-{index}", "prompt_tokens": len(prompt)}
             if not ok:  # SGLang's scheduler aborts the request
-                meta.update(completion_tokens=0, finish_reason={
-                    "type": "abort", "message": f"routed_experts_start_len={start} is outside [0, {len(prompt)}]"})
+                meta.update(
+                    completion_tokens=0,
+                    finish_reason={
+                        "type": "abort",
+                        "message": f"routed_experts_start_len={start} is outside [0, {len(prompt)}]",
+                    },
+                )
                 results.append({"text": "", "output_ids": [], "meta_info": meta})
                 served.append(None)
                 outputs.append([])
@@ -101,9 +113,11 @@ class FakeSGLangServer:
             (completion,) = next(sampled)
             meta.update(completion_tokens=len(completion.token_ids), finish_reason={"type": completion.finish_reason})
             if body.get("return_logprob"):
-                meta["output_token_logprobs"] = [[value, token, None] for value, token in
-                                                 zip(completion.logprobs, completion.token_ids, strict=True)]
-            routes = completion.routed_experts[min(start, len(completion.routed_experts)):].astype(np.int32)
+                meta["output_token_logprobs"] = [
+                    [value, token, None]
+                    for value, token in zip(completion.logprobs, completion.token_ids, strict=True)
+                ]
+            routes = completion.routed_experts[min(start, len(completion.routed_experts)) :].astype(np.int32)
             served.append(routes if wants_routes else None)
             outputs.append(completion.token_ids)
             payload = sglang_payload(routes) if wants_routes else None

@@ -89,8 +89,15 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], *, n: int = 1, temperature: float = 1.0, max_tokens: int = 16,
-        top_p: float = 1.0, top_k: int = 0, **ignored: Any,
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        **ignored: Any,
     ) -> list[list[EngineCompletion]]:
         """``n`` completions per prompt, prompt-major like vLLM's ``choices``."""
         batch = [list(ids) for ids in prompts for _ in range(n)]
@@ -101,8 +108,14 @@ class TransformersEngine:
             recorder = TransformersRolloutRecorder(self.router_replay, self.model, temperature)
             with recorder:
                 generated = self.model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
-                    top_p=top_p, top_k=top_k, max_new_tokens=max_tokens, pad_token_id=self.pad_token_id,
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    do_sample=True,
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=top_k,
+                    max_new_tokens=max_tokens,
+                    pad_token_id=self.pad_token_id,
                     eos_token_id=sorted(self.eos_token_ids),
                 )[:, width:].tolist()
             completions, reasons = [], []
@@ -179,9 +192,17 @@ class FakeVLLMServer:
     requests from 0). Use as a context manager; ``url`` is the base URL.
     """
 
-    def __init__(self, model: nn.Module, *, model_name: str = "tiny-moe", return_routes: bool = True,
-                 routes_field: bool = True, tamper: Tamper | None = None,
-                 stop_trim: Callable[[int, int], int] | None = None, world_size: int = 1):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        model_name: str = "tiny-moe",
+        return_routes: bool = True,
+        routes_field: bool = True,
+        tamper: Tamper | None = None,
+        stop_trim: Callable[[int, int], int] | None = None,
+        world_size: int = 1,
+    ):
         self.engine = TransformersEngine(model)
         self.model_name = model_name
         self.return_routes = return_routes
@@ -247,14 +268,26 @@ class FakeVLLMServer:
         if method == "GET" and path == "/health":
             return 200, None
         if method == "GET" and path == "/v1/models":
-            return 200, {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "vllm",
-                                                     "root": self.model_name, "parent": None}]}
+            return 200, {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "owned_by": "vllm",
+                        "root": self.model_name,
+                        "parent": None,
+                    }
+                ],
+            }
         if method == "GET" and path == "/server_info":
-            return 200, {"vllm_config": {
-                "model_config": {"model": self.model_name, "logprobs_mode": "processed_logprobs"},
-                "cache_config": {"enable_prefix_caching": True},
-                "weight_transfer_config": {"backend": "nccl"},
-            }}
+            return 200, {
+                "vllm_config": {
+                    "model_config": {"model": self.model_name, "logprobs_mode": "processed_logprobs"},
+                    "cache_config": {"enable_prefix_caching": True},
+                    "weight_transfer_config": {"backend": "nccl"},
+                }
+            }
         if method == "GET" and path == "/get_world_size":
             return 200, {"world_size": self.world_size}
         if method == "POST" and path == "/v1/completions":
@@ -262,8 +295,11 @@ class FakeVLLMServer:
         if method == "POST" and path == "/update_weights":
             self._update_weights((body or {})["update_info"])
             return 200, {}
-        if method == "POST" and path in ("/init_weight_transfer_engine", "/start_weight_update",
-                                         "/finish_weight_update"):
+        if method == "POST" and path in (
+            "/init_weight_transfer_engine",
+            "/start_weight_update",
+            "/finish_weight_update",
+        ):
             return 200, {}
         if method == "POST" and path == "/reset_prefix_cache":
             self.prefix_cache_resets += 1
@@ -283,11 +319,18 @@ class FakeVLLMServer:
         if start < 0:  # vLLM's request validation (ge=0)
             return 400, {"error": {"message": f"routed_experts_prompt_start={start} must be >= 0"}}
         if not all(start < len(p) for p in prompts):  # vLLM CPU 0.28's scheduler asserts it; its engine dies
-            return 500, {"error": {"message": f"routed_experts_prompt_start={start} not below every prompt's "
-                                              "length: EngineCore encountered an issue"}}
+            return 500, {
+                "error": {
+                    "message": f"routed_experts_prompt_start={start} not below every prompt's "
+                    "length: EngineCore encountered an issue"
+                }
+            }
         grouped = self.engine.generate(
-            prompts, n=n, temperature=float(request.get("temperature", 1.0)),
-            max_tokens=int(request.get("max_tokens", 16)), top_p=float(request.get("top_p", 1.0)),
+            prompts,
+            n=n,
+            temperature=float(request.get("temperature", 1.0)),
+            max_tokens=int(request.get("max_tokens", 16)),
+            top_p=float(request.get("top_p", 1.0)),
             top_k=int(request.get("top_k", 0) or 0),
         )
         call = next(self._calls)
@@ -299,8 +342,11 @@ class FakeVLLMServer:
             drop = min(drop, len(completion.token_ids) - 1)  # keep at least one token
             if drop > 0:
                 completion = dataclasses.replace(
-                    completion, token_ids=completion.token_ids[:-drop], logprobs=completion.logprobs[:-drop],
-                    routed_experts=completion.routed_experts[:-drop], finish_reason="stop",
+                    completion,
+                    token_ids=completion.token_ids[:-drop],
+                    logprobs=completion.logprobs[:-drop],
+                    routed_experts=completion.routed_experts[:-drop],
+                    finish_reason="stop",
                 )
             payload = encode_routed_experts(completion.routed_experts[start:]) if self.return_routes else None
             if self.tamper is not None:
@@ -325,24 +371,44 @@ class FakeVLLMServer:
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(len(c.token_ids) for c in flat)
         return 200, {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
         }
-
 
     def _prompt_logprobs(self, prompts: list[list[int]], as_ids: bool) -> dict:
         """Each prompt's ``prompt_logprobs`` as vLLM's ``/v1/completions`` returns them (the engine sync check's
         probe); no completion is sampled and nothing is added to ``batches``, which records rollouts."""
         self.probes += 1
         key = (lambda token: f"token_id:{token}") if as_ids else str
-        choices = [{"index": index, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                    "prompt_logprobs": _prompt_entries(prompt, self.engine.prompt_logprobs(prompt),
-                                                       lambda token, value: (key(token), {"logprob": value}))}
-                   for index, prompt in enumerate(prompts)]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices}
+        choices = [
+            {
+                "index": index,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": _prompt_entries(
+                    prompt, self.engine.prompt_logprobs(prompt), lambda token, value: (key(token), {"logprob": value})
+                ),
+            }
+            for index, prompt in enumerate(prompts)
+        ]
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+        }
+
 
 def _prompt_entries(prompt: list[int], values: list[float], entry) -> list:
     """vLLM's ``prompt_logprobs``: ``None`` for the first token, then one ``{key: value}`` per token, ``entry(token,
@@ -416,8 +482,13 @@ def trl_vllm_transport_stub(server: FakeVLLMServer | None) -> Iterator[None]:
     def init_communicator(self, device=0):
         if self.get_server_info()["weight_transfer_config"] is None:
             raise RuntimeError("the server has no weight-transfer engine")
-        init_info = {"master_address": "127.0.0.1", "master_port": self.group_port, "rank_offset": 1,
-                     "world_size": self.get_world_size() + 1, "packed": True}
+        init_info = {
+            "master_address": "127.0.0.1",
+            "master_port": self.group_port,
+            "rank_offset": 1,
+            "world_size": self.get_world_size() + 1,
+            "packed": True,
+        }
         self._post(f"{self.base_url}/init_weight_transfer_engine", json={"init_info": init_info})
         self.communicator = _LoopbackGroup(server)  # in place of vLLM's NCCL rendezvous (needs CUDA)
 
@@ -502,14 +573,28 @@ class FakeLLM:
         params = sampling_params.kwargs
         if params.get("prompt_logprobs") is not None:  # the engine sync check's probe: scored, not sampled
             self.probes += 1
-            return [FakeRequestOutput(uuid.uuid4().hex, None, p["prompt_token_ids"], [], prompt_logprobs=_prompt_entries(
-                p["prompt_token_ids"], self.engine.prompt_logprobs(p["prompt_token_ids"]),
-                lambda token, value: (token, FakeLogprob(value)))) for p in prompts]
+            return [
+                FakeRequestOutput(
+                    uuid.uuid4().hex,
+                    None,
+                    p["prompt_token_ids"],
+                    [],
+                    prompt_logprobs=_prompt_entries(
+                        p["prompt_token_ids"],
+                        self.engine.prompt_logprobs(p["prompt_token_ids"]),
+                        lambda token, value: (token, FakeLogprob(value)),
+                    ),
+                )
+                for p in prompts
+            ]
         self.requests.append(params)
         grouped = self.engine.generate(
-            [p["prompt_token_ids"] for p in prompts], n=params.get("n", 1),
-            temperature=params.get("temperature", 1.0), max_tokens=params.get("max_tokens", 16),
-            top_p=params.get("top_p", 1.0), top_k=params.get("top_k", 0) or 0,
+            [p["prompt_token_ids"] for p in prompts],
+            n=params.get("n", 1),
+            temperature=params.get("temperature", 1.0),
+            max_tokens=params.get("max_tokens", 16),
+            top_p=params.get("top_p", 1.0),
+            top_k=params.get("top_k", 0) or 0,
         )
         want_logprobs = params.get("logprobs") is not None
         start = params.get("routed_experts_prompt_start", 0)
@@ -517,9 +602,13 @@ class FakeLLM:
         for group in grouped:
             completions = [
                 FakeCompletionOutput(
-                    index=j, text="", token_ids=c.token_ids, cumulative_logprob=float(sum(c.logprobs)),
+                    index=j,
+                    text="",
+                    token_ids=c.token_ids,
+                    cumulative_logprob=float(sum(c.logprobs)),
                     logprobs=[{t: FakeLogprob(lp)} for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
-                    if want_logprobs else None,
+                    if want_logprobs
+                    else None,
                     finish_reason=c.finish_reason,
                     routed_experts=c.routed_experts[start:] if self.return_routes else None,
                 )
@@ -604,9 +693,22 @@ def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
 #: Corruption kinds of :func:`corrupt_route_payload`, by what they break. All but :data:`NEVER_WRITTEN` cost the
 #: sample its routes; that one costs one position.
 CORRUPTIONS = (
-    "missing", "not-a-string", "base64-garbage", "base64-truncated", "npy-truncated", "npy-magic",
-    "dtype", "rows", "layers", "top-k", "ndim", "id-out-of-range", "id-negative", "id-repeated",
-    "route-never-written", "dense-layer-routed",
+    "missing",
+    "not-a-string",
+    "base64-garbage",
+    "base64-truncated",
+    "npy-truncated",
+    "npy-magic",
+    "dtype",
+    "rows",
+    "layers",
+    "top-k",
+    "ndim",
+    "id-out-of-range",
+    "id-negative",
+    "id-repeated",
+    "route-never-written",
+    "dense-layer-routed",
 )
 #: The corruption that ``routes_from_engine`` falls back from at one position only: one position's route at one MoE
 #: layer zeroed, vLLM's "never written" (the sample keeps its other positions' routes).
@@ -621,7 +723,11 @@ def _npy_base64(array: np.ndarray) -> str:
 
 
 def corrupt_route_payload(
-    payload: str, rng: np.random.Generator, *, num_experts: int, moe_layers: Sequence[int] | None = None,
+    payload: str,
+    rng: np.random.Generator,
+    *,
+    num_experts: int,
+    moe_layers: Sequence[int] | None = None,
     kind: str | None = None,
 ) -> tuple[str, Any]:
     """``(kind, corrupted)``: ``payload`` (one completion's base64 ``.npy`` routes, ``[T, L, K]``) broken so that
@@ -639,13 +745,19 @@ def corrupt_route_payload(
     tokens, layers, top_k = rows.shape
     moe = list(range(layers)) if moe_layers is None else list(moe_layers)
     dense = [layer for layer in range(layers) if layer not in moe]
-    applicable = [k for k in CORRUPTIONS if not (
-        (k in ("id-repeated", "route-never-written") and top_k < 2)
-        or (k == "dense-layer-routed" and not dense)
-        or (k in ("id-out-of-range", "id-negative", "id-repeated", "route-never-written", "dense-layer-routed")
-            and tokens == 0)
-        or (k == NEVER_WRITTEN and tokens < 2)
-    )]
+    applicable = [
+        k
+        for k in CORRUPTIONS
+        if not (
+            (k in ("id-repeated", "route-never-written") and top_k < 2)
+            or (k == "dense-layer-routed" and not dense)
+            or (
+                k in ("id-out-of-range", "id-negative", "id-repeated", "route-never-written", "dense-layer-routed")
+                and tokens == 0
+            )
+            or (k == NEVER_WRITTEN and tokens < 2)
+        )
+    ]
     kind = kind or str(rng.choice(applicable))
     if kind not in applicable:
         raise ValueError(f"corruption {kind!r} does not apply to routes {rows.shape} (applicable: {applicable})")
@@ -666,8 +778,9 @@ def corrupt_route_payload(
     if kind == "npy-magic":
         return kind, base64.b64encode(b"\x00NOPE!" + raw[6:]).decode()
     if kind == "dtype":
-        dtype = str(rng.choice(["float16", "float32", "float64", "bool", "m8[s]", "M8[s]", "complex64", "<U3",
-                                "object"]))
+        dtype = str(
+            rng.choice(["float16", "float32", "float64", "bool", "m8[s]", "M8[s]", "complex64", "<U3", "object"])
+        )
         return kind, _npy_base64(rows.astype(np.int64).astype(dtype))
     if kind == "rows":
         extra = rows[-1:] if tokens else np.arange(layers * top_k, dtype=rows.dtype).reshape(1, layers, top_k)
@@ -709,8 +822,15 @@ class RouteFuzzer:
     maps ``(call, choice)`` to the kind applied.
     """
 
-    def __init__(self, seed: int, *, num_experts: int, moe_layers: Sequence[int] | None = None, rate: float = 0.5,
-                 keep_first: bool = True):
+    def __init__(
+        self,
+        seed: int,
+        *,
+        num_experts: int,
+        moe_layers: Sequence[int] | None = None,
+        rate: float = 0.5,
+        keep_first: bool = True,
+    ):
         self.rng = np.random.default_rng(seed)
         self.num_experts = num_experts
         self.moe_layers = moe_layers
@@ -729,7 +849,8 @@ class RouteFuzzer:
     def __call__(self, call: int, choice: int, payload: str | None) -> Any:
         if payload is None or (self.keep_first and call == 0 and choice == 0) or self.rng.random() >= self.rate:
             return payload
-        kind, corrupted = corrupt_route_payload(payload, self.rng, num_experts=self.num_experts,
-                                                moe_layers=self.moe_layers)
+        kind, corrupted = corrupt_route_payload(
+            payload, self.rng, num_experts=self.num_experts, moe_layers=self.moe_layers
+        )
         self.corrupted[call, choice] = kind
         return corrupted

@@ -42,8 +42,9 @@ def check_generation_kwargs(args: GRPOConfig) -> None:
     if kwargs is None:
         return
     if not isinstance(kwargs, dict):
-        raise ConfigTypeError(f"generation_kwargs must be a dict (or a JSON object string), got "
-                              f"{type(kwargs).__name__} {kwargs!r}")
+        raise ConfigTypeError(
+            f"generation_kwargs must be a dict (or a JSON object string), got {type(kwargs).__name__} {kwargs!r}"
+        )
     for key, minimum in (("num_beams", 1), ("routed_experts_prompt_start", 0)):
         value = kwargs.get(key)
         if value is None:
@@ -124,8 +125,10 @@ def check_correction_can_learn(args: GRPOConfig, settings: ReplaySettings) -> No
             name, value, expected = "vllm_importance_sampling_clip_min", low, "<= 1 (or None: no lower bound)"
         else:
             return
-        effect = ("zeroes every token, since every ratio is about 1 here (generate samples with the trainer's own "
-                  "weights): a bound which excludes ratio 1 cuts every on-policy token")
+        effect = (
+            "zeroes every token, since every ratio is about 1 here (generate samples with the trainer's own "
+            "weights): a bound which excludes ratio 1 cuts every on-policy token"
+        )
     elif args.loss_type == "vespo":
         return
     elif high is not None and high <= 0:

@@ -84,7 +84,9 @@ logger = logging.get_logger(__name__)
 
 
 # type-ignore: MoEObjectivesMixin.get_gamma_weights replaces TRL's staticmethod with a method (TRL calls it on self)
-class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer):  # type: ignore[misc]
+class MoEReplayGRPOTrainer(  # type: ignore[misc]
+    MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer
+):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -126,27 +128,39 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         self._check_after_trl()  # PEFT under replay, the launch's distributed engine
 
         hooks_needed = settings.carries_routes or bool(option(args, "router_shift_weighting"))
-        self._route_replay = self._new_route_replay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
-        self._ref_route_replay = (self._new_route_replay(self.ref_model)
-                                  if self.ref_model is not None and mode.replays else None)
+        self._route_replay = (
+            self._new_route_replay(self.accelerator.unwrap_model(self.model)) if hooks_needed else None
+        )
+        self._ref_route_replay = (
+            self._new_route_replay(self.ref_model) if self.ref_model is not None and mode.replays else None
+        )
         # where the rollouts' routes come from: one interface for every engine (rollouts/route_source.py)
         self._route_source = self._build_route_source(args)
         self._route_intake = self._build_route_intake() if settings.generation_routes else None
         self.aux_loss_enabled = self._aux_loss_under_replay()
         self._pr2 = self._new_pr2(args)
         vllm_generation = self.vllm_generation if args.use_vllm else None
-        self._weight_sync = sync_trainer_weight_sync(sync_method, args, vllm_generation=vllm_generation,
-                                                     model=self.accelerator.unwrap_model(self.model))
-        self._sync_check = sync_trainer_check(settings.vllm_sync_check, accelerator=self.accelerator,
-                                              vllm_generation=vllm_generation,
-                                              tolerance=option(args, "sync_check_tolerance"))
+        self._weight_sync = sync_trainer_weight_sync(
+            sync_method, args, vllm_generation=vllm_generation, model=self.accelerator.unwrap_model(self.model)
+        )
+        self._sync_check = sync_trainer_check(
+            settings.vllm_sync_check,
+            accelerator=self.accelerator,
+            vllm_generation=vllm_generation,
+            tolerance=option(args, "sync_check_tolerance"),
+        )
         self._warned_on_policy = False
         self._objectives = self._setup_objectives(self.args)
         # the routes' one state: None when there is nothing to record or replay (every override hands to TRL)
         self._routes = None
         if not self._is_plain_trl:
-            self._routes = RouteFlow(settings, self._route_replay, self._ref_route_replay, pr2=self._pr2 is not None,
-                                     router_shift=self._objectives.router_probes is not None)
+            self._routes = RouteFlow(
+                settings,
+                self._route_replay,
+                self._ref_route_replay,
+                pr2=self._pr2 is not None,
+                router_shift=self._objectives.router_probes is not None,
+            )
         self._micro_replay = MicroBatchReplay()  # a micro-batch's routes, from its training forward through backward
         self._hold_run()  # the output-dir lock, the update probe
 
@@ -156,13 +170,20 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         generate_source = None
         if settings.records_generation:  # transformers generate inside the rollout recorder
             generate_source = TransformersRouteSource(
-                self._route_replay if settings.generation_routes else None, self._generating_model, self.temperature,
-                self._tokenizer.pad_token_id, return_logprobs=settings.transformers_importance_sampling_correction,
+                self._route_replay if settings.generation_routes else None,
+                self._generating_model,
+                self.temperature,
+                self._tokenizer.pad_token_id,
+                return_logprobs=settings.transformers_importance_sampling_correction,
             )
         return sync_trainer_route_source(
-            args, keep_routes=settings.generation_routes, required=settings.mode.needs_engine_routes,
-            vllm_generation=getattr(self, "vllm_generation", None), accelerator=self.accelerator,
-            generate_source=generate_source, rollout_func=self.rollout_func,
+            args,
+            keep_routes=settings.generation_routes,
+            required=settings.mode.needs_engine_routes,
+            vllm_generation=getattr(self, "vllm_generation", None),
+            accelerator=self.accelerator,
+            generate_source=generate_source,
+            rollout_func=self.rollout_func,
         )
 
     def _generating_model(self):
@@ -174,8 +195,12 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         """The one entry point every engine's rows go through (per-sample fallback, first-batch rule)."""
         source = self._route_source
         assert source is not None  # the trainer keeps engine routes: some source returns them
-        return RouteIntake(self.accelerator, source=source.name, required=self.replay_settings.mode.needs_engine_routes,
-                           remedy=source.remedy)
+        return RouteIntake(
+            self.accelerator,
+            source=source.name,
+            required=self.replay_settings.mode.needs_engine_routes,
+            remedy=source.remedy,
+        )
 
     @property
     def _is_plain_trl(self) -> bool:
@@ -249,6 +274,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
     def _sync_vllm_weights(self) -> None:
         """Sync the weights into vLLM before TRL would (seam entry ``vllm_sync_trigger``), by vLLM's reload or TRL's own
         sync, inside the engine sync check (``vllm_sync_check``, ``weight_sync/sync_check.py``)."""
+
         def sync():
             with profiling_context(self, "sync_weights"):
                 if self._weight_sync is not None:
@@ -266,14 +292,17 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         with self._routes.generation_batch() as batch:
             with self._engine_correction():
                 output = super()._generate_and_score_completions(inputs)
-            if self.routing_replay.records_old_pass and "old_per_token_logps" not in output \
-                    and not self._warned_on_policy:
+            if (
+                self.routing_replay.records_old_pass
+                and "old_per_token_logps" not in output
+                and not self._warned_on_policy
+            ):
                 self._warned_on_policy = True
                 logger.warning(
                     f"routing_replay={self.routing_replay!r} has nothing to replay here: TRL ran no old-logprob pass "
                     "for this batch, so the configuration is on-policy and every update already routes like the old "
-                    "policy" + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None
-                                else ".")
+                    "policy"
+                    + (" (PR2's predictors get no training data and stay at zero)." if self._pr2 is not None else ".")
                 )
             # route_flow step 4: the batch dict carries rows, not routes nor RSPO's old router nor PR2's cache (taken
             # before the metrics pass, whose recorded routes are for routing/* only)
@@ -318,30 +347,79 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         assert self._routes is not None  # routing metrics are computed only where the trainer handles routes
         # a dict or None: transformers' _VALID_DICT_FIELDS parse JSON text in __post_init__
         checkpointing_kwargs = cast(dict | None, args.gradient_checkpointing_kwargs)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
-                disable_gradient_checkpointing(self.model, checkpointing_kwargs):
-            logps, _, _ = self._planned_forward(self._routes.metrics_plan(), parent, self.model, input_ids,
-                                                attention_mask, output["completion_ids"].size(1), batch_size)
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, checkpointing_kwargs),
+        ):
+            logps, _, _ = self._planned_forward(
+                self._routes.metrics_plan(),
+                parent,
+                self.model,
+                input_ids,
+                attention_mask,
+                output["completion_ids"].size(1),
+                batch_size,
+            )
         return logps
 
     # ------------------------------------------------------------------ forwards
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         parent = super()._get_per_token_logps_and_entropies
         plan = None
         if self._routes is not None:
-            plan = self._routes.plan(is_reference=self._routes.batch is not None and is_reference_forward(self, model),
-                                     is_ref_model=model is self.ref_model, micro=self._micro_batch)
+            plan = self._routes.plan(
+                is_reference=self._routes.batch is not None and is_reference_forward(self, model),
+                is_ref_model=model is self.ref_model,
+                micro=self._micro_batch,
+            )
         if plan is None or plan.is_plain:
-            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                          compute_aux_loss, **multimodal)
+            return parent(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
         if any(value is not None for value in multimodal.values()):
             raise NotImplementedError("routing replay supports text-only models")
-        return self._planned_forward(plan, parent, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                     compute_entropy, compute_aux_loss)
+        return self._planned_forward(
+            plan,
+            parent,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            compute_entropy,
+            compute_aux_loss,
+        )
 
-    def _planned_forward(self, plan: ForwardPlan, parent, model, input_ids, attention_mask, logits_to_keep,
-                         batch_size=None, compute_entropy=False, compute_aux_loss=False):
+    def _planned_forward(
+        self,
+        plan: ForwardPlan,
+        parent,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+    ):
         """TRL's forward ``parent`` as ``plan`` says: replaying its routes, chunk by chunk like TRL's own batching,
         recording the natural routes, steering (PR2) or capturing the old router (RSPO)."""
         plan.check_width(input_ids.size(1))
@@ -350,8 +428,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         if plan.forward is Forward.TRAINING:  # in force through the backward: training_step ends it
             assert self._micro_replay is not None and plan.replay is not None  # it replays the micro-batch's routes
             with self._micro_replay.replay(rr, plan.replay):
-                return parent(model, input_ids, attention_mask, logits_to_keep, None, compute_entropy,
-                              compute_aux_loss)
+                return parent(
+                    model, input_ids, attention_mask, logits_to_keep, None, compute_entropy, compute_aux_loss
+                )
         batch_size = batch_size or input_ids.size(0)
         logps, entropies, aux_losses, natural = [], [], [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -360,12 +439,20 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
                 if plan.replay is not None:
                     stack.enter_context(rr.replay(plan.replay.rows(slice(start, end))))
                 if plan.pr2:  # predicted routes (unless replayed) + predictor cache
-                    stack.enter_context(self._pr2_old_pass_chunk(attention_mask[start:end], logits_to_keep,
-                                                                 steer=plan.replay is None))
+                    stack.enter_context(
+                        self._pr2_old_pass_chunk(attention_mask[start:end], logits_to_keep, steer=plan.replay is None)
+                    )
                 recording = stack.enter_context(rr.record()) if plan.record else None
-                capture = stack.enter_context(self._old_router_capture(end - start, input_ids.size(1), plan.old_router))
+                capture = stack.enter_context(
+                    self._old_router_capture(end - start, input_ids.size(1), plan.old_router)
+                )
                 chunk_logps, chunk_entropies, chunk_aux = parent(
-                    model, input_ids[start:end], attention_mask[start:end], logits_to_keep, None, compute_entropy,
+                    model,
+                    input_ids[start:end],
+                    attention_mask[start:end],
+                    logits_to_keep,
+                    None,
+                    compute_entropy,
                     compute_aux_loss,
                 )
             logps.append(chunk_logps)
@@ -420,8 +507,9 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEvery
         super().end()
 
     # ------------------------------------------------------------------ metrics
-    def _log_mismatch_metrics(self, output: dict, batch: GenerationBatch | None,
-                              trainer_logps: torch.Tensor | None = None) -> None:
+    def _log_mismatch_metrics(
+        self, output: dict, batch: GenerationBatch | None, trainer_logps: torch.Tensor | None = None
+    ) -> None:
         """``mismatch/*`` wherever the batch has both the sampler's and the trainer's old log-probs (TRL's own, or
         recorded for the metrics: ``trainer_logps`` from ``_metrics_pass``), ``routing/*`` wherever the engine's routes
         and the trainer's natural ones exist (``metrics.log_ratio_metrics``: NaN for no data, as in the async trainer).

@@ -82,8 +82,10 @@ class MoEObjectivesMixin:
         run_loss_on_trl_branch(cast(Any, self), _TRL_LOSS_FOR.get(name, name))  # self: a GRPOTrainer subclass
         weighting = bool(option(args, "router_shift_weighting"))
         return MoEObjectives(
-            loss_type=name, router_shift_weighting=weighting,
-            router_shift_gamma_min=option(args, "router_shift_gamma_min"), minirl_is_cap=option(args, "minirl_is_cap"),
+            loss_type=name,
+            router_shift_weighting=weighting,
+            router_shift_gamma_min=option(args, "router_shift_gamma_min"),
+            minirl_is_cap=option(args, "minirl_is_cap"),
             router_probes=RouterProbes(self._route_replay) if weighting else None,
         )
 
@@ -103,16 +105,41 @@ class MoEObjectivesMixin:
         return probes.capture(batch, seq)
 
     # ------------------------------------------------------------------ loss and training forward
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **kwargs,
+    ):
         """TRL's forward; inside ``_compute_loss`` (the training forward) it also measures the router shift."""
         parent = super()._get_per_token_logps_and_entropies
         if self._micro_batch is None:  # old-logprob and reference passes
-            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                          compute_aux_loss, **kwargs)
+            return parent(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **kwargs,
+            )
         with self._measuring_router_shift(input_ids, logits_to_keep):
-            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                          compute_aux_loss, **kwargs)
+            return parent(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **kwargs,
+            )
 
     @contextlib.contextmanager
     def _measuring_router_shift(self, input_ids: torch.Tensor, logits_to_keep: int) -> Iterator[None]:
@@ -185,8 +212,11 @@ class MoEObjectivesMixin:
         (TRL's vespo branch then forms ``-weight · Â · log π_θ``; seam entry ``minirl_on_vespo``)."""
         if self.moe_loss_type != "minirl":
             return super().get_gamma_weights(
-                advantages=advantages, log_ratio_per_token=log_ratio_per_token, mask=mask,
-                importance_sampling_ratio=importance_sampling_ratio, **vespo,
+                advantages=advantages,
+                log_ratio_per_token=log_ratio_per_token,
+                mask=mask,
+                importance_sampling_ratio=importance_sampling_ratio,
+                **vespo,
             )
         micro = self._micro_batch
         inputs = micro.inputs
@@ -198,11 +228,19 @@ class MoEObjectivesMixin:
             )
         old_logps = inputs.get("old_per_token_logps")
         if old_logps is None:  # the config guarantees an old-logprob pass (importance-sampling correction on)
-            raise RuntimeError("loss_type='minirl' needs old_per_token_logps in the batch: TRL ran no old-logprob pass")
+            raise RuntimeError(
+                "loss_type='minirl' needs old_per_token_logps in the batch: TRL ran no old-logprob pass"
+            )
         current = log_ratio_per_token.detach() + old_logps  # TRL: log_ratio = per_token_logps - old (unshifted here)
         weights = minirl_token_weights(
-            current, log_ratio_per_token, sampling_logps, advantages, self.epsilon_low, self.epsilon_high,
-            self._objectives.minirl_is_cap, gamma=micro.gamma,
+            current,
+            log_ratio_per_token,
+            sampling_logps,
+            advantages,
+            self.epsilon_low,
+            self.epsilon_high,
+            self._objectives.minirl_is_cap,
+            gamma=micro.gamma,
         )
         self._log_minirl(weights, _loss_mask(inputs))
         return weights.weight

@@ -36,8 +36,13 @@ class Entry:
     inherited: tuple[str, ...] = ()
 
 
-def entry(name: str, library: str, read_from: str, verified_on: tuple[str, ...] | None = None,
-          inherited: tuple[str, ...] = ()) -> Entry:
+def entry(
+    name: str,
+    library: str,
+    read_from: str,
+    verified_on: tuple[str, ...] | None = None,
+    inherited: tuple[str, ...] = (),
+) -> Entry:
     """Declare (and register) an entry; ``verified_on`` defaults to ``(read_from,)``."""
     if name in ENTRIES:
         raise ValueError(f"seam entry {name!r} is declared twice")
@@ -54,12 +59,15 @@ class Finding:
     problem: str
 
     def __str__(self) -> str:
-        return (f"[{self.entry.name}] {self.problem} (read from {self.entry.library} {self.entry.read_from}; "
-                f"verified on {', '.join(self.entry.verified_on)})")
+        return (
+            f"[{self.entry.name}] {self.problem} (read from {self.entry.library} {self.entry.read_from}; "
+            f"verified on {', '.join(self.entry.verified_on)})"
+        )
 
 
-def method_finding(declared: Entry, owner: Any, label: str, name: str, params: tuple[str, ...],
-                   exact: bool = False) -> Finding | None:
+def method_finding(
+    declared: Entry, owner: Any, label: str, name: str, params: tuple[str, ...], exact: bool = False
+) -> Finding | None:
     """The finding when ``owner.name`` (``label.name`` in the message) no longer exists or no longer starts with the
     parameters ``params`` the package calls or overrides it with (``exact``: has exactly them); else None."""
     method = getattr(owner, name, None)

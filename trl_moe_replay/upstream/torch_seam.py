@@ -128,9 +128,16 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
 
     found: dict[tuple[str, str], Any] = {
         (metadata.__name__, cls.__name__): cls
-        for cls in (metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
-                    metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
-                    metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING)
+        for cls in (
+            metadata.Metadata,
+            metadata.TensorStorageMetadata,
+            metadata.BytesStorageMetadata,
+            metadata.ChunkStorageMetadata,
+            metadata.TensorProperties,
+            metadata.MetadataIndex,
+            metadata.StorageMeta,
+            metadata._MEM_FORMAT_ENCODING,
+        )
     }
     found[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
     found[("torch", "Size")] = torch.Size
@@ -160,8 +167,9 @@ class DCPMetadataUnpickler(pickle.Unpickler):
         try:
             found = dcp_metadata_globals()[(module, name)]
         except KeyError:
-            raise pickle.UnpicklingError(f"global '{module}.{name}' is not one torch's distributed checkpoint "
-                                         "writes into its metadata") from None
+            raise pickle.UnpicklingError(
+                f"global '{module}.{name}' is not one torch's distributed checkpoint writes into its metadata"
+            ) from None
         # the two callables whose work grows with their argument, which a pickle can hand them again and again
         # (a memo reference): a shape of many dimensions, a path of many parts, each built once per call
         if found is torch.Size:
@@ -177,14 +185,17 @@ MAX_DCP_DIMS, MAX_DCP_PATH_CHARS = 64, 4096
 
 def _bounded_size(values: Any = ()) -> torch.Size:
     if len(values) > MAX_DCP_DIMS:
-        raise pickle.UnpicklingError(f"a torch.Size of {len(values):,} dimensions, more than the {MAX_DCP_DIMS} "
-                                     "a checkpoint's tensors have")
+        raise pickle.UnpicklingError(
+            f"a torch.Size of {len(values):,} dimensions, more than the {MAX_DCP_DIMS} a checkpoint's tensors have"
+        )
     return torch.Size(values)
 
 
 def _bounded_path(cls: type, *parts: Any) -> Any:
-    if len(parts) > MAX_DCP_PATH_CHARS or sum(len(part) if isinstance(part, str) else 1 for part in parts) > \
-            MAX_DCP_PATH_CHARS:
+    if (
+        len(parts) > MAX_DCP_PATH_CHARS
+        or sum(len(part) if isinstance(part, str) else 1 for part in parts) > MAX_DCP_PATH_CHARS
+    ):
         raise pickle.UnpicklingError(f"a {cls.__name__} of more than {MAX_DCP_PATH_CHARS:,} characters")
     return cls(*parts)
 
@@ -225,8 +236,10 @@ def checked_dcp_planner(refuse: Callable[[str], Exception]) -> Any:
                 paragraphs = [" ".join(part.split()) for part in str(error).split("\n\n") if part.strip()]
                 what = paragraphs[1] if len(paragraphs) > 1 else paragraphs[0] if paragraphs else "refused"
                 # torch's second paragraph says what was refused ("Trying to load unsupported GLOBAL posix.system")
-                raise refuse(f"its shard entry {fqn!r} is a pickle that would run code or build more than plain "
-                             f"values ({what[:160]}); nothing in it was run") from None
+                raise refuse(
+                    f"its shard entry {fqn!r} is a pickle that would run code or build more than plain "
+                    f"values ({what[:160]}); nothing in it was run"
+                ) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], loaded)
             else:
@@ -322,9 +335,12 @@ def check_torch() -> tuple[Finding, ...]:
             theirs = FileSystemReader(folder)
             ours = checked_dcp_reader(folder, lambda: written)
             read = [(reader.read_metadata(), reader.load_id) for reader in (theirs, ours)]
-        if any(type(m.storage_meta) is not type(read[0][0].storage_meta) or m.storage_meta is None
-               or m.storage_meta.load_id != load_id
-               for m, load_id in read):
+        if any(
+            type(m.storage_meta) is not type(read[0][0].storage_meta)
+            or m.storage_meta is None
+            or m.storage_meta.load_id != load_id
+            for m, load_id in read
+        ):
             return "FileSystemReader.read_metadata no longer sets a StorageMeta with the reader's load_id"
         state: dict = {"a": {"b": None}}
         planner = checked_dcp_planner(ValueError)
@@ -333,8 +349,9 @@ def check_torch() -> tuple[Finding, ...]:
         payload = io.BytesIO()
         torch.save((0.9, 0.999), payload)
         payload.seek(0)
-        planner.load_bytes(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]),
-                                    torch.Size([0])), payload)
+        planner.load_bytes(
+            ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0])), payload
+        )
         if state != {"a": {"b": (0.9, 0.999)}}:
             return "DefaultLoadPlanner no longer maps a flattened key to its place in the state dict it loads"
         return None
@@ -344,8 +361,14 @@ def check_torch() -> tuple[Finding, ...]:
     probe(MODULE_PARAMETER_SLOT, parameter_slot)
     probe(DDP_IGNORED_PARAMETERS, ddp_ignore)
     probe(DCP_METADATA_PICKLE, dcp_metadata)
-    probe(DCP_LOCAL_CHUNKS, lambda: None if callable(getattr(_dtensor_class(), "__create_chunk_list__", None)) else
-          "DTensor no longer has __create_chunk_list__ (its local shard's offsets)")
+    probe(
+        DCP_LOCAL_CHUNKS,
+        lambda: (
+            None
+            if callable(getattr(_dtensor_class(), "__create_chunk_list__", None))
+            else "DTensor no longer has __create_chunk_list__ (its local shard's offsets)"
+        ),
+    )
     return tuple(findings)
 
 

@@ -154,8 +154,13 @@ TRAINER_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
     "_clip_grad_norm": ("self", "model"),
     "_get_output_dir": ("self", "trial"),
 }
-TRAINER_METHODS = entry("trainer_private_methods", "transformers", "5.24.0", ("5.24.0", "5.25.0"),
-                        inherited=tuple(name for name in TRAINER_PRIVATE_METHODS if name != "_get_output_dir"))
+TRAINER_METHODS = entry(
+    "trainer_private_methods",
+    "transformers",
+    "5.24.0",
+    ("5.24.0", "5.25.0"),
+    inherited=tuple(name for name in TRAINER_PRIVATE_METHODS if name != "_get_output_dir"),
+)
 
 
 def checkpoint_run_dir(trainer: Any, trial: Any) -> str:
@@ -310,9 +315,18 @@ def parallel_plan_styles() -> dict[str, frozenset[str]]:
 #    style shards parameters when its class implements shard_param (ColwiseParallel, RowwiseParallel's weight,
 #    EmbeddingParallel, the packed styles; not the replicated ones). In 5.25 the MoE models' plans leave the routed
 #    experts out: at tp_size > 1 without EP every GPU of a TP group holds them whole. Same entry as the styles.
-TP_SAMPLE_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       intermediate_size=32, moe_intermediate_size=16, vocab_size=128, num_experts_per_tok=2,
-                       decoder_sparse_step=1)
+TP_SAMPLE_SIZES = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    moe_intermediate_size=16,
+    vocab_size=128,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -345,7 +359,9 @@ def tp_sharded_parameters(model_type: str) -> tuple[tuple[str, ...], frozenset[s
         style = plan.get(name)
         if style is None and "." in name:
             style = plan.get(name.rsplit(".", 1)[0])
-        return style is not None and type(ALL_PARALLEL_STYLES[style]).shard_param is not TensorParallelLayer.shard_param
+        return (
+            style is not None and type(ALL_PARALLEL_STYLES[style]).shard_param is not TensorParallelLayer.shard_param
+        )
 
     names = tuple(dict.fromkeys(replace_layer_number_by_wildcard(n) for n, _ in model.named_parameters()))
     return names, frozenset(n for n in names if shards(n))
@@ -370,8 +386,10 @@ def ep_implementations() -> dict[str, tuple[bool, bool]]:
     installed transformers runs (entry ``ep_implementations``)."""
     from transformers.distributed.expert_parallel import EPImplementationInterface
 
-    return {name: (bool(getattr(implementation, "needs_shared_batch", False)), name not in _EP_INFERENCE_ONLY)
-            for name, implementation in EPImplementationInterface().items()}
+    return {
+        name: (bool(getattr(implementation, "needs_shared_batch", False)), name not in _EP_INFERENCE_ONLY)
+        for name, implementation in EPImplementationInterface().items()
+    }
 
 
 def _check_ep_implementations() -> list[Finding]:
@@ -412,8 +430,13 @@ def _check_sharded_at_load_resume() -> list[Finding]:
     redistribute = getattr(checkpoint, "_redistribute_state_dict", None)
     have = tuple(inspect.signature(redistribute).parameters) if callable(redistribute) else None
     if have != ("state_dict", "reference_state_dict"):
-        return [Finding(SHARDED_AT_LOAD_RESUME, "transformers.distributed.checkpoint._redistribute_state_dict"
-                                                f"(state_dict, reference_state_dict) became {have}")]
+        return [
+            Finding(
+                SHARDED_AT_LOAD_RESUME,
+                "transformers.distributed.checkpoint._redistribute_state_dict"
+                f"(state_dict, reference_state_dict) became {have}",
+            )
+        ]
     return []
 
 
@@ -422,20 +445,33 @@ def check_transformers(trainer_class: type | None = None) -> tuple[Finding, ...]
     ``trainer_class`` (default ``transformers.Trainer``) inherits, and the names that must exist."""
     from transformers import PreTrainedModel, Trainer, core_model_loading
 
-    findings = [finding for name, params in TRAINER_PRIVATE_METHODS.items()
-                if (finding := method_finding(TRAINER_METHODS, trainer_class or Trainer, "Trainer", name, params))]
+    findings = [
+        finding
+        for name, params in TRAINER_PRIVATE_METHODS.items()
+        if (finding := method_finding(TRAINER_METHODS, trainer_class or Trainer, "Trainer", name, params))
+    ]
     if "_keys_to_ignore_on_save" not in vars(PreTrainedModel):
         findings.append(Finding(KEYS_IGNORED_ON_SAVE, "PreTrainedModel._keys_to_ignore_on_save no longer exists"))
     revert = getattr(core_model_loading, "revert_weight_conversion", None)
     have = tuple(inspect.signature(revert).parameters) if callable(revert) else None
     if have != ("model", "state_dict"):
-        findings.append(Finding(SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) "
-                                                     f"became {have}"))
-    if hasattr(Trainer, "end") and (finding := method_finding(TRAINER_END, Trainer, "Trainer", "end", ("self",),
-                                                              exact=True)):
+        findings.append(
+            Finding(
+                SAVED_WEIGHT_LAYOUT, f"core_model_loading.revert_weight_conversion(model, state_dict) became {have}"
+            )
+        )
+    if hasattr(Trainer, "end") and (
+        finding := method_finding(TRAINER_END, Trainer, "Trainer", "end", ("self",), exact=True)
+    ):
         findings.append(finding)
-    if finding := method_finding(RESUME_AT_MAX_STEPS, trainer_class or Trainer, "Trainer", "get_batch_samples",
-                                 ("self", "epoch_iterator", "num_batches", "device"), exact=True):
+    if finding := method_finding(
+        RESUME_AT_MAX_STEPS,
+        trainer_class or Trainer,
+        "Trainer",
+        "get_batch_samples",
+        ("self", "epoch_iterator", "num_batches", "device"),
+        exact=True,
+    ):
         findings.append(finding)
     findings += _check_sharded_at_load_resume()
     findings += _check_parallel_plan_styles()

@@ -54,10 +54,19 @@ LOOP_METHODS: dict[str, tuple[str, ...]] = {
     "_score_group": ("self", "group"),
     "_retry": ("self", "coro_factory", "label", "max_attempts"),
 }
-WORKER_ATTRIBUTES = ("_counters", "_rates", "_process", "_failed_event", "_stop_event_mp", "_heartbeat_value",
-                     "_model_version_value", "_loop_kwargs")
-ASYNC_ROLLOUT_WORKER = entry("async_rollout_worker", "trl", TRL_READ, TRL_VERIFIED,
-                             inherited=(*LOOP_METHODS, *WORKER_ATTRIBUTES))
+WORKER_ATTRIBUTES = (
+    "_counters",
+    "_rates",
+    "_process",
+    "_failed_event",
+    "_stop_event_mp",
+    "_heartbeat_value",
+    "_model_version_value",
+    "_loop_kwargs",
+)
+ASYNC_ROLLOUT_WORKER = entry(
+    "async_rollout_worker", "trl", TRL_READ, TRL_VERIFIED, inherited=(*LOOP_METHODS, *WORKER_ATTRIBUTES)
+)
 
 
 def async_worker_classes() -> tuple[Any, Any, Any]:
@@ -84,10 +93,17 @@ def worker_loop_kwargs(worker: Any) -> dict:
 #    bumps model_version; AsyncGRPOTrainer._lora_sync says whether __init__ chose adapter-only vLLM sync (a PEFT model
 #    and a server started with --enable-lora) instead of merged weights; _metrics is the metric sink log() averages.
 # ---------------------------------------------------------------------------------------------------------------
-TRAINER_GLOBALS = ("AsyncRolloutWorker", "get_peak_flops_per_device", "RolloutQueueDataset", "FixedCountBatcher",
-                   "TokenBudgetBatcher", "DataCollatorForRollout")
-ASYNC_TRAINER_GLOBALS = entry("async_trainer_globals", "trl", TRL_READ, TRL_VERIFIED,
-                              inherited=("_sync_weight", "_metrics"))
+TRAINER_GLOBALS = (
+    "AsyncRolloutWorker",
+    "get_peak_flops_per_device",
+    "RolloutQueueDataset",
+    "FixedCountBatcher",
+    "TokenBudgetBatcher",
+    "DataCollatorForRollout",
+)
+ASYNC_TRAINER_GLOBALS = entry(
+    "async_trainer_globals", "trl", TRL_READ, TRL_VERIFIED, inherited=("_sync_weight", "_metrics")
+)
 
 
 @contextlib.contextmanager
@@ -123,8 +139,9 @@ def batcher_rows(iterate: Any, row_class: type) -> Iterator[Any]:
     ``TreeRow``."""
     function = iterate.__func__
     scope = {**function.__globals__, "TreeRow": row_class}
-    rebound = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
-                                 function.__closure__)
+    rebound = types.FunctionType(
+        function.__code__, scope, function.__name__, function.__defaults__, function.__closure__
+    )
     return rebound(iterate.__self__)
 
 
@@ -141,9 +158,14 @@ def async_adapter_only_sync(trainer: Any) -> bool:
 #    their replacement is entry async_trainer_globals).
 # ---------------------------------------------------------------------------------------------------------------
 ASYNC_GRPO_CLASSES = entry("async_grpo_classes", "trl", TRL_READ, TRL_VERIFIED)
-CLASS_MODULES = {"AsyncGRPOTrainer": "async_grpo_trainer", "AsyncGRPOConfig": "async_grpo_config",
-                 **dict.fromkeys(("RolloutQueueDataset", "FixedCountBatcher", "TokenBudgetBatcher",
-                                  "DataCollatorForRollout"), "async_grpo_trainer")}
+CLASS_MODULES = {
+    "AsyncGRPOTrainer": "async_grpo_trainer",
+    "AsyncGRPOConfig": "async_grpo_config",
+    **dict.fromkeys(
+        ("RolloutQueueDataset", "FixedCountBatcher", "TokenBudgetBatcher", "DataCollatorForRollout"),
+        "async_grpo_trainer",
+    ),
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -250,30 +272,50 @@ def check_async_trl() -> tuple[Finding, ...]:
     trainer = _async_module("async_grpo_trainer")
     packing = _async_module("packing")
     loop = getattr(worker, "_AsyncRolloutLoop", None)
-    findings.extend(finding for name, params in LOOP_METHODS.items()
-                    if (finding := method_finding(ASYNC_ROLLOUT_WORKER, loop, "_AsyncRolloutLoop", name, params,
-                                                  exact=True)))
-    expect(ASYNC_ROLLOUT_WORKER, getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop,
-           "AsyncRolloutWorker._loop_cls is no longer _AsyncRolloutLoop")
-    expect(ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample),
-           "RolloutSample is no longer a slots dataclass")
+    findings.extend(
+        finding
+        for name, params in LOOP_METHODS.items()
+        if (finding := method_finding(ASYNC_ROLLOUT_WORKER, loop, "_AsyncRolloutLoop", name, params, exact=True))
+    )
+    expect(
+        ASYNC_ROLLOUT_WORKER,
+        getattr(worker.AsyncRolloutWorker, "_loop_cls", None) is loop,
+        "AsyncRolloutWorker._loop_cls is no longer _AsyncRolloutLoop",
+    )
+    expect(
+        ASYNC_ROLLOUT_WORKER, "__slots__" in vars(worker.RolloutSample), "RolloutSample is no longer a slots dataclass"
+    )
     for name, module_name in CLASS_MODULES.items():
-        expect(ASYNC_GRPO_CLASSES, isinstance(getattr(_async_module(module_name), name, None), type),
-               f"{ASYNC_PACKAGE}.{module_name}.{name} is no longer a class")
+        expect(
+            ASYNC_GRPO_CLASSES,
+            isinstance(getattr(_async_module(module_name), name, None), type),
+            f"{ASYNC_PACKAGE}.{module_name}.{name} is no longer a class",
+        )
     for name in TRAINER_GLOBALS:
-        expect(ASYNC_TRAINER_GLOBALS, hasattr(trainer, name),
-               f"async_grpo_trainer no longer has the module global {name}")
+        expect(
+            ASYNC_TRAINER_GLOBALS, hasattr(trainer, name), f"async_grpo_trainer no longer has the module global {name}"
+        )
     dataset_params = tuple(inspect.signature(trainer.RolloutQueueDataset.__init__).parameters)
-    expect(ASYNC_TRAINER_GLOBALS, {"model_version_fn", "metrics"} <= set(dataset_params),
-           f"RolloutQueueDataset{dataset_params} no longer takes model_version_fn and metrics")
-    findings.extend(finding for name, params in {"compute_loss": ("self", "model", "inputs"),
-                                                  "_sync_weight": ("self",)}.items()
-                    if (finding := method_finding(ASYNC_TRAINER_GLOBALS, trainer.AsyncGRPOTrainer, "AsyncGRPOTrainer",
-                                                  name, params)))
+    expect(
+        ASYNC_TRAINER_GLOBALS,
+        {"model_version_fn", "metrics"} <= set(dataset_params),
+        f"RolloutQueueDataset{dataset_params} no longer takes model_version_fn and metrics",
+    )
+    findings.extend(
+        finding
+        for name, params in {"compute_loss": ("self", "model", "inputs"), "_sync_weight": ("self",)}.items()
+        if (
+            finding := method_finding(
+                ASYNC_TRAINER_GLOBALS, trainer.AsyncGRPOTrainer, "AsyncGRPOTrainer", name, params
+            )
+        )
+    )
     expect(ASYNC_PACKING, callable(getattr(packing, "_flash_attn", None)), "packing._flash_attn no longer exists")
-    probes = ((ASYNC_PACKING, "the copy of fits/add", lambda: _probe_keyed_tree_row(packing)),
-              (ASYNC_PACKING, "the kernel lookup", lambda: _probe_tree_attention_kernel(packing)),
-              (ASYNC_BATCHER_ROWS, "the batchers' rows", lambda: _probe_batcher_rows(trainer, packing)))
+    probes = (
+        (ASYNC_PACKING, "the copy of fits/add", lambda: _probe_keyed_tree_row(packing)),
+        (ASYNC_PACKING, "the kernel lookup", lambda: _probe_tree_attention_kernel(packing)),
+        (ASYNC_BATCHER_ROWS, "the batchers' rows", lambda: _probe_batcher_rows(trainer, packing)),
+    )
     for declared, name, probe in probes:
         try:
             problem = probe()
@@ -285,12 +327,22 @@ def check_async_trl() -> tuple[Finding, ...]:
 
 def _probe_samples() -> list[dict[str, Any]]:
     """Samples that share a prompt, fork, repeat one another, and overrun small budgets (stand-ins for the queue's)."""
-    def sample(ids, group, trained):
-        return {"input_ids": torch.tensor(ids), "completion_mask": torch.tensor([0] * (len(ids) - trained) + [1] * trained),
-                "group_id": group}
 
-    return [sample([1, 2, 3, 4], 0, 2), sample([1, 2, 3, 5], 0, 2), sample([1, 2, 6], 1, 1), sample([1, 2, 3, 4], 0, 2),
-            sample([7, 8], 2, 1), sample([1, 9, 9, 9, 9, 9], 1, 5)]
+    def sample(ids, group, trained):
+        return {
+            "input_ids": torch.tensor(ids),
+            "completion_mask": torch.tensor([0] * (len(ids) - trained) + [1] * trained),
+            "group_id": group,
+        }
+
+    return [
+        sample([1, 2, 3, 4], 0, 2),
+        sample([1, 2, 3, 5], 0, 2),
+        sample([1, 2, 6], 1, 1),
+        sample([1, 2, 3, 4], 0, 2),
+        sample([7, 8], 2, 1),
+        sample([1, 9, 9, 9, 9, 9], 1, 5),
+    ]
 
 
 def _probe_keyed_tree_row(packing: Any) -> str | None:
@@ -299,15 +351,22 @@ def _probe_keyed_tree_row(packing: Any) -> str | None:
     for index, sample in enumerate(_probe_samples()):
         for budget in (3, 4, 6, 8, 64):
             if theirs.fits(sample, budget) != ours.fits(sample, budget):
-                return (f"TreeRow.fits no longer answers as the copy of it (keyed_tree_row_class) does: sample {index}, "
-                        f"budget {budget}")
+                return (
+                    f"TreeRow.fits no longer answers as the copy of it (keyed_tree_row_class) does: sample {index}, "
+                    f"budget {budget}"
+                )
         theirs.add(sample)
         ours.add(sample)
         if vars(theirs) != vars(ours):
-            changed = sorted(name for name in {*vars(theirs), *vars(ours)}
-                             if vars(theirs).get(name, ...) != vars(ours).get(name, ...))
-            return (f"TreeRow.add no longer keeps what the copy of it (keyed_tree_row_class) keeps: {changed} differ "
-                    f"after sample {index}")
+            changed = sorted(
+                name
+                for name in {*vars(theirs), *vars(ours)}
+                if vars(theirs).get(name, ...) != vars(ours).get(name, ...)
+            )
+            return (
+                f"TreeRow.add no longer keeps what the copy of it (keyed_tree_row_class) keeps: {changed} differ "
+                f"after sample {index}"
+            )
     return None
 
 
@@ -322,15 +381,19 @@ def _probe_batcher_rows(trainer: Any, packing: Any) -> str | None:
     """Both batchers, run by batcher_rows with a marker row class, yield rows of that class only."""
     marker = type("MarkerRow", (packing.TreeRow,), {})
     samples = _probe_samples()[:3]  # the third overruns a budget of 6 after the first two (8 tokens)
-    batchers = {"FixedCountBatcher": trainer.FixedCountBatcher(samples, num_processes=1, microbatch_size=2),
-                "TokenBudgetBatcher": trainer.TokenBudgetBatcher(samples, num_processes=1, token_budget=6,
-                                                                 metrics=collections.defaultdict(list))}
+    batchers = {
+        "FixedCountBatcher": trainer.FixedCountBatcher(samples, num_processes=1, microbatch_size=2),
+        "TokenBudgetBatcher": trainer.TokenBudgetBatcher(
+            samples, num_processes=1, token_budget=6, metrics=collections.defaultdict(list)
+        ),
+    }
     for name, batcher in batchers.items():
         if "TreeRow" not in _global_names(vars(type(batcher))["__iter__"].__code__):
             return f"{name}.__iter__ no longer builds its rows by the module global TreeRow"
         # at most 4 micro-batches: a TRL whose rows never fit would yield empty ones forever
-        rows = [row for micro_batch in itertools.islice(batcher_rows(batcher.__iter__, marker), 4)
-                for row in micro_batch]
+        rows = [
+            row for micro_batch in itertools.islice(batcher_rows(batcher.__iter__, marker), 4) for row in micro_batch
+        ]
         if not rows or not all(type(row) is marker for row in rows):
             return f"{name}.__iter__ yielded rows not built from the row class batcher_rows gave it"
     return None
@@ -350,9 +413,18 @@ def _probe_tree_attention_kernel(packing: Any) -> str | None:
     x = torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)  # [batch, heads, tokens, head_dim]; not float32: no dtype search
     with tree_attention_kernel(Kernel):
         try:
-            packing.tree_attention(torch.nn.Module(), x, x, x, None, tree_kv_index=torch.arange(2),
-                                   tree_cu_seqlens_q=torch.tensor([0, 2]), tree_cu_seqlens_k=torch.tensor([0, 2]),
-                                   tree_max_seqlen_q=2, tree_max_seqlen_k=2)
+            packing.tree_attention(
+                torch.nn.Module(),
+                x,
+                x,
+                x,
+                None,
+                tree_kv_index=torch.arange(2),
+                tree_cu_seqlens_q=torch.tensor([0, 2]),
+                tree_cu_seqlens_k=torch.tensor([0, 2]),
+                tree_max_seqlen_q=2,
+                tree_max_seqlen_k=2,
+            )
         except _Called:
             return None
     return "tree_attention no longer calls the kernel the module global _flash_attn returns at call time"

@@ -70,18 +70,33 @@ def _trl_entry(name: str, inherited: tuple[str, ...] = ()) -> Entry:
 #    processing_class (pad token id).
 # ---------------------------------------------------------------------------------------------------------------
 OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
-    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations",
-                              "has_tool_images"),
+    "_generate_single_turn": (
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
+    ),
     "_generate": ("self", "prompts"),
     "_generate_and_score_completions": ("self", "inputs"),
-    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
-                                           "batch_size", "compute_entropy", "compute_aux_loss"),
+    "_get_per_token_logps_and_entropies": (
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    ),
     "_compute_loss": ("self", "model", "inputs"),
     "get_gamma_weights": ("advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"),
 }
 PRIVATE_ATTRIBUTES = ("_metrics", "_tokenizer")
 GRPO_PRIVATE_METHODS = _trl_entry(
-    "grpo_private_methods", inherited=(*[n for n in OVERRIDDEN_METHODS if n.startswith("_")], *PRIVATE_ATTRIBUTES))
+    "grpo_private_methods", inherited=(*[n for n in OVERRIDDEN_METHODS if n.startswith("_")], *PRIVATE_ATTRIBUTES)
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,8 +391,16 @@ def wake_colocated_weights(vllm_generation: Any) -> None:
 TOOL_TURN_RENDERING = _trl_entry("tool_turn_rendering")
 TOOL_LOOP_METHODS: dict[str, tuple[str, ...]] = {
     "_get_tool_suffix_ids": ("self", "tool_messages"),
-    "_tool_call_loop": ("self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images",
-                        "multimodal_fields"),
+    "_tool_call_loop": (
+        "self",
+        "prompts",
+        "prompt_ids",
+        "completion_ids",
+        "completions",
+        "logprobs",
+        "images",
+        "multimodal_fields",
+    ),
 }
 
 
@@ -411,8 +434,11 @@ def tool_loop_samples(count: int, trainer_class: type[GRPOTrainer] = GRPOTrainer
         samples = frame.f_locals.get(_TOOL_LOOP_LIST)
     finally:
         del frame  # no reference cycle through the caller's frames
-    if not isinstance(samples, list) or len(samples) != count or not all(
-            type(sample) is int and sample >= 0 for sample in samples):
+    if (
+        not isinstance(samples, list)
+        or len(samples) != count
+        or not all(type(sample) is int and sample >= 0 for sample in samples)
+    ):
         return None
     if any(later <= earlier for earlier, later in zip(samples, samples[1:], strict=False)):
         return None
@@ -444,11 +470,20 @@ def model_card_identity(trainer: Any, qualifier: str, citations: Sequence[str]) 
 def _model_card_identity_finding(trainer_class: type) -> Finding | None:
     paper = inspect.getattr_static(trainer_class, "_paper", None)
     if not isinstance(inspect.getattr_static(trainer_class, "_name", None), str) or not (
-            isinstance(paper, dict) and "citation" in paper):
-        return Finding(MODEL_CARD_IDENTITY, "GRPOTrainer no longer has the class attributes _name (str) and _paper "
-                       "(a dict with a 'citation') that create_model_card reads")
-    return method_finding(MODEL_CARD_IDENTITY, trainer_class, "GRPOTrainer", "create_model_card",
-                          ("self", "model_name", "dataset_name", "tags"))
+        isinstance(paper, dict) and "citation" in paper
+    ):
+        return Finding(
+            MODEL_CARD_IDENTITY,
+            "GRPOTrainer no longer has the class attributes _name (str) and _paper "
+            "(a dict with a 'citation') that create_model_card reads",
+        )
+    return method_finding(
+        MODEL_CARD_IDENTITY,
+        trainer_class,
+        "GRPOTrainer",
+        "create_model_card",
+        ("self", "model_name", "dataset_name", "tags"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -599,25 +634,42 @@ def _stand_in_trainer(**attributes: Any) -> Any:
     args = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     args.update(steps_per_generation=1, gradient_accumulation_steps=1, report_to=[], delta=None)
     base = dict(
-        args=SimpleNamespace(**args), accelerator=_Accelerator(), state=SimpleNamespace(global_step=0),
-        model=SimpleNamespace(training=True, is_gradient_checkpointing=False), _metrics=defaultdict(
-            lambda: defaultdict(list)), loss_type="grpo", beta=0.0, epsilon_low=0.2, epsilon_high=0.2,
-        importance_sampling_level="token", top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=True, aux_loss_enabled=False, _entropy_bonus_enabled=False,
-        current_gradient_accumulation_steps=1, num_iterations=1, max_completion_length=2,
+        args=SimpleNamespace(**args),
+        accelerator=_Accelerator(),
+        state=SimpleNamespace(global_step=0),
+        model=SimpleNamespace(training=True, is_gradient_checkpointing=False),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        loss_type="grpo",
+        beta=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        importance_sampling_level="token",
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        vllm_importance_sampling_correction=True,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
+        num_iterations=1,
+        max_completion_length=2,
     )
     base.update(attributes)
     return SimpleNamespace(**base)
 
 
-def _run_loss(trainer_class: Any, forward_logps: float, on_forward: Callable[[dict], None] | None = None,
-              **attributes: Any) -> tuple[float, SimpleNamespace]:
+def _run_loss(
+    trainer_class: Any, forward_logps: float, on_forward: Callable[[dict], None] | None = None, **attributes: Any
+) -> tuple[float, SimpleNamespace]:
     """TRL's ``_compute_loss`` on one sequence of two completion tokens with advantage 1, whose training forward
     returns ``forward_logps`` everywhere (and runs ``on_forward(inputs)``)."""
     inputs = {
-        "prompt_ids": torch.ones(1, 1, dtype=torch.long), "prompt_mask": torch.ones(1, 1, dtype=torch.long),
-        "completion_ids": torch.ones(1, 2, dtype=torch.long), "completion_mask": torch.ones(1, 2, dtype=torch.long),
-        "advantages": torch.ones(1), "num_items_in_batch": torch.tensor(4.0),
+        "prompt_ids": torch.ones(1, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(1, 1, dtype=torch.long),
+        "completion_ids": torch.ones(1, 2, dtype=torch.long),
+        "completion_mask": torch.ones(1, 2, dtype=torch.long),
+        "advantages": torch.ones(1),
+        "num_items_in_batch": torch.tensor(4.0),
         **attributes.pop("inputs", {}),
     }
 
@@ -635,9 +687,11 @@ def _probe_old_logps_after_forward(trainer_class: type) -> str | None:
     shift = torch.full((1, 2), -math.log(gamma))
     loss, _ = _run_loss(trainer_class, 0.0, on_forward=lambda inputs: set_old_logps_for_loss(inputs, shift))
     if not math.isclose(loss, -gamma, rel_tol=1e-5):
-        return (f"_compute_loss no longer forms its ratio from the old log-probs placed in the micro-batch during the "
-                f"training forward (per_token_logps - old_per_token_logps, read after the forward): a ratio of "
-                f"{gamma} gave the grpo loss {loss:.4f}, expected {-gamma}")
+        return (
+            f"_compute_loss no longer forms its ratio from the old log-probs placed in the micro-batch during the "
+            f"training forward (per_token_logps - old_per_token_logps, read after the forward): a ratio of "
+            f"{gamma} gave the grpo loss {loss:.4f}, expected {-gamma}"
+        )
     return None
 
 
@@ -656,8 +710,10 @@ def _probe_engine_correction_in_loss(trainer_class: type) -> str | None:
     corrected, _ = _run_loss(trainer_class, 0.0, use_vllm=True, inputs=dict(ratio))
     skipped, _ = _run_loss(trainer_class, 0.0, use_vllm=False, inputs=dict(ratio))
     if not (math.isclose(corrected, -2.0, rel_tol=1e-6) and math.isclose(skipped, -1.0, rel_tol=1e-6)):
-        return (f"_compute_loss no longer applies the engine importance-sampling ratio exactly when self.use_vllm "
-                f"(ratio 2: loss {corrected} with use_vllm, {skipped} without; expected -2.0 and -1.0)")
+        return (
+            f"_compute_loss no longer applies the engine importance-sampling ratio exactly when self.use_vllm "
+            f"(ratio 2: loss {corrected} with use_vllm, {skipped} without; expected -2.0 and -1.0)"
+        )
     return None
 
 
@@ -668,16 +724,23 @@ def _probe_minirl_on_vespo(trainer_class: type) -> str | None:
         seen.update(kwargs)
         return torch.full((1, 1), 0.5)
 
-    loss, _ = _run_loss(trainer_class, -2.0, loss_type=MINIRL_TRL_BRANCH, use_vllm=True,
-                        get_gamma_weights=gamma_weights, inputs={"old_per_token_logps": torch.full((1, 2), -2.0),
-                                "importance_sampling_ratio": torch.full((1, 2), 3.0)})
+    loss, _ = _run_loss(
+        trainer_class,
+        -2.0,
+        loss_type=MINIRL_TRL_BRANCH,
+        use_vllm=True,
+        get_gamma_weights=gamma_weights,
+        inputs={"old_per_token_logps": torch.full((1, 2), -2.0), "importance_sampling_ratio": torch.full((1, 2), 3.0)},
+    )
     # -phi * A * logps = -0.5 * 1 * -2 = 1 per token; 2 tokens over num_items_in_batch 4; no engine factor
     expected = 0.5
     wanted = {"advantages", "log_ratio_per_token", "mask", "importance_sampling_ratio"}
     if not math.isclose(loss, expected, rel_tol=1e-6) or not wanted <= set(seen):
-        return (f"the vespo branch is no longer -get_gamma_weights(advantages=, log_ratio_per_token=, mask=, "
-                f"importance_sampling_ratio=) * advantages * per_token_logps, summed over the batch's loss tokens "
-                f"without the engine factor (loss {loss}, expected {expected}; get_gamma_weights got {sorted(seen)})")
+        return (
+            f"the vespo branch is no longer -get_gamma_weights(advantages=, log_ratio_per_token=, mask=, "
+            f"importance_sampling_ratio=) * advantages * per_token_logps, summed over the batch's loss tokens "
+            f"without the engine factor (loss {loss}, expected {expected}; get_gamma_weights got {sorted(seen)})"
+        )
     return None
 
 
@@ -687,13 +750,16 @@ def _probe_padded_width(trainer_class: type) -> str | None:
         for side in ("left", "right"):
             padded = trl_pad([torch.ones(n) for n in lengths], padding_side=side, pad_to_multiple_of=multiple).shape[1]
             if padded != trl_padded_width(lengths, multiple):
-                return (f"trl.trainer.utils.pad pads {lengths} ({side}, multiple {multiple}) to {padded}, not to "
-                        f"{trl_padded_width(lengths, multiple)} (trl_padded_width)")
+                return (
+                    f"trl.trainer.utils.pad pads {lengths} ({side}, multiple {multiple}) to {padded}, not to "
+                    f"{trl_padded_width(lengths, multiple)} (trl_padded_width)"
+                )
     return None
 
 
-def _score(trainer_class: Any, *, use_vllm: bool, ref_model: Any = None, beta: float = 0.0,
-           peft_model: Any = None) -> tuple[list, dict, SimpleNamespace]:
+def _score(
+    trainer_class: Any, *, use_vllm: bool, ref_model: Any = None, beta: float = 0.0, peft_model: Any = None
+) -> tuple[list, dict, SimpleNamespace]:
     """TRL's ``_generate_and_score_completions`` on two one-token completions; returns the events (generation and
     each scoring forward's model, in order), the output and the stand-in trainer."""
     events = []
@@ -708,15 +774,39 @@ def _score(trainer_class: Any, *, use_vllm: bool, ref_model: Any = None, beta: f
 
     model = peft_model or SimpleNamespace(training=True, is_gradient_checkpointing=False)
     trainer = _stand_in_trainer(
-        model=model, use_vllm=use_vllm, ref_model=ref_model, beta=beta, environment_factories=None, tools=None,
-        environments=None, _generate=generate, _get_per_token_logps_and_entropies=forward,
-        _tokenizer=SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None, mask_truncated_completions=False,
-        _is_vlm=False, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=None,
-        vllm_importance_sampling_clip_max=10.0, _calculate_rewards=lambda *a: torch.tensor([[1.0], [0.0]]),
-        num_generations=2, multi_objective_aggregation="sum_then_normalize", reward_weights=torch.ones(1),
-        scale_rewards="group", reward_func_names=["probe"], log_multimodal=False, _pending_extra_logs={},
-        _pending_metrics={}, _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
-                                    "extra": defaultdict(list), "images": []},
+        model=model,
+        use_vllm=use_vllm,
+        ref_model=ref_model,
+        beta=beta,
+        environment_factories=None,
+        tools=None,
+        environments=None,
+        _generate=generate,
+        _get_per_token_logps_and_entropies=forward,
+        _tokenizer=SimpleNamespace(pad_token_id=0),
+        pad_to_multiple_of=None,
+        mask_truncated_completions=False,
+        _is_vlm=False,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=10.0,
+        _calculate_rewards=lambda *a: torch.tensor([[1.0], [0.0]]),
+        num_generations=2,
+        multi_objective_aggregation="sum_then_normalize",
+        reward_weights=torch.ones(1),
+        scale_rewards="group",
+        reward_func_names=["probe"],
+        log_multimodal=False,
+        _pending_extra_logs={},
+        _pending_metrics={},
+        _logs={
+            "prompt": [],
+            "completion": [],
+            "rewards": defaultdict(list),
+            "advantages": [],
+            "extra": defaultdict(list),
+            "images": [],
+        },
     )
     trainer.args.per_device_train_batch_size = 2
     output = trainer_class._generate_and_score_completions(trainer, [{"prompt": "p"}, {"prompt": "q"}])
@@ -725,13 +815,21 @@ def _score(trainer_class: Any, *, use_vllm: bool, ref_model: Any = None, beta: f
 
 def _probe_engine_correction_in_scoring(trainer_class: type) -> str | None:
     events, output, trainer = _score(trainer_class, use_vllm=True)
-    if events != ["generate", trainer.model] or "importance_sampling_ratio" not in output or not any(
-            name.startswith("sampling/") for name in trainer._metrics["train"]):
-        return ("_generate_and_score_completions no longer generates, then runs its old-logprob pass, computes the "
-                "importance-sampling ratio and logs sampling/* when use_vllm and vllm_importance_sampling_correction")
+    if (
+        events != ["generate", trainer.model]
+        or "importance_sampling_ratio" not in output
+        or not any(name.startswith("sampling/") for name in trainer._metrics["train"])
+    ):
+        return (
+            "_generate_and_score_completions no longer generates, then runs its old-logprob pass, computes the "
+            "importance-sampling ratio and logs sampling/* when use_vllm and vllm_importance_sampling_correction"
+        )
     events, output, trainer = _score(trainer_class, use_vllm=False)
-    if events != ["generate"] or "importance_sampling_ratio" in output or any(
-            name.startswith("sampling/") for name in trainer._metrics["train"]):
+    if (
+        events != ["generate"]
+        or "importance_sampling_ratio" in output
+        or any(name.startswith("sampling/") for name in trainer._metrics["train"])
+    ):
         return "_generate_and_score_completions now applies the engine correction without use_vllm"
     return None
 
@@ -740,8 +838,10 @@ def _probe_reference_forward(trainer_class: type) -> str | None:
     ref_model = SimpleNamespace(training=False)
     events, _, trainer = _score(trainer_class, use_vllm=True, ref_model=ref_model, beta=0.1)
     if events != ["generate", trainer.model, ref_model]:
-        return ("the scoring forwards are no longer the old policy with self.model, then the reference policy with "
-                f"self.ref_model (saw {events})")
+        return (
+            "the scoring forwards are no longer the old policy with self.model, then the reference policy with "
+            f"self.ref_model (saw {events})"
+        )
     adapters = []
 
     class PeftModel(SimpleNamespace):
@@ -755,9 +855,11 @@ def _probe_reference_forward(trainer_class: type) -> str | None:
     events, _, _ = _score(trainer_class, use_vllm=True, beta=0.1, peft_model=model)
     forwards = [event is model for event in events[1:]]
     if forwards != [True, True] or adapters != ["disabled", "enabled"]:
-        return ("the PEFT reference forward no longer runs self.model inside use_adapter(model, None) (all "
-                f"adapters disabled) after the old-policy forward (adapter calls {adapters}, forwards of self.model "
-                f"{forwards})")
+        return (
+            "the PEFT reference forward no longer runs self.model inside use_adapter(model, None) (all "
+            f"adapters disabled) after the old-policy forward (adapter calls {adapters}, forwards of self.model "
+            f"{forwards})"
+        )
     return None
 
 
@@ -770,13 +872,19 @@ def _probe_vllm_sync_trigger(trainer_class: Any) -> str | None:
     generation = SimpleNamespace(sync_weights=lambda: synced.append(True), generate=generate)
     for last_loaded, expected in ((0, [True]), (1, [])):
         synced.clear()
-        trainer = _stand_in_trainer(use_vllm=True, vllm_generation=generation, _last_loaded_step=last_loaded,
-                                    state=SimpleNamespace(global_step=1))
+        trainer = _stand_in_trainer(
+            use_vllm=True,
+            vllm_generation=generation,
+            _last_loaded_step=last_loaded,
+            state=SimpleNamespace(global_step=1),
+        )
         with contextlib.suppress(_ProbeStop):
             trainer_class._generate_single_turn(trainer, [[1]], None, None, 1)
         if synced != expected or trainer._last_loaded_step != 1 or vllm_weights_stale(trainer):
-            return ("GRPOTrainer._generate_single_turn no longer takes the vLLM path under use_vllm and syncs the "
-                    "weights exactly when state.global_step != _last_loaded_step, then records the step")
+            return (
+                "GRPOTrainer._generate_single_turn no longer takes the vLLM path under use_vllm and syncs the "
+                "weights exactly when state.global_step != _last_loaded_step, then records the step"
+            )
     return None
 
 
@@ -788,22 +896,36 @@ def _probe_weight_sync_params(trainer_class: type) -> str | None:
     woken: list = []
     model = SimpleNamespace(load_weights=lambda weights: loaded.extend(name for name, _ in weights))
     llm = SimpleNamespace(
-        wake_up=lambda tags: woken.append(tags), reset_prefix_cache=lambda: None,
-        llm_engine=SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
-            model_runner=SimpleNamespace(model=model)))))
-    client = SimpleNamespace(update_named_params=lambda metadata, params: sent.extend(name for name, _ in params),
-                             reset_prefix_cache=lambda: None)
+        wake_up=lambda tags: woken.append(tags),
+        reset_prefix_cache=lambda: None,
+        llm_engine=SimpleNamespace(
+            model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+        ),
+    )
+    client = SimpleNamespace(
+        update_named_params=lambda metadata, params: sent.extend(name for name, _ in params),
+        reset_prefix_cache=lambda: None,
+    )
     for mode in ("colocate", "server"):
         params = [("kept", torch.ones(1)), ("left", torch.ones(1))]
         # stands in for a VLLMGeneration
-        generation: Any = SimpleNamespace(mode=mode, enable_sleep_mode=True, llm=llm, vllm_client=client,
-                                     accelerator=_Accelerator(), _weight_metadata=None, _llm_weights_sleeping=True,
-                                     _iter_named_params=lambda params=params: iter(params))
+        generation: Any = SimpleNamespace(
+            mode=mode,
+            enable_sleep_mode=True,
+            llm=llm,
+            vllm_client=client,
+            accelerator=_Accelerator(),
+            _weight_metadata=None,
+            _llm_weights_sleeping=True,
+            _iter_named_params=lambda params=params: iter(params),
+        )
         exclude_from_weight_sync(generation, lambda name: name == "left")
         VLLMGeneration.sync_weights(generation)
     if loaded != ["kept"] or sent != ["kept"]:
-        return ("VLLMGeneration.sync_weights no longer reads the parameters it sends through "
-                f"self._iter_named_params() in both modes (colocate loaded {loaded}, server sent {sent})")
+        return (
+            "VLLMGeneration.sync_weights no longer reads the parameters it sends through "
+            f"self._iter_named_params() in both modes (colocate loaded {loaded}, server sent {sent})"
+        )
     if not woken or "_llm_weights_sleeping" not in vars(generation):
         return "VLLMGeneration.sync_weights no longer wakes sleeping colocated weights (_llm_weights_sleeping)"
     return None
@@ -812,11 +934,17 @@ def _probe_weight_sync_params(trainer_class: type) -> str | None:
 def _probe_nan_extrema(trainer_class: type) -> str | None:
     utils = _import("trl.trainer.utils")
     values, all_nan = torch.tensor([float("nan"), 2.0, -1.0]), torch.full((2,), float("nan"))
-    got = (utils.nanmin(values).item(), utils.nanmax(values).item(), utils.nanmin(all_nan).item(),
-           utils.nanmax(all_nan).item())
+    got = (
+        utils.nanmin(values).item(),
+        utils.nanmax(values).item(),
+        utils.nanmin(all_nan).item(),
+        utils.nanmax(all_nan).item(),
+    )
     if got[:2] != (-1.0, 2.0) or not all(math.isnan(v) for v in got[2:]):
-        return (f"trl.trainer.utils.nanmin/nanmax of [nan, 2, -1] and [nan, nan] give {got}, not -1, 2 (NaN ignored) "
-                "and NaN, NaN")
+        return (
+            f"trl.trainer.utils.nanmin/nanmax of [nan, 2, -1] and [nan, nan] give {got}, not -1, 2 (NaN ignored) "
+            "and NaN, NaN"
+        )
     return None
 
 
@@ -833,23 +961,45 @@ def _probe_tool_loop_samples(trainer_class: Any) -> str | None:
         return "x" * n
 
     def call(n: int) -> list[dict]:
-        return [{"role": "assistant", "content": "",
-                 "tool_calls": [{"type": "function", "function": {"name": "tool", "arguments": {"n": n}}}]}]
+        return [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "tool", "arguments": {"n": n}}}],
+            }
+        ]
 
     trainer = _stand_in_trainer(
-        _generate_single_turn=generate_turn, _get_tool_suffix_ids=lambda messages: [9] * len(messages[-1]["content"]),
-        _sync_tool_dicts=[{"tool": tool}] * 3, _async_tool_dicts=[{}] * 3, max_tool_calling_iterations=2,
-        max_completion_length=4, vllm_mode="server", _is_vlm=False, tools=[tool], environment_factories=None,
+        _generate_single_turn=generate_turn,
+        _get_tool_suffix_ids=lambda messages: [9] * len(messages[-1]["content"]),
+        _sync_tool_dicts=[{"tool": tool}] * 3,
+        _async_tool_dicts=[{}] * 3,
+        max_tool_calling_iterations=2,
+        max_completion_length=4,
+        vllm_mode="server",
+        _is_vlm=False,
+        tools=[tool],
+        environment_factories=None,
         model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=100)),
     )
     prompt_ids, completion_ids = [[1], [1], [2]], [[5], [5], [6]]
-    trainer_class._tool_call_loop(trainer, [[{"role": "user", "content": "q"}] for _ in range(3)], prompt_ids,
-                                  completion_ids, [call(9), call(1), call(2)], None, None, {})
+    trainer_class._tool_call_loop(
+        trainer,
+        [[{"role": "user", "content": "q"}] for _ in range(3)],
+        prompt_ids,
+        completion_ids,
+        [call(9), call(1), call(2)],
+        None,
+        None,
+        {},
+    )
     expected = [[1, 5, 9], [2, 6, 9, 9]]
     if seen != [([1, 2], expected)]:
-        return (f"_tool_call_loop no longer asks _generate_single_turn for the samples in its list idxs_with_tool "
-                f"(after dropping those whose tool result does not fit): saw (samples, prompts) {seen}, expected "
-                f"{[([1, 2], expected)]}")
+        return (
+            f"_tool_call_loop no longer asks _generate_single_turn for the samples in its list idxs_with_tool "
+            f"(after dropping those whose tool result does not fit): saw (samples, prompts) {seen}, expected "
+            f"{[([1, 2], expected)]}"
+        )
     return None
 
 
@@ -887,7 +1037,9 @@ def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:
 # - accelerate's is_peft_model imports DeepSpeed where it is installed (TRL calls it in GRPOTrainer.__init__), and
 #   DeepSpeed then logs "Setting accelerator to CPU" on a machine without a GPU, where the CPU is what trains.
 # ---------------------------------------------------------------------------------------------------------------
-_DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+_DEEPSPEED_CPU_NOTICE = (
+    "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+)
 
 
 def _not_deepspeed_cpu_notice(record: Any) -> bool:
@@ -899,8 +1051,12 @@ def quiet_upstream_notices() -> None:
     import logging
     import warnings
 
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
-                            module="transformers.modeling_utils")
+    warnings.filterwarnings(
+        "ignore",
+        message="`is_gradient_checkpointing` is deprecated",
+        category=FutureWarning,
+        module="transformers.modeling_utils",
+    )
     deepspeed_logger = logging.getLogger("DeepSpeed")  # deepspeed.utils.logging's; created here if not yet
     if _not_deepspeed_cpu_notice not in deepspeed_logger.filters:
         deepspeed_logger.addFilter(_not_deepspeed_cpu_notice)

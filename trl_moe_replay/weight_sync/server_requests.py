@@ -19,8 +19,14 @@ from ..errors import TrlMoeReplayError
 if TYPE_CHECKING:
     import requests
 
-__all__ = ["ServerModeDependencyError", "VLLMServerUnavailableError", "http_client", "post_to_server",
-           "served_model_name", "server_gone_errors"]
+__all__ = [
+    "ServerModeDependencyError",
+    "VLLMServerUnavailableError",
+    "http_client",
+    "post_to_server",
+    "served_model_name",
+    "server_gone_errors",
+]
 
 
 class VLLMServerUnavailableError(TrlMoeReplayError, RuntimeError):
@@ -38,7 +44,7 @@ def http_client():
     except ImportError as exc:
         raise ServerModeDependencyError(
             "vLLM server mode needs the requests package, which is not installed (a plain install does not bring "
-            "it): pip install \"trl-moe-replay[vllm]\" (or pip install requests)"
+            'it): pip install "trl-moe-replay[vllm]" (or pip install requests)'
         ) from exc
     return requests
 

@@ -89,10 +89,18 @@ def server_scorer(base_url: str, timeout: float = PROBE_TIMEOUT) -> EngineScorer
         if not names:
             names.append(served_model_name(base_url, timeout))
         response = post_to_server(
-            f"{base_url}/v1/completions", "the sync-check probe", timeout,
+            f"{base_url}/v1/completions",
+            "the sync-check probe",
+            timeout,
             "Set vllm_sync_check=False if this server cannot answer prompt_logprobs.",
-            json={"model": names[0], "prompt": [probe], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
-                  "return_tokens_as_token_ids": True},
+            json={
+                "model": names[0],
+                "prompt": [probe],
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": 0,
+                "return_tokens_as_token_ids": True,
+            },
         )
         entries = response.json()["choices"][0]["prompt_logprobs"][1:]
         values = []
@@ -112,8 +120,9 @@ def colocated_scorer(llm: Any) -> EngineScorer:
         params = vllm_sampling_params_class()(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         request = llm.generate([{"prompt_token_ids": probe}], params, use_tqdm=False)[0]
         entries = request.prompt_logprobs[1:]
-        return torch.tensor([entry[token].logprob for entry, token in zip(entries, probe[1:], strict=True)],
-                            dtype=torch.float32)
+        return torch.tensor(
+            [entry[token].logprob for entry, token in zip(entries, probe[1:], strict=True)], dtype=torch.float32
+        )
 
     return score
 
@@ -131,13 +140,19 @@ def packed_row_logprobs(model: torch.nn.Module, probe: list[int]) -> torch.Tenso
     n = len(probe)
     device = next(model.parameters()).device
     ids = torch.tensor([probe], device=device)
-    logits = model(
-        input_ids=ids, position_ids=torch.arange(n, device=device)[None],
-        tree_kv_index=torch.arange(n, device=device),
-        tree_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-        tree_cu_seqlens_k=torch.tensor([0, n], dtype=torch.int32, device=device),
-        tree_max_seqlen_q=n, tree_max_seqlen_k=n,
-    ).logits[0, :-1].float()
+    logits = (
+        model(
+            input_ids=ids,
+            position_ids=torch.arange(n, device=device)[None],
+            tree_kv_index=torch.arange(n, device=device),
+            tree_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+            tree_cu_seqlens_k=torch.tensor([0, n], dtype=torch.int32, device=device),
+            tree_max_seqlen_q=n,
+            tree_max_seqlen_k=n,
+        )
+        .logits[0, :-1]
+        .float()
+    )
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
 
@@ -167,8 +182,14 @@ class SyncCheck:
         engine_name: how the errors name the engine.
     """
 
-    def __init__(self, engine: EngineScorer | None, trainer: TrainerScorer, probe: list[int] | None = None,
-                 tolerance: float = SYNC_CHECK_TOLERANCE, engine_name: str = "vLLM server"):
+    def __init__(
+        self,
+        engine: EngineScorer | None,
+        trainer: TrainerScorer,
+        probe: list[int] | None = None,
+        tolerance: float = SYNC_CHECK_TOLERANCE,
+        engine_name: str = "vLLM server",
+    ):
         self.engine, self.trainer, self.tolerance, self.engine_name = engine, trainer, tolerance, engine_name
         self.probe = list(PROBE_TOKENS if probe is None else probe)
         self._engine_after: torch.Tensor | None = None  # engine answer right after the previous sync
@@ -241,8 +262,13 @@ class SyncCheck:
         return None if self.engine is None else float((self._engine_answer("measuring") - trainer).abs().max())
 
 
-def checked_weight_sync(check: SyncCheck | None, sync: Callable[[], None], model: torch.nn.Module, accelerator: Any,
-                        metrics: dict[str, list]) -> None:
+def checked_weight_sync(
+    check: SyncCheck | None,
+    sync: Callable[[], None],
+    model: torch.nn.Module,
+    accelerator: Any,
+    metrics: dict[str, list],
+) -> None:
     """Run ``sync`` (a trainer's weight sync) inside ``check``, on every process, and log the engine-trainer
     difference as ``vllm/sync_max_logprob_diff`` in ``metrics`` (TRL's ``self._metrics[mode]``): the largest over
     the processes that measured one. Without a check, ``sync()`` alone."""
@@ -260,22 +286,28 @@ def checked_weight_sync(check: SyncCheck | None, sync: Callable[[], None], model
 
 
 # ------------------------------------------------------------------ which trainers get it, and how it is built
-def sync_trainer_check(enabled: bool, *, accelerator: Any, vllm_generation: Any,
-                       tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
+def sync_trainer_check(
+    enabled: bool, *, accelerator: Any, vllm_generation: Any, tolerance: float = SYNC_CHECK_TOLERANCE
+) -> SyncCheck | None:
     """The sync trainer's sync check (every process builds one), or ``None`` when not ``enabled`` (``vllm_sync_check``
     as ``core.routing_options.resolve_sync_check`` resolves it). ``vllm_generation`` is TRL's ``VLLMGeneration``:
     in colocate mode each process scores its own engine, with a server the main process alone."""
     if not enabled:
         return None
     if vllm_generation.mode == "colocate":
-        return SyncCheck(colocated_scorer(vllm_generation.llm), causal_lm_logprobs, tolerance=tolerance,
-                         engine_name="colocated vLLM engine")
+        return SyncCheck(
+            colocated_scorer(vllm_generation.llm),
+            causal_lm_logprobs,
+            tolerance=tolerance,
+            engine_name="colocated vLLM engine",
+        )
     engine = server_scorer(vllm_generation.vllm_client.base_url) if accelerator.is_main_process else None
     return SyncCheck(engine, causal_lm_logprobs, tolerance=tolerance)
 
 
-def async_trainer_check(enabled: bool, *, accelerator: Any, base_url: str,
-                        tolerance: float = SYNC_CHECK_TOLERANCE) -> SyncCheck | None:
+def async_trainer_check(
+    enabled: bool, *, accelerator: Any, base_url: str, tolerance: float = SYNC_CHECK_TOLERANCE
+) -> SyncCheck | None:
     """The async trainer's sync check of the server at ``base_url`` (scored by the main process), on packed rows; or
     ``None`` when not ``enabled``."""
     if not enabled:

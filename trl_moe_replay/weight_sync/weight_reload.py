@@ -61,8 +61,10 @@ __all__ = [
 WEIGHTS_FILE = "model.safetensors"
 WEIGHT_SYNC_TIMEOUT = 1800.0  # seconds per request to the server: TRL's async default for one weight transfer
 _PARTIAL_FILE = ".model.safetensors.partial"  # not "*.safetensors": vLLM's loader never picks it up
-_RELOAD_REMEDY = ("vllm_weight_sync='reload' needs the server's dev-mode endpoints (VLLM_SERVER_DEV_MODE=1, which "
-                  "`trl vllm-serve` sets) and read access to the sync folder (vllm_sync_dir).")
+_RELOAD_REMEDY = (
+    "vllm_weight_sync='reload' needs the server's dev-mode endpoints (VLLM_SERVER_DEV_MODE=1, which "
+    "`trl vllm-serve` sets) and read access to the sync folder (vllm_sync_dir)."
+)
 
 
 class WeightSyncDirError(TrlMoeReplayError, ValueError):
@@ -106,8 +108,15 @@ class WeightReload:
             is exhausted, and on a CPU ``.cpu()`` is the parameter itself (the engine would get ``W``, not ``W + BA``).
     """
 
-    def __init__(self, *, llm: Any = None, base_url: str | None = None, sync_dir: str | None = None,
-                 timeout: float = WEIGHT_SYNC_TIMEOUT, copy_before_write: bool = False):
+    def __init__(
+        self,
+        *,
+        llm: Any = None,
+        base_url: str | None = None,
+        sync_dir: str | None = None,
+        timeout: float = WEIGHT_SYNC_TIMEOUT,
+        copy_before_write: bool = False,
+    ):
         if (llm is None) == (base_url is None) or (base_url is not None and sync_dir is None):
             raise ValueError("WeightReload reloads a colocated engine (llm=) or a server (base_url= and sync_dir=)")
         self.llm = llm
@@ -126,10 +135,16 @@ class WeightReload:
             self.llm.reset_prefix_cache()
         else:
             self.write(tensors)
-            post_to_server(f"{self.base_url}/collective_rpc", "the weight reload", self.timeout, _RELOAD_REMEDY,
-                           json={"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}})
-            post_to_server(f"{self.base_url}/reset_prefix_cache", "the prefix-cache reset", self.timeout,
-                           _RELOAD_REMEDY)
+            post_to_server(
+                f"{self.base_url}/collective_rpc",
+                "the weight reload",
+                self.timeout,
+                _RELOAD_REMEDY,
+                json={"method": "reload_weights", "kwargs": {"weights_path": self.sync_dir}},
+            )
+            post_to_server(
+                f"{self.base_url}/reset_prefix_cache", "the prefix-cache reset", self.timeout, _RELOAD_REMEDY
+            )
         self.reloads += 1
 
     def write(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -142,8 +157,11 @@ class WeightReload:
         sync_dir = self.sync_dir
         assert sync_dir is not None  # __init__ requires it with base_url, and only a server's reload writes
         os.makedirs(sync_dir, exist_ok=True)
-        foreign = sorted(name for name in os.listdir(sync_dir)
-                         if name != WEIGHTS_FILE and name.endswith((".safetensors", ".safetensors.index.json")))
+        foreign = sorted(
+            name
+            for name in os.listdir(sync_dir)
+            if name != WEIGHTS_FILE and name.endswith((".safetensors", ".safetensors.index.json"))
+        )
         if foreign:
             raise WeightSyncDirError(
                 f"the reload sync's folder {sync_dir} must hold no weights but its own {WEIGHTS_FILE}, and it "
@@ -167,8 +185,9 @@ class ReloadWeightSync:
     In server mode only the main process sends; the others read the weights too, to take part in the gathers.
     """
 
-    def __init__(self, vllm_generation: Any, model: torch.nn.Module, sync_dir: str,
-                 timeout: float = WEIGHT_SYNC_TIMEOUT):
+    def __init__(
+        self, vllm_generation: Any, model: torch.nn.Module, sync_dir: str, timeout: float = WEIGHT_SYNC_TIMEOUT
+    ):
         self.generation = vllm_generation
         self.model = model  # the unwrapped transformers model: its conversions name the checkpoint
         self.sync_dir = os.path.abspath(sync_dir)
@@ -177,8 +196,12 @@ class ReloadWeightSync:
             self.reload = WeightReload(llm=vllm_generation.llm)
         elif vllm_generation.accelerator.is_main_process:
             # TRL's iterator unmerges a PEFT adapter in place when exhausted, before the file would be written
-            self.reload = WeightReload(base_url=vllm_generation.vllm_client.base_url, sync_dir=sync_dir,
-                                       timeout=timeout, copy_before_write=is_peft_model(model))
+            self.reload = WeightReload(
+                base_url=vllm_generation.vllm_client.base_url,
+                sync_dir=sync_dir,
+                timeout=timeout,
+                copy_before_write=is_peft_model(model),
+            )
         self.syncs = 0
 
     def sync(self) -> None:
@@ -207,8 +230,9 @@ class ReloadWeightTransfer:
         timeout: seconds for each request.
     """
 
-    def __init__(self, base_url: str, sync_dir: str, model: torch.nn.Module | None = None,
-                 timeout: float = WEIGHT_SYNC_TIMEOUT):
+    def __init__(
+        self, base_url: str, sync_dir: str, model: torch.nn.Module | None = None, timeout: float = WEIGHT_SYNC_TIMEOUT
+    ):
         self.base_url = base_url.rstrip("/")
         self.sync_dir = os.path.abspath(sync_dir)
         self.model = model
@@ -255,8 +279,9 @@ def _timeout(args: Any) -> float:
     return float(getattr(args, "weight_sync_timeout", None) or WEIGHT_SYNC_TIMEOUT)
 
 
-def sync_trainer_weight_sync(method: WeightSyncMethod | None, args: Any, *, vllm_generation: Any,
-                             model: torch.nn.Module) -> ReloadWeightSync | None:
+def sync_trainer_weight_sync(
+    method: WeightSyncMethod | None, args: Any, *, vllm_generation: Any, model: torch.nn.Module
+) -> ReloadWeightSync | None:
     """The sync trainer's reload weight sync, or ``None`` where TRL's own sync is used. Built after TRL's
     ``VLLMGeneration`` (``vllm_generation``) exists; ``model`` is the unwrapped transformers model."""
     if method != WeightSyncMethod.RELOAD:

@@ -83,7 +83,8 @@ def test_the_cache_key_covers_what_changes_the_result(tmp_path, monkeypatch):
         "torch": lambda: monkeypatch.setattr(torch, "__version__", "0.0.1"),
         "transformers": lambda: monkeypatch.setattr(transformers, "__version__", "0.0.1"),
         "math_verify": lambda: monkeypatch.setattr(
-            importlib.metadata, "version", lambda name: "0.0.1" if name == "math-verify" else real_version(name)),
+            importlib.metadata, "version", lambda name: "0.0.1" if name == "math-verify" else real_version(name)
+        ),
         "code": lambda: monkeypatch.setattr(cold_start, "__file__", str(other_source)),
     }
     assert set(changes) == set(cold_start.cold_start_environment())

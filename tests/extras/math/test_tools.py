@@ -89,14 +89,18 @@ def test_tool_demonstration_is_parsed_by_trl_and_masks_the_tool_result():
 
 def test_failing_tool_calls_become_error_results_like_trls():
     messages, failures = run_tool_calls(
-        [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "9/0"}}},
-         {"type": "function", "function": {"name": "search", "arguments": {}}},
-         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}],
+        [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "9/0"}}},
+            {"type": "function", "function": {"name": "search", "arguments": {}}},
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}},
+        ],
         [calculator],
     )
     assert failures == 2
     assert [m["content"] for m in messages] == [
-        str({"error": "division by zero"}), str({"error": "Tool search not found."}), "6"
+        str({"error": "division by zero"}),
+        str({"error": "Tool search not found."}),
+        "6",
     ]
 
 
@@ -113,8 +117,9 @@ def test_cold_start_demonstrations_are_the_sequences_trls_tool_loop_builds(tmp_p
     """A scripted policy writes the cold start's turns; TRL's loop must build exactly the demonstration's ids, with
     the demonstration's loss mask as its tool mask."""
     tokenizer = tiny_tokenizer(tools=True)
-    data = synthetic_math_dataset(4, seed=3, conversational=True, max_operand=99, kinds=("arithmetic",),
-                                  expressions=True)
+    data = synthetic_math_dataset(
+        4, seed=3, conversational=True, max_operand=99, kinds=("arithmetic",), expressions=True
+    )
     rows = {row["prompt"][-1]["content"]: row for row in data}
     calls_tool = {question: k % 2 == 0 for k, question in enumerate(rows)}  # two with the tool, two at once
 
@@ -127,21 +132,34 @@ def test_cold_start_demonstrations_are_the_sequences_trls_tool_loop_builds(tmp_p
         return f"\\boxed{{{row['solution']}}}"
 
     args = MoEReplayGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1, logging_steps=1,
-        per_device_train_batch_size=8, num_generations=2, max_completion_length=96, save_strategy="no", seed=0,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        max_steps=1,
+        logging_steps=1,
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=96,
+        save_strategy="no",
+        seed=0,
         routing_replay="r3",
     )
     trainer = CapturingTrainer(
-        model=tiny_moe_model("qwen3_moe"), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-        args=args, train_dataset=Dataset.from_dict({"prompt": data["prompt"]}), processing_class=tokenizer,
+        model=tiny_moe_model("qwen3_moe"),
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": data["prompt"]}),
+        processing_class=tokenizer,
         tools=[calculator],
     )
     with scripted_generation(trainer.model, tokenizer, script):
         trainer.train()
     prompts, prompt_ids, completion_ids, tool_mask = trainer.generated
     assert len(prompts) == 8
-    for prompt, got_prompt, got_completion, got_mask in zip(prompts, prompt_ids, completion_ids, tool_mask,
-                                                           strict=True):
+    for prompt, got_prompt, got_completion, got_mask in zip(
+        prompts, prompt_ids, completion_ids, tool_mask, strict=True
+    ):
         row = rows[prompt[-1]["content"]]
         tool_part = None
         if calls_tool[prompt[-1]["content"]]:
@@ -162,8 +180,13 @@ def test_cold_start_needs_a_demonstration_for_tool_calls():
 
     data = synthetic_math_dataset(4, seed=0, conversational=True, expressions=True)
     with pytest.raises(ValueError, match="needs `tool_call`"):
-        cold_start_sft(tiny_moe_model("qwen3_moe"), tiny_tokenizer(tools=True), data,
-                       ColdStartConfig(steps=1, tool_call_fraction=0.5), tools=[calculator])
+        cold_start_sft(
+            tiny_moe_model("qwen3_moe"),
+            tiny_tokenizer(tools=True),
+            data,
+            ColdStartConfig(steps=1, tool_call_fraction=0.5),
+            tools=[calculator],
+        )
     with pytest.raises(ValueError, match="conversational"):
         prompt_token_ids(tiny_tokenizer(tools=True), "3+4=", [calculator])
 
@@ -179,8 +202,14 @@ def test_tools_config_fits_its_demonstrations(recipe):
     # the longest demonstration (tool call, result, answer) fits the completion budget TRL enforces
     tokenizer = tiny_tokenizer(tools=True)
     longest = max(
-        len(demonstration(tokenizer, [], f"\\boxed{{{row['solution']}}}",
-                          tool_demonstration(tokenizer, calculator_demonstration(row), [calculator]))[1])
+        len(
+            demonstration(
+                tokenizer,
+                [],
+                f"\\boxed{{{row['solution']}}}",
+                tool_demonstration(tokenizer, calculator_demonstration(row), [calculator]),
+            )[1]
+        )
         for row in train.select(range(200))
     )
     assert longest <= args.max_completion_length
@@ -198,12 +227,32 @@ def test_tool_flags_are_checked(recipe):
 
 @pytest.mark.slow  # runs the tool recipe
 def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, capsys):
-    script_args, training_args, model_args = recipe.parse_args([
-        "--config", str(TOOLS_CONFIG), "--output_dir", str(tmp_path / "run"), "--sft_cache_dir", str(tmp_path / "c"),
-        "--max_steps", "2", "--sft_steps", "60", "--sft_batch_size", "16", "--sft_learning_rate", "8e-3",
-        "--sft_tool_call_fraction", "1.0",
-        "--synthetic_samples", "256", "--per_device_train_batch_size", "16", "--plot", "false",
-    ])
+    script_args, training_args, model_args = recipe.parse_args(
+        [
+            "--config",
+            str(TOOLS_CONFIG),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--sft_cache_dir",
+            str(tmp_path / "c"),
+            "--max_steps",
+            "2",
+            "--sft_steps",
+            "60",
+            "--sft_batch_size",
+            "16",
+            "--sft_learning_rate",
+            "8e-3",
+            "--sft_tool_call_fraction",
+            "1.0",
+            "--synthetic_samples",
+            "256",
+            "--per_device_train_batch_size",
+            "16",
+            "--plot",
+            "false",
+        ]
+    )
     torch.manual_seed(0)
     recipe.main(script_args, training_args, model_args)
     out = capsys.readouterr().out
@@ -221,8 +270,9 @@ def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, cap
     # inside fails nearly every call
     assert report["tool_failure_rate"] < 0.5, report
 
-    logged = [h for h in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]
-              if "reward" in h]
+    logged = [
+        h for h in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"] if "reward" in h
+    ]
     assert len(logged) == 2
     for h in logged:
         assert h["tools/call_frequency"] > 0.0  # TRL ran the calculator inside GRPO's rollouts

@@ -75,11 +75,16 @@ def prompt_token_ids(tokenizer, prompt, tools: Sequence[Callable] | None = None)
     prompt for conversational prompts, plain tokenization for strings."""
     if isinstance(prompt, str):
         if tools:
-            raise ValueError("tools need conversational prompts ([{'role': 'user', 'content': ...}]): TRL renders "
-                             "the tools with the chat template")
+            raise ValueError(
+                "tools need conversational prompts ([{'role': 'user', 'content': ...}]): TRL renders "
+                "the tools with the chat template"
+            )
         return tokenizer(text=prompt)["input_ids"]
     return tokenizer.apply_chat_template(
-        prompt, tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=True,
+        prompt,
+        tools=list(tools) if tools else None,
+        add_generation_prompt=True,
+        tokenize=True,
         return_dict=True,
     )["input_ids"]
 
@@ -89,8 +94,11 @@ _DUMMY_USER = [{"role": "user", "content": "dummy"}]
 
 
 def _chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    )
 
 
 def tool_call_turn_ids(tokenizer, tool_call: dict[str, Any], tools: Sequence[Callable] | None = None) -> list[int]:
@@ -102,8 +110,10 @@ def tool_call_turn_ids(tokenizer, tool_call: dict[str, Any], tools: Sequence[Cal
     head = _chat_ids(tokenizer, _DUMMY_USER, add_generation_prompt=True, tools=tools)
     full = _chat_ids(tokenizer, _DUMMY_USER + [message], add_generation_prompt=False, tools=tools)
     if full[: len(head)] != head:
-        raise ValueError("the chat template renders an assistant turn that does not extend the generation prompt; "
-                         "TRL's tool loop needs a prefix-preserving template")
+        raise ValueError(
+            "the chat template renders an assistant turn that does not extend the generation prompt; "
+            "TRL's tool loop needs a prefix-preserving template"
+        )
     turn = full[len(head) :]
     ends = [i for i, token in enumerate(turn) if token == tokenizer.eos_token_id]
     if not ends:
@@ -117,10 +127,13 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict[str, Any]]) -> list[int]
     text model with the tokenizer's own (prefix-preserving) template: a dummy conversation whose assistant calls
     the first result's tool, rendered with and without the results (no tools in the system prompt), the shorter
     one cut after its last EOS. ``tests/extras/math/test_tools.py`` checks it against TRL's loop."""
-    dummy = _DUMMY_USER + [{
-        "role": "assistant", "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}],
-    }]
+    dummy = _DUMMY_USER + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}],
+        }
+    ]
     prefix = _chat_ids(tokenizer, dummy, add_generation_prompt=False)
     full = _chat_ids(tokenizer, dummy + list(tool_messages), add_generation_prompt=True)
     ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
@@ -252,13 +265,18 @@ def cold_start_sft(
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
         if step % 100 == 0 or step == config.steps:
-            log(f"cold-start SFT step {step}/{config.steps}: loss {loss_value:.3f} ({time.perf_counter() - start:.0f} s)")
+            log(
+                f"cold-start SFT step {step}/{config.steps}: loss {loss_value:.3f} ({time.perf_counter() - start:.0f} s)"
+            )
     model.eval()
     if tools:
         measured = sampled_tool_rollouts(model, tokenizer, prompts, solutions, tools, config.eval_samples, config.seed)
     else:
-        measured = {"sampled_accuracy": sampled_accuracy(model, tokenizer, prompts, solutions, config.eval_samples,
-                                                         config.seed)}
+        measured = {
+            "sampled_accuracy": sampled_accuracy(
+                model, tokenizer, prompts, solutions, config.eval_samples, config.seed
+            )
+        }
     return {"final_loss": loss_value, **measured, "seconds": time.perf_counter() - start}
 
 
@@ -273,8 +291,13 @@ def _sample(model, tokenizer, rows: list[list[int]], max_new_tokens: int, seed: 
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     output = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=True, temperature=1.0,
-        top_k=0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
     )
     completions = []
     for row in output[:, width:].tolist():
@@ -295,15 +318,25 @@ def sampled_accuracy(model, tokenizer, prompts, solutions, num_samples: int, see
         return float("nan")
     rng = random.Random(seed + 1)
     picks = [rng.randrange(len(prompts)) for _ in range(num_samples)]
-    completions = _sample(model, tokenizer, [prompt_token_ids(tokenizer, prompts[i]) for i in picks], max_new_tokens,
-                          seed)
+    completions = _sample(
+        model, tokenizer, [prompt_token_ids(tokenizer, prompts[i]) for i in picks], max_new_tokens, seed
+    )
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return _score(texts, [solutions[i] for i in picks])
 
 
 @torch.no_grad()
-def sampled_tool_rollouts(model, tokenizer, prompts, solutions, tools: Sequence[Callable], num_samples: int,
-                          seed: int, max_new_tokens: int = 128, answer_tokens: int = 16) -> dict[str, float]:
+def sampled_tool_rollouts(
+    model,
+    tokenizer,
+    prompts,
+    solutions,
+    tools: Sequence[Callable],
+    num_samples: int,
+    seed: int,
+    max_new_tokens: int = 128,
+    answer_tokens: int = 16,
+) -> dict[str, float]:
     """Sample ``num_samples`` rows with one round of tool calls, as TRL's tool loop runs them: a first turn
     (parsed by TRL's response parser), the tools run on its calls, the results appended (:func:`tool_suffix_ids`),
     a second turn. Returns ``sampled_accuracy`` (of the final turns), ``tool_call_rate`` (first turns that parse
@@ -404,7 +437,9 @@ def cached_cold_start(
     record_path = folder / COLD_START_FILE
     if record_path.is_file():
         record = json.loads(record_path.read_text())
-        log(f"cold start: reusing {folder} (sampled accuracy {record['report'].get('sampled_accuracy', float('nan')):.2f})")
+        log(
+            f"cold start: reusing {folder} (sampled accuracy {record['report'].get('sampled_accuracy', float('nan')):.2f})"
+        )
         return folder, record
     model, tokenizer, report = build()
     partial = folder.with_name(folder.name + f".partial-{random.getrandbits(32):08x}")
@@ -427,4 +462,3 @@ def default_cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trl_moe_replay"
     )
     return Path(root) / "cold_start"
-

@@ -30,7 +30,10 @@ def _divide(a: Fraction, b: Fraction) -> Fraction:
 
 
 _OPERATORS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: _divide,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: _divide,
 }
 
 
@@ -67,8 +70,9 @@ def calculator_demonstration(row: dict[str, Any]) -> dict[str, Any]:
     """The call a cold-start demonstration makes for a row of the synthetic set with ``expressions=True``:
     ``{"name": "calculator", "arguments": {"expression": row["expression"]}}``."""
     if not row.get("expression"):
-        raise ValueError("calculator demonstrations need an 'expression' column (synthetic_math_dataset("
-                         "..., expressions=True))")
+        raise ValueError(
+            "calculator demonstrations need an 'expression' column (synthetic_math_dataset(..., expressions=True))"
+        )
     return {"name": "calculator", "arguments": {"expression": row["expression"]}}
 
 
