@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..core.route_flow import GenerationBatch
+from ..core.route_flow import GenerationBatch, RouteFlow
 from ..core.routing_options import RouteSource, option
 from ..upstream import checkpoint_run_dir, exclude_from_weight_sync
 from .state import (
@@ -44,13 +44,20 @@ from .state import (
 )
 
 
-class PR2TrainerMixin:
+if TYPE_CHECKING:
+    from trl import GRPOTrainer as _GRPOTrainerHost
+else:
+    _GRPOTrainerHost = object  # the type checker sees the GRPOTrainer this mixes into; at run time a plain mixin
+
+
+class PR2TrainerMixin(_GRPOTrainerHost):
     """PR2 (``routing_replay="pr2"``) for ``MoEReplayGRPOTrainer``: R2 whose old-logprob pass (or, with
     ``pr2_rollout_prediction``, ``generate``) routes by the predicted routes, with the predictors trained alongside."""
 
     _pr2: PredictiveRoutingReplay | None = None  # the trainer's __init__ sets it from _new_pr2
     # set by the trainer this mixes into (MoEReplayTrainerMixin, TRL's GRPOTrainer); declared for the type checker
     _route_replay: Any
+    _routes: RouteFlow | None
     model: Any
     state: Any
     optimizer: Any
@@ -118,6 +125,7 @@ class PR2TrainerMixin:
         if self._pr2 is None or not self.model.training:
             return super()._compute_loss(model, inputs)
         # the micro-batch's own rows of the cache, held with its routes (route_flow step 4) and named by its route_rows
+        assert self._routes is not None  # PR2 replays: the trainer carries routes
         held = self._routes.micro_rows(inputs)
         with self._pr2.watch_training_forward(held.per_sample if held is not None else {}):
             loss = super()._compute_loss(model, inputs)

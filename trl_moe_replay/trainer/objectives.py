@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -57,7 +57,13 @@ class MoEObjectives:
     router_probes: RouterProbes | None = None  # the router's probabilities at the old experts (router-shift weighting)
 
 
-class MoEObjectivesMixin:
+if TYPE_CHECKING:
+    from trl import GRPOTrainer as _GRPOTrainerHost
+else:
+    _GRPOTrainerHost = object  # the type checker sees the GRPOTrainer this mixes into; at run time a plain mixin
+
+
+class MoEObjectivesMixin(_GRPOTrainerHost):
     """Router-shift weighting, ``gspo``/``rspo`` and ``minirl`` for a ``GRPOTrainer`` subclass.
 
     Reads the trainer's current :class:`~trl_moe_replay.core.route_flow.MicroBatch` (``_micro_batch``, set by the
@@ -207,7 +213,10 @@ class MoEObjectivesMixin:
         metrics["rspo/gamma_p10"].append(lower_quantile(values, 0.1).item())
 
     # ------------------------------------------------------------------ minirl
-    def get_gamma_weights(self, advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, **vespo):
+    # TRL's is a staticmethod it calls on self; this one needs the trainer's micro-batch
+    def get_gamma_weights(  # type: ignore[override]
+        self, advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, **vespo
+    ):
         """TRL's VESPO weight, or under ``loss_type="minirl"`` MiniRL's detached token weight ``M_t · min(π_θ/μ, C)``
         (TRL's vespo branch then forms ``-weight · Â · log π_θ``; seam entry ``minirl_on_vespo``)."""
         if self.moe_loss_type != "minirl":
@@ -218,7 +227,9 @@ class MoEObjectivesMixin:
                 importance_sampling_ratio=importance_sampling_ratio,
                 **vespo,
             )
-        micro = self._micro_batch
+        micro, objectives = self._micro_batch, self._objectives
+        # _compute_loss holds the micro-batch while TRL's loss calls this; minirl's objectives carry its cap
+        assert micro is not None and objectives is not None and objectives.minirl_is_cap is not None
         inputs = micro.inputs
         sampling_logps = inputs.get("sampling_per_token_logps")
         if sampling_logps is None:
@@ -239,7 +250,7 @@ class MoEObjectivesMixin:
             advantages,
             self.epsilon_low,
             self.epsilon_high,
-            self._objectives.minirl_is_cap,
+            objectives.minirl_is_cap,
             gamma=micro.gamma,
         )
         self._log_minirl(weights, _loss_mask(inputs))
