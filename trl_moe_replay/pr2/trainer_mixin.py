@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.trainer import TRAINER_STATE_NAME
@@ -45,7 +45,13 @@ from .state import (
 
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedModel
     from trl import GRPOTrainer as _GRPOTrainerHost
+
+    from ..core.replay_modes import ReplayMode
+    from ..routing import RouterReplay
 else:
     _GRPOTrainerHost = object  # the type checker sees the GRPOTrainer this mixes into; at run time a plain mixin
 
@@ -56,20 +62,15 @@ class PR2TrainerMixin(_GRPOTrainerHost):
 
     _pr2: PredictiveRoutingReplay | None = None  # the trainer's __init__ sets it from _new_pr2
     # set by the trainer this mixes into (MoEReplayTrainerMixin, TRL's GRPOTrainer); declared for the type checker
-    _route_replay: Any
+    _route_replay: RouterReplay | None
     _routes: RouteFlow | None
-    model: Any
-    state: Any
-    optimizer: Any
-    accelerator: Any
-    is_deepspeed_enabled: bool
-    is_fsdp_enabled: bool
-    use_vllm: bool
-    vllm_generation: Any
-    current_gradient_accumulation_steps: int
-    _global_sums: Any
-    _metrics: Any
-    routing_replay: Any
+    model: PreTrainedModel  # TRL's GRPOTrainer always holds one (Trainer's is Optional)
+    _global_sums: Callable[..., dict[str, torch.Tensor]]
+
+    if TYPE_CHECKING:  # MoEReplayTrainerMixin's property
+
+        @property
+        def routing_replay(self) -> ReplayMode: ...
 
     @property
     def _pr2_averages_gradients(self) -> bool:
@@ -111,6 +112,7 @@ class PR2TrainerMixin(_GRPOTrainerHost):
                 "routing_replay='pr2' adds the predictors' param group in create_optimizer; pass no optimizer (or "
                 "subclass and call PredictiveRoutingReplay.add_to_optimizer yourself)."
             )
+        assert self._route_replay is not None  # PR2 replays: the trainer's hooks are on the model
         pr2 = PredictiveRoutingReplay(
             self._route_replay,
             cached_tokens_per_sequence=option(args, "pr2_cached_tokens_per_sequence"),

@@ -58,7 +58,12 @@ class MoEObjectives:
 
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedModel
     from trl import GRPOTrainer as _GRPOTrainerHost
+
+    from ..routing import RouterReplay
 else:
     _GRPOTrainerHost = object  # the type checker sees the GRPOTrainer this mixes into; at run time a plain mixin
 
@@ -72,12 +77,9 @@ class MoEObjectivesMixin(_GRPOTrainerHost):
     _objectives: MoEObjectives | None = None
     _micro_batch: MicroBatch | None = None  # the micro-batch whose loss is being computed, else None
     # set by the trainer this mixes into (TRL's GRPOTrainer, MoEReplayTrainerMixin); declared for the type checker
-    _route_replay: Any
-    model: Any
-    accelerator: Any
-    _metrics: Any
-    _global_sums: Any
-    off_policy_mask_threshold: float | None
+    _route_replay: RouterReplay | None
+    model: PreTrainedModel  # TRL's GRPOTrainer always holds one (Trainer's is Optional)
+    _global_sums: Callable[..., dict[str, torch.Tensor]]
 
     def _setup_objectives(self, args: Any) -> MoEObjectives:
         """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists; assign the result to
@@ -87,12 +89,14 @@ class MoEObjectivesMixin(_GRPOTrainerHost):
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
         run_loss_on_trl_branch(cast(Any, self), _TRL_LOSS_FOR.get(name, name))  # self: a GRPOTrainer subclass
         weighting = bool(option(args, "router_shift_weighting"))
+        # the weighting reads the router at the old experts: the trainer puts its hooks on for it (hooks_needed)
+        assert self._route_replay is not None or not weighting
         return MoEObjectives(
             loss_type=name,
             router_shift_weighting=weighting,
             router_shift_gamma_min=option(args, "router_shift_gamma_min"),
             minirl_is_cap=option(args, "minirl_is_cap"),
-            router_probes=RouterProbes(self._route_replay) if weighting else None,
+            router_probes=RouterProbes(self._route_replay) if self._route_replay is not None and weighting else None,
         )
 
     @property
