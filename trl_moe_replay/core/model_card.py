@@ -14,6 +14,7 @@ from typing import Any
 
 from ..upstream import model_card_identity
 from .replay_modes import ReplayMode
+from .routing_options import option
 
 
 #: BibTeX of each paper a method comes from, keyed by method.
@@ -61,9 +62,10 @@ _LOSS_PAPERS: dict[str | None, tuple[str, ...]] = {
 def methods_used(args: Any, mode: str) -> list[str]:
     """The papers (keys of :data:`CITATIONS`) behind ``args``'s routing mode and objective, in citation order."""
     keys = [*ReplayMode(mode).spec.papers, *_LOSS_PAPERS.get(getattr(args, "loss_type", None), ())]
-    # a sync-trainer field (MoEReplayGRPOConfig): the async trainer's config has none, and its default is declared only
-    # once the sync config's module is imported, which a run of the async trainer alone never does
-    if getattr(args, "router_shift_weighting", None):
+    # a sync-trainer field (MoEReplayGRPOConfig): a config without it (the async trainer's; TRL's, whose loss types
+    # never resolve it on) weights nothing. option() would need the sync config's module imported for its default,
+    # which a run of the async trainer alone never does.
+    if hasattr(args, "router_shift_weighting") and option(args, "router_shift_weighting"):
         keys.append("rspo")
     if getattr(args, "importance_sampling_level", None) == "sequence":
         keys.append("gspo")
