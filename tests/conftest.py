@@ -64,12 +64,10 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 # ----------------------------------------------------------------------------- a real vLLM CPU server
-# One pair for the real-engine modules (tests/cross_cutting/test_vllm_engine.py,
-# tests/parallel/test_expert_parallel.py, tests/cross_cutting/test_async_engine.py). Session-scoped: one server start
-# (~75 s idle, minutes under load) serves every module that leaves it running; each of their tests puts the
-# checkpoint's weights back first (reload_weights), since the test before trained others into it.
-# test_async_engine.py kills and restarts its server (the faults it tests): it overrides ``server`` with a
-# module-scoped one of its own.
+# One pair for the real-engine modules. Session-scoped, used by tests/cross_cutting/test_vllm_engine.py, whose tests
+# each put the checkpoint's weights back first (reload_weights), since the test before trained others into it.
+# test_async_engine.py kills and restarts its server (the faults it tests) and test_expert_parallel.py's server test
+# needs an engine that still serves the checkpoint's own weights: each overrides ``server`` with a module-scoped one.
 
 
 @pytest.fixture(scope="session")
