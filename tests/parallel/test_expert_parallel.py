@@ -25,6 +25,7 @@ from safetensors import safe_open
 from trl_moe_replay import MoEReplayGRPOConfig, MoEReplayGRPOTrainer
 from trl_moe_replay.parallel import expert_parallel
 from trl_moe_replay.parallel.expert_parallel import ParallelSizesError, distributed_config_from_args
+from trl_moe_replay.upstream import distributed_config_class
 
 from tests.helpers import CPU_ONLY_ENV
 
@@ -427,11 +428,9 @@ def args_with(distributed_config, **settings) -> MoEReplayGRPOConfig:
 
 
 def has_expert_parallelism() -> bool:
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        return False
-    return "ep_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
+    """Whether the installed transformers has the expert parallelism the package drives (5.23 on; the package's own
+    test, so that a test and the trainer never disagree)."""
+    return distributed_config_class() is not None
 
 
 def test_parallel_sizes_are_built_from_a_mapping_or_refused_in_one_line():
@@ -581,6 +580,43 @@ def test_a_transformers_without_expert_parallelism_is_refused_in_one_line(monkey
     with pytest.raises(ParallelSizesError, match=r"transformers \S+ has no expert parallelism") as refused:
         distributed_config_from_args(args_with({"ep_size": 2, "fsdp_size": 2}), world_size=2)
     assert "\n" not in str(refused.value)
+
+
+def test_a_transformers_with_the_older_expert_parallelism_refuses_it_and_trains_everything_else(monkeypatch):
+    """transformers 5.17-5.22 (5.22 is the newest vLLM 0.34 allows): a DistributedConfig with ep_size but without
+    ep_implementation, no EPImplementationInterface, no ALL_FSDP_STYLES. Expert parallelism is refused in one line, and
+    the seam's expert-parallel entries do not apply there, so the trainers' start-up check (which refused every run on
+    5.22 before) finds nothing."""
+    import transformers.distributed
+    import transformers.distributed.expert_parallel
+    import transformers.distributed.fsdp
+
+    from trl_moe_replay.upstream.transformers_seam import check_transformers
+
+    @dataclasses.dataclass
+    class DistributedConfigOf522:  # the fields of transformers 5.22.2's, read from its wheel
+        tp_size: int | None = None
+        tp_plan: dict | None = None
+        enable_sequence_parallel: bool = False
+        enable_expert_parallel: bool = False
+        fsdp_size: int | None = None
+        fsdp_cpu_offload: bool = False
+        fsdp_mixed_precision: bool = False
+        pp_size: int | None = None
+        ep_size: int | None = None
+        ep_plan: dict | None = None
+
+    monkeypatch.setattr(transformers.distributed, "DistributedConfig", DistributedConfigOf522)
+    monkeypatch.delattr(transformers.distributed.expert_parallel, "EPImplementationInterface", raising=False)
+    monkeypatch.delattr(transformers.distributed.fsdp, "ALL_FSDP_STYLES", raising=False)
+    assert not has_expert_parallelism()
+    with pytest.raises(
+        ParallelSizesError, match=r"transformers \S+ has no expert parallelism this package"
+    ) as refused:
+        distributed_config_from_args(args_with({"ep_size": 2, "fsdp_size": 2}), world_size=2)
+    assert "\n" not in str(refused.value) and "5.23" in str(refused.value)
+    expert_parallel_entries = {"parallel_plan_styles", "ep_implementations", "sharded_at_load_resume"}
+    assert [f for f in check_transformers() if f.entry.name in expert_parallel_entries] == []
 
 
 def test_the_trainer_refuses_bad_sizes_before_loading_the_model(tmp_path, monkeypatch):

@@ -36,7 +36,13 @@ from typing import Any
 import torch
 
 from ..errors import TrlMoeReplayError
-from ..upstream import ep_implementations, lift_sharded_resume_refusal, map_weight_sync_tensors, parallel_plan_styles
+from ..upstream import (
+    distributed_config_class,
+    ep_implementations,
+    lift_sharded_resume_refusal,
+    map_weight_sync_tensors,
+    parallel_plan_styles,
+)
 from .sharded import full_tensor, is_sharded_at_load
 
 
@@ -53,24 +59,19 @@ class ShardedAtLoadUnsupportedError(TrlMoeReplayError, ValueError):
 
 # ------------------------------------------------------------------------------------------------- sizes and checks
 def _distributed_config_class() -> type:
-    """transformers' ``DistributedConfig``, or a one-line refusal where it lacks expert parallelism."""
+    """transformers' ``DistributedConfig``, or a one-line refusal where it lacks the expert parallelism this package
+    drives (``upstream.distributed_config_class``: transformers 5.23 on)."""
     import transformers
 
-    names: set[str] = set()
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:
-        pass
-    else:
-        names = {f.name for f in dataclasses.fields(DistributedConfig)}
-    if "ep_size" not in names:
+    config_class = distributed_config_class()
+    if config_class is None:
         raise ParallelSizesError(
             "model_init_kwargs.distributed_config asks transformers to shard the model at load time, but "
-            f"transformers {transformers.__version__} has no expert parallelism (its DistributedConfig has no "
-            "ep_size): install a transformers that has it (tested with 5.24), or drop distributed_config and use DDP, "
-            "FSDP2 or DeepSpeed"
+            f"transformers {transformers.__version__} has no expert parallelism this package can drive (its "
+            "DistributedConfig lacks ep_size or ep_implementation, new in 5.23): install transformers 5.23 or newer "
+            "(tested with 5.24 and 5.25), or drop distributed_config and use DDP, FSDP2 or DeepSpeed"
         )
-    return DistributedConfig
+    return config_class
 
 
 def requested_distributed_config(args: Any) -> Any:

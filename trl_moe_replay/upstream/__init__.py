@@ -112,6 +112,7 @@ _LAZY = {
             "save_pretrained_weights",
             "lift_sharded_resume_refusal",
             "dcp_placements",
+            "distributed_config_class",
             "parallel_plan_styles",
             "tp_sharded_parameters",
             "ep_implementations",
@@ -150,6 +151,7 @@ if TYPE_CHECKING:
     from .transformers_seam import (
         checkpoint_run_dir,
         dcp_placements,
+        distributed_config_class,
         end_trainer,
         ep_implementations,
         ignore_on_save,

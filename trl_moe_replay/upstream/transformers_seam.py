@@ -244,6 +244,30 @@ def saved_weight_layout(model: Any, state_dict: dict[str, Any]) -> dict[str, Any
     return save_pretrained_weights(model, {name: tensor.to("meta") for name, tensor in state_dict.items()})
 
 
+EXPERT_PARALLEL_FIELDS = frozenset({"ep_size", "ep_implementation", "dp_replicate_size", "fsdp_plan"})
+
+
+def distributed_config_class() -> type | None:
+    """transformers' ``DistributedConfig`` where it has the expert parallelism this package drives (the fields
+    ``ep_size``, ``ep_implementation``, ``dp_replicate_size`` and ``fsdp_plan``: transformers 5.23 on), else None.
+
+    transformers 5.16 has no ``transformers.distributed``; 5.17-5.22 have a ``DistributedConfig`` with ``ep_size`` but
+    none of the rest (no ``EPImplementationInterface``, no ``ALL_FSDP_STYLES``). This one test decides both where
+    expert parallelism is refused in one line (``parallel/expert_parallel.py``) and where the entries below
+    (``sharded_at_load_resume``, ``parallel_plan_styles``, ``ep_implementations``) apply, so a transformers without
+    it trains everything else."""
+    import dataclasses
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return None
+    names = (
+        {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else ()
+    )
+    return DistributedConfig if EXPERT_PARALLEL_FIELDS <= names else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sharded_at_load_resume: transformers' Trainer and a model sharded at load time (`from_pretrained(distributed_config=
 #    ...)`, expert parallelism), read from transformers 5.24.0 (trainer.py).
@@ -393,9 +417,7 @@ def ep_implementations() -> dict[str, tuple[bool, bool]]:
 
 
 def _check_ep_implementations() -> list[Finding]:
-    try:
-        from transformers.distributed import expert_parallel  # noqa: F401
-    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+    if distributed_config_class() is None:  # no expert parallelism to drive (5.16-5.22): refused in one line there
         return []
     try:
         known = ep_implementations()
@@ -408,9 +430,7 @@ def _check_ep_implementations() -> list[Finding]:
 
 
 def _check_parallel_plan_styles() -> list[Finding]:
-    try:
-        from transformers.distributed import parallel_utils  # noqa: F401
-    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+    if distributed_config_class() is None:  # no expert parallelism to drive (5.16-5.22): refused in one line there
         return []
     try:
         styles = parallel_plan_styles()
@@ -423,10 +443,10 @@ def _check_parallel_plan_styles() -> list[Finding]:
 
 
 def _check_sharded_at_load_resume() -> list[Finding]:
-    try:
-        from transformers.distributed import checkpoint
-    except ImportError:  # a transformers without loading-time sharding (5.16): expert_parallel.py refuses EP there
+    if distributed_config_class() is None:  # no expert parallelism to drive (5.16-5.22): refused in one line there
         return []
+    from transformers.distributed import checkpoint
+
     redistribute = getattr(checkpoint, "_redistribute_state_dict", None)
     have = tuple(inspect.signature(redistribute).parameters) if callable(redistribute) else None
     if have != ("state_dict", "reference_state_dict"):
