@@ -1,5 +1,6 @@
 """The shared trainer base: per-batch state stays off the trainers (values, not attributes), both trainers go
-through ``MoEReplayTrainerMixin``, and its one cleanup leaves the model as transformers built it."""
+through ``MoEReplayTrainerMixin``, each upstream method has one override of ours (three bases for the sync trainer),
+and its one cleanup leaves the model as transformers built it."""
 
 from __future__ import annotations
 
@@ -71,10 +72,7 @@ def test_the_scan_sees_an_attribute_set_outside_init():
 
 def test_the_scan_reads_the_trainers_mixins():
     assert MoEReplayTrainerMixin in _own_classes(MoEReplayGRPOTrainer)
-    assert {cls.__name__ for cls in _own_classes(MoEReplayGRPOTrainer)} >= {
-        "MoEObjectivesMixin",
-        "RestoresEveryWeight",
-    }
+    assert "PR2TrainerMixin" in {cls.__name__ for cls in _own_classes(MoEReplayGRPOTrainer)}
 
 
 def test_each_trainer_sets_at_most_three_attributes_outside_init():
@@ -99,6 +97,54 @@ def test_both_trainers_share_the_base_first_in_their_bases():
             "_aux_loss_under_replay",
         ):
             assert getattr(trainer, name) is getattr(MoEReplayTrainerMixin, name), (trainer.__name__, name)
+
+
+# ----------------------------------------------------------------------------- one override per upstream method
+# Each TRL/transformers/torch method has at most one override of ours in a trainer's MRO: where two of our classes add
+# to one method, the one override calls the other's part as a named hook or helper (a chain of super() overrides
+# across mixins hid which ran first). The sync trainer's bases: MoEReplayTrainerMixin, PR2TrainerMixin, GRPOTrainer.
+UPSTREAM_PACKAGES = ("trl", "transformers", "torch")
+SYNC_BASES = 3
+
+
+def _package(cls: type) -> str:
+    return cls.__module__.split(".")[0]
+
+
+def overridden_twice(trainer: type) -> dict[str, list[str]]:
+    """Each attribute an upstream class in ``trainer``'s MRO defines that two or more of our classes define too, with
+    the classes that do (empty: none). Dunder names (``__module__``, ``__doc__`` ...) every class has are left out."""
+    upstream = {
+        name
+        for cls in trainer.__mro__
+        if _package(cls) in UPSTREAM_PACKAGES
+        for name in vars(cls)
+        if not (name.startswith("__") and name.endswith("__"))
+    }
+    ours = [cls for cls in trainer.__mro__ if _package(cls) == "trl_moe_replay"]
+    found = {name: [cls.__name__ for cls in ours if name in vars(cls)] for name in upstream}
+    return {name: where for name, where in sorted(found.items()) if len(where) > 1}
+
+
+def test_the_scan_sees_a_method_overridden_in_two_of_our_classes():
+    class Twice(MoEReplayGRPOTrainer):  # train in the base and here: two overrides of ours
+        __module__ = MoEReplayGRPOTrainer.__module__
+
+        def train(self, *args, **kwargs):
+            return super().train(*args, **kwargs)
+
+    assert {"Twice", "MoEReplayTrainerMixin"} <= set(overridden_twice(Twice)["train"])
+    assert "end" not in overridden_twice(Twice)
+
+
+def test_no_upstream_method_is_overridden_in_two_of_our_classes():
+    for trainer in (MoEReplayGRPOTrainer, MoEReplayAsyncGRPOTrainer):
+        assert overridden_twice(trainer) == {}, trainer.__name__
+
+
+def test_the_sync_trainer_has_three_bases_and_the_async_two():
+    assert len(MoEReplayGRPOTrainer.__bases__) == SYNC_BASES, MoEReplayGRPOTrainer.__bases__
+    assert len(MoEReplayAsyncGRPOTrainer.__bases__) == 2, MoEReplayAsyncGRPOTrainer.__bases__
 
 
 # ----------------------------------------------------------------------------- one cleanup

@@ -26,7 +26,7 @@ MAY_IMPORT = {
     "parallel": {"upstream", "errors"},
     "checkpointing": {"parallel", "upstream", "bounded_json", "errors"},
     # what both trainers share; it imports neither trainer
-    "core": {"rollouts", "weight_sync", "routing", "upstream", "bounded_json", "errors"},
+    "core": {"checkpointing", "rollouts", "weight_sync", "routing", "upstream", "bounded_json", "errors"},
     # PR2 beside the sync trainer (its config fields, predictor, state, trainer mixin); only trainer and cli import it
     "pr2": {"core", "parallel", "routing", "upstream", "errors"},
     "trainer": {

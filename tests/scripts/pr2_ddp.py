@@ -57,7 +57,7 @@ def main():
         "pr2_loss": [h["pr2/loss"] for h in trainer.state.log_history if "pr2/loss" in h],
     }
     (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(result))
-    trainer.end()  # destroys the process group before exit (see MoEReplayGRPOTrainer.end)
+    trainer.end()  # destroys the process group before exit (see MoEReplayTrainerMixin.end)
 
 
 if __name__ == "__main__":

@@ -345,7 +345,7 @@ def main():
     rank = int(os.environ["RANK"])
     result["rank"], result["world"] = rank, int(os.environ["WORLD_SIZE"])
     (OUT / f"rank{rank}.json").write_text(json.dumps(result))
-    trainer.end()  # destroys the process group (see MoEReplayGRPOTrainer.end)
+    trainer.end()  # destroys the process group (see MoEReplayTrainerMixin.end)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..core.launch import checked_model_name
 from ..core.model_card import write_model_card
 from ..core.route_flow import ROUTE_ROWS, MicroBatchReplay, RouteBuffer
@@ -189,7 +188,7 @@ class _RoutedCollator(DataCollatorForRollout):
         return batch
 
 
-class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, AsyncGRPOTrainer):
+class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` with R3 for Mixture-of-Experts models (see the module docstring).
 
     Same constructor as ``trl.experimental.async_grpo.AsyncGRPOTrainer``; configure it with
@@ -298,11 +297,9 @@ class MoEReplayAsyncGRPOTrainer(MoEReplayTrainerMixin, RestoresEveryWeight, Asyn
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
 
-    def train(self, *args, **kwargs):
-        """``MoEReplayTrainerMixin.train`` (claims ``output_dir``), with the packed tree attention in plain torch off
-        CUDA."""
-        with cpu_tree_attention() if self._on_cpu else contextlib.nullcontext():
-            return super().train(*args, **kwargs)
+    def _train_context(self) -> contextlib.AbstractContextManager:
+        """``MoEReplayTrainerMixin.train``'s hook: the packed tree attention in plain torch off CUDA."""
+        return cpu_tree_attention() if self._on_cpu else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ rollout samples -> rows
     @property

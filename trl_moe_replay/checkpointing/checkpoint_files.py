@@ -6,8 +6,8 @@ file in a later step failed after the weights had changed, as a traceback: a tru
 reader, a hostile pickle as ``UnpicklingError`` (refused by ``weights_only``, never run), garbage in
 ``trainer_state.json`` as a ``TypeError``. :func:`check_checkpoint_files` reads each of them as the Trainer will,
 before anything is loaded, and refuses the checkpoint in one line (:class:`CheckpointError`) naming the file and the
-problem. Every resume reaches it: both trainers' ``train(resume_from_checkpoint=...)`` (the ``RestoresEveryWeight``
-mixin, checkpointing/checkpoint_weights.py) and the recipe's :func:`~.checkpoints.resolve_resume`, before the model is
+problem. Every resume reaches it: both trainers' ``train(resume_from_checkpoint=...)`` (through
+``checkpoint_weights.resume_argument``) and the recipe's :func:`~.checkpoints.resolve_resume`, before the model is
 built. The weights are checked by :func:`~.checkpoint_weights.restore_checkpoint_weights` (every weight present, of the
 model's shapes, finite), which also checks before it changes anything.
 

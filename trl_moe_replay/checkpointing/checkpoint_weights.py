@@ -24,7 +24,7 @@ loading one would drop the other. The names ``save_pretrained`` writes are conve
 folder of links to the checked weight files alone, so nothing else in the checkpoint (a PEFT adapter another run left
 there, whose ``adapter_config.json`` ``from_pretrained`` would attach) takes part, and the converted weights must
 cover every weight of the model before any is copied in. Files beside the weights (optimizer, scheduler, RNG, trainer
-state) are checked before this by the resume pre-flight (checkpointing/checkpoint_files.py), which the mixin's ``train``
+state) are checked before this by the resume pre-flight (checkpointing/checkpoint_files.py), which the trainers' ``train``
 runs.
 
 FSDP and DeepSpeed checkpoints are their engines' own formats and are loaded by them (the Trainer's code). A model
@@ -39,9 +39,9 @@ import copy
 import os
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from accelerate.utils import is_peft_model
@@ -72,12 +72,6 @@ from .checkpoint_files import (
 from .checkpoints import resolve_resume
 
 
-if TYPE_CHECKING:  # the type checker sees the Trainer this mixes into; at run time a plain mixin
-    from transformers import Trainer as _TrainerHost
-else:
-    _TrainerHost = object
-
-
 logger = logging.get_logger(__name__)
 
 #: (single file, shard index) of each format, in the order the Trainer prefers them
@@ -89,72 +83,63 @@ class CheckpointWeightsError(CheckpointError):
     """A checkpoint's model weights cannot restore every weight of the model being resumed."""
 
 
-class RestoresEveryWeight(_TrainerHost):
-    """Trainer mixin (before the Trainer in the bases): ``train(resume_from_checkpoint=...)`` checks the
-    checkpoint's files first (:func:`~.checkpoint_files.check_checkpoint_files`, before the Trainer reads any), and a
-    resume (``_load_from_checkpoint``) and ``_load_best_model`` restore every weight through
-    :func:`restore_trainer_weights`, or refuse; transformers' own load (``load_state_dict(strict=False)``) leaves
-    what it does not find at its initial value (transformers#48805, empty or partial files).
+def resume_argument(trainer, resume_from_checkpoint):
+    """``train(resume_from_checkpoint=...)``'s argument as the Trainer should get it: ``True`` becomes the newest
+    *complete* checkpoint, as the recipe resumes (:func:`~.checkpoints.resolve_resume`: one with its
+    ``trainer_state.json``, which the Trainer writes last), where transformers takes the newest folder, a save cut short
+    included; a named checkpoint has its files checked (:func:`~.checkpoint_files.check_checkpoint_files`) before the
+    Trainer reads any. The base of both trainers (``MoEReplayTrainerMixin.train``) calls it."""
+    if resume_from_checkpoint is True:  # the newest complete checkpoint-N, its files checked
+        assert trainer.args.output_dir is not None  # TrainingArguments defaults it ("trainer_output")
+        return resolve_resume(True, trainer.args.output_dir)
+    if resume_from_checkpoint:
+        check_checkpoint_files(resume_from_checkpoint)
+    return resume_from_checkpoint
 
-    ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint, as the recipe does
-    (:func:`~.checkpoints.resolve_resume`: one with its ``trainer_state.json``, which the Trainer writes last), where
-    transformers takes the newest folder, a save cut short included. A run resumed at its last step (or past it) trains
-    nothing (``get_batch_samples``), where transformers' loop would run one step more."""
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True:  # the newest complete checkpoint-N, its files checked
-            assert self.args.output_dir is not None  # TrainingArguments defaults it ("trainer_output")
-            resume_from_checkpoint = resolve_resume(True, self.args.output_dir)
-        elif resume_from_checkpoint:
-            check_checkpoint_files(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+def stop_if_resumed_complete(trainer) -> bool:
+    """For ``get_batch_samples``: ``True`` (and the Trainer told to stop) for a run resumed at or past its last step
+    (seam entry ``resume_at_max_steps``): the Trainer judges ``max_steps`` only after a step, so it would train a step
+    ``max_steps + 1``; a run resumed at its last step trains nothing."""
+    state = trainer.state
+    if not 0 < state.max_steps <= state.global_step:
+        return False
+    if not trainer.control.should_training_stop and trainer.accelerator.is_main_process:
+        logger.warning(
+            f"resumed at step {state.global_step} of {state.max_steps}: the run is complete, no "
+            "step is trained (raise max_steps to train on)"
+        )
+    trainer.control.should_training_stop = True
+    return True
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """No batch, and the stop, for a run resumed at or past its last step (seam entry ``resume_at_max_steps``):
-        the Trainer judges ``max_steps`` only after a step, so it would train a step ``max_steps + 1``."""
-        state = self.state
-        if 0 < state.max_steps <= state.global_step:
-            if not self.control.should_training_stop and self.accelerator.is_main_process:
-                logger.warning(
-                    f"resumed at step {state.global_step} of {state.max_steps}: the run is complete, no "
-                    "step is trained (raise max_steps to train on)"
-                )
-            self.control.should_training_stop = True
-            return [], None
-        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if not restore_trainer_weights(self, resume_from_checkpoint, model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
+def save_training_state(trainer, output_dir: str, save: Callable[[str], None]) -> None:
+    """``_save_optimizer_and_scheduler``: a model sharded at load time (``distributed_config``) keeps its optimizer in
+    shards, which transformers cannot save; any other goes to the Trainer's ``save``."""
+    if distributed_checkpoint.uses_distributed_checkpoint(trainer):
+        distributed_checkpoint.save_training_state(trainer, output_dir)
+    else:
+        save(output_dir)
 
-    def _load_best_model(self):
-        assert self.state.best_model_checkpoint is not None  # the Trainer calls this only when there is one
-        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
-            super()._load_best_model()
 
-    # a model sharded at load time (distributed_config): its optimizer in shards, which transformers cannot save
-    def _save_optimizer_and_scheduler(self, output_dir):
-        if distributed_checkpoint.uses_distributed_checkpoint(self):
-            distributed_checkpoint.save_training_state(self, output_dir)
-        else:
-            super()._save_optimizer_and_scheduler(output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is not None and distributed_checkpoint.uses_distributed_checkpoint(self):
-            distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
-        elif checkpoint is not None and distributed_checkpoint.holds_training_state_in_shards(checkpoint):
-            # written sharded at load time (expert parallelism), resumed without: the Trainer would find no
-            # optimizer.pt and start the optimizer and scheduler afresh
-            if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-                raise distributed_checkpoint.DistributedCheckpointError(
-                    f"checkpoint {checkpoint} refused: its optimizer and scheduler are in torch distributed checkpoint "
-                    f"shards ({distributed_checkpoint.FOLDER}/, written by a run sharded at load time: expert "
-                    f"parallelism), which {'FSDP' if self.is_fsdp_enabled else 'DeepSpeed'} does not read. Resume "
-                    "with the distributed_config (ep_size) that wrote it, or without FSDP and DeepSpeed"
-                )
-            distributed_checkpoint.restore_optimizer_and_scheduler(self, checkpoint)
-        else:
-            super()._load_optimizer_and_scheduler(checkpoint)
+def restore_training_state(trainer, checkpoint: str | None, load: Callable[[str | None], None]) -> None:
+    """``_load_optimizer_and_scheduler``: the optimizer and scheduler from the shards of a checkpoint written sharded
+    at load time, or refused where the engine cannot read them; any other checkpoint goes to the Trainer's ``load``."""
+    if checkpoint is not None and distributed_checkpoint.uses_distributed_checkpoint(trainer):
+        distributed_checkpoint.restore_optimizer_and_scheduler(trainer, checkpoint)
+    elif checkpoint is not None and distributed_checkpoint.holds_training_state_in_shards(checkpoint):
+        # written sharded at load time (expert parallelism), resumed without: the Trainer would find no
+        # optimizer.pt and start the optimizer and scheduler afresh
+        if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+            raise distributed_checkpoint.DistributedCheckpointError(
+                f"checkpoint {checkpoint} refused: its optimizer and scheduler are in torch distributed checkpoint "
+                f"shards ({distributed_checkpoint.FOLDER}/, written by a run sharded at load time: expert "
+                f"parallelism), which {'FSDP' if trainer.is_fsdp_enabled else 'DeepSpeed'} does not read. Resume "
+                "with the distributed_config (ep_size) that wrote it, or without FSDP and DeepSpeed"
+            )
+        distributed_checkpoint.restore_optimizer_and_scheduler(trainer, checkpoint)
+    else:
+        load(checkpoint)
 
 
 def restore_trainer_weights(trainer, folder: str | os.PathLike, model: torch.nn.Module | None = None) -> bool:

@@ -3,7 +3,7 @@ r"""Checkpoints that resume a model sharded at load time (expert parallelism), w
 transformers' Trainer cannot resume a model that ``from_pretrained(distributed_config=...)`` sharded: it refuses any
 checkpoint with optimizer state for one. The Trainer's own save and resume entry points stay the ones that run
 (``save_steps``, the recipe's Ctrl-C, ``resume_from_checkpoint``); for such a model they reach this module
-(through ``RestoresEveryWeight`` in :mod:`.checkpoint_weights`, which both trainers use):
+(through the functions of :mod:`.checkpoint_weights` that the base of both trainers calls):
 
 * save (``_save_optimizer_and_scheduler``): the model's and the optimizer's shards, each rank its own, with
   ``torch.distributed.checkpoint`` (``get_state_dict``, optimizer state keyed by parameter name) into

@@ -1,8 +1,10 @@
 """``MoEReplayTrainerMixin``: what both trainers do around TRL's, written once.
 
 ``MoEReplayGRPOTrainer`` (TRL's ``GRPOTrainer``) and ``MoEReplayAsyncGRPOTrainer`` (TRL's ``AsyncGRPOTrainer``) name it
-first in their bases (so ``train`` claims ``output_dir`` before anything else runs); the other mixins and TRL's class
-follow:
+first in their bases; TRL's class follows (the sync trainer has ``PR2TrainerMixin`` between them). A TRL or
+transformers method is overridden in one class of ours only (tests/core/test_trainer_base.py): where a trainer adds
+to one of this base's, it does so through a named hook (:meth:`_train_context`, :meth:`_training_step_context`,
+:meth:`_optimizer_load_context`, :attr:`_settle_gloo_at_end`).
 
 * the setup, in the order both ``__init__`` run it: the preamble before TRL's ``__init__``
   (:meth:`_resolve_replay_settings`: TRL checked, its notices quieted, the options resolved once, the launch's
@@ -10,6 +12,10 @@ follow:
   engine), the aux-loss rule (:meth:`_aux_loss_under_replay`) and, last, what the run holds
   (:meth:`_hold_run`: the output-dir lock, the update probe);
 * one run per ``output_dir`` (``core/output_lock.py``): held from ``__init__``, claimed in :meth:`train`;
+* resume integrity (``checkpointing/checkpoint_weights.py``, whose functions these overrides call): the checkpoint
+  ``train`` resumes from checked first, every weight restored or a one-line refusal (``_load_from_checkpoint``,
+  ``_load_best_model``), the optimizer of a model sharded at load time in shards, no step past ``max_steps``
+  (``get_batch_samples``);
 * one cleanup (:meth:`_cleanup`), at :meth:`end` and on an exception out of :meth:`train`: every hook of ours off
   the model (it forwards as a plain transformers model again) and the output-dir lock released; a later
   :meth:`train` puts the hooks back;
@@ -25,12 +31,23 @@ Each trainer's ``__init__`` sets what the mixin reads: ``replay_settings``, ``_r
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from transformers.utils import logging
 
+from ..checkpointing.checkpoint_weights import (
+    restore_trainer_weights,
+    restore_training_state,
+    resume_argument,
+    save_training_state,
+    stop_if_resumed_complete,
+)
 from ..routing import RouterReplay
 from ..upstream import assert_async_trl_compatible, assert_trl_compatible, end_trainer, quiet_upstream_notices
 from ..weight_sync.sync_check import SyncCheck, checked_weight_sync
@@ -74,10 +91,13 @@ class MoEReplayTrainerMixin(_TrainerHost):
     _micro_replay: MicroBatchReplay | None = None
     _output_lock: OutputDirLock | None = None
     _route_intake: RouteIntake | None
+    #: the sync trainer's: a gloo barrier before :meth:`end` destroys the process group
+    _settle_gloo_at_end: bool = False
     # TRL's trainer, the host class, sets these (declared for the type checker only)
     # the Trainer's is optional; TRL's trainers always hold one after __init__ (a PEFT model forwards its methods)
     model: PreTrainedModel
-    _metrics: Any
+    # per mode ("train", "eval"), each metric's values since the last log (TRL's GRPOTrainer and AsyncGRPOTrainer)
+    _metrics: dict[str, defaultdict[str, list[float]]]
     aux_loss_enabled: bool
 
     @property
@@ -131,21 +151,29 @@ class MoEReplayTrainerMixin(_TrainerHost):
         return self.aux_loss_enabled
 
     # ------------------------------------------------------------------ one run per output_dir
-    def train(self, *args, **kwargs):
-        """TRL's ``train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`).
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """TRL's ``train``, after claiming ``output_dir`` for this run (:mod:`trl_moe_replay.core.output_lock`), with
+        the checkpoint to resume from checked (``checkpoint_weights.resume_argument``: ``True`` is the newest complete
+        checkpoint), inside the trainer's :meth:`_train_context`.
 
         Raises ``OutputDirInUseError`` on every rank when another live trainer writes there (with
         ``routing_replay="none"``, plain TRL, a loud warning instead). On an exception out of it, the cleanup
         (:meth:`_cleanup`) runs before it propagates; a later ``train()`` (a resume) puts the hooks back.
         """
-        try:
-            for rr in self._router_replays():
-                rr.attach()  # removed by an earlier cleanup (an exception out of train(), end()); else a no-op
-            self._claim_output_dir()
-            return super().train(*args, **kwargs)
-        except BaseException:
-            self._cleanup()
-            raise
+        with self._train_context():
+            try:
+                for rr in self._router_replays():
+                    rr.attach()  # removed by an earlier cleanup (an exception out of train(), end()); else a no-op
+                self._claim_output_dir()
+                resume_from_checkpoint = resume_argument(self, resume_from_checkpoint)
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            except BaseException:
+                self._cleanup()
+                raise
+
+    def _train_context(self) -> contextlib.AbstractContextManager:
+        """Hook: a context around the whole of :meth:`train` (the async trainer's CPU tree attention); none here."""
+        return contextlib.nullcontext()
 
     def _claim_output_dir(self) -> None:
         assert self._output_lock is not None  # each trainer's __init__ holds it
@@ -153,7 +181,16 @@ class MoEReplayTrainerMixin(_TrainerHost):
 
     def end(self) -> None:
         """``Trainer.end`` (finish the trackers, destroy the process group; seam entry ``trainer_end``: transformers
-        5.16-5.17 have none), after the cleanup (:meth:`_cleanup`)."""
+        5.16-5.17 have none), after the cleanup (:meth:`_cleanup`); in the sync trainer
+        (:attr:`_settle_gloo_at_end`), after letting gloo's worker threads settle.
+
+        On CPU data parallelism (gloo), destroying the group while a worker thread still drops a Python-owned tensor
+        deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
+        interpreter at shutdown; a barrier and a short pause first avoid both.
+        """
+        if self._settle_gloo_at_end and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.barrier()
+            time.sleep(0.2)
         self._cleanup()
         end_trainer(self)
 
@@ -178,12 +215,49 @@ class MoEReplayTrainerMixin(_TrainerHost):
             self._sync_check, sync, self.accelerator.unwrap_model(self.model), self.accelerator, self._metrics[mode]
         )
 
+    # ------------------------------------------------------------------ resume integrity (checkpointing/)
+    # A checkpoint restores every weight of the model, or it is refused in one line: checkpoint_weights.py's module
+    # docstring. transformers' own load (load_state_dict(strict=False)) leaves what it does not find at its initial
+    # value (transformers#48805, empty or partial files); a model sharded at load time keeps its optimizer in shards.
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """No batch, and the stop, for a run resumed at or past its last step (seam entry ``resume_at_max_steps``)."""
+        if stop_if_resumed_complete(self):
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not restore_trainer_weights(self, resume_from_checkpoint, model):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self):
+        assert self.state.best_model_checkpoint is not None  # the Trainer calls this only when there is one
+        if not restore_trainer_weights(self, self.state.best_model_checkpoint):
+            super()._load_best_model()
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        save_training_state(self, output_dir, super()._save_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        with self._optimizer_load_context(checkpoint):  # PR2: its checks first, its predictors' state after
+            restore_training_state(self, checkpoint, super()._load_optimizer_and_scheduler)
+
+    def _optimizer_load_context(self, checkpoint: str | None) -> contextlib.AbstractContextManager:
+        """Hook: a context around loading a checkpoint's optimizer and scheduler, whichever engine does (PR2's
+        checkpoint checks and predictors, ``pr2/trainer_mixin.py``); none here."""
+        return contextlib.nullcontext()
+
     # ------------------------------------------------------------------ micro-batch replay lifecycle
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            with self._training_step_context():
+                return super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._end_micro_batch()  # only now: the backward (and any recompute in it) has returned
+
+    def _training_step_context(self) -> contextlib.AbstractContextManager:
+        """Hook: a context around TRL's ``training_step`` (PR2's optimizer-step window and gradient averaging,
+        ``pr2/trainer_mixin.py``); none here."""
+        return contextlib.nullcontext()
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         try:

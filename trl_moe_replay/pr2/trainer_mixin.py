@@ -1,6 +1,5 @@
 """PR2 beside the sync trainer: ``MoEReplayGRPOTrainer`` mixes :class:`PR2TrainerMixin` in, after the base both
-trainers share and before ``RestoresEveryWeight`` (whose distributed-checkpoint resume would otherwise skip PR2's
-checkpoint load).
+trainers share and before TRL's ``GRPOTrainer``.
 
 The trainer calls PR2 at four named points of a generation batch, each a no-op (or ``contextlib.nullcontext``) without
 PR2:
@@ -15,11 +14,20 @@ PR2:
   the ``GenerationBatch``, kept in the trainer's route buffer beside the routes and gathered by each micro-batch's
   ``route_rows`` (``core/route_flow.py``); TRL's batch dict carries no PR2 tensor.
 
-The rest are Trainer overrides that hand straight to the next class without PR2: ``_compute_loss`` (the predictor
-loss in the policy loss's graph), ``training_step`` (the optimizer-step window; DDP gradient averaging),
-``create_optimizer`` (the predictors' own param group), ``_clip_grad_norm`` (their own norm), ``_save_checkpoint``
-and ``_load_optimizer_and_scheduler`` (``pr2_predictors.safetensors``, and the checks of a resumed checkpoint). It sits
-before ``RestoresEveryWeight`` in the bases, so its checkpoint load runs whichever engine restores the optimizer.
+Three more wrap a Trainer method that the trainer or its base overrides (each TRL method has one override of ours), and
+hand straight on without PR2:
+
+* ``_with_pr2_loss(inputs, compute_loss)``, from the trainer's ``_compute_loss``: the predictor loss in the policy
+  loss's graph;
+* ``_pr2_training_step()``, around TRL's ``training_step`` (the base's ``_training_step_context`` hook): the
+  optimizer-step window, DDP gradient averaging;
+* ``_pr2_optimizer_load(checkpoint)``, around the base's ``_load_optimizer_and_scheduler`` (its
+  ``_optimizer_load_context`` hook, whichever engine restores the optimizer): the checks of a resumed checkpoint
+  first, ``pr2_predictors.safetensors`` after.
+
+The rest are Trainer overrides of its own that hand straight to the next class without PR2: ``create_optimizer`` (the
+predictors' own param group), ``_clip_grad_norm`` (their own norm), ``_save_checkpoint``
+(``pr2_predictors.safetensors``).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from .state import (
 
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from transformers import PreTrainedModel
     from trl import GRPOTrainer as _GRPOTrainerHost
@@ -123,24 +131,30 @@ class PR2TrainerMixin(_GRPOTrainerHost):
         return pr2
 
     # ------------------------------------------------------------------ training
-    def _compute_loss(self, model, inputs):
+    def _with_pr2_loss(self, inputs: dict, compute_loss: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The trainer's ``_compute_loss`` of micro-batch ``inputs`` (``compute_loss``: TRL's), in training under PR2
+        with the predictors watching the forward and their loss added (:meth:`_add_pr2_predictor_loss`)."""
         if self._pr2 is None or not self.model.training:
-            return super()._compute_loss(model, inputs)
+            return compute_loss()
         # the micro-batch's own rows of the cache, held with its routes (route_flow step 4) and named by its route_rows
         assert self._routes is not None  # PR2 replays: the trainer carries routes
         held = self._routes.micro_rows(inputs)
         with self._pr2.watch_training_forward(held.per_sample if held is not None else {}):
-            loss = super()._compute_loss(model, inputs)
+            loss = compute_loss()
         return self._add_pr2_predictor_loss(loss)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if self._pr2 is None:
-            return super().training_step(model, inputs, num_items_in_batch)
+    def _pr2_training_step(self) -> contextlib.AbstractContextManager:
+        """Around TRL's ``training_step`` (the trainer's ``_training_step_context``): PR2's optimizer-step window, and
+        under plain data parallelism the predictors' gradients averaged after the backward."""
+        return self._pr2_step_window() if self._pr2 is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _pr2_step_window(self) -> Iterator[None]:
+        assert self._pr2 is not None  # _pr2_training_step enters it only under PR2
         self._pr2.begin_micro_step(self.state.global_step)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        yield
         if self._pr2_averages_gradients and self.accelerator.sync_gradients:
             self._pr2.average_gradients(self.accelerator.num_processes)  # before the Trainer clips them
-        return loss
 
     def create_optimizer(self, model=None):
         if self._pr2 is None:
@@ -209,10 +223,13 @@ class PR2TrainerMixin(_GRPOTrainerHost):
                 self._pr2.save(os.path.join(checkpoint_run_dir(self, trial), checkpoint), state)
         super()._save_checkpoint(model, trial)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
+    @contextlib.contextmanager
+    def _pr2_optimizer_load(self, checkpoint: str | None) -> Iterator[None]:
+        """Around loading a checkpoint's optimizer and scheduler (the trainer's ``_optimizer_load_context``, whichever
+        engine loads them): the PR2 checks first, the predictors' weights after."""
         if checkpoint is not None:  # before torch loads the optimizer state (every engine passes here)
             self._check_pr2_checkpoint(checkpoint)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        yield
         if self._pr2 is None or checkpoint is None:
             return
         restored_by_engine = self.is_deepspeed_enabled or self.is_fsdp_enabled

@@ -16,24 +16,27 @@ generation batch:
    training forward and keeps them in force until its backward has returned (gradient checkpointing recomputes the
    routers in backward; ``MoEReplayTrainerMixin.training_step`` ends it).
 
-What both trainers share (init preamble, aux-loss rule, output-dir lock, sync check, micro-batch lifecycle, metrics)
-is ``MoEReplayTrainerMixin`` (``trl_moe_replay.core.trainer_base``).
+Three bases: ``MoEReplayTrainerMixin``, ``PR2TrainerMixin``, ``GRPOTrainer``; no TRL or transformers method is
+overridden in two of our classes (tests/core/test_trainer_base.py). What both trainers share (init preamble,
+aux-loss rule, output-dir lock, resume integrity, sync check, micro-batch lifecycle, metrics) is
+``MoEReplayTrainerMixin`` (``trl_moe_replay.core.trainer_base``).
 
-The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) come from ``MoEObjectivesMixin``
-(``trl_moe_replay.trainer.objectives``), which sits between this class and ``GRPOTrainer``: its
-``_get_per_token_logps_and_entropies`` (and ``get_gamma_weights``, ``log``) wrap TRL's and read the current
-``MicroBatch``, so this class's ``super()`` calls go through it.
+The loss options (``gspo``, ``rspo``, ``minirl``, router-shift weighting) are a component, ``MoEObjectives``
+(``trl_moe_replay.trainer.objectives``, ``self._objectives``): this class's ``_get_per_token_logps_and_entropies``
+wraps TRL's forward with its router-shift measurement in the training forward, and its ``get_gamma_weights`` and
+``log`` ask it for MiniRL's weight and metric name.
 
 PR2 (``routing_replay="pr2"``) is R2 whose old-logprob pass (or, with ``pr2_rollout_prediction``, ``generate``) routes
 by the predicted routes; it lives beside the trainer in ``trl_moe_replay.pr2``, whose ``PR2TrainerMixin`` this class
 mixes in and calls at its named points (``_new_pr2``, ``_pr2_generate``, ``_pr2_old_pass_chunk``,
-``_pr2_on_generation_batch``) in 1. and 3.; its Trainer overrides hand straight on without PR2.
+``_pr2_on_generation_batch``) in 1. and 3., and in ``_compute_loss`` (``_with_pr2_loss``), the base's training-step
+and optimizer-load hooks; its own Trainer overrides hand straight on without PR2.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+import functools
 from collections.abc import Iterator
 from typing import cast
 
@@ -42,7 +45,6 @@ from accelerate.utils import is_peft_model
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ..checkpointing.checkpoint_weights import RestoresEveryWeight
 from ..core.launch import checked_model_name
 from ..core.metrics import global_sums, routable_positions
 from ..core.model_card import write_model_card
@@ -77,16 +79,13 @@ from ..upstream import (
 from ..weight_sync.sync_check import sync_trainer_check
 from ..weight_sync.weight_reload import WeightSyncMethod, client_without_communicator, sync_trainer_weight_sync
 from .grpo_config import MoEReplayGRPOConfig, check_generation_support
-from .objectives import MoEObjectivesMixin
+from .objectives import MoEObjectives
 
 
 logger = logging.get_logger(__name__)
 
 
-# type-ignore: MoEObjectivesMixin.get_gamma_weights replaces TRL's staticmethod with a method (TRL calls it on self)
-class MoEReplayGRPOTrainer(  # type: ignore[misc]
-    MoEReplayTrainerMixin, PR2TrainerMixin, RestoresEveryWeight, MoEObjectivesMixin, GRPOTrainer
-):
+class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, GRPOTrainer):
     """``GRPOTrainer`` for Mixture-of-Experts models with routing replay.
 
     Same constructor as ``trl.GRPOTrainer``; configure it with [`MoEReplayGRPOConfig`] (a plain ``GRPOConfig``
@@ -107,6 +106,9 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
     _sync_check = None
     _routes: RouteFlow | None = None
     _route_source: RouteSourceProtocol | None = None
+    _objectives: MoEObjectives | None = None  # the loss options (trainer/objectives.py), resolved in __init__
+    _micro_batch: MicroBatch | None = None  # the micro-batch whose loss is being computed, else None
+    _settle_gloo_at_end = True  # MoEReplayTrainerMixin.end: a gloo barrier before the process group goes
 
     def __init__(self, model, reward_funcs=None, args=None, *pos_args, **kwargs):
         if args is None:
@@ -150,7 +152,7 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
             tolerance=option(args, "sync_check_tolerance"),
         )
         self._warned_on_policy = False
-        self._objectives = self._setup_objectives(self.args)
+        self._objectives = MoEObjectives.resolve(self, self.args, self._route_replay)
         # the routes' one state: None when there is nothing to record or replay (every override hands to TRL)
         self._routes = None
         if not self._is_plain_trl:
@@ -201,6 +203,12 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
             required=self.replay_settings.mode.needs_engine_routes,
             remedy=source.remedy,
         )
+
+    @property
+    def moe_loss_type(self) -> str:
+        """``loss_type`` as configured: ours (``gspo``, ``rspo``, ``minirl``) or TRL's."""
+        assert self._objectives is not None  # set in __init__
+        return self._objectives.loss_type
 
     @property
     def _is_plain_trl(self) -> bool:
@@ -376,6 +384,9 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
         **multimodal,
     ):
         parent = super()._get_per_token_logps_and_entropies
+        if self._micro_batch is not None:  # the training forward of _compute_loss: it also measures the router shift
+            assert self._objectives is not None  # set in __init__
+            parent = self._objectives.with_router_shift(self, self._micro_batch, parent)
         plan = None
         if self._routes is not None:
             plan = self._routes.plan(
@@ -432,6 +443,8 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
                     model, input_ids, attention_mask, logits_to_keep, None, compute_entropy, compute_aux_loss
                 )
         batch_size = batch_size or input_ids.size(0)
+        objectives = self._objectives
+        assert objectives is not None  # set in __init__
         logps, entropies, aux_losses, natural = [], [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
@@ -444,7 +457,7 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
                     )
                 recording = stack.enter_context(rr.record()) if plan.record else None
                 capture = stack.enter_context(
-                    self._old_router_capture(end - start, input_ids.size(1), plan.old_router)
+                    objectives.old_router_capture(end - start, input_ids.size(1), plan.old_router)
                 )
                 chunk_logps, chunk_entropies, chunk_aux = parent(
                     model,
@@ -474,8 +487,38 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
         )
 
     def _compute_loss(self, model, inputs):
-        with self._micro_batch_of(inputs) as micro, self._engine_correction():  # PR2TrainerMixin adds its loss inside
-            return super()._compute_loss(model, micro.inputs)
+        with self._micro_batch_of(inputs) as micro, self._engine_correction():
+            # PR2 (pr2/trainer_mixin.py) watches TRL's forward and adds the predictor loss
+            return self._with_pr2_loss(micro.inputs, functools.partial(super()._compute_loss, model, micro.inputs))
+
+    def _training_step_context(self) -> contextlib.AbstractContextManager:
+        """``MoEReplayTrainerMixin.training_step``'s hook: PR2's optimizer-step window (``pr2/trainer_mixin.py``)."""
+        return self._pr2_training_step()
+
+    def _optimizer_load_context(self, checkpoint: str | None) -> contextlib.AbstractContextManager:
+        """``MoEReplayTrainerMixin._load_optimizer_and_scheduler``'s hook: PR2's checkpoint checks and predictors."""
+        return self._pr2_optimizer_load(checkpoint)
+
+    # TRL's is a staticmethod it calls on self; this one needs the trainer's micro-batch
+    def get_gamma_weights(  # type: ignore[override]
+        self, advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, **vespo
+    ):
+        """TRL's VESPO weight, or under ``loss_type="minirl"`` MiniRL's (``MoEObjectives.minirl_weight``)."""
+        if self.moe_loss_type != "minirl":
+            return super().get_gamma_weights(
+                advantages=advantages,
+                log_ratio_per_token=log_ratio_per_token,
+                mask=mask,
+                importance_sampling_ratio=importance_sampling_ratio,
+                **vespo,
+            )
+        assert self._objectives is not None  # moe_loss_type read it
+        return self._objectives.minirl_weight(self, self._micro_batch, advantages, log_ratio_per_token)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        assert self._objectives is not None  # set in __init__
+        self._objectives.rename_metrics(self._metrics)  # minirl: TRL's vespo metric under MiniRL's name
+        super().log(logs, start_time)
 
     @contextlib.contextmanager
     def _micro_batch_of(self, inputs: dict) -> Iterator[MicroBatch]:
@@ -492,19 +535,6 @@ class MoEReplayGRPOTrainer(  # type: ignore[misc]
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):  # type: ignore[override]  # TRL's
         """TRL's model card, with the routing mode (name and tag) and the citations of the methods used."""
         return write_model_card(self, super().create_model_card, model_name, dataset_name, tags)
-
-    def end(self):
-        """``Trainer.end`` (release ``output_dir``, destroy the process group), after letting gloo's worker threads
-        settle.
-
-        On CPU data parallelism (gloo), destroying the group while a worker thread still drops a Python-owned tensor
-        deadlocks (the main thread joins it holding the GIL), and exiting without destroying it can abort the
-        interpreter at shutdown; a barrier and a short pause first avoid both.
-        """
-        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
-            torch.distributed.barrier()
-            time.sleep(0.2)
-        super().end()
 
     # ------------------------------------------------------------------ metrics
     def _log_mismatch_metrics(

@@ -1,28 +1,31 @@
 """The trainer side of the MoE loss options: RSPO's router-shift weight with any loss, ``gspo``/``rspo`` on TRL's
 loss, and ``minirl`` on TRL's loss code. The math lives in ``trl_moe_replay.trainer.losses``;
-``MoEReplayGRPOTrainer`` mixes this in. Every reliance on how TRL's ``_compute_loss`` is written is an entry of
-``trl_moe_replay.upstream``.
+``MoEReplayGRPOTrainer`` holds them as a component (:class:`MoEObjectives`, ``_objectives``) and calls it from its
+own overrides (``_get_per_token_logps_and_entropies``, ``get_gamma_weights``, ``log``). Every reliance on how TRL's
+``_compute_loss`` is written is an entry of ``trl_moe_replay.upstream``.
 
 * γ (seam entry ``old_logps_after_forward``): TRL builds every importance weight from
   ``per_token_logps - old_per_token_logps``, read right after the training forward. The trainer's ``_compute_loss``
-  hands TRL a shallow copy of the micro-batch (``MicroBatch.inputs``, ``core/route_flow.py``), the training forward measures the current router at the old experts
-  (``_measuring_router_shift``), and before TRL reads it the copy's ``old_per_token_logps`` becomes ``old - log γ``
-  (``losses.shift_old_logps``): every TRL loss type then clips ``γ · ratio`` with its own code, and γ = 1 leaves TRL's
-  computation bit for bit unchanged. The buffered batch itself is never modified.
+  hands TRL a shallow copy of the micro-batch (``MicroBatch.inputs``, ``core/route_flow.py``), the training forward
+  measures the current router at the old experts (``MoEObjectives.measuring_router_shift``), and before TRL reads it
+  the copy's ``old_per_token_logps`` becomes ``old - log γ`` (``losses.shift_old_logps``): every TRL loss type then
+  clips ``γ · ratio`` with its own code, and γ = 1 leaves TRL's computation bit for bit unchanged. The buffered batch itself is never modified.
 * MiniRL (seam entry ``minirl_on_vespo``): its per-token loss ``-sg[M_t · min(π_θ/μ, C)] · Â · log π_θ`` is the
-  form of TRL's ``vespo`` branch, whose weight TRL asks ``get_gamma_weights`` for. This mixin answers with MiniRL's
+  form of TRL's ``vespo`` branch, whose weight TRL asks ``get_gamma_weights`` for. The trainer answers with MiniRL's
   weight, and TRL's code does the rest (forward, masks, KL term, aggregation, aux loss, entropy bonus, metrics).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..core.metrics import global_sums
 from ..core.route_flow import MicroBatch
 from ..core.routing_options import option
 from ..routing.router_probs import RouterProbes
@@ -46,9 +49,19 @@ _TRL_LOSS_FOR = {"gspo": "grpo", "rspo": "grpo", "minirl": MINIRL_TRL_BRANCH}
 _VESPO_WEIGHT_METRIC = "vespo/phi_seq_mean"
 
 
+if TYPE_CHECKING:
+    from trl import GRPOTrainer
+
+    from ..routing import RouterReplay
+
+
 @dataclass(frozen=True)
 class MoEObjectives:
-    """The loss options of one run, resolved once (``MoEObjectivesMixin._setup_objectives``)."""
+    """The loss options of one run, resolved once (:meth:`resolve`), and what the trainer asks of them: the old
+    router's capture in the old-logprob pass, γ measured around the training forward, MiniRL's weight, its metric name.
+    A component of ``MoEReplayGRPOTrainer`` (``_objectives``): its methods take the trainer, whose current
+    :class:`~trl_moe_replay.core.route_flow.MicroBatch` (``_micro_batch``, set by its ``_compute_loss`` only while it
+    runs) holds the loss inputs, the unshifted old log-probs and γ."""
 
     loss_type: str  # ours (gspo, rspo, minirl) or TRL's
     router_shift_weighting: bool = False
@@ -56,107 +69,51 @@ class MoEObjectives:
     minirl_is_cap: float | None = None
     router_probes: RouterProbes | None = None  # the router's probabilities at the old experts (router-shift weighting)
 
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from transformers import PreTrainedModel
-    from trl import GRPOTrainer as _GRPOTrainerHost
-
-    from ..routing import RouterReplay
-else:
-    _GRPOTrainerHost = object  # the type checker sees the GRPOTrainer this mixes into; at run time a plain mixin
-
-
-class MoEObjectivesMixin(_GRPOTrainerHost):
-    """Router-shift weighting, ``gspo``/``rspo`` and ``minirl`` for a ``GRPOTrainer`` subclass.
-
-    Reads the trainer's current :class:`~trl_moe_replay.core.route_flow.MicroBatch` (``_micro_batch``, set by the
-    trainer's ``_compute_loss`` only while it runs): the loss inputs, the unshifted old log-probs and γ."""
-
-    _objectives: MoEObjectives | None = None
-    _micro_batch: MicroBatch | None = None  # the micro-batch whose loss is being computed, else None
-    # set by the trainer this mixes into (TRL's GRPOTrainer, MoEReplayTrainerMixin); declared for the type checker
-    _route_replay: RouterReplay | None
-    model: PreTrainedModel  # TRL's GRPOTrainer always holds one (Trainer's is Optional)
-    _global_sums: Callable[..., dict[str, torch.Tensor]]
-
-    def _setup_objectives(self, args: Any) -> MoEObjectives:
-        """Call after ``GRPOTrainer.__init__`` and after ``self._route_replay`` exists; assign the result to
-        ``self._objectives``."""
+    @classmethod
+    def resolve(cls, trainer: GRPOTrainer, args: Any, route_replay: RouterReplay | None) -> MoEObjectives:
+        """Call after ``GRPOTrainer.__init__``, with the trainer's ``RouterReplay`` (if any): TRL's loss branch set for
+        ``args.loss_type`` (seam entry), the options read."""
         name = args.loss_type
         if name in MOE_LOSS_TYPES and not hasattr(args, "minirl_is_cap"):
             raise ValueError(f"loss_type={name!r} needs a MoEReplayGRPOConfig (it resolves that loss's defaults)")
-        run_loss_on_trl_branch(cast(Any, self), _TRL_LOSS_FOR.get(name, name))  # self: a GRPOTrainer subclass
+        run_loss_on_trl_branch(trainer, _TRL_LOSS_FOR.get(name, name))
         weighting = bool(option(args, "router_shift_weighting"))
         # the weighting reads the router at the old experts: the trainer puts its hooks on for it (hooks_needed)
-        assert self._route_replay is not None or not weighting
-        return MoEObjectives(
+        assert route_replay is not None or not weighting
+        return cls(
             loss_type=name,
             router_shift_weighting=weighting,
             router_shift_gamma_min=option(args, "router_shift_gamma_min"),
             minirl_is_cap=option(args, "minirl_is_cap"),
-            router_probes=RouterProbes(self._route_replay) if self._route_replay is not None and weighting else None,
+            router_probes=RouterProbes(route_replay) if route_replay is not None and weighting else None,
         )
 
-    @property
-    def moe_loss_type(self) -> str:
-        assert self._objectives is not None  # set in __init__ (_setup_objectives)
-        return self._objectives.loss_type
-
     # ------------------------------------------------------------------ old-logprob pass
-    def _old_router_capture(self, batch: int, seq: int, is_old_pass: bool):
+    def old_router_capture(self, batch: int, seq: int, is_old_pass: bool):
         """Context around one chunk's forward: in the old-logprob pass (with router-shift weighting), the old
         router's probabilities at the experts used; yields None otherwise."""
-        assert self._objectives is not None  # set in __init__ (_setup_objectives)
-        probes = self._objectives.router_probes
+        probes = self.router_probes
         if probes is None or not is_old_pass:
             return contextlib.nullcontext()
         return probes.capture(batch, seq)
 
-    # ------------------------------------------------------------------ loss and training forward
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **kwargs,
-    ):
-        """TRL's forward; inside ``_compute_loss`` (the training forward) it also measures the router shift."""
-        parent = super()._get_per_token_logps_and_entropies
-        if self._micro_batch is None:  # old-logprob and reference passes
-            return parent(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **kwargs,
-            )
-        with self._measuring_router_shift(input_ids, logits_to_keep):
-            return parent(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **kwargs,
-            )
+    # ------------------------------------------------------------------ training forward
+    def with_router_shift(self, trainer: GRPOTrainer, micro: MicroBatch, forward: Callable) -> Callable:
+        """TRL's ``forward`` (``_get_per_token_logps_and_entropies``) for the training forward of ``micro``: it also
+        measures the router shift (:meth:`measuring_router_shift`)."""
+
+        def measured(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            with self.measuring_router_shift(trainer, micro, input_ids, logits_to_keep):
+                return forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+        return measured
 
     @contextlib.contextmanager
-    def _measuring_router_shift(self, input_ids: torch.Tensor, logits_to_keep: int) -> Iterator[None]:
+    def measuring_router_shift(
+        self, trainer: GRPOTrainer, micro: MicroBatch, input_ids: torch.Tensor, logits_to_keep: int
+    ) -> Iterator[None]:
         """Around the training forward of ``_compute_loss``: measure γ and hand it to the loss (in the micro-batch)."""
-        micro, options = self._micro_batch, self._objectives
-        assert options is not None  # set in __init__ (_setup_objectives)
-        if not options.router_shift_weighting or micro is None:
+        if not self.router_shift_weighting:
             yield
             return
         inputs = micro.inputs
@@ -172,7 +129,7 @@ class MoEObjectivesMixin(_GRPOTrainerHost):
                     f"old_router_ids {tuple(old_ids.shape)} do not match the forward's input_ids "
                     f"{tuple(input_ids.shape)}: they must be gathered by the micro-batch's route_rows"
                 )
-            probes = options.router_probes
+            probes = self.router_probes
             assert probes is not None  # built with router_shift_weighting
             with probes.at(old_ids) as reading:
                 yield
@@ -181,59 +138,23 @@ class MoEObjectivesMixin(_GRPOTrainerHost):
             old_probs = micro.held.per_sample["old_router_probs"].to(probs.device)
             per_position = router_shift(old_probs, probs, old_ids.to(probs.device))
             delta = completion_aligned(per_position, logits_to_keep)
-        gamma = micro.gamma = router_shift_gamma(delta, options.router_shift_gamma_min)
+        gamma = micro.gamma = router_shift_gamma(delta, self.router_shift_gamma_min)
         # MiniRL applies γ inside its own weight (get_gamma_weights): its ratio is not TRL's clipped one
-        if options.loss_type != "minirl" and micro.old_logps is not None:
+        if self.loss_type != "minirl" and micro.old_logps is not None:
             set_old_logps_for_loss(inputs, shift_old_logps(micro.old_logps, gamma))
-            if self.off_policy_mask_threshold is not None and "sampling_per_token_logps" not in inputs:
+            if trainer.off_policy_mask_threshold is not None and "sampling_per_token_logps" not in inputs:
                 # TRL's off-policy mask falls back to the old log-probs: keep it on the unshifted ones
                 inputs["sampling_per_token_logps"] = micro.old_logps
-        self._log_router_shift(delta, gamma, _loss_mask(inputs))
-
-    def _log_router_shift(self, delta: torch.Tensor, gamma: torch.Tensor, mask: torch.Tensor) -> None:
-        mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode]
-        valid = mask.bool()
-        assert self._objectives is not None  # set in __init__ (_setup_objectives)
-        floored = torch.exp(-delta) < self._objectives.router_shift_gamma_min
-        sums = self._global_sums(
-            {
-                "tokens": valid.sum(),
-                "gamma": torch.where(valid, gamma, 0.0).sum(),
-                "shift": torch.where(valid, delta, 0.0).sum(),
-                "floored": (floored & valid).sum(),
-            },
-            gamma.device,
-        )
-        tokens = sums["tokens"].clamp(min=1.0)
-        metrics["rspo/gamma_mean"].append((sums["gamma"] / tokens).item())
-        metrics["rspo/shift_mean"].append((sums["shift"] / tokens).item())
-        metrics["rspo/floor_frac"].append((sums["floored"] / tokens).item())
-        # min and 10th percentile need the values themselves: gather them, padded to a common length with NaN
-        values = torch.where(valid, gamma, torch.nan).flatten().float()
-        values = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
-        values = self.accelerator.gather(values)
-        metrics["rspo/gamma_min"].append(nanmin(values).item() if (~values.isnan()).any() else float("nan"))
-        metrics["rspo/gamma_p10"].append(lower_quantile(values, 0.1).item())
+        _log_router_shift(trainer, delta, gamma, _loss_mask(inputs), self.router_shift_gamma_min)
 
     # ------------------------------------------------------------------ minirl
-    # TRL's is a staticmethod it calls on self; this one needs the trainer's micro-batch
-    def get_gamma_weights(  # type: ignore[override]
-        self, advantages, log_ratio_per_token, mask, importance_sampling_ratio=None, **vespo
-    ):
-        """TRL's VESPO weight, or under ``loss_type="minirl"`` MiniRL's detached token weight ``M_t · min(π_θ/μ, C)``
-        (TRL's vespo branch then forms ``-weight · Â · log π_θ``; seam entry ``minirl_on_vespo``)."""
-        if self.moe_loss_type != "minirl":
-            return super().get_gamma_weights(
-                advantages=advantages,
-                log_ratio_per_token=log_ratio_per_token,
-                mask=mask,
-                importance_sampling_ratio=importance_sampling_ratio,
-                **vespo,
-            )
-        micro, objectives = self._micro_batch, self._objectives
+    def minirl_weight(
+        self, trainer: GRPOTrainer, micro: MicroBatch | None, advantages, log_ratio_per_token
+    ) -> torch.Tensor:
+        """MiniRL's detached token weight ``M_t · min(π_θ/μ, C)`` for the trainer's ``get_gamma_weights`` (TRL's vespo
+        branch then forms ``-weight · Â · log π_θ``; seam entry ``minirl_on_vespo``)."""
         # _compute_loss holds the micro-batch while TRL's loss calls this; minirl's objectives carry its cap
-        assert micro is not None and objectives is not None and objectives.minirl_is_cap is not None
+        assert micro is not None and self.minirl_is_cap is not None
         inputs = micro.inputs
         sampling_logps = inputs.get("sampling_per_token_logps")
         if sampling_logps is None:
@@ -252,45 +173,78 @@ class MoEObjectivesMixin(_GRPOTrainerHost):
             log_ratio_per_token,
             sampling_logps,
             advantages,
-            self.epsilon_low,
-            self.epsilon_high,
-            objectives.minirl_is_cap,
+            trainer.epsilon_low,
+            trainer.epsilon_high,
+            self.minirl_is_cap,
             gamma=micro.gamma,
         )
-        self._log_minirl(weights, _loss_mask(inputs))
+        _log_minirl(trainer, weights, _loss_mask(inputs))
         return weights.weight
 
-    def _log_minirl(self, weights, mask: torch.Tensor) -> None:
-        mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode]
-        valid = mask.bool()
-        low, high = weights.low_clipped, weights.high_clipped
-        sums = self._global_sums(
-            {
-                "tokens": valid.sum(),
-                "low": (low & valid).sum(),
-                "high": (high & valid).sum(),
-                "is_weight": torch.where(valid, weights.is_weight, 0.0).sum(),
-                "truncated": (weights.truncated & valid).sum(),
-            },
-            mask.device,
-        )
-        tokens = sums["tokens"].clamp(min=1.0)
-        metrics["clip_ratio/low_mean"].append((sums["low"] / tokens).item())
-        metrics["clip_ratio/high_mean"].append((sums["high"] / tokens).item())
-        metrics["clip_ratio/region_mean"].append(((sums["low"] + sums["high"]) / tokens).item())
-        per_seq = mask.sum(-1)  # like TRL: a sequence without valid tokens gives NaN, which nanmin/nanmax skip
-        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather((low * mask).sum(-1) / per_seq)).item())
-        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather((high * mask).sum(-1) / per_seq)).item())
-        metrics["minirl/is_weight_mean"].append((sums["is_weight"] / tokens).item())
-        metrics["minirl/is_truncated_frac"].append((sums["truncated"] / tokens).item())
+    def rename_metrics(self, metrics: dict[str, defaultdict[str, list[float]]]) -> None:
+        """Before the trainer logs: under ``minirl``, TRL's vespo metric is MiniRL's mean token weight."""
+        if self.loss_type != "minirl":
+            return
+        for mode_metrics in metrics.values():
+            if _VESPO_WEIGHT_METRIC in mode_metrics:
+                mode_metrics["minirl/token_weight_mean"] = mode_metrics.pop(_VESPO_WEIGHT_METRIC)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.moe_loss_type == "minirl":  # TRL's vespo metric is MiniRL's mean token weight here
-            for mode_metrics in self._metrics.values():
-                if _VESPO_WEIGHT_METRIC in mode_metrics:
-                    mode_metrics["minirl/token_weight_mean"] = mode_metrics.pop(_VESPO_WEIGHT_METRIC)
-        super().log(logs, start_time)  # type: ignore[misc]  # TRL's Trainer.log, next in the trainer's MRO
+
+def _log_router_shift(
+    trainer: GRPOTrainer, delta: torch.Tensor, gamma: torch.Tensor, mask: torch.Tensor, gamma_min: float
+) -> None:
+    assert trainer.model is not None  # TRL's trainers always hold one (the Trainer's is Optional)
+    mode = "train" if trainer.model.training else "eval"
+    metrics = trainer._metrics[mode]
+    valid = mask.bool()
+    floored = torch.exp(-delta) < gamma_min
+    sums = global_sums(
+        trainer.accelerator,
+        {
+            "tokens": valid.sum(),
+            "gamma": torch.where(valid, gamma, 0.0).sum(),
+            "shift": torch.where(valid, delta, 0.0).sum(),
+            "floored": (floored & valid).sum(),
+        },
+    )
+    tokens = sums["tokens"].clamp(min=1.0)
+    metrics["rspo/gamma_mean"].append((sums["gamma"] / tokens).item())
+    metrics["rspo/shift_mean"].append((sums["shift"] / tokens).item())
+    metrics["rspo/floor_frac"].append((sums["floored"] / tokens).item())
+    # min and 10th percentile need the values themselves: gather them, padded to a common length with NaN
+    values = torch.where(valid, gamma, torch.nan).flatten().float()
+    values = trainer.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+    values = trainer.accelerator.gather(values)
+    metrics["rspo/gamma_min"].append(nanmin(values).item() if (~values.isnan()).any() else float("nan"))
+    metrics["rspo/gamma_p10"].append(lower_quantile(values, 0.1).item())
+
+
+def _log_minirl(trainer: GRPOTrainer, weights, mask: torch.Tensor) -> None:
+    assert trainer.model is not None  # TRL's trainers always hold one (the Trainer's is Optional)
+    mode = "train" if trainer.model.training else "eval"
+    metrics = trainer._metrics[mode]
+    valid = mask.bool()
+    low, high = weights.low_clipped, weights.high_clipped
+    sums = global_sums(
+        trainer.accelerator,
+        {
+            "tokens": valid.sum(),
+            "low": (low & valid).sum(),
+            "high": (high & valid).sum(),
+            "is_weight": torch.where(valid, weights.is_weight, 0.0).sum(),
+            "truncated": (weights.truncated & valid).sum(),
+        },
+    )
+    tokens = sums["tokens"].clamp(min=1.0)
+    metrics["clip_ratio/low_mean"].append((sums["low"] / tokens).item())
+    metrics["clip_ratio/high_mean"].append((sums["high"] / tokens).item())
+    metrics["clip_ratio/region_mean"].append(((sums["low"] + sums["high"]) / tokens).item())
+    per_seq = mask.sum(-1)  # like TRL: a sequence without valid tokens gives NaN, which nanmin/nanmax skip
+    gather = trainer.accelerator.gather
+    metrics["clip_ratio/low_min"].append(nanmin(gather((low * mask).sum(-1) / per_seq)).item())
+    metrics["clip_ratio/high_max"].append(nanmax(gather((high * mask).sum(-1) / per_seq)).item())
+    metrics["minirl/is_weight_mean"].append((sums["is_weight"] / tokens).item())
+    metrics["minirl/is_truncated_frac"].append((sums["truncated"] / tokens).item())
 
 
 def _loss_mask(inputs: dict) -> torch.Tensor:

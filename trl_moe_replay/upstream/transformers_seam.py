@@ -136,7 +136,7 @@ def hub_kernel_layers(model: Any) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # trainer_private_methods: transformers.Trainer's private methods both trainers override or call
-#    (trl_moe_replay/trainer/grpo_trainer.py, pr2/trainer_mixin.py, checkpoint_weights.py). An override forwards these
+#    (trl_moe_replay/trainer/grpo_trainer.py, pr2/trainer_mixin.py, core/trainer_base.py). An override forwards these
 #    by name, so a renamed or reordered parameter must fail here rather than shift arguments:
 #    _save_checkpoint / _load_optimizer_and_scheduler (PR2 checkpoints its predictors next to the Trainer's files,
 #    in the directory _get_output_dir(trial) names; a model sharded at load time saves and loads its optimizer state
@@ -195,8 +195,8 @@ def end_trainer(trainer: Any) -> None:
 #    get_batch_samples(epoch_iterator, num_batches, device) before on_step_begin and training_step, and leaves the
 #    epoch, then _inner_training_loop the run, when control.should_training_stop is set after a step that had no
 #    batch; max_steps is judged only after a step (DefaultFlowCallback.on_step_end), so a run resumed at
-#    global_step == max_steps trains one step more. RestoresEveryWeight.get_batch_samples
-#    (trl_moe_replay/checkpointing/checkpoint_weights.py) answers such a run with no batch and the stop. Checked here
+#    global_step == max_steps trains one step more. MoEReplayTrainerMixin.get_batch_samples
+#    (trl_moe_replay/core/trainer_base.py, checkpoint_weights.stop_if_resumed_complete) answers such a run with no batch and the stop. Checked here
 #    by signature; the behaviour by tests/checkpointing/test_checkpoints.py (a resume at max_steps trains nothing).
 # ---------------------------------------------------------------------------------------------------------------
 RESUME_AT_MAX_STEPS = entry("resume_at_max_steps", "transformers", "5.24.0")
