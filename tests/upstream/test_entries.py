@@ -290,6 +290,27 @@ def test_the_trainer_refuses_to_build_on_a_trl_that_changed(tmp_path, monkeypatc
         make_trainer(tmp_path, tiny_moe_model("qwen3_moe"))
 
 
+def test_a_refusal_names_the_library_that_changed_not_trl_for_a_transformers_entry(monkeypatch):
+    """On transformers 5.22 the refusal (before distributed_config_class) read "the installed TRL 1.16.0 no longer
+    matches" for two transformers entries: the message names each failing entry's library and its installed version,
+    and the TRL remedy only when TRL is what changed."""
+    import transformers
+
+    from trl_moe_replay.upstream import transformers_seam
+
+    finding = upstream.Finding(transformers_seam.EP_IMPLEMENTATIONS, "the EP implementation registry cannot be read")
+    monkeypatch.setattr(trl_seam, "check_trl", lambda trainer_class=GRPOTrainer: (finding,))
+    with pytest.raises(upstream.UpstreamChangedError) as refused:
+        trl_seam.assert_trl_compatible()
+    message = str(refused.value)
+    assert f"the installed transformers {transformers.__version__} no longer matches" in message
+    assert "installed TRL" not in message and "Install 'trl" not in message
+    trl_finding = upstream.Finding(trl_seam.OLD_LOGPS_AFTER_FORWARD, "_compute_loss no longer reads the old log-probs")
+    monkeypatch.setattr(trl_seam, "check_trl", lambda trainer_class=GRPOTrainer: (trl_finding, finding))
+    with pytest.raises(upstream.UpstreamChangedError, match=r"the installed transformers \S+ and trl \S+ no longer"):
+        trl_seam.assert_trl_compatible()
+
+
 def test_engine_logprob_correction_is_scoped_and_restored(tmp_path):
     trainer = make_trainer(tmp_path, tiny_moe_model("qwen3_moe"))
     assert trainer.use_vllm is False

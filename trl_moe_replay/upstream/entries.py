@@ -9,7 +9,9 @@ declares those the vLLM plugin keeps itself); citations elsewhere in the package
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +79,20 @@ def method_finding(
     if (have if exact else have[: len(params)]) != params:
         return Finding(declared, f"{label}.{name}{params} became {name}{have}")
     return None
+
+
+def installed_versions(findings: Sequence[Finding]) -> str:
+    """``"transformers 5.22.2"``: the installed version of each library ``findings`` name, for a message that blames
+    the library that changed (not TRL for a transformers entry)."""
+    libraries = sorted({finding.entry.library for finding in findings})
+    return " and ".join(f"{library} {_version_of(library)}" for library in libraries)
+
+
+def _version_of(library: str) -> str:
+    try:
+        return importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 class UpstreamChangedError(TrlMoeReplayError, RuntimeError):

@@ -23,9 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import trl
 
-from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
+from .entries import Entry, Finding, UpstreamChangedError, entry, installed_versions, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
 from .trl_seam import TRL_READ, TRL_VERIFIED
@@ -437,6 +436,6 @@ def assert_async_trl_compatible() -> None:
         lines = "\n".join(f"  - {finding}" for finding in findings)
         raise UpstreamChangedError(
             f"trl_moe_replay's async trainer was written against TRL {TRL_READ}'s trl.experimental.async_grpo; the "
-            f"installed TRL {trl.__version__} (or torch, transformers) no longer matches it (trl_moe_replay/upstream/, "
-            f"by entry):\n{lines}"
+            f"installed {installed_versions(findings)} no longer matches it (trl_moe_replay/upstream/, by entry):\n"
+            f"{lines}"
         )

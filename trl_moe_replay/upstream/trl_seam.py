@@ -39,7 +39,7 @@ from trl.models.utils import disable_gradient_checkpointing  # noqa: F401
 from trl.trainer.utils import nanmax, nanmin, pad  # noqa: F401
 
 from ..errors import TrlMoeReplayError
-from .entries import Entry, Finding, UpstreamChangedError, entry, method_finding
+from .entries import Entry, Finding, UpstreamChangedError, entry, installed_versions, method_finding
 from .torch_seam import check_torch
 from .transformers_seam import check_transformers
 
@@ -1023,10 +1023,15 @@ def assert_trl_compatible(trainer_class: type = GRPOTrainer) -> None:
     findings = check_trl(trainer_class)
     if findings:
         lines = "\n".join(f"  - {finding}" for finding in findings)
+        if {finding.entry.library for finding in findings} == {"trl"}:
+            remedy = f"Install 'trl{TRL_RANGE}', or a trl_moe_replay release that supports TRL {trl.__version__}."
+        else:  # a transformers or torch entry: the version it was verified on, named in its line
+            remedy = (
+                "Install a version each entry above was verified on, or a trl_moe_replay release that supports yours."
+            )
         raise UpstreamChangedError(
-            f"trl_moe_replay supports TRL {TRL_RANGE} (read from {TRL_READ}); the installed TRL {trl.__version__} no "
-            f"longer matches what it relies on (trl_moe_replay/upstream/, by entry):\n{lines}\n"
-            f"Install 'trl{TRL_RANGE}', or a trl_moe_replay release that supports TRL {trl.__version__}."
+            f"trl_moe_replay supports TRL {TRL_RANGE} (read from {TRL_READ}); the installed {installed_versions(findings)} "
+            f"no longer matches what it relies on (trl_moe_replay/upstream/, by entry):\n{lines}\n{remedy}"
         )
 
 
