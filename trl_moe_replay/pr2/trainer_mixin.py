@@ -143,14 +143,13 @@ class PR2TrainerMixin(_GRPOTrainerHost):
             loss = compute_loss()
         return self._add_pr2_predictor_loss(loss)
 
-    def _pr2_training_step(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _pr2_training_step(self) -> Iterator[None]:
         """Around TRL's ``training_step`` (the trainer's ``_training_step_context``): PR2's optimizer-step window, and
         under plain data parallelism the predictors' gradients averaged after the backward."""
-        return self._pr2_step_window() if self._pr2 is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _pr2_step_window(self) -> Iterator[None]:
-        assert self._pr2 is not None  # _pr2_training_step enters it only under PR2
+        if self._pr2 is None:
+            yield
+            return
         self._pr2.begin_micro_step(self.state.global_step)
         yield
         if self._pr2_averages_gradients and self.accelerator.sync_gradients:

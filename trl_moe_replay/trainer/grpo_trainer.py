@@ -273,7 +273,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, GRPOTrainer):
             # GRPOConfig.__post_init__ resolves "auto": an int or None
             pad_to_multiple_of = cast(int | None, self.pad_to_multiple_of)
             batch.align(self._route_intake, self._route_replay, prompt_ids, completion_ids, pad_to_multiple_of)
-        mode = "train" if self.model.training else "eval"
+        mode = self._metrics_mode()
         for name, value in source.take_metrics().items():  # e.g. vllm/route_bytes: summed over ranks
             received = torch.tensor([value], device=self.accelerator.device)
             self._metrics[mode][name].append(self.accelerator.reduce(received, "sum").item())
@@ -296,7 +296,7 @@ class MoEReplayGRPOTrainer(MoEReplayTrainerMixin, PR2TrainerMixin, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self._routes is None:  # plain TRL: its keys only (routing_metrics=True adds ours)
             return super()._generate_and_score_completions(inputs)
-        mode = "train" if self.model.training else "eval"
+        mode = self._metrics_mode()
         with self._routes.generation_batch() as batch:
             with self._engine_correction():
                 output = super()._generate_and_score_completions(inputs)
