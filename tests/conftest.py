@@ -90,3 +90,16 @@ def server(vllm_checkpoint, tmp_path_factory):
 
     with vllm_server(vllm_checkpoint, tmp_path_factory.mktemp("vllm_server") / "server.log") as url:
         yield url
+
+
+# ----------------------------------------------------------------------------- which slow tests CI runs
+def misplaced_ci_marks(items) -> list[str]:
+    """The tests marked `ci` that are not `slow`: `ci` picks the slow tests `make test` (CI) runs, so on a fast test
+    (which CI runs anyway) it says something untrue."""
+    return [item.nodeid for item in items if item.get_closest_marker("ci") and not item.get_closest_marker("slow")]
+
+
+def pytest_collection_modifyitems(config, items):
+    misplaced = misplaced_ci_marks(items)
+    if misplaced:
+        raise pytest.UsageError(f"marked `ci` but not `slow` (`ci` picks the slow tests CI runs): {misplaced}")

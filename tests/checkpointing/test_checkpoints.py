@@ -411,6 +411,7 @@ def trained_logs(output_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # three short recipe runs per mode (~1 min quiet, several when the machine is loaded)
+@pytest.mark.ci
 @pytest.mark.parametrize(
     "mode, extra, ctrl_c_in_step",
     [
@@ -459,6 +460,7 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
 
 
 @pytest.mark.slow  # two short recipe runs
+@pytest.mark.ci
 def test_a_stop_at_the_last_step_says_the_run_is_complete_and_a_resume_trains_nothing(
     recipe, tmp_path, capsys, monkeypatch
 ):
@@ -492,6 +494,7 @@ def test_a_stop_at_the_last_step_says_the_run_is_complete_and_a_resume_trains_no
 
 
 @pytest.mark.slow  # a recipe run (~30 s)
+@pytest.mark.ci
 def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoints(recipe, tmp_path, capsys):
     run = tmp_path / "run"
     fake_checkpoint(run, 150, max_steps=200)  # an earlier, unfinished run
@@ -547,6 +550,7 @@ def saved_once(lines: list[str], run) -> str:
 
 
 @pytest.mark.slow  # the recipe as `make demo` runs it, stopped with a real Ctrl-C (~1 min)
+@pytest.mark.ci
 def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     command = [

@@ -53,6 +53,7 @@ def lock_held_by_another_process(output_dir):
 
 
 @pytest.mark.slow  # a second process holds the lock
+@pytest.mark.ci
 def test_a_second_trainer_on_a_busy_output_dir_is_refused_and_a_crashed_ones_lock_is_taken_over(tmp_path, caplog):
     lock_path = tmp_path / LOCK_NAME
     with lock_held_by_another_process(tmp_path) as holder:
@@ -106,6 +107,7 @@ def test_a_lock_of_another_host_is_judged_by_its_heartbeat(tmp_path, caplog):
 
 
 @pytest.mark.slow  # a second process holds the lock
+@pytest.mark.ci
 def test_plain_trl_on_a_busy_output_dir_only_warns(tmp_path, caplog):
     # routing_replay="none" is plain GRPOTrainer, which TRL would run: a loud warning, not a refusal
     with lock_held_by_another_process(tmp_path) as holder:

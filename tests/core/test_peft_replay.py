@@ -151,6 +151,7 @@ def test_the_async_trainer_refuses_r3_with_adapter_only_sync_on_the_router(tmp_p
 
 # ------------------------------------------------------------------ the offline LoRA recipe config
 @pytest.mark.slow  # runs the recipe: cold start and training
+@pytest.mark.ci
 def test_tiny_lora_recipe_trains_the_adapter_with_r3(tmp_path, capsys):
     """recipes/configs/tiny_lora_r3.yaml end to end at a small size: the adapter on attention, routers and experts
     trains, and every scored position replays the route generate used."""

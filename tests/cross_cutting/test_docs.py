@@ -208,7 +208,10 @@ def test_docs_quote_both_demos():
 
 
 @pytest.mark.slow  # runs the demo (a cold start and 300 GRPO steps: ~2-4 min on 2 shared cores; the tool demo ~8 min)
-@pytest.mark.parametrize("demo", DEMOS)
+# CI runs the main job (make demo), make test-all the tool demo too (~5 min)
+@pytest.mark.parametrize(
+    "demo", [pytest.param(demo, marks=pytest.mark.ci) if demo == "math" else demo for demo in DEMOS]
+)
 def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
     printed, state = demo_output(demo)
     forms = {line_form(line) for line in printed if QUOTED.match(line)}
@@ -230,6 +233,7 @@ def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
 
 
 @pytest.mark.slow  # the same run as above
+@pytest.mark.ci
 def test_demo_completions_stop_and_r3_leaves_no_mismatch(demo_output):
     """docs/demo.md: the policy the run leaves ends its completions with the end-of-turn token (at most 1 in 100 cut
     at max_completion_length over the last 10 steps, some ending at every step); in float32 with R3 the trainer's

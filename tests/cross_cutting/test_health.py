@@ -210,7 +210,7 @@ def test_envs_tested_ends_are_the_install_pages_table():
     [
         ("torch", "2.15.0", "tested (newest end)"),
         ("torch", "2.11.0+cu130", "tested (oldest end)"),
-        ("torch", "2.13.0+cpu", "tested (CI's whole suite)"),
+        ("torch", "2.13.0+cpu", "tested (the whole suite)"),
         ("torch", "2.12.1", "inside the declared range, between tested ends"),
         ("torch", "2.16.0", "outside the declared range (>=2.11,<2.16)"),
         ("transformers", "5.25.0", "tested (newest end)"),

@@ -53,6 +53,7 @@ def small_run_args(output_dir, cache_dir, *extra):
 
 
 @pytest.mark.slow  # runs the recipe: cold start and training
+@pytest.mark.ci
 def test_default_recipe_trains_logs_and_plots(recipe, tmp_path, capsys):
     script_args, training_args, model_args = recipe.parse_args(small_run_args(tmp_path / "run", tmp_path / "cache"))
     assert model_args.model_name_or_path is None and training_args.routing_replay == "r3"
@@ -497,6 +498,7 @@ def test_an_eval_dataset_without_an_eval_strategy_is_refused_in_one_line(recipe,
 
 
 @pytest.mark.slow  # runs the recipe: cold start, two steps and two evaluations
+@pytest.mark.ci
 def test_the_recipe_evaluates_its_eval_set_every_n_steps(recipe, tmp_path):
     script_args, training_args, model_args = recipe.parse_args(
         small_run_args(

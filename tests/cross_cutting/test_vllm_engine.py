@@ -20,7 +20,8 @@ pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (make setu
 # a real vLLM engine or server per test, each run in a subprocess. The oldest end (transformers 5.16; the same TRL and
 # vLLM) runs those marked oldest_end: a colocated and a server training run and the audit, what transformers' version
 # can change. The others test our own logic on the engine's output (tool turns, payload fallback, refusals, LoRA),
-# which the fast subset also covers at the oldest end, on stand-in engines.
+# which the fast subset also covers at the oldest end, on stand-in engines. CI's newest end runs those marked ci too
+# (the same three); make test-all runs every test.
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 from trl_moe_replay.testing import NEVER_WRITTEN  # noqa: E402
@@ -150,7 +151,9 @@ def assert_r3_verified(report, num_steps=STEPS):
 
 
 # the oldest end trains one family: both families' routes are checked there against transformers' top-k (test_capture)
-@pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.oldest_end), "mixtral"])
+@pytest.mark.parametrize(
+    "family", [pytest.param("qwen3_moe", marks=[pytest.mark.oldest_end, pytest.mark.ci]), "mixtral"]
+)
 def test_colocate_r3_trains_on_the_real_engine(request, colocated, family):
     report = colocated(request)
     assert report["weight_sync"] == "ReloadWeightSync" and report["engine_dtype"] == "torch.bfloat16"
@@ -174,6 +177,7 @@ def test_colocate_r3_with_tool_calls_on_the_real_engine(request, colocated):
 
 
 @pytest.mark.oldest_end
+@pytest.mark.ci
 def test_server_r3_trains_on_the_real_server(tmp_path, server, vllm_checkpoint):
     reload_weights(server, vllm_checkpoint)
     report, _ = train(tmp_path, "server", server, vllm_checkpoint)
@@ -262,6 +266,7 @@ def test_corrupted_payloads_from_the_real_server_fall_back_per_sample(tmp_path, 
 
 
 @pytest.mark.oldest_end
+@pytest.mark.ci
 def test_audit_of_the_real_server(server, vllm_checkpoint):
     reload_weights(server, vllm_checkpoint)
     from trl_moe_replay.cli.audit import run_audit

@@ -71,6 +71,7 @@ def launch(out: Path, *args: str) -> list[dict]:
     return ranks
 
 
+# one launch for every test that reads it: CI (make test) runs them all (the tests marked ci below)
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep_train")
@@ -84,6 +85,7 @@ def close(a: list[float], b: list[float], tol: float) -> bool:
 # --------------------------------------------------------------------------------------------- training against DDP
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_the_model_is_sharded_at_load_with_experts_split_across_ranks(trained):
     for rank in trained:
         for mode in ("none", "r2", "r3"):
@@ -98,6 +100,7 @@ def test_the_model_is_sharded_at_load_with_experts_split_across_ranks(trained):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_the_experts_used_are_the_replayed_routes(trained):
     for rank in trained:
         assert rank["none"]["routes"]["calls"] == 0 and not rank["none"]["hooks"]  # nothing replayed: plain TRL
@@ -112,6 +115,7 @@ def test_the_experts_used_are_the_replayed_routes(trained):
 @pytest.mark.slow
 @pytest.mark.serial
 @pytest.mark.parametrize("mode", ["none", "r2", "r3", "pr2"])
+@pytest.mark.ci
 def test_losses_and_weights_equal_ddp(trained, mode):
     for rank in trained:
         result = rank[mode]
@@ -126,6 +130,7 @@ def test_losses_and_weights_equal_ddp(trained, mode):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_the_reference_model_is_sharded_alike_and_its_kl_equals_ddp(trained):
     for rank in trained:
         r3 = rank["r3"]
@@ -135,6 +140,7 @@ def test_the_reference_model_is_sharded_alike_and_its_kl_equals_ddp(trained):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_none_on_an_expert_parallel_model_is_plain_trl(trained):
     for rank in trained:
         none = rank["none"]
@@ -144,6 +150,7 @@ def test_none_on_an_expert_parallel_model_is_plain_trl(trained):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained):
     for rank in trained:
         pr2 = rank["pr2"]
@@ -169,6 +176,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(trained):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_a_checkpoint_without_its_shards_is_refused_in_one_line(trained):
     for rank in trained:
         refusal = rank["pr2"]["refusal"]
@@ -178,6 +186,7 @@ def test_a_checkpoint_without_its_shards_is_refused_in_one_line(trained):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_lora_on_an_expert_parallel_model_is_refused_in_one_line(trained):
     refusal = trained[0]["peft_refusal"]
     assert refusal["type"] == "ShardedAtLoadUnsupportedError" and "\n" not in refusal["message"]
@@ -186,6 +195,7 @@ def test_lora_on_an_expert_parallel_model_is_refused_in_one_line(trained):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_all_reduce_dispatch_replays_one_process_routes_exactly(trained):
     for rank in trained:
         result = rank["all_reduce"]
@@ -250,6 +260,7 @@ def test_r3_with_vllm_colocated_in_each_rank(vllm_checkpoint, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.ci
 def test_an_ep_model_loaded_in_float32_keeps_fp32_masters_under_bf16_autocast(trained):
     """What the shipped EP configs do (dtype float32, bf16 true): the sharded parameters stay fp32, the forward
     computes in bf16 (accelerate's autocast on a model sharded at load), and at lr 1e-6 nearly every element with a

@@ -27,6 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"
 CONFIGS = {engine: ROOT / "recipes" / "accelerate" / f"{engine}.yaml" for engine in ("ddp", "zero2", "zero3", "fsdp2")}
 SHARDED = ["zero2", "zero3", "fsdp2"]
+IN_CI = {"ddp", "zero3"}  # the launches CI (make test) runs; make test-all runs every engine
+
+
+def engines(*names):
+    """``names`` as parameters, those in ``IN_CI`` marked ``ci``."""
+    return [pytest.param(name, marks=pytest.mark.ci) if name in IN_CI else name for name in names]
+
+
 STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3, "threshold": 2}  # optimizer steps per run in sharded_run.py
 
 
@@ -86,7 +94,7 @@ def close(a: list[float], b: list[float], tol: float = 1e-6) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=tol) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
 def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
     for rank in runs(engine):
         r3, storage = rank["r3"], rank["pr2"]["storage"]
@@ -114,7 +122,7 @@ def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
             assert storage["wrapper"] == "DistributedDataParallel"
 
 
-@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
 def test_the_experts_used_are_the_replayed_routes(runs, engine):
     for rank in runs(engine):
         assert rank["none"]["routes"]["calls"] == 0  # nothing replayed, nothing checked
@@ -125,7 +133,7 @@ def test_the_experts_used_are_the_replayed_routes(runs, engine):
             assert checks["mismatched_rows"] == 0, (mode, checks)
 
 
-@pytest.mark.parametrize("engine", SHARDED)
+@pytest.mark.parametrize("engine", engines(*SHARDED))
 def test_losses_and_predictors_equal_ddp(runs, engine):
     reference, ranks = runs("ddp"), runs(engine)
     for ref, rank in zip(reference, ranks, strict=True):
@@ -143,7 +151,7 @@ def test_losses_and_predictors_equal_ddp(runs, engine):
     assert ranks[0]["pr2"]["predictors_after_step"] == ranks[1]["pr2"]["predictors_after_step"]
 
 
-@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
 def test_every_engine_logs_what_its_optimizer_steps_changed(runs, engine):
     """precision/updated_frac under every layout: DeepSpeed's fp32 masters read per shard around ZeRO's own step
     (trl_moe_replay/core/precision.py, MasterUpdateProbe), FSDP2's DTensor shards, DDP's whole parameters; the counts
@@ -156,7 +164,7 @@ def test_every_engine_logs_what_its_optimizer_steps_changed(runs, engine):
     assert ranks[0]["none"]["updated_frac"] == []  # routing_replay="none" logs TRL's keys only
 
 
-@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
 def test_pr2_checkpoint_resume_and_save_model(runs, engine):
     ranks = runs(engine)
     for rank in ranks:
@@ -174,7 +182,7 @@ def test_pr2_checkpoint_resume_and_save_model(runs, engine):
     assert model.model.layers[0].mlp.gate.weight.shape == (16, 64)
 
 
-@pytest.mark.parametrize("engine", ["ddp", *SHARDED])
+@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
 def test_threshold_replay_trains_and_logs_its_replace_rate(runs, engine):
     """R3 at replay_score_threshold=1: the experts modules ran the replayed experts the router kept and, in place of
     each rejected one, one the replay counted (the refill never brings a rejected expert back: it ranks below the
@@ -199,7 +207,7 @@ def test_threshold_replay_trains_and_logs_its_replace_rate(runs, engine):
     assert ranks[0]["threshold"]["replace_rate"] == ranks[1]["threshold"]["replace_rate"]
 
 
-@pytest.mark.parametrize("engine", SHARDED)
+@pytest.mark.parametrize("engine", engines(*SHARDED))
 def test_threshold_replay_equals_ddp(runs, engine):
     """The same losses and replace rates as DDP (the tolerance of the other modes' losses). The rule's choice is
     discrete (a score against the weakest top-k score), so after the first update, whose weights differ from DDP's by
@@ -231,6 +239,7 @@ def test_gradient_clipping_of_the_predictors(runs):
         assert close([zero["grad_norm"][i] for i in (0, 2)], [ddp["grad_norm"][i] for i in (0, 2)])
 
 
+@pytest.mark.ci
 def test_zero3_builds_predictors_for_a_model_partitioned_at_creation(runs):
     shapes = runs("zero3")[0]["zero3_init_predictor_shapes"]
     assert shapes == {"router_local": 0, "router_ds_shape": [16, 64], "predictor": [16, 64]}

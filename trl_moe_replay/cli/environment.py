@@ -40,7 +40,7 @@ class Tested:
 
 #: docs/install.md "Tested versions": the ends each dependency's range was tested at (a change there changes this).
 TESTED: dict[str, Tested] = {
-    "torch": Tested("2.11.0", "2.15.0", (("2.13.0", "CI's whole suite"),)),
+    "torch": Tested("2.11.0", "2.15.0", (("2.13.0", "the whole suite"),)),
     "transformers": Tested("5.16.1", "5.25.0"),
     "trl": Tested("1.16.0", "1.16.0"),
     "accelerate": Tested("1.10.1", "1.16.0"),

@@ -226,6 +226,7 @@ def test_tool_flags_are_checked(recipe):
 
 
 @pytest.mark.slow  # runs the tool recipe
+@pytest.mark.ci
 def test_tool_recipe_calls_the_tool_and_replays_every_turn(recipe, tmp_path, capsys):
     script_args, training_args, model_args = recipe.parse_args(
         [
