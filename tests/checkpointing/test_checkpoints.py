@@ -411,11 +411,10 @@ def trained_logs(output_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # three short recipe runs per mode (~1 min quiet, several when the machine is loaded)
-@pytest.mark.ci
 @pytest.mark.parametrize(
     "mode, extra, ctrl_c_in_step",
     [
-        ("r3", [], 2),
+        pytest.param("r3", [], 2, marks=pytest.mark.ci),  # CI runs R3's; make test-all PR2's too
         # PR2 with 2 updates per generation batch: Ctrl-C in step 1 waits for the batch's end, step 2
         ("pr2", ["--routing_replay", "pr2", "--num_iterations", "2"], 1),
     ],
@@ -460,7 +459,6 @@ def test_interrupted_then_resumed_run_continues_the_uninterrupted_one(
 
 
 @pytest.mark.slow  # two short recipe runs
-@pytest.mark.ci
 def test_a_stop_at_the_last_step_says_the_run_is_complete_and_a_resume_trains_nothing(
     recipe, tmp_path, capsys, monkeypatch
 ):
@@ -494,7 +492,6 @@ def test_a_stop_at_the_last_step_says_the_run_is_complete_and_a_resume_trains_no
 
 
 @pytest.mark.slow  # a recipe run (~30 s)
-@pytest.mark.ci
 def test_rerun_into_an_output_dir_says_it_starts_over_and_drops_the_old_checkpoints(recipe, tmp_path, capsys):
     run = tmp_path / "run"
     fake_checkpoint(run, 150, max_steps=200)  # an earlier, unfinished run

