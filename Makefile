@@ -18,11 +18,11 @@ OLDEST_BIN := $(VENV_OLDEST)/bin
 # once). The serial tests keep about one core of two busy (engines and launched processes wait on each other), so the
 # other session fills the second core: the sum of the two runs' times, less about a third. Each session has its own
 # temporary directory; the serial session prints as it runs, the other's output follows it. Every run ends with its 20
-# slowest tests. In `make test` (CI) the serial session takes few tests: at the newest end the `ci` ones, at the oldest
-# the real-engine tests of what differs there (marker `oldest_end`: the engine's routes against transformers' top-k,
-# one colocated and one server training run; the trainer-side logic of the others is version-independent and runs in
-# the fast subset). It would end long before the fast subset, so both ends give the other session $(WORKERS_CI)
-# workers.
+# slowest tests. In `make test` (CI) the serial session takes few tests: at the newest end the `ci` ones and those not
+# `slow`, at the oldest only the real-engine tests of what differs there (marker `oldest_end`: the engine's routes
+# against transformers' top-k, one colocated and one server training run; the trainer-side logic of the others, and a
+# two-process launch, are version-independent, and the fast subset runs the former there). It would end long before
+# the fast subset, so both ends give the other session $(WORKERS_CI) workers.
 WORKERS ?= 1
 WORKERS_CI ?= 2
 PYTEST := -m pytest -q --durations=20 -p no:cacheprovider
@@ -93,7 +93,7 @@ test-newest-all: setup setup-vllm-cpu
 	$(call split_run,$(BIN)/python,not serial,serial)
 
 test-oldest: setup-oldest
-	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and (not slow or oldest_end),$(WORKERS_CI))
+	$(call split_run,$(OLDEST_BIN)/python,not slow and not serial,serial and oldest_end,$(WORKERS_CI))
 
 test-fast: setup
 	$(call split_run,$(BIN)/python,not slow and not serial,serial and not slow)

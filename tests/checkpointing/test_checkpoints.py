@@ -547,7 +547,6 @@ def saved_once(lines: list[str], run) -> str:
 
 
 @pytest.mark.slow  # the recipe as `make demo` runs it, stopped with a real Ctrl-C (~1 min)
-@pytest.mark.ci
 def test_ctrl_c_saves_and_prints_the_resume_command(tmp_path):
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     command = [

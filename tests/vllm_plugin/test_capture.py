@@ -450,15 +450,9 @@ def test_weight_reload_from_a_saved_checkpoint(engine, tmp_path):
 
 @pytest.mark.slow  # a real vLLM engine in a subprocess
 @pytest.mark.serial
-@pytest.mark.parametrize(
-    "family",
-    # the oldest end runs mixtral's; qwen3_moe's colocated routes and syncs are its colocated R3 run's there
-    # (tests/cross_cutting/test_vllm_engine.py)
-    [
-        pytest.param(name, marks=pytest.mark.oldest_end) if name == "mixtral" else name
-        for name in sorted(ENGINE_FAMILIES)
-    ],
-)
+# make test-all runs it (not oldest_end: at the oldest end qwen3_moe's colocated routes and syncs are its colocated R3
+# run's, tests/cross_cutting/test_vllm_engine.py, and every family's synced weight names are tests/weight_sync's)
+@pytest.mark.parametrize("family", sorted(ENGINE_FAMILIES))
 def test_colocated_engine_routes_and_weight_sync(family, tmp_path):
     """TRL's colocate setting (external_launcher, engine in the training process), in a subprocess of its own."""
     import socket
