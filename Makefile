@@ -2,11 +2,12 @@
 # everyday subset: everything but the tests marked `slow` (recipes, torchrun/accelerate launches, real vLLM engines).
 # `make test` (what CI runs, in about half an hour on 2 cores) proves both ends of the declared dependency ranges:
 # `test-newest` runs the fast subset and the slow tests marked `ci` in $(VENV) (the newest release inside every
-# range): one of each kind of slow test, the main job's learning over seeds, a real engine colocated, a server and the
-# async trainer, a DeepSpeed and an expert-parallel launch, a kill and resume; `test-oldest` runs the fast subset
-# (golden and family tests included) and the real-engine R3 tests in $(VENV_OLDEST), built from constraints/oldest.txt
-# (the lowest version of every range). `make test-all` runs every test at the newest end (`test-newest-all`, about an
-# hour) and then `test-oldest`: before each submission and release (docs/maintaining.md).
+# range): one of each kind of slow test, the main job's learning (judged by the promise measured over seeds), a real
+# engine colocated, a server and the async trainer, a DeepSpeed and an expert-parallel launch, a kill and resume;
+# `test-oldest` runs the fast subset (golden and family tests included) and the real-engine R3 tests in
+# $(VENV_OLDEST), built from constraints/oldest.txt (the lowest version of every range). `make test-all` runs every
+# test at the newest end (`test-newest-all`, about an hour) and then `test-oldest`: before each submission and release
+# (docs/maintaining.md).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

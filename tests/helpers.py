@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from trl_moe_replay.testing import TINY_VOCAB_SIZE
@@ -151,3 +152,8 @@ def module_hooks(model: torch.nn.Module) -> dict[tuple[str, str, str], int]:
 def hooks_of_ours(model: torch.nn.Module) -> int:
     """How many forward hooks and pre-hooks on ``model`` this package defined."""
     return sum(count for (_, _, owner), count in module_hooks(model).items() if owner.startswith("trl_moe_replay"))
+
+
+def ci_params(values, in_ci) -> list:
+    """``values`` as pytest parameters, those in ``in_ci`` marked ``ci`` (the slow tests `make test` runs)."""
+    return [pytest.param(value, marks=pytest.mark.ci) if value in in_ci else value for value in values]

@@ -46,8 +46,8 @@ STALE_MISMATCH_FLOOR = 0.2
 # the trainer, which moves that token by an expert's output: 0.088 in an earlier session's run and 0.128 at the 6th
 # sync of CI's run for stop 59, the two syncs above 0.05 on record (of about 60). So the bound holds for most syncs of
 # a run, not for each: at a per-sync rate of 0.07 (twice the seen) a run of 6 syncs fails with probability 3e-4 (4 or
-# more above), one of 3 syncs 0.014 (2 or more). A sync that did not arrive is caught on its own: the trainer raises WeightSyncNotDeliveredError
-# (tests/weight_sync).
+# more above), one of 3 syncs 0.014 (2 or more). A sync that did not arrive is caught on its own: the trainer raises
+# WeightSyncNotDeliveredError (tests/weight_sync).
 SYNC_ROUNDING_BOUND = 0.05
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import load_script
+from tests.helpers import ci_params, load_script
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,9 +209,7 @@ def test_docs_quote_both_demos():
 
 @pytest.mark.slow  # runs the demo (a cold start and 300 GRPO steps: ~2-4 min on 2 shared cores; the tool demo ~8 min)
 # CI runs the main job (make demo), make test-all the tool demo too (~5 min)
-@pytest.mark.parametrize(
-    "demo", [pytest.param(demo, marks=pytest.mark.ci) if demo == "math" else demo for demo in DEMOS]
-)
+@pytest.mark.parametrize("demo", ci_params(DEMOS, {"math"}))
 def test_demo_prints_the_quoted_lines_and_its_reward_rises(demo, demo_output):
     printed, state = demo_output(demo)
     forms = {line_form(line) for line in printed if QUOTED.match(line)}

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_moe_replay.pr2.state import PREDICTORS_FILE
 
-from tests.helpers import CPU_ONLY_ENV
+from tests.helpers import CPU_ONLY_ENV, ci_params
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two processes per launch (accelerate's default port)
@@ -28,13 +28,6 @@ SCRIPT = ROOT / "tests" / "scripts" / "sharded_run.py"
 CONFIGS = {engine: ROOT / "recipes" / "accelerate" / f"{engine}.yaml" for engine in ("ddp", "zero2", "zero3", "fsdp2")}
 SHARDED = ["zero2", "zero3", "fsdp2"]
 IN_CI = {"zero3"}  # the launch CI (make test) runs; make test-all runs every engine and the comparisons with DDP
-
-
-def engines(*names):
-    """``names`` as parameters, those in ``IN_CI`` marked ``ci``."""
-    return [pytest.param(name, marks=pytest.mark.ci) if name in IN_CI else name for name in names]
-
-
 STEPS = {"none": 2, "r2": 2, "r3": 3, "pr2": 3, "threshold": 2}  # optimizer steps per run in sharded_run.py
 
 
@@ -94,7 +87,7 @@ def close(a: list[float], b: list[float], tol: float = 1e-6) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=tol) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
+@pytest.mark.parametrize("engine", ci_params(["ddp", *SHARDED], IN_CI))
 def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
     for rank in runs(engine):
         r3, storage = rank["r3"], rank["pr2"]["storage"]
@@ -122,7 +115,7 @@ def test_engine_is_what_the_config_says_and_really_shards(runs, engine):
             assert storage["wrapper"] == "DistributedDataParallel"
 
 
-@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
+@pytest.mark.parametrize("engine", ci_params(["ddp", *SHARDED], IN_CI))
 def test_the_experts_used_are_the_replayed_routes(runs, engine):
     for rank in runs(engine):
         assert rank["none"]["routes"]["calls"] == 0  # nothing replayed, nothing checked
@@ -151,7 +144,7 @@ def test_losses_and_predictors_equal_ddp(runs, engine):
     assert ranks[0]["pr2"]["predictors_after_step"] == ranks[1]["pr2"]["predictors_after_step"]
 
 
-@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
+@pytest.mark.parametrize("engine", ci_params(["ddp", *SHARDED], IN_CI))
 def test_every_engine_logs_what_its_optimizer_steps_changed(runs, engine):
     """precision/updated_frac under every layout: DeepSpeed's fp32 masters read per shard around ZeRO's own step
     (trl_moe_replay/core/precision.py, MasterUpdateProbe), FSDP2's DTensor shards, DDP's whole parameters; the counts
@@ -164,7 +157,7 @@ def test_every_engine_logs_what_its_optimizer_steps_changed(runs, engine):
     assert ranks[0]["none"]["updated_frac"] == []  # routing_replay="none" logs TRL's keys only
 
 
-@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
+@pytest.mark.parametrize("engine", ci_params(["ddp", *SHARDED], IN_CI))
 def test_pr2_checkpoint_resume_and_save_model(runs, engine):
     ranks = runs(engine)
     for rank in ranks:
@@ -182,7 +175,7 @@ def test_pr2_checkpoint_resume_and_save_model(runs, engine):
     assert model.model.layers[0].mlp.gate.weight.shape == (16, 64)
 
 
-@pytest.mark.parametrize("engine", engines("ddp", *SHARDED))
+@pytest.mark.parametrize("engine", ci_params(["ddp", *SHARDED], IN_CI))
 def test_threshold_replay_trains_and_logs_its_replace_rate(runs, engine):
     """R3 at replay_score_threshold=1: the experts modules ran the replayed experts the router kept and, in place of
     each rejected one, one the replay counted (the refill never brings a rejected expert back: it ranks below the
